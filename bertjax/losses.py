@@ -1,0 +1,79 @@
+"""Pre-training losses and accuracies as pure functions returning (sum, denominator).
+
+Sums are divided only after they are summed over the global batch, because the number of real
+masked tokens differs between rows and hosts. Everything is computed in float32. The label logit
+is picked with a one-hot product rather than a gather, so logits sharded over the vocabulary axis
+need only reductions (logsumexp, sum, max) that XLA partitions without gathering the vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+Metric = tuple[jax.Array, jax.Array]  # (sum, denominator)
+
+
+def weighted_cross_entropy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
+  """Sum of -log p(label) weighted by `weights`, and the sum of the weights."""
+  logits_BxMxV = logits_BxMxV.astype(jnp.float32)
+  weights_BxM = (jnp.ones(labels_BxM.shape, jnp.float32) if weights_BxM is None
+                 else weights_BxM.astype(jnp.float32))
+  log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
+  one_hot_BxMxV = jax.nn.one_hot(labels_BxM, logits_BxMxV.shape[-1], dtype=jnp.float32)
+  label_logit_BxM = jnp.sum(logits_BxMxV * one_hot_BxMxV, axis=-1)
+  nll_BxM = log_z_BxM - label_logit_BxM
+  return jnp.sum(nll_BxM * weights_BxM), jnp.sum(weights_BxM)
+
+
+def weighted_accuracy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
+  """Weighted count of argmax == label, and the sum of the weights."""
+  weights_BxM = (jnp.ones(labels_BxM.shape, jnp.float32) if weights_BxM is None
+                 else weights_BxM.astype(jnp.float32))
+  correct_BxM = (jnp.argmax(logits_BxMxV, axis=-1) == labels_BxM).astype(jnp.float32)
+  return jnp.sum(correct_BxM * weights_BxM), jnp.sum(weights_BxM)
+
+
+def mlm_loss(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM) -> Metric:
+  return weighted_cross_entropy(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM)
+
+
+def mlm_accuracy(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM) -> Metric:
+  return weighted_accuracy(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM)
+
+
+def nsp_loss(nsp_logits_Bx2, next_sentence_labels_B) -> Metric:
+  return weighted_cross_entropy(nsp_logits_Bx2, jnp.reshape(next_sentence_labels_B, (-1,)))
+
+
+def nsp_accuracy(nsp_logits_Bx2, next_sentence_labels_B) -> Metric:
+  return weighted_accuracy(nsp_logits_Bx2, jnp.reshape(next_sentence_labels_B, (-1,)))
+
+
+def pretraining_metrics(mlm_logits_BxMxV, nsp_logits_Bx2,
+                        batch: Mapping[str, jax.Array]) -> dict[str, Metric]:
+  """All pre-training metrics of a batch (original feature names) as (sum, denominator)."""
+  metrics = {
+      "mlm_loss": mlm_loss(mlm_logits_BxMxV, batch["masked_lm_ids"], batch["masked_lm_weights"]),
+      "mlm_accuracy": mlm_accuracy(mlm_logits_BxMxV, batch["masked_lm_ids"],
+                                   batch["masked_lm_weights"]),
+  }
+  if nsp_logits_Bx2 is not None and "next_sentence_labels" in batch:
+    metrics["nsp_loss"] = nsp_loss(nsp_logits_Bx2, batch["next_sentence_labels"])
+    metrics["nsp_accuracy"] = nsp_accuracy(nsp_logits_Bx2, batch["next_sentence_labels"])
+  return metrics
+
+
+def total_loss(metrics: Mapping[str, Metric]) -> jax.Array:
+  """The objective: mean MLM loss over real predictions + mean NSP loss, as the original.
+
+  The 1e-5 keeps a batch without a single masked token finite, as the original's denominator.
+  """
+  loss_sum, loss_den = metrics["mlm_loss"]
+  loss = loss_sum / (loss_den + 1e-5)
+  if "nsp_loss" in metrics:
+    nsp_sum, nsp_den = metrics["nsp_loss"]
+    loss = loss + nsp_sum / (nsp_den + 1e-5)
+  return loss

@@ -1,0 +1,20 @@
+"""BERT-Large as released: 24 layers, hidden 1024, 16 heads, FFN 4096.
+
+Run: python -m bertjax.main --config=configs/bert_large.py --workdir=gs://BUCKET/bert_large
+Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
+pre-training heads. Layers are scanned (one compiled layer: compile time does not grow with depth).
+MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.
+"""
+
+from configs import base
+
+
+def get_config():
+  config = base.get_config()
+  m = config.model
+  m.hidden_size = 1024
+  m.num_layers = 24
+  m.num_heads = 16
+  m.intermediate_size = 4096
+  m.scan_layers = True
+  return config

@@ -1,0 +1,34 @@
+"""bertjax: BERT pre-training (masked LM + next-sentence prediction) in JAX/Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name="bertjax",
+    version="0.1.0",
+    description="Pre-train BERT (MLM + NSP) with JAX/Flax, from a CPU to a Cloud TPU pod.",
+    packages=setuptools.find_packages(include=["bertjax", "bertjax.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.7,<0.11",
+        "flax>=0.11,<0.13",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "tensorflow-cpu>=2.18,<2.22",
+        "tensorflow-datasets>=4.9.7,<5",
+        "sentencepiece>=0.2,<0.3",
+        # The original WordPiece algorithm, implemented and maintained by Hugging Face in Rust.
+        "tokenizers>=0.20,<0.24",
+        "ml_collections>=1.0,<2",
+        "absl-py>=2.1,<3",
+        "numpy>=1.26,<3",
+        "safetensors>=0.4,<0.9",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8,<10",
+            "pytest-xdist>=3.5,<4",
+            # The reference implementation for parity tests: the last release with Flax BERT.
+            "transformers==4.57.*",
+        ],
+    },
+)
