@@ -140,11 +140,33 @@ def layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
                       bias_init=_zeros(("embed",)), name=name)
 
 
-def dense(config: BertConfig, features, names, name: str, axis=-1) -> nn.DenseGeneral:
-  return nn.DenseGeneral(features, axis=axis, dtype=config.compute_dtype,
-                         param_dtype=config.storage_dtype,
-                         kernel_init=_kernel_init(config, names),
-                         bias_init=_zeros(names[len(np.atleast_1d(axis)):]), name=name)
+class Dense(nn.Module):
+  """x @ kernel + bias, contracting `axis` of x with the leading axes of the kernel.
+
+  Written out rather than nn.DenseGeneral because that one initialises a flattened 2-D kernel,
+  whose logical names (one per real axis) then fail the sharding constraint under a mesh.
+  """
+
+  config: BertConfig
+  features: int | tuple[int, ...]
+  names: tuple[str | None, ...]  # logical axis names of the kernel
+  axis: int | tuple[int, ...] = -1
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    features = tuple(np.atleast_1d(self.features).tolist())
+    axes = tuple(a % x.ndim for a in np.atleast_1d(self.axis).tolist())
+    kernel = self.param("kernel", _kernel_init(cfg, self.names),
+                        tuple(x.shape[a] for a in axes) + features, cfg.storage_dtype)
+    bias = self.param("bias", _zeros(self.names[len(axes):]), features, cfg.storage_dtype)
+    y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
+                            ((axes, tuple(range(len(axes)))), ((), ())))
+    return y + bias.astype(cfg.compute_dtype)
+
+
+def dense(config: BertConfig, features, names, name: str, axis=-1) -> Dense:
+  return Dense(config, features, tuple(names), axis, name=name)
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:

@@ -1,0 +1,155 @@
+"""Parity with Hugging Face's BERT (an implementation nobody here wrote) and weight round trips."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import transformers  # the `test` extra pins 4.57, the last release with Flax BERT
+
+from bertjax.convert import hf
+from bertjax.heads import BertForPreTraining
+from bertjax.model import BertConfig, BertModel
+
+HF_CONFIG = dict(vocab_size=101, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                 intermediate_size=80, max_position_embeddings=64, type_vocab_size=2,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, hidden_act="gelu",
+                 layer_norm_eps=1e-12)
+
+
+def _random_state_dict(config: BertConfig, seed=0):
+  """Random weights under Hugging Face's names; scale 0.2 keeps activations in a useful range."""
+  rng = np.random.default_rng(seed)
+  return {name: (rng.normal(size=shape) * 0.2).astype(np.float32)
+          for name, shape in hf._expected_shapes(config).items()}  # pylint: disable=protected-access
+
+
+def _inputs():
+  rng = np.random.default_rng(5)
+  ids = rng.integers(0, 101, (3, 20)).astype(np.int32)
+  mask = np.ones((3, 20), np.int32)
+  mask[1, 14:] = 0
+  mask[2, 5:] = 0
+  seg = np.zeros((3, 20), np.int32)
+  seg[:, 9:] = 1
+  positions = np.array([[1, 4, 9, 19], [0, 2, 13, 7], [1, 2, 3, 4]], np.int32)
+  return ids, mask, seg, positions
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """Hugging Face FlaxBertForPreTraining outputs for random weights given by a state dict."""
+  from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+  hf_config = transformers.BertConfig(**HF_CONFIG)
+  config = hf.config_from_hf(hf_config.to_dict())
+  state_dict = _random_state_dict(config)
+  model = transformers.FlaxBertForPreTraining(hf_config, seed=0)
+  # Hugging Face's own converter from PyTorch names: independent of bertjax's mapping.
+  hf_params = convert_pytorch_state_dict_to_flax(dict(state_dict), model)
+  ids, mask, seg, _ = _inputs()
+  out = model(ids, attention_mask=mask, token_type_ids=seg, params=hf_params,
+              output_hidden_states=True)
+  base = transformers.FlaxBertModel(hf_config, seed=0, add_pooling_layer=True)
+  base_out = base(ids, attention_mask=mask, token_type_ids=seg, params=hf_params["bert"])
+  return dict(config=config, state_dict=state_dict, mlm=np.asarray(out.prediction_logits),
+              nsp=np.asarray(out.seq_relationship_logits),
+              sequence=np.asarray(base_out.last_hidden_state),
+              pooled=np.asarray(base_out.pooler_output))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_outputs_match_hugging_face(reference, scan):
+  config = hf.config_from_hf(HF_CONFIG, scan_layers=scan)
+  params = hf.params_from_hf(reference["state_dict"], config)
+  ids, mask, seg, positions = _inputs()
+  sequence, pooled = BertModel(config).apply({"params": params["bert"]}, ids, mask, seg)
+  mlm, nsp = BertForPreTraining(config).apply({"params": params}, ids, mask, seg, positions)
+  real = mask.astype(bool)  # Hugging Face's outputs at padding queries carry no meaning either
+  np.testing.assert_allclose(np.asarray(sequence)[real], reference["sequence"][real], atol=1e-5)
+  np.testing.assert_allclose(pooled, reference["pooled"], atol=1e-5)
+  ref_mlm = np.take_along_axis(reference["mlm"], positions[..., None], axis=1)
+  np.testing.assert_allclose(mlm, ref_mlm, atol=1e-5)
+  np.testing.assert_allclose(nsp, reference["nsp"], atol=1e-5)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_round_trip_is_exact(reference, scan):
+  config = hf.config_from_hf(HF_CONFIG, scan_layers=scan)
+  state_dict = reference["state_dict"]
+  back = hf.params_to_hf(hf.params_from_hf(state_dict, config), config)
+  assert back.keys() == state_dict.keys()
+  for name, value in state_dict.items():
+    assert back[name].dtype == value.dtype and np.array_equal(back[name], value), name
+
+
+def test_config_round_trip_and_activation_names():
+  config = hf.config_from_hf(HF_CONFIG)
+  assert (config.num_layers, config.num_heads, config.hidden_act) == (3, 4, "gelu")
+  assert hf.config_from_hf(hf.config_to_hf(config)) == config
+  assert hf.config_from_hf({**HF_CONFIG, "hidden_act": "gelu_new"}).hidden_act == "gelu_tanh"
+  with pytest.raises(ValueError, match="hidden_act='relu'"):
+    hf.config_from_hf({**HF_CONFIG, "hidden_act": "relu"})
+  with pytest.raises(ValueError, match="position_embedding_type='relative_key'"):
+    hf.config_from_hf({**HF_CONFIG, "position_embedding_type": "relative_key"})
+
+
+def test_optional_tied_and_legacy_keys_are_accepted(reference):
+  config = reference["config"]
+  sd = dict(reference["state_dict"])
+  sd["cls.predictions.decoder.weight"] = sd["bert.embeddings.word_embeddings.weight"]
+  sd["cls.predictions.decoder.bias"] = sd["cls.predictions.bias"]
+  sd["bert.embeddings.position_ids"] = np.arange(64)[None]
+  sd["bert.embeddings.LayerNorm.gamma"] = sd.pop("bert.embeddings.LayerNorm.weight")
+  params = hf.params_from_hf(sd, config)
+  np.testing.assert_array_equal(params["bert"]["embeddings"]["layer_norm"]["scale"],
+                                reference["state_dict"]["bert.embeddings.LayerNorm.weight"])
+  sd["cls.predictions.decoder.weight"] = sd["cls.predictions.decoder.weight"] + 1
+  with pytest.raises(ValueError, match="cls.predictions.decoder.weight"):
+    hf.params_from_hf(sd, config)
+
+
+def test_bad_state_dict_lists_every_problem(reference):
+  config = reference["config"]
+  sd = dict(reference["state_dict"])
+  del sd["bert.pooler.dense.bias"]
+  del sd["bert.encoder.layer.2.output.dense.weight"]
+  sd["bert.encoder.layer.3.output.dense.weight"] = np.zeros((48, 80), np.float32)
+  sd["cls.seq_relationship.weight"] = np.zeros((3, 48), np.float32)
+  with pytest.raises(ValueError) as err:
+    hf.params_from_hf(sd, config)
+  message = str(err.value)
+  for text in ("missing keys (2)", "bert.pooler.dense.bias",
+               "bert.encoder.layer.2.output.dense.weight", "unexpected keys (1)",
+               "bert.encoder.layer.3.output.dense.weight", "mis-shaped keys (1)",
+               "cls.seq_relationship.weight: (3, 48) (expected (2, 48))"):
+    assert text in message, (text, message)
+  # A checkpoint of another model size is refused, naming the mismatch.
+  other = hf.config_from_hf({**HF_CONFIG, "num_hidden_layers": 2})
+  with pytest.raises(ValueError, match="unexpected keys"):
+    hf.params_from_hf(reference["state_dict"], other)
+
+
+def test_command_line_import_then_export(reference, tmp_path):
+  from safetensors.numpy import load_file, save_file
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text(json.dumps(HF_CONFIG))
+  save_file(reference["state_dict"], str(hf_dir / "model.safetensors"))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  for args in (["import", f"--hf_dir={hf_dir}", f"--output={tmp_path / 'ours'}", "--scan_layers"],
+               ["export", f"--params={tmp_path / 'ours'}", f"--output={tmp_path / 'back'}"]):
+    subprocess.run([sys.executable, "-m", "bertjax.convert.hf", *args], check=True, env=env,
+                   capture_output=True)
+  config, params = hf.load_params(str(tmp_path / "ours"))
+  assert config.scan_layers and config.num_layers == 3
+  assert params["bert"]["encoder"]["layers"]["layer"]["mlp"]["output"]["kernel"].shape == (3, 80,
+                                                                                             48)
+  back = load_file(str(tmp_path / "back" / "model.safetensors"))
+  assert back.keys() == reference["state_dict"].keys()
+  assert all(np.array_equal(back[k], v) for k, v in reference["state_dict"].items())
+  exported = json.loads((tmp_path / "back" / "config.json").read_text())
+  assert hf.config_from_hf(exported) == hf.config_from_hf(HF_CONFIG)
+  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    hf.load_hf_dir(str(tmp_path))

@@ -1,0 +1,140 @@
+"""Heads (no full-vocabulary tensor in pre-training, fine-tuning shapes) and losses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from bertjax import losses
+from bertjax.heads import (BertForPreTraining, BertForSequenceClassification,
+                           BertForSpanExtraction, BertForTokenClassification)
+from bertjax.model import BertConfig
+
+CFG = BertConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
+                 max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _shapes_in_jaxpr(jaxpr):
+  """Shapes of every value a jaxpr computes, sub-jaxprs (scan, remat, pjit) included."""
+  shapes = set()
+  for eqn in jaxpr.eqns:
+    shapes |= {tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars}
+    for value in eqn.params.values():
+      for inner in (value if isinstance(value, (tuple, list)) else (value,)):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          shapes |= _shapes_in_jaxpr(inner)
+  return shapes
+
+
+def test_pretraining_never_builds_full_vocabulary_logits():
+  batch, length, masked = 3, 24, 4
+  ids = jnp.ones((batch, length), jnp.int32)
+  positions = jnp.zeros((batch, masked), jnp.int32)
+  model = BertForPreTraining(CFG)
+  params = model.init(jax.random.key(0), ids, masked_lm_positions=positions)["params"]
+  jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, ids, None, None, positions))(params)
+  shapes = _shapes_in_jaxpr(jaxpr.jaxpr)
+  assert (batch, masked, CFG.vocab_size) in shapes
+  assert not any(len(s) >= 2 and s[-1] == CFG.vocab_size and length in s for s in shapes), shapes
+  # Without positions every position is projected: the same numbers at the masked positions.
+  full_logits, _ = model.apply({"params": params}, ids)
+  assert full_logits.shape == (batch, length, CFG.vocab_size)
+
+
+def test_masked_logits_are_the_full_logits_at_the_masked_positions():
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 97, (2, 16)).astype(np.int32)
+  positions = np.array([[0, 3, 15], [7, 7, 2]], np.int32)
+  model = BertForPreTraining(CFG)
+  params = model.init(jax.random.key(1), ids, masked_lm_positions=positions)["params"]
+  masked, nsp = model.apply({"params": params}, ids, None, None, positions)
+  full, nsp_full = model.apply({"params": params}, ids)
+  np.testing.assert_allclose(masked, np.take_along_axis(np.asarray(full), positions[..., None], 1),
+                             atol=1e-5)
+  np.testing.assert_allclose(nsp, nsp_full)
+  # The decoder is tied: no second [V, D] matrix among the parameters.
+  sizes = [x.size for x in jax.tree_util.tree_leaves(params)]
+  assert sizes.count(CFG.vocab_size * CFG.hidden_size) == 1
+
+
+def test_fine_tuning_heads():
+  ids = jnp.ones((2, 12), jnp.int32)
+  for module, shape in ((BertForSequenceClassification(CFG, 3), [(2, 3)]),
+                        (BertForTokenClassification(CFG, 5), [(2, 12, 5)]),
+                        (BertForSpanExtraction(CFG), [(2, 12), (2, 12)])):
+    variables = module.init(jax.random.key(0), ids)
+    out = module.apply(variables, ids)
+    out = out if isinstance(out, tuple) else (out,)
+    assert [o.shape for o in out] == shape
+    assert all(o.dtype == jnp.float32 for o in out)
+    assert "bert" in variables["params"]
+
+
+def _reference_ce(logits, labels, weights):
+  logits = np.asarray(logits, np.float64)
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  nll = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+  return (nll * weights).sum(), weights.sum()
+
+
+def test_mlm_loss_and_accuracy_against_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(4, 5, 11)).astype(np.float32) * 3
+  labels = rng.integers(0, 11, (4, 5)).astype(np.int32)
+  weights = (rng.random((4, 5)) > 0.3).astype(np.float32)
+  total, den = losses.mlm_loss(logits, labels, weights)
+  ref_total, ref_den = _reference_ce(logits, labels, weights)
+  np.testing.assert_allclose(total, ref_total, rtol=1e-5)
+  assert float(den) == ref_den
+  correct, den = losses.mlm_accuracy(logits, labels, weights)
+  assert float(correct) == float(((logits.argmax(-1) == labels) * weights).sum())
+  # Padding predictions (weight 0) never count, whatever their labels.
+  labels_b = labels.copy()
+  labels_b[weights == 0] = 3
+  np.testing.assert_allclose(losses.mlm_loss(logits, labels_b, weights)[0], total, rtol=1e-6)
+
+
+def test_nsp_metrics_and_total_loss():
+  logits = np.array([[2.0, -1.0], [0.0, 1.0], [0.5, 0.5]], np.float32)
+  labels = np.array([0, 0, 1], np.int32)
+  total, den = losses.nsp_loss(logits, labels)
+  np.testing.assert_allclose(total, _reference_ce(logits, labels, np.ones(3))[0], rtol=1e-6)
+  assert float(den) == 3
+  assert float(losses.nsp_accuracy(logits, labels)[0]) == 1.0  # argmax ties pick index 0
+  batch = {"masked_lm_ids": np.zeros((3, 1), np.int32),
+           "masked_lm_weights": np.ones((3, 1), np.float32), "next_sentence_labels": labels}
+  metrics = losses.pretraining_metrics(np.zeros((3, 1, 4), np.float32), logits, batch)
+  expected = np.log(4) + float(total) / 3
+  np.testing.assert_allclose(losses.total_loss(metrics), expected, rtol=1e-4)
+  # A batch without a single real prediction stays finite.
+  batch["masked_lm_weights"] = np.zeros((3, 1), np.float32)
+  metrics = losses.pretraining_metrics(np.zeros((3, 1, 4), np.float32), logits, batch)
+  assert np.isfinite(losses.total_loss(metrics))
+
+
+def test_losses_are_float32_for_bfloat16_logits():
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 7)), jnp.bfloat16)
+  total, den = losses.mlm_loss(logits, jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3)))
+  assert total.dtype == jnp.float32 and den.dtype == jnp.float32
+  ref = _reference_ce(np.asarray(logits.astype(jnp.float32)), np.zeros((2, 3), np.int64),
+                      np.ones((2, 3)))[0]
+  np.testing.assert_allclose(total, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "tensor"), P("data", None, "tensor")])
+def test_losses_with_vocabulary_sharded_logits(spec):
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(4, 6, 64)).astype(np.float32)
+  labels = rng.integers(0, 64, (4, 6)).astype(np.int32)
+  weights = (rng.random((4, 6)) > 0.2).astype(np.float32)
+  sharded = jax.device_put(logits, NamedSharding(mesh, spec))
+  assert sharded.addressable_shards[0].data.shape[-1] == 16
+  fn = jax.jit(lambda lg, lb, w: (losses.mlm_loss(lg, lb, w), losses.mlm_accuracy(lg, lb, w)))
+  got = fn(sharded, labels, weights)
+  want = fn(logits, labels, weights)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+  np.testing.assert_allclose(got[0][0], _reference_ce(logits, labels, weights)[0], rtol=1e-5)

@@ -1,0 +1,261 @@
+"""Properties of the encoder: sizes, init, padding, packing, scan/remat, dtypes, sharding, errors."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+
+from bertjax.heads import BertForPreTraining
+from bertjax.model import BertConfig, BertModel, attention_with_dropout, positions_from_sequence_ids
+from configs import base
+
+SMALL = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                   max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _inputs(batch=2, length=16, seed=0, vocab=64):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(5, vocab, (batch, length)).astype(np.int32)
+  mask = np.ones((batch, length), np.int32)
+  seg = np.zeros((batch, length), np.int32)
+  seg[:, length // 2:] = 1
+  return ids, mask, seg
+
+
+def _count(tree):
+  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _init(cfg, ids, module_cls=BertModel, **kw):
+  return module_cls(cfg).init(jax.random.key(0), ids, **kw)["params"]
+
+
+@pytest.mark.parametrize("sizes,encoder_count,pretraining_count", [
+    (dict(), 109_482_240, 110_106_428),
+    (dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
+     335_141_888, 336_226_108),
+])
+@pytest.mark.parametrize("scan", [False, True])
+def test_parameter_counts_match_the_release(sizes, encoder_count, pretraining_count, scan):
+  cfg = BertConfig(**sizes, scan_layers=scan)
+  ids = jnp.ones((1, 8), jnp.int32)
+  encoder = jax.eval_shape(lambda: BertModel(cfg).init(jax.random.key(0), ids))
+  full = jax.eval_shape(lambda: BertForPreTraining(cfg).init(
+      jax.random.key(0), ids, masked_lm_positions=jnp.zeros((1, 2), jnp.int32)))
+  assert _count(nn.unbox(encoder["params"])) == encoder_count
+  assert _count(nn.unbox(full["params"])) == pretraining_count
+
+
+def test_initialisation_follows_the_original():
+  cfg = dataclasses.replace(SMALL, hidden_size=256, num_heads=4, intermediate_size=512)
+  params = nn.unbox(_init(cfg, jnp.ones((1, 8), jnp.int32)))
+  flat = {"/".join(p.key for p in path): v
+          for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+  kernel = np.asarray(flat["encoder/layer_0/mlp/intermediate/kernel"])
+  # Truncated at 2 sigma of 0.02: sample stddev 0.02 * 0.8796.
+  assert abs(kernel.std() - 0.02 * 0.8796) < 5e-4
+  assert np.abs(kernel).max() <= 0.04 + 1e-6
+  for name, value in flat.items():
+    if name.endswith("bias"):
+      assert not np.any(value), name
+    if name.endswith("scale"):
+      assert np.all(np.asarray(value) == 1.0), name
+
+
+def test_every_parameter_carries_logical_axis_names():
+  cfg = dataclasses.replace(SMALL, scan_layers=True)
+  variables = BertForPreTraining(cfg).init(jax.random.key(0), jnp.ones((1, 8), jnp.int32),
+                                           masked_lm_positions=jnp.zeros((1, 2), jnp.int32))
+  boxes = jax.tree_util.tree_leaves(variables["params"],
+                                    is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  assert boxes and all(isinstance(b, nn.LogicallyPartitioned) for b in boxes)
+  for box in boxes:
+    assert len(box.names) == box.value.ndim
+  specs = nn.get_partition_spec(variables)["params"]
+  assert specs["bert"]["encoder"]["layers"]["layer"]["mlp"]["intermediate"]["kernel"] == (
+      jax.sharding.PartitionSpec("layers", "embed", "mlp"))
+
+
+def test_padding_does_not_change_real_positions():
+  ids, mask, seg = _inputs(batch=1, length=16)
+  params = _init(SMALL, ids)
+  model = BertModel(SMALL)
+  real = 10
+  mask[:, real:] = 0
+  out_a = model.apply({"params": params}, ids, mask, seg)
+  ids_b = ids.copy()
+  ids_b[:, real:] = np.random.default_rng(7).integers(5, 64, (1, 16 - real))
+  out_b = model.apply({"params": params}, ids_b, mask, seg)
+  np.testing.assert_allclose(out_a[0][:, :real], out_b[0][:, :real], atol=1e-6)
+  np.testing.assert_allclose(out_a[1], out_b[1], atol=1e-6)
+  # Real positions alone (no padding at all) give the same outputs.
+  alone = model.apply({"params": params}, ids[:, :real], mask[:, :real], seg[:, :real])
+  np.testing.assert_allclose(out_a[0][:, :real], alone[0], atol=1e-5)
+
+
+def test_packed_sequences_equal_each_sequence_alone():
+  params = _init(SMALL, jnp.ones((1, 16), jnp.int32))
+  model = BertModel(SMALL)
+  rng = np.random.default_rng(3)
+  a = rng.integers(5, 64, (1, 7)).astype(np.int32)
+  b = rng.integers(5, 64, (1, 6)).astype(np.int32)
+  seg_a = np.array([[0, 0, 0, 0, 1, 1, 1]], np.int32)
+  seg_b = np.array([[0, 0, 0, 1, 1, 1]], np.int32)
+  pad = 3
+  packed_ids = np.concatenate([a, b, np.zeros((1, pad), np.int32)], axis=1)
+  packed_seg = np.concatenate([seg_a, seg_b, np.zeros((1, pad), np.int32)], axis=1)
+  packed_mask = np.concatenate([np.ones((1, 13), np.int32), np.zeros((1, pad), np.int32)], 1)
+  seq_ids = np.array([[1] * 7 + [2] * 6 + [0] * pad], np.int32)
+  packed, _ = model.apply({"params": params}, packed_ids, packed_mask, packed_seg,
+                          sequence_ids=seq_ids)
+  alone_a, _ = model.apply({"params": params}, a, np.ones_like(a), seg_a)
+  alone_b, _ = model.apply({"params": params}, b, np.ones_like(b), seg_b)
+  np.testing.assert_allclose(packed[:, :7], alone_a, atol=1e-5)
+  np.testing.assert_allclose(packed[:, 7:13], alone_b, atol=1e-5)
+
+
+def test_positions_restart_for_each_packed_sequence():
+  ids = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0]])
+  np.testing.assert_array_equal(positions_from_sequence_ids(ids), [[0, 1, 2, 0, 1, 0, 0, 1]])
+
+
+def _loss_fn(cfg, ids, mask, seg, positions):
+  def loss(params):
+    mlm, nsp = BertForPreTraining(cfg).apply({"params": params}, ids, mask, seg, positions)
+    return jnp.sum(mlm ** 2) * 1e-3 + jnp.sum(nsp ** 2)
+  return loss
+
+
+def _stack_layers(params, num_layers):
+  """Unrolled `layer_i` parameters stacked into the scanned layout."""
+  enc = params["bert"]["encoder"]
+  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
+                                   *[enc[f"layer_{i}"] for i in range(num_layers)])
+  out = jax.tree_util.tree_map(lambda x: x, params)
+  out["bert"]["encoder"] = {"layers": {"layer": stacked}}
+  return out
+
+
+@pytest.mark.parametrize("variant", [dict(scan_layers=True), dict(remat_policy="full"),
+                                     dict(remat_policy="dots"),
+                                     dict(scan_layers=True, remat_policy="dots_all")])
+def test_scan_and_remat_compute_the_same_function_and_gradients(variant):
+  ids, mask, seg = _inputs()
+  mask[1, 12:] = 0
+  positions = np.array([[1, 3, 5], [2, 4, 6]], np.int32)
+  plain_params = nn.unbox(_init(SMALL, ids, BertForPreTraining, masked_lm_positions=positions))
+  cfg = dataclasses.replace(SMALL, **variant)
+  params = (_stack_layers(plain_params, SMALL.num_layers) if cfg.scan_layers else plain_params)
+  loss_plain, grads_plain = jax.value_and_grad(_loss_fn(SMALL, ids, mask, seg, positions))(
+      plain_params)
+  loss_var, grads_var = jax.value_and_grad(_loss_fn(cfg, ids, mask, seg, positions))(params)
+  np.testing.assert_allclose(loss_var, loss_plain, rtol=1e-6, atol=1e-6)
+  if cfg.scan_layers:
+    grads_plain = _stack_layers(grads_plain, SMALL.num_layers)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), grads_var, grads_plain)
+
+
+def test_dropout_is_active_in_training_and_seeded():
+  cfg = dataclasses.replace(SMALL, hidden_dropout=0.1, attention_dropout=0.1, scan_layers=True)
+  ids, mask, seg = _inputs()
+  params = _init(cfg, ids)
+  model = BertModel(cfg)
+  eval_out = model.apply({"params": params}, ids, mask, seg)[0]
+  run = lambda seed: model.apply({"params": params}, ids, mask, seg, deterministic=False,
+                                 rngs={"dropout": jax.random.key(seed)})[0]
+  assert not np.allclose(run(0), eval_out, atol=1e-3)
+  np.testing.assert_array_equal(run(0), run(0))
+  assert not np.allclose(run(0), run(1), atol=1e-3)
+
+
+def test_attention_dropout_path_matches_fused_attention_at_rate_zero():
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 4, 16)), jnp.float32) for _ in range(3))
+  mask = jnp.asarray(rng.random((2, 1, 8, 8)) > 0.3) | jnp.eye(8, dtype=bool)
+  ours = attention_with_dropout(q, k, v, mask, 0.0, jax.random.key(0))
+  ref = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+  np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+  ids, mask, seg = _inputs(batch=4, length=32)
+  mask[2, 20:] = 0
+  positions = np.tile(np.arange(0, 32, 4, dtype=np.int32), (4, 1))
+  params = _init(SMALL, ids, BertForPreTraining, masked_lm_positions=positions)
+  bf16 = dataclasses.replace(SMALL, dtype="bfloat16")
+  mlm32, nsp32 = BertForPreTraining(SMALL).apply({"params": params}, ids, mask, seg, positions)
+  mlm16, nsp16 = BertForPreTraining(bf16).apply({"params": params}, ids, mask, seg, positions)
+  assert mlm16.dtype == jnp.float32 and nsp16.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(mlm16 - mlm32))) < 2e-2
+  assert float(jnp.max(jnp.abs(nsp16 - nsp32))) < 2e-2
+  seq16, _ = BertModel(bf16).apply({"params": params["bert"]}, ids, mask, seg)
+  assert seq16.dtype == jnp.bfloat16
+
+
+def test_sharded_forward_equals_single_device():
+  devices = np.array(jax.devices()[:8]).reshape(1, 4, 2)
+  mesh = Mesh(devices, ("data", "fsdp", "tensor"))
+  rules = base.get_config().mesh.logical_axis_rules
+  ids, mask, seg = _inputs(batch=8, length=16)
+  positions = np.tile(np.array([1, 5, 9, 13], np.int32), (8, 1))
+  cfg = dataclasses.replace(SMALL, scan_layers=True)
+  model = BertForPreTraining(cfg)
+  variables = model.init(jax.random.key(0), ids, masked_lm_positions=positions)
+  params = nn.unbox(variables["params"])
+  expected = model.apply({"params": params}, ids, mask, seg, positions)
+  specs = nn.get_partition_spec(variables)["params"]
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+  sharded_params = jax.device_put(params, shardings)
+  kernel = sharded_params["bert"]["encoder"]["layers"]["layer"]["mlp"]["intermediate"]["kernel"]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape == (
+      2, 8, 32)
+  batch_sharding = NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+
+  @jax.jit
+  def forward(p, i, m, s, pos):
+    with nn.logical_axis_rules(rules):
+      return model.apply({"params": p}, i, m, s, pos)
+
+  with jax.set_mesh(mesh):
+    got = forward(sharded_params, *(jax.device_put(x, batch_sharding)
+                                    for x in (ids, mask, seg, positions)))
+  np.testing.assert_allclose(got[0], expected[0], atol=1e-5)
+  np.testing.assert_allclose(got[1], expected[1], atol=1e-5)
+
+
+def test_config_errors_name_the_problem():
+  with pytest.raises(ValueError, match="hidden_size=100 is not divisible by num_heads=12"):
+    BertConfig(hidden_size=100)
+  with pytest.raises(ValueError, match="hidden_act='relu'"):
+    BertConfig(hidden_act="relu")
+  with pytest.raises(ValueError, match="remat_policy='some'"):
+    BertConfig(remat_policy="some")
+  with pytest.raises(ValueError, match=r"Unknown BertConfig keys \['hiden_size'\]"):
+    BertConfig.from_dict({"hiden_size": 768})
+  with pytest.raises(ValueError, match="attention_dropout=0.0"):
+    BertConfig(attention_impl="cudnn", attention_dropout=0.1)
+
+
+def test_sequence_longer_than_position_table_is_refused():
+  with pytest.raises(ValueError, match="Sequence length 80 exceeds max_position_embeddings=64"):
+    _init(SMALL, jnp.ones((1, 80), jnp.int32))
+
+
+def test_config_files_only_override_and_are_locked():
+  from configs import bert_base, bert_large, tiny  # pylint: disable=import-outside-toplevel
+  for module, layers, hidden in ((bert_base, 12, 768), (bert_large, 24, 1024), (tiny, 2, 128)):
+    config = module.get_config()
+    assert set(config.keys()) == set(base.get_config().keys())
+    cfg = BertConfig.from_dict(config.model)
+    assert (cfg.num_layers, cfg.hidden_size) == (layers, hidden)
+    assert module.__doc__ and "python -m bertjax.main" in module.__doc__
+  locked = base.get_config()
+  locked.lock()
+  with pytest.raises(AttributeError, match="hiden_size"):
+    locked.model.hiden_size = 3
