@@ -1,0 +1,249 @@
+"""Per-host tf.data input: prepared shards -> shuffled, masked, fixed-shape numpy batches.
+
+Order is a pure function of (seed, epoch): shards are permuted every epoch and sequences are
+permuted within windows of `shuffle_window` by stateless random ops; masks are hashes of (seed,
+epoch, sequence id, position). So a pipeline started at step N yields exactly what an uninterrupted
+one yields from its N-th batch on, and reaches step N by skipping whole files, not by replaying.
+
+Host sharding: with at least as many shard files as processes, each process reads its own files
+(`shards[p::P]` of that epoch's permutation; every host stops at the shortest host's step count,
+so a few sequences per epoch may wait for a later epoch). With fewer files than processes, every
+process reads the whole stream and keeps its rows of each global batch (complete, but each host
+reads everything).
+"""
+
+import dataclasses
+import functools
+import logging
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from bertjax.data import masking, prepare
+from bertjax.data import tokenizer as tokenizer_lib
+
+FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
+            "masked_lm_weights", "next_sentence_labels")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+  """What one host reads in one epoch."""
+  files: tuple  # paths, in reading order
+  bases: tuple  # global id of each file's first record (ids are fixed across epochs)
+  counts: tuple  # records per file
+  steps: int  # batches this epoch (equal on every host)
+  rows_mode: bool  # True: read everything, keep this host's rows of each global batch
+
+
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch, 0x5EED]).permutation(n)
+
+
+def epoch_plan(manifest: dict, split: str, *, epoch: int, seed: int, shuffle: bool,
+               global_batch_size: int, process_index: int, process_count: int) -> EpochPlan:
+  sp = manifest["splits"][split]
+  files = [os.path.join(manifest["dir"], f) for f in sp["files"]]
+  counts = list(sp["counts"])
+  bases = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+  order = _permutation(len(files), seed, epoch) if shuffle else np.arange(len(files))
+  host_batch = global_batch_size // process_count
+  if len(files) >= process_count:
+    per_host = [order[p::process_count] for p in range(process_count)]
+    steps = min(sum(counts[i] for i in h) for h in per_host) // host_batch
+    mine = per_host[process_index]
+    rows_mode = False
+  else:
+    steps = sum(counts) // global_batch_size
+    mine = order
+    rows_mode = True
+  return EpochPlan(tuple(files[i] for i in mine), tuple(bases[i] for i in mine),
+                   tuple(counts[i] for i in mine), steps, rows_mode)
+
+
+def _windows(plan: EpochPlan, skip: int, *, window: int, shuffle: bool, seed: int,
+             epoch: int) -> tf.data.Dataset:
+  """Blocks of (global ids, serialized examples): each file cut into windows of `window` records,
+  permuted within each window when shuffling; the first `skip` records of the stream left out.
+
+  Whole blocks, not single records, flow through tf.data: per-record dataset ops would cost more
+  than parsing and masking together.
+  """
+  files, bases, starts, drops = [], [], [], []
+  for f, b, c in zip(plan.files, plan.bases, plan.counts):
+    if skip >= c:
+      skip -= c
+      continue
+    # Windows are aligned to the file's start, so a restart skips whole windows unread and
+    # drops the rest of the offset from the first window after permuting it.
+    files.append(f)
+    bases.append(b)
+    starts.append(skip // window * window)
+    drops.append(skip % window)
+    skip = 0
+  if not files:
+    return tf.data.Dataset.from_tensor_slices((tf.zeros([0, 0], tf.int64), tf.zeros([0, 0], tf.string)))
+  epoch_seed = tf.constant(seed * 1_000_003 + epoch, tf.int64)
+
+  def read(path, base, start, drop):
+    def block(w, recs):
+      ids = base + start + w * window + tf.range(tf.shape(recs, out_type=tf.int64)[0])
+      if shuffle:
+        # Keyed by the record id of the window's start: the same permutation after a restart.
+        perm = tf.random.experimental.stateless_shuffle(
+            tf.range(tf.shape(ids)[0]), seed=tf.stack([epoch_seed, ids[0]]))
+        ids, recs = tf.gather(ids, perm), tf.gather(recs, perm)
+      cut = tf.where(w == 0, drop, 0)
+      return ids[cut:], recs[cut:]
+    ds = tf.data.TFRecordDataset(path, buffer_size=1 << 20).skip(start).batch(window)
+    return ds.enumerate().map(block)
+
+  return tf.data.Dataset.from_tensor_slices(
+      (tf.constant(files), tf.constant(bases, tf.int64), tf.constant(starts, tf.int64),
+       tf.constant(drops, tf.int64))).flat_map(read)
+
+
+def _epoch_dataset(plan: EpochPlan, *, epoch: int, skip_steps: int, seed: int, shuffle: bool,
+                   window: int, host_batch: int, process_index: int, process_count: int,
+                   parse_and_mask) -> tf.data.Dataset:
+  per_step = host_batch * process_count if plan.rows_mode else host_batch
+  ds = _windows(plan, skip_steps * per_step, window=window, shuffle=shuffle, seed=seed, epoch=epoch)
+  ds = ds.rebatch(host_batch, drop_remainder=True)
+  if plan.rows_mode:
+    ds = ds.shard(process_count, process_index)
+  ds = ds.take(plan.steps - skip_steps)
+  ds = ds.map(lambda ids, recs: parse_and_mask(ids, recs, tf.constant(epoch, tf.int64)),
+              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  return ds
+
+
+class Pipeline:
+  """Iterator of host-local batches (dicts of numpy arrays); infinite for train, one pass for eval."""
+
+  def __init__(self, data_config, *, split: str, global_batch_size: int, process_index: int = 0,
+               process_count: int = 1, seed: int = 0, start_step: int = 0, manifest=None,
+               include_example_ids: bool = False):
+    if split not in prepare.SPLITS:
+      raise ValueError(f"split must be one of {prepare.SPLITS}, got {split!r}.")
+    if process_count < 1 or not 0 <= process_index < process_count:
+      raise ValueError(f"process_index {process_index} is not within process_count {process_count}.")
+    if global_batch_size <= 0 or global_batch_size % process_count:
+      raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
+                       f"process_count {process_count}.")
+    if start_step < 0:
+      raise ValueError(f"start_step must be >= 0, got {start_step}.")
+    tok = tokenizer_lib.load_tokenizer(data_config)
+    # Shard sizes were checked by ensure_prepared; damage found while reading is reported then.
+    self.manifest = manifest or prepare.load_manifest(data_config, tok, check_files=False)
+    self.split, self.seed, self.start_step = split, seed, start_step
+    self.shuffle = split == "train"
+    self.global_batch_size, self.host_batch = global_batch_size, global_batch_size // process_count
+    self.process_index, self.process_count = process_index, process_count
+    self.window = data_config.shuffle_window
+    self.prefetch = data_config.prefetch_batches
+    self.L = data_config.max_seq_length
+    spec = masking.spec_from_tokenizer(tok, data_config)
+    self._parse_and_mask = _make_parse_and_mask(spec, self.L, seed, include_example_ids,
+                                                self.manifest["settings"]["id_dtype"])
+    n = self.manifest["splits"][split]["instances"]
+    first = self.plan(0)
+    if first.steps == 0:
+      raise ValueError(f"The {split} split holds {n} sequence(s) in "
+                       f"{len(self.manifest['splits'][split]['files'])} shard(s): not one batch of "
+                       f"{self.host_batch} per host x {process_count} host(s). Use a smaller batch, "
+                       f"more data or (for eval) a larger eval_fraction.")
+    self.steps_per_epoch = first.steps
+    dropped = n - first.steps * global_batch_size
+    if dropped and process_index == 0:
+      logging.info("%s: %d of %d sequences do not fill the last global batch of epoch 0 (or the "
+                   "shortest host's files); later epochs reorder, so they are seen then.",
+                   split, dropped, n)
+    self._iter = self._batches()
+
+  def plan(self, epoch: int) -> EpochPlan:
+    return epoch_plan(self.manifest, self.split, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                      global_batch_size=self.global_batch_size, process_index=self.process_index,
+                      process_count=self.process_count)
+
+  def _batches(self):
+    epoch, skip = 0, self.start_step
+    while True:
+      plan = self.plan(epoch)
+      if skip < plan.steps:
+        break
+      if not self.shuffle:
+        return  # eval is one pass: a start beyond it yields nothing
+      skip -= plan.steps
+      epoch += 1
+    empty_epochs = 0
+    while True:
+      # A host can draw only empty shards in some epoch; never in 100 running means no data at all.
+      empty_epochs = empty_epochs + 1 if plan.steps == 0 else 0
+      if empty_epochs > 100:
+        raise ValueError(f"{empty_epochs} epochs in a row without a full batch of "
+                         f"{self.host_batch} on host {self.process_index}: the shards are too "
+                         f"uneven for {self.process_count} hosts; prepare with fewer shards.")
+      ds = _epoch_dataset(plan, epoch=epoch, skip_steps=skip, seed=self.seed, shuffle=self.shuffle,
+                          window=self.window, host_batch=self.host_batch,
+                          process_index=self.process_index, process_count=self.process_count,
+                          parse_and_mask=self._parse_and_mask).prefetch(self.prefetch)
+      try:
+        yield from ds.as_numpy_iterator()
+      except tf.errors.DataLossError as e:
+        raise ValueError(f"A {self.split} shard in {self.manifest['dir']} is corrupt or truncated "
+                         f"({e.message.splitlines()[0]}). Delete it, its .json and manifest.json, "
+                         f"then prepare again (only that shard is redone).") from None
+      if not self.shuffle:
+        return
+      epoch, skip = epoch + 1, 0
+      plan = self.plan(epoch)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    return next(self._iter)
+
+
+@functools.lru_cache(maxsize=8)  # pipelines of the same settings share one traced function
+def _make_parse_and_mask(spec: masking.MaskingSpec, L: int, seed: int, include_ids: bool,
+                         id_dtype: str):
+  raw_dtype = tf.uint16 if id_dtype == "uint16" else tf.int32
+  schema = {"input_ids": tf.io.FixedLenFeature([], tf.string),
+            "num_a": tf.io.FixedLenFeature([], tf.int64),
+            "next_sentence_labels": tf.io.FixedLenFeature([], tf.int64)}
+
+  # Traced once (fixed signature) and called from every epoch's dataset; tracing the masking graph
+  # anew per epoch would cost about a second each time.
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.string),
+                                tf.TensorSpec([], tf.int64)])
+  def parse_and_mask(ids_B, records_B, epoch):
+    ex = tf.io.parse_example(records_B, schema)
+    # Shorter sequences are zero-filled, and zero is [PAD]: padding comes for free.
+    input_ids_BxL = tf.cast(tf.io.decode_raw(ex["input_ids"], raw_dtype, little_endian=True,
+                                             fixed_length=L * raw_dtype.size), tf.int32)
+    pos_1xL = tf.range(L, dtype=tf.int32)[None, :]
+    input_mask_BxL = tf.cast(input_ids_BxL != 0, tf.int32)
+    segment_ids_BxL = tf.cast(pos_1xL >= tf.cast(ex["num_a"], tf.int32)[:, None],
+                              tf.int32) * input_mask_BxL
+    masked_BxL, positions_BxM, labels_BxM, weights_BxM = masking.mask_batch(
+        input_ids_BxL, input_mask_BxL, ids_B, seed=seed, epoch=epoch, spec=spec)
+    out = {"input_ids": masked_BxL, "input_mask": input_mask_BxL,
+           "segment_ids": segment_ids_BxL, "masked_lm_positions": positions_BxM,
+           "masked_lm_ids": labels_BxM, "masked_lm_weights": weights_BxM,
+           "next_sentence_labels": tf.cast(ex["next_sentence_labels"], tf.int32)}
+    if include_ids:  # which prepared sequence each row is (tests, debugging)
+      out["example_ids"] = ids_B
+    return out
+
+  return parse_and_mask
+
+
+def make_pipeline(data_config, *, split: str, global_batch_size: int, process_index: int = 0,
+                  process_count: int = 1, seed: int = 0, start_step: int = 0,
+                  include_example_ids: bool = False) -> Pipeline:
+  """This host's slice of each global batch, from batch `start_step` on (see the module doc)."""
+  return Pipeline(data_config, split=split, global_batch_size=global_batch_size,
+                  process_index=process_index, process_count=process_count, seed=seed,
+                  start_step=start_step, include_example_ids=include_example_ids)

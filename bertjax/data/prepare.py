@@ -1,0 +1,374 @@
+"""Offline preparation: a corpus source -> sharded TFRecords of unmasked instances + a manifest.
+
+  python -m bertjax.data.prepare --config=configs/base.py --config.data.source='texts/*.txt'
+
+Stage 1 streams documents once, holds out a hash-chosen fraction for evaluation and deals the rest
+round-robin into raw text shards. Stage 2 tokenizes each raw shard and builds its instances in
+parallel processes (one task per shard, each with its own seed, so the output does not depend on the
+number of processes). Every finished shard gets a `.json` beside it; a rerun skips those, so an
+interrupted preparation resumes. The manifest (written last) records counts, repairs, the settings
+and the tokenizer fingerprint; `load_manifest` refuses shards made with another tokenizer.
+"""
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from bertjax.data import corpus, instances
+from bertjax.data import tokenizer as tokenizer_lib
+
+# 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
+# int64 list: three times faster to write and parsed without ragged tensors.
+FORMAT_VERSION = 2
+SPLITS = ("train", "eval")
+# Settings that change the prepared instances; a manifest made with other values is not reused.
+_SETTING_KEYS = ("source", "tfds_split", "max_seq_length", "nsp", "short_seq_prob", "dupe_factor",
+                 "eval_dupe_factor", "eval_fraction", "num_shards", "num_eval_shards",
+                 "prepare_seed")
+
+
+def _gfile():
+  import tensorflow as tf
+  return tf.io.gfile
+
+
+def id_dtype(vocab_size: int) -> str:
+  return "uint16" if vocab_size <= 1 << 16 else "int32"
+
+
+def settings_of(data_config, tok) -> dict:
+  s = {k: data_config[k] for k in _SETTING_KEYS}
+  s["tokenizer_fingerprint"] = tok.fingerprint
+  s["format_version"] = FORMAT_VERSION
+  s["id_dtype"] = id_dtype(tok.vocab_size)
+  return s
+
+
+def prepared_dir(data_config, tok) -> str:
+  """`config.data.prepared_dir`, or a cache folder named by the settings (new settings, new folder)."""
+  if data_config.prepared_dir:
+    return data_config.prepared_dir
+  key = hashlib.sha256(json.dumps(settings_of(data_config, tok), sort_keys=True).encode())
+  slug = re.sub(r"[^A-Za-z0-9]+", "_", data_config.source)[:40].strip("_") or "corpus"
+  return os.path.join(data_config.cache_dir, f"{slug}-L{data_config.max_seq_length}-"
+                      f"{key.hexdigest()[:12]}")
+
+
+def _shard_name(split: str, k: int, n: int) -> str:
+  return f"{split}-{k:05d}-of-{n:05d}"
+
+
+def _num_shards(data_config, split: str) -> int:
+  n = data_config.num_shards if split == "train" else data_config.num_eval_shards
+  if n < 1:
+    raise ValueError(f"{split} shard count must be >= 1, got {n}.")
+  return n
+
+
+def _write_atomic(path: str, data: bytes):
+  gf = _gfile()
+  with gf.GFile(path + ".tmp", "wb") as f:
+    f.write(data)
+  gf.rename(path + ".tmp", path, overwrite=True)
+
+
+def _split_stage(data_config, out_dir: str) -> dict:
+  """Stage 1: documents -> raw/{split}-k.txt.gz; resumable as a whole (`raw/_SUCCESS`)."""
+  gf = _gfile()
+  raw_dir = os.path.join(out_dir, "raw")
+  done_path = os.path.join(raw_dir, "_SUCCESS")
+  if gf.exists(done_path):
+    with gf.GFile(done_path, "r") as f:
+      return json.load(f)
+  gf.makedirs(raw_dir)
+  stats = corpus.CorpusStats()
+  counts = {s: 0 for s in SPLITS}
+  paths = {s: [os.path.join(raw_dir, _shard_name(s, k, _num_shards(data_config, s)) + ".txt.gz")
+               for k in range(_num_shards(data_config, s))] for s in SPLITS}
+  # Streamed straight to the raw shards: the corpus is never held in memory.
+  files = {s: [gf.GFile(p + ".tmp", "wb") for p in ps] for s, ps in paths.items()}
+  writers = {s: [gzip.GzipFile(fileobj=f, mode="wb", mtime=0) for f in fs]
+             for s, fs in files.items()}
+  for doc in corpus.read_documents(data_config, stats):
+    split = "eval" if corpus.is_heldout(doc, data_config.eval_fraction) else "train"
+    ws = writers[split]
+    ws[counts[split] % len(ws)].write(("\n".join(doc) + "\n\n").encode("utf-8"))
+    counts[split] += 1
+  for split in SPLITS:
+    for w, f, p in zip(writers[split], files[split], paths[split]):
+      w.close()
+      f.close()
+      gf.rename(p + ".tmp", p, overwrite=True)
+  if counts["train"] + counts["eval"] == 0:
+    raise ValueError(f"Source {data_config.source!r} yielded no document ({stats.files} file(s), "
+                     f"{stats.bytes} bytes): nothing to prepare.")
+  info = {"corpus": stats.__dict__, "documents": counts}
+  _write_atomic(done_path, json.dumps(info).encode())
+  return info
+
+
+_WORKER_TOKENIZER = {}
+
+
+def _tokenizer_in_worker(tok_spec):
+  if tok_spec not in _WORKER_TOKENIZER:
+    vocab_path, kind, lower = tok_spec
+    cfg = {"vocab_path": vocab_path, "tokenizer": kind, "do_lower_case": lower}
+    _WORKER_TOKENIZER[tok_spec] = tokenizer_lib.load_tokenizer(_Attrs(cfg))
+  return _WORKER_TOKENIZER[tok_spec]
+
+
+class _Attrs(dict):
+  __getattr__ = dict.__getitem__
+
+
+def _serialize(tokens, num_a, label, dtype: str) -> bytes:
+  import tensorflow as tf
+  raw = np.asarray(tokens, "<u2" if dtype == "uint16" else "<i4").tobytes()
+  feature = {
+      "input_ids": tf.train.Feature(bytes_list=tf.train.BytesList(value=[raw])),
+      "num_a": tf.train.Feature(int64_list=tf.train.Int64List(value=[num_a])),
+      "next_sentence_labels": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
+  }
+  # deterministic=True sorts the feature map, so equal instances give equal bytes in every process.
+  return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString(
+      deterministic=True)
+
+
+def _read_raw(out_dir: str, name: str) -> list[list[str]]:
+  with _gfile().GFile(os.path.join(out_dir, "raw", name + ".txt.gz"), "rb") as f:
+    text = gzip.decompress(f.read()).decode("utf-8")
+  return [d.split("\n") for d in text.split("\n\n") if d.strip()]
+
+
+def _shard_task(task) -> dict:
+  """Stage 2 for one shard: raw text -> tokenized documents -> instances -> TFRecord + .json."""
+  import tensorflow as tf
+  out_dir, split, k, n, tok_spec, s = task
+  gf = tf.io.gfile
+  name = _shard_name(split, k, n)
+  record_path = os.path.join(out_dir, name + ".tfrecord")
+  t0 = time.time()
+  tok = _tokenizer_in_worker(tok_spec)
+  docs = _read_raw(out_dir, name)
+  num_own = len(docs)
+  if s["nsp"] and num_own == 1:
+    # NotNext needs another document: borrow the next non-empty shard's as a source of B segments.
+    for j in range(1, n):
+      lent = _read_raw(out_dir, _shard_name(split, (k + j) % n, n))
+      if lent:
+        docs += lent
+        break
+    else:
+      raise ValueError(f"The {split} split has a single document; NSP draws NotNext segments "
+                       f"from other documents. Add documents or set nsp=False.")
+  flat = [sent for d in docs for sent in d]
+  ids = tok.encode_batch(flat)
+  token_docs, pos = [], 0
+  for d in docs:
+    token_docs.append(ids[pos:pos + len(d)])
+    pos += len(d)
+  stats = instances.InstanceStats()
+  # One seed per (split, shard): deterministic whatever the number of processes.
+  rng = random.Random(f"{s['prepare_seed']}/{split}/{k}")
+  dupe = s["dupe_factor"] if split == "train" else s["eval_dupe_factor"]
+  insts = instances.create_instances(
+      token_docs, max_seq_length=s["max_seq_length"], nsp=s["nsp"],
+      short_seq_prob=s["short_seq_prob"], dupe_factor=dupe, cls_id=tok.cls_id, sep_id=tok.sep_id,
+      rng=rng, stats=stats, num_own=num_own)
+  own_sentences = sum(len(d) for d in docs[:num_own])
+  text_bytes = sum(len(x.encode()) + 1 for d in docs[:num_own] for x in d)
+  with tf.io.TFRecordWriter(record_path + ".tmp") as w:
+    for inst in insts:
+      w.write(_serialize(*inst, s["id_dtype"]))
+  gf.rename(record_path + ".tmp", record_path, overwrite=True)
+  info = {"file": name + ".tfrecord", "bytes": gf.stat(record_path).length,
+          "documents": num_own, "sentences": own_sentences, "text_bytes": text_bytes,
+          "unk_tokens": sum(x.count(tok.unk_id) for x in ids[:own_sentences]),
+          "seconds": time.time() - t0,
+          **stats.__dict__}
+  _write_atomic(os.path.join(out_dir, name + ".json"), json.dumps(info).encode())
+  return info
+
+
+def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
+  """Fresh interpreters, not multiprocessing: forking a process holding TensorFlow can deadlock,
+  and spawn re-imports the caller's main script (which may have no __main__ guard)."""
+  import bertjax
+  env = dict(os.environ)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(bertjax.__file__)))
+  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  env["CUDA_VISIBLE_DEVICES"] = ""
+  procs = []
+  for w in range(num_processes):
+    mine = tasks[w::num_processes]
+    p = subprocess.Popen([sys.executable, "-c", "from bertjax.data import prepare; prepare._worker()"],
+                         stdin=subprocess.PIPE, env=env)
+    p.stdin.write(json.dumps(mine).encode())
+    p.stdin.close()
+    procs.append(p)
+  failed = [(i, p.wait()) for i, p in enumerate(procs)]
+  failed = [(i, rc) for i, rc in failed if rc != 0]
+  if failed:
+    raise RuntimeError(f"{len(failed)} of {num_processes} preparation process(es) failed (process, "
+                       f"exit code): {failed}; see their errors above. Finished shards are kept: "
+                       f"run again to resume.")
+  results = []
+  for t in tasks:
+    with _gfile().GFile(os.path.join(t[0], _shard_name(t[1], t[2], t[3]) + ".json"), "r") as f:
+      results.append(json.load(f))
+  return results
+
+
+def _worker():
+  for task in json.loads(sys.stdin.read()):
+    _shard_task(tuple(tuple(x) if isinstance(x, list) else x for x in task))
+
+
+def _summarize(infos: list[dict]) -> dict:
+  keys = ("documents", "sentences", "text_bytes", "unk_tokens", "instances", "not_next", "tokens",
+          "truncated_tokens", "long_sentences_split")
+  out = {k: sum(i[k] for i in infos) for k in keys}
+  out["files"] = [i["file"] for i in infos]
+  out["counts"] = [i["instances"] for i in infos]
+  out["bytes"] = [i["bytes"] for i in infos]
+  out["shard_seconds"] = sum(i["seconds"] for i in infos)  # summed over processes
+  return out
+
+
+def prepare(data_config, *, num_workers: int | None = None) -> dict:
+  """Runs (or resumes) both stages and writes the manifest; returns it."""
+  gf = _gfile()
+  tok = tokenizer_lib.load_tokenizer(data_config)
+  out_dir = prepared_dir(data_config, tok)
+  gf.makedirs(out_dir)
+  s = settings_of(data_config, tok)
+  t0 = time.time()
+  split_info = _split_stage(data_config, out_dir)
+  tok_spec = (tokenizer_lib.vocab_path_of(data_config), data_config.tokenizer,
+              data_config.do_lower_case)
+  tasks, infos = [], {}
+  for split in SPLITS:
+    n = _num_shards(data_config, split)
+    for k in range(n):
+      done = os.path.join(out_dir, _shard_name(split, k, n) + ".json")
+      if gf.exists(done):  # finished by an earlier, interrupted run
+        with gf.GFile(done, "r") as f:
+          infos[(split, k)] = json.load(f)
+      else:
+        tasks.append((out_dir, split, k, n, tok_spec, s))
+  num_workers = num_workers or data_config.prepare_workers or os.cpu_count() or 1
+  logging.info("Preparing %d shard(s) (%d already done) in %s with %d process(es).", len(tasks),
+               len(infos), out_dir, min(num_workers, max(1, len(tasks))))
+  if num_workers <= 1 or len(tasks) <= 1:
+    results = [_shard_task(t) for t in tasks]
+  else:
+    results = _run_in_processes(tasks, min(num_workers, len(tasks)))
+  for t, info in zip(tasks, results):
+    infos[(t[1], t[2])] = info
+  splits = {split: _summarize([infos[(split, k)] for k in range(_num_shards(data_config, split))])
+            for split in SPLITS}
+  docs = split_info["documents"]
+  if splits["train"]["instances"] == 0:
+    raise ValueError(f"Source {data_config.source!r} gave {docs['train']} training and "
+                     f"{docs['eval']} held-out document(s) (eval_fraction "
+                     f"{data_config.eval_fraction}) but no training instance: all held out, or "
+                     f"every document empty after tokenization.")
+  seconds = time.time() - t0
+  text_bytes = split_info["corpus"]["bytes"]
+  manifest = {"settings": s, "splits": splits, "corpus": split_info["corpus"],
+              "documents": split_info["documents"], "vocab_size": tok.vocab_size,
+              "seconds": seconds, "mb_per_s": text_bytes / 1e6 / max(seconds, 1e-9)}
+  _write_atomic(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1).encode())
+  for split in SPLITS:
+    sp = splits[split]
+    logging.info("%s: %d documents -> %d instances (%.1f%% NotNext), %d long sentence(s) split, "
+                 "%d [UNK] token(s)", split, sp["documents"], sp["instances"],
+                 100 * sp["not_next"] / max(sp["instances"], 1), sp["long_sentences_split"],
+                 sp["unk_tokens"])
+  corpus_stats = split_info["corpus"]
+  if corpus_stats["invalid_utf8_lines"]:
+    logging.warning("%d line(s) had invalid UTF-8; %d character(s) were replaced by U+FFFD.",
+                    corpus_stats["invalid_utf8_lines"], corpus_stats["invalid_utf8_chars"])
+  if s["nsp"] and corpus_stats["sentences"] <= 1.1 * corpus_stats["documents"]:
+    logging.warning("Almost every document has one sentence: NSP pairs will nearly all be NotNext. "
+                    "The format wants one sentence per line and a blank line only between documents.")
+  return manifest
+
+
+def load_manifest(data_config, tok=None, *, check_files: bool = True) -> dict:
+  """The manifest of prepared shards; errors if absent, made with other settings, or damaged."""
+  gf = _gfile()
+  tok = tok or tokenizer_lib.load_tokenizer(data_config)
+  out_dir = prepared_dir(data_config, tok)
+  path = os.path.join(out_dir, "manifest.json")
+  if not gf.exists(path):
+    raise FileNotFoundError(f"No prepared data at {out_dir} (no manifest.json): call "
+                            f"bertjax.data.prepare.ensure_prepared(config.data) or run "
+                            f"`python -m bertjax.data.prepare --config=...`.")
+  with gf.GFile(path, "r") as f:
+    manifest = json.load(f)
+  have = manifest["settings"]
+  if have.get("tokenizer_fingerprint") != tok.fingerprint:
+    raise ValueError(f"Prepared shards in {out_dir} were tokenized with "
+                     f"{have.get('tokenizer_fingerprint')}, but the configured vocabulary "
+                     f"{tokenizer_lib.vocab_path_of(data_config)} is {tok.fingerprint}. Prepare "
+                     f"again into another "
+                     f"prepared_dir (or leave prepared_dir empty to use a settings-named cache).")
+  want = settings_of(data_config, tok)
+  diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+  if diff:
+    raise ValueError(f"Prepared shards in {out_dir} were made with other settings "
+                     f"(key: (prepared, configured)): {diff}.")
+  manifest["dir"] = out_dir
+  if check_files:
+    for split in SPLITS:
+      for name, size in zip(manifest["splits"][split]["files"], manifest["splits"][split]["bytes"]):
+        p = os.path.join(out_dir, name)
+        actual = gf.stat(p).length if gf.exists(p) else -1
+        if actual != size:
+          raise ValueError(f"Shard {p} has {actual} bytes but the manifest says {size}: it is "
+                           f"missing, truncated or corrupt. Delete it and its .json and "
+                           f"{path}, then prepare again (only that shard is redone).")
+  return manifest
+
+
+def ensure_prepared(data_config, *, num_workers: int | None = None) -> dict:
+  """Prepares shards unless a matching manifest exists (cached, resumable); returns the manifest."""
+  tok = tokenizer_lib.load_tokenizer(data_config)
+  out_dir = prepared_dir(data_config, tok)
+  if _gfile().exists(os.path.join(out_dir, "manifest.json")):
+    return load_manifest(data_config, tok)
+  prepare(data_config, num_workers=num_workers)
+  return load_manifest(data_config, tok)
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  logging.getLogger().setLevel(logging.INFO)
+  config = flags.FLAGS.config
+  if config.data.tokenizer == "sentencepiece":
+    tokenizer_lib.ensure_sentencepiece(config.data)
+  m = ensure_prepared(config.data)
+  print(f"prepared {m['dir']}: train {m['splits']['train']['instances']} instances in "
+        f"{len(m['splits']['train']['files'])} shard(s), eval {m['splits']['eval']['instances']}; "
+        f"{m['corpus']['bytes'] / 1e6:.1f} MB of text at {m['mb_per_s']:.2f} MB/s")
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "config file (configs/*.py)", lock_config=True)
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

@@ -1,0 +1,239 @@
+"""Tokenizers: SentencePiece (trained here) and WordPiece `vocab.txt` (Google's released checkpoints).
+
+Both expose the same small interface (`Tokenizer`): the BERT special ids, a vocabulary fingerprint
+that prepared shards record, `encode`, and a per-id word-start table for whole-word masking.
+
+Train a SentencePiece vocabulary:
+  python -m bertjax.data.tokenizer train --corpus=builtin --vocab_size=8000 --output=/tmp/spm
+"""
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+import tempfile
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
+# The original WordPiece gives up on longer words (one [UNK]).
+MAX_WORD_CHARS = 200
+
+
+class Tokenizer:
+  """Text -> ids with the BERT special tokens; built by `load_tokenizer`."""
+
+  def __init__(self, kind: str, pieces: Sequence[str], encode_batch_fn, word_start_V: np.ndarray,
+               options: str):
+    self.kind = kind
+    self.pieces = list(pieces)
+    self.vocab_size = len(self.pieces)
+    self._encode_batch_fn = encode_batch_fn
+    index = {p: i for i, p in enumerate(self.pieces)}
+    missing = [t for t in SPECIAL_TOKENS if t not in index]
+    if missing:
+      raise ValueError(f"{kind} vocabulary of {self.vocab_size} pieces lacks the special token(s) "
+                       f"{missing}; BERT needs all of {list(SPECIAL_TOKENS)}.")
+    self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
+        index[t] for t in SPECIAL_TOKENS)
+    if self.pad_id != 0:
+      raise ValueError(f"[PAD] must have id 0 (padding is zeros everywhere); this vocabulary has "
+                       f"it at {self.pad_id}.")
+    self.special_ids = (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
+    # Whole-word masking groups a piece with the word-start piece before it.
+    self.word_start_V = np.asarray(word_start_V, bool)
+    digest = hashlib.sha256(f"{kind}|{options}|".encode() + "\n".join(self.pieces).encode())
+    self.fingerprint = f"{kind}-{self.vocab_size}-{digest.hexdigest()[:16]}"
+
+  def encode(self, text: str) -> list[int]:
+    return self._encode_batch_fn([text])[0]
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._encode_batch_fn(list(texts))
+
+  def tokenize(self, text: str) -> list[str]:
+    return [self.pieces[i] for i in self.encode(text)]
+
+  def __repr__(self):
+    return f"Tokenizer({self.fingerprint})"
+
+
+def _load_sentencepiece(path: str) -> Tokenizer:
+  import sentencepiece as spm
+  import tensorflow as tf
+  with tf.io.gfile.GFile(path, "rb") as f:
+    proto = f.read()
+  sp = spm.SentencePieceProcessor(model_proto=proto)
+  pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+  word_start_V = np.array([p.startswith("\u2581") for p in pieces])
+
+  def encode_batch(texts):
+    return sp.encode(texts, out_type=int)
+
+  # Pieces, scores and normalization rules decide the encoding; the trainer spec (which records
+  # temporary paths) does not, so it is left out.
+  from sentencepiece import sentencepiece_model_pb2
+  model = sentencepiece_model_pb2.ModelProto.FromString(proto)
+  model.ClearField("trainer_spec")
+  options = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
+  return Tokenizer("sentencepiece", pieces, encode_batch, word_start_V, options)
+
+
+def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
+  import tensorflow as tf
+  from tokenizers import Tokenizer as HfTokenizer
+  from tokenizers import models, normalizers, pre_tokenizers
+  with tf.io.gfile.GFile(path, "r") as f:
+    # The original strips each line and keeps blank lines as (useless) entries, so ids stay aligned.
+    pieces = [line.strip() for line in f.read().splitlines()]
+  vocab = {}
+  for i, p in enumerate(pieces):
+    vocab.setdefault(p, i)
+  if UNK not in vocab:
+    raise ValueError(f"WordPiece vocabulary {path} ({len(pieces)} lines) lacks {UNK}; BERT needs "
+                     f"all of {list(SPECIAL_TOKENS)}.")
+  hf = HfTokenizer(models.WordPiece(vocab=vocab, unk_token=UNK,
+                                    max_input_chars_per_word=MAX_WORD_CHARS))
+  # strip_accents=None follows lowercase, as the original: uncased vocabularies strip accents.
+  hf.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                             strip_accents=None, lowercase=do_lower_case)
+  hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  word_start_V = np.array([not p.startswith("##") for p in pieces])
+
+  def encode_batch(texts):
+    return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+
+  return Tokenizer("wordpiece", pieces, encode_batch, word_start_V, f"lower={do_lower_case}")
+
+
+def vocab_path_of(data_config) -> str:
+  """`vocab_path`, or for SentencePiece without one a cache file named by source and size.
+
+  Naming it by the source means a new corpus gets its own vocabulary instead of silently reusing
+  one trained on another text.
+  """
+  if data_config.vocab_path:
+    return data_config.vocab_path
+  if data_config.tokenizer != "sentencepiece":
+    raise ValueError(f"config.data.vocab_path is empty; a {data_config.tokenizer} tokenizer needs "
+                     f"one (e.g. the vocab.txt of a released BERT checkpoint).")
+  source = data_config.source
+  slug = re.sub(r"[^A-Za-z0-9]+", "_", source)[:40].strip("_") or "corpus"
+  key = hashlib.sha256(f"{source}|{data_config.tfds_split}|{data_config.eval_fraction}".encode())
+  case = "uncased" if data_config.do_lower_case else "cased"
+  return os.path.join(data_config.cache_dir, f"spm-{slug}-{key.hexdigest()[:8]}-"
+                      f"{data_config.spm_vocab_size}-{case}.model")
+
+
+def load_tokenizer(path_or_config) -> Tokenizer:
+  """A `.model` path (SentencePiece), a `vocab.txt` path (WordPiece, uncased), or `config.data`."""
+  if isinstance(path_or_config, (str, os.PathLike)):
+    path, kind, lower = os.fspath(path_or_config), None, True
+  else:
+    cfg = path_or_config
+    path, kind, lower = vocab_path_of(cfg), cfg.tokenizer, cfg.do_lower_case
+  if not path:
+    raise ValueError("No vocabulary: set config.data.vocab_path (a SentencePiece .model or a "
+                     "WordPiece vocab.txt).")
+  import tensorflow as tf
+  if not tf.io.gfile.exists(path):
+    raise FileNotFoundError(f"Vocabulary file {path} does not exist (train one with "
+                            f"`python -m bertjax.data.tokenizer train ...`).")
+  if kind is None:
+    kind = "sentencepiece" if path.endswith(".model") else "wordpiece"
+  if kind == "sentencepiece":
+    return _load_sentencepiece(path)
+  if kind == "wordpiece":
+    return _load_wordpiece(path, lower)
+  raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+
+
+def train_sentencepiece(sentences: Iterable[str], *, vocab_size: int, output: str,
+                        do_lower_case: bool = True, model_type: str = "unigram",
+                        max_sentences: int = 2_000_000, seed: int = 0) -> str:
+  """Trains a vocabulary with [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4; returns the .model path."""
+  import sentencepiece as spm
+  import tensorflow as tf
+  output = output[:-len(".model")] if output.endswith(".model") else output
+  parent = os.path.dirname(output)
+  if parent:
+    tf.io.gfile.makedirs(parent)
+  # SentencePiece samples with its own RNG when input exceeds input_sentence_size; taking the first
+  # sentences ourselves keeps training deterministic.
+  count = 0
+  with tempfile.TemporaryDirectory() as tmp:
+    text_path = os.path.join(tmp, "corpus.txt")
+    with open(text_path, "w", encoding="utf-8") as f:
+      for s in sentences:
+        s = s.strip()
+        if s:
+          f.write(s + "\n")
+          count += 1
+          if count >= max_sentences:
+            break
+    if count == 0:
+      raise ValueError("Cannot train SentencePiece: the corpus yielded no sentence.")
+    spm.set_random_generator_seed(seed)
+    spm.SentencePieceTrainer.train(
+        input=text_path, model_prefix=os.path.join(tmp, "spm"), vocab_size=vocab_size,
+        model_type=model_type, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece=PAD,
+        unk_piece=UNK, control_symbols=[CLS, SEP, MASK], character_coverage=0.9995,
+        normalization_rule_name="nmt_nfkc_cf" if do_lower_case else "nmt_nfkc",
+        max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
+        hard_vocab_limit=False)
+    # Write through gfile so gs:// outputs work; write-then-rename so readers never see half a file.
+    tf.io.gfile.copy(os.path.join(tmp, "spm.model"), output + ".model.tmp", overwrite=True)
+    tf.io.gfile.rename(output + ".model.tmp", output + ".model", overwrite=True)
+    tf.io.gfile.copy(os.path.join(tmp, "spm.vocab"), output + ".vocab", overwrite=True)
+  return output + ".model"
+
+
+def ensure_sentencepiece(data_config) -> str:
+  """Trains the vocabulary (`vocab_path_of`) from the source's train split unless it exists."""
+  import tensorflow as tf
+  from bertjax.data import corpus
+  path = vocab_path_of(data_config)
+  if data_config.tokenizer != "sentencepiece":
+    raise ValueError(f"Only SentencePiece vocabularies are trained here, not {data_config.tokenizer!r}.")
+  if not path.endswith(".model"):
+    raise ValueError(f"SentencePiece vocab_path must end in .model, got {path!r}.")
+  if not tf.io.gfile.exists(path):
+    docs = corpus.split_documents(corpus.read_documents(data_config), "train",
+                                  data_config.eval_fraction)
+    train_sentencepiece((s for d in docs for s in d), vocab_size=data_config.spm_vocab_size,
+                        output=path, do_lower_case=data_config.do_lower_case)
+  return path
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m bertjax.data.tokenizer")
+  sub = parser.add_subparsers(dest="command", required=True)
+  t = sub.add_parser("train", help="train a SentencePiece vocabulary with the BERT special tokens")
+  t.add_argument("--corpus", default="builtin",
+                 help="'builtin', text file glob(s) (comma-separated), or tfds:name/config:feature")
+  t.add_argument("--vocab_size", type=int, default=8000)
+  t.add_argument("--output", required=True, help="output prefix; writes PREFIX.model and PREFIX.vocab")
+  t.add_argument("--cased", action="store_true", help="keep case (default: case-folded)")
+  t.add_argument("--eval_fraction", type=float, default=0.1,
+                 help="held-out documents excluded from training (same split as prepare)")
+  e = sub.add_parser("encode", help="print the pieces of a text")
+  e.add_argument("--vocab", required=True)
+  e.add_argument("text")
+  args = parser.parse_args(argv)
+  if args.command == "train":
+    from bertjax.data import corpus
+    docs = corpus.split_documents(corpus.documents_from_source(args.corpus), "train",
+                                  args.eval_fraction)
+    path = train_sentencepiece((s for d in docs for s in d), vocab_size=args.vocab_size,
+                               output=args.output, do_lower_case=not args.cased)
+    tok = load_tokenizer(path)
+    print(f"wrote {path}: {tok.vocab_size} pieces, fingerprint {tok.fingerprint}")
+  else:
+    print(" ".join(load_tokenizer(args.vocab).tokenize(args.text)))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

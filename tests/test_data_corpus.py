@@ -1,0 +1,103 @@
+"""Corpus sources: text files, TFDS (built locally), the built-in corpus, the held-out split."""
+
+import gzip
+import os
+
+import pytest
+
+from bertjax.data import corpus
+
+
+def _write(path, data: bytes, gz=False):
+  with (gzip.open(path, "wb") if gz else open(path, "wb")) as f:
+    f.write(data)
+  return path
+
+
+def test_text_files_plain_gzip_glob(tmp_path):
+  d = str(tmp_path)
+  _write(os.path.join(d, "a.txt"), b"One.\nTwo.\n\n\nThree.\n")
+  _write(os.path.join(d, "b.txt.gz"), b"Four.\n\nFive.\nSix.", gz=True)
+  stats = corpus.CorpusStats()
+  docs = list(corpus.documents_from_source(os.path.join(d, "*"), stats))
+  assert docs == [["One.", "Two."], ["Three."], ["Four."], ["Five.", "Six."]]
+  assert (stats.files, stats.documents, stats.sentences) == (2, 4, 6)
+  both = list(corpus.documents_from_source(
+      f"{os.path.join(d, 'b.txt.gz')},{os.path.join(d, 'a.txt')}"))
+  assert both[0] == ["Four."] and len(both) == 4
+
+
+def test_glob_without_match_is_an_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match="No file matches"):
+    list(corpus.documents_from_source(os.path.join(str(tmp_path), "*.txt")))
+  with pytest.raises(ValueError, match="source is empty"):
+    corpus.documents_from_source("")
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path):
+  path = _write(os.path.join(str(tmp_path), "bad.txt"), b"caf\xc3\xa9 ok.\nbad \xff\xfe here.\n\xc3\n")
+  stats = corpus.CorpusStats()
+  docs = list(corpus.documents_from_source(path, stats))
+  assert docs == [["caf\u00e9 ok.", "bad \ufffd\ufffd here.", "\ufffd"]]
+  assert (stats.invalid_utf8_lines, stats.invalid_utf8_chars) == (2, 3)
+
+
+def test_sentence_splitter():
+  text = "Dr. Smith went home. It rained!  Did it?\nNew line here. 3 cats \"ran.\" Then (more) text."
+  assert corpus.split_sentences(text) == [
+      "Dr.", "Smith went home.", "It rained!", "Did it?", "New line here.", "3 cats \"ran.\"",
+      "Then (more) text."]
+
+
+def test_tfds_source_built_locally(tmp_path):
+  import tensorflow as tf
+  import tensorflow_datasets as tfds
+
+  class LocalTexts(tfds.dataset_builders.TfDataBuilder):
+    url_infos = {}  # nothing to download; skips a checksum lookup that needs extra packages
+
+  texts = ["First sentence here. Second one follows! A third?", "", "Another document. With two."]
+  data_dir = str(tmp_path)
+  LocalTexts(name="bertjax_test_texts", config="small", version="1.0.0", data_dir=data_dir,
+             split_datasets={"train": tf.data.Dataset.from_tensor_slices({"text": texts})},
+             features=tfds.features.FeaturesDict({"text": tfds.features.Text()})
+             ).download_and_prepare()
+  stats = corpus.CorpusStats()
+  docs = list(corpus.documents_from_source("tfds:bertjax_test_texts/small:text", stats,
+                                           tfds_data_dir=data_dir))
+  assert docs == [["First sentence here.", "Second one follows!", "A third?"],
+                  ["Another document.", "With two."]]
+  assert stats.documents == 2
+  with pytest.raises(KeyError, match="no feature 'body'"):
+    list(corpus.documents_from_source("tfds:bertjax_test_texts/small:body", tfds_data_dir=data_dir))
+  with pytest.raises(FileNotFoundError, match="not prepared"):
+    list(corpus.documents_from_source("tfds:mnist:image", tfds_data_dir=data_dir))
+  with pytest.raises(ValueError, match="must look like"):
+    list(corpus.documents_from_source("tfds:nofeature"))
+
+
+def test_builtin_corpus():
+  docs = list(corpus.documents_from_source("builtin"))
+  assert corpus.word_count(docs) >= 250_000
+  assert len(docs) > 500 and all(doc and all(s.strip() for s in doc) for doc in docs)
+  # Code examples are left out.
+  assert not any(s.startswith(">>>") for d in docs for s in d)
+  corpus._builtin_documents.cache_clear()
+  again = list(corpus.documents_from_source("builtin"))
+  assert again == docs
+  heldout = list(corpus.split_documents(docs, "eval", 0.1))
+  train = list(corpus.split_documents(docs, "train", 0.1))
+  assert len(heldout) + len(train) == len(docs) and 0.05 < len(heldout) / len(docs) < 0.15
+  assert not {tuple(d) for d in heldout} & {tuple(d) for d in train}
+  # The split follows the text, not the position: reordering keeps it.
+  assert list(corpus.split_documents(docs[::-1], "eval", 0.1)) == heldout[::-1]
+
+
+def test_non_local_paths_through_gfile():
+  # ram:// stands in for gs://: both go through tf.io.gfile, not the local file system.
+  import tensorflow as tf
+  tf.io.gfile.makedirs("ram://bertjax_corpus/")
+  with tf.io.gfile.GFile("ram://bertjax_corpus/part-0.txt.gz", "wb") as f:
+    f.write(gzip.compress(b"One.\nTwo.\n\nThree.\n"))
+  assert list(corpus.documents_from_source("ram://bertjax_corpus/*.gz")) == [["One.", "Two."],
+                                                                            ["Three."]]

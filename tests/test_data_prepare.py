@@ -1,0 +1,139 @@
+"""Offline preparation: determinism, resume, manifest, and bad input."""
+
+import os
+
+import pytest
+
+from bertjax.data import pipeline, prepare
+from test_data_fixtures import data_config, random_documents, write_corpus, write_vocab
+
+
+def _files(d):
+  return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))
+          if f.endswith((".tfrecord", ".json"))}
+
+
+def test_deterministic_parallel_and_resumable(tmp_path):
+  c1 = data_config(tmp_path / "one", prepared_dir=str(tmp_path / "p1"))
+  m1 = prepare.ensure_prepared(c1)
+  sp = m1["splits"]["train"]
+  assert sp["instances"] == sum(sp["counts"]) > 0 and len(sp["files"]) == 4
+  assert m1["settings"]["tokenizer_fingerprint"].startswith("wordpiece-")
+  assert 0.4 < sp["not_next"] / sp["instances"] < 0.65
+  # Two worker processes give the same shards as one.
+  c2 = data_config(tmp_path / "one", prepared_dir=str(tmp_path / "p2"), prepare_workers=2)
+  prepare.ensure_prepared(c2)
+  strip = lambda fs: {k: v for k, v in fs.items() if k != "manifest.json" and not k.endswith(".json")}
+  assert strip(_files(tmp_path / "p1")) == strip(_files(tmp_path / "p2"))
+  # Interrupted run: one shard unfinished, no manifest. Only that shard is redone, identically.
+  d = str(tmp_path / "p1")
+  before = {f: os.stat(os.path.join(d, f)).st_mtime_ns for f in os.listdir(d)}
+  os.remove(os.path.join(d, "manifest.json"))
+  os.remove(os.path.join(d, "train-00002-of-00004.json"))
+  content = open(os.path.join(d, "train-00002-of-00004.tfrecord"), "rb").read()
+  with open(os.path.join(d, "train-00002-of-00004.tfrecord"), "wb") as f:
+    f.write(content[:100])  # a half-written shard
+  m1b = prepare.ensure_prepared(c1)
+  assert open(os.path.join(d, "train-00002-of-00004.tfrecord"), "rb").read() == content
+  after = {f: os.stat(os.path.join(d, f)).st_mtime_ns for f in os.listdir(d)}
+  changed = {f for f in before if before[f] != after.get(f)}
+  assert changed == {"train-00002-of-00004.tfrecord", "train-00002-of-00004.json", "manifest.json"}
+  timeless = lambda m: {s: {k: v for k, v in m["splits"][s].items() if k != "shard_seconds"}
+                        for s in prepare.SPLITS}
+  assert timeless(m1b) == timeless(m1)
+
+
+def test_repairs_are_counted_in_the_manifest(tmp_path):
+  docs = random_documents(20, 15)
+  docs[3].insert(2, " ".join(["baba"] * 300))  # one line far longer than a sequence
+  path = write_corpus(str(tmp_path / "c.txt"), docs)
+  with open(path, "ab") as f:
+    f.write(b"\nbad \xff bytes here.\nAnd more.\n")
+  c = data_config(tmp_path, n_docs=0, source=path)
+  m = prepare.ensure_prepared(c)
+  assert m["corpus"]["invalid_utf8_lines"] == 1 and m["corpus"]["invalid_utf8_chars"] == 1
+  assert sum(m["splits"][s]["long_sentences_split"] for s in prepare.SPLITS) >= 1
+  assert m["splits"]["train"]["unk_tokens"] + m["splits"]["eval"]["unk_tokens"] >= 1  # the U+FFFD word
+
+
+def test_empty_corpus_and_no_instances(tmp_path):
+  empty = tmp_path / "empty.txt"
+  empty.write_text("\n\n   \n")
+  c = data_config(tmp_path, n_docs=0, source=str(empty))
+  with pytest.raises(ValueError, match="yielded no document"):
+    prepare.ensure_prepared(c)
+  c = data_config(tmp_path / "all_eval", eval_fraction=1.0)
+  with pytest.raises(ValueError, match="no training instance"):
+    prepare.ensure_prepared(c)
+  c = data_config(tmp_path / "nomatch", n_docs=0, source=str(tmp_path / "missing-*.txt"))
+  with pytest.raises(FileNotFoundError, match="No file matches"):
+    prepare.ensure_prepared(c)
+
+
+def test_fingerprint_and_settings_mismatch(tmp_path):
+  c = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
+  prepare.ensure_prepared(c)
+  other_vocab = str(tmp_path / "other.txt")
+  write_vocab(other_vocab)
+  with open(other_vocab, "a") as f:
+    f.write("zzextra\n")
+  c_other = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
+  c_other.vocab_path = other_vocab
+  with pytest.raises(ValueError, match="were tokenized with wordpiece-.* but the configured"):
+    prepare.ensure_prepared(c_other)
+  with pytest.raises(ValueError, match="were tokenized with"):
+    pipeline.make_pipeline(c_other, split="train", global_batch_size=8)
+  c_len = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"), max_seq_length=128)
+  with pytest.raises(ValueError, match="max_seq_length': \\(64, 128\\)"):
+    prepare.load_manifest(c_len)
+  # The default, settings-named folder simply prepares anew.
+  c_default = data_config(tmp_path)
+  c_default.vocab_path = other_vocab
+  assert prepare.ensure_prepared(c_default)["dir"] != str(tmp_path / "prep")
+
+
+def test_truncated_and_corrupt_shards(tmp_path):
+  c = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
+  prepare.ensure_prepared(c)
+  shard = str(tmp_path / "prep" / "train-00001-of-00004.tfrecord")
+  data = open(shard, "rb").read()
+  with open(shard, "wb") as f:
+    f.write(data[:-50])
+  with pytest.raises(ValueError, match="truncated or corrupt"):
+    prepare.ensure_prepared(c)
+  # Same size, flipped bytes: caught by the record checksums while reading.
+  bad = bytearray(data)
+  for i in range(len(bad) // 2, len(bad) // 2 + 20):
+    bad[i] ^= 0xFF
+  with open(shard, "wb") as f:
+    f.write(bytes(bad))
+  p = pipeline.make_pipeline(c, split="train", global_batch_size=8)
+  with pytest.raises(ValueError, match="corrupt or truncated"):
+    for _ in range(10 * p.steps_per_epoch):
+      next(p)
+
+
+def test_missing_manifest_is_a_clear_error(tmp_path):
+  c = data_config(tmp_path)
+  with pytest.raises(FileNotFoundError, match="ensure_prepared"):
+    pipeline.make_pipeline(c, split="train", global_batch_size=8)
+
+
+def test_single_document_shard_borrows_notnext_segments(tmp_path):
+  # 5 documents in 4 shards: three shards hold one document each.
+  c = data_config(tmp_path, n_docs=5, sents_per_doc=30, eval_fraction=0.0)
+  m = prepare.ensure_prepared(c)
+  sp = m["splits"]["train"]
+  assert sp["documents"] == 5 and all(n > 0 for n in sp["counts"]) and sp["not_next"] > 0
+  c1 = data_config(tmp_path / "one", n_docs=1, sents_per_doc=30, eval_fraction=0.0)
+  with pytest.raises(ValueError, match="single document"):
+    prepare.ensure_prepared(c1)
+
+
+def test_blank_line_after_every_sentence_warns(tmp_path, caplog):
+  docs = [[s] for d in random_documents(10, 10) for s in d]  # the frequent formatting mistake
+  c = data_config(tmp_path, n_docs=0, source=write_corpus(str(tmp_path / "c.txt"), docs))
+  with caplog.at_level("WARNING"):
+    m = prepare.ensure_prepared(c)
+  assert "Almost every document has one sentence" in caplog.text
+  assert m["splits"]["train"]["not_next"] == m["splits"]["train"]["instances"]

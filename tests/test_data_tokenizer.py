@@ -1,0 +1,122 @@
+"""Tokenizers: WordPiece against the original's documented cases; SentencePiece training."""
+
+import os
+
+import pytest
+
+from bertjax.data import tokenizer as tokenizer_lib
+from test_data_fixtures import SPECIALS
+
+# The vocabulary of the original tokenization_test.py, with [PAD] and [MASK] added.
+ORIGINAL_VOCAB = ["[UNK]", "[CLS]", "[SEP]", "want", "##want", "##ed", "wa", "un", "runn", "##ing",
+                  ",", "low", "lowest"]
+
+
+def _wordpiece(tmp_path, pieces, lower=True, name="vocab.txt"):
+  path = os.path.join(str(tmp_path), name)
+  with open(path, "w") as f:
+    f.write("\n".join(pieces) + "\n")
+  cfg = tokenizer_lib.load_tokenizer(path)  # default: uncased
+  if lower:
+    return cfg
+  from test_data_fixtures import data_config
+  c = data_config(tmp_path, n_docs=0, vocab_path=path, do_lower_case=False)
+  return tokenizer_lib.load_tokenizer(c)
+
+
+@pytest.fixture
+def wp(tmp_path):
+  return _wordpiece(tmp_path, ["[PAD]"] + ORIGINAL_VOCAB + ["[MASK]"])
+
+
+def test_wordpiece_original_cases(wp):
+  # FullTokenizer: lower-casing, accent stripping (é), punctuation split, ## continuation.
+  assert wp.tokenize("UNwant\u00E9d,running") == ["un", "##want", "##ed", ",", "runn", "##ing"]
+  assert wp.encode("UNwant\u00E9d,running") == [8, 5, 6, 11, 9, 10]  # original ids + 1 ([PAD] first)
+  # WordpieceTokenizer: a word that cannot be fully matched becomes one [UNK].
+  assert wp.tokenize("unwanted running") == ["un", "##want", "##ed", "runn", "##ing"]
+  assert wp.tokenize("unwantedX running") == ["[UNK]", "runn", "##ing"]
+  assert wp.tokenize("") == []
+  assert wp.tokenize("  \t\n ") == []
+
+
+def test_basic_tokenizer_cases(tmp_path):
+  words = ["hello", "!", "how", "are", "you", "?", "ah", "\u535A", "\u63A8", "zz", "HeLLo", "Are",
+           "yoU"]
+  uncased = _wordpiece(tmp_path, SPECIALS + words)
+  # Lower-casing, whitespace cleanup and punctuation splitting.
+  assert uncased.tokenize(" \tHeLLo!how  \n Are yoU?  ") == ["hello", "!", "how", "are", "you", "?"]
+  # Accent stripping for uncased vocabularies.
+  assert uncased.tokenize("H\u00E9llo") == ["hello"]
+  # CJK ideographs become words of their own.
+  assert uncased.tokenize("ah\u535A\u63A8zz") == ["ah", "\u535A", "\u63A8", "zz"]
+  # Control characters and U+FFFD are dropped.
+  assert uncased.tokenize("hel\u0000lo\ufffd how") == ["hello", "how"]
+  cased = _wordpiece(tmp_path, SPECIALS + words, lower=False, name="cased.txt")
+  assert cased.tokenize(" \tHeLLo!how  \n Are yoU?  ") == ["HeLLo", "!", "how", "Are", "yoU", "?"]
+
+
+def test_wordpiece_long_word_is_one_unk(tmp_path):
+  tok = _wordpiece(tmp_path, SPECIALS + ["a", "##a"])
+  assert tok.tokenize("a" * 200) == ["a"] + ["##a"] * 199
+  assert tok.tokenize("a" * 201) == ["[UNK]"]
+
+
+def test_wordpiece_special_ids_and_fingerprint(wp, tmp_path):
+  assert (wp.pad_id, wp.unk_id, wp.cls_id, wp.sep_id, wp.mask_id) == (0, 1, 2, 3, 14)
+  assert wp.vocab_size == 15
+  assert wp.word_start_V[wp.encode("want")[0]] and not wp.word_start_V[5]  # "##want"
+  other = _wordpiece(tmp_path, ["[PAD]"] + ORIGINAL_VOCAB + ["[MASK]", "extra"], name="v2.txt")
+  assert other.fingerprint != wp.fingerprint
+  again = _wordpiece(tmp_path, ["[PAD]"] + ORIGINAL_VOCAB + ["[MASK]"], name="v3.txt")
+  assert again.fingerprint == wp.fingerprint
+
+
+def test_vocab_missing_special_token_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match=r"lacks the special token\(s\) \['\[PAD\]', '\[MASK\]'\]"):
+    _wordpiece(tmp_path, ORIGINAL_VOCAB)
+  with pytest.raises(ValueError, match="must have id 0"):
+    _wordpiece(tmp_path, ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]"], name="b.txt")
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    tokenizer_lib.load_tokenizer(os.path.join(str(tmp_path), "nope.txt"))
+
+
+def test_sentencepiece_training_fixed_special_ids(tmp_path):
+  from test_data_fixtures import random_documents
+  sentences = [s for d in random_documents(60, 20) for s in d]
+  out = os.path.join(str(tmp_path), "sp", "spm")
+  path = tokenizer_lib.train_sentencepiece(sentences, vocab_size=300, output=out)
+  tok = tokenizer_lib.load_tokenizer(path)
+  assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id) == (0, 1, 2, 3, 4)
+  assert tok.kind == "sentencepiece" and tok.vocab_size <= 300
+  ids = tok.encode(sentences[0])
+  assert ids and not set(ids) & {0, 2, 3, 4}
+  # Word-start markers: the first piece of a sentence starts a word.
+  assert tok.word_start_V[ids[0]]
+  # "[MASK]" typed in text is not the control token.
+  assert tok.mask_id not in tok.encode("a [MASK] b")
+  # Training is deterministic: same corpus, same fingerprint.
+  path2 = tokenizer_lib.train_sentencepiece(sentences, vocab_size=300,
+                                            output=os.path.join(str(tmp_path), "spm2"))
+  assert tokenizer_lib.load_tokenizer(path2).fingerprint == tok.fingerprint
+
+
+def test_sentencepiece_cli(tmp_path):
+  from test_data_fixtures import random_documents, write_corpus
+  corpus = write_corpus(os.path.join(str(tmp_path), "c.txt"), random_documents(30, 20))
+  out = os.path.join(str(tmp_path), "cli")
+  tokenizer_lib.main(["train", f"--corpus={corpus}", "--vocab_size=200", f"--output={out}"])
+  assert tokenizer_lib.load_tokenizer(out + ".model").vocab_size <= 200
+
+
+def test_sentencepiece_vocab_per_source_in_cache(tmp_path):
+  from test_data_fixtures import data_config
+  c = data_config(tmp_path, n_docs=30, tokenizer="sentencepiece", vocab_path="", spm_vocab_size=200)
+  path = tokenizer_lib.ensure_sentencepiece(c)
+  assert path.startswith(c.cache_dir) and os.path.exists(path)
+  assert tokenizer_lib.load_tokenizer(c).fingerprint == tokenizer_lib.load_tokenizer(path).fingerprint
+  other = data_config(tmp_path / "b", n_docs=30, tokenizer="sentencepiece", vocab_path="")
+  assert tokenizer_lib.vocab_path_of(other) != path  # another corpus, another vocabulary
+  wp = data_config(tmp_path / "c", n_docs=0, vocab_path="")
+  with pytest.raises(ValueError, match="vocab_path is empty"):
+    tokenizer_lib.load_tokenizer(wp)
