@@ -15,6 +15,9 @@ setuptools.setup(
         "orbax-checkpoint>=0.11,<0.13",
         "tensorflow-cpu>=2.18,<2.22",
         "tensorflow-datasets>=4.9.7,<5",
+        # tensorflow-cpu no longer ships it: tf.summary writes event files through it, and it is
+        # the viewer of a run's logs (`tensorboard --logdir WORKDIR/tensorboard`).
+        "tensorboard>=2.18,<2.22",
         "sentencepiece>=0.2,<0.3",
         # The original WordPiece algorithm, implemented and maintained by Hugging Face in Rust.
         "tokenizers>=0.20,<0.24",

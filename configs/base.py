@@ -13,7 +13,7 @@ def get_config():
 
   # --- model: becomes bertjax.model.BertConfig(**config.model). -----------------------------------
   m = config.model = ml_collections.ConfigDict()
-  m.vocab_size = 30522  # rows of the word-embedding table; must cover the tokenizer's vocabulary
+  m.vocab_size = 0  # rows of the word-embedding table; 0 = the tokenizer's size, more pads it
   m.hidden_size = 768  # D: width of every token representation
   m.num_layers = 12  # encoder layers
   m.num_heads = 12  # attention heads; must divide hidden_size
@@ -32,17 +32,78 @@ def get_config():
   m.attention_impl = "xla"  # "xla" (any device) or "cudnn" (fused kernel, NVIDIA GPUs)
 
   # --- data: see bertjax/data. ---------------------------------------------------------------------
-  config.data = ml_collections.ConfigDict()
+  d = config.data = ml_collections.ConfigDict()
+  d.source = "builtin"  # "builtin" (Python's docs), globs "a/*.txt,gs://b/*.gz", "tfds:name/cfg:feature"
+  d.tfds_data_dir = ""  # TFDS data_dir for tfds: sources ("" = TFDS default); never downloads
+  d.tfds_split = "train"  # TFDS split read for tfds: sources (held-out documents are taken from it)
+  d.tokenizer = "sentencepiece"  # "sentencepiece" (trained here) or "wordpiece" (Google's vocab.txt)
+  d.vocab_path = ""  # SentencePiece .model or WordPiece vocab.txt; "" = SentencePiece trained per source
+  d.spm_vocab_size = 8000  # pieces of a SentencePiece vocabulary trained when none exists yet
+  d.do_lower_case = True  # lower-case (and, for WordPiece, strip accents): the uncased models
+  d.max_seq_length = 128  # L: tokens per sequence, [CLS] A [SEP] B [SEP] plus padding
+  d.max_predictions_per_seq = 20  # M: masked positions per sequence (20 at 128, 76 at 512 in MLPerf)
+  d.masked_lm_prob = 0.15  # fraction of non-special tokens to predict (stochastically rounded)
+  d.mask_token_prob = 0.8  # of the predicted tokens: replaced by [MASK]
+  d.random_token_prob = 0.1  # of the predicted tokens: a random real token instead (rest unchanged)
+  d.whole_word_masking = False  # mask all pieces of a word together (word starts from the vocabulary)
+  d.nsp = True  # next-sentence pairs; False = MLM-only full-length chunks (labels all 0)
+  d.short_seq_prob = 0.1  # chance a document targets a random shorter length, as the original
+  d.dupe_factor = 5  # pairings drawn per training document at preparation (masks are drawn online)
+  d.eval_dupe_factor = 5  # pairings per held-out document: more distinct eval pairs from little text
+  d.eval_fraction = 0.1  # share of documents held out for evaluation (chosen by a hash of the text)
+  d.num_shards = 16  # training TFRecord shards: >= the number of hosts (hundreds for Wikipedia)
+  d.num_eval_shards = 2  # held-out TFRecord shards
+  d.prepare_seed = 12345  # seed of pair drawing at preparation (the original's default)
+  d.prepare_workers = 0  # processes preparing shards in parallel (0 = one per CPU)
+  d.prepared_dir = ""  # where shards + manifest live ("" = cache_dir/<source>-L<len>-<settings hash>)
+  d.cache_dir = ".cache/bertjax"  # root of the settings-named prepared-data folders
+  d.shuffle_window = 16384  # sequences permuted together; shards are also reordered every epoch
+  d.prefetch_batches = 4  # batches tf.data prepares ahead of the training step
 
   # --- train: see bertjax/train.py and bertjax/optimizer.py. ---------------------------------------
-  config.train = ml_collections.ConfigDict()
+  t = config.train = ml_collections.ConfigDict()
+  t.batch_size = 256  # global batch: sequences per optimizer update, summed over all hosts
+  t.num_microbatches = 1  # gradient accumulation: the batch is processed in this many slices
+  t.num_train_steps = 1_000_000  # optimizer updates; the learning rate reaches 0 here
+  t.seed = 0  # parameter init and dropout (dropout key = fold_in(key(seed), step))
+  t.optimizer = "adamw"  # "adamw" (the original, no bias correction) or "lamb" (large batches)
+  t.learning_rate = 1e-4  # peak learning rate, reached at the end of warmup
+  t.warmup_steps = 10_000  # linear warmup from 0; then linear decay to 0 at num_train_steps
+  t.weight_decay = 0.01  # decoupled weight decay; never on LayerNorm parameters or biases
+  t.adam_b1 = 0.9  # first-moment decay
+  t.adam_b2 = 0.999  # second-moment decay
+  t.adam_eps = 1e-6  # added to sqrt(v)
+  t.bias_correction = False  # the original has none; NVIDIA's LAMB recipe sets True
+  t.max_grad_norm = 1.0  # clip gradients to this global norm (0 disables)
+  # The loop (bertjax/loop.py):
+  t.log_every_steps = 100  # a console line, TensorBoard and metrics.jsonl every this many steps
+  t.eval_every_steps = 10_000  # held-out evaluation every this many steps (0: only at the end)
+  t.eval_batches = 0  # held-out batches per evaluation (0: the whole held-out split)
+  t.profile_start_step = -1  # first step of a profiler trace in workdir/profile (-1: none)
+  t.profile_num_steps = 5  # steps the profiler trace covers
+
+  # --- checkpoint: see bertjax/checkpoint.py. -------------------------------------------------------
+  c = config.checkpoint = ml_collections.ConfigDict()
+  c.save_every_steps = 5_000  # also saved at the end and on SIGTERM (preemption)
+  c.keep = 3  # newest checkpoints kept in workdir/checkpoints
+  c.async_save = True  # write in the background while training goes on
+  c.init_from = ""  # parameters to start from when the workdir has no checkpoint: another run's
+  #                   workdir (e.g. phase 1) or a folder from `python -m bertjax.convert.hf import`
 
   # --- mesh: see bertjax/sharding.py. ----------------------------------------------------------------
   mesh = config.mesh = ml_collections.ConfigDict()
+  # Mesh axis sizes. ICI: devices inside one slice (one -1 takes the devices left over); DCN:
+  # slices of a multi-slice job (one -1 takes the slices left over). Axis size = ici x dcn.
+  mesh.ici_data = -1  # data parallelism: splits the batch, replicates parameters
+  mesh.ici_fsdp = 1  # splits the batch and the parameters / optimizer state (ZeRO-3 style)
+  mesh.ici_tensor = 1  # splits heads and the MLP (Megatron); must divide num_heads
+  mesh.dcn_data = -1  # data parallelism across slices (the usual choice: least DCN traffic)
+  mesh.dcn_fsdp = 1  # fsdp across slices
+  mesh.dcn_tensor = 1  # tensor parallelism across slices (rarely wise: DCN is slow)
   # Logical axis name -> mesh axis (or axes, or None = replicated). Parameters are named in
   # bertjax/model.py ("vocab", "embed", "heads", "kv", "mlp", "layers"); activations carry
   # "activation_*" names. `data` and `fsdp` split the batch; `fsdp` also splits parameters and
-  # optimizer state (ZeRO-3 style); `tensor` splits heads, the MLP and the vocabulary (Megatron).
+  # optimizer state (ZeRO-3 style); `tensor` splits heads and the MLP (Megatron).
   mesh.logical_axis_rules = (
       ("activation_batch", ("data", "fsdp")),
       ("activation_length", None),
@@ -50,8 +111,11 @@ def get_config():
       ("activation_heads", "tensor"),
       ("activation_kv", None),
       ("activation_mlp", "tensor"),
-      ("activation_vocab", "tensor"),
-      ("vocab", "tensor"),
+      # The vocabulary stays whole: XLA (jax 0.10.2, Shardy and GSPMD alike) miscompiles the
+      # gradients of the MLM head when the tied table is split over both tensor and fsdp while
+      # data > 1 too. Only the M masked positions are projected, so the cost is a few percent.
+      ("activation_vocab", None),
+      ("vocab", None),
       ("embed", "fsdp"),
       ("heads", "tensor"),
       ("kv", None),

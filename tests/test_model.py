@@ -252,7 +252,7 @@ def test_config_files_only_override_and_are_locked():
   for module, layers, hidden in ((bert_base, 12, 768), (bert_large, 24, 1024), (tiny, 2, 128)):
     config = module.get_config()
     assert set(config.keys()) == set(base.get_config().keys())
-    cfg = BertConfig.from_dict(config.model)
+    cfg = BertConfig.from_dict(config.model, vocab_size=30522)
     assert (cfg.num_layers, cfg.hidden_size) == (layers, hidden)
     assert module.__doc__ and "python -m bertjax.main" in module.__doc__
   locked = base.get_config()

@@ -328,14 +328,21 @@ def save_params(directory: str, params: dict, config: BertConfig) -> None:
     checkpointer.save(os.path.join(directory, "params"), params, force=True)
 
 
-def load_params(directory: str) -> tuple[BertConfig, dict]:
-  """(config, params) written by `save_params`."""
+def read_config(directory: str) -> BertConfig:
+  """The BertConfig saved by `save_params`."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  with tf.io.gfile.GFile(os.path.join(directory, "bert_config.json")) as f:
+    return BertConfig.from_dict(json.load(f))
+
+
+def load_params(directory: str, abstract_params=None) -> tuple[BertConfig, dict]:
+  """(config, params) written by `save_params`; `abstract_params` (ShapeDtypeStructs with
+  shardings) restores them directly onto a mesh."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  directory = os.path.abspath(directory)
-  with open(os.path.join(directory, "bert_config.json")) as f:
-    config = BertConfig.from_dict(json.load(f))
+  directory = os.path.abspath(directory) if "://" not in directory else directory
+  config = read_config(directory)
   with ocp.StandardCheckpointer() as checkpointer:
-    params = checkpointer.restore(os.path.join(directory, "params"))
+    params = checkpointer.restore(os.path.join(directory, "params"), abstract_params)
   return config, params
 
 

@@ -1,0 +1,184 @@
+"""Throughput of the real train step on synthetic batches: `python -m bertjax.benchmark --config=...`
+
+    python -m bertjax.benchmark --config=configs/bert_base.py --config.train.batch_size=8 \
+        --config.data.max_seq_length=128 --steps=5
+
+Prints compile time, step time, sequences/s, tokens/s, model TFLOP/s (total and per device), MFU
+against the device's peak (TPU v4/v5e/v5p/v6e, NVIDIA A100/H100/H200; none on CPU), XLA's own
+FLOP count, and peak device memory (or XLA's estimate where the device reports none).
+
+It imports jax, flax, optax and ml_collections only (no TensorFlow, no transformers), so it runs
+on any machine that can train. `bertjax.benchmark_hf` compares against Hugging Face.
+
+Model FLOPs (`train_flops`) count matmuls only, 2 FLOPs per multiply-add, training = 3x forward
+(the backward computes the gradients of both inputs of every matmul). Per sequence, forward:
+    encoder  num_layers * L * (8 D^2 + 4 D F + 4 L D)   (Q, K, V, output; MLP; QK^T and PV)
+    pooler + NSP        2 D^2 + 4 D
+    MLM head        M * (2 D^2 + 2 D V)                  (only the M masked positions)
+Rematerialisation is not counted (it is not useful work), so MFU is comparable across remat
+policies. Embedding lookups, softmax, LayerNorm, GELU and the optimizer are not counted either;
+together they are a few percent of XLA's count (tests/test_benchmark.py checks within 10%).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from bertjax import train
+from bertjax.metrics import PEAK_TFLOPS, forward_flops_per_sequence, peak_tflops, train_flops  # pylint: disable=unused-import
+from bertjax.model import BertConfig
+
+BENCHMARK_VOCAB_SIZE = 30522  # when the config leaves it to the tokenizer (model.vocab_size 0)
+
+def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
+                    seed: int = 0) -> dict[str, np.ndarray]:
+  """Full-length rows (no padding), M distinct masked positions per row, random NSP labels."""
+  rng = np.random.default_rng(seed)
+  positions = np.argsort(rng.random((batch_size, seq_len - 1)), axis=1)[:, :max_predictions] + 1
+  return {
+      "input_ids": rng.integers(0, vocab_size, (batch_size, seq_len), dtype=np.int32),
+      "input_mask": np.ones((batch_size, seq_len), np.int32),
+      "segment_ids": (np.arange(seq_len)[None, :] >= seq_len // 2).astype(np.int32).repeat(
+          batch_size, 0),
+      "masked_lm_positions": np.sort(positions, axis=1).astype(np.int32),
+      "masked_lm_ids": rng.integers(0, vocab_size, (batch_size, max_predictions), dtype=np.int32),
+      "masked_lm_weights": np.ones((batch_size, max_predictions), np.float32),
+      "next_sentence_labels": rng.integers(0, 2, (batch_size,), dtype=np.int32),
+  }
+
+
+def xla_flops(compiled) -> float | None:
+  """FLOPs of a compiled executable by XLA's cost analysis (per device program), if reported."""
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # some backends do not implement it
+    return None
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0] if analysis else None
+  return float(analysis["flops"]) if analysis and "flops" in analysis else None
+
+
+def peak_memory_bytes(compiled) -> tuple[float | None, str]:
+  """Peak device memory: measured by the device if it can, else XLA's static estimate."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return float(stats["peak_bytes_in_use"]), "measured"
+  try:
+    m = compiled.memory_analysis()
+    total = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+             - m.alias_size_in_bytes)
+    return float(total), "XLA estimate"
+  except Exception:
+    return None, "unavailable"
+
+
+def time_steps(run_one, steps: int) -> list[float]:
+  """Wall seconds of each call of `run_one` (which must block until its result is ready)."""
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    run_one()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+class StepRunner:
+  """Compiles bertjax's train step for one synthetic batch and runs it, keeping the state."""
+
+  def __init__(self, config, seq_len: int, max_predictions: int, devices=None):
+    # vocab_size 0 means "the tokenizer's"; there is none here, so take the released English one.
+    vocab = int(config.model.vocab_size) or BENCHMARK_VOCAB_SIZE
+    self.training = train.from_config(config, devices=devices, vocab_size=vocab)
+    self.cfg = self.training.model_config
+    tc = self.training.train_config
+    self.batch_size, self.seq_len, self.max_predictions = tc.batch_size, seq_len, max_predictions
+    host = synthetic_batch(tc.batch_size // jax.process_count(), seq_len, max_predictions,
+                           self.cfg.vocab_size, seed=jax.process_index())
+    self.batch = self.training.to_global(host)
+    self.rng = jax.random.PRNGKey(tc.seed)
+    self.state = self.training.init_state(self.rng)
+    start = time.perf_counter()
+    self.compiled = self.training.train_step.lower(self.state, self.batch, self.rng).compile()
+    self.compile_seconds = time.perf_counter() - start
+
+  def step(self):
+    self.state, metrics = self.compiled(self.state, self.batch, self.rng)
+    jax.block_until_ready(metrics)
+    return metrics
+
+
+def report(runner: StepRunner, times: list[float]) -> dict:
+  """The figures of a finished run as a dict (also what the command prints)."""
+  step_s = statistics.median(times)
+  flops = train_flops(runner.cfg, runner.batch_size, runner.seq_len, runner.max_predictions)
+  n = runner.training.mesh.size
+  device = jax.devices()[0]
+  peak = peak_tflops(device.device_kind)
+  tflops = flops / step_s / 1e12
+  memory, memory_kind = peak_memory_bytes(runner.compiled)
+  xla = xla_flops(runner.compiled)
+  return {
+      "device": f"{n} x {device.device_kind} ({device.platform})",
+      "mesh": dict(runner.training.mesh.shape),
+      "batch_size": runner.batch_size, "seq_len": runner.seq_len,
+      "max_predictions": runner.max_predictions, "dtype": runner.cfg.dtype,
+      "remat_policy": runner.cfg.remat_policy, "scan_layers": runner.cfg.scan_layers,
+      "num_microbatches": runner.training.train_config.num_microbatches,
+      "compile_s": round(runner.compile_seconds, 2),
+      "step_s": round(step_s, 4), "step_s_min": round(min(times), 4),
+      "sequences_per_s": round(runner.batch_size / step_s, 2),
+      "tokens_per_s": round(runner.batch_size * runner.seq_len / step_s, 1),
+      "model_tflop_per_step": round(flops / 1e12, 4),
+      "xla_tflop_per_step_per_device": None if xla is None else round(xla / 1e12, 4),
+      "model_tflops": round(tflops, 3), "model_tflops_per_device": round(tflops / n, 3),
+      "peak_tflops_per_device": peak,
+      "mfu": None if peak is None else round(tflops / (n * peak), 4),
+      "peak_memory_gib": None if memory is None else round(memory / 2**30, 3),
+      "peak_memory_kind": memory_kind,
+  }
+
+
+def sequence_shape(config) -> tuple[int, int]:
+  """(L, M) from the data section: max_seq_length and max_predictions_per_seq."""
+  data = config.get("data", {})
+  seq_len = int(data.get("max_seq_length", 128))
+  return seq_len, int(data.get("max_predictions_per_seq", max(1, round(0.15 * seq_len))))
+
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
+flags.DEFINE_integer("steps", 5, "timed steps (the median is reported)")
+flags.DEFINE_integer("warmup_steps", 1, "untimed steps after compiling")
+flags.DEFINE_string("json", "", "also write the figures to this file")
+
+
+def print_report(figures: dict, out=sys.stdout) -> None:
+  width = max(len(k) for k in figures)
+  for key, value in figures.items():
+    print(f"{key:<{width}}  {value}", file=out)
+
+
+def main(argv):
+  del argv
+  config = FLAGS.config
+  seq_len, max_predictions = sequence_shape(config)
+  runner = StepRunner(config, seq_len, max_predictions)
+  time_steps(runner.step, FLAGS.warmup_steps)
+  figures = report(runner, time_steps(runner.step, FLAGS.steps))
+  print_report(figures)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)

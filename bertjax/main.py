@@ -1,0 +1,55 @@
+"""Entry point: `python -m bertjax.main --config=configs/tiny.py --workdir=/tmp/run`.
+
+Any config key can be overridden with a dotted flag (`--config.train.batch_size=256`); the config
+is locked, so a misspelled key is an error. Several processes (a TPU pod, or `launch/local.sh`)
+join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordinator_address,
+--num_processes and --process_id (or the BERTJAX_* environment variables of bertjax.distributed).
+"""
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+# `configs/*.py` import `configs.base`: make the folder holding `configs/` importable whatever
+# the working directory (the config file's grandparent folder).
+for _arg in sys.argv:
+  if _arg.startswith("--config="):
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(_arg.split("=", 1)[1].split(":")[0])))
+    if _root not in sys.path:
+      sys.path.insert(0, _root)
+
+config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py), locked.",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard logs and metrics go here "
+                    "(local path or gs://). Running again with the same workdir resumes.")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process CPU/GPU).")
+flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process CPU/GPU).")
+flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+flags.mark_flags_as_required(["config", "workdir"])
+FLAGS = flags.FLAGS
+
+
+def hide_accelerators_from_tensorflow() -> None:
+  """tf.data runs on the host CPU; TensorFlow must not take GPU/TPU memory JAX needs."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  for kind in ("GPU", "TPU"):
+    try:
+      tf.config.set_visible_devices([], kind)
+    except (RuntimeError, ValueError):
+      pass
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  hide_accelerators_from_tensorflow()
+  from bertjax import distributed, loop  # pylint: disable=import-outside-toplevel
+  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,173 @@
+"""What a run reports: metric reduction, TensorBoard + JSON-lines writers, progress lines, NaN guard.
+
+Only process 0 writes. Metrics arrive as {name: (sum, denominator)} already summed over the
+global batch; `reduce` divides them once, after any accumulation over steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from bertjax.model import BertConfig
+
+
+# Model FLOPs count matmuls only, 2 per multiply-add, training = 3 x forward. Per sequence, forward:
+#   encoder  num_layers * L * (8 D^2 + 4 D F + 4 L D)   (Q, K, V, output; MLP; QK^T and PV)
+#   pooler + NSP        2 D^2 + 4 D
+#   MLM head        M * (2 D^2 + 2 D V)                  (only the M masked positions)
+# Rematerialisation is not useful work and is not counted, so MFU compares across remat policies.
+# Dense bfloat16 peak TFLOP/s per chip (per GPU), from the vendors' data sheets. Matched against
+# jax's `device_kind` in order (more specific names first).
+PEAK_TFLOPS = (
+    ("TPU v6 lite", 918.0), ("TPU v6e", 918.0),
+    ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
+    ("TPU v5p", 459.0), ("TPU v5", 459.0),
+    ("TPU v4", 275.0),
+    ("H200", 989.0), ("H100", 989.0),  # SXM; dense (no sparsity)
+    ("A100", 312.0),
+)
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """Peak bf16 TFLOP/s of one device, or None when unknown (CPUs)."""
+  for name, peak in PEAK_TFLOPS:
+    if name.lower() in device_kind.lower():
+      return peak
+  return None
+
+
+def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, max_predictions: int) -> float:
+  """Matmul FLOPs of one sequence's forward pass (see the module docstring)."""
+  d, f, v, length = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_len
+  encoder = cfg.num_layers * length * (8 * d * d + 4 * d * f + 4 * length * d)
+  pooler_nsp = 2 * d * d + 4 * d
+  mlm = max_predictions * (2 * d * d + 2 * d * v)
+  return float(encoder + pooler_nsp + mlm)
+
+
+def train_flops(cfg: BertConfig, batch_size: int, seq_len: int, max_predictions: int) -> float:
+  """Model FLOPs of one training step on the whole (global) batch."""
+  return 3.0 * batch_size * forward_flops_per_sequence(cfg, seq_len, max_predictions)
+
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN or Inf; nothing of that step was saved."""
+
+
+def accumulate(total: dict | None, metrics: Mapping[str, Any]) -> dict:
+  """Adds a step's metrics ((sum, denominator) pairs or scalars) into a running total."""
+  metrics = jax.device_get(dict(metrics))
+  if total is None:
+    return {k: tuple(np.asarray(x, np.float64) for x in v) if isinstance(v, (tuple, list))
+            else np.asarray(v, np.float64) for k, v in metrics.items()}
+  for k, v in metrics.items():
+    if isinstance(v, (tuple, list)):
+      total[k] = (total[k][0] + v[0], total[k][1] + v[1])
+    else:
+      total[k] = total[k] + v
+  return total
+
+
+def reduce(total: Mapping[str, Any], steps: int = 1) -> dict[str, float]:
+  """sum / denominator for pairs; scalars (learning rate, gradient norm) averaged over steps."""
+  out = {}
+  for k, v in total.items():
+    if isinstance(v, (tuple, list)):
+      out[k] = float(v[0]) / max(float(v[1]), 1e-9)
+    else:
+      out[k] = float(v) / max(steps, 1)
+  return out
+
+
+def check_finite(step: int, scalars: Mapping[str, float]) -> None:
+  bad = {k: v for k, v in scalars.items() if "loss" in k and not math.isfinite(v)}
+  if bad:
+    raise NonFiniteLossError(
+        f"Non-finite loss at step {step}: {bad}. Training stopped; no checkpoint of this state "
+        "was written, the last good one is kept. Lower the learning rate, raise warmup, or check "
+        "the data around this step.")
+
+
+class Writer:
+  """TensorBoard event files and a `metrics.jsonl` in the workdir, written by process 0 only."""
+
+  def __init__(self, workdir: str, enabled: bool):
+    self.enabled = enabled
+    self._tb = None
+    self._jsonl = None
+    if not enabled:
+      return
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    self._tf = tf
+    self._tb = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
+    self._jsonl = tf.io.gfile.GFile(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def write(self, step: int, scalars: Mapping[str, float], prefix: str = "") -> None:
+    if not self.enabled:
+      return
+    with self._tb.as_default():
+      for k, v in scalars.items():
+        self._tf.summary.scalar(prefix + k, v, step=step)
+    self._tb.flush()
+    self._jsonl.write(json.dumps({"step": step, **{prefix + k: v for k, v in scalars.items()}})
+                      + "\n")
+    self._jsonl.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+class Throughput:
+  """Sequences/s, MFU and time left over the interval since the last call."""
+
+  def __init__(self, start_step: int, total_steps: int, seqs_per_step: int,
+               flops_per_step: float | None = None, peak_flops: float | None = None):
+    self.total_steps = total_steps
+    self.seqs_per_step = seqs_per_step
+    self.flops_per_step = flops_per_step
+    self.peak_flops = peak_flops
+    self._step, self._time = start_step, time.perf_counter()
+
+  def update(self, step: int) -> dict[str, float]:
+    now = time.perf_counter()
+    steps, seconds = step - self._step, max(now - self._time, 1e-9)
+    self._step, self._time = step, now
+    out = {"steps_per_sec": steps / seconds,
+           "seqs_per_sec": steps * self.seqs_per_step / seconds,
+           "eta_sec": (self.total_steps - step) * seconds / max(steps, 1)}
+    if self.flops_per_step:
+      out["tflops_per_sec"] = steps * self.flops_per_step / seconds / 1e12
+      if self.peak_flops:
+        out["mfu"] = steps * self.flops_per_step / seconds / self.peak_flops
+    return out
+
+
+def format_duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def progress_line(step: int, total_steps: int, scalars: Mapping[str, float],
+                  speed: Mapping[str, float]) -> str:
+  """One console line per interval: what a person watching the run wants to see."""
+  parts = [f"step {step}/{total_steps}", f"loss {scalars.get('loss', float('nan')):.4f}"]
+  for key, label in (("mlm_accuracy", "mlm_acc"), ("nsp_accuracy", "nsp_acc")):
+    if key in scalars:
+      parts.append(f"{label} {scalars[key]:.3f}")
+  if "learning_rate" in scalars:
+    parts.append(f"lr {scalars['learning_rate']:.2e}")
+  parts.append(f"{speed['seqs_per_sec']:.0f} seq/s")
+  if "mfu" in speed:
+    parts.append(f"MFU {100 * speed['mfu']:.1f}%")
+  parts.append(f"eta {format_duration(speed['eta_sec'])}")
+  return " | ".join(parts)

@@ -1,0 +1,177 @@
+"""The optimizers of the original BERT as optax transformations, the schedule, and the chain.
+
+AdamW as google-research/bert `optimization.py` (Loshchilov & Hutter's decoupled decay, but with
+NO bias correction, which the original omits):
+    m <- b1 m + (1 - b1) g          v <- b2 v + (1 - b2) g^2
+    u  = m / (sqrt(v) + eps) + wd * w      (wd only where the decay mask is True)
+    w <- w - lr * u
+
+LAMB (You et al. 2019, the large-batch recipe of MLPerf and NVIDIA) uses the same u, then scales
+it per layer by the trust ratio ||w|| / ||u|| (1 when either norm is 0). Parameters excluded from
+weight decay (LayerNorm, biases) are also excluded from the trust ratio, as the MLPerf reference.
+With `scan_layers` one array holds every layer's weights on its leading axis; the trust ratio is
+then computed per layer (per slice of that axis), so it means the same as in the unrolled model.
+
+`bias_correction=True` divides m and v by (1 - b^t) as in Adam / NVIDIA's LAMB.
+
+Learning rate (the original's `create_optimizer`): linear warmup from 0 over `warmup_steps`, then
+`peak * (1 - step / total_steps)`: the decay is measured from step 0, so it starts just below the
+peak, exactly as the original. `step` counts the updates already applied (the first update uses
+lr 0 when there is warmup, as the original).
+
+The chain: global-norm clipping (1.0), then AdamW or LAMB with the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+MaskOrFn = Union[Any, Callable[[Any], Any]]
+
+# Substrings of a parameter's path that exclude it from weight decay (and from LAMB's trust ratio).
+NO_DECAY_MODULES = ("layer_norm", "layernorm")
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _path_names(path) -> list[str]:
+  return [_key_name(k).lower() for k in path]
+
+
+def default_decay_mask(params) -> Any:
+  """True where weight decay applies: everything but LayerNorm parameters and biases.
+
+  Like the original's regex ("LayerNorm", "layer_norm", "bias"), embeddings and kernels decay.
+  Works on bertjax's names and on Hugging Face Flax names (`LayerNorm`, `bias`).
+  """
+  def decays(path, _):
+    names = _path_names(path)
+    in_norm = any(n in part for part in names[:-1] for n in NO_DECAY_MODULES)
+    return not (in_norm or names[-1].endswith("bias"))
+
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def default_stacked_mask(params) -> Any:
+  """True for arrays stacked over layers by `nn.scan` (bertjax's scanned module is `layers`)."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: "layers" in _path_names(path)[:-1],
+                                          params)
+
+
+def _resolve(mask: MaskOrFn, params):
+  return mask(params) if callable(mask) else mask
+
+
+class BertAdamState(NamedTuple):
+  count: jax.Array  # updates applied so far (int32): drives the schedule and bias correction
+  mu: Any  # first moment, like the parameters
+  nu: Any  # second moment, like the parameters
+
+
+def _scale_by_bert_adam(learning_rate, b1, b2, eps, weight_decay, decay_mask, bias_correction,
+                        trust_ratio: bool, stacked_mask) -> optax.GradientTransformation:
+  """AdamW (trust_ratio=False) or LAMB (True) of the module docstring, learning rate included."""
+
+  def init(params):
+    return BertAdamState(count=jnp.zeros([], jnp.int32),
+                         mu=jax.tree.map(jnp.zeros_like, params),
+                         nu=jax.tree.map(jnp.zeros_like, params))
+
+  def update(grads, state, params=None):
+    if params is None:
+      raise ValueError("AdamW / LAMB need the parameters for weight decay: pass params to update")
+    count = state.count
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+    mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, grads)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * jnp.square(g), state.nu, grads)
+    if bias_correction:
+      # 1 - b^t as -expm1(t log b): 1 - 0.999 in float32 would lose four digits.
+      t = (count + 1).astype(jnp.float32)
+      m_scale = -1.0 / jnp.expm1(t * math.log(b1))
+      v_scale = -1.0 / jnp.expm1(t * math.log(b2))
+    else:
+      m_scale = v_scale = 1.0
+    decay = _resolve(decay_mask, params)
+    stacked = _resolve(stacked_mask, params)
+
+    def step(m, v, w, decays, is_stacked):
+      u = (m * m_scale) / (jnp.sqrt(v * v_scale) + eps)
+      if decays:
+        u = u + weight_decay * w
+      if trust_ratio and decays:
+        # Norm per layer: over everything but the leading layer axis of a scanned array.
+        axes = tuple(range(1, w.ndim)) if is_stacked else None
+        w_norm = jnp.sqrt(jnp.sum(jnp.square(w), axis=axes, keepdims=True))
+        u_norm = jnp.sqrt(jnp.sum(jnp.square(u), axis=axes, keepdims=True))
+        ratio = jnp.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0)
+        u = ratio * u
+      return (-lr * u).astype(w.dtype)
+
+    updates = jax.tree.map(step, mu, nu, params, decay, stacked)
+    return updates, BertAdamState(count=count + 1, mu=mu, nu=nu)
+
+  return optax.GradientTransformation(init, update)
+
+
+def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+          weight_decay: float = 0.01, decay_mask: MaskOrFn = default_decay_mask,
+          bias_correction: bool = False) -> optax.GradientTransformation:
+  """The original BERT AdamW (no bias correction by default). `learning_rate`: float or schedule."""
+  return _scale_by_bert_adam(learning_rate, b1, b2, eps, weight_decay, decay_mask,
+                             bias_correction, trust_ratio=False,
+                             stacked_mask=lambda p: jax.tree.map(lambda _: False, p))
+
+
+def lamb(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+         weight_decay: float = 0.01, decay_mask: MaskOrFn = default_decay_mask,
+         bias_correction: bool = False,
+         stacked_mask: MaskOrFn = default_stacked_mask) -> optax.GradientTransformation:
+  """LAMB: AdamW's direction scaled per layer by ||w|| / ||u||; excluded params get ratio 1."""
+  return _scale_by_bert_adam(learning_rate, b1, b2, eps, weight_decay, decay_mask,
+                             bias_correction, trust_ratio=True, stacked_mask=stacked_mask)
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
+  """Linear warmup to `peak`, then linear decay to 0 at `total_steps`, as the original."""
+  if total_steps < 1 or warmup_steps < 0 or warmup_steps > total_steps:
+    raise ValueError(f"Need 0 <= warmup_steps ({warmup_steps}) <= total_steps ({total_steps}) "
+                     "and total_steps >= 1")
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32)
+    decayed = peak * (1.0 - jnp.minimum(step, total_steps) / total_steps)
+    if warmup_steps == 0:
+      return decayed
+    return jnp.where(step < warmup_steps, peak * step / warmup_steps, decayed)
+
+  return schedule
+
+
+OPTIMIZERS = {"adamw": adamw, "lamb": lamb}
+
+
+def create_optimizer(train_config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """clip_by_global_norm(max_grad_norm) -> AdamW or LAMB with the warmup/decay schedule.
+
+  `train_config` is a `bertjax.train.TrainConfig` (any object with the same attributes).
+  """
+  c = train_config
+  if c.optimizer not in OPTIMIZERS:
+    raise ValueError(f"optimizer={c.optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
+  schedule = learning_rate_schedule(c.learning_rate, c.warmup_steps, c.num_train_steps)
+  main = OPTIMIZERS[c.optimizer](schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
+                                 weight_decay=c.weight_decay, bias_correction=c.bias_correction)
+  parts = [main]
+  if c.max_grad_norm and c.max_grad_norm > 0:
+    parts.insert(0, optax.clip_by_global_norm(c.max_grad_norm))
+  return optax.chain(*parts), schedule

@@ -1,0 +1,219 @@
+"""The device mesh, logical-axis sharding and the host-local -> global batch, from `config.mesh`.
+
+Mesh axes, outermost first:
+  data    pure data parallelism: the batch is split, parameters are replicated;
+  fsdp    the batch is split AND parameters / optimizer state are split (ZeRO-3 style; XLA gathers
+          each weight just before it is used);
+  tensor  Megatron-style model parallelism: heads and the MLP are split (the default rules keep
+          the vocabulary whole; see the comment in configs/base.py).
+
+Sizes come in two groups: ICI (chips linked inside one slice) and DCN (between slices of a
+multi-slice job). Axis size = ici * dcn. One ICI size and one DCN size may be -1: it takes what is
+left. Parameters name their dimensions logically (bertjax/model.py); `config.mesh.logical_axis_rules`
+maps those names to mesh axes, so the model code never names a mesh axis.
+
+Every check here raises before anything is compiled, with the numbers that do not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the mesh axes the batch dimension is split over
+
+Rules = tuple[tuple[str, Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Typed form of `config.mesh` (see configs/base.py for the meaning of each key)."""
+
+  ici_data: int = -1
+  ici_fsdp: int = 1
+  ici_tensor: int = 1
+  dcn_data: int = -1
+  dcn_fsdp: int = 1
+  dcn_tensor: int = 1
+  logical_axis_rules: Rules = ()
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "MeshConfig":
+    values = dict(values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"Unknown mesh config keys {unknown}; known keys are {sorted(known)}")
+    values["logical_axis_rules"] = rules_from_config(values.get("logical_axis_rules", ()))
+    return cls(**values)
+
+  @property
+  def ici(self) -> tuple[int, int, int]:
+    return (self.ici_data, self.ici_fsdp, self.ici_tensor)
+
+  @property
+  def dcn(self) -> tuple[int, int, int]:
+    return (self.dcn_data, self.dcn_fsdp, self.dcn_tensor)
+
+
+def rules_from_config(rules: Sequence) -> Rules:
+  """Logical rules as hashable tuples (ConfigDict may hand back lists)."""
+  out = []
+  for name, axes in rules:
+    if isinstance(axes, (list, tuple)):
+      axes = tuple(axes)
+    out.append((str(name), axes))
+  return tuple(out)
+
+
+def fill_sizes(sizes: Sequence[int], total: int, group: str) -> tuple[int, ...]:
+  """Replaces the one -1 in `sizes` so that their product is `total`; raises with the numbers."""
+  sizes = [int(s) for s in sizes]
+  named = ", ".join(f"{group}_{a}={s}" for a, s in zip(MESH_AXES, sizes))
+  if sum(s == -1 for s in sizes) > 1:
+    raise ValueError(f"At most one {group} mesh size may be -1; got {named}")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"{group} mesh sizes must be positive or -1; got {named}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if total % known:
+      raise ValueError(f"The {group} mesh ({named}) needs a multiple of {known} devices, but "
+                       f"there are {total}")
+    sizes[sizes.index(-1)] = total // known
+  elif known != total:
+    raise ValueError(f"The {group} mesh ({named}) has {known} devices but there are {total}; "
+                     f"make the product {total} or set one size to -1")
+  return tuple(sizes)
+
+
+def _num_slices(devices) -> int:
+  return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+  """The size of each mesh axis, -1 filled. Raises if the sizes cannot match the devices."""
+  if num_devices % num_slices:
+    raise ValueError(f"{num_devices} devices cannot be split into {num_slices} slices evenly")
+  dcn = fill_sizes(config.dcn, num_slices, "dcn")
+  ici = fill_sizes(config.ici, num_devices // num_slices, "ici")
+  return {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)}
+
+
+def create_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The global (data, fsdp, tensor) mesh over all devices of all processes.
+
+  Inside one slice `create_device_mesh` orders devices so that neighbouring mesh coordinates are
+  physical ICI neighbours; across slices `create_hybrid_device_mesh` keeps the DCN hops on the
+  outer (slow) dimensions.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  num_slices = _num_slices(devices)
+  mesh_shape(config, len(devices), num_slices)  # raises with the numbers if they do not fit
+  dcn = fill_sizes(config.dcn, num_slices, "dcn")
+  ici = fill_sizes(config.ici, len(devices) // num_slices, "ici")
+  if num_slices > 1:
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+  else:
+    grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+  return Mesh(grid, MESH_AXES)
+
+
+def batch_axis_size(mesh: Mesh) -> int:
+  """Number of ways the batch dimension is split (data x fsdp)."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_batch_size(global_batch_size: int, mesh: Mesh, num_microbatches: int = 1) -> None:
+  """Each microbatch must split evenly over data x fsdp; raises with the numbers otherwise."""
+  n = batch_axis_size(mesh)
+  need = n * num_microbatches
+  if global_batch_size % need:
+    fix = global_batch_size - global_batch_size % need
+    raise ValueError(
+        f"Global batch size {global_batch_size} is not divisible by data x fsdp x microbatches = "
+        f"{mesh.shape['data']} x {mesh.shape['fsdp']} x {num_microbatches} = {need}; "
+        f"use a multiple of {need} such as {max(fix, need)}")
+
+
+def check_model_fits(model_config, mesh: Mesh) -> None:
+  """Tensor parallelism splits heads and the MLP: both must divide by the tensor axis."""
+  t = mesh.shape["tensor"]
+  problems = []
+  if model_config.num_heads % t:
+    problems.append(f"num_heads={model_config.num_heads} is not divisible by tensor={t}")
+  if model_config.intermediate_size % t:
+    problems.append(
+        f"intermediate_size={model_config.intermediate_size} is not divisible by tensor={t}")
+  if problems:
+    raise ValueError("The model does not split over the mesh: " + "; ".join(problems)
+                     + f" (mesh {dict(mesh.shape)})")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) dimension over data x fsdp, everything else replicated."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def _fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, where: str):
+  """Drops mesh axes from dimensions they do not divide (jit arguments must split evenly)."""
+  fitted = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    ways = math.prod(mesh.shape[a] for a in names)
+    if ways > 1 and dim % ways:
+      logging.warning("%s: dimension %d does not split %d ways over %s; replicating it", where,
+                      dim, ways, names)
+      axes = None
+    fitted.append(axes)
+  return PartitionSpec(*fitted)
+
+
+def logical_shardings(boxed_tree: Any, mesh: Mesh, rules: Rules) -> Any:
+  """NamedSharding for every leaf of a tree whose leaves may be `nn.Partitioned` (abstract ok).
+
+  Leaves without logical names (step counters, scalars) are replicated.
+  """
+  specs = nn.get_partition_spec(boxed_tree)
+  mesh_specs = nn.logical_to_mesh(specs, rules)
+  values = nn.unbox(boxed_tree)
+
+  def one(path, spec, value):
+    spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
+    return NamedSharding(mesh, _fit_spec(spec, value.shape, mesh, jax.tree_util.keystr(path)))
+
+  return jax.tree_util.tree_map_with_path(
+      one, mesh_specs, values, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+
+
+def host_batch_to_global(batch: Mapping[str, np.ndarray], mesh: Mesh,
+                         global_batch_size: int | None = None) -> dict[str, jax.Array]:
+  """Each process's numpy slice of the batch -> one global jax.Array per feature.
+
+  Process p passes rows [p * B/P, (p+1) * B/P) of the global batch (in the order of
+  `jax.process_index()`); with one process this is a sharded device_put.
+  """
+  sharding = batch_sharding(mesh)
+  out = {}
+  for name, local in batch.items():
+    local = np.asarray(local)
+    global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+    if global_batch_size is not None and global_shape[0] != global_batch_size:
+      raise ValueError(f"Feature {name!r}: {jax.process_count()} processes x {local.shape[0]} "
+                       f"local rows = {global_shape[0]}, expected global batch "
+                       f"{global_batch_size}")
+    check_batch_size(global_shape[0], mesh)
+    out[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+  return out

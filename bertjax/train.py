@@ -1,0 +1,293 @@
+"""The functional core of training: train state, `train_step`, `eval_step`, and their sharded jits.
+
+`build(model_config, train_config, mesh_config)` (or `from_config(config)`) returns a `Training`:
+the mesh, the model, the optimizer, the abstract state and its shardings, and three jitted
+functions whose shardings are explicit:
+
+    state = training.init_state(rng)                         # born sharded, never on one device
+    batch = training.to_global(host_batch)                   # this host's numpy rows -> jax.Array
+    state, metrics = training.train_step(state, batch, rng)  # state donated
+    metrics = training.eval_step(state, batch)
+
+Every metric is a (sum, denominator) pair of float32 scalars: mlm_loss, mlm_accuracy, nsp_loss,
+nsp_accuracy, and in training also loss (the objective), grad_norm (before clipping) and
+learning_rate (the rate of this update), each with denominator 1. Add sums and denominators over
+steps or hosts, divide once.
+
+Gradient accumulation: with `num_microbatches` k the step splits the batch into k microbatches and
+`lax.scan`s over them, so activations of one microbatch are live at a time. The loss is a mean
+over masked tokens whose count differs between microbatches, so each microbatch's loss is divided
+by the count of the WHOLE batch (known from `masked_lm_weights` before the scan); the summed
+gradients are then exactly those of the whole batch.
+
+The loop (checkpoints, logging, evaluation schedule) belongs in this module too, on top of this
+core; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bertjax import losses, optimizer as optimizer_lib, sharding
+from bertjax.heads import BertForPreTraining
+from bertjax.model import BertConfig
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, tuple[jax.Array, jax.Array]]
+
+# Features the model reads; the optional ones enable packed rows when the data provides them.
+MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")
+OPTIONAL_MODEL_INPUTS = ("position_ids", "sequence_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Typed form of `config.train` (see configs/base.py for the meaning of each key)."""
+
+  batch_size: int = 256
+  num_microbatches: int = 1
+  num_train_steps: int = 1_000_000
+  seed: int = 0
+  optimizer: str = "adamw"
+  learning_rate: float = 1e-4
+  warmup_steps: int = 10_000
+  weight_decay: float = 0.01
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  adam_eps: float = 1e-6
+  bias_correction: bool = False
+  max_grad_norm: float = 1.0
+
+  def __post_init__(self):
+    problems = []
+    for name in ("batch_size", "num_microbatches", "num_train_steps"):
+      if int(getattr(self, name)) < 1:
+        problems.append(f"{name}={getattr(self, name)} must be >= 1")
+    if self.batch_size % max(1, self.num_microbatches):
+      problems.append(f"batch_size={self.batch_size} is not divisible by "
+                      f"num_microbatches={self.num_microbatches}")
+    if self.optimizer not in optimizer_lib.OPTIMIZERS:
+      problems.append(f"optimizer={self.optimizer!r}; choose one of "
+                      f"{sorted(optimizer_lib.OPTIMIZERS)}")
+    if not 0 <= self.warmup_steps <= self.num_train_steps:
+      problems.append(f"warmup_steps={self.warmup_steps} must be in [0, num_train_steps="
+                      f"{self.num_train_steps}]")
+    if problems:
+      raise ValueError("Invalid train config: " + "; ".join(problems))
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "TrainConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    # Keys of the loop (checkpointing, logging, ...) live in the same section; ignore them here.
+    return cls(**{k: v for k, v in dict(values).items() if k in known})
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer updates applied so far
+  params: Any
+  opt_state: Any
+
+
+def model_inputs(batch: Batch) -> dict[str, jax.Array]:
+  inputs = {name: batch[name] for name in MODEL_INPUTS}
+  inputs.update({name: batch[name] for name in OPTIONAL_MODEL_INPUTS if name in batch})
+  return inputs
+
+
+def dummy_batch(batch_size: int, seq_len: int = 8, max_predictions: int = 1) -> dict:
+  """Zeros of the right dtypes: for init and shape inference."""
+  ints = lambda *s: np.zeros(s, np.int32)
+  return {"input_ids": ints(batch_size, seq_len), "input_mask": ints(batch_size, seq_len),
+          "segment_ids": ints(batch_size, seq_len),
+          "masked_lm_positions": ints(batch_size, max_predictions),
+          "masked_lm_ids": ints(batch_size, max_predictions),
+          "masked_lm_weights": np.zeros((batch_size, max_predictions), np.float32),
+          "next_sentence_labels": ints(batch_size)}
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, rng,
+               batch_size: int = 1) -> TrainState:
+  """The initial state with parameters still boxed in `nn.Partitioned` (their logical names)."""
+  inputs = model_inputs(dummy_batch(batch_size))
+  params = model.init({"params": rng}, **inputs, deterministic=True)["params"]
+  return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def _denominators(batch: Batch) -> dict[str, jax.Array]:
+  # The (sum, denominator) denominators of losses.pretraining_metrics, over the whole batch.
+  den = {"mlm_loss": jnp.sum(batch["masked_lm_weights"].astype(jnp.float32))}
+  if "next_sentence_labels" in batch:
+    den["nsp_loss"] = jnp.asarray(batch["next_sentence_labels"].size, jnp.float32)
+  return den
+
+
+def _loss_fn(params, model, batch, dropout_rng, denominators):
+  mlm_logits, nsp_logits = model.apply(
+      {"params": params}, **model_inputs(batch), deterministic=False,
+      rngs={"dropout": dropout_rng})
+  metrics = losses.pretraining_metrics(mlm_logits, nsp_logits, batch)
+  # This microbatch's share of the whole batch's objective (see the module docstring).
+  share = {name: (metrics[name][0], den) for name, den in denominators.items()}
+  return losses.total_loss(share), metrics
+
+
+def _split_microbatches(batch: Batch, k: int, mesh: Mesh | None) -> Batch:
+  """[B, ...] -> [k, B/k, ...]; microbatch j takes rows j, j+k, ... so that every device holds a
+  slice of every microbatch (a contiguous split would put microbatch 0 on the first devices)."""
+  def split(x):
+    x = x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
+    if mesh is not None:
+      spec = PartitionSpec(None, sharding.BATCH_AXES)
+      x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return x
+  return jax.tree.map(split, dict(batch))
+
+
+def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
+               tx: optax.GradientTransformation, schedule: Callable, num_microbatches: int = 1,
+               mesh: Mesh | None = None, param_shardings=None) -> tuple[TrainState, Metrics]:
+  """One optimizer update on `batch` (the global batch). Pure: jit it (see `build`)."""
+  step_rng = jax.random.fold_in(rng, state.step)  # a new dropout mask each step, reproducibly
+  denominators = _denominators(batch)
+  grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
+
+  if num_microbatches == 1:
+    (loss, metrics), grads = grad_fn(state.params, model, batch, jax.random.fold_in(step_rng, 0),
+                                     denominators)
+  else:
+    rows = batch["input_ids"].shape[0]
+    if rows % num_microbatches:  # at trace time, before anything compiles
+      raise ValueError(f"Batch of {rows} rows does not split into {num_microbatches} microbatches")
+    micro = _split_microbatches(batch, num_microbatches, mesh)
+
+    def accumulate(carry, xs):
+      grads_acc, loss_acc, metrics_acc = carry
+      i, microbatch = xs
+      (loss_i, metrics_i), grads_i = grad_fn(state.params, model, microbatch,
+                                             jax.random.fold_in(step_rng, i), denominators)
+      grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads_i)
+      if param_shardings is not None:  # keep the accumulator laid out like the parameters
+        grads_acc = jax.lax.with_sharding_constraint(grads_acc, param_shardings)
+      metrics_acc = jax.tree.map(jnp.add, metrics_acc, metrics_i)
+      return (grads_acc, loss_acc + loss_i, metrics_acc), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    first = jax.tree.map(lambda x: x[0], micro)
+    metrics_shape = jax.eval_shape(
+        lambda: _loss_fn(state.params, model, first, step_rng, denominators)[1])
+    zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
+    carry = (zeros, jnp.zeros([], jnp.float32), zero_metrics)
+    (grads, loss, metrics), _ = jax.lax.scan(
+        accumulate, carry, (jnp.arange(num_microbatches), micro))
+
+  grad_norm = optax.tree.norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  one = jnp.ones([], jnp.float32)
+  metrics = dict(metrics)
+  metrics["loss"] = (loss, one)
+  metrics["grad_norm"] = (grad_norm, one)
+  metrics["learning_rate"] = (jnp.asarray(schedule(state.step), jnp.float32), one)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(state: TrainState, batch: Batch, *, model: nn.Module) -> Metrics:
+  """Metrics of the batch without dropout, as (sum, denominator)."""
+  mlm_logits, nsp_logits = model.apply({"params": state.params}, **model_inputs(batch),
+                                       deterministic=True)
+  return losses.pretraining_metrics(mlm_logits, nsp_logits, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+  """Everything a loop needs, built once: see the module docstring."""
+
+  model_config: BertConfig
+  train_config: TrainConfig
+  mesh: Mesh
+  rules: sharding.Rules
+  model: nn.Module
+  optimizer: optax.GradientTransformation
+  schedule: Callable
+  abstract_state: TrainState  # jax.ShapeDtypeStruct leaves (unboxed): for restoring checkpoints
+  state_shardings: TrainState  # NamedSharding leaves
+  batch_sharding: NamedSharding
+  init_state: Callable  # (rng) -> TrainState, created directly in its shardings
+  train_step: Callable  # (state, batch, rng) -> (state, metrics); state donated
+  eval_step: Callable  # (state, batch) -> metrics
+
+  def to_global(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows of the global batch (numpy) -> global arrays sharded for the step."""
+    return sharding.host_batch_to_global(host_batch, self.mesh)
+
+
+def _in_mesh(fn, mesh: Mesh | None, rules: sharding.Rules):
+  """`fn` traced with the mesh and the logical rules in scope (for the model's constraints).
+
+  Init runs without the mesh (mesh=None): the constraints of its dummy forward pass serve no
+  purpose there, and jit's out_shardings already create each parameter shard on its device.
+  """
+  def wrapped(*args):
+    with nn.logical_axis_rules(rules):
+      if mesh is None:
+        return fn(*args)
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return fn(*args)
+  return wrapped
+
+
+def build(model_config: BertConfig, train_config: TrainConfig,
+          mesh_config: sharding.MeshConfig, devices=None) -> Training:
+  """Mesh, model, optimizer, shardings and the jitted functions. Checks sizes before compiling."""
+  mesh = sharding.create_mesh(mesh_config, devices)
+  sharding.check_model_fits(model_config, mesh)
+  sharding.check_batch_size(train_config.batch_size, mesh, train_config.num_microbatches)
+  rules = mesh_config.logical_axis_rules
+  model = BertForPreTraining(model_config)
+  tx, schedule = optimizer_lib.create_optimizer(train_config)
+  init_batch = sharding.batch_axis_size(mesh)
+
+  boxed = jax.eval_shape(_in_mesh(lambda rng: init_state(model, tx, rng, init_batch), None, rules),
+                         jax.random.PRNGKey(0))
+  state_shardings = sharding.logical_shardings(boxed, mesh, rules)
+  abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                nn.unbox(boxed), state_shardings)
+  replicated = sharding.replicated(mesh)
+  batch_sh = sharding.batch_sharding(mesh)
+
+  init = jax.jit(
+      _in_mesh(lambda rng: nn.unbox(init_state(model, tx, rng, init_batch)), None, rules),
+      in_shardings=replicated, out_shardings=state_shardings)
+  step = jax.jit(
+      _in_mesh(lambda s, b, r: train_step(
+          s, b, r, model=model, tx=tx, schedule=schedule,
+          num_microbatches=train_config.num_microbatches, mesh=mesh,
+          param_shardings=state_shardings.params), mesh, rules),
+      in_shardings=(state_shardings, batch_sh, replicated),
+      out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+  evaluate = jax.jit(_in_mesh(lambda s, b: eval_step(s, b, model=model), mesh, rules),
+                     in_shardings=(state_shardings, batch_sh), out_shardings=replicated)
+  return Training(model_config=model_config, train_config=train_config, mesh=mesh, rules=rules,
+                  model=model, optimizer=tx, schedule=schedule, abstract_state=abstract_state,
+                  state_shardings=state_shardings, batch_sharding=batch_sh, init_state=init,
+                  train_step=step, eval_step=evaluate)
+
+
+def from_config(config, devices=None, **model_overrides) -> Training:
+  """`build` from an ml_collections config (sections model, train, mesh); the ConfigDict stops here.
+
+  `model_overrides` replace model keys, e.g. `vocab_size=` from the tokenizer.
+  """
+  return build(BertConfig.from_dict(config.model, **model_overrides),
+               TrainConfig.from_dict(config.train),
+               sharding.MeshConfig.from_dict(config.mesh), devices)

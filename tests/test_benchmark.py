@@ -1,0 +1,63 @@
+"""The benchmark: analytic FLOPs vs XLA's count, the peak table, the report, no TensorFlow."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from bertjax import benchmark
+from configs import base
+
+L, M = 64, 10
+
+
+@pytest.fixture(scope="module")
+def runner():
+  config = base.get_config()
+  config.model.update(hidden_size=128, intermediate_size=512, num_layers=2, num_heads=2,
+                      vocab_size=1000, max_position_embeddings=L)
+  config.train.batch_size = 2
+  return benchmark.StepRunner(config, L, M, devices=jax.devices()[:1])
+
+
+def test_analytic_flops_match_xla_within_10_percent(runner):
+  analytic = benchmark.train_flops(runner.cfg, 2, L, M)
+  xla = benchmark.xla_flops(runner.compiled)
+  assert xla is not None
+  assert abs(xla / analytic - 1) < 0.10, (xla, analytic)
+
+
+def test_report_figures(runner):
+  times = benchmark.time_steps(runner.step, 2)
+  figures = benchmark.report(runner, times)
+  assert figures["sequences_per_s"] == pytest.approx(2 / figures["step_s"], rel=0.01)
+  assert figures["tokens_per_s"] == pytest.approx(figures["sequences_per_s"] * L, rel=0.01)
+  assert figures["model_tflops"] > 0 and figures["compile_s"] > 0
+  assert figures["mfu"] is None  # CPU: TFLOP/s only
+  assert int(runner.state.step) == 2
+
+
+@pytest.mark.parametrize("kind,peak", [
+    ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0),
+    ("TPU v6 lite", 918.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H100 80GB HBM3", 989.0),
+    ("NVIDIA H200", 989.0), ("cpu", None)])
+def test_peak_table(kind, peak):
+  assert benchmark.peak_tflops(kind) == peak
+
+
+def test_synthetic_batch_masks_distinct_real_positions():
+  batch = benchmark.synthetic_batch(4, 16, 3, vocab_size=50)
+  for row in batch["masked_lm_positions"]:
+    assert len(set(row)) == 3 and min(row) >= 1  # never [CLS] at 0
+
+
+def test_benchmark_imports_no_tensorflow_or_transformers():
+  code = ("import sys, bertjax.benchmark; "
+          "bad = sorted({m.split('.')[0] for m in sys.modules} & "
+          "{'tensorflow', 'transformers', 'torch'}); print(bad); assert not bad")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": root}, timeout=120)
+  assert done.returncode == 0, done.stdout + done.stderr[-2000:]

@@ -1,0 +1,163 @@
+"""The main job: exact resume, preemption, restore onto another mesh, refusals before compiling."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from bertjax import loop, train
+from bertjax.checkpoint import Checkpointer
+from bertjax.data import pipeline
+from configs import tiny
+from test_data_fixtures import data_config, write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MAKE_PIPELINE = pipeline.make_pipeline
+
+
+def _config(tmp_path, **train_overrides):
+  config = tiny.get_config()
+  config.data = data_config(tmp_path / "data", n_docs=30, sents_per_doc=12)
+  m = config.model
+  m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 32, 1, 2, 64
+  m.max_position_embeddings = 64
+  m.hidden_dropout = 0.1  # exercise the dropout keys of exact resume
+  t = config.train
+  t.batch_size, t.num_train_steps, t.warmup_steps, t.learning_rate = 8, 6, 1, 1e-3
+  t.log_every_steps, t.eval_every_steps, t.eval_batches = 2, 0, 2
+  config.checkpoint.save_every_steps = 3
+  for k, v in train_overrides.items():
+    t[k] = v
+  return config
+
+
+def _final_params(workdir, step):
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), loop.ITEMS, save_every=1, keep=1)
+  assert ckpt.latest_step() == step
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  restored = ckpt._manager.restore(step, args=ocp.args.Composite(  # pylint: disable=protected-access
+      params=ocp.args.StandardRestore()))
+  ckpt.close()
+  return restored["params"]
+
+
+class _Recorder:
+  """Wraps make_pipeline: records the training batches and can send SIGTERM at a given batch."""
+
+  def __init__(self, monkeypatch, sigterm_at=None):
+    self.train_ids = []
+
+    def make(data_config, *, split, **kw):
+      batches = _MAKE_PIPELINE(data_config, split=split, **kw)
+      if split != "train":
+        return batches
+      return self._wrap(batches, kw.get("start_step", 0), sigterm_at)
+
+    monkeypatch.setattr(pipeline, "make_pipeline", make)
+
+  def _wrap(self, batches, start, sigterm_at):
+    for i, batch in enumerate(batches, start):
+      self.train_ids.append(batch["input_ids"].copy())
+      if sigterm_at is not None and i == sigterm_at:
+        os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice, between two steps
+      yield batch
+
+
+def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, capsys):
+  config = _config(tmp_path)
+  straight = _Recorder(monkeypatch)
+  loop.train_and_evaluate(config, str(tmp_path / "straight"))
+  expected = _final_params(tmp_path / "straight", 6)
+
+  interrupted = _Recorder(monkeypatch, sigterm_at=2)  # the third batch: stops after step 3
+  assert loop.train_and_evaluate(config, str(tmp_path / "resumed")) == {}
+  assert "SIGTERM received; saved step 3" in capsys.readouterr().out
+  resumed = _Recorder(monkeypatch)
+  final = loop.train_and_evaluate(config, str(tmp_path / "resumed"))
+  assert "resumed from" in capsys.readouterr().out
+  got = _final_params(tmp_path / "resumed", 6)
+
+  np.testing.assert_array_equal(np.stack(interrupted.train_ids[:3] + resumed.train_ids),
+                                np.stack(straight.train_ids))
+  flat_expected = np.concatenate([np.ravel(x) for x in _leaves(expected)])
+  flat_got = np.concatenate([np.ravel(x) for x in _leaves(got)])
+  np.testing.assert_array_equal(flat_got, flat_expected)  # bit for bit
+  assert 0.0 <= final["mlm_accuracy"] <= 1.0 and final["num_sequences"] > 0 and "nsp_majority_baseline" in final
+  # Running again reports that the run is complete.
+  loop.train_and_evaluate(config, str(tmp_path / "resumed"))
+  assert "is complete (6 of 6 steps)" in capsys.readouterr().out
+  logs = (tmp_path / "resumed" / "metrics.jsonl").read_text()
+  assert '"train/loss"' in logs and '"eval/mlm_accuracy"' in logs
+  assert list((tmp_path / "resumed" / "tensorboard").iterdir())
+
+
+def _leaves(tree):
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.tree_util.tree_leaves(tree)
+
+
+def test_resume_onto_another_mesh_and_refuse_another_model(tmp_path, capsys):
+  config = _config(tmp_path, num_train_steps=3)
+  workdir = str(tmp_path / "run")
+  loop.train_and_evaluate(config, workdir)
+  config.train.num_train_steps = 5
+  config.mesh.ici_data, config.mesh.ici_fsdp, config.mesh.ici_tensor = 2, 2, 2
+  final = loop.train_and_evaluate(config, workdir)
+  assert "resumed from" in capsys.readouterr().out and np.isfinite(final["mlm_loss"])
+  config.model.hidden_size = 64
+  with pytest.raises(ValueError, match="hidden_size: checkpoint 32 vs config 64"):
+    loop.train_and_evaluate(config, workdir)
+
+
+def test_bad_input_is_refused_before_compiling(tmp_path, monkeypatch):
+  compiled = []
+  monkeypatch.setattr(train, "build", lambda *a, **k: compiled.append(1))
+  config = _config(tmp_path)
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(PermissionError, match="Cannot write to --workdir"):
+    loop.train_and_evaluate(config, str(tmp_path / "a_file" / "run"))
+  config.checkpoint.init_from = str(tmp_path / "no_such_run")
+  with pytest.raises(FileNotFoundError, match="init_from=.*no_such_run does not exist"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  config.checkpoint.init_from = ""
+  config.data.source = write_corpus(str(tmp_path / "empty.txt"), [])
+  with pytest.raises(ValueError, match="empty|no training instance|no document"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not compiled
+
+
+def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+  base_cmd = [sys.executable, "-m", "bertjax.main", "--config=configs/tiny.py",
+              f"--workdir={tmp_path / 'run'}"]
+  bad = subprocess.run(base_cmd + ["--config.train.batch_sise=3"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "batch_sise" in bad.stderr
+
+  data = data_config(tmp_path / "data", n_docs=30, sents_per_doc=12)
+  flags = [f"--config.data.{k}={data[k]}" for k in (
+      "tokenizer", "vocab_path", "source", "cache_dir", "max_seq_length",
+      "max_predictions_per_seq", "num_shards", "num_eval_shards", "prepare_workers")]
+  flags += ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",
+            "--config.train.batch_size=8", "--config.train.num_train_steps=100000",
+            "--config.train.log_every_steps=1", "--config.train.warmup_steps=10",
+            "--config.checkpoint.save_every_steps=100000"]
+  proc = subprocess.Popen(base_cmd + flags, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  lines, deadline = [], time.time() + 240
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("step 3/"):
+      proc.send_signal(signal.SIGTERM)
+      break
+    assert time.time() < deadline, "".join(lines[-20:])
+  out = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 0, "".join(lines) + out
+  assert "SIGTERM received; saved step" in out
+  saved = Checkpointer(str(tmp_path / "run" / "checkpoints"), loop.ITEMS, save_every=1, keep=1)
+  assert saved.latest_step() >= 3
+  saved.close()

@@ -1,0 +1,158 @@
+"""AdamW and LAMB against their formulas written out in numpy; the mask; the schedule; clipping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bertjax import optimizer
+from bertjax.train import TrainConfig
+
+B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-6, 0.01, 0.1
+
+
+def small_tree(seed=0):
+  """Names as bertjax's model makes them, plus a scanned (stacked) kernel and an HF LayerNorm."""
+  rng = np.random.default_rng(seed)
+  shapes = {
+      "embeddings": {"word_embeddings": {"embedding": (5, 4)},
+                     "layer_norm": {"scale": (4,), "bias": (4,)}},
+      "dense": {"kernel": (4, 3), "bias": (3,)},
+      "encoder": {"layers": {"layer": {"mlp": {"kernel": (2, 4, 3), "bias": (2, 3)}}}},
+      "mlm": {"output_bias": (5,)},
+      "LayerNorm": {"scale": (4,)},
+  }
+  return jax.tree.map(lambda s: rng.normal(size=s).astype(np.float32), shapes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+# The expected decay mask of small_tree: kernels and embeddings decay, norms and biases do not.
+EXPECTED_DECAY = {
+    "embeddings": {"word_embeddings": {"embedding": True},
+                   "layer_norm": {"scale": False, "bias": False}},
+    "dense": {"kernel": True, "bias": False},
+    "encoder": {"layers": {"layer": {"mlp": {"kernel": True, "bias": False}}}},
+    "mlm": {"output_bias": False},
+    "LayerNorm": {"scale": False},
+}
+
+
+def test_default_masks():
+  params = small_tree()
+  assert optimizer.default_decay_mask(params) == EXPECTED_DECAY
+  stacked = optimizer.default_stacked_mask(params)
+  assert stacked["encoder"]["layers"]["layer"]["mlp"]["kernel"] is True
+  assert stacked["dense"]["kernel"] is False
+
+
+def _reference(params, grads_seq, lamb: bool, bias_correction=False):
+  """The update rules of the module docstring, leaf by leaf in float64 numpy."""
+  flat_p, treedef = jax.tree.flatten(params)
+  flat_decay = jax.tree.leaves(EXPECTED_DECAY)
+  flat_stacked = jax.tree.leaves(optimizer.default_stacked_mask(params))
+  w = [np.asarray(p, np.float64) for p in flat_p]
+  m = [np.zeros_like(x) for x in w]
+  v = [np.zeros_like(x) for x in w]
+  for t, grads in enumerate(grads_seq, start=1):
+    for i, g in enumerate(jax.tree.leaves(grads)):
+      g = np.asarray(g, np.float64)
+      m[i] = B1 * m[i] + (1 - B1) * g
+      v[i] = B2 * v[i] + (1 - B2) * g * g
+      mh, vh = (m[i] / (1 - B1**t), v[i] / (1 - B2**t)) if bias_correction else (m[i], v[i])
+      u = mh / (np.sqrt(vh) + EPS)
+      if flat_decay[i]:
+        u = u + WD * w[i]
+      if lamb and flat_decay[i]:
+        slices = [(j,) for j in range(w[i].shape[0])] if flat_stacked[i] else [()]
+        for s in slices:
+          wn, un = np.linalg.norm(w[i][s]), np.linalg.norm(u[s])
+          u[s] = u[s] * (wn / un if wn > 0 and un > 0 else 1.0)
+      w[i] = w[i] - LR * u
+  return jax.tree.unflatten(treedef, w)
+
+
+def _run(tx, params, grads_seq):
+  state = tx.init(params)
+  for grads in grads_seq:
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+@pytest.mark.parametrize("kind,bias_correction", [("adamw", False), ("lamb", False),
+                                                  ("adamw", True)])
+def test_matches_formula(kind, bias_correction):
+  params = small_tree(0)
+  grads_seq = [small_tree(s) for s in (1, 2, 3)]
+  make = {"adamw": optimizer.adamw, "lamb": optimizer.lamb}[kind]
+  tx = make(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, bias_correction=bias_correction)
+  got = jax.jit(lambda p: _run(tx, p, grads_seq))(params)
+  want = _reference(params, grads_seq, lamb=kind == "lamb", bias_correction=bias_correction)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_first_adamw_step_has_no_bias_correction():
+  # Without bias correction the first step is 0.1 g / (sqrt(0.001) |g| + eps): ~3.16 lr, not lr.
+  params = {"kernel": jnp.zeros((3,))}
+  tx = optimizer.adamw(1.0, weight_decay=0.0)
+  updates, _ = tx.update({"kernel": jnp.array([1.0, -2.0, 0.5])}, tx.init(params), params)
+  np.testing.assert_allclose(updates["kernel"], -np.sign([1, -2, 0.5]) * 0.1 / np.sqrt(1e-3),
+                             rtol=1e-4)
+
+
+def test_schedule_is_the_originals():
+  s = optimizer.learning_rate_schedule(1e-4, warmup_steps=10, total_steps=100)
+  np.testing.assert_allclose(
+      [float(s(i)) for i in (0, 5, 9, 10, 50, 100, 150)],
+      [0.0, 5e-5, 9e-5, 1e-4 * 0.9, 5e-5, 0.0, 0.0], rtol=1e-6, atol=1e-12)
+  no_warmup = optimizer.learning_rate_schedule(1.0, 0, 4)
+  assert [float(no_warmup(i)) for i in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+  with pytest.raises(ValueError, match="warmup_steps"):
+    optimizer.learning_rate_schedule(1.0, 10, 5)
+
+
+def test_chain_clips_global_norm_before_the_optimizer():
+  cfg = TrainConfig(learning_rate=LR, warmup_steps=0, num_train_steps=10, max_grad_norm=1.0,
+                    weight_decay=WD)
+  tx, _ = optimizer.create_optimizer(cfg)
+  params = small_tree(0)
+  grads = jax.tree.map(lambda g: 10.0 * g, small_tree(1))
+  norm = float(optax.tree.norm(grads))
+  assert norm > 1.0
+  got = _run(tx, params, [grads])
+  clipped = jax.tree.map(lambda g: g / norm, grads)
+  want = _run(optimizer.adamw(LR, weight_decay=WD), params, [clipped])
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_optimizer_is_named():
+  with pytest.raises(ValueError, match="'sgd'"):
+    TrainConfig(optimizer="sgd")
+
+
+def test_masks_on_the_real_scanned_model():
+  # LAMB's per-layer trust ratio must see the scanned encoder's leading [num_layers] axis.
+  import flax.linen as nn
+  from bertjax import train
+  from bertjax.heads import BertForPreTraining
+  from bertjax.model import BertConfig
+  cfg = BertConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
+                   intermediate_size=32, scan_layers=True)
+  model = BertForPreTraining(cfg)
+  params = nn.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), **train.model_inputs(train.dummy_batch(1)))))
+  params = params["params"]
+  stacked = optimizer.default_stacked_mask(params)
+  decay = optimizer.default_decay_mask(params)
+  layer = params["bert"]["encoder"]["layers"]["layer"]
+  assert layer["mlp"]["output"]["kernel"].shape[0] == 3
+  assert all(jax.tree.leaves(stacked["bert"]["encoder"]))
+  assert not any(jax.tree.leaves(stacked["bert"]["embeddings"]) + jax.tree.leaves(stacked["mlm"]))
+  enc = decay["bert"]["encoder"]["layers"]["layer"]
+  assert enc["mlp"]["output"]["kernel"] and not enc["mlp"]["output"]["bias"]
+  assert not any(jax.tree.leaves(enc["attention_layer_norm"]))
+  assert decay["bert"]["embeddings"]["word_embeddings"]["embedding"]
+  assert not decay["mlm"]["output_bias"]

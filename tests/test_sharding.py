@@ -1,0 +1,112 @@
+"""Mesh from config, -1 fills, early errors with numbers, logical shardings, host -> global batch."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from bertjax import sharding, train
+from bertjax.model import BertConfig
+from configs import base
+
+TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                  intermediate_size=64, max_position_embeddings=16)
+
+
+def mesh_config(**sizes) -> sharding.MeshConfig:
+  return sharding.MeshConfig.from_dict({**base.get_config().mesh, **sizes})
+
+
+@pytest.mark.parametrize("sizes,want", [
+    ({}, {"data": 8, "fsdp": 1, "tensor": 1}),
+    ({"ici_data": 1, "ici_fsdp": -1}, {"data": 1, "fsdp": 8, "tensor": 1}),
+    ({"ici_data": 2, "ici_fsdp": -1, "ici_tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}),
+    ({"ici_data": 2, "ici_fsdp": 2, "ici_tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}),
+])
+def test_mesh_shapes(sizes, want):
+  mesh = sharding.create_mesh(mesh_config(**sizes))
+  assert dict(mesh.shape) == want
+  assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
+
+
+def test_hybrid_shape_arithmetic():
+  # Two slices of 4 chips: DCN data 2 (the -1), ICI fsdp 4.
+  shape = sharding.mesh_shape(mesh_config(ici_data=1, ici_fsdp=-1), num_devices=8, num_slices=2)
+  assert shape == {"data": 2, "fsdp": 4, "tensor": 1}
+
+
+@pytest.mark.parametrize("sizes,message", [
+    ({"ici_data": 3}, "has 3 devices but there are 8"),
+    ({"ici_data": -1, "ici_fsdp": 3}, "needs a multiple of 3 devices, but there are 8"),
+    ({"ici_data": -1, "ici_fsdp": -1}, "At most one ici mesh size may be -1"),
+    ({"ici_tensor": 0}, "must be positive or -1"),
+])
+def test_mesh_errors_give_the_numbers(sizes, message):
+  with pytest.raises(ValueError, match=message):
+    sharding.create_mesh(mesh_config(**sizes))
+
+
+def test_unknown_mesh_key_is_named():
+  with pytest.raises(ValueError, match="ici_date"):
+    sharding.MeshConfig.from_dict({"ici_date": 2})
+
+
+def test_indivisible_batch_and_heads_fail_before_compiling():
+  mesh_8 = mesh_config(ici_data=2, ici_fsdp=4)
+  with pytest.raises(ValueError, match=r"batch size 12 .* 2 x 4 x 1 = 8"):
+    train.build(TINY, train.TrainConfig(batch_size=12), mesh_8)
+  with pytest.raises(ValueError, match=r"batch size 16 .* 2 x 4 x 4 = 32"):
+    train.build(TINY, train.TrainConfig(batch_size=16, num_microbatches=4), mesh_8)
+  with pytest.raises(ValueError, match="num_heads=4 is not divisible by tensor=8"):
+    train.build(TINY, train.TrainConfig(batch_size=8), mesh_config(ici_data=1, ici_tensor=8))
+
+
+def test_logical_shardings_follow_the_rules():
+  cfg = mesh_config(ici_data=2, ici_fsdp=2, ici_tensor=2)
+  t = train.build(TINY, train.TrainConfig(batch_size=8), cfg)
+  p = t.state_shardings.params
+  assert p["bert"]["embeddings"]["word_embeddings"]["embedding"].spec == P(None, "fsdp")
+  assert p["bert"]["encoder"]["layer_0"]["attention"]["query"]["kernel"].spec == P(
+      "fsdp", "tensor", None)
+  assert p["bert"]["encoder"]["layer_0"]["mlp"]["output"]["kernel"].spec == P("tensor", "fsdp")
+  # Optimizer moments are laid out like the parameters; the step counter is replicated.
+  mu = t.state_shardings.opt_state[1].mu
+  assert mu["bert"]["encoder"]["layer_0"]["mlp"]["output"]["kernel"].spec == P("tensor", "fsdp")
+  assert t.state_shardings.step.spec == P()
+  # The abstract state carries the same shardings (for restoring a checkpoint into them).
+  leaf = t.abstract_state.params["bert"]["embeddings"]["word_embeddings"]["embedding"]
+  assert leaf.shape == (64, 32) and leaf.sharding.spec == P(None, "fsdp")
+
+
+def test_host_batch_to_global():
+  mesh = sharding.create_mesh(mesh_config(ici_data=4, ici_fsdp=2))
+  local = {"input_ids": np.arange(8 * 3, dtype=np.int32).reshape(8, 3),
+           "masked_lm_weights": np.ones((8, 2), np.float32)}
+  out = sharding.host_batch_to_global(local, mesh)
+  assert out["input_ids"].shape == (8, 3)
+  assert out["input_ids"].sharding.spec == P(("data", "fsdp"))
+  assert {s.data.shape for s in out["input_ids"].addressable_shards} == {(1, 3)}
+  np.testing.assert_array_equal(np.asarray(out["input_ids"]), local["input_ids"])
+  with pytest.raises(ValueError, match="Global batch size 6 is not divisible"):
+    sharding.host_batch_to_global({"x": np.zeros((6, 2))}, mesh)
+
+
+@pytest.mark.xfail(strict=True, reason="XLA SPMD bug in jax 0.10.2: when it passes, the default "
+                   "rules may split the vocabulary over tensor again (configs/base.py)")
+def test_xla_bug_behind_the_whole_vocabulary_rule():
+  # grad of sum(sin((x @ w) @ table^T)) with w split (fsdp, tensor), the table (tensor, fsdp) and
+  # x over (data, fsdp) on a 2x2x2 mesh: the gradients of x and w come out wrong.
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  mesh = sharding.create_mesh(mesh_config(ici_data=2, ici_fsdp=2, ici_tensor=2))
+  rng = np.random.default_rng(0)
+  table, x = rng.normal(size=(96, 32)), rng.normal(size=(16, 4, 32))
+  w = rng.normal(size=(32, 32)) / 6
+  args = [a.astype(np.float32) for a in (table, x, w)]
+  loss = lambda t, x, w: jnp.sum(jnp.sin(jnp.einsum("bmd,vd->bmv", x @ w, t)))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  want = grad(*args)
+  specs = [P("tensor", "fsdp"), P(("data", "fsdp")), P("fsdp", "tensor")]
+  got = grad(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)])
+  for g, w_ in zip(got, want):
+    np.testing.assert_allclose(g, w_, atol=1e-3, rtol=1e-3)

@@ -1,0 +1,101 @@
+"""The jitted train step: sharded == one device, k microbatches == one batch, state handling."""
+
+import jax
+import numpy as np
+import pytest
+
+from bertjax import sharding, train
+from bertjax.model import BertConfig
+from configs import base
+
+# Dropout off so that microbatching changes nothing (tests/test_multihost.py runs with dropout).
+TINY = BertConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4,
+                  intermediate_size=64, max_position_embeddings=16, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+B, L, M = 16, 16, 4
+
+
+def mesh_config(**sizes) -> sharding.MeshConfig:
+  return sharding.MeshConfig.from_dict({**base.get_config().mesh, **sizes})
+
+
+def make_batch(seed=0, batch=B):
+  """Padded rows and a varying number of real predictions per row (the denominators differ)."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(L // 2, L + 1, batch)
+  input_mask = (np.arange(L)[None] < lengths[:, None]).astype(np.int32)
+  n_real = rng.integers(0, M + 1, batch)
+  return {
+      "input_ids": (rng.integers(1, TINY.vocab_size, (batch, L)) * input_mask).astype(np.int32),
+      "input_mask": input_mask,
+      "segment_ids": (np.arange(L)[None] >= lengths[:, None] // 2).astype(np.int32) * input_mask,
+      "masked_lm_positions": rng.integers(1, L // 2, (batch, M)).astype(np.int32),
+      "masked_lm_ids": rng.integers(0, TINY.vocab_size, (batch, M)).astype(np.int32),
+      "masked_lm_weights": (np.arange(M)[None] < n_real[:, None]).astype(np.float32),
+      "next_sentence_labels": rng.integers(0, 2, batch).astype(np.int32),
+  }
+
+
+def one_step(mesh_sizes, devices=None, microbatches=1):
+  """Builds, initialises and takes one step; returns host copies and what the checks need."""
+  cfg = train.TrainConfig(batch_size=B, num_microbatches=microbatches, learning_rate=1e-3,
+                          warmup_steps=0, num_train_steps=10)
+  t = train.build(TINY, cfg, mesh_config(**mesh_sizes), devices=devices)
+  rng = jax.random.PRNGKey(0)
+  state = t.init_state(rng)
+  before = state
+  batch = t.to_global(make_batch())
+  state, metrics = t.train_step(state, batch, rng)
+  return jax.device_get((state.params, metrics)), {"training": t, "before": before,
+                                                    "after": state, "batch": batch}
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  return one_step({}, devices=jax.devices()[:1])[0]
+
+
+def assert_trees_close(a, b, atol=1e-5):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, atol=atol, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("sizes", [
+    {"ici_data": 8}, {"ici_data": 1, "ici_fsdp": 8},
+    {"ici_data": 2, "ici_fsdp": 2, "ici_tensor": 2}])
+def test_sharded_step_equals_single_device(single_device, sizes):
+  want_params, want_metrics = single_device
+  (params, metrics), run = one_step(sizes)
+  assert run["training"].mesh.size == 8
+  assert_trees_close(params, want_params)
+  assert_trees_close(metrics, want_metrics)
+  assert float(metrics["learning_rate"][0]) == pytest.approx(1e-3)  # no warmup: peak at step 0
+  assert float(metrics["grad_norm"][0]) > 0
+  if sizes.get("ici_fsdp") == 8:
+    check_state_handling(run)
+
+
+def test_microbatches_equal_one_large_batch(single_device):
+  # 4 microbatches of 4 rows on a (data 2, fsdp 2) mesh == the 16-row batch on one device.
+  want_params, want_metrics = single_device
+  (params, metrics), _ = one_step({"ici_data": 2, "ici_fsdp": 2}, jax.devices()[:4],
+                                  microbatches=4)
+  assert_trees_close(params, want_params)
+  assert_trees_close(metrics, want_metrics)
+
+
+def check_state_handling(run):
+  """Born sharded, donated, metrics as (sum, denominator), evaluation pure."""
+  t, before, after, batch = run["training"], run["before"], run["after"], run["batch"]
+  table = before.params["bert"]["embeddings"]["word_embeddings"]["embedding"]
+  assert table.is_deleted()  # donated: the step reused the old state's buffers
+  assert table.sharding.shard_shape(table.shape) == (96, 4)  # born split: D 32 / fsdp 8
+  new_table = after.params["bert"]["embeddings"]["word_embeddings"]["embedding"]
+  assert {s.data.shape for s in new_table.addressable_shards} == {(96, 4)}
+  assert int(after.step) == 1
+  host = make_batch()
+  metrics = t.eval_step(after, batch)
+  assert float(metrics["mlm_loss"][1]) == host["masked_lm_weights"].sum()
+  assert float(metrics["nsp_accuracy"][1]) == B
+  assert jax.device_get(metrics) == jax.device_get(t.eval_step(after, batch))
+  assert int(after.step) == 1
