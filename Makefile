@@ -2,24 +2,36 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 
-.PHONY: test install clean
+.PHONY: test pretrain install clean
 
-# Re-install only when the package metadata changes.
-$(STAMP): setup.py
+# Re-install only when the package metadata changes. `pretrain` needs the package alone, `test`
+# also the test extra (pytest, and the reference implementation for parity tests).
+$(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test]'
-	touch $(STAMP)
+	$(PY) -m pip install -e .
+	touch $@
 
-install: $(STAMP)
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
 
 # The whole suite on an emulated 8-device CPU mesh (tests/conftest.py also sets it,
 # before jax is imported, for runs of pytest by hand).
-test: $(STAMP)
+test: $(VENV)/.installed-test
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
 	  $(PY) -m pytest -n 2 --dist loadfile -q tests
+
+# The main job on the built-in corpus: trains a vocabulary and prepares the data the first time
+# (cached in .cache/bertjax), pre-trains configs/tiny.py on the CPU, prints held-out accuracy.
+# Running it again resumes, or reports that the run is complete.
+WORKDIR ?= workdirs/tiny
+pretrain: $(VENV)/.installed
+	JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bertjax.main --config=configs/tiny.py \
+	  --workdir=$(WORKDIR) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

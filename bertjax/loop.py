@@ -247,6 +247,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
     final = run_eval(start)
     writer.close()
     ckpt.close()
+    if is_main:
+      print(summary(final, workdir), flush=True)
     return final
 
   flops = metrics_lib.train_flops(training.model_config, tcfg.batch_size, data.max_seq_length,
@@ -301,7 +303,22 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   final = run_eval(tcfg.num_train_steps)
   ckpt.close()
   writer.close()
+  if is_main:
+    print(summary(final, workdir), flush=True)
   return final
+
+
+def summary(final: Mapping[str, float], workdir: str) -> str:
+  """The closing lines of a run: held-out accuracy against its baseline, and where things are."""
+  lines = [f"Held-out MLM accuracy {final['mlm_accuracy']:.3f} "
+           f"(loss {final['mlm_loss']:.3f}) on {int(final['num_sequences'])} sequences"]
+  if "nsp_accuracy" in final:
+    lines.append(f"Held-out NSP accuracy {final['nsp_accuracy']:.3f} (majority-label baseline "
+                 f"{final['nsp_majority_baseline']:.3f})")
+  lines += [f"Checkpoints: {os.path.join(workdir, 'checkpoints')}",
+            f"Logs: {os.path.join(workdir, 'metrics.jsonl')}; "
+            f"tensorboard --logdir {os.path.join(workdir, 'tensorboard')}"]
+  return "\n".join(lines)
 
 
 def _consume(pending, total, interval_steps):

@@ -9,6 +9,7 @@ import ml_collections
 
 
 def get_config():
+  """Every key with its default (BERT-Base shape; data and steps of the paper's phase 1)."""
   config = ml_collections.ConfigDict()
 
   # --- model: becomes bertjax.model.BertConfig(**config.model). -----------------------------------
@@ -124,3 +125,36 @@ def get_config():
   )
 
   return config
+
+
+def parse_arg(arg: str | None) -> dict[str, str]:
+  """`configs/bert_base.py:phase=2,foo=bar` -> {"phase": "2", "foo": "bar"}."""
+  out = {}
+  for item in filter(None, (arg or "").split(",")):
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"Config argument {item!r} is not key=value (e.g. phase=2)")
+    out[key.strip()] = value.strip()
+  unknown = set(out) - {"phase"}
+  if unknown:
+    raise ValueError(f"Unknown config arguments {sorted(unknown)}; known: ['phase']")
+  return out
+
+
+def set_phase(config, phase: str | int, total_steps: int) -> None:
+  """The paper's two-phase recipe: 90% of the steps at length 128, then 10% at 512.
+
+  Phase 2 starts from phase 1's weights: pass `--config.checkpoint.init_from=PHASE1_WORKDIR`
+  (the position table already has 512 rows in phase 1, so the parameters fit unchanged).
+  """
+  phase = int(phase)
+  if phase not in (1, 2):
+    raise ValueError(f"phase={phase}; the recipe has phases 1 (length 128) and 2 (length 512)")
+  d, t = config.data, config.train
+  if phase == 1:
+    d.max_seq_length, d.max_predictions_per_seq = 128, 20
+    t.num_train_steps = total_steps * 9 // 10
+  else:
+    d.max_seq_length, d.max_predictions_per_seq = 512, 76  # 15% of 512, as MLPerf
+    t.num_train_steps = total_steps - total_steps * 9 // 10
+    t.warmup_steps = min(t.warmup_steps, t.num_train_steps // 10)

@@ -1,6 +1,9 @@
 """BERT-Base as released: 12 layers, hidden 768, 12 heads, FFN 3072.
 
-Run: python -m bertjax.main --config=configs/bert_base.py --workdir=gs://BUCKET/bert_base
+Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 1's weights:
+  python -m bertjax.main --config=configs/bert_base.py --workdir=gs://BUCKET/base_p1
+  python -m bertjax.main --config=configs/bert_base.py:phase=2 --workdir=gs://BUCKET/base_p2 \
+      --config.checkpoint.init_from=gs://BUCKET/base_p1
 Parameters at vocabulary 30522: 109,482,240 in the encoder with pooler, 110,106,428 with the
 pre-training heads (decoder tied to the word embeddings). The paper trained it for 1M steps at
 batch 256 x 512 tokens with Adam lr 1e-4 (90% of steps at length 128, 10% at 512).
@@ -9,6 +12,7 @@ batch 256 x 512 tokens with Adam lr 1e-4 (90% of steps at length 128, 10% at 512
 from configs import base
 
 
-def get_config():
+def get_config(arg=None):
   config = base.get_config()
+  base.set_phase(config, base.parse_arg(arg).get("phase", 1), total_steps=1_000_000)
   return config  # base.py's model section is BERT-Base.

@@ -1,6 +1,9 @@
 """BERT-Large as released: 24 layers, hidden 1024, 16 heads, FFN 4096.
 
-Run: python -m bertjax.main --config=configs/bert_large.py --workdir=gs://BUCKET/bert_large
+Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 1's weights:
+  python -m bertjax.main --config=configs/bert_large.py --workdir=gs://BUCKET/large_p1
+  python -m bertjax.main --config=configs/bert_large.py:phase=2 --workdir=gs://BUCKET/large_p2 \
+      --config.checkpoint.init_from=gs://BUCKET/large_p1
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
 pre-training heads. Layers are scanned (one compiled layer: compile time does not grow with depth).
 MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.
@@ -9,8 +12,9 @@ MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation s
 from configs import base
 
 
-def get_config():
+def get_config(arg=None):
   config = base.get_config()
+  base.set_phase(config, base.parse_arg(arg).get("phase", 1), total_steps=1_000_000)
   m = config.model
   m.hidden_size = 1024
   m.num_layers = 24

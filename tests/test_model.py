@@ -259,3 +259,16 @@ def test_config_files_only_override_and_are_locked():
   locked.lock()
   with pytest.raises(AttributeError, match="hiden_size"):
     locked.model.hiden_size = 3
+
+
+def test_two_phase_recipe_in_the_configs():
+  from configs import bert_base, bert_large  # pylint: disable=import-outside-toplevel
+  one, two = bert_large.get_config(), bert_large.get_config("phase=2")
+  assert (one.data.max_seq_length, two.data.max_seq_length) == (128, 512)
+  assert two.data.max_predictions_per_seq == 76
+  assert one.train.num_train_steps + two.train.num_train_steps == 1_000_000
+  assert one.model == two.model  # phase 2 loads phase 1's parameters unchanged
+  with pytest.raises(ValueError, match="phase=3"):
+    bert_base.get_config("phase=3")
+  with pytest.raises(ValueError, match="Unknown config arguments"):
+    bert_base.get_config("stage=2")
