@@ -95,7 +95,7 @@ def _qkv_kernel(w, c):  # [D_out, D_in] -> [D_in, N, K]
   return np.ascontiguousarray(w.T).reshape(c.hidden_size, c.num_heads, c.head_size)
 
 
-def _qkv_kernel_back(k, c):
+def _square_kernel_back(k, c):  # [D, N, K] or [N, K, D] -> the [D_out, D_in] Linear weight
   return np.ascontiguousarray(k.reshape(c.hidden_size, c.hidden_size).T)
 
 
@@ -109,10 +109,6 @@ def _qkv_bias_back(b, c):
 
 def _attn_out_kernel(w, c):  # [D_out, D_in] -> [N, K, D_out]
   return np.ascontiguousarray(w.T).reshape(c.num_heads, c.head_size, c.hidden_size)
-
-
-def _attn_out_kernel_back(k, c):
-  return np.ascontiguousarray(k.reshape(c.hidden_size, c.hidden_size).T)
 
 
 def _linear(hf_prefix, path):
@@ -131,12 +127,12 @@ def _layer_entries() -> list[_Entry]:
   for proj in ("query", "key", "value"):
     entries += [
         _Entry(f"attention.self.{proj}.weight", ("attention", proj, "kernel"),
-               _qkv_kernel, _qkv_kernel_back),
+               _qkv_kernel, _square_kernel_back),
         _Entry(f"attention.self.{proj}.bias", ("attention", proj, "bias"),
                _qkv_bias, _qkv_bias_back)]
   entries += [
       _Entry("attention.output.dense.weight", ("attention", "output", "kernel"),
-             _attn_out_kernel, _attn_out_kernel_back),
+             _attn_out_kernel, _square_kernel_back),
       _Entry("attention.output.dense.bias", ("attention", "output", "bias"), _same, _same)]
   entries += _norm("attention.output.LayerNorm", ("attention_layer_norm",))
   entries += _linear("intermediate.dense", ("mlp", "intermediate"))
