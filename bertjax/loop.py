@@ -240,16 +240,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
           f"{k} {v:.4f}" for k, v in scalars.items() if k != "num_sequences"), flush=True)
     return scalars
 
+  def finish(step):
+    final = run_eval(step)
+    ckpt.close()
+    writer.close()
+    if is_main:
+      print(summary(final, workdir), flush=True)
+    return final
+
   if start >= tcfg.num_train_steps:
     if is_main:
       print(f"bertjax: the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps)."
             , flush=True)
-    final = run_eval(start)
-    writer.close()
-    ckpt.close()
-    if is_main:
-      print(summary(final, workdir), flush=True)
-    return final
+    return finish(start)
 
   flops = metrics_lib.train_flops(training.model_config, tcfg.batch_size, data.max_seq_length,
                                   data.max_predictions_per_seq)
@@ -259,7 +262,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   batches = _batches(data, split="train", start_step=start, **per_host)
   rng = jax.random.PRNGKey(tcfg.seed)
   total, interval_steps, pending = None, 0, None
-  final = None
   with _StopSignal() as stop, contextlib.ExitStack() as profiling:
     step = start
     while step < tcfg.num_train_steps:
@@ -292,7 +294,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
       if stopping:
         ckpt.wait()
         if is_main:
-          print(f"bertjax: {stop.received} received; saved step {step} in {ckpt.directory}. "
+          print(f"bertjax: {stop.received or 'a stop signal on another host'} received; saved "
+                f"step {step} in {ckpt.directory}. "
                 "Run the same command to resume.", flush=True)
         writer.close()
         ckpt.close()
@@ -300,12 +303,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
       if loop.eval_every_steps and step % loop.eval_every_steps == 0 and (
           step != tcfg.num_train_steps):
         run_eval(step)
-  final = run_eval(tcfg.num_train_steps)
-  ckpt.close()
-  writer.close()
-  if is_main:
-    print(summary(final, workdir), flush=True)
-  return final
+  return finish(tcfg.num_train_steps)
 
 
 def summary(final: Mapping[str, float], workdir: str) -> str:
