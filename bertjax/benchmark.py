@@ -33,8 +33,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from bertjax import train
-from bertjax.metrics import PEAK_TFLOPS, forward_flops_per_sequence, peak_tflops, train_flops  # pylint: disable=unused-import
-from bertjax.model import BertConfig
+from bertjax.metrics import peak_tflops, train_flops
 
 BENCHMARK_VOCAB_SIZE = 30522  # when the config leaves it to the tokenizer (model.vocab_size 0)
 
