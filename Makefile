@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 .PHONY: test pretrain install clean
 
 # Re-install only when the package metadata changes. `pretrain` needs the package alone, `test`
-# also the test extra (pytest, and the reference implementation for parity tests).
+# also the test extra (pytest, and the reference implementation for parity tests) and the tpu
+# extra (libtpu, whose compile-only client tests/test_aot.py uses on the CPU).
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
@@ -14,7 +15,7 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,tpu]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -33,5 +33,9 @@ setuptools.setup(
             # The reference implementation for parity tests: the last release with Flax BERT.
             "transformers==4.57.*",
         ],
+        # libtpu for jax on Cloud TPU, and for `python -m bertjax.aot` anywhere: its compile-only
+        # client compiles for a TPU slice on a CPU machine. The version jax 0.10.2's jax[tpu] pins;
+        # it moves with jax.
+        "tpu": ["libtpu==0.0.42.*"],
     },
 )

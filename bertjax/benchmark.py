@@ -32,10 +32,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from bertjax import train
+from bertjax import metrics, train
 from bertjax.metrics import peak_tflops, train_flops
-
-BENCHMARK_VOCAB_SIZE = 30522  # when the config leaves it to the tokenizer (model.vocab_size 0)
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
                     seed: int = 0) -> dict[str, np.ndarray]:
@@ -94,7 +92,7 @@ class StepRunner:
 
   def __init__(self, config, seq_len: int, max_predictions: int, devices=None):
     # vocab_size 0 means "the tokenizer's"; there is none here, so take the released English one.
-    vocab = int(config.model.vocab_size) or BENCHMARK_VOCAB_SIZE
+    vocab = int(config.model.vocab_size) or metrics.DEFAULT_VOCAB_SIZE
     self.training = train.from_config(config, devices=devices, vocab_size=vocab)
     self.cfg = self.training.model_config
     tc = self.training.train_config
@@ -145,13 +143,6 @@ def report(runner: StepRunner, times: list[float]) -> dict:
   }
 
 
-def sequence_shape(config) -> tuple[int, int]:
-  """(L, M) from the data section: max_seq_length and max_predictions_per_seq."""
-  data = config.get("data", {})
-  seq_len = int(data.get("max_seq_length", 128))
-  return seq_len, int(data.get("max_predictions_per_seq", max(1, round(0.15 * seq_len))))
-
-
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
 flags.DEFINE_integer("steps", 5, "timed steps (the median is reported)")
@@ -168,7 +159,7 @@ def print_report(figures: dict, out=sys.stdout) -> None:
 def main(argv):
   del argv
   config = FLAGS.config
-  seq_len, max_predictions = sequence_shape(config)
+  seq_len, max_predictions = metrics.sequence_shape(config)
   runner = StepRunner(config, seq_len, max_predictions)
   time_steps(runner.step, FLAGS.warmup_steps)
   figures = report(runner, time_steps(runner.step, FLAGS.steps))

@@ -35,6 +35,18 @@ PEAK_TFLOPS = (
 )
 
 
+# A config may leave the vocabulary to its tokenizer (model.vocab_size 0), which the benchmark and
+# the AOT check do not read: they assume Google's English WordPiece.
+DEFAULT_VOCAB_SIZE = 30522
+
+
+def sequence_shape(config) -> tuple[int, int]:
+  """(L, M) from the data section: max_seq_length and max_predictions_per_seq."""
+  data = config.get("data", {})
+  seq_len = int(data.get("max_seq_length", 128))
+  return seq_len, int(data.get("max_predictions_per_seq", max(1, round(0.15 * seq_len))))
+
+
 def peak_tflops(device_kind: str) -> float | None:
   """Peak bf16 TFLOP/s of one device, or None when unknown (CPUs)."""
   for name, peak in PEAK_TFLOPS:

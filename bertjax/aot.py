@@ -1,0 +1,370 @@
+"""Compile the real train step for a Cloud TPU slice ahead of time, on a machine without a TPU.
+
+    python -m bertjax.aot --config=configs/bert_large.py --topology=v5p-128
+    python -m bertjax.aot --config=configs/bert_base.py:phase=2 --topology=v5p-128 --num_slices=2
+    python -m bertjax.aot --config=configs/bert_large.py --topology=v5e-256 \
+        --config.train.batch_size=4096 --config.model.remat_policy=full --mfu=0.5
+
+libtpu (`pip install -e '.[tpu]'`) has a compile-only client: from a topology name it makes devices
+that run nothing but that XLA's TPU compiler targets exactly as it would a real slice. What is
+compiled is `train.from_config(config, devices=...).train_step` with its shardings and donation,
+lowered on `jax.ShapeDtypeStruct`s: the program `bertjax.main` compiles on the pod, so a config
+that fits here fits there.
+
+Prints per-chip memory from XLA's buffer assignment (arguments, outputs, temporaries, code, less
+the outputs written into donated arguments) against the chip's HBM; the FLOPs of one step (XLA's
+count per chip and the model count of bertjax.metrics); and at an assumed MFU (--mfu) the step
+time, sequences/s and chip-hours of train.num_train_steps. Exits 1, naming the shortfall, when the
+step does not fit. (XLA's TPU compiler itself works to fit HBM before it gives up, e.g. by
+recomputing activations: a step near the limit can compile slowly and run slower than its FLOPs
+suggest.)
+
+Slice names are Cloud TPU accelerator types. The number counts TensorCores on v4 and v5p (two per
+chip, one JAX device per chip: v5p-128 is 64 chips, 4x4x4) and chips on v5e and v6e (v5e-256 is
+256 chips, 16x16). With --num_slices=N the job spans N such slices joined by DCN; the config's
+mesh.dcn_* sizes split the mesh axes over them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from bertjax import metrics, sharding, train
+
+# `configs/*.py` import `configs.base`: make the folder holding `configs/` importable whatever
+# the working directory (as bertjax.main does).
+for _arg in sys.argv:
+  if _arg.startswith("--config="):
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(_arg.split("=", 1)[1].split(":")[0])))
+    if _root not in sys.path:
+      sys.path.insert(0, _root)
+
+GIB = 2**30
+
+# Slice shapes (chips along each ICI dimension) of the power-of-two slice sizes.
+_CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
+          "8x16x16", "16x16x16")
+_GRIDS = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """How one TPU generation's slice names read, and its chip's memory.
+
+  Peak FLOP/s come from bertjax.metrics.PEAK_TFLOPS, by the devices' `device_kind`.
+  """
+
+  libtpu_name: str  # the prefix of libtpu's topology names ("v5" is v5p)
+  cores_per_chip: int  # what the number in an accelerator type counts per chip
+  chip_config: str  # libtpu's "megacore": both TensorCores of a chip are one JAX device
+  hbm_gib: float  # HBM per chip
+  shapes: tuple[str, ...]
+
+
+GENERATIONS = {
+    "v4": Generation("v4", 2, "megacore", 32.0, _CUBES),
+    "v5p": Generation("v5", 2, "megacore", 95.0, _CUBES),
+    "v5e": Generation("v5e", 1, "default", 16.0, _GRIDS),
+    "v6e": Generation("v6e", 1, "default", 32.0, _GRIDS),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """A slice (or `num_slices` identical slices) by accelerator type, e.g. "v5p-128"."""
+
+  name: str
+  generation: str
+  shape: tuple[int, ...]  # chips along each ICI dimension of one slice
+  num_slices: int = 1
+
+  @property
+  def chips_per_slice(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def num_chips(self) -> int:
+    return self.chips_per_slice * self.num_slices
+
+  @property
+  def hbm_gib(self) -> float:
+    return GENERATIONS[self.generation].hbm_gib
+
+  @property
+  def libtpu_name(self) -> str:
+    return f"{GENERATIONS[self.generation].libtpu_name}:{'x'.join(map(str, self.shape))}"
+
+  def __str__(self) -> str:
+    return self.name if self.num_slices == 1 else f"{self.num_slices} x {self.name}"
+
+
+def known_topologies() -> dict[str, tuple[int, ...]]:
+  """Accelerator type -> slice shape, for every generation and size known here."""
+  out = {}
+  for gen_name, gen in GENERATIONS.items():
+    for shape in gen.shapes:
+      dims = tuple(int(s) for s in shape.split("x"))
+      out[f"{gen_name}-{math.prod(dims) * gen.cores_per_chip}"] = dims
+  return out
+
+
+def parse_topology(name: str, num_slices: int = 1) -> Topology:
+  """"v5p-128" -> Topology(v5p, 4x4x4) ("v5litepod-N" is v5e-N); an unknown name raises with the list of known ones."""
+  known = known_topologies()
+  # Cloud TPU's accelerator type for v5e slices is "v5litepod-N" (what launch/tpu.py takes).
+  name = re.sub(r"^v5litepod-", "v5e-", name)
+  if name not in known:
+    raise ValueError(f"Unknown TPU topology {name!r}; known: {', '.join(known)}")
+  if num_slices < 1:
+    raise ValueError(f"num_slices={num_slices} must be >= 1")
+  return Topology(name, name.split("-")[0], known[name], num_slices)
+
+
+def topology_devices(topology: Topology) -> list:
+  """Compile-only devices of the slice(s), from libtpu; with several slices each carries
+  `slice_index`, which sharding.create_mesh uses to put the DCN mesh axes across slices."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  shape = topology.shape + (1,) * (3 - len(topology.shape))
+  # Hosts of 2x2 chips (how these slices are cabled); it only sets the devices' process_index.
+  host_bounds = tuple(min(2, s) for s in shape)
+  # Wraparound links: full 3D cubes (4x4x4 and up) are tori; in 2D only the 16-chip sides wrap.
+  if len(topology.shape) == 3:
+    wrap = (min(topology.shape) >= 4,) * 3
+  else:
+    wrap = tuple(s == 16 for s in shape[:2]) + (False,)
+  try:
+    desc = topologies.get_topology_desc(
+        topology.libtpu_name, "tpu", chip_config_name=GENERATIONS[topology.generation].chip_config,
+        chips_per_host_bounds=host_bounds, num_slices=topology.num_slices, wrap=wrap)
+  except RuntimeError as e:
+    if "not installed" in str(e):
+      raise RuntimeError("libtpu is not installed: pip install -e '.[tpu]'") from e
+    raise
+  devices = list(desc.devices)
+  if len(devices) != topology.num_chips:  # e.g. a chip config giving one device per TensorCore
+    raise RuntimeError(f"libtpu made {len(devices)} devices for {topology} "
+                       f"({topology.libtpu_name}); expected {topology.num_chips} chips")
+  return devices
+
+
+def dcn_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+  """The mesh axes along which devices change slice (their collectives cross DCN)."""
+  slices = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+  return tuple(name for i, name in enumerate(mesh.axis_names)
+               if (np.diff(slices, axis=i) != 0).any())
+
+
+def abstract_batch(training: train.Training, seq_len: int,
+                   max_predictions: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch as shapes with the step's sharding (nothing is allocated)."""
+  rows = training.train_config.batch_size
+  one = train.dummy_batch(1, seq_len, max_predictions)
+  return {name: jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype,
+                                     sharding=training.batch_sharding)
+          for name, x in one.items()}
+
+
+def compile_train_step(training: train.Training, seq_len: int, max_predictions: int):
+  """`training.train_step` lowered on abstract state, batch and key, then compiled."""
+  key = jax.eval_shape(jax.random.PRNGKey, 0)
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(training.mesh))
+  lowered = training.train_step.lower(training.abstract_state,
+                                      abstract_batch(training, seq_len, max_predictions), key)
+  return lowered.compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """Bytes per chip of a compiled step, from XLA's buffer assignment."""
+
+  arguments: int  # state, batch and key as they arrive
+  outputs: int  # new state and metrics
+  aliased: int  # outputs written into donated argument buffers (the state): counted once
+  temporaries: int  # activations, gradients, optimizer scratch, collectives' buffers
+  code: int  # the program itself
+
+  @property
+  def total(self) -> int:
+    return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
+
+  @classmethod
+  def of(cls, compiled) -> "Memory":
+    m = compiled.memory_analysis()
+    return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
+               m.temp_size_in_bytes, m.generated_code_size_in_bytes)
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# The two ways XLA's TPU compiler words a program that overflows HBM (sizes in binary units).
+_XLA_OOM = (re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+            re.compile(r"required for [\w ]+ \(([\d.]+)([KMGT]?)\) exceeds available HBM "
+                       r"\(([\d.]+)([KMGT]?)\)"))
+
+
+def xla_out_of_memory(error: Exception) -> tuple[float, float] | None:
+  """(bytes needed, bytes usable) when XLA's TPU compiler refused a program too big for HBM."""
+  for pattern in _XLA_OOM:
+    found = pattern.search(str(error))
+    if found:
+      used, used_unit, usable, usable_unit = found.groups()
+      return float(used) * _UNITS[used_unit], float(usable) * _UNITS[usable_unit]
+  return None
+
+
+def shortfall_message(topology: Topology, need_bytes: float, hbm_gib: float,
+                      training: train.Training, usable_bytes: float | None = None) -> str:
+  """What does not fit, by how much, and the settings that change it."""
+  tc, mc = training.train_config, training.model_config
+  need = need_bytes / GIB
+  has = f"{hbm_gib:g} GiB"
+  if usable_bytes is not None and usable_bytes < hbm_gib * GIB:  # the runtime keeps some
+    has += f" ({usable_bytes / GIB:.2f} usable)"
+    hbm_gib = usable_bytes / GIB
+  fixes = [f"lower train.batch_size (now {tc.batch_size}, "
+           f"{tc.batch_size / topology.num_chips:g} per chip)",
+           f"raise train.num_microbatches (now {tc.num_microbatches})"]
+  if mc.remat_policy != "full":
+    fixes.append(f"use model.remat_policy=full (now {mc.remat_policy})")
+  if mc.dtype != "bfloat16":
+    fixes.append(f"use model.dtype=bfloat16 (now {mc.dtype})")
+  if training.mesh.shape["fsdp"] == 1:  # the state is replicated: fsdp splits it
+    fixes.append("split the state with mesh.ici_fsdp")
+  fixes.append("or use more chips")
+  return (f"{topology}: the train step needs {need:.1f} GiB per chip, {topology.generation} has "
+          f"{has}: {need - hbm_gib:.1f} GiB short; " + ", ".join(fixes) + ".")
+
+
+def _round(x: float) -> float:
+  return float(f"{x:.4g}")  # 4 significant digits: figures span 1e-4 (tiny) to 1e6
+
+
+def report(topology: Topology, training: train.Training, compiled, compile_s: float,
+           seq_len: int, max_predictions: int, mfu: float, hbm_gib: float) -> dict:
+  """The figures of one compiled step as a flat dict (also what the command prints)."""
+  mc, tc = training.model_config, training.train_config
+  n = topology.num_chips
+  device_kind = training.mesh.devices.flat[0].device_kind
+  peak = metrics.peak_tflops(device_kind)
+  memory = Memory.of(compiled)
+  model_flops = metrics.train_flops(mc, tc.batch_size, seq_len, max_predictions)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  xla_flops = float(cost.get("flops", 0.0)) if cost else 0.0
+  step_s = model_flops / (n * peak * 1e12 * mfu)
+  gib = lambda b: _round(b / GIB)
+  return {
+      "topology": str(topology), "libtpu_topology": topology.libtpu_name,
+      "device": f"{n} x {device_kind}", "libtpu": importlib.metadata.version("libtpu"),
+      "mesh": dict(training.mesh.shape), "dcn_axes": list(dcn_axes(training.mesh)),
+      "batch_size": tc.batch_size, "per_chip_batch": tc.batch_size / n,
+      "seq_len": seq_len, "max_predictions": max_predictions,
+      "num_microbatches": tc.num_microbatches, "vocab_size": mc.vocab_size, "dtype": mc.dtype,
+      "remat_policy": mc.remat_policy, "scan_layers": mc.scan_layers,
+      "compile_s": round(compile_s, 1),
+      "memory_arguments_gib": gib(memory.arguments), "memory_outputs_gib": gib(memory.outputs),
+      "memory_aliased_gib": gib(memory.aliased), "memory_temporaries_gib": gib(memory.temporaries),
+      "memory_code_gib": gib(memory.code), "memory_total_gib": gib(memory.total),
+      "hbm_gib": hbm_gib, "memory_fraction": round(memory.total / (hbm_gib * GIB), 4),
+      "model_tflop_per_step": _round(model_flops / 1e12),
+      "model_tflop_per_chip": _round(model_flops / n / 1e12),
+      "xla_tflop_per_chip": _round(xla_flops / 1e12),
+      "xla_over_model": round(xla_flops * n / model_flops, 3),
+      # XLA's cost analysis counts the body of a loop once, not once per iteration.
+      **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times"}
+         if mc.scan_layers else {}),
+      "peak_tflops_per_chip": peak, "assumed_mfu": mfu,
+      "step_s": _round(step_s), "sequences_per_s": _round(tc.batch_size / step_s),
+      "num_train_steps": tc.num_train_steps,
+      "train_hours": _round(step_s * tc.num_train_steps / 3600),
+      "chip_hours": _round(n * step_s * tc.num_train_steps / 3600),
+  }
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command's flags; defined only when run as a command, so that importing this module next
+  to another with a --config flag (bertjax.benchmark, in one test process) does not collide."""
+  config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py), locked.",
+                                  lock_config=True)
+  flags.DEFINE_string("topology", None,
+                      "Cloud TPU accelerator type, e.g. v5p-128, v4-32, v5e-256 (v5litepod-256).")
+  flags.DEFINE_integer("num_slices", 1, "Slices of that type joined by DCN (multi-slice).")
+  flags.DEFINE_float("mfu", 0.45, "Model FLOPs utilisation assumed for the time estimates.")
+  flags.DEFINE_float("hbm_gib", 0.0, "HBM per chip to check against (0 = the chip's own).")
+  flags.DEFINE_string("json", "", "Also write the figures to this file.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if not 0 < FLAGS.mfu <= 1:
+    raise app.UsageError(f"--mfu={FLAGS.mfu} must be in (0, 1]")
+  # Nothing runs here: keep jax off any local accelerator (and so this process never starts a
+  # TPU runtime the settings below could mislead).
+  jax.config.update("jax_platforms", "cpu")
+  config = FLAGS.config
+  try:
+    topology = parse_topology(FLAGS.topology, FLAGS.num_slices)
+  except ValueError as e:
+    sys.exit(f"bertjax.aot: {e}")
+  # libtpu asks its environment (or the GCE metadata server) which TPU it runs on, and warns when
+  # nothing answers; answer for the requested slice.
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  hbm_gib = FLAGS.hbm_gib or topology.hbm_gib
+  seq_len, max_predictions = metrics.sequence_shape(config)
+  vocab = int(config.model.vocab_size) or metrics.DEFAULT_VOCAB_SIZE
+  if not config.model.vocab_size:
+    print(f"bertjax.aot: model.vocab_size is 0 (the tokenizer's); assuming {vocab} "
+          "(--config.model.vocab_size=N to change)")
+  try:
+    training = train.from_config(config, devices=topology_devices(topology), vocab_size=vocab)
+  except ValueError as e:  # the config's checks: batch, mesh or heads do not divide
+    sys.exit(f"bertjax.aot: {e}")
+  print(f"bertjax.aot: compiling the train step for {topology} ({topology.libtpu_name}, "
+        f"{topology.num_chips} chips), mesh {dict(training.mesh.shape)}", flush=True)
+  start = time.perf_counter()
+  try:
+    compiled = compile_train_step(training, seq_len, max_predictions)
+  except jax.errors.JaxRuntimeError as e:
+    oom = xla_out_of_memory(e)
+    if oom is None:
+      raise
+    # XLA's TPU compiler refuses a program that overflows HBM even after rematerialising what it
+    # can; its usable HBM is the chip's less the runtime's reserve.
+    message = shortfall_message(topology, oom[0], hbm_gib, training, usable_bytes=oom[1])
+    sys.exit(f"bertjax.aot: {message} (XLA's TPU compiler: {e})")
+  figures = report(topology, training, compiled, time.perf_counter() - start, seq_len,
+                   max_predictions, FLAGS.mfu, hbm_gib)
+  width = max(len(k) for k in figures)
+  for key, value in figures.items():
+    print(f"{key:<{width}}  {value}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(figures, f, indent=1)
+  need = Memory.of(compiled).total
+  if need > hbm_gib * GIB:
+    sys.exit(f"bertjax.aot: {shortfall_message(topology, need, hbm_gib, training)}")
+  print(f"bertjax.aot: fits, {need / GIB:.3g} of {hbm_gib:g} GiB per chip "
+        f"({100 * figures['memory_fraction']:.0f}%)")
+
+
+if __name__ == "__main__":
+  define_flags()
+  flags.mark_flags_as_required(["config", "topology"])
+  app.run(main)

@@ -1,0 +1,116 @@
+"""bertjax.aot: the train step compiled for TPU slices by libtpu's compile-only client, on CPU.
+
+The command runs in a subprocess: it loads libtpu, which this CPU-only test process should not,
+and its exit status is part of what is tested. Each compile of the tiny config takes ~20 s.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bertjax import aot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config=configs/tiny.py", "--config.model.vocab_size=8000"]
+
+
+def run(*args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+  return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def run_aot(*flags):
+  return run("-m", "bertjax.aot", *flags)
+
+
+def test_topology_names_count_cores_on_v4_v5p_and_chips_on_v5e():
+  v5p = aot.parse_topology("v5p-128")
+  assert (v5p.num_chips, v5p.libtpu_name, v5p.hbm_gib) == (64, "v5:4x4x4", 95.0)
+  v4 = aot.parse_topology("v4-32")
+  assert (v4.num_chips, v4.libtpu_name) == (16, "v4:2x2x4")
+  v5e = aot.parse_topology("v5e-256")
+  assert (v5e.num_chips, v5e.libtpu_name, v5e.hbm_gib) == (256, "v5e:16x16", 16.0)
+  assert aot.parse_topology("v5litepod-256").libtpu_name == "v5e:16x16"  # Cloud TPU's name
+  two = aot.parse_topology("v5p-128", num_slices=2)
+  assert (two.num_chips, two.libtpu_name, str(two)) == (128, "v5:4x4x4", "2 x v5p-128")
+  with pytest.raises(ValueError, match=r"Unknown TPU topology 'v5p-100'; known: .*v5p-128"):
+    aot.parse_topology("v5p-100")
+
+
+def test_xla_out_of_memory_reads_both_wordings():
+  new = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (47.99G) exceeds available HBM (15.75G).")
+  old = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+         "hbm. Used 20.25G of 15.48G hbm. Exceeded hbm capacity by 4.77G.")
+  assert aot.xla_out_of_memory(RuntimeError(new)) == (47.99 * 2**30, 15.75 * 2**30)
+  assert aot.xla_out_of_memory(RuntimeError(old)) == (20.25 * 2**30, 15.48 * 2**30)
+  assert aot.xla_out_of_memory(RuntimeError("INTERNAL: something else")) is None
+
+
+def test_dcn_mesh_axes_span_the_slices():
+  # Two v5p-8 slices: the DCN sizes of config.mesh choose which axis crosses slices.
+  probe = """
+import json
+from bertjax import aot, sharding
+devices = aot.topology_devices(aot.parse_topology("v5p-8", num_slices=2))
+out = {}
+for name, cfg in {"data": sharding.MeshConfig(),
+                  "fsdp": sharding.MeshConfig(ici_data=1, ici_fsdp=-1, dcn_data=1, dcn_fsdp=-1)
+                  }.items():
+  mesh = sharding.create_mesh(cfg, devices)
+  out[name] = [dict(mesh.shape), list(aot.dcn_axes(mesh))]
+print(json.dumps(out))
+"""
+  result = run("-c", probe, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert out["data"] == [{"data": 8, "fsdp": 1, "tensor": 1}, ["data"]]
+  assert out["fsdp"] == [{"data": 1, "fsdp": 8, "tensor": 1}, ["fsdp"]]
+
+
+def test_tiny_config_fits_a_v5p_8(tmp_path):
+  figures_path = tmp_path / "figures.json"
+  result = run_aot(*TINY, "--topology=v5p-8", f"--json={figures_path}")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "bertjax.aot: fits" in result.stdout
+  figures = json.loads(figures_path.read_text())
+  assert figures["device"] == "4 x TPU v5"
+  assert figures["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+  assert 0 < figures["memory_total_gib"] < figures["hbm_gib"] == 95.0
+  assert figures["memory_arguments_gib"] > 0 and figures["memory_temporaries_gib"] > 0
+  # The state is donated: its outputs reuse the argument buffers.
+  assert figures["memory_aliased_gib"] > 0
+  assert figures["model_tflop_per_step"] > 0
+  # XLA counts a little more than the model's matmuls (softmax, LayerNorm, the optimizer).
+  assert 1.0 <= figures["xla_over_model"] < 1.5
+  assert figures["step_s"] > 0 and figures["chip_hours"] > 0
+
+
+def test_a_step_larger_than_hbm_is_refused_with_the_shortfall():
+  # A per-chip HBM of 1 MiB: the same tiny compile as above, refused by bertjax's own check.
+  result = run_aot(*TINY, "--topology=v5p-8", "--hbm_gib=0.001")
+  assert result.returncode == 1
+  assert "GiB per chip, v5p has 0.001 GiB:" in result.stderr
+  assert "GiB short; lower train.batch_size (now 8, 2 per chip)" in result.stderr
+
+
+def test_an_oversized_per_chip_batch_is_refused_with_the_shortfall():
+  # 262,144 sequences per v5e chip need ~200 GiB even after XLA rematerialises what it can; its
+  # TPU compiler gives up within seconds and its numbers reach the message.
+  result = run_aot(*TINY, "--topology=v5e-4", "--config.train.batch_size=1048576")
+  assert result.returncode == 1
+  assert "v5e-4: the train step needs" in result.stderr
+  assert "GiB per chip, v5e has 16 GiB (15.75 usable):" in result.stderr
+  assert "GiB short; lower train.batch_size (now 1048576, 262144 per chip)" in result.stderr
+  assert "RESOURCE_EXHAUSTED" in result.stderr
+
+
+def test_unknown_topology_is_refused_with_the_known_ones():
+  result = run_aot(*TINY, "--topology=v5p-100")
+  assert result.returncode == 1
+  assert "Unknown TPU topology 'v5p-100'; known:" in result.stderr
+  assert "v5e-256" in result.stderr
