@@ -1,0 +1,380 @@
+"""launch/tpu.py: the commands a dry run prints, their quoting, and the inputs it refuses.
+
+No gcloud is needed (nor run): --dry-run starts no subprocess, which one test checks with a PATH
+that has neither gcloud nor git, and another by making subprocess raise.
+"""
+
+import importlib.util
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LAUNCHER = REPO / "launch" / "tpu.py"
+SLICE = ["--name=bert-large", "--zone=us-east5-a", "--project=my-project"]
+JOB = ["--config=configs/bert_large.py", "--workdir=gs://bucket/run"]
+# Flags for bertjax.main that need quoting on the remote shell: a glob, a space, a dollar sign.
+EXTRA = ["--config.data.cache_dir=gs://bucket/bertjax-cache",
+         "--config.data.source=gs://bucket/text/wiki-*.txt.gz,gs://bucket/my books/*.txt",
+         "--config.train.batch_size=4096", "--config.data.vocab_path=gs://bucket/$odd/vocab.txt"]
+
+
+def load_launcher():
+  spec = importlib.util.spec_from_file_location("launch_tpu", LAUNCHER)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+tpu = load_launcher()
+
+
+def launch(*args, env=None):
+  return subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True, text=True,
+                        cwd=REPO, env=env, check=False, timeout=120)
+
+
+def commands(stdout: str) -> list[list[str]]:
+  """The printed commands (`+ ...` lines, possibly spanning lines inside quotes), as argv lists."""
+  out, current = [], None
+  for line in stdout.splitlines(keepends=True):
+    if current is None and line.startswith("+ "):
+      current = line[2:]
+    elif current is not None:
+      current += line
+    else:
+      continue
+    try:
+      out.append(shlex.split(current))
+      current = None
+    except ValueError:  # an open quote: the command goes on on the next line
+      pass
+  assert current is None, f"unterminated command: {current!r}"
+  return out
+
+
+def find(cmds, *words):
+  """The commands whose argv starts with `words`."""
+  return [c for c in cmds if c[:len(words)] == list(words)]
+
+
+def remote(cmd) -> str:
+  (script,) = [a[len("--command="):] for a in cmd if a.startswith("--command=")]
+  return script
+
+
+def remote_argv(script: str, marker: str) -> list[str]:
+  """What the remote shell passes to the program on the script line containing `marker`."""
+  (line,) = [l for l in script.splitlines() if marker in l]
+  head, _, rest = line.partition(marker)
+  assert head.strip() == "setsid nohup $HOME/bertjax-venv/bin/python" or not head.strip()
+  args = rest.split(" >> ")[0]
+  out = subprocess.run(["bash", "-c", f"printf '%s\\n' {args}"], capture_output=True, text=True,
+                       check=True, env={"HOME": "/home/u", "PATH": os.environ["PATH"]})
+  return out.stdout.splitlines()
+
+
+def test_up_dry_run_multi_host_spot_prints_every_step():
+  r = launch("up", *SLICE, "--accelerator-type=v5p-128", "--spot", *JOB, "--dry-run", "--", *EXTRA)
+  assert r.returncode == 0, r.stderr
+  cmds = commands(r.stdout)
+
+  (create,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "create", "bert-large")
+  for flag in ("--node-id=bert-large", "--accelerator-type=v5p-128",
+               "--runtime-version=v2-alpha-tpuv5", "--spot", "--zone=us-east5-a",
+               "--project=my-project"):
+    assert flag in create
+  assert not any(a.startswith("--node-count") for a in create)
+  (describe,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "describe")
+  assert "--format=value(state.state)" in describe
+  assert "v5p-128: 64 chips (JAX devices), 16 hosts" in r.stdout
+
+  (archive,) = find(cmds, "git", "-C", ".", "archive")  # the launcher ran from the project root
+  tarball = [a for a in archive if a.startswith("--output=")][0][len("--output="):]
+  (copy,) = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "scp", tarball)
+  assert "--worker=all" in copy
+  setup, run = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "ssh", "bert-large", "--worker=all")
+  script = remote(setup)
+  assert "python -m pip install --quiet -e $HOME/bertjax" in script
+  assert 'pip install --quiet "jax[tpu]==$JAX_VERSION"' in script  # the version pip resolved
+  assert "venv --seed --python 3.11" in script  # setup.py's python_requires
+
+  # The job's argv on each worker, after the local shell and the remote shell have parsed it.
+  script = remote(run)
+  assert "setsid nohup $HOME/bertjax-venv/bin/python -m bertjax.main --config=configs/bert_large.py" \
+         " --workdir=gs://bucket/run" in script
+  assert "< /dev/null &" in script and ">> $HOME/bertjax-logs/train.log 2>&1" in script
+  assert remote_argv(script, "-m bertjax.main") == [
+      "--config=configs/bert_large.py", "--workdir=gs://bucket/run", *EXTRA]
+
+  (logs,) = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "ssh", "bert-large", "--worker=0")
+  assert remote(logs) == "tail -n 200 -F $HOME/bertjax-logs/train.log"
+  (delete_line,) = [l for l in r.stdout.splitlines() if "queued-resources delete" in l]
+  assert shlex.split(delete_line) == [
+      "gcloud", "compute", "tpus", "queued-resources", "delete", "bert-large", "--force", "--quiet",
+      "--zone=us-east5-a", "--project=my-project"]
+  # Order: create, wait, setup, run, then follow the log.
+  order = [cmds.index(c) for c in (create, describe, archive, copy, setup, run, logs)]
+  assert order == sorted(order)
+
+
+def test_multi_slice_uses_node_count_and_every_node():
+  r = launch("up", *SLICE, "--accelerator-type=v5p-128", "--num-slices=2", "--reserved", *JOB,
+             "--dry-run", "--", "--config.data.cache_dir=gs://bucket/cache",
+             "--config.mesh.dcn_data=2")
+  assert r.returncode == 0, r.stderr
+  cmds = commands(r.stdout)
+  (create,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "create", "bert-large")
+  assert "--node-count=2" in create and "--node-prefix=bert-large" in create
+  assert "--reserved" in create and "--spot" not in create
+  assert not any(a.startswith("--node-id") for a in create)
+  (copy,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "scp")
+  assert "--node=all" in copy and "--worker=all" in copy
+  setup, run = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "ssh", "bert-large",
+                    "--node=all", "--worker=all")
+  assert "jax[tpu]" in remote(setup)
+  assert "--config.mesh.dcn_data=2" in remote_argv(remote(run), "-m bertjax.main")
+  (logs,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "ssh", "bert-large",
+                 "--node=0", "--worker=0")
+  assert "tail" in remote(logs)
+  assert "32 hosts" in r.stderr  # 16 shards for 2 x 16 hosts: a warning, not an error
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--config.mesh.dcn_data=4"], "dcn_data=4, dcn_fsdp=1, dcn_tensor=1 multiplies to 4, but there are 2"),
+    (["--config.mesh.dcn_data=1"], "set --config.mesh.dcn_data=2 (or -1)"),
+    (["--config.mesh.dcn_fsdp", "3"], "needs a multiple of 3, but there are 2"),
+])
+def test_multi_slice_refuses_a_dcn_mesh_of_another_size(flags, fragment):
+  r = launch("up", *SLICE, "--accelerator-type=v5p-128", "--num-slices=2", *JOB, "--dry-run", "--",
+             "--config.data.cache_dir=gs://bucket/cache", *flags)
+  assert r.returncode != 0
+  assert fragment in r.stderr and "--num-slices=2" in r.stderr
+  assert "queued-resources create" not in r.stdout  # refused before anything is created
+
+
+def test_dcn_check_defaults_and_ici():
+  mesh = {"ici_data": -1, "ici_fsdp": 1, "ici_tensor": 1, "dcn_data": -1, "dcn_fsdp": 1,
+          "dcn_tensor": 1}
+  v5p = tpu.parse_accelerator("v5p-128")
+  assert tpu.check_mesh(mesh, v5p, 1) == [] and tpu.check_mesh(mesh, v5p, 4) == []
+  assert tpu.check_mesh({**mesh, "dcn_data": 2}, v5p, 2) == []
+  assert "num-slices=1" in tpu.check_mesh({**mesh, "dcn_data": 2}, v5p, 1)[0]
+  assert "64 devices" in tpu.check_mesh({**mesh, "ici_data": 16, "ici_tensor": 2}, v5p, 1)[0]
+  assert tpu.check_mesh({**mesh, "ici_fsdp": -1}, v5p, 1)  # two -1 in one group
+  assert tpu.config_overrides(["--config.mesh.dcn_data", "2", "--config.data.nsp", "--x=1",
+                               "--config.mesh.dcn_data=3"]) == {"mesh.dcn_data": "3"}
+
+
+@pytest.mark.parametrize("workdir", ["/tmp/run", "workdirs/large", "gcs/bucket/run"])
+def test_refuses_a_workdir_off_gs_for_multi_host(workdir):
+  r = launch("up", *SLICE, "--accelerator-type=v5p-128", "--config=configs/bert_large.py",
+             f"--workdir={workdir}", "--dry-run", "--", "--config.data.cache_dir=gs://b/c")
+  assert r.returncode != 0
+  assert f"--workdir={workdir} is not on gs://" in r.stderr
+  assert "+ gcloud" not in r.stdout
+  # A single-host slice may write locally (nothing to share), if the user wants that.
+  ok = launch("run", *SLICE, "--accelerator-type=v5litepod-8", "--config=configs/tiny.py",
+              f"--workdir={workdir}", "--dry-run")
+  assert ok.returncode == 0, ok.stderr
+
+
+def test_refuses_data_cache_a_multi_host_job_cannot_share():
+  r = launch("run", *SLICE, "--accelerator-type=v5p-128", *JOB, "--dry-run")
+  assert r.returncode != 0 and "--config.data.cache_dir=gs://" in r.stderr
+  ok = launch("run", *SLICE, "--accelerator-type=v5p-128", *JOB, "--dry-run", "--",
+              "--config.data.prepared_dir=gs://b/prepared", "--config.data.vocab_path=gs://b/v.txt")
+  assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("accel", ["v5p-12", "v5p-4", "v7-8", "tpu7x-8", "v5e-16", "v6e-12", "v5p"])
+def test_refuses_an_unknown_accelerator_type(accel):
+  r = launch("create", *SLICE, f"--accelerator-type={accel}", "--dry-run")
+  assert r.returncode != 0
+  assert f"Unknown accelerator type {accel!r}" in r.stderr and "v5p-N" in r.stderr
+  assert "+ gcloud" not in r.stdout
+
+
+def test_accelerator_types_and_runtime_versions():
+  cases = {"v5p-8": (4, 1, "v2-alpha-tpuv5"), "v5p-128": (64, 16, "v2-alpha-tpuv5"),
+           "v4-32": (16, 4, "tpu-ubuntu2204-base"), "v5litepod-8": (8, 1, "v2-alpha-tpuv5-lite"),
+           "v5litepod-64": (64, None, "v2-alpha-tpuv5-lite"), "v6e-256": (256, None, "v2-alpha-tpuv6e")}
+  for name, (chips, hosts, runtime) in cases.items():
+    a = tpu.parse_accelerator(name)
+    assert (a.chips, a.hosts, a.runtime_version) == (chips, hosts, runtime), name
+    assert a.multi_host == (hosts != 1)
+
+
+def test_dry_run_needs_no_gcloud_nor_git(tmp_path):
+  """PATH without gcloud or git: every subcommand's dry run still prints its commands."""
+  env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}
+  r = launch("up", *SLICE, "--accelerator-type=v5p-128", "--spot", *JOB, "--dry-run", "--",
+             "--config.data.cache_dir=gs://b/c", env=env)
+  assert r.returncode == 0, r.stderr
+  assert "+ gcloud compute tpus queued-resources create" in r.stdout
+  for sub in (["setup"], ["logs"], ["stop"], ["delete"], ["setup", "--repo=https://x/y.git"]):
+    r = launch(*sub, *SLICE, "--dry-run", env=env)
+    assert r.returncode == 0, (sub, r.stderr)
+    assert "+ gcloud" in r.stdout
+
+
+def test_dry_run_starts_no_subprocess(monkeypatch, capsys):
+  def forbidden(*args, **kwargs):
+    raise AssertionError(f"subprocess started in a dry run: {args}")
+  for name in ("run", "Popen", "call", "check_call", "check_output"):
+    monkeypatch.setattr(subprocess, name, forbidden)
+  monkeypatch.setattr(os, "system", forbidden)
+  argv = ["up", *SLICE, "--accelerator-type=v5p-128", "--spot", *JOB, "--dry-run", "--",
+          "--config.data.cache_dir=gs://b/c"]
+  assert tpu.main(argv) == 0
+  for sub in ("setup", "logs", "stop", "delete"):
+    assert tpu.main([sub, *SLICE, "--dry-run"]) == 0
+  assert "+ gcloud compute tpus tpu-vm ssh" in capsys.readouterr().out
+
+
+def test_stop_signals_only_the_training_process():
+  r = launch("stop", *SLICE, "--dry-run")
+  assert r.returncode == 0
+  (cmd,) = commands(r.stdout)
+  script = remote(cmd)
+  assert script.startswith(f'if pkill -TERM -f "{tpu.TRAINING_PROCESS}"')
+  # The pattern finds the job (python ... -m bertjax.main ...), never a remote shell running one
+  # of these scripts (whose command line holds the same words), so pkill spares its own shell.
+  job = "/home/u/bertjax-venv/bin/python -m bertjax.main --config=configs/bert_large.py"
+  assert re.search(tpu.TRAINING_PROCESS, job)
+  assert re.search(tpu.TRAINING_PROCESS, "python3 -m bertjax.main --config=c --workdir=w")
+  plan = tpu.RunPlan("configs/bert_large.py", "gs://b/r", [], [])
+  for text in (script, tpu.run_script(plan), "bash -c " + tpu.run_script(plan)):
+    assert not re.search(tpu.TRAINING_PROCESS, text)
+  assert "the loop saves a checkpoint" in " ".join(launch("stop", "--help").stdout.split())
+  (kill,) = commands(launch("stop", *SLICE, "--kill", "--dry-run").stdout)
+  assert remote(kill).startswith(f'pkill -KILL -f "{tpu.TRAINING_PROCESS}"')
+  assert not re.search(tpu.TRAINING_PROCESS, tpu.kill_script())
+
+
+def test_setup_from_a_git_url_clones_instead_of_copying():
+  r = launch("setup", *SLICE, "--repo=https://github.com/me/bertjax.git", "--ref=v1",
+             "--dry-run")
+  assert r.returncode == 0
+  (cmd,) = commands(r.stdout)
+  script = remote(cmd)
+  assert "git clone --quiet https://github.com/me/bertjax.git $HOME/bertjax" in script
+  assert "checkout --quiet v1" in script and "tar -xzf" not in script
+
+
+def test_flags_after_dashes_only_for_the_job():
+  r = launch("create", *SLICE, "--accelerator-type=v5p-8", "--dry-run", "--", "--x=1")
+  assert r.returncode != 0 and "take" in r.stderr
+
+
+def fake_gcloud(tmp_path, states=(), fail_on=None):
+  """A `gcloud` that records its arguments; `describe` answers the next of `states`."""
+  tmp_path.mkdir(parents=True, exist_ok=True)
+  log, queue = tmp_path / "calls.txt", tmp_path / "states.txt"
+  queue.write_text("".join(f"{s}\n" for s in states))
+  script = tmp_path / "bin" / "gcloud"
+  script.parent.mkdir(parents=True)
+  script.write_text(f"""#!/bin/sh
+printf '%s\\n' "$*" >> {log}
+case "$*" in
+  *" describe "*) head -n 1 {queue}; sed -i 1d {queue};;
+  *"{fail_on or '@never@'}"*) exit 3;;
+esac
+""")
+  script.chmod(0o755)
+  env = {**os.environ, "PATH": f"{script.parent}{os.pathsep}{os.environ['PATH']}"}
+  return env, log
+
+
+def test_create_waits_until_active(tmp_path):
+  env, log = fake_gcloud(tmp_path, ["WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"])
+  r = launch("create", *SLICE, "--accelerator-type=v5p-8", "--poll-seconds=0", env=env)
+  assert r.returncode == 0, r.stderr
+  calls = log.read_text().splitlines()
+  assert calls[0].startswith("compute tpus queued-resources create bert-large --node-id=bert-large")
+  assert sum("describe" in c for c in calls) == 3
+  assert "bert-large: PROVISIONING" in r.stdout and "bert-large: ACTIVE" in r.stdout
+  assert r.stdout.count("+ gcloud compute tpus queued-resources describe") == 1
+
+
+def test_failures_are_reported_with_the_command(tmp_path):
+  env, _ = fake_gcloud(tmp_path, ["WAITING_FOR_RESOURCES", "FAILED"])
+  r = launch("create", *SLICE, "--accelerator-type=v5p-8", "--poll-seconds=0", env=env)
+  assert r.returncode != 0 and "is FAILED" in r.stderr and "delete" in r.stderr
+  env, _ = fake_gcloud(tmp_path / "again", fail_on="tpu-vm ssh")
+  r = launch("stop", *SLICE, env=env)
+  assert r.returncode != 0 and "exit status 3: gcloud compute tpus tpu-vm ssh bert-large" in r.stderr
+
+
+def test_remote_scripts_are_valid_shell():
+  class Args:  # what setup_script reads
+    repo, ref = None, None
+  plan = tpu.RunPlan("configs/bert_large.py", "gs://b/r", EXTRA, [])
+  git = type("A", (), {"repo": "https://x/y.git", "ref": "main"})
+  for script in (tpu.setup_script(Args, "3.11"), tpu.setup_script(git, "3.11"),
+                 tpu.run_script(plan), tpu.stop_script(60), tpu.kill_script()):
+    subprocess.run(["bash", "-n", "-c", script], check=True)
+
+
+def test_run_then_stop_on_a_stand_in_worker(tmp_path):
+  """The run and stop scripts on this machine, with a stand-in for bertjax.main under a unique
+  module name (so that only this test's process can match): the job starts detached, a second
+  start is refused, stop delivers SIGTERM and waits for the exit."""
+  module = f"bjtest{os.getpid()}x{abs(hash(str(tmp_path))) % 10**8}"
+  home = tmp_path / "home"
+  (home / "bertjax" / module).mkdir(parents=True)
+  (home / "bertjax" / module / "__init__.py").write_text("")
+  (home / "bertjax" / module / "main.py").write_text(
+      "import signal, sys, time\n"
+      "signal.signal(signal.SIGTERM, lambda *a: (print('SIGTERM: saved', flush=True), sys.exit(0)))\n"
+      "print('args', sys.argv[1:], flush=True)\n"
+      "for _ in range(1200):\n  time.sleep(0.1)\n")
+  (home / "bertjax-venv" / "bin").mkdir(parents=True)
+  (home / "bertjax-venv" / "bin" / "python").symlink_to(sys.executable)
+  mine = lambda s: s.replace("bertjax.main", f"{module}.main").replace("bertjax[.]main",
+                                                                        f"{module}[.]main")
+  env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+  plan = tpu.RunPlan("configs/bert_large.py", "gs://b/r", EXTRA, [])
+  start = subprocess.run(["bash", "-c", mine(tpu.run_script(plan))], env=env, capture_output=True,
+                         text=True, timeout=30, check=False)
+  found = re.search(r"pid (\d+)", start.stdout)
+  try:
+    assert start.returncode == 0 and found, start.stderr
+    log = home / "bertjax-logs" / "train.log"
+    for _ in range(100):
+      if "args" in log.read_text():
+        break
+      subprocess.run(["sleep", "0.1"], check=True)
+    assert f"args {['--config=configs/bert_large.py', '--workdir=gs://b/r', *EXTRA]}" in log.read_text()
+    again = subprocess.run(["bash", "-c", mine(tpu.run_script(plan))], env=env,
+                           capture_output=True, text=True, timeout=30, check=False)
+    assert again.returncode != 0 and "training is running; stop it first" in again.stderr
+    stop = subprocess.run(["bash", "-c", mine(tpu.stop_script(30))], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert stop.returncode == 0 and "saved and exited" in stop.stdout, stop.stderr
+    assert "SIGTERM: saved" in log.read_text()
+    idle = subprocess.run(["bash", "-c", mine(tpu.stop_script(30))], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert idle.returncode == 0 and "no training process" in idle.stdout
+  finally:  # only this test's stand-in, if it is still there
+    cmdline = pathlib.Path(f"/proc/{found.group(1)}/cmdline") if found else None
+    if cmdline and cmdline.exists() and module in cmdline.read_text(errors="replace"):
+      os.kill(int(found.group(1)), 9)
+
+
+def test_readme_dry_run_output_is_the_launchers():
+  """launch/README.md shows a dry run's output: it must stay what the launcher prints."""
+  readme = (REPO / "launch" / "README.md").read_text()
+  section = readme.split("## 3. Dry run", 1)[1].split("\n## ", 1)[0]
+  command, shown = re.findall(r"```(?:bash|text)\n(.*?)```", section, re.S)[:2]
+  argv = shlex.split(command.replace("\\\n", " "))
+  assert argv[:2] == ["python", "launch/tpu.py"] and "--dry-run" in argv
+  r = launch(*argv[2:], env={**os.environ, "TMPDIR": "/tmp"})
+  assert r.returncode == 0, r.stderr
+  assert r.stdout == shown
