@@ -178,8 +178,9 @@ def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.
                      "more documents (data.eval_fraction)")
   scalars = metrics_lib.reduce(total)
   if jax.process_count() > 1:
-    not_next, pairs = np.sum(multihost_utils.process_allgather(
-        np.array([not_next, pairs], np.float64)), axis=0)
+    # Counts as float32 (jax without x64 would narrow float64 anyway): exact below 2**24 pairs.
+    gathered = multihost_utils.process_allgather(np.array([not_next, pairs], np.float32))
+    not_next, pairs = (float(x) for x in np.sum(gathered, axis=0))
   if pairs:
     scalars["nsp_majority_baseline"] = max(not_next, pairs - not_next) / pairs
   scalars["num_sequences"] = float(count * training.train_config.batch_size)

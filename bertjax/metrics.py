@@ -129,7 +129,9 @@ class Writer:
       for k, v in scalars.items():
         self._tf.summary.scalar(prefix + k, v, step=step)
     self._tb.flush()
-    self._jsonl.write(json.dumps({"step": step, **{prefix + k: v for k, v in scalars.items()}})
+    # float(): numpy and jax scalars are not JSON-serialisable.
+    self._jsonl.write(json.dumps({"step": step,
+                                  **{prefix + k: float(v) for k, v in scalars.items()}})
                       + "\n")
     self._jsonl.flush()
 
