@@ -121,7 +121,8 @@ def known_topologies() -> dict[str, tuple[int, ...]]:
 
 
 def parse_topology(name: str, num_slices: int = 1) -> Topology:
-  """"v5p-128" -> Topology(v5p, 4x4x4) ("v5litepod-N" is v5e-N); an unknown name raises with the list of known ones."""
+  """"v5p-128" -> Topology(v5p, 4x4x4); "v5litepod-N" is v5e-N; an unknown name raises with the
+  list of known ones."""
   known = known_topologies()
   # Cloud TPU's accelerator type for v5e slices is "v5litepod-N" (what launch/tpu.py takes).
   name = re.sub(r"^v5litepod-", "v5e-", name)
@@ -250,14 +251,14 @@ def _round(x: float) -> float:
   return float(f"{x:.4g}")  # 4 significant digits: figures span 1e-4 (tiny) to 1e6
 
 
-def report(topology: Topology, training: train.Training, compiled, compile_s: float,
-           seq_len: int, max_predictions: int, mfu: float, hbm_gib: float) -> dict:
+def report(topology: Topology, training: train.Training, compiled, memory: Memory,
+           compile_s: float, seq_len: int, max_predictions: int, mfu: float,
+           hbm_gib: float) -> dict:
   """The figures of one compiled step as a flat dict (also what the command prints)."""
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
   device_kind = training.mesh.devices.flat[0].device_kind
   peak = metrics.peak_tflops(device_kind)
-  memory = Memory.of(compiled)
   model_flops = metrics.train_flops(mc, tc.batch_size, seq_len, max_predictions)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -349,15 +350,17 @@ def main(argv):
     # can; its usable HBM is the chip's less the runtime's reserve.
     message = shortfall_message(topology, oom[0], hbm_gib, training, usable_bytes=oom[1])
     sys.exit(f"bertjax.aot: {message} (XLA's TPU compiler: {e})")
-  figures = report(topology, training, compiled, time.perf_counter() - start, seq_len,
-                   max_predictions, FLAGS.mfu, hbm_gib)
+  compile_s = time.perf_counter() - start
+  memory = Memory.of(compiled)
+  figures = report(topology, training, compiled, memory, compile_s, seq_len, max_predictions,
+                   FLAGS.mfu, hbm_gib)
   width = max(len(k) for k in figures)
   for key, value in figures.items():
     print(f"{key:<{width}}  {value}")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(figures, f, indent=1)
-  need = Memory.of(compiled).total
+  need = memory.total
   if need > hbm_gib * GIB:
     sys.exit(f"bertjax.aot: {shortfall_message(topology, need, hbm_gib, training)}")
   print(f"bertjax.aot: fits, {need / GIB:.3g} of {hbm_gib:g} GiB per chip "

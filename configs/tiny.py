@@ -7,9 +7,10 @@ word embeddings. Sequence length 64, batch 8, AdamW at 5e-4.
 Measured on a 2-core machine: about 200 sequences/s (25 steps/s), so 12,000 steps take about
 8 minutes after a first-time setup of about 2 minutes (install) + 30 seconds (vocabulary and data).
 Accuracy after 12,000 steps (`make pretrain`, the whole held-out split of 3,392 sequences): MLM
-0.149 and NSP 0.713 against a majority-label baseline of 0.605 (on its first 800: 0.153 and 0.693). The MLM figure is an early plateau: the model predicts frequent
-pieces and copies unmasked ones, and its attention has not learned to look at neighbouring tokens
-(a bigram-and-next-token lookup table scores 0.24 on the same positions). Learning rates 1e-3
+0.149 and NSP 0.713 against a majority-label baseline of 0.605 (on its first 800: 0.153 and
+0.693). The MLM figure is an early plateau: the model predicts frequent pieces and copies
+unmasked ones, and its attention has not learned to look at neighbouring tokens (a
+bigram-and-next-token lookup table scores 0.24 on the same positions). Learning rates 1e-3
 (MLM 0.14-0.16, NSP 0.60-0.63), 2.5e-4 (slower), 3e-3 and 6e-3 (stuck at the unigram), other
 initialisations, Adam epsilon and bias correction, 4 heads, vocabularies of 2,000 and 4,000,
 attention dropout 0.1, MLM-only data and length 32 (MLM 0.174, the best) all stayed on the same
