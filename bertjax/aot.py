@@ -39,17 +39,8 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
-from bertjax import metrics, sharding, train
-
-# `configs/*.py` import `configs.base`: make the folder holding `configs/` importable whatever
-# the working directory (as bertjax.main does).
-for _arg in sys.argv:
-  if _arg.startswith("--config="):
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(_arg.split("=", 1)[1].split(":")[0])))
-    if _root not in sys.path:
-      sys.path.insert(0, _root)
+from bertjax import cli, metrics, sharding, train
 
 GIB = 2**30
 
@@ -299,8 +290,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """The command's flags; defined only when run as a command, so that importing this module next
   to another with a --config flag (bertjax.benchmark, in one test process) does not collide."""
-  config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py), locked.",
-                                  lock_config=True)
+  cli.define_config_flag()
   flags.DEFINE_string("topology", None,
                       "Cloud TPU accelerator type, e.g. v5p-128, v4-32, v5e-256 (v5litepod-256).")
   flags.DEFINE_integer("num_slices", 1, "Slices of that type joined by DCN (multi-slice).")

@@ -30,9 +30,8 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
-from bertjax import metrics, train
+from bertjax import cli, metrics, train
 from bertjax.metrics import peak_tflops, train_flops
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
@@ -144,7 +143,7 @@ def report(runner: StepRunner, times: list[float]) -> dict:
 
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "ml_collections config file", lock_config=True)
+cli.define_config_flag()
 flags.DEFINE_integer("steps", 5, "timed steps (the median is reported)")
 flags.DEFINE_integer("warmup_steps", 1, "untimed steps after compiling")
 flags.DEFINE_string("json", "", "also write the figures to this file")

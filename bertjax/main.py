@@ -7,21 +7,12 @@ join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordi
 """
 
 import os
-import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
-# `configs/*.py` import `configs.base`: make the folder holding `configs/` importable whatever
-# the working directory (the config file's grandparent folder).
-for _arg in sys.argv:
-  if _arg.startswith("--config="):
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(_arg.split("=", 1)[1].split(":")[0])))
-    if _root not in sys.path:
-      sys.path.insert(0, _root)
+from bertjax import cli
 
-config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py), locked.",
-                                lock_config=True)
+cli.define_config_flag()
 flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard logs and metrics go here "
                     "(local path or gs://). Running again with the same workdir resumes.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process CPU/GPU).")

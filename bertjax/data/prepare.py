@@ -368,7 +368,7 @@ def main(argv):
 
 if __name__ == "__main__":
   from absl import app, flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "config file (configs/*.py)", lock_config=True)
+  from bertjax import cli
+  cli.define_config_flag()
   flags.mark_flags_as_required(["config"])
   app.run(main)

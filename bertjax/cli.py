@@ -1,0 +1,42 @@
+"""The `--config` flag shared by the commands (main, aot, benchmark, data.prepare).
+
+Config files live in a `configs/` folder and import `configs.base`. So that this works whatever the
+working directory, the folder holding `configs/` (the config file's grandparent) is put on
+`sys.path` before absl parses the flags and loads the file.
+"""
+
+import os
+import sys
+from typing import Sequence
+
+from ml_collections import config_flags
+
+
+def config_file_from_argv(argv: Sequence[str], name: str = "config") -> str | None:
+  """The file named by `--<name>=FILE[:args]` or `--<name> FILE[:args]` in argv, if any."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      value = argv[i + 1]
+    else:
+      continue
+    return value.split(":", 1)[0]  # `file.py:phase=2` passes an argument to get_config
+  return None
+
+
+def make_config_folder_importable(argv: Sequence[str], name: str = "config") -> str | None:
+  """Puts the config file's grandparent folder first on sys.path; returns it (None if no flag)."""
+  path = config_file_from_argv(argv, name)
+  if path is None:
+    return None
+  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  return root
+
+
+def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", name: str = "config"):
+  """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
+  make_config_folder_importable(sys.argv, name)
+  return config_flags.DEFINE_config_file(name, None, help_text, lock_config=True)
