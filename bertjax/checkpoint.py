@@ -1,22 +1,32 @@
 """Checkpoints with orbax: async saves every N steps, the last K kept, restores that never lose a run.
 
 A checkpoint is a set of named items (pytrees such as `params` and `opt_state`, saved with
-orbax's standard handler so they restore onto any mesh) plus a JSON `meta` item (the model
-config and whatever the loop needs to resume exactly). Restore order: the newest readable
-checkpoint of the run; one that cannot be read (cut off mid-save, truncated file) is reported and
-skipped in favour of the one before. Orbax writes each save into a temporary folder renamed only
-when complete, so an interrupted save never even looks like a checkpoint.
+orbax's standard handler so they restore onto any mesh) plus a JSON `meta` item: the model config,
+the optimizer-shaping train keys and the tokenizer fingerprint, checked before anything is restored.
+
+Restore order: the newest checkpoint that restores. One with known damage (files missing, cut short
+or unparsable) is skipped for the one before, and once an older one has restored it is moved aside
+to `<checkpoints>.damaged/` (kept for inspection; left in place it would collide with the step the
+run saves next). Any other failure, and a workdir whose checkpoints all fail, is an error with each
+step's reason: a run never starts over silently where checkpoints exist. Every host restores the
+step process 0 chose. Orbax writes each save into a temporary folder renamed only when complete, so
+an interrupted save never even looks like a checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import time
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
 
 from bertjax.model import BertConfig
 
@@ -24,8 +34,15 @@ from bertjax.model import BertConfig
 # in any of them cannot be resumed by this model.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                 "max_position_embeddings", "type_vocab_size", "scan_layers")
+# Train keys that shape the optimizer state or what one step means; resuming under other values
+# would continue another run's moments (or its data position) silently.
+OPTIMIZER_FIELDS = ("optimizer", "max_grad_norm", "num_microbatches", "bias_correction")
 
 META = "meta"
+# Messages of known damage: tensorstore's status codes for missing or cut-short files, orbax's for a
+# missing item. Anything else (a shape or sharding error) is not skipped.
+_DAMAGE_MARKERS = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "No such file", "was not found in "
+                   "the checkpoint", "Unexpected end", "truncated")
 
 
 def _abspath(path: str) -> str:
@@ -33,16 +50,81 @@ def _abspath(path: str) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
+class CheckpointMismatchError(ValueError):
+  """The checkpoint was written by another model, optimizer or vocabulary than the config's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+  """What a checkpoint must match to be resumed (a field None is not checked)."""
+
+  model: BertConfig | None = None
+  optimizer: Mapping[str, Any] | None = None  # OPTIMIZER_FIELDS of the train config
+  tokenizer_fingerprint: str | None = None
+
+  def meta(self) -> dict:
+    """The same facts, to be written beside a checkpoint."""
+    out = {}
+    if self.model is not None:
+      out["model"] = dataclasses.asdict(self.model)
+    if self.optimizer is not None:
+      out["optimizer"] = dict(self.optimizer)
+    if self.tokenizer_fingerprint is not None:
+      out["tokenizer_fingerprint"] = self.tokenizer_fingerprint
+    return out
+
+  def check(self, saved: Mapping[str, Any], where: str) -> None:
+    """Raises CheckpointMismatchError naming every difference. Keys the checkpoint lacks (older
+    checkpoints) are not compared."""
+    diffs = []
+    if self.model is not None:
+      current, have = dataclasses.asdict(self.model), saved.get("model", {})
+      diffs += [f"model.{k}: checkpoint {have[k]!r} vs config {current[k]!r}"
+                for k in SHAPE_FIELDS if k in have and have[k] != current[k]]
+    if self.optimizer is not None:
+      have = saved.get("optimizer", {})
+      diffs += [f"train.{k}: checkpoint {have[k]!r} vs config {v!r}"
+                for k, v in self.optimizer.items() if k in have and have[k] != v]
+    fp = saved.get("tokenizer_fingerprint")
+    if self.tokenizer_fingerprint is not None and fp is not None and (
+        fp != self.tokenizer_fingerprint):
+      diffs.append(f"tokenizer: checkpoint {fp} vs data {self.tokenizer_fingerprint} (the "
+                   "embedding rows would index other pieces)")
+    if diffs:
+      raise CheckpointMismatchError(
+          f"The checkpoint at {where} was saved by a different run ({'; '.join(diffs)}). Use the "
+          "config it was trained with, or a new --workdir to start another run (to start from its "
+          "weights with a new layout or vocabulary, convert them first).")
+
+
+def optimizer_fields(train_config) -> dict:
+  return {k: getattr(train_config, k) for k in OPTIMIZER_FIELDS}
+
+
 def check_model_matches(saved: Mapping[str, Any], config: BertConfig, where: str) -> None:
   """Raises if the saved model config differs from `config` in a shape-defining field."""
-  current = dataclasses.asdict(config)
-  diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {current[k]!r}"
-           for k in SHAPE_FIELDS if k in saved and saved[k] != current[k]]
-  if diffs:
-    raise ValueError(
-        f"The checkpoint at {where} was saved by a different model ({'; '.join(diffs)}). "
-        "Use the config it was trained with, or a new --workdir to start another run "
-        "(to start from its weights with a new layout, convert them first).")
+  Expected(model=config).check({"model": saved}, where)
+
+
+def is_damage(err: BaseException) -> bool:
+  """Whether a restore failed on damaged files (skippable) rather than on a real error."""
+  if isinstance(err, (FileNotFoundError, EOFError, json.JSONDecodeError)):
+    return True
+  text = f"{type(err).__name__}: {err}"
+  return any(marker in text for marker in _DAMAGE_MARKERS)
+
+
+def _agree(value: int) -> int:
+  """Process 0's value on every process (one host's listing of shared storage decides)."""
+  if jax.process_count() == 1:
+    return value
+  return int(multihost_utils.broadcast_one_to_all(np.array(value, np.int64)))
+
+
+def _all_true(flag: bool) -> bool:
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.all(multihost_utils.process_allgather(np.array([flag], np.int32))))
 
 
 class Checkpointer:
@@ -88,30 +170,65 @@ class Checkpointer:
     return dict(self._manager.restore(step, args=ocp.args.Composite(
         **{META: ocp.args.JsonRestore()}))[META])
 
-  def restore_latest(self, abstract_items: Mapping[str, Any], config: BertConfig | None = None
+  def restore_latest(self, abstract_items: Mapping[str, Any], expected: Expected | None = None
                      ) -> tuple[int, dict, dict] | None:
-    """(step, items, meta) of the newest readable checkpoint, or None if there is none.
+    """(step, items, meta) of the newest checkpoint that restores, or None if there is none.
 
-    A checkpoint of another model (see SHAPE_FIELDS) is an error, never skipped: resuming a run
-    with the wrong config must not silently start over.
+    A mismatch with `expected` is an error, never skipped: resuming a run with the wrong config
+    must not silently fall back or start over. See the module docstring for damage.
     """
-    for step in reversed(self.all_steps()):
+    steps = self.all_steps()
+    damaged: list[tuple[int, str]] = []
+    candidate = _agree(steps[-1] if steps else -1)
+    while candidate >= 0:
+      step = candidate
+      where = f"{self.directory} step {step}"
+      error = None
       try:
         meta = self.read_meta(step)
-      except Exception as err:  # pylint: disable=broad-except
-        logging.warning("Checkpoint step %d in %s is unreadable (%s: %s); trying the one before.",
-                        step, self.directory, type(err).__name__, err)
-        continue
-      if config is not None:
-        check_model_matches(meta.get("model", {}), config, f"{self.directory} step {step}")
-      try:
+        if expected is not None:
+          expected.check(meta, where)
         items, meta = self.restore(step, abstract_items)
+      except CheckpointMismatchError:
+        raise
       except Exception as err:  # pylint: disable=broad-except
-        logging.warning("Checkpoint step %d in %s is unreadable (%s: %s); trying the one before.",
-                        step, self.directory, type(err).__name__, err)
-        continue
-      return step, items, meta
+        if not is_damage(err):
+          raise RuntimeError(
+              f"Checkpoint {where} could not be restored ({type(err).__name__}: {err}). This is "
+              "not a known kind of damage, so it is not skipped: fix the cause (the config, the "
+              "mesh, the installed versions) and run again.") from err
+        error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+      if _all_true(error is None):
+        for bad_step, reason in damaged:
+          self._set_aside(bad_step, reason)
+        return step, items, meta
+      damaged.append((step, error or "damaged on another host"))
+      logging.warning("Checkpoint %s is damaged (%s); trying the one before.", where,
+                      damaged[-1][1])
+      older = [s for s in steps if s < step]
+      candidate = _agree(older[-1] if older else -1)
+    if damaged:
+      raise RuntimeError(
+          f"None of the {len(damaged)} checkpoint(s) in {self.directory} restores: "
+          + "; ".join(f"step {s}: {r}" for s, r in damaged)
+          + ". The run does not start over in a workdir that holds checkpoints: repair or move "
+          "them away (or use a new --workdir) and run again.")
     return None
+
+  def _set_aside(self, step: int, reason: str) -> None:
+    """Moves a damaged step out of the manager's folder, where it would collide with a new save."""
+    aside = epath.Path(self.directory + ".damaged") / f"{step}-{int(time.time())}"
+    if jax.process_index() == 0:
+      aside.parent.mkdir(parents=True, exist_ok=True)
+      epath.Path(self.directory, str(step)).rename(aside)
+      (aside / "DAMAGE.txt").write_text(reason + "\n")
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"bertjax set aside checkpoint {step}")
+    self._manager.reload()
+    logging.warning("Moved damaged checkpoint step %d to %s (%s).", step, aside, reason)
+    if jax.process_index() == 0:
+      print(f"bertjax: checkpoint step {step} was damaged ({reason}); moved to {aside}",
+            flush=True)
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -1,15 +1,19 @@
-"""The `--config` flag shared by the commands (main, aot, benchmark, data.prepare).
+"""What the commands (main, aot, benchmark, data.prepare) share: the `--config` flag, quiet logs.
 
 Config files live in a `configs/` folder and import `configs.base`. So that this works whatever the
 working directory, the folder holding `configs/` (the config file's grandparent) is put on
 `sys.path` before absl parses the flags and loads the file.
 """
 
+import logging
 import os
 import sys
 from typing import Sequence
 
+from absl import flags, logging as absl_logging
 from ml_collections import config_flags
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def config_file_from_argv(argv: Sequence[str], name: str = "config") -> str | None:
@@ -40,3 +44,23 @@ def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", n
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
   make_config_folder_importable(sys.argv, name)
   return config_flags.DEFINE_config_file(name, None, help_text, lock_config=True)
+
+
+class _OwnInfoOnly(logging.Filter):
+  """Below WARNING, only bertjax's own records pass: orbax alone writes about 10 KB of INFO per
+  checkpoint save, which would bury the run's lines and flood whatever reads its stderr."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or record.pathname.startswith(_PACKAGE)
+
+
+def quiet_third_party_logs() -> bool:
+  """Applies the filter unless absl's --verbosity / -v, --logtostderr or --alsologtostderr was
+  given (then everything is logged as asked). Call after flags are parsed; returns whether set."""
+  if any(flags.FLAGS[name].present for name in ("verbosity", "logtostderr", "alsologtostderr")
+         if name in flags.FLAGS):
+    return False
+  handler = absl_logging.get_absl_handler()
+  if not any(isinstance(f, _OwnInfoOnly) for f in handler.filters):
+    handler.addFilter(_OwnInfoOnly())
+  return True

@@ -3,8 +3,13 @@
 `train_and_evaluate(config, workdir)` is what `python -m bertjax.main` runs. Resume is exact: the
 state is (step, params, opt_state); dropout keys are fold_in(seed, step) and the input pipeline
 restarts at any step with the same batches, so an interrupted-and-resumed run computes what an
-uninterrupted one computes. Restore order: the workdir's newest readable checkpoint > `init_from`
-(parameters only) > scratch.
+uninterrupted one computes. Restore order: the workdir's newest checkpoint that restores >
+`init_from` (parameters only) > scratch (bertjax/checkpoint.py says what is skipped and what refused).
+
+Everything that can be checked is checked before the first step: the intervals, the workdir, the
+data (the held-out split too), the mesh and batch, and the checkpoint's model, optimizer and
+vocabulary. Evaluation reads a fixed held-out set (the first `eval_sequences`, masked with the
+preparation seed, so every run and seed is scored on the same predictions).
 """
 
 from __future__ import annotations
@@ -12,15 +17,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from bertjax import checkpoint as checkpoint_lib, metrics as metrics_lib, train
+from bertjax import checkpoint as checkpoint_lib, control, metrics as metrics_lib, train
 from bertjax.data import pipeline, prepare, tokenizer as tokenizer_lib
 from bertjax.model import BertConfig
 
@@ -31,57 +35,30 @@ ITEMS = ("params", "opt_state")
 class LoopConfig:
   """Keys of `config.train` and `config.checkpoint` that only the loop reads."""
 
-  log_every_steps: int
-  eval_every_steps: int
-  eval_batches: int
+  schedule: control.Schedule
+  eval_sequences: int
   profile_start_step: int
   profile_num_steps: int
-  save_every_steps: int
   keep: int
   async_save: bool
   init_from: str
+  init_from_other_vocab: bool
 
   @classmethod
   def from_config(cls, config) -> "LoopConfig":
+    """Raises on any interval or count that cannot work, before anything runs."""
     t, c = config.train, config.checkpoint
-    return cls(log_every_steps=t.log_every_steps, eval_every_steps=t.eval_every_steps,
-               eval_batches=t.eval_batches, profile_start_step=t.profile_start_step,
-               profile_num_steps=t.profile_num_steps, save_every_steps=c.save_every_steps,
-               keep=c.keep, async_save=c.async_save, init_from=c.init_from)
-
-
-class _StopSignal:
-  """SIGTERM (a preemption notice) or SIGINT asks the loop to save at the next step and exit."""
-
-  def __init__(self):
-    self.received = None
-    self._previous = {}
-
-  def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      try:
-        self._previous[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread (e.g. a test harness): no handler, no stop
-        pass
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-
-  def should_stop(self, step: int) -> bool:
-    """Whether every process should stop now; all processes agree on the same step."""
-    local = self.received is not None
-    if jax.process_count() == 1:
-      return local
-    # One tiny all-gather keeps the hosts in step: a host that stops alone would hang the others.
-    flags = multihost_utils.process_allgather(np.array([local], np.int32))
-    del step
-    return bool(np.any(flags))
+    schedule = control.Schedule(total_steps=t.num_train_steps, log_every=t.log_every_steps,
+                                save_every=c.save_every_steps, eval_every=t.eval_every_steps)
+    problems = [f"{key}={value} must be >= {low}" for key, value, low in (
+        ("train.eval_sequences", t.eval_sequences, 0), ("checkpoint.keep", c.keep, 1),
+        ("train.profile_num_steps", t.profile_num_steps, 1)) if int(value) < low]
+    if problems:
+      raise ValueError("Invalid config: " + "; ".join(problems))
+    return cls(schedule=schedule, eval_sequences=t.eval_sequences,
+               profile_start_step=t.profile_start_step, profile_num_steps=t.profile_num_steps,
+               keep=c.keep, async_save=c.async_save, init_from=c.init_from,
+               init_from_other_vocab=c.init_from_other_vocab)
 
 
 def check_workdir(workdir: str) -> None:
@@ -121,10 +98,11 @@ def prepare_data(config) -> dict:
 
 
 def _restore_or_init(training: train.Training, ckpt: checkpoint_lib.Checkpointer,
-                     loop: LoopConfig, seed: int) -> tuple[train.TrainState, str]:
+                     loop: LoopConfig, expected: checkpoint_lib.Expected, seed: int
+                     ) -> tuple[train.TrainState, str]:
   abstract = training.abstract_state
   found = ckpt.restore_latest({"params": abstract.params, "opt_state": abstract.opt_state},
-                              training.model_config)
+                              expected)
   if found is not None:
     step, items, _ = found
     state = train.TrainState(step=jax.device_put(np.int32(step), training.abstract_state.step
@@ -132,14 +110,21 @@ def _restore_or_init(training: train.Training, ckpt: checkpoint_lib.Checkpointer
     return state, f"resumed from {ckpt.directory} at step {step}"
   state = training.init_state(jax.random.PRNGKey(seed))
   if loop.init_from:
-    params = load_init_params(loop.init_from, abstract.params, training.model_config)
+    vocab_check = None if loop.init_from_other_vocab else expected.tokenizer_fingerprint
+    params = load_init_params(loop.init_from, abstract.params, training.model_config,
+                              tokenizer_fingerprint=vocab_check)
     state = state.replace(params=params)
     return state, f"parameters from init_from={loop.init_from}, optimizer fresh"
   return state, "initialised from scratch"
 
 
-def load_init_params(path: str, abstract_params: Any, config: BertConfig) -> Any:
-  """Parameters of another run (its workdir or checkpoints folder) or of `convert.hf import`."""
+def load_init_params(path: str, abstract_params: Any, config: BertConfig,
+                     tokenizer_fingerprint: str | None = None) -> Any:
+  """Parameters of another run (its workdir or checkpoints folder) or of `convert.hf import`.
+
+  With `tokenizer_fingerprint`, a run whose vocabulary differs is refused (its embedding rows would
+  index other pieces).
+  """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   if not tf.io.gfile.exists(path):
     raise FileNotFoundError(f"init_from={path} does not exist")
@@ -154,17 +139,25 @@ def load_init_params(path: str, abstract_params: Any, config: BertConfig) -> Any
   if not steps:
     raise FileNotFoundError(f"init_from={path} holds no checkpoint")
   meta = ckpt.read_meta(steps[-1])
-  checkpoint_lib.check_model_matches(meta.get("model", {}), config, f"{folder} step {steps[-1]}")
+  where = f"init_from={folder} step {steps[-1]}"
+  checkpoint_lib.Expected(model=config, tokenizer_fingerprint=tokenizer_fingerprint).check(
+      meta, where + " (set checkpoint.init_from_other_vocab=True to take it anyway)")
   items, _ = ckpt.restore(steps[-1], {"params": abstract_params})
   ckpt.close()
   return items["params"]
 
 
 def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.ndarray]],
-             max_batches: int) -> dict[str, float]:
-  """Held-out metrics over `max_batches` batches (0: the whole split), as one weighted average."""
+             max_sequences: int, stop: control.StopSignal | None = None
+             ) -> dict[str, float] | None:
+  """Held-out metrics over the first `max_sequences` (0: the whole split), as one weighted average;
+  None when `stop` asks every host to stop before the end."""
+  batch_size = training.train_config.batch_size
+  max_batches = max(1, max_sequences // batch_size) if max_sequences else 0
   total, count, not_next, pairs = None, 0, 0.0, 0
   for batch in batches:
+    if stop is not None and stop.should_stop():
+      return None
     total = metrics_lib.accumulate(total, training.eval_step(state, training.to_global(batch)))
     if "next_sentence_labels" in batch:
       # The NSP figure means little without the share of the majority label in the same pairs.
@@ -183,87 +176,128 @@ def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.
     not_next, pairs = (float(x) for x in np.sum(gathered, axis=0))
   if pairs:
     scalars["nsp_majority_baseline"] = max(not_next, pairs - not_next) / pairs
-  scalars["num_sequences"] = float(count * training.train_config.batch_size)
+  scalars["num_sequences"] = float(count * batch_size)
   return scalars
 
 
-def _batches(data_config, **kw) -> Iterator[dict[str, np.ndarray]]:
+def _batches(pipe: Iterator[dict], nsp: bool) -> Iterator[dict[str, np.ndarray]]:
   """The pipeline's batches; without NSP (MLM-only data) the all-zero labels are dropped, so
   neither the loss nor the metrics contain a next-sentence term."""
-  for batch in pipeline.make_pipeline(data_config, **kw):
-    if not data_config.nsp:
+  for batch in pipe:
+    if not nsp:
       batch.pop("next_sentence_labels", None)
     yield batch
 
 
-def _meta(config, training: train.Training, step: int) -> dict:
-  return {"model": dataclasses.asdict(training.model_config), "step": step,
-          "train": dataclasses.asdict(training.train_config), "data_source": config.data.source}
+def _write_config(config, workdir: str) -> None:
+  """What this run was asked to do, beside its results; written once the run is accepted, so a
+  refused command leaves the workdir's record of its real run untouched."""
+  if jax.process_index() == 0:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, float]:
-  """Runs (or resumes) the job described by `config` in `workdir`; returns the final eval metrics."""
+  """Runs (or resumes) the job described by `config` in `workdir`; returns the final eval metrics
+  ({} when a stop signal ended the run early)."""
   loop = LoopConfig.from_config(config)
+  schedule = loop.schedule
   check_workdir(workdir)
   if loop.init_from:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     if not tf.io.gfile.exists(loop.init_from):
       raise FileNotFoundError(f"checkpoint.init_from={loop.init_from} does not exist")
-  if jax.process_index() == 0:  # what this run was asked to do, beside its results
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
   manifest = prepare_data(config)
   vocab_size = resolve_vocab_size(config.model.vocab_size, manifest["vocab_size"])
   training = train.from_config(config, vocab_size=vocab_size)
   tcfg = training.train_config
+  data = config.data
+  per_host = dict(global_batch_size=tcfg.batch_size, process_index=jax.process_index(),
+                  process_count=jax.process_count())
+
+  def eval_batches():
+    # The preparation seed, not the run's: every run and seed is scored on the same masks.
+    return _batches(pipeline.make_pipeline(data, split="eval", seed=data.prepare_seed,
+                                           **per_host), data.nsp)
+
+  eval_batches()  # an empty or too small held-out split fails here, not after training
+  fingerprint = manifest["settings"]["tokenizer_fingerprint"]
+  expected = checkpoint_lib.Expected(model=training.model_config,
+                                     optimizer=checkpoint_lib.optimizer_fields(tcfg),
+                                     tokenizer_fingerprint=fingerprint)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ITEMS,
-                                     save_every=loop.save_every_steps, keep=loop.keep,
+                                     save_every=schedule.save_every, keep=loop.keep,
                                      async_save=loop.async_save)
-  state, origin = _restore_or_init(training, ckpt, loop, tcfg.seed)
+  state, origin = _restore_or_init(training, ckpt, loop, expected, tcfg.seed)
+  _write_config(config, workdir)
   start = int(jax.device_get(state.step))
   is_main = jax.process_index() == 0
   logging.info("Run %s: %s; %d parameters.", workdir, origin,
                sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
-  if is_main:
-    print(f"bertjax: {origin}", flush=True)
+  say = (lambda text: print(f"bertjax: {text}", flush=True)) if is_main else (lambda text: None)
+  say(origin)
   writer = metrics_lib.Writer(workdir, enabled=is_main)
-  data = config.data
-  per_host = dict(global_batch_size=tcfg.batch_size, process_index=jax.process_index(),
-                  process_count=jax.process_count(), seed=tcfg.seed)
+  meta = {**expected.meta(), "train": dataclasses.asdict(tcfg), "data_source": data.source}
 
-  def run_eval(step):
-    scalars = evaluate(training, state, _batches(data, split="eval", **per_host),
-                       loop.eval_batches)
-    writer.write(step, scalars, prefix="eval/")
-    if is_main:
-      print(f"eval at step {step}: " + " | ".join(
-          f"{k} {v:.4f}" for k, v in scalars.items() if k != "num_sequences"), flush=True)
+  def save(step, state):
+    ckpt.save(step, {"params": state.params, "opt_state": state.opt_state},
+              {**meta, "step": step}, force=True)
+
+  def run_eval(step, state, stop):
+    scalars = evaluate(training, state, eval_batches(), loop.eval_sequences, stop)
+    if scalars is not None:
+      writer.write(step, scalars, prefix="eval/")
+      if is_main:
+        print(f"eval at step {step}: " + " | ".join(
+            f"{k} {v:.4f}" for k, v in scalars.items() if k != "num_sequences"), flush=True)
     return scalars
 
-  def finish(step):
-    final = run_eval(step)
+  def close():
     ckpt.close()
     writer.close()
-    if is_main:
-      print(summary(final, workdir), flush=True)
-    return final
 
-  if start >= tcfg.num_train_steps:
-    if is_main:
-      print(f"bertjax: the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps)."
-            , flush=True)
-    return finish(start)
+  with control.StopSignal() as stop:
+    if start < tcfg.num_train_steps:
+      train_batches = _batches(pipeline.make_pipeline(data, split="train", seed=tcfg.seed,
+                                                      start_step=start, **per_host), data.nsp)
+      flops = metrics_lib.train_flops(training.model_config, tcfg.batch_size,
+                                      data.max_seq_length, data.max_predictions_per_seq)
+      peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
+      speed = metrics_lib.Throughput(start, tcfg.num_train_steps, tcfg.batch_size, flops,
+                                     peak * 1e12 * jax.device_count() if peak else None)
+      state, stopped_at = _train(training, state, train_batches, start, loop, stop, save,
+                                 run_eval, writer, speed, workdir)
+      if stopped_at is not None:
+        ckpt.wait()
+        close()
+        say(f"{stop.describe()} received; saved step {stopped_at} in {ckpt.directory}. Run the "
+            "same command to resume.")
+        return {}
+    else:
+      say(f"the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps).")
+    ckpt.wait()  # the last checkpoint is final before the (long) final evaluation
+    final = run_eval(tcfg.num_train_steps, state, stop)
+  close()
+  if final is None:
+    say(f"{stop.describe()} received during the final evaluation; the run is complete and saved. "
+        "Run the same command to evaluate it.")
+    return {}
+  if is_main:
+    print(summary(final, workdir), flush=True)
+  return final
 
-  flops = metrics_lib.train_flops(training.model_config, tcfg.batch_size, data.max_seq_length,
-                                  data.max_predictions_per_seq)
-  peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
-  speed = metrics_lib.Throughput(start, tcfg.num_train_steps, tcfg.batch_size, flops,
-                                 peak * 1e12 * jax.device_count() if peak else None)
-  batches = _batches(data, split="train", start_step=start, **per_host)
+
+def _train(training: train.Training, state, batches: Iterator[dict], start: int,
+           loop: LoopConfig, stop: control.StopSignal, save: Callable, run_eval: Callable,
+           writer: metrics_lib.Writer, speed: metrics_lib.Throughput, workdir: str):
+  """The steps from `start`: (state, None) at the end, (state, step) when a stop signal ended them
+  (that step is saved)."""
+  schedule, tcfg = loop.schedule, training.train_config
+  is_main = jax.process_index() == 0
   rng = jax.random.PRNGKey(tcfg.seed)
-  total, interval_steps, pending = None, 0, None
-  with _StopSignal() as stop, contextlib.ExitStack() as profiling:
+  buffer = control.MetricsBuffer()
+  with contextlib.ExitStack() as profiling:
     step = start
     while step < tcfg.num_train_steps:
       if step == loop.profile_start_step and is_main:
@@ -271,40 +305,26 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
       if loop.profile_start_step >= 0 and step == loop.profile_start_step + loop.profile_num_steps:
         profiling.close()
       state, step_metrics = training.train_step(state, training.to_global(next(batches)), rng)
-      # Read the previous step's metrics now, so the host never waits for the step it dispatched.
-      if pending is not None:
-        total, interval_steps = _consume(pending, total, interval_steps)
-      pending = (step + 1, step_metrics)
       step += 1
-      at_log = step % loop.log_every_steps == 0 or step == tcfg.num_train_steps
-      at_save = step % loop.save_every_steps == 0 or step == tcfg.num_train_steps
-      stopping = stop.should_stop(step) if (at_log or jax.process_count() == 1) else False
-      if at_log or at_save or stopping:
-        total, interval_steps = _consume(pending, total, interval_steps)  # NaN check before saving
-        pending = None
-      if at_log and total is not None:
-        scalars = metrics_lib.reduce(total, interval_steps)
-        rates = speed.update(step)
+      buffer.push(step, step_metrics)
+      stopping = stop.should_stop()
+      at_save = schedule.at_save(step) or stopping
+      if schedule.at_log(step) or at_save:
+        buffer.flush()  # the non-finite guard runs before anything of this state is saved
+      if schedule.at_log(step):
+        scalars, rates = buffer.take(), speed.update(step)
         writer.write(step, {**scalars, **rates}, prefix="train/")
         if is_main:
           print(metrics_lib.progress_line(step, tcfg.num_train_steps, scalars, rates), flush=True)
-        total, interval_steps = None, 0
-      if at_save or stopping:
-        ckpt.save(step, {"params": state.params, "opt_state": state.opt_state},
-                  _meta(config, training, step), force=True)
+      if at_save:
+        save(step, state)
       if stopping:
-        ckpt.wait()
-        if is_main:
-          print(f"bertjax: {stop.received or 'a stop signal on another host'} received; saved "
-                f"step {step} in {ckpt.directory}. "
-                "Run the same command to resume.", flush=True)
-        writer.close()
-        ckpt.close()
-        return {}
-      if loop.eval_every_steps and step % loop.eval_every_steps == 0 and (
-          step != tcfg.num_train_steps):
-        run_eval(step)
-  return finish(tcfg.num_train_steps)
+        return state, step
+      if schedule.at_eval(step) and run_eval(step, state, stop) is None:
+        if not schedule.at_save(step):  # stopped during the evaluation: keep this step
+          save(step, state)
+        return state, step
+  return state, None
 
 
 def summary(final: Mapping[str, float], workdir: str) -> str:
@@ -318,12 +338,3 @@ def summary(final: Mapping[str, float], workdir: str) -> str:
             f"Logs: {os.path.join(workdir, 'metrics.jsonl')}; "
             f"tensorboard --logdir {os.path.join(workdir, 'tensorboard')}"]
   return "\n".join(lines)
-
-
-def _consume(pending, total, interval_steps):
-  step, step_metrics = pending
-  host = jax.device_get(step_metrics)
-  metrics_lib.check_finite(step, {k: float(v[0]) / max(float(v[1]), 1e-9)
-                                  for k, v in host.items()})
-  return metrics_lib.accumulate(total, host), interval_steps + 1
-

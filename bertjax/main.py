@@ -1,7 +1,8 @@
 """Entry point: `python -m bertjax.main --config=configs/tiny.py --workdir=/tmp/run`.
 
 Any config key can be overridden with a dotted flag (`--config.train.batch_size=256`); the config
-is locked, so a misspelled key is an error. Several processes (a TPU pod, or `launch/local.sh`)
+is locked, so a misspelled key is an error. Third-party INFO logs are off unless absl's
+--verbosity (or -v), --logtostderr or --alsologtostderr is given. Several processes (a TPU pod, or `launch/local.sh`)
 join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordinator_address,
 --num_processes and --process_id (or the BERTJAX_* environment variables of bertjax.distributed).
 """
@@ -36,6 +37,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  cli.quiet_third_party_logs()
   hide_accelerators_from_tensorflow()
   from bertjax import distributed, loop  # pylint: disable=import-outside-toplevel
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)

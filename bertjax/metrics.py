@@ -1,4 +1,4 @@
-"""What a run reports: metric reduction, TensorBoard + JSON-lines writers, progress lines, NaN guard.
+"""What a run reports: metric reduction, TensorBoard + JSON-lines writers, progress lines, FLOPs.
 
 Only process 0 writes. Metrics arrive as {name: (sum, denominator)} already summed over the
 global batch; `reduce` divides them once, after any accumulation over steps.
@@ -7,7 +7,6 @@ global batch; `reduce` divides them once, after any accumulation over steps.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from typing import Any, Mapping
@@ -70,10 +69,6 @@ def train_flops(cfg: BertConfig, batch_size: int, seq_len: int, max_predictions:
 
 
 
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN or Inf; nothing of that step was saved."""
-
-
 def accumulate(total: dict | None, metrics: Mapping[str, Any]) -> dict:
   """Adds a step's metrics ((sum, denominator) pairs or scalars) into a running total."""
   metrics = jax.device_get(dict(metrics))
@@ -97,15 +92,6 @@ def reduce(total: Mapping[str, Any], steps: int = 1) -> dict[str, float]:
     else:
       out[k] = float(v) / max(steps, 1)
   return out
-
-
-def check_finite(step: int, scalars: Mapping[str, float]) -> None:
-  bad = {k: v for k, v in scalars.items() if "loss" in k and not math.isfinite(v)}
-  if bad:
-    raise NonFiniteLossError(
-        f"Non-finite loss at step {step}: {bad}. Training stopped; no checkpoint of this state "
-        "was written, the last good one is kept. Lower the learning rate, raise warmup, or check "
-        "the data around this step.")
 
 
 class Writer:

@@ -79,7 +79,7 @@ def get_config():
   # The loop (bertjax/loop.py):
   t.log_every_steps = 100  # a console line, TensorBoard and metrics.jsonl every this many steps
   t.eval_every_steps = 10_000  # held-out evaluation every this many steps (0: only at the end)
-  t.eval_batches = 0  # held-out batches per evaluation (0: the whole held-out split)
+  t.eval_sequences = 10_000  # held-out sequences per evaluation, always the same (MLPerf: 10,000; 0 = all)
   t.profile_start_step = -1  # first step of a profiler trace in workdir/profile (-1: none)
   t.profile_num_steps = 5  # steps the profiler trace covers
 
@@ -90,6 +90,7 @@ def get_config():
   c.async_save = True  # write in the background while training goes on
   c.init_from = ""  # parameters to start from when the workdir has no checkpoint: another run's
   #                   workdir (e.g. phase 1) or a folder from `python -m bertjax.convert.hf import`
+  c.init_from_other_vocab = False  # True: take init_from's weights although its tokenizer differs
 
   # --- mesh: see bertjax/sharding.py. ----------------------------------------------------------------
   mesh = config.mesh = ml_collections.ConfigDict()

@@ -1,4 +1,4 @@
-"""Checkpoints: keep-last-K, restore onto another mesh, a damaged latest skipped, model mismatch."""
+"""Checkpoints: keep-last-K, restore onto another mesh, damage skipped and set aside, mismatches refused."""
 
 import dataclasses
 import pathlib
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax.checkpoint import Checkpointer
+from bertjax.checkpoint import Checkpointer, CheckpointMismatchError, Expected
 from bertjax.model import BertConfig
 
 
@@ -38,34 +38,87 @@ def _target(devices):
 def test_saves_every_n_keeps_last_k_and_restores_onto_another_mesh(saved):
   ckpt, _ = saved
   assert ckpt.all_steps() == [2, 4, 6]
-  step, items, meta = ckpt.restore_latest(_target(4), BertConfig())
+  step, items, meta = ckpt.restore_latest(_target(4), Expected(model=BertConfig()))
   w = items["params"]["w"]
   assert step == 6 and meta["step"] == 6
   assert len(w.sharding.device_set) == 4 and w.sharding.spec == P(None, "x")
   np.testing.assert_array_equal(w, np.arange(64.0).reshape(8, 8) * 6)
 
 
-def test_damaged_latest_is_skipped_for_the_one_before(saved):
-  ckpt, directory = saved
-  for path in (directory / "6" / "params").rglob("*"):
+def _damage(step_dir: pathlib.Path) -> None:
+  for path in (step_dir / "params").rglob("*"):
     if path.is_file() and path.stat().st_size:
       path.write_bytes(b"")  # as if the disk lost the end of every file
-  step, items, _ = ckpt.restore_latest(_target(8), BertConfig())
+
+
+def test_damaged_latest_is_skipped_set_aside_and_its_step_saved_again(saved):
+  ckpt, directory = saved
+  _damage(directory / "6")
+  step, items, _ = ckpt.restore_latest(_target(8), Expected(model=BertConfig()))
   assert step == 4
   np.testing.assert_array_equal(items["params"]["w"], np.arange(64.0).reshape(8, 8) * 4)
+  # Kept for inspection, out of the way: the resumed run reaches step 6 again and saves it.
+  aside = list((directory.parent / "ckpt.damaged").iterdir())
+  assert len(aside) == 1 and aside[0].name.startswith("6-") and (aside[0] / "DAMAGE.txt").exists()
+  assert ckpt.all_steps() == [2, 4]
+  w = jnp.ones((8, 8))
+  ckpt.save(6, {"params": {"w": w}}, _meta(6), force=True)
+  ckpt.wait()
+  assert ckpt.all_steps() == [2, 4, 6]
+
+
+def test_when_no_checkpoint_restores_the_run_is_refused_with_each_reason(saved):
+  ckpt, directory = saved
+  for step in (2, 4, 6):
+    _damage(directory / str(step))
+  with pytest.raises(RuntimeError, match=r"None of the 3 checkpoint\(s\).*step 6: .*step 4: "
+                     r".*step 2: .*does not start over"):
+    ckpt.restore_latest(_target(8), Expected(model=BertConfig()))
+  assert sorted(p.name for p in directory.iterdir() if p.name.isdigit()) == ["2", "4", "6"]
+
+
+def test_a_failure_that_is_not_damage_is_not_skipped(saved):
+  ckpt, _ = saved
+  wrong_shape = {"params": {"w": jax.ShapeDtypeStruct((4, 16), jnp.float32)}}
+  with pytest.raises(RuntimeError, match="step 6 could not be restored.*not a known kind"):
+    ckpt.restore_latest(wrong_shape, Expected(model=BertConfig()))
+  assert ckpt.all_steps() == [2, 4, 6]
+
+
+def test_other_optimizer_or_vocabulary_is_refused_with_the_keys_named(tmp_path):
+  run = Expected(model=BertConfig(), optimizer={"optimizer": "adamw", "num_microbatches": 1},
+                 tokenizer_fingerprint="wordpiece-430-aaaa")
+  ckpt = Checkpointer(str(tmp_path / "c"), ("params",), save_every=1, keep=1)
+  ckpt.save(1, {"params": {"w": jnp.ones(2)}}, {**run.meta(), "step": 1})
+  ckpt.wait()
+  target = {"params": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}}
+  assert ckpt.restore_latest(target, run)[0] == 1
+  other = dataclasses.replace(run, optimizer={"optimizer": "lamb", "num_microbatches": 4},
+                              tokenizer_fingerprint="wordpiece-430-bbbb")
+  with pytest.raises(CheckpointMismatchError,
+                     match=r"train.optimizer: checkpoint 'adamw' vs config 'lamb'; "
+                     r"train.num_microbatches: checkpoint 1 vs config 4; "
+                     r"tokenizer: checkpoint wordpiece-430-aaaa vs data wordpiece-430-bbbb"):
+    ckpt.restore_latest(target, other)
+  ckpt.close()
 
 
 def test_interrupted_save_leaves_no_checkpoint(saved):
   ckpt, directory = saved
-  # Orbax writes into a temporary folder renamed at the end; one left by a killed save is ignored.
+  # Orbax writes into a temporary folder renamed at the end; one left by a killed save is ignored
+  # by a manager that lists the folder afresh (a new run), not only by one that listed it before.
   (directory / "8.orbax-checkpoint-tmp-1234").mkdir()
-  assert ckpt.all_steps() == [2, 4, 6]
+  (directory / "8.orbax-checkpoint-tmp-1234" / "params").mkdir()
+  fresh = Checkpointer(str(directory), ("params",), save_every=2, keep=3)
+  assert fresh.all_steps() == [2, 4, 6]
+  assert fresh.restore_latest(_target(8), Expected(model=BertConfig()))[0] == 6
+  fresh.close()
 
 
 def test_checkpoint_of_another_model_size_is_refused(saved):
   ckpt, _ = saved
   with pytest.raises(ValueError, match="num_layers: checkpoint 12 vs config 3"):
-    ckpt.restore_latest(_target(8), BertConfig(num_layers=3))
+    ckpt.restore_latest(_target(8), Expected(model=BertConfig(num_layers=3)))
 
 
 def test_empty_directory_restores_nothing(tmp_path):

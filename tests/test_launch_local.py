@@ -27,7 +27,7 @@ def _flags(tmp_path) -> list[str]:
           + ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",
              "--config.model.num_layers=1", "--config.train.batch_size=8",
              "--config.train.warmup_steps=1", "--config.train.log_every_steps=1",
-             "--config.train.eval_batches=1", "--config.checkpoint.save_every_steps=1000"])
+             "--config.train.eval_sequences=8", "--config.checkpoint.save_every_steps=1000"])
 
 
 def _saved_steps(tmp_path) -> list[int]:

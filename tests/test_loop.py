@@ -28,7 +28,7 @@ def _config(tmp_path, **train_overrides):
   m.hidden_dropout = 0.1  # exercise the dropout keys of exact resume
   t = config.train
   t.batch_size, t.num_train_steps, t.warmup_steps, t.learning_rate = 8, 6, 1, 1e-3
-  t.log_every_steps, t.eval_every_steps, t.eval_batches = 2, 0, 2
+  t.log_every_steps, t.eval_every_steps, t.eval_sequences = 2, 0, 16
   config.checkpoint.save_every_steps = 3
   for k, v in train_overrides.items():
     t[k] = v

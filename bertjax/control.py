@@ -1,0 +1,165 @@
+"""What a training loop decides at each step, shared by pre-training and fine-tuning.
+
+- `Schedule`: whether a step logs, saves or evaluates; every interval is checked before anything runs.
+- `StopSignal`: whether every host should stop now. One process: SIGTERM / SIGINT set a flag.
+  Several: jax's preemption sync point, which the coordination service agrees on in the
+  background, so asking costs no communication and can be done at every step (and every
+  evaluation batch) to save inside a preemption's grace period.
+- `MetricsBuffer`: a step's metrics are read when the next step has been dispatched (the host never
+  waits for the step it just queued), summed over the log interval, and checked: a non-finite loss
+  or gradient norm raises before anything of that state can be saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from bertjax import metrics as metrics_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Intervals of one run, in optimizer steps; `eval_every` 0 evaluates only at the end."""
+
+  total_steps: int
+  log_every: int
+  save_every: int
+  eval_every: int = 0
+
+  def __post_init__(self):
+    problems = [f"{key}={value} must be >= {low}" for key, value, low in (
+        ("train.num_train_steps", self.total_steps, 1),
+        ("train.log_every_steps", self.log_every, 1),
+        ("checkpoint.save_every_steps", self.save_every, 1),
+        ("train.eval_every_steps", self.eval_every, 0)) if int(value) < low]
+    if problems:
+      raise ValueError("Invalid intervals: " + "; ".join(problems)
+                       + " (eval_every_steps 0 means: evaluate at the end only)")
+
+  def at_log(self, step: int) -> bool:
+    return step % self.log_every == 0 or step == self.total_steps
+
+  def at_save(self, step: int) -> bool:
+    return step % self.save_every == 0 or step == self.total_steps
+
+  def at_eval(self, step: int) -> bool:
+    """Periodic evaluations; the one at the end is the loop's own (after the last save)."""
+    return bool(self.eval_every) and step % self.eval_every == 0 and step != self.total_steps
+
+
+def _sync_manager():
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  return distributed.global_state.preemption_sync_manager
+
+
+class StopSignal:
+  """A preemption notice (SIGTERM) or Ctrl-C, agreed on by every host at the same check.
+
+  Every host must call `should_stop()` the same number of times (once per step and once per
+  evaluation batch, which all hosts run in lockstep): the calls are numbered, and the hosts agree
+  on the first number after the highest any host had reached when the notice arrived.
+  """
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous = {}
+    self._checks = 0
+    self._multi = jax.process_count() > 1
+    self._manager = _sync_manager() if self._multi else None
+
+  def __enter__(self):
+    # With the sync manager, jax's own SIGTERM notifier must keep the signal: a Python handler
+    # would replace it and the other hosts would never hear of the notice.
+    signals = (signal.SIGINT,) if self._manager is not None else (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (a test harness): no handler, no stop
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+    if self._manager is not None:
+      # Ctrl-C on one host becomes a notice every host hears, through jax's notifier.
+      signal.raise_signal(signal.SIGTERM)
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+  def should_stop(self) -> bool:
+    self._checks += 1
+    if not self._multi:
+      return self.received is not None
+    if self._manager is not None:
+      if self._manager.reached_sync_point(self._checks):
+        self.received = self.received or "a preemption notice"
+        return True
+      return False
+    # No preemption service (jax_enable_preemption_service off): one tiny all-gather per check.
+    flags = multihost_utils.process_allgather(np.array([self.received is not None], np.int32))
+    if np.any(flags):
+      self.received = self.received or "a stop signal on another host"
+      return True
+    return False
+
+  def describe(self) -> str:
+    return self.received or "a stop signal"
+
+
+# Scalars that must stay finite for a state to be worth saving: every loss, and the gradient norm
+# (a bf16 overflow can leave the loss finite and the gradients infinite).
+def _guarded(name: str) -> bool:
+  return "loss" in name or name == "grad_norm"
+
+
+class NonFiniteError(RuntimeError):
+  """A loss or the gradient norm became NaN or Inf; nothing of that state was saved."""
+
+
+class MetricsBuffer:
+  """Step metrics ({name: (sum, denominator)}) read one step late, summed over an interval."""
+
+  def __init__(self):
+    self._pending: tuple[int, Any] | None = None
+    self._total: dict | None = None
+    self._steps = 0
+
+  def push(self, step: int, device_metrics: Mapping[str, Any]) -> None:
+    """Queues `step`'s metrics after reading those of the step before (now complete)."""
+    self.flush()
+    self._pending = (step, device_metrics)
+
+  def flush(self) -> None:
+    """Reads the queued metrics (waits for their step) and checks them."""
+    if self._pending is None:
+      return
+    step, device_metrics = self._pending
+    self._pending = None
+    host = jax.device_get(device_metrics)
+    scalars = {k: float(v[0]) / max(float(v[1]), 1e-9) for k, v in host.items()}
+    bad = {k: v for k, v in scalars.items() if _guarded(k) and not math.isfinite(v)}
+    if bad:
+      raise NonFiniteError(
+          f"Non-finite {', '.join(sorted(bad))} at step {step}: {bad}. Training stopped; no "
+          "checkpoint of this state was written, the last good one is kept. Lower the learning "
+          "rate, raise warmup, compute in float32, or check the data around this step.")
+    self._total = metrics_lib.accumulate(self._total, host)
+    self._steps += 1
+
+  def take(self) -> dict[str, float] | None:
+    """The interval's averages (after `flush`), and a fresh interval; None if it was empty."""
+    if self._total is None:
+      return None
+    out = metrics_lib.reduce(self._total, self._steps)
+    self._total, self._steps = None, 0
+    return out
