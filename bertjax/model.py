@@ -310,14 +310,17 @@ class _ScanBody(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, mask_Bx1xLxL):
-    layer_cls = _maybe_remat(EncoderLayer, self.config)
+    layer_cls = _maybe_remat(EncoderLayer, self.config, scanned=True)
     return layer_cls(self.config, self.deterministic, name="layer")(x_BxLxD, mask_Bx1xLxL), None
 
 
-def _maybe_remat(layer_cls, config: BertConfig):
+def _maybe_remat(layer_cls, config: BertConfig, scanned: bool):
   if config.remat_policy == "none":
     return layer_cls
-  return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=False)
+  # prevent_cse=False is safe only inside nn.scan: the loop already keeps XLA from merging the
+  # recomputation with the forward pass. Unrolled, XLA would CSE the recomputed activations back
+  # into the saved ones and the remat would silently save nothing.
+  return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not scanned)
 
 
 class Encoder(nn.Module):
@@ -343,7 +346,7 @@ class Encoder(nn.Module):
       )
       x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(x_BxLxD, mask_Bx1xLxL)
       return x_BxLxD
-    layer_cls = _maybe_remat(EncoderLayer, cfg)
+    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=False)
     for i in range(cfg.num_layers):
       x_BxLxD = layer_cls(cfg, deterministic, name=f"layer_{i}")(x_BxLxD, mask_Bx1xLxL)
     return x_BxLxD

@@ -160,6 +160,29 @@ def test_scan_and_remat_compute_the_same_function_and_gradients(variant):
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), grads_var, grads_plain)
 
 
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, those of sub-jaxprs (scan, remat, pjit) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for inner in (value if isinstance(value, (tuple, list)) else (value,)):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_prevents_cse_unless_the_layers_are_scanned(scan):
+  # Unrolled, prevent_cse=False lets XLA merge the recomputation into the forward pass and the
+  # remat saves nothing; inside nn.scan the loop already prevents that, and the flag costs speed.
+  cfg = dataclasses.replace(SMALL, scan_layers=scan, remat_policy="full")
+  ids = jnp.ones((1, 8), jnp.int32)
+  params = jax.eval_shape(lambda: BertModel(cfg).init(jax.random.key(0), ids))
+  jaxpr = jax.make_jaxpr(lambda p: BertModel(cfg).apply(p, ids))(params)
+  flags = [e.params["prevent_cse"] for e in _eqns(jaxpr.jaxpr) if "prevent_cse" in e.params]
+  assert flags == ([False] if scan else [True] * SMALL.num_layers)
+
+
 def test_dropout_is_active_in_training_and_seeded():
   cfg = dataclasses.replace(SMALL, hidden_dropout=0.1, attention_dropout=0.1, scan_layers=True)
   ids, mask, seg = _inputs()
