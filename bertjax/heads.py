@@ -11,7 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import ACTIVATIONS, BertConfig, BertModel, _zeros, dense, layer_norm
+from bertjax.model import (ACTIVATIONS, EMBED_TO_EMBED, BertConfig, BertModel, _zeros, dense,
+                           layer_norm)
 
 
 def gather_positions(x_BxLxD: jax.Array, positions_BxM: jax.Array) -> jax.Array:
@@ -27,7 +28,7 @@ class MlmHead(nn.Module):
   @nn.compact
   def __call__(self, x_BxMxD, word_embeddings_VxD):
     cfg = self.config
-    h_BxMxD = dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x_BxMxD)
+    h_BxMxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform")(x_BxMxD)
     h_BxMxD = ACTIVATIONS[cfg.hidden_act](h_BxMxD)
     h_BxMxD = layer_norm(cfg, "transform_layer_norm")(h_BxMxD)
     logits_BxMxV = jnp.einsum(

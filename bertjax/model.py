@@ -140,6 +140,13 @@ def layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
                       bias_init=_zeros(("embed",)), name=name)
 
 
+# Logical names of a D -> D kernel (pooler, MLM transform). Only one dimension may be "embed" (a
+# mesh axis appears once in a PartitionSpec); the output takes it, as every other D output of the
+# model does (attention output, MLP output), so the kernel, its bias and the LayerNorm after it
+# are laid out alike. "mlp" would split D over `tensor` as if it were the F of the MLP.
+EMBED_TO_EMBED = (None, "embed")
+
+
 class Dense(nn.Module):
   """x @ kernel + bias, contracting `axis` of x with the leading axes of the kernel.
 
@@ -360,7 +367,7 @@ class Pooler(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD):
     cfg = self.config
-    return jnp.tanh(dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(x_BxLxD[:, 0]))
+    return jnp.tanh(dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "dense")(x_BxLxD[:, 0]))
 
 
 class BertModel(nn.Module):

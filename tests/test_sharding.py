@@ -104,6 +104,19 @@ def test_a_mesh_axis_that_does_not_divide_a_parameter_is_an_error():
                 vocab)
 
 
+def test_square_kernels_are_split_like_hidden_outputs_not_like_the_mlp():
+  # The pooler and the MLM transform map D -> D: their output is "embed" (fsdp), as the outputs
+  # of attention and the MLP, never "mlp" (tensor), which would split D as if it were F.
+  t = train.build(TINY, train.TrainConfig(batch_size=8),
+                  mesh_config(ici_data=2, ici_fsdp=2, ici_tensor=2))
+  p = t.state_shardings.params
+  for kernel in (p["bert"]["pooler"]["dense"], p["mlm"]["transform"]):
+    assert kernel["kernel"].spec == P(None, "fsdp")
+    assert kernel["bias"].spec == P("fsdp")
+  assert p["mlm"]["transform_layer_norm"]["scale"].spec == P("fsdp")
+  assert p["bert"]["encoder"]["layer_0"]["mlp"]["output"]["kernel"].spec == P("tensor", "fsdp")
+
+
 def test_host_batch_to_global():
   mesh = sharding.create_mesh(mesh_config(ici_data=4, ici_fsdp=2))
   local = {"input_ids": np.arange(8 * 3, dtype=np.int32).reshape(8, 3),
