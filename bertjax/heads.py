@@ -48,7 +48,7 @@ class NspHead(nn.Module):
 
   @nn.compact
   def __call__(self, pooled_BxD):
-    return dense(self.config, 2, ("embed", None), "dense")(pooled_BxD).astype(jnp.float32)
+    return dense(self.config, 2, ("embed", None), "dense", out_dtype=jnp.float32)(pooled_BxD)
 
 
 class BertForPreTraining(nn.Module):
@@ -86,8 +86,8 @@ class BertForSequenceClassification(nn.Module):
     _, pooled_BxD = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
     pooled_BxD = nn.Dropout(self.config.hidden_dropout)(pooled_BxD, deterministic=deterministic)
-    return dense(self.config, self.num_labels, ("embed", None), "classifier")(
-        pooled_BxD).astype(jnp.float32)
+    return dense(self.config, self.num_labels, ("embed", None), "classifier",
+                 out_dtype=jnp.float32)(pooled_BxD)
 
 
 class BertForTokenClassification(nn.Module):
@@ -101,8 +101,8 @@ class BertForTokenClassification(nn.Module):
     seq_BxLxD, _ = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
     seq_BxLxD = nn.Dropout(self.config.hidden_dropout)(seq_BxLxD, deterministic=deterministic)
-    return dense(self.config, self.num_labels, ("embed", None), "classifier")(
-        seq_BxLxD).astype(jnp.float32)
+    return dense(self.config, self.num_labels, ("embed", None), "classifier",
+                 out_dtype=jnp.float32)(seq_BxLxD)
 
 
 class BertForSpanExtraction(nn.Module):
@@ -114,5 +114,5 @@ class BertForSpanExtraction(nn.Module):
   def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
     seq_BxLxD, _ = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    logits_BxLx2 = dense(self.config, 2, ("embed", None), "span")(seq_BxLxD).astype(jnp.float32)
+    logits_BxLx2 = dense(self.config, 2, ("embed", None), "span", out_dtype=jnp.float32)(seq_BxLxD)
     return logits_BxLx2[..., 0], logits_BxLx2[..., 1]

@@ -134,10 +134,11 @@ def _ones(names):
 
 
 def layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
-  # Statistics in float32 whatever the compute dtype; the output goes back to the compute dtype.
+  # Statistics in float32 whatever the compute dtype (said explicitly: the dtype policy must not
+  # hang on a library default); the output goes back to the compute dtype.
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
                       param_dtype=config.storage_dtype, scale_init=_ones(("embed",)),
-                      bias_init=_zeros(("embed",)), name=name)
+                      bias_init=_zeros(("embed",)), force_float32_reductions=True, name=name)
 
 
 # Logical names of a D -> D kernel (pooler, MLM transform). Only one dimension may be "embed" (a
@@ -158,6 +159,7 @@ class Dense(nn.Module):
   features: int | tuple[int, ...]
   names: tuple[str | None, ...]  # logical axis names of the kernel
   axis: int | tuple[int, ...] = -1
+  out_dtype: Any = None  # dtype of the result (and of the accumulation): the compute dtype if None
 
   @nn.compact
   def __call__(self, x):
@@ -167,13 +169,15 @@ class Dense(nn.Module):
     kernel = self.param("kernel", _kernel_init(cfg, self.names),
                         tuple(x.shape[a] for a in axes) + features, cfg.storage_dtype)
     bias = self.param("bias", _zeros(self.names[len(axes):]), features, cfg.storage_dtype)
+    out_dtype = cfg.compute_dtype if self.out_dtype is None else jnp.dtype(self.out_dtype)
     y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
-                            ((axes, tuple(range(len(axes)))), ((), ())))
-    return y + bias.astype(cfg.compute_dtype)
+                            ((axes, tuple(range(len(axes)))), ((), ())),
+                            preferred_element_type=out_dtype)
+    return y + bias.astype(out_dtype)
 
 
-def dense(config: BertConfig, features, names, name: str, axis=-1) -> Dense:
-  return Dense(config, features, tuple(names), axis, name=name)
+def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None) -> Dense:
+  return Dense(config, features, tuple(names), axis, out_dtype, name=name)
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
+from bertjax import losses, train
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel, attention_with_dropout, positions_from_sequence_ids
 from configs import base
@@ -181,6 +182,45 @@ def test_remat_prevents_cse_unless_the_layers_are_scanned(scan):
   jaxpr = jax.make_jaxpr(lambda p: BertModel(cfg).apply(p, ids))(params)
   flags = [e.params["prevent_cse"] for e in _eqns(jaxpr.jaxpr) if "prevent_cse" in e.params]
   assert flags == ([False] if scan else [True] * SMALL.num_layers)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bfloat16_compute_keeps_the_float32_parts_float32(deterministic):
+  # The dtype policy: parameters, softmax, LayerNorm statistics, logits and losses in float32,
+  # matmuls in bfloat16. Both attention paths: the fused one (no dropout) and the dropout one.
+  cfg = dataclasses.replace(SMALL, vocab_size=96, dtype="bfloat16", hidden_dropout=0.1,
+                            attention_dropout=0.1, scan_layers=True)
+  model = BertForPreTraining(cfg)
+  batch = train.dummy_batch(2, 8, 3)
+  params = nn.unbox(model.init(jax.random.key(0), **train.model_inputs(batch))["params"])
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+
+  def forward(p):
+    mlm, nsp = model.apply({"params": p}, **train.model_inputs(batch),
+                           deterministic=deterministic, rngs={"dropout": jax.random.key(1)})
+    metrics = losses.pretraining_metrics(mlm, nsp, batch)
+    return mlm, nsp, metrics, losses.total_loss(metrics)
+
+  jaxpr = jax.make_jaxpr(forward)(params)
+  mlm, nsp, metrics, loss = jax.eval_shape(forward, params)
+  assert mlm.dtype == nsp.dtype == loss.dtype == jnp.float32
+  assert {x.dtype for x in jax.tree.leaves(metrics)} == {jnp.dtype(jnp.float32)}
+  eqns = list(_eqns(jaxpr.jaxpr))
+  assert any(e.invars[0].aval.dtype == jnp.bfloat16  # the matmuls do run in bfloat16
+             for e in eqns if e.primitive.name == "dot_general")
+  # Softmax (max, exp, sum), LayerNorm statistics (sums, rsqrt), cross-entropy (logsumexp).
+  reductions = [e for e in eqns if e.primitive.name in
+                ("exp", "log", "reduce_max", "reduce_sum", "rsqrt")]
+  assert {e.primitive.name for e in reductions} == {"exp", "log", "reduce_max", "reduce_sum",
+                                                    "rsqrt"}
+  for e in reductions:
+    assert e.invars[0].aval.dtype == jnp.float32, e
+  # Matmuls that produce logits (last dimension V or 2) accumulate and return float32.
+  logit_dots = [e for e in eqns if e.primitive.name == "dot_general"
+                and e.outvars[0].aval.shape[-1] in (cfg.vocab_size, 2)]
+  assert len(logit_dots) == 2
+  for e in logit_dots:
+    assert e.outvars[0].aval.dtype == jnp.float32, e
 
 
 def test_dropout_is_active_in_training_and_seeded():
