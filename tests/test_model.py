@@ -317,6 +317,8 @@ def test_config_files_only_override_and_are_locked():
     assert set(config.keys()) == set(base.get_config().keys())
     cfg = BertConfig.from_dict(config.model, vocab_size=30522)
     assert (cfg.num_layers, cfg.hidden_size) == (layers, hidden)
+    if module is not tiny:  # the accelerator configs: bfloat16 matmuls, one compiled layer
+      assert (cfg.dtype, cfg.param_dtype, cfg.scan_layers) == ("bfloat16", "float32", True)
     assert module.__doc__ and "python -m bertjax.main" in module.__doc__
   locked = base.get_config()
   locked.lock()
