@@ -99,8 +99,8 @@ class StepRunner:
     host = synthetic_batch(tc.batch_size // jax.process_count(), seq_len, max_predictions,
                            self.cfg.vocab_size, seed=jax.process_index())
     self.batch = self.training.to_global(host)
-    self.rng = jax.random.PRNGKey(tc.seed)
-    self.state = self.training.init_state(self.rng)
+    init_rng, self.rng = train.rng_streams(tc.seed)  # self.rng: the dropout stream
+    self.state = self.training.init_state(init_rng)
     start = time.perf_counter()
     self.compiled = self.training.train_step.lower(self.state, self.batch, self.rng).compile()
     self.compile_seconds = time.perf_counter() - start

@@ -4,9 +4,10 @@
 the mesh, the model, the optimizer, the abstract state and its shardings, and three jitted
 functions whose shardings are explicit:
 
-    state = training.init_state(rng)                         # born sharded, never on one device
-    batch = training.to_global(host_batch)                   # this host's numpy rows -> jax.Array
-    state, metrics = training.train_step(state, batch, rng)  # state donated
+    init_rng, dropout_rng = rng_streams(seed)       # two independent random streams
+    state = training.init_state(init_rng)           # born sharded, never on one device
+    batch = training.to_global(host_batch)          # this host's numpy rows -> jax.Array
+    state, metrics = training.train_step(state, batch, dropout_rng)  # state donated
     metrics = training.eval_step(state, batch)
 
 Every metric is a (sum, denominator) pair of float32 scalars: mlm_loss, mlm_accuracy, nsp_loss,
@@ -27,6 +28,7 @@ core; nothing here does I/O.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable, Mapping
 
 import flax
@@ -96,6 +98,23 @@ class TrainState:
   step: jax.Array  # int32 scalar: optimizer updates applied so far
   params: Any
   opt_state: Any
+
+
+# Fold-in constants of the named random streams: large, so no step number train_step folds into
+# the dropout stream can land on another stream's key.
+RNG_STREAMS = {"params": zlib.crc32(b"bertjax/params"), "dropout": zlib.crc32(b"bertjax/dropout")}
+
+
+def rng_streams(seed: int) -> tuple[jax.Array, jax.Array]:
+  """(init_rng, dropout_rng) from one seed: for `init_state` and for `train_step`.
+
+  Both are the seed's key folded with their own stream constant, so neither is derived from the
+  other: the dropout masks of step s (fold_in(dropout_rng, s)) never reuse the key that drew the
+  initial weights, as they did when one key served both.
+  """
+  base = jax.random.PRNGKey(seed)
+  return (jax.random.fold_in(base, RNG_STREAMS["params"]),
+          jax.random.fold_in(base, RNG_STREAMS["dropout"]))
 
 
 def model_inputs(batch: Batch) -> dict[str, jax.Array]:
@@ -222,8 +241,8 @@ class Training:
   abstract_state: TrainState  # jax.ShapeDtypeStruct leaves (unboxed): for restoring checkpoints
   state_shardings: TrainState  # NamedSharding leaves
   batch_sharding: NamedSharding
-  init_state: Callable  # (rng) -> TrainState, created directly in its shardings
-  train_step: Callable  # (state, batch, rng) -> (state, metrics); state donated
+  init_state: Callable  # (init_rng) -> TrainState, created directly in its shardings
+  train_step: Callable  # (state, batch, dropout_rng) -> (state, metrics); state donated
   eval_step: Callable  # (state, batch) -> metrics
 
   def to_global(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:

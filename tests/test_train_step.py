@@ -99,3 +99,20 @@ def check_state_handling(run):
   assert float(metrics["nsp_accuracy"][1]) == B
   assert jax.device_get(metrics) == jax.device_get(t.eval_step(after, batch))
   assert int(after.step) == 1
+
+
+def test_init_and_dropout_draw_from_separate_streams():
+  init_rng, dropout_rng = train.rng_streams(0)
+  keys = lambda k: {tuple(np.asarray(jax.random.key_data(k)).ravel())}
+  assert keys(init_rng) != keys(dropout_rng)
+  # train_step's dropout key of step 0, microbatch 0 is fold_in(fold_in(dropout_rng, 0), 0). The
+  # same derivation from the init key (what one shared key gave) must not reproduce it, nor may
+  # the init key itself or the seed's key.
+  step0 = lambda k: jax.random.fold_in(jax.random.fold_in(k, 0), 0)
+  from_init = (keys(init_rng) | keys(step0(init_rng)) | keys(jax.random.PRNGKey(0))
+               | keys(step0(jax.random.PRNGKey(0))))
+  assert not keys(step0(dropout_rng)) & from_init
+  # Reproducible from the seed; another seed, other streams.
+  assert keys(train.rng_streams(0)[1]) == keys(dropout_rng)
+  assert not (keys(train.rng_streams(1)[0]) | keys(train.rng_streams(1)[1])) & (
+      keys(init_rng) | keys(dropout_rng))
