@@ -141,6 +141,25 @@ def lamb(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
                              bias_correction, trust_ratio=True, stacked_mask=stacked_mask)
 
 
+def _holds_count(x) -> bool:
+  # BertAdamState and optax's states (ScaleByAdamState, ScaleByScheduleState, ...) name their
+  # update counter `count`.
+  return isinstance(x, tuple) and "count" in getattr(x, "_fields", ())
+
+
+def step_counts(opt_state) -> list[jax.Array]:
+  """Every update counter in an optimizer state, outermost first."""
+  return [x.count for x in jax.tree.leaves(opt_state, is_leaf=_holds_count) if _holds_count(x)]
+
+
+def with_step_count(opt_state, step) -> Any:
+  """The state with every update counter set to `step` (train.train_step makes its step the one
+  counter that counts: the schedule and bias correction read these)."""
+  def set_count(x):
+    return x._replace(count=jnp.asarray(step, x.count.dtype)) if _holds_count(x) else x
+  return jax.tree.map(set_count, opt_state, is_leaf=_holds_count)
+
+
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
   """Linear warmup to `peak`, then linear decay to 0 at `total_steps`, as the original."""
   if total_steps < 1 or warmup_steps < 0 or warmup_steps > total_steps:

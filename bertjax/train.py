@@ -21,8 +21,11 @@ over masked tokens whose count differs between microbatches, so each microbatch'
 by the count of the WHOLE batch (known from `masked_lm_weights` before the scan); the summed
 gradients are then exactly those of the whole batch.
 
-The loop (checkpoints, logging, evaluation schedule) belongs in this module too, on top of this
-core; nothing here does I/O.
+Counters: `state.step` is the one count of updates. The optimizer keeps its own (the schedule and
+bias correction read it); `train_step` sets it from `state.step` before every update, and
+`check_step_counters` refuses a state (a restored one) whose counters disagree.
+
+The loop (checkpoints, logging, evaluation schedule) is bertjax/loop.py; nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class TrainConfig:
 
 @flax.struct.dataclass
 class TrainState:
-  step: jax.Array  # int32 scalar: optimizer updates applied so far
+  step: jax.Array  # int32 scalar: optimizer updates applied so far (the optimizer's count follows)
   params: Any
   opt_state: Any
 
@@ -115,6 +118,22 @@ def rng_streams(seed: int) -> tuple[jax.Array, jax.Array]:
   base = jax.random.PRNGKey(seed)
   return (jax.random.fold_in(base, RNG_STREAMS["params"]),
           jax.random.fold_in(base, RNG_STREAMS["dropout"]))
+
+
+def check_step_counters(state: TrainState) -> None:
+  """Raises if the optimizer's update counters disagree with `state.step`.
+
+  They disagree when a state is put together from pieces of different steps (e.g. a restore that
+  sets the step apart from the optimizer state): the moments then belong to another step than
+  the learning rate. Reads the counters to the host; call it once, after restoring.
+  """
+  step = int(jax.device_get(state.step))
+  counts = [int(c) for c in jax.device_get(optimizer_lib.step_counts(state.opt_state))]
+  if any(c != step for c in counts):
+    raise ValueError(
+        f"The train state's step is {step} but its optimizer counts {counts} updates; the step "
+        f"and the optimizer state come from different points of a run. Restore both from the "
+        f"same checkpoint step, or keep only the parameters and start the optimizer fresh")
 
 
 def model_inputs(batch: Batch) -> dict[str, jax.Array]:
@@ -210,7 +229,9 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
         accumulate, carry, (jnp.arange(num_microbatches), micro))
 
   grad_norm = optax.tree.norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  # state.step is the one counter (module docstring): the optimizer's counts are set from it.
+  opt_state = optimizer_lib.with_step_count(state.opt_state, state.step)
+  updates, opt_state = tx.update(grads, opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   one = jnp.ones([], jnp.float32)
   metrics = dict(metrics)
