@@ -99,8 +99,8 @@ class StepRunner:
     host = synthetic_batch(tc.batch_size // jax.process_count(), seq_len, max_predictions,
                            self.cfg.vocab_size, seed=jax.process_index())
     self.batch = self.training.to_global(host)
-    self.rng = jax.random.PRNGKey(tc.seed)
-    self.state = self.training.init_state(self.rng)
+    init_rng, self.rng = train.rng_streams(tc.seed)  # self.rng: the dropout stream
+    self.state = self.training.init_state(init_rng)
     start = time.perf_counter()
     self.compiled = self.training.train_step.lower(self.state, self.batch, self.rng).compile()
     self.compile_seconds = time.perf_counter() - start
@@ -109,6 +109,11 @@ class StepRunner:
     self.state, metrics = self.compiled(self.state, self.batch, self.rng)
     jax.block_until_ready(metrics)
     return metrics
+
+
+def _significant(x: float) -> float:
+  # 4 significant digits: FLOP figures span 1e-4 TFLOP (a tiny model on CPU) to 1e3 (a pod).
+  return float(f"{x:.4g}")
 
 
 def report(runner: StepRunner, times: list[float]) -> dict:
@@ -132,9 +137,9 @@ def report(runner: StepRunner, times: list[float]) -> dict:
       "step_s": round(step_s, 4), "step_s_min": round(min(times), 4),
       "sequences_per_s": round(runner.batch_size / step_s, 2),
       "tokens_per_s": round(runner.batch_size * runner.seq_len / step_s, 1),
-      "model_tflop_per_step": round(flops / 1e12, 4),
-      "xla_tflop_per_step_per_device": None if xla is None else round(xla / 1e12, 4),
-      "model_tflops": round(tflops, 3), "model_tflops_per_device": round(tflops / n, 3),
+      "model_tflop_per_step": _significant(flops / 1e12),
+      "xla_tflop_per_step_per_device": None if xla is None else _significant(xla / 1e12),
+      "model_tflops": _significant(tflops), "model_tflops_per_device": _significant(tflops / n),
       "peak_tflops_per_device": peak,
       "mfu": None if peak is None else round(tflops / (n * peak), 4),
       "peak_memory_gib": None if memory is None else round(memory / 2**30, 3),

@@ -11,7 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import ACTIVATIONS, BertConfig, BertModel, _zeros, dense, layer_norm
+from bertjax.model import (ACTIVATIONS, EMBED_TO_EMBED, BertConfig, BertModel, _zeros, dense,
+                           layer_norm)
 
 
 def gather_positions(x_BxLxD: jax.Array, positions_BxM: jax.Array) -> jax.Array:
@@ -27,7 +28,7 @@ class MlmHead(nn.Module):
   @nn.compact
   def __call__(self, x_BxMxD, word_embeddings_VxD):
     cfg = self.config
-    h_BxMxD = dense(cfg, cfg.hidden_size, ("embed", "mlp"), "transform")(x_BxMxD)
+    h_BxMxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform")(x_BxMxD)
     h_BxMxD = ACTIVATIONS[cfg.hidden_act](h_BxMxD)
     h_BxMxD = layer_norm(cfg, "transform_layer_norm")(h_BxMxD)
     logits_BxMxV = jnp.einsum(
@@ -47,7 +48,7 @@ class NspHead(nn.Module):
 
   @nn.compact
   def __call__(self, pooled_BxD):
-    return dense(self.config, 2, ("embed", None), "dense")(pooled_BxD).astype(jnp.float32)
+    return dense(self.config, 2, ("embed", None), "dense", out_dtype=jnp.float32)(pooled_BxD)
 
 
 class BertForPreTraining(nn.Module):
@@ -85,8 +86,8 @@ class BertForSequenceClassification(nn.Module):
     _, pooled_BxD = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
     pooled_BxD = nn.Dropout(self.config.hidden_dropout)(pooled_BxD, deterministic=deterministic)
-    return dense(self.config, self.num_labels, ("embed", None), "classifier")(
-        pooled_BxD).astype(jnp.float32)
+    return dense(self.config, self.num_labels, ("embed", None), "classifier",
+                 out_dtype=jnp.float32)(pooled_BxD)
 
 
 class BertForTokenClassification(nn.Module):
@@ -100,8 +101,8 @@ class BertForTokenClassification(nn.Module):
     seq_BxLxD, _ = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
     seq_BxLxD = nn.Dropout(self.config.hidden_dropout)(seq_BxLxD, deterministic=deterministic)
-    return dense(self.config, self.num_labels, ("embed", None), "classifier")(
-        seq_BxLxD).astype(jnp.float32)
+    return dense(self.config, self.num_labels, ("embed", None), "classifier",
+                 out_dtype=jnp.float32)(seq_BxLxD)
 
 
 class BertForSpanExtraction(nn.Module):
@@ -113,5 +114,5 @@ class BertForSpanExtraction(nn.Module):
   def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
     seq_BxLxD, _ = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    logits_BxLx2 = dense(self.config, 2, ("embed", None), "span")(seq_BxLxD).astype(jnp.float32)
+    logits_BxLx2 = dense(self.config, 2, ("embed", None), "span", out_dtype=jnp.float32)(seq_BxLxD)
     return logits_BxLx2[..., 0], logits_BxLx2[..., 1]

@@ -134,10 +134,18 @@ def _ones(names):
 
 
 def layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
-  # Statistics in float32 whatever the compute dtype; the output goes back to the compute dtype.
+  # Statistics in float32 whatever the compute dtype (said explicitly: the dtype policy must not
+  # hang on a library default); the output goes back to the compute dtype.
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
                       param_dtype=config.storage_dtype, scale_init=_ones(("embed",)),
-                      bias_init=_zeros(("embed",)), name=name)
+                      bias_init=_zeros(("embed",)), force_float32_reductions=True, name=name)
+
+
+# Logical names of a D -> D kernel (pooler, MLM transform). Only one dimension may be "embed" (a
+# mesh axis appears once in a PartitionSpec); the output takes it, as every other D output of the
+# model does (attention output, MLP output), so the kernel, its bias and the LayerNorm after it
+# are laid out alike. "mlp" would split D over `tensor` as if it were the F of the MLP.
+EMBED_TO_EMBED = (None, "embed")
 
 
 class Dense(nn.Module):
@@ -151,6 +159,7 @@ class Dense(nn.Module):
   features: int | tuple[int, ...]
   names: tuple[str | None, ...]  # logical axis names of the kernel
   axis: int | tuple[int, ...] = -1
+  out_dtype: Any = None  # dtype of the result (and of the accumulation): the compute dtype if None
 
   @nn.compact
   def __call__(self, x):
@@ -160,13 +169,15 @@ class Dense(nn.Module):
     kernel = self.param("kernel", _kernel_init(cfg, self.names),
                         tuple(x.shape[a] for a in axes) + features, cfg.storage_dtype)
     bias = self.param("bias", _zeros(self.names[len(axes):]), features, cfg.storage_dtype)
+    out_dtype = cfg.compute_dtype if self.out_dtype is None else jnp.dtype(self.out_dtype)
     y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
-                            ((axes, tuple(range(len(axes)))), ((), ())))
-    return y + bias.astype(cfg.compute_dtype)
+                            ((axes, tuple(range(len(axes)))), ((), ())),
+                            preferred_element_type=out_dtype)
+    return y + bias.astype(out_dtype)
 
 
-def dense(config: BertConfig, features, names, name: str, axis=-1) -> Dense:
-  return Dense(config, features, tuple(names), axis, name=name)
+def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None) -> Dense:
+  return Dense(config, features, tuple(names), axis, out_dtype, name=name)
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
@@ -310,14 +321,17 @@ class _ScanBody(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, mask_Bx1xLxL):
-    layer_cls = _maybe_remat(EncoderLayer, self.config)
+    layer_cls = _maybe_remat(EncoderLayer, self.config, scanned=True)
     return layer_cls(self.config, self.deterministic, name="layer")(x_BxLxD, mask_Bx1xLxL), None
 
 
-def _maybe_remat(layer_cls, config: BertConfig):
+def _maybe_remat(layer_cls, config: BertConfig, scanned: bool):
   if config.remat_policy == "none":
     return layer_cls
-  return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=False)
+  # prevent_cse=False is safe only inside nn.scan: the loop already keeps XLA from merging the
+  # recomputation with the forward pass. Unrolled, XLA would CSE the recomputed activations back
+  # into the saved ones and the remat would silently save nothing.
+  return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not scanned)
 
 
 class Encoder(nn.Module):
@@ -343,7 +357,7 @@ class Encoder(nn.Module):
       )
       x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(x_BxLxD, mask_Bx1xLxL)
       return x_BxLxD
-    layer_cls = _maybe_remat(EncoderLayer, cfg)
+    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=False)
     for i in range(cfg.num_layers):
       x_BxLxD = layer_cls(cfg, deterministic, name=f"layer_{i}")(x_BxLxD, mask_Bx1xLxL)
     return x_BxLxD
@@ -357,7 +371,7 @@ class Pooler(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD):
     cfg = self.config
-    return jnp.tanh(dense(cfg, cfg.hidden_size, ("embed", "mlp"), "dense")(x_BxLxD[:, 0]))
+    return jnp.tanh(dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "dense")(x_BxLxD[:, 0]))
 
 
 class BertModel(nn.Module):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple, Union
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -48,24 +49,37 @@ def _path_names(path) -> list[str]:
   return [_key_name(k).lower() for k in path]
 
 
+def _map_names(fn: Callable[[list[str]], bool], params) -> Any:
+  """fn(names of a parameter's path) at every parameter, seeing through `nn.Partitioned` boxes.
+
+  A boxed parameter (what `Module.init` returns) would otherwise end its path in `.value`; the
+  mask keeps the box, with the bool inside, so that it has the structure of `params`.
+  """
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+
+  def one(path, leaf):
+    value = fn(_path_names(path))
+    return leaf.replace_boxed(value) if is_box(leaf) else value
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_box)
+
+
 def default_decay_mask(params) -> Any:
   """True where weight decay applies: everything but LayerNorm parameters and biases.
 
   Like the original's regex ("LayerNorm", "layer_norm", "bias"), embeddings and kernels decay.
-  Works on bertjax's names and on Hugging Face Flax names (`LayerNorm`, `bias`).
+  Works on bertjax's names and on Hugging Face Flax names (`LayerNorm`, `bias`), boxed or not.
   """
-  def decays(path, _):
-    names = _path_names(path)
+  def decays(names):
     in_norm = any(n in part for part in names[:-1] for n in NO_DECAY_MODULES)
     return not (in_norm or names[-1].endswith("bias"))
 
-  return jax.tree_util.tree_map_with_path(decays, params)
+  return _map_names(decays, params)
 
 
 def default_stacked_mask(params) -> Any:
   """True for arrays stacked over layers by `nn.scan` (bertjax's scanned module is `layers`)."""
-  return jax.tree_util.tree_map_with_path(lambda path, _: "layers" in _path_names(path)[:-1],
-                                          params)
+  return _map_names(lambda names: "layers" in names[:-1], params)
 
 
 def _resolve(mask: MaskOrFn, params):
@@ -139,6 +153,25 @@ def lamb(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
   """LAMB: AdamW's direction scaled per layer by ||w|| / ||u||; excluded params get ratio 1."""
   return _scale_by_bert_adam(learning_rate, b1, b2, eps, weight_decay, decay_mask,
                              bias_correction, trust_ratio=True, stacked_mask=stacked_mask)
+
+
+def _holds_count(x) -> bool:
+  # BertAdamState and optax's states (ScaleByAdamState, ScaleByScheduleState, ...) name their
+  # update counter `count`.
+  return isinstance(x, tuple) and "count" in getattr(x, "_fields", ())
+
+
+def step_counts(opt_state) -> list[jax.Array]:
+  """Every update counter in an optimizer state, outermost first."""
+  return [x.count for x in jax.tree.leaves(opt_state, is_leaf=_holds_count) if _holds_count(x)]
+
+
+def with_step_count(opt_state, step) -> Any:
+  """The state with every update counter set to `step` (train.train_step makes its step the one
+  counter that counts: the schedule and bias correction read these)."""
+  def set_count(x):
+    return x._replace(count=jnp.asarray(step, x.count.dtype)) if _holds_count(x) else x
+  return jax.tree.map(set_count, opt_state, is_leaf=_holds_count)
 
 
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:

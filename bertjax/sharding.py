@@ -18,7 +18,6 @@ Every check here raises before anything is compiled, with the numbers that do no
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from typing import Any, Mapping, Sequence
 
@@ -167,18 +166,35 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def _fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, where: str):
-  """Drops mesh axes from dimensions they do not divide (jit arguments must split evenly)."""
-  fitted = []
-  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+def check_spec_divides(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, where: str,
+                       logical_names=None) -> None:
+  """Raises if a mesh axis of `spec` does not divide the dimension it splits.
+
+  jit needs every argument to split evenly. Replicating such a dimension instead would change the
+  memory per device (and with fsdp, the whole point of the axis) without a word, so it is an
+  error, raised while the shardings are derived, before anything is compiled.
+  """
+  problems = []
+  for i, (dim, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
     names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     ways = math.prod(mesh.shape[a] for a in names)
     if ways > 1 and dim % ways:
-      logging.warning("%s: dimension %d does not split %d ways over %s; replicating it", where,
-                      dim, ways, names)
-      axes = None
-    fitted.append(axes)
-  return PartitionSpec(*fitted)
+      logical = "" if logical_names is None else f" (logical name {logical_names[i]!r})"
+      sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in names)
+      fits = [d for d in range(1, min(dim, mesh.size) + 1) if dim % d == 0]
+      problems.append(f"dimension {i} of size {dim}{logical} does not split {ways} ways over "
+                      f"{sizes} (sizes that divide {dim}: {fits})")
+  if problems:
+    raise ValueError(
+        f"Parameter {where} of shape {tuple(shape)} does not fit the mesh {dict(mesh.shape)}: "
+        + "; ".join(problems) + ". Choose mesh sizes (mesh.ici_* x mesh.dcn_*) that divide it, "
+        "or map its logical name to another mesh axis or to None in mesh.logical_axis_rules")
+
+
+def _path_name(path) -> str:
+  """(DictKey('params'), DictKey('bert'), ...) -> "params/bert/..."."""
+  parts = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+  return "/".join(str(p) for p in parts)
 
 
 def logical_shardings(boxed_tree: Any, mesh: Mesh, rules: Rules) -> Any:
@@ -190,12 +206,14 @@ def logical_shardings(boxed_tree: Any, mesh: Mesh, rules: Rules) -> Any:
   mesh_specs = nn.logical_to_mesh(specs, rules)
   values = nn.unbox(boxed_tree)
 
-  def one(path, spec, value):
+  def one(path, spec, logical, value):
     spec = spec if isinstance(spec, PartitionSpec) else PartitionSpec()
-    return NamedSharding(mesh, _fit_spec(spec, value.shape, mesh, jax.tree_util.keystr(path)))
+    logical = tuple(logical) if isinstance(logical, PartitionSpec) else None
+    check_spec_divides(spec, value.shape, mesh, _path_name(path), logical)
+    return NamedSharding(mesh, spec)
 
-  return jax.tree_util.tree_map_with_path(
-      one, mesh_specs, values, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+  is_spec = lambda x: isinstance(x, PartitionSpec) or x is None
+  return jax.tree_util.tree_map_with_path(one, mesh_specs, specs, values, is_leaf=is_spec)
 
 
 def host_batch_to_global(batch: Mapping[str, np.ndarray], mesh: Mesh,

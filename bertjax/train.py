@@ -4,9 +4,10 @@
 the mesh, the model, the optimizer, the abstract state and its shardings, and three jitted
 functions whose shardings are explicit:
 
-    state = training.init_state(rng)                         # born sharded, never on one device
-    batch = training.to_global(host_batch)                   # this host's numpy rows -> jax.Array
-    state, metrics = training.train_step(state, batch, rng)  # state donated
+    init_rng, dropout_rng = rng_streams(seed)       # two independent random streams
+    state = training.init_state(init_rng)           # born sharded, never on one device
+    batch = training.to_global(host_batch)          # this host's numpy rows -> jax.Array
+    state, metrics = training.train_step(state, batch, dropout_rng)  # state donated
     metrics = training.eval_step(state, batch)
 
 Every metric is a (sum, denominator) pair of float32 scalars: mlm_loss, mlm_accuracy, nsp_loss,
@@ -20,13 +21,17 @@ over masked tokens whose count differs between microbatches, so each microbatch'
 by the count of the WHOLE batch (known from `masked_lm_weights` before the scan); the summed
 gradients are then exactly those of the whole batch.
 
-The loop (checkpoints, logging, evaluation schedule) belongs in this module too, on top of this
-core; nothing here does I/O.
+Counters: `state.step` is the one count of updates. The optimizer keeps its own (the schedule and
+bias correction read it); `train_step` sets it from `state.step` before every update, and
+`check_step_counters` refuses a state (a restored one) whose counters disagree.
+
+The loop (checkpoints, logging, evaluation schedule) is bertjax/loop.py; nothing here does I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable, Mapping
 
 import flax
@@ -93,9 +98,42 @@ class TrainConfig:
 
 @flax.struct.dataclass
 class TrainState:
-  step: jax.Array  # int32 scalar: optimizer updates applied so far
+  step: jax.Array  # int32 scalar: optimizer updates applied so far (the optimizer's count follows)
   params: Any
   opt_state: Any
+
+
+# Fold-in constants of the named random streams: large, so no step number train_step folds into
+# the dropout stream can land on another stream's key.
+RNG_STREAMS = {"params": zlib.crc32(b"bertjax/params"), "dropout": zlib.crc32(b"bertjax/dropout")}
+
+
+def rng_streams(seed: int) -> tuple[jax.Array, jax.Array]:
+  """(init_rng, dropout_rng) from one seed: for `init_state` and for `train_step`.
+
+  Both are the seed's key folded with their own stream constant, so neither is derived from the
+  other: the dropout masks of step s (fold_in(dropout_rng, s)) never reuse the key that drew the
+  initial weights, as they did when one key served both.
+  """
+  base = jax.random.PRNGKey(seed)
+  return (jax.random.fold_in(base, RNG_STREAMS["params"]),
+          jax.random.fold_in(base, RNG_STREAMS["dropout"]))
+
+
+def check_step_counters(state: TrainState) -> None:
+  """Raises if the optimizer's update counters disagree with `state.step`.
+
+  They disagree when a state is put together from pieces of different steps (e.g. a restore that
+  sets the step apart from the optimizer state): the moments then belong to another step than
+  the learning rate. Reads the counters to the host; call it once, after restoring.
+  """
+  step = int(jax.device_get(state.step))
+  counts = [int(c) for c in jax.device_get(optimizer_lib.step_counts(state.opt_state))]
+  if any(c != step for c in counts):
+    raise ValueError(
+        f"The train state's step is {step} but its optimizer counts {counts} updates; the step "
+        f"and the optimizer state come from different points of a run. Restore both from the "
+        f"same checkpoint step, or keep only the parameters and start the optimizer fresh")
 
 
 def model_inputs(batch: Batch) -> dict[str, jax.Array]:
@@ -191,7 +229,9 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
         accumulate, carry, (jnp.arange(num_microbatches), micro))
 
   grad_norm = optax.tree.norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  # state.step is the one counter (module docstring): the optimizer's counts are set from it.
+  opt_state = optimizer_lib.with_step_count(state.opt_state, state.step)
+  updates, opt_state = tx.update(grads, opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   one = jnp.ones([], jnp.float32)
   metrics = dict(metrics)
@@ -222,8 +262,8 @@ class Training:
   abstract_state: TrainState  # jax.ShapeDtypeStruct leaves (unboxed): for restoring checkpoints
   state_shardings: TrainState  # NamedSharding leaves
   batch_sharding: NamedSharding
-  init_state: Callable  # (rng) -> TrainState, created directly in its shardings
-  train_step: Callable  # (state, batch, rng) -> (state, metrics); state donated
+  init_state: Callable  # (init_rng) -> TrainState, created directly in its shardings
+  train_step: Callable  # (state, batch, dropout_rng) -> (state, metrics); state donated
   eval_step: Callable  # (state, batch) -> metrics
 
   def to_global(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -7,6 +7,9 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
 Parameters at vocabulary 30522: 109,482,240 in the encoder with pooler, 110,106,428 with the
 pre-training heads (decoder tied to the word embeddings). The paper trained it for 1M steps at
 batch 256 x 512 tokens with Adam lr 1e-4 (90% of steps at length 128, 10% at 512).
+Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm statistics, logits and
+losses stay float32) and scanned layers (one compiled layer: compile time does not grow with
+depth). On a CPU, `--config.model.dtype=float32`.
 """
 
 from configs import base
@@ -15,4 +18,7 @@ from configs import base
 def get_config(arg=None):
   config = base.get_config()
   base.set_phase(config, base.parse_arg(arg).get("phase", 1), total_steps=1_000_000)
-  return config  # base.py's model section is BERT-Base.
+  m = config.model  # base.py's model section is BERT-Base; only the accelerator settings change
+  m.dtype = "bfloat16"
+  m.scan_layers = True
+  return config

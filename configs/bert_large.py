@@ -5,7 +5,9 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
   python -m bertjax.main --config=configs/bert_large.py:phase=2 --workdir=gs://BUCKET/large_p2 \
       --config.checkpoint.init_from=gs://BUCKET/large_p1
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
-pre-training heads. Layers are scanned (one compiled layer: compile time does not grow with depth).
+pre-training heads. Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm
+statistics, logits and losses stay float32) and scanned layers (one compiled layer: compile time
+does not grow with depth). On a CPU, `--config.model.dtype=float32`.
 MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.
 """
 
@@ -20,5 +22,6 @@ def get_config(arg=None):
   m.num_layers = 24
   m.num_heads = 16
   m.intermediate_size = 4096
+  m.dtype = "bfloat16"
   m.scan_layers = True
   return config

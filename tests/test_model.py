@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
+from bertjax import losses, train
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel, attention_with_dropout, positions_from_sequence_ids
 from configs import base
@@ -160,6 +161,68 @@ def test_scan_and_remat_compute_the_same_function_and_gradients(variant):
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), grads_var, grads_plain)
 
 
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, those of sub-jaxprs (scan, remat, pjit) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for inner in (value if isinstance(value, (tuple, list)) else (value,)):
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_prevents_cse_unless_the_layers_are_scanned(scan):
+  # Unrolled, prevent_cse=False lets XLA merge the recomputation into the forward pass and the
+  # remat saves nothing; inside nn.scan the loop already prevents that, and the flag costs speed.
+  cfg = dataclasses.replace(SMALL, scan_layers=scan, remat_policy="full")
+  ids = jnp.ones((1, 8), jnp.int32)
+  params = jax.eval_shape(lambda: BertModel(cfg).init(jax.random.key(0), ids))
+  jaxpr = jax.make_jaxpr(lambda p: BertModel(cfg).apply(p, ids))(params)
+  flags = [e.params["prevent_cse"] for e in _eqns(jaxpr.jaxpr) if "prevent_cse" in e.params]
+  assert flags == ([False] if scan else [True] * SMALL.num_layers)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bfloat16_compute_keeps_the_float32_parts_float32(deterministic):
+  # The dtype policy: parameters, softmax, LayerNorm statistics, logits and losses in float32,
+  # matmuls in bfloat16. Both attention paths: the fused one (no dropout) and the dropout one.
+  cfg = dataclasses.replace(SMALL, vocab_size=96, dtype="bfloat16", hidden_dropout=0.1,
+                            attention_dropout=0.1, scan_layers=True)
+  model = BertForPreTraining(cfg)
+  batch = train.dummy_batch(2, 8, 3)
+  params = nn.unbox(model.init(jax.random.key(0), **train.model_inputs(batch))["params"])
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+
+  def forward(p):
+    mlm, nsp = model.apply({"params": p}, **train.model_inputs(batch),
+                           deterministic=deterministic, rngs={"dropout": jax.random.key(1)})
+    metrics = losses.pretraining_metrics(mlm, nsp, batch)
+    return mlm, nsp, metrics, losses.total_loss(metrics)
+
+  jaxpr = jax.make_jaxpr(forward)(params)
+  mlm, nsp, metrics, loss = jax.eval_shape(forward, params)
+  assert mlm.dtype == nsp.dtype == loss.dtype == jnp.float32
+  assert {x.dtype for x in jax.tree.leaves(metrics)} == {jnp.dtype(jnp.float32)}
+  eqns = list(_eqns(jaxpr.jaxpr))
+  assert any(e.invars[0].aval.dtype == jnp.bfloat16  # the matmuls do run in bfloat16
+             for e in eqns if e.primitive.name == "dot_general")
+  # Softmax (max, exp, sum), LayerNorm statistics (sums, rsqrt), cross-entropy (logsumexp).
+  reductions = [e for e in eqns if e.primitive.name in
+                ("exp", "log", "reduce_max", "reduce_sum", "rsqrt")]
+  assert {e.primitive.name for e in reductions} == {"exp", "log", "reduce_max", "reduce_sum",
+                                                    "rsqrt"}
+  for e in reductions:
+    assert e.invars[0].aval.dtype == jnp.float32, e
+  # Matmuls that produce logits (last dimension V or 2) accumulate and return float32.
+  logit_dots = [e for e in eqns if e.primitive.name == "dot_general"
+                and e.outvars[0].aval.shape[-1] in (cfg.vocab_size, 2)]
+  assert len(logit_dots) == 2
+  for e in logit_dots:
+    assert e.outvars[0].aval.dtype == jnp.float32, e
+
+
 def test_dropout_is_active_in_training_and_seeded():
   cfg = dataclasses.replace(SMALL, hidden_dropout=0.1, attention_dropout=0.1, scan_layers=True)
   ids, mask, seg = _inputs()
@@ -254,6 +317,8 @@ def test_config_files_only_override_and_are_locked():
     assert set(config.keys()) == set(base.get_config().keys())
     cfg = BertConfig.from_dict(config.model, vocab_size=30522)
     assert (cfg.num_layers, cfg.hidden_size) == (layers, hidden)
+    if module is not tiny:  # the accelerator configs: bfloat16 matmuls, one compiled layer
+      assert (cfg.dtype, cfg.param_dtype, cfg.scan_layers) == ("bfloat16", "float32", True)
     assert module.__doc__ and "python -m bertjax.main" in module.__doc__
   locked = base.get_config()
   locked.lock()

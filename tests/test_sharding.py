@@ -1,5 +1,7 @@
 """Mesh from config, -1 fills, early errors with numbers, logical shardings, host -> global batch."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -76,6 +78,43 @@ def test_logical_shardings_follow_the_rules():
   # The abstract state carries the same shardings (for restoring a checkpoint into them).
   leaf = t.abstract_state.params["bert"]["embeddings"]["word_embeddings"]["embedding"]
   assert leaf.shape == (64, 32) and leaf.sharding.spec == P(None, "fsdp")
+
+
+def test_a_mesh_axis_that_does_not_divide_a_parameter_is_an_error():
+  # Hidden 36 on fsdp 8: every "embed" dimension would have to be replicated instead of split,
+  # silently giving up what fsdp is for. The error names the parameter, sizes and the fix.
+  odd = BertConfig(vocab_size=64, hidden_size=36, num_layers=1, num_heads=4,
+                   intermediate_size=64, max_position_embeddings=16)
+  with pytest.raises(ValueError) as error:
+    train.build(odd, train.TrainConfig(batch_size=8), mesh_config(ici_data=1, ici_fsdp=8))
+  message = str(error.value)
+  assert "Parameter params/bert/embeddings/" in message and "of shape (" in message
+  assert ("dimension 0 of size 36 (logical name 'embed') does not split 8 ways over fsdp=8 "
+          "(sizes that divide 36: [1, 2, 3, 4, 6])") in message
+  assert "{'data': 1, 'fsdp': 8, 'tensor': 1}" in message
+  assert "mesh.logical_axis_rules" in message
+  # A rule that sends the vocabulary (30522 = 2 x 3 x 5087) to fsdp fails the same way.
+  rules = tuple(("vocab", "fsdp") if name == "vocab" else (name, axes)
+                for name, axes in base.get_config().mesh.logical_axis_rules)
+  vocab = sharding.MeshConfig.from_dict({**base.get_config().mesh, "ici_data": 2, "ici_fsdp": 4,
+                                         "logical_axis_rules": rules})
+  with pytest.raises(ValueError, match=r"size 30522 \(logical name 'vocab'\) does not split 4 "
+                     r"ways over fsdp=4 \(sizes that divide 30522: \[1, 2, 3, 6\]\)"):
+    train.build(dataclasses.replace(TINY, vocab_size=30522), train.TrainConfig(batch_size=8),
+                vocab)
+
+
+def test_square_kernels_are_split_like_hidden_outputs_not_like_the_mlp():
+  # The pooler and the MLM transform map D -> D: their output is "embed" (fsdp), as the outputs
+  # of attention and the MLP, never "mlp" (tensor), which would split D as if it were F.
+  t = train.build(TINY, train.TrainConfig(batch_size=8),
+                  mesh_config(ici_data=2, ici_fsdp=2, ici_tensor=2))
+  p = t.state_shardings.params
+  for kernel in (p["bert"]["pooler"]["dense"], p["mlm"]["transform"]):
+    assert kernel["kernel"].spec == P(None, "fsdp")
+    assert kernel["bias"].spec == P("fsdp")
+  assert p["mlm"]["transform_layer_norm"]["scale"].spec == P("fsdp")
+  assert p["bert"]["encoder"]["layer_0"]["mlp"]["output"]["kernel"].spec == P("tensor", "fsdp")
 
 
 def test_host_batch_to_global():

@@ -1,10 +1,11 @@
 """The jitted train step: sharded == one device, k microbatches == one batch, state handling."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import sharding, train
+from bertjax import optimizer, sharding, train
 from bertjax.model import BertConfig
 from configs import base
 
@@ -99,3 +100,44 @@ def check_state_handling(run):
   assert float(metrics["nsp_accuracy"][1]) == B
   assert jax.device_get(metrics) == jax.device_get(t.eval_step(after, batch))
   assert int(after.step) == 1
+
+
+def test_init_and_dropout_draw_from_separate_streams():
+  init_rng, dropout_rng = train.rng_streams(0)
+  keys = lambda k: {tuple(np.asarray(jax.random.key_data(k)).ravel())}
+  assert keys(init_rng) != keys(dropout_rng)
+  # train_step's dropout key of step 0, microbatch 0 is fold_in(fold_in(dropout_rng, 0), 0). The
+  # same derivation from the init key (what one shared key gave) must not reproduce it, nor may
+  # the init key itself or the seed's key.
+  step0 = lambda k: jax.random.fold_in(jax.random.fold_in(k, 0), 0)
+  from_init = (keys(init_rng) | keys(step0(init_rng)) | keys(jax.random.PRNGKey(0))
+               | keys(step0(jax.random.PRNGKey(0))))
+  assert not keys(step0(dropout_rng)) & from_init
+  # Reproducible from the seed; another seed, other streams.
+  assert keys(train.rng_streams(0)[1]) == keys(dropout_rng)
+  assert not (keys(train.rng_streams(1)[0]) | keys(train.rng_streams(1)[1])) & (
+      keys(init_rng) | keys(dropout_rng))
+
+
+def test_the_optimizer_count_follows_the_train_step():
+  cfg = train.TrainConfig(batch_size=B, num_microbatches=2, learning_rate=1e-3, warmup_steps=4,
+                          num_train_steps=10)
+  t = train.build(TINY, cfg, mesh_config(ici_data=2, ici_fsdp=2), devices=jax.devices()[:4])
+  init_rng, dropout_rng = train.rng_streams(0)
+  state = t.init_state(init_rng)
+  batch = t.to_global(make_batch())
+  for _ in range(3):
+    state, _ = t.train_step(state, batch, dropout_rng)
+  assert int(state.step) == 3
+  assert [int(c) for c in optimizer.step_counts(state.opt_state)] == [3]
+  train.check_step_counters(state)  # agrees: no error
+  # A state put together from two points of a run (step 3, optimizer count 7) is refused...
+  drifted = state.replace(opt_state=optimizer.with_step_count(state.opt_state, 7))
+  with pytest.raises(ValueError, match=r"step is 3 but its optimizer counts \[7\] updates"):
+    train.check_step_counters(drifted)
+  # ...and even unchecked, the update follows state.step (warmup lr at step 3, not step 7).
+  want, want_metrics = t.train_step(jax.tree.map(jnp.copy, state), batch, dropout_rng)
+  got, got_metrics = t.train_step(drifted, batch, dropout_rng)
+  assert_trees_close(jax.device_get(got.params), jax.device_get(want.params), atol=0)
+  assert float(got_metrics["learning_rate"][0]) == pytest.approx(3e-3 / 4)
+  assert [int(c) for c in optimizer.step_counts(got.opt_state)] == [int(got.step)] == [4]
