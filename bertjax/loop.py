@@ -107,8 +107,9 @@ def _restore_or_init(training: train.Training, ckpt: checkpoint_lib.Checkpointer
     step, items, _ = found
     state = train.TrainState(step=jax.device_put(np.int32(step), training.abstract_state.step
                                                  .sharding), **items)
+    train.check_step_counters(state)
     return state, f"resumed from {ckpt.directory} at step {step}"
-  state = training.init_state(jax.random.PRNGKey(seed))
+  state = training.init_state(train.rng_streams(seed)[0])
   if loop.init_from:
     vocab_check = None if loop.init_from_other_vocab else expected.tokenizer_fingerprint
     params = load_init_params(loop.init_from, abstract.params, training.model_config,
@@ -253,11 +254,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
             f"{k} {v:.4f}" for k, v in scalars.items() if k != "num_sequences"), flush=True)
     return scalars
 
-  def close():
-    ckpt.close()
-    writer.close()
-
-  with control.StopSignal() as stop:
+  # Every exit, an error's too, waits for the saves under way: a good checkpoint is never lost
+  # because a later step failed.
+  with contextlib.closing(ckpt), contextlib.closing(writer), control.StopSignal() as stop:
     if start < tcfg.num_train_steps:
       train_batches = _batches(pipeline.make_pipeline(data, split="train", seed=tcfg.seed,
                                                       start_step=start, **per_host), data.nsp)
@@ -270,7 +269,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
                                  run_eval, writer, speed, workdir)
       if stopped_at is not None:
         ckpt.wait()
-        close()
         say(f"{stop.describe()} received; saved step {stopped_at} in {ckpt.directory}. Run the "
             "same command to resume.")
         return {}
@@ -278,7 +276,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
       say(f"the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps).")
     ckpt.wait()  # the last checkpoint is final before the (long) final evaluation
     final = run_eval(tcfg.num_train_steps, state, stop)
-  close()
   if final is None:
     say(f"{stop.describe()} received during the final evaluation; the run is complete and saved. "
         "Run the same command to evaluate it.")
@@ -295,7 +292,7 @@ def _train(training: train.Training, state, batches: Iterator[dict], start: int,
   (that step is saved)."""
   schedule, tcfg = loop.schedule, training.train_config
   is_main = jax.process_index() == 0
-  rng = jax.random.PRNGKey(tcfg.seed)
+  rng = train.rng_streams(tcfg.seed)[1]  # dropout; fold_in(rng, step) inside the step
   buffer = control.MetricsBuffer()
   with contextlib.ExitStack() as profiling:
     step = start

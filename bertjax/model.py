@@ -41,6 +41,7 @@ REMAT_POLICIES = {
 }
 
 ATTENTION_IMPLS = ("xla", "cudnn")
+POSITION_INITS = ("normal", "sinusoidal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class BertConfig:
   scan_layers: bool = False
   remat_policy: str = "none"
   attention_impl: str = "xla"
+  position_init: str = "normal"  # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
 
   def __post_init__(self):
     problems = []
@@ -79,6 +81,8 @@ class BertConfig:
       problems.append(f"hidden_act={self.hidden_act!r}; choose one of {sorted(ACTIVATIONS)}")
     if self.remat_policy not in REMAT_POLICIES:
       problems.append(f"remat_policy={self.remat_policy!r}; choose one of {list(REMAT_POLICIES)}")
+    if self.position_init not in POSITION_INITS:
+      problems.append(f"position_init={self.position_init!r}; choose one of {POSITION_INITS}")
     if self.attention_impl not in ATTENTION_IMPLS:
       problems.append(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
     for name in ("hidden_dropout", "attention_dropout"):
@@ -123,6 +127,25 @@ def _kernel_init(config: BertConfig, names):
   # two standard deviations (so the sample stddev is ~0.0176). jax's initializer is the same one.
   init = nn.initializers.truncated_normal(stddev=config.initializer_range)
   return nn.with_logical_partitioning(init, names)
+
+
+def sinusoidal_init(config: BertConfig):
+  """A start for the learned position table: the Transformer's sines and cosines (Vaswani et al.,
+  2017), scaled so that their root mean square over a period is `initializer_range`.
+
+  With it the offset between two positions is a fixed rotation of their embeddings from step one,
+  so attention can look at neighbouring tokens without first having to discover an order in a
+  random table; the table is still trained as BERT's is.
+  """
+  def init(key, shape, dtype=jnp.float32):
+    del key
+    length, width = shape
+    half = width // 2  # an odd width leaves its last column at zero
+    angle_PxH = np.arange(length)[:, None] / 10000.0 ** (2 * np.arange(half)[None, :] / width)
+    table_PxD = np.zeros(shape, np.float64)
+    table_PxD[:, 0:2 * half:2], table_PxD[:, 1:2 * half:2] = np.sin(angle_PxH), np.cos(angle_PxH)
+    return jnp.asarray(table_PxD * config.initializer_range * np.sqrt(2.0), dtype)
+  return nn.with_logical_partitioning(init, (None, "embed"))
 
 
 def _zeros(names):
@@ -216,7 +239,9 @@ class Embeddings(nn.Module):
         embedding_init=_kernel_init(cfg, ("vocab", "embed")))
     self.position_embeddings = nn.Embed(
         cfg.max_position_embeddings, cfg.hidden_size, dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype, embedding_init=_kernel_init(cfg, (None, "embed")))
+        param_dtype=cfg.storage_dtype,
+        embedding_init=(sinusoidal_init(cfg) if cfg.position_init == "sinusoidal"
+                        else _kernel_init(cfg, (None, "embed"))))
     self.token_type_embeddings = nn.Embed(
         cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
         param_dtype=cfg.storage_dtype, embedding_init=_kernel_init(cfg, (None, "embed")))

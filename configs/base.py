@@ -66,7 +66,7 @@ def get_config():
   t.batch_size = 256  # global batch: sequences per optimizer update, summed over all hosts
   t.num_microbatches = 1  # gradient accumulation: the batch is processed in this many slices
   t.num_train_steps = 1_000_000  # optimizer updates; the learning rate reaches 0 here
-  t.seed = 0  # parameter init and dropout (dropout key = fold_in(key(seed), step))
+  t.seed = 0  # init, dropout (separate streams: train.rng_streams) and the order of training data
   t.optimizer = "adamw"  # "adamw" (the original, no bias correction) or "lamb" (large batches)
   t.learning_rate = 1e-4  # peak learning rate, reached at the end of warmup
   t.warmup_steps = 10_000  # linear warmup from 0; then linear decay to 0 at num_train_steps

@@ -133,17 +133,27 @@ def runs():
 
 def test_pod_saves_on_sigterm_and_resumes_on_other_meshes(tmp_path, runs):
   flags = _flags(tmp_path)
-  # 2 processes x 4 devices (the default): a mesh of 8. A SIGTERM to the launcher reaches both.
-  pod = runs.launch(["-n", "2"], flags + ["--config.train.num_train_steps=1000"])
-  pod.wait_for(r"^\[0\] step 2/1000 ")
-  pod.proc.send_signal(signal.SIGTERM)
+  # 2 processes x 4 devices (the default): a mesh of 8. A preemption notice reaches one host only,
+  # between log steps (none is due before step 1000): the hosts must still agree on one step and
+  # save it at once, as inside a preemption's grace period.
+  pod = runs.launch(["-n", "2"], flags + ["--config.train.num_train_steps=1000",
+                                          "--config.train.log_every_steps=1000"])
+  pod.wait_for(r"^\[0\] bertjax: initialised from scratch")
+  children = pod.find_children()
+  time.sleep(3)  # a few steps in
+  os.kill(children[1], signal.SIGTERM)
+  noticed = time.time()
+  saved = int(pod.wait_for(r"^\[0\] bertjax: a preemption notice received; saved step (\d+)",
+                           60).group(1))
+  assert time.time() - noticed < 30, pod.output[-5000:]
   assert pod.finish() == 0, pod.output[-5000:]
-  saved = int(pod.wait_for(r"^\[0\] bertjax: SIGTERM received; saved step (\d+)", 0).group(1))
-  assert _saved_steps(tmp_path)[-1] == saved
-  # Every line is one process's (or the launcher's), whole; both processes spoke.
+  assert 0 < saved < 1000 and _saved_steps(tmp_path)[-1] == saved
+  # Every line is one process's (or the launcher's), whole; both processes spoke; both exited 0.
   assert all(re.match(r"\[(0|1|local\.sh)\] ", line) for line in pod.lines), pod.output
   assert any(line.startswith("[1] ") for line in pod.lines)
   assert "[local.sh] all 2 process(es) exited 0" in pod.lines
+  # Only bertjax's own lines: no third-party INFO (orbax alone writes kilobytes per save).
+  assert not [line for line in pod.lines if re.match(r"\[\d\] I\d{4} ", line)], pod.output[-3000:]
 
   # One process of 8 devices takes it over, for two more steps.
   single = runs.main(flags + [f"--config.train.num_train_steps={saved + 2}"], devices=8)

@@ -1,16 +1,22 @@
-"""The main job: exact resume, preemption, restore onto another mesh, refusals before compiling."""
+"""The main job: exact resume, preemption, restore onto another mesh, refusals before compiling,
+the non-finite guard, the fixed held-out set."""
 
+import dataclasses
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import loop, train
-from bertjax.checkpoint import Checkpointer
+from bertjax import control, loop, train
+from bertjax.checkpoint import Checkpointer, CheckpointMismatchError
 from bertjax.data import pipeline
 from configs import tiny
 from test_data_fixtures import data_config, write_corpus
@@ -48,13 +54,13 @@ def _final_params(workdir, step):
 class _Recorder:
   """Wraps make_pipeline: records the training batches and can send SIGTERM at a given batch."""
 
-  def __init__(self, monkeypatch, sigterm_at=None):
-    self.train_ids = []
+  def __init__(self, monkeypatch, sigterm_at=None, sigterm_in_eval=False):
+    self.train_ids, self.eval_batches = [], []
 
     def make(data_config, *, split, **kw):
       batches = _MAKE_PIPELINE(data_config, split=split, **kw)
       if split != "train":
-        return batches
+        return self._wrap_eval(batches, sigterm_in_eval)
       return self._wrap(batches, kw.get("start_step", 0), sigterm_at)
 
     monkeypatch.setattr(pipeline, "make_pipeline", make)
@@ -64,6 +70,13 @@ class _Recorder:
       self.train_ids.append(batch["input_ids"].copy())
       if sigterm_at is not None and i == sigterm_at:
         os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice, between two steps
+      yield batch
+
+  def _wrap_eval(self, batches, sigterm):
+    for batch in batches:
+      self.eval_batches.append({k: v.copy() for k, v in batch.items()})
+      if sigterm:
+        os.kill(os.getpid(), signal.SIGTERM)  # during an evaluation
       yield batch
 
 
@@ -76,6 +89,7 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, 
   interrupted = _Recorder(monkeypatch, sigterm_at=2)  # the third batch: stops after step 3
   assert loop.train_and_evaluate(config, str(tmp_path / "resumed")) == {}
   assert "SIGTERM received; saved step 3" in capsys.readouterr().out
+  shutil.copytree(tmp_path / "resumed", tmp_path / "other_mesh")
   resumed = _Recorder(monkeypatch)
   final = loop.train_and_evaluate(config, str(tmp_path / "resumed"))
   assert "resumed from" in capsys.readouterr().out
@@ -94,28 +108,139 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, 
   assert '"train/loss"' in logs and '"eval/mlm_accuracy"' in logs
   assert list((tmp_path / "resumed" / "tensorboard").iterdir())
 
+  # The same interrupted run resumed on a (data 2, fsdp 2, tensor 2) mesh ends where the straight
+  # run ends, up to the order of float sums; three steps from a fresh start land far from it.
+  config.mesh.ici_data, config.mesh.ici_fsdp, config.mesh.ici_tensor = 2, 2, 2
+  _Recorder(monkeypatch)
+  loop.train_and_evaluate(config, str(tmp_path / "other_mesh"))
+  assert "resumed from" in capsys.readouterr().out
+  flat_mesh = np.concatenate([np.ravel(x) for x in _leaves(_final_params(tmp_path / "other_mesh",
+                                                                          6))])
+  np.testing.assert_allclose(flat_mesh, flat_expected, rtol=1e-4, atol=2e-6)
+
 
 def _leaves(tree):
   import jax  # pylint: disable=import-outside-toplevel
   return jax.tree_util.tree_leaves(tree)
 
 
-def test_resume_onto_another_mesh_and_refuse_another_model(tmp_path, capsys):
+def test_refusals_name_the_difference_and_keep_the_workdir(tmp_path, capsys):
   config = _config(tmp_path, num_train_steps=3)
   workdir = str(tmp_path / "run")
   loop.train_and_evaluate(config, workdir)
+  recorded = (tmp_path / "run" / "config.json").read_text()
+  steps = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
   config.train.num_train_steps = 5
-  config.mesh.ici_data, config.mesh.ici_fsdp, config.mesh.ici_tensor = 2, 2, 2
-  final = loop.train_and_evaluate(config, workdir)
-  assert "resumed from" in capsys.readouterr().out and np.isfinite(final["mlm_loss"])
-  config.model.hidden_size = 64
-  with pytest.raises(ValueError, match="hidden_size: checkpoint 32 vs config 64"):
-    loop.train_and_evaluate(config, workdir)
+
+  bigger = _config(tmp_path, num_train_steps=5)
+  bigger.model.hidden_size = 64
+  with pytest.raises(CheckpointMismatchError, match="hidden_size: checkpoint 32 vs config 64"):
+    loop.train_and_evaluate(bigger, workdir)
+  lamb = _config(tmp_path, num_train_steps=5, optimizer="lamb", max_grad_norm=0.5)
+  with pytest.raises(CheckpointMismatchError, match="train.optimizer: checkpoint 'adamw' vs "
+                     "config 'lamb'; train.max_grad_norm: checkpoint 1.0 vs config 0.5"):
+    loop.train_and_evaluate(lamb, workdir)
+  # Another vocabulary of the same size: the embedding rows would index other pieces.
+  other_vocab = _config(tmp_path, num_train_steps=5)
+  words = open(config.data.vocab_path).read().split("\n")
+  shuffled = tmp_path / "other_vocab.txt"
+  shuffled.write_text("\n".join(words[:7] + words[7:-1][::-1] + [""]))
+  other_vocab.data.vocab_path = str(shuffled)
+  with pytest.raises(CheckpointMismatchError, match="tokenizer: checkpoint wordpiece-"):
+    loop.train_and_evaluate(other_vocab, workdir)
+  # ... nor as init_from for a new run, unless asked for.
+  other_vocab.checkpoint.init_from = workdir
+  with pytest.raises(CheckpointMismatchError, match="init_from_other_vocab=True"):
+    loop.train_and_evaluate(other_vocab, str(tmp_path / "new"))
+  assert not (tmp_path / "new" / "config.json").exists()
+  other_vocab.checkpoint.init_from_other_vocab = True
+  other_vocab.train.num_train_steps = 1
+  loop.train_and_evaluate(other_vocab, str(tmp_path / "new"))
+  assert "parameters from init_from" in capsys.readouterr().out
+
+  # The refused commands left the run as it was: its record of what it was asked, its steps.
+  assert (tmp_path / "run" / "config.json").read_text() == recorded
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == steps
+
+
+def _inject_nonfinite_at(monkeypatch, bad_step):
+  """The step that produces `bad_step` returns NaN parameters and an infinite gradient norm while
+  its loss stays finite (as a bf16 overflow in the backward pass would)."""
+  real = train.from_config
+
+  def from_config(*args, **kwargs):
+    training = real(*args, **kwargs)
+
+    def step(state, batch, rng):
+      state, metrics = training.train_step(state, batch, rng)
+      if int(state.step) == bad_step:
+        state = state.replace(params=jax.tree.map(lambda x: x * jnp.nan, state.params))
+        metrics = {**metrics, "grad_norm": (jnp.float32(jnp.inf), metrics["grad_norm"][1])}
+      return state, metrics
+
+    return dataclasses.replace(training, train_step=step)
+
+  monkeypatch.setattr(train, "from_config", from_config)
+
+
+def test_a_nonfinite_gradient_stops_the_run_before_its_state_is_saved(tmp_path, monkeypatch):
+  config = _config(tmp_path, num_train_steps=6)
+  config.checkpoint.save_every_steps = 2
+  _inject_nonfinite_at(monkeypatch, 4)  # a save step, with a finite loss
+  with pytest.raises(control.NonFiniteError, match="Non-finite grad_norm at step 4"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), loop.ITEMS, save_every=1, keep=1)
+  assert ckpt.all_steps() == [2]
+  ckpt.close()
+  assert all(np.all(np.isfinite(x)) for x in _leaves(_final_params(tmp_path / "run", 2)))
+
+
+def test_a_stop_during_evaluation_saves_that_step_and_the_rerun_goes_on(tmp_path, monkeypatch,
+                                                                         capsys):
+  config = _config(tmp_path, num_train_steps=4, eval_every_steps=2)
+  _Recorder(monkeypatch, sigterm_in_eval=True)
+  assert loop.train_and_evaluate(config, str(tmp_path / "run")) == {}
+  assert "SIGTERM received; saved step 2" in capsys.readouterr().out  # not a save step (3)
+  _Recorder(monkeypatch)
+  final = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert "resumed from" in capsys.readouterr().out and final["num_sequences"] == 16
+
+
+def test_the_heldout_set_is_fixed_and_bounded(tmp_path, monkeypatch):
+  seen = []
+  for seed in (0, 1):
+    config = _config(tmp_path, num_train_steps=1, seed=seed, eval_sequences=16)
+    recorder = _Recorder(monkeypatch)
+    final = loop.train_and_evaluate(config, str(tmp_path / f"run{seed}"))
+    assert final["num_sequences"] == 16 and len(recorder.eval_batches) == 2
+    seen.append(recorder.eval_batches)
+  # Another training seed draws other training masks, but is scored on the same predictions.
+  for a, b in zip(*seen):
+    for key in ("input_ids", "masked_lm_positions", "masked_lm_ids"):
+      np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_an_empty_heldout_split_is_found_before_the_first_step(tmp_path, monkeypatch):
+  steps = []
+  real = train.from_config
+  monkeypatch.setattr(train, "from_config", lambda *a, **k: dataclasses.replace(
+      real(*a, **k), train_step=lambda *args: steps.append(1)))
+  config = _config(tmp_path)
+  config.data.eval_fraction = 0.0
+  with pytest.raises(ValueError, match="The eval split holds 0 sequence"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not steps and not os.listdir(tmp_path / "run" / "checkpoints")
 
 
 def test_bad_input_is_refused_before_compiling(tmp_path, monkeypatch):
   compiled = []
   monkeypatch.setattr(train, "build", lambda *a, **k: compiled.append(1))
+  for section, key in (("train", "log_every_steps"), ("checkpoint", "save_every_steps")):
+    config = _config(tmp_path)
+    config[section][key] = 0
+    with pytest.raises(ValueError, match=f"{section}.{key}=0 must be >= 1"):
+      loop.train_and_evaluate(config, str(tmp_path / "zero"))
+    assert not (tmp_path / "zero").exists()  # refused before anything ran
   config = _config(tmp_path)
   (tmp_path / "a_file").write_text("")
   with pytest.raises(PermissionError, match="Cannot write to --workdir"):
