@@ -43,17 +43,23 @@ def test_deterministic_parallel_and_resumable(tmp_path):
   assert timeless(m1b) == timeless(m1)
 
 
-def test_repairs_are_counted_in_the_manifest(tmp_path):
+def test_repairs_are_counted_in_the_manifest(tmp_path, caplog):
   docs = random_documents(20, 15)
   docs[3].insert(2, " ".join(["baba"] * 300))  # one line far longer than a sequence
   path = write_corpus(str(tmp_path / "c.txt"), docs)
   with open(path, "ab") as f:
-    f.write(b"\nbad \xff bytes here.\nAnd more.\n")
+    f.write(b"\nbaba \xff baba.\nbebe baba.\n")  # vocabulary words around an invalid byte
   c = data_config(tmp_path, n_docs=0, source=path)
-  m = prepare.ensure_prepared(c)
+  with caplog.at_level("WARNING"):
+    m = prepare.ensure_prepared(c)
   assert m["corpus"]["invalid_utf8_lines"] == 1 and m["corpus"]["invalid_utf8_chars"] == 1
+  assert list(m["corpus"]["replaced_by_input"]) == [path]
+  assert m["corpus"]["replaced_by_input"][path][0] == 1
+  assert f"{path} (" in caplog.text  # the warning names the file and its share
   assert sum(m["splits"][s]["long_sentences_split"] for s in prepare.SPLITS) >= 1
-  assert m["splits"]["train"]["unk_tokens"] + m["splits"]["eval"]["unk_tokens"] >= 1  # the U+FFFD word
+  # The tokenizer deletes U+FFFD, as the original: every word of this corpus is in the
+  # vocabulary, so not one [UNK] (a kept U+FFFD would be one).
+  assert m["splits"]["train"]["unk_tokens"] + m["splits"]["eval"]["unk_tokens"] == 0
 
 
 def test_empty_corpus_and_no_instances(tmp_path):
@@ -137,3 +143,68 @@ def test_blank_line_after_every_sentence_warns(tmp_path, caplog):
     m = prepare.ensure_prepared(c)
   assert "Almost every document has one sentence" in caplog.text
   assert m["splits"]["train"]["not_next"] == m["splits"]["train"]["instances"]
+
+
+def test_resume_refuses_a_preparation_started_with_other_settings(tmp_path):
+  c = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
+  prepare.ensure_prepared(c)
+  d = tmp_path / "prep"
+  # Interrupted: no manifest, one shard unfinished. Resuming at another length would mix shards.
+  os.remove(d / "manifest.json")
+  os.remove(d / "train-00002-of-00004.json")
+  c_len = data_config(tmp_path, prepared_dir=str(d), max_seq_length=128)
+  with pytest.raises(ValueError, match=r"a finished shard \(train-00000-of-00004.json\) made with "
+                                       r"other settings .*'max_seq_length': \(64, 128\).*Delete"):
+    prepare.ensure_prepared(c_len)
+  # Interrupted after the first stage only: the raw split is checked too.
+  for f in os.listdir(d):
+    if f.endswith(".json"):
+      os.remove(d / f)
+  c_frac = data_config(tmp_path, prepared_dir=str(d), eval_fraction=0.3)
+  with pytest.raises(ValueError, match=r"a raw split \(raw/\) made with other settings "
+                                       r".*'eval_fraction': \(0.1, 0.3\)"):
+    prepare.ensure_prepared(c_frac)
+  # The same settings resume.
+  assert prepare.ensure_prepared(c)["splits"]["train"]["instances"] > 0
+
+
+def test_one_document_swamping_the_pairs_warns(tmp_path, caplog):
+  docs = random_documents(30, 10)
+  # One line of 5,000 words (allowed here) is cut into many pieces, each a pair or more.
+  docs[5].append(" ".join(["baba"] * 5000) + ".")
+  c = data_config(tmp_path, n_docs=0, source=write_corpus(str(tmp_path / "c.txt"), docs),
+                  max_line_chars=0, eval_fraction=0.0)
+  with caplog.at_level("WARNING"):
+    m = prepare.ensure_prepared(c)
+  big = m["splits"]["train"]["largest_document"]
+  assert big["instances"] > 0.3 * m["splits"]["train"]["instances"]
+  assert "train: one document yields" in caplog.text and "above max_document_pair_share" in caplog.text
+  assert repr(docs[5][0][:80]) in caplog.text  # how to find it
+  # By default such a line is refused before anything is prepared, naming the file and line.
+  c.max_line_chars = 20_000
+  c.prepared_dir = str(tmp_path / "other")
+  with pytest.raises(ValueError, match=r"c\.txt, line 66: 25,000 characters"):
+    prepare.ensure_prepared(c)
+
+
+def test_binary_file_in_the_source_is_refused(tmp_path):
+  import random
+  c = data_config(tmp_path)
+  noise = tmp_path / "noise.txt"
+  noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(5000)))
+  c.source = f"{c.source},{noise}"
+  with pytest.raises(ValueError, match=f"{noise}: .* not valid UTF-8"):
+    prepare.ensure_prepared(c)
+
+
+def test_cache_dir_under_a_regular_file_is_named(tmp_path):
+  (tmp_path / "afile").write_text("x")
+  c = data_config(tmp_path, cache_dir=str(tmp_path / "afile" / "cache"))
+  with pytest.raises(OSError, match=r"Cannot create the folder .*afile/cache.* \(from "
+                                    r"config.data.cache_dir\)"):
+    prepare.ensure_prepared(c)
+  c = data_config(tmp_path, tokenizer="sentencepiece", vocab_path="",
+                  cache_dir=str(tmp_path / "afile" / "cache"))
+  from bertjax.data import tokenizer
+  with pytest.raises(OSError, match=r"\(from config.data.cache_dir\)"):
+    tokenizer.ensure_sentencepiece(c)

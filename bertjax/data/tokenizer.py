@@ -201,6 +201,9 @@ def ensure_sentencepiece(data_config) -> str:
   if not path.endswith(".model"):
     raise ValueError(f"SentencePiece vocab_path must end in .model, got {path!r}.")
   if not tf.io.gfile.exists(path):
+    from bertjax.data import storage
+    storage.make_dirs(os.path.dirname(path) or ".",
+                      "vocab_path" if data_config.vocab_path else "cache_dir")
     docs = corpus.split_documents(corpus.read_documents(data_config), "train",
                                   data_config.eval_fraction)
     train_sentencepiece((s for d in docs for s in d), vocab_size=data_config.spm_vocab_size,
