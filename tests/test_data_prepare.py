@@ -208,3 +208,49 @@ def test_cache_dir_under_a_regular_file_is_named(tmp_path):
   from bertjax.data import tokenizer
   with pytest.raises(OSError, match=r"\(from config.data.cache_dir\)"):
     tokenizer.ensure_sentencepiece(c)
+
+
+def _marked_processes(marker: str) -> list[int]:
+  """Live processes whose environment holds `marker` (this test's workers, nobody else's)."""
+  pids = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        if marker.encode() not in f.read():
+          continue
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+          pids.append(int(pid))
+    except OSError:
+      continue
+  return pids
+
+
+def test_sigterm_stops_the_workers_and_says_the_preparation_resumes(tmp_path):
+  import signal
+  import subprocess
+  import sys
+  import time
+  import uuid
+  c = data_config(tmp_path, n_docs=60, prepare_workers=2)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  marker = f"BERTJAX_TEST_{uuid.uuid4().hex}"
+  env = {**os.environ, marker: "1", "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+  flags = [f"--config.data.{k}={c[k]}" for k in ("tokenizer", "vocab_path", "source", "cache_dir",
+                                                  "max_seq_length", "prepare_workers")]
+  proc = subprocess.Popen([sys.executable, "-m", "bertjax.data.prepare",
+                           "--config=configs/base.py", *flags], cwd=root, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 60
+  while len(_marked_processes(marker)) < 3 and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)  # the command and its 2 workers
+  workers = [p for p in _marked_processes(marker) if p != proc.pid]
+  assert len(workers) == 2, (workers, proc.poll())
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+  assert "stopped by SIGTERM, its worker processes too" in err and "to resume" in err, err[-2000:]
+  assert "Traceback" not in err
+  assert not _marked_processes(marker)  # no worker left behind
+  # Running again finishes the preparation.
+  assert prepare.ensure_prepared(c, num_workers=1)["splits"]["train"]["instances"] > 0

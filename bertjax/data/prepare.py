@@ -10,6 +10,7 @@ interrupted preparation resumes. The manifest (written last) records counts, rep
 and the tokenizer fingerprint; `load_manifest` refuses shards made with another tokenizer.
 """
 
+import contextlib
 import gzip
 import hashlib
 import json
@@ -17,8 +18,10 @@ import logging
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -220,6 +223,28 @@ def _shard_task(task) -> dict:
   return info
 
 
+class PreparationStopped(Exception):
+  """SIGTERM arrived while preparing; the finished shards are kept and a rerun resumes."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+  """SIGTERM becomes PreparationStopped: its default action would end this process alone, leaving
+  the worker processes running without their parent and the user without a word."""
+  if threading.current_thread() is not threading.main_thread():
+    yield  # signal handlers can only be set from the main thread
+    return
+
+  def stop(signum, frame):
+    raise PreparationStopped("SIGTERM")
+
+  previous = signal.signal(signal.SIGTERM, stop)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
   """Fresh interpreters, not multiprocessing: forking a process holding TensorFlow can deadlock,
   and spawn re-imports the caller's main script (which may have no __main__ guard)."""
@@ -230,14 +255,27 @@ def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   env["CUDA_VISIBLE_DEVICES"] = ""
   procs = []
-  for w in range(num_processes):
-    mine = tasks[w::num_processes]
-    p = subprocess.Popen([sys.executable, "-c", "from bertjax.data import prepare; prepare._worker()"],
-                         stdin=subprocess.PIPE, env=env)
-    p.stdin.write(json.dumps(mine).encode())
-    p.stdin.close()
-    procs.append(p)
-  failed = [(i, p.wait()) for i, p in enumerate(procs)]
+  try:
+    for w in range(num_processes):
+      mine = tasks[w::num_processes]
+      p = subprocess.Popen([sys.executable, "-c",
+                            "from bertjax.data import prepare; prepare._worker()"],
+                           stdin=subprocess.PIPE, env=env)
+      procs.append(p)
+      p.stdin.write(json.dumps(mine).encode())
+      p.stdin.close()
+    failed = [(i, p.wait()) for i, p in enumerate(procs)]
+  except BaseException:  # SIGTERM, Ctrl-C: the workers stop with us
+    for p in procs:
+      if p.poll() is None:
+        p.terminate()
+    for p in procs:
+      try:
+        p.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    raise
   failed = [(i, rc) for i, rc in failed if rc != 0]
   if failed:
     raise RuntimeError(f"{len(failed)} of {num_processes} preparation process(es) failed (process, "
@@ -274,6 +312,20 @@ def prepare(data_config, *, num_workers: int | None = None) -> dict:
   tok = tokenizer_lib.load_tokenizer(data_config)
   out_dir = prepared_dir(data_config, tok)
   storage.make_dirs(out_dir, "prepared_dir" if data_config.prepared_dir else "cache_dir")
+  try:
+    with _sigterm_raises():
+      return _prepare(data_config, tok, out_dir, num_workers)
+  except PreparationStopped:
+    total = sum(_num_shards(data_config, split) for split in SPLITS)
+    finished = len(gf.glob(os.path.join(out_dir, "*-of-*.json")))
+    raise PreparationStopped(
+        f"Preparation in {out_dir} stopped by SIGTERM, its worker processes too, with {finished} "
+        f"of {total} shard(s) finished. They are kept: run the same command again to resume "
+        f"(only the other shards are made).") from None
+
+
+def _prepare(data_config, tok, out_dir: str, num_workers: int | None) -> dict:
+  gf = _gfile()
   s = settings_of(data_config, tok)
   t0 = time.time()
   split_info = _split_stage(data_config, out_dir)
@@ -394,7 +446,11 @@ def main(argv):
   config = flags.FLAGS.config
   if config.data.tokenizer == "sentencepiece":
     tokenizer_lib.ensure_sentencepiece(config.data)
-  m = ensure_prepared(config.data)
+  try:
+    m = ensure_prepared(config.data)
+  except PreparationStopped as err:
+    print(f"bertjax.data.prepare: {err}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGTERM)  # what a shell reports for SIGTERM: scripts do not go on
   print(f"prepared {m['dir']}: train {m['splits']['train']['instances']} instances in "
         f"{len(m['splits']['train']['files'])} shard(s), eval {m['splits']['eval']['instances']}; "
         f"{m['corpus']['bytes'] / 1e6:.1f} MB of text at {m['mb_per_s']:.2f} MB/s")
