@@ -245,6 +245,23 @@ def _sigterm_raises():
     signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _sigterm_deferred():
+  """Holds SIGTERM back until the block ends: raised inside `Popen`, it would lose the child that
+  was just started (never terminated, it would fail later on its empty input)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  held = []
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    if held:
+      signal.raise_signal(signal.SIGTERM)
+
+
 def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
   """Fresh interpreters, not multiprocessing: forking a process holding TensorFlow can deadlock,
   and spawn re-imports the caller's main script (which may have no __main__ guard)."""
@@ -256,14 +273,15 @@ def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
   env["CUDA_VISIBLE_DEVICES"] = ""
   procs = []
   try:
-    for w in range(num_processes):
-      mine = tasks[w::num_processes]
-      p = subprocess.Popen([sys.executable, "-c",
-                            "from bertjax.data import prepare; prepare._worker()"],
-                           stdin=subprocess.PIPE, env=env)
-      procs.append(p)
-      p.stdin.write(json.dumps(mine).encode())
-      p.stdin.close()
+    with _sigterm_deferred():
+      for w in range(num_processes):
+        mine = tasks[w::num_processes]
+        p = subprocess.Popen([sys.executable, "-c",
+                              "from bertjax.data import prepare; prepare._worker()"],
+                             stdin=subprocess.PIPE, env=env)
+        procs.append(p)
+        p.stdin.write(json.dumps(mine).encode())
+        p.stdin.close()
     failed = [(i, p.wait()) for i, p in enumerate(procs)]
   except BaseException:  # SIGTERM, Ctrl-C: the workers stop with us
     for p in procs:
