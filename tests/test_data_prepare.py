@@ -254,3 +254,21 @@ def test_sigterm_stops_the_workers_and_says_the_preparation_resumes(tmp_path):
   assert not _marked_processes(marker)  # no worker left behind
   # Running again finishes the preparation.
   assert prepare.ensure_prepared(c, num_workers=1)["splits"]["train"]["instances"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config.data.max_predictions_per_seq=200"],
+     "max_predictions_per_seq=200 must be within 1 and max_seq_length=128"),
+    (["--config.data.max_seq_length=1024", "--config.data.max_predictions_per_seq=150"],
+     "max_seq_length=1024 exceeds config.model.max_position_embeddings=512"),
+])
+def test_prepare_command_validates_lengths_first(tmp_path, flags, message):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-m", "bertjax.data.prepare", "--config=configs/base.py",
+                         f"--config.data.cache_dir={tmp_path / 'cache'}", *flags], cwd=root,
+                        env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+  assert not (tmp_path / "cache").exists()  # refused before any work

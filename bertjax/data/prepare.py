@@ -447,8 +447,26 @@ def load_manifest(data_config, tok=None, *, check_files: bool = True) -> dict:
   return manifest
 
 
+def check_config(data_config, model_config=None):
+  """Refuses, before any work, lengths that preparation would accept and training could not use."""
+  L, M = data_config.max_seq_length, data_config.max_predictions_per_seq
+  if L < 5:
+    raise ValueError(f"config.data.max_seq_length={L} leaves no room for [CLS] A [SEP] B [SEP]; "
+                     f"use at least 5 (128 or 512 as the original).")
+  if not 1 <= M <= L:
+    raise ValueError(f"config.data.max_predictions_per_seq={M} must be within 1 and "
+                     f"max_seq_length={L}: it is the number of masked slots per sequence. Use "
+                     f"about 0.15 x max_seq_length (20 at 128, 76 at 512).")
+  if model_config is not None and L > model_config.max_position_embeddings:
+    raise ValueError(f"config.data.max_seq_length={L} exceeds config.model."
+                     f"max_position_embeddings={model_config.max_position_embeddings}: the model "
+                     f"has no position for the tokens beyond. Lower max_seq_length or raise "
+                     f"max_position_embeddings.")
+
+
 def ensure_prepared(data_config, *, num_workers: int | None = None) -> dict:
   """Prepares shards unless a matching manifest exists (cached, resumable); returns the manifest."""
+  check_config(data_config)
   tok = tokenizer_lib.load_tokenizer(data_config)
   out_dir = prepared_dir(data_config, tok)
   if _gfile().exists(os.path.join(out_dir, "manifest.json")):
@@ -462,6 +480,7 @@ def main(argv):
   from absl import flags
   logging.getLogger().setLevel(logging.INFO)
   config = flags.FLAGS.config
+  check_config(config.data, config.model)
   if config.data.tokenizer == "sentencepiece":
     tokenizer_lib.ensure_sentencepiece(config.data)
   try:
