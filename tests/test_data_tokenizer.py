@@ -120,3 +120,22 @@ def test_sentencepiece_vocab_per_source_in_cache(tmp_path):
   wp = data_config(tmp_path / "c", n_docs=0, vocab_path="")
   with pytest.raises(ValueError, match="vocab_path is empty"):
     tokenizer_lib.load_tokenizer(wp)
+
+
+def test_sentencepiece_says_when_the_corpus_is_too_small_or_odd(tmp_path, caplog):
+  from test_data_fixtures import random_documents
+  sentences = [s for d in random_documents(20, 10) for s in d]
+  # Far more pieces asked for than the text holds: both numbers are said.
+  with caplog.at_level("WARNING"):
+    path = tokenizer_lib.train_sentencepiece(sentences, vocab_size=8000,
+                                             output=str(tmp_path / "big"))
+  made = tokenizer_lib.load_tokenizer(path).vocab_size
+  assert made < 8000 and f"SentencePiece made {made} pieces, not the 8000 asked for" in caplog.text
+  # Fewer pieces than the corpus has characters: our message, not SentencePiece's check.
+  with pytest.raises(ValueError, match=r"vocabulary of 20 pieces .* cannot hold the \d+ distinct "
+                                       r"characters"):
+    tokenizer_lib.train_sentencepiece(sentences, vocab_size=20, output=str(tmp_path / "small"))
+  # Only a giant line: SentencePiece would skip it and fail on an empty corpus.
+  with pytest.raises(ValueError, match=r"no sentence of at most 65536 bytes \(1 longer one"):
+    tokenizer_lib.train_sentencepiece(["word " * 20_000], vocab_size=100,
+                                      output=str(tmp_path / "long"))

@@ -9,6 +9,7 @@ Train a SentencePiece vocabulary:
 
 import argparse
 import hashlib
+import logging
 import os
 import re
 import sys
@@ -21,6 +22,8 @@ PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
 # The original WordPiece gives up on longer words (one [UNK]).
 MAX_WORD_CHARS = 200
+# SentencePiece's trainer skips longer sentences (in bytes); with none left it fails obscurely.
+SPM_MAX_SENTENCE_BYTES = 1 << 16
 
 
 class Tokenizer:
@@ -163,32 +166,61 @@ def train_sentencepiece(sentences: Iterable[str], *, vocab_size: int, output: st
     tf.io.gfile.makedirs(parent)
   # SentencePiece samples with its own RNG when input exceeds input_sentence_size; taking the first
   # sentences ourselves keeps training deterministic.
-  count = 0
+  count = too_long = 0
   with tempfile.TemporaryDirectory() as tmp:
     text_path = os.path.join(tmp, "corpus.txt")
     with open(text_path, "w", encoding="utf-8") as f:
       for s in sentences:
         s = s.strip()
-        if s:
+        if len(s.encode()) > SPM_MAX_SENTENCE_BYTES:
+          too_long += 1
+        elif s:
           f.write(s + "\n")
           count += 1
           if count >= max_sentences:
             break
+    if too_long:
+      logging.warning("SentencePiece training leaves out %d sentence(s) longer than %d bytes.",
+                      too_long, SPM_MAX_SENTENCE_BYTES)
     if count == 0:
-      raise ValueError("Cannot train SentencePiece: the corpus yielded no sentence.")
+      raise ValueError(f"Cannot train SentencePiece: the corpus yielded no sentence of at most "
+                       f"{SPM_MAX_SENTENCE_BYTES} bytes ({too_long} longer one(s)). The format "
+                       f"wants one sentence per line, a blank line between documents.")
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        input=text_path, model_prefix=os.path.join(tmp, "spm"), vocab_size=vocab_size,
-        model_type=model_type, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece=PAD,
-        unk_piece=UNK, control_symbols=[CLS, SEP, MASK], character_coverage=0.9995,
-        normalization_rule_name="nmt_nfkc_cf" if do_lower_case else "nmt_nfkc",
-        max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
-        hard_vocab_limit=False)
+    try:
+      spm.SentencePieceTrainer.train(
+          input=text_path, model_prefix=os.path.join(tmp, "spm"), vocab_size=vocab_size,
+          model_type=model_type, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece=PAD,
+          unk_piece=UNK, control_symbols=[CLS, SEP, MASK], character_coverage=0.9995,
+          normalization_rule_name="nmt_nfkc_cf" if do_lower_case else "nmt_nfkc",
+          max_sentence_length=SPM_MAX_SENTENCE_BYTES, num_threads=1, minloglevel=2,
+          hard_vocab_limit=False)
+    except RuntimeError as err:
+      raise _spm_error(err, vocab_size, count) from None
+    made = spm.SentencePieceProcessor(model_file=os.path.join(tmp, "spm.model")).get_piece_size()
+    if made < vocab_size:
+      logging.warning("SentencePiece made %d pieces, not the %d asked for (spm_vocab_size): %d "
+                      "sentences hold too little text for more. Train on more text, or ask for "
+                      "%d to make the size explicit.", made, vocab_size, count, made)
     # Write through gfile so gs:// outputs work; write-then-rename so readers never see half a file.
     tf.io.gfile.copy(os.path.join(tmp, "spm.model"), output + ".model.tmp", overwrite=True)
     tf.io.gfile.rename(output + ".model.tmp", output + ".model", overwrite=True)
     tf.io.gfile.copy(os.path.join(tmp, "spm.vocab"), output + ".vocab", overwrite=True)
   return output + ".model"
+
+
+def _spm_error(err: RuntimeError, vocab_size: int, count: int) -> Exception:
+  """SentencePiece's internal check messages, said in terms of our settings."""
+  text = str(err)
+  sizes = re.search(r"(\d+) vs (\d+)", text)
+  if "required_chars" in text and sizes:
+    needed = max(int(x) for x in sizes.groups())
+    return ValueError(f"A SentencePiece vocabulary of {vocab_size} pieces (spm_vocab_size, or "
+                      f"--vocab_size) cannot hold the {needed} distinct characters and special "
+                      f"pieces this corpus needs; ask for at least {needed} pieces (thousands, for "
+                      f"a useful vocabulary).")
+  return ValueError(f"SentencePiece could not train a vocabulary of {vocab_size} pieces on {count} "
+                    f"sentence(s): {text}")
 
 
 def ensure_sentencepiece(data_config) -> str:
