@@ -8,12 +8,14 @@ Train a SentencePiece vocabulary:
 """
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
 import re
 import sys
 import tempfile
+import unicodedata
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -85,31 +87,100 @@ def _load_sentencepiece(path: str) -> Tokenizer:
   return Tokenizer("sentencepiece", pieces, encode_batch, word_start_V, options)
 
 
-def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
+# The original's CJK ideograph ranges; Hugging Face's normalizer has 0x2B920 for 0x2B820.
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+# ASCII text (most sentences of most corpora) needs only this: controls dropped, \t \n \r to spaces.
+_ASCII_CLEAN = {c: None for c in (*range(32), 127)} | {ord("\t"): " ", ord("\n"): " ",
+                                                         ord("\r"): " "}
+
+
+def _char_class(codes: Iterable[int]) -> str:
+  """A regex character class of code points, as ranges."""
+  codes, parts, i = sorted(codes), [], 0
+  while i < len(codes):
+    j = i
+    while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+      j += 1
+    parts.append(re.escape(chr(codes[i])) + ("-" + re.escape(chr(codes[j])) if j > i else ""))
+    i = j + 1
+  return "[" + "".join(parts) + "]"
+
+
+@functools.lru_cache(maxsize=1)
+def _original_patterns():
+  """Regexes of the original BasicTokenizer's character rules, from this Python's Unicode tables.
+
+  Planes 4 to 13 hold no assigned character, so they are not scanned (a quarter of a second).
+  """
+  by_cat = {"Cc": [], "Cf": [], "Zs": [], "Mn": []}
+  for c in (*range(0x40000), *range(0xE0000, 0xE1000)):
+    cat = unicodedata.category(chr(c))
+    if cat in by_cat:
+      by_cat[cat].append(c)
+  drop = {0, 0xFFFD, *by_cat["Cc"], *by_cat["Cf"]} - {ord("\t"), ord("\n"), ord("\r")}
+  space = {ord(" "), ord("\t"), ord("\n"), ord("\r"), *by_cat["Zs"]}
+  cjk = [c for lo, hi in _CJK_RANGES for c in range(lo, hi + 1)]
+  return (re.compile(_char_class(drop)), re.compile(_char_class(space)),
+          re.compile(_char_class(cjk)), re.compile(_char_class(by_cat["Mn"])))
+
+
+def original_normalize(text: str, do_lower_case: bool) -> str:
+  """The original BasicTokenizer up to its whitespace and punctuation split (which the Hugging Face
+  pre-tokenizer does alike): drop NUL, U+FFFD and Cc/Cf controls (vertical tab and form feed
+  included; tab and newlines become spaces, as Zs does); spaces around CJK ideographs; if uncased,
+  lower-case, NFD, drop Mn marks.
+  """
+  if text.isascii():
+    text = text.translate(_ASCII_CLEAN)
+    return text.lower() if do_lower_case else text
+  drop, space, cjk, marks = _original_patterns()
+  text = space.sub(" ", drop.sub("", text))
+  text = cjk.sub(r" \g<0> ", text)
+  if do_lower_case:
+    text = text.lower()
+    if not text.isascii():
+      text = marks.sub("", unicodedata.normalize("NFD", text))
+  return text
+
+
+def read_wordpiece_vocab(path: str) -> list[str]:
+  """The lines of a vocab.txt as the original reads them: split on "\n" only (not on the other
+  line breaks `str.splitlines` knows), each stripped; a blank line is an (unused) entry."""
   import tensorflow as tf
+  with tf.io.gfile.GFile(path, "rb") as f:
+    text = f.read().decode("utf-8", errors="ignore")
+  lines = text.split("\n")
+  if lines and lines[-1] == "":
+    lines.pop()  # the newline that ends the last line
+  return [line.strip() for line in lines]
+
+
+def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
   from tokenizers import Tokenizer as HfTokenizer
-  from tokenizers import models, normalizers, pre_tokenizers
-  with tf.io.gfile.GFile(path, "r") as f:
-    # The original strips each line and keeps blank lines as (useless) entries, so ids stay aligned.
-    pieces = [line.strip() for line in f.read().splitlines()]
+  from tokenizers import models, pre_tokenizers
+  pieces = read_wordpiece_vocab(path)
   vocab = {}
   for i, p in enumerate(pieces):
-    vocab.setdefault(p, i)
+    vocab[p] = i  # a duplicate maps to its last line, as the original's dict; ids = line numbers
   if UNK not in vocab:
     raise ValueError(f"WordPiece vocabulary {path} ({len(pieces)} lines) lacks {UNK}; BERT needs "
                      f"all of {list(SPECIAL_TOKENS)}.")
   hf = HfTokenizer(models.WordPiece(vocab=vocab, unk_token=UNK,
                                     max_input_chars_per_word=MAX_WORD_CHARS))
-  # strip_accents=None follows lowercase, as the original: uncased vocabularies strip accents.
-  hf.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                             strip_accents=None, lowercase=do_lower_case)
+  # Normalized here, not by Hugging Face's BertNormalizer, which differs from the original:
+  # it also deletes private-use and unassigned characters, splits at vertical tab and form feed
+  # (the original deletes them), strips every combining mark (not only Mn) and misses part of a
+  # CJK range.
   hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
   word_start_V = np.array([not p.startswith("##") for p in pieces])
 
   def encode_batch(texts):
+    texts = [original_normalize(t, do_lower_case) for t in texts]
     return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
 
-  return Tokenizer("wordpiece", pieces, encode_batch, word_start_V, f"lower={do_lower_case}")
+  return Tokenizer("wordpiece", pieces, encode_batch, word_start_V,
+                   f"lower={do_lower_case}|original-normalization")
 
 
 def vocab_path_of(data_config) -> str:
