@@ -46,8 +46,12 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path):
 def test_sentence_splitter():
   text = "Dr. Smith went home. It rained!  Did it?\nNew line here. 3 cats \"ran.\" Then (more) text."
   assert corpus.split_sentences(text) == [
-      "Dr.", "Smith went home.", "It rained!", "Did it?", "New line here.", "3 cats \"ran.\"",
+      "Dr. Smith went home.", "It rained!", "Did it?", "New line here.", "3 cats \"ran.\"",
       "Then (more) text."]
+  # Titles and common abbreviations do not end a sentence; the word "No." may.
+  text = "Ask Mrs. Jones (cf. Fig. 2) or e.g. Prof. Li. It works. No. It does not."
+  assert corpus.split_sentences(text) == [
+      "Ask Mrs. Jones (cf. Fig. 2) or e.g. Prof. Li.", "It works.", "No.", "It does not."]
 
 
 def test_tfds_source_built_locally(tmp_path):

@@ -26,6 +26,10 @@ Document = list[str]
 # Ends a sentence: . ! or ? (optionally closing quotes/brackets), whitespace, then a likely start.
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
 _ONLY_PUNCT = re.compile(r"^[\W_]+$")
+# A piece ending so is no sentence end: a title or a common abbreviation. (Not initials: in
+# technical prose "A. B" is more often a variable ending a sentence than a name.)
+_NOT_AN_END = re.compile(r"(?:^|[\s(\"'])(?:Mr|Mrs|Ms|Dr|Prof|Sr|Jr|St|Mt|Gen|Col|Lt|Sgt|Capt|Rev|"
+                         r"Hon|vs|cf|Fig|Vol|pp|approx|e\.g|i\.e)\.$")
 
 
 @dataclasses.dataclass
@@ -96,12 +100,19 @@ class _InputCheck:
 
 
 def split_sentences(text: str) -> list[str]:
-  """Rule-based splitter (no model to download): newlines, then sentence-final punctuation."""
+  """Rule-based splitter (no model to download): newlines, then sentence-final punctuation not
+  after a title, a common abbreviation or an initial."""
   out = []
   for line in text.splitlines():
     line = " ".join(line.split())
-    if line:
-      out.extend(s for s in _SENTENCE_END.split(line) if s.strip())
+    if not line:
+      continue
+    pieces = [s for s in _SENTENCE_END.split(line) if s.strip()]
+    for i, piece in enumerate(pieces):
+      if i and _NOT_AN_END.search(pieces[i - 1]):
+        out[-1] += " " + piece
+      else:
+        out.append(piece)
   return out
 
 
