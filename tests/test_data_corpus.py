@@ -133,11 +133,10 @@ def test_binary_or_undecodable_file_is_refused_naming_it(tmp_path, caplog):
 
 
 def test_gzip_data_under_another_name_is_refused(tmp_path):
-  path = _write(os.path.join(str(tmp_path), "part.txt.gzip"), b"One.\nTwo.\n" * 100, gz=True)
+  _write(os.path.join(str(tmp_path), "part.txt.gzip"), b"One.\nTwo.\n" * 100, gz=True)
   with pytest.raises(ValueError, match=r"part\.txt\.gzip is gzip-compressed but its name does not "
                                        r"end in \.gz"):
     list(corpus.documents_from_source(os.path.join(str(tmp_path), "*")))
-  del path
 
 
 def test_truncated_or_corrupt_gzip_names_its_path(tmp_path):

@@ -10,7 +10,6 @@ interrupted preparation resumes. The manifest (written last) records counts, rep
 and the tokenizer fingerprint; `load_manifest` refuses shards made with another tokenizer.
 """
 
-import contextlib
 import gzip
 import hashlib
 import json
@@ -19,14 +18,12 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 
-from bertjax.data import corpus, instances, storage
+from bertjax.data import corpus, instances, processes, storage
 from bertjax.data import tokenizer as tokenizer_lib
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
@@ -223,82 +220,9 @@ def _shard_task(task) -> dict:
   return info
 
 
-class PreparationStopped(Exception):
-  """SIGTERM arrived while preparing; the finished shards are kept and a rerun resumes."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-  """SIGTERM becomes PreparationStopped: its default action would end this process alone, leaving
-  the worker processes running without their parent and the user without a word."""
-  if threading.current_thread() is not threading.main_thread():
-    yield  # signal handlers can only be set from the main thread
-    return
-
-  def stop(signum, frame):
-    raise PreparationStopped("SIGTERM")
-
-  previous = signal.signal(signal.SIGTERM, stop)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _sigterm_deferred():
-  """Holds SIGTERM back until the block ends: raised inside `Popen`, it would lose the child that
-  was just started (never terminated, it would fail later on its empty input)."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  held = []
-  previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-    if held:
-      signal.raise_signal(signal.SIGTERM)
-
-
 def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
-  """Fresh interpreters, not multiprocessing: forking a process holding TensorFlow can deadlock,
-  and spawn re-imports the caller's main script (which may have no __main__ guard)."""
-  import bertjax
-  env = dict(os.environ)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(bertjax.__file__)))
-  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  env["CUDA_VISIBLE_DEVICES"] = ""
-  procs = []
-  try:
-    with _sigterm_deferred():
-      for w in range(num_processes):
-        mine = tasks[w::num_processes]
-        p = subprocess.Popen([sys.executable, "-c",
-                              "from bertjax.data import prepare; prepare._worker()"],
-                             stdin=subprocess.PIPE, env=env)
-        procs.append(p)
-        p.stdin.write(json.dumps(mine).encode())
-        p.stdin.close()
-    failed = [(i, p.wait()) for i, p in enumerate(procs)]
-  except BaseException:  # SIGTERM, Ctrl-C: the workers stop with us
-    for p in procs:
-      if p.poll() is None:
-        p.terminate()
-    for p in procs:
-      try:
-        p.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-    raise
-  failed = [(i, rc) for i, rc in failed if rc != 0]
-  if failed:
-    raise RuntimeError(f"{len(failed)} of {num_processes} preparation process(es) failed (process, "
-                       f"exit code): {failed}; see their errors above. Finished shards are kept: "
-                       f"run again to resume.")
+  processes.run_workers([tasks[w::num_processes] for w in range(num_processes)],
+                        "from bertjax.data import prepare; prepare._worker()")
   results = []
   for t in tasks:
     with _gfile().GFile(os.path.join(t[0], _shard_name(t[1], t[2], t[3]) + ".json"), "r") as f:
@@ -331,12 +255,12 @@ def prepare(data_config, *, num_workers: int | None = None) -> dict:
   out_dir = prepared_dir(data_config, tok)
   storage.make_dirs(out_dir, "prepared_dir" if data_config.prepared_dir else "cache_dir")
   try:
-    with _sigterm_raises():
+    with processes.sigterm_raises():
       return _prepare(data_config, tok, out_dir, num_workers)
-  except PreparationStopped:
+  except processes.PreparationStopped:
     total = sum(_num_shards(data_config, split) for split in SPLITS)
     finished = len(gf.glob(os.path.join(out_dir, "*-of-*.json")))
-    raise PreparationStopped(
+    raise processes.PreparationStopped(
         f"Preparation in {out_dir} stopped by SIGTERM, its worker processes too, with {finished} "
         f"of {total} shard(s) finished. They are kept: run the same command again to resume "
         f"(only the other shards are made).") from None
@@ -485,7 +409,7 @@ def main(argv):
     tokenizer_lib.ensure_sentencepiece(config.data)
   try:
     m = ensure_prepared(config.data)
-  except PreparationStopped as err:
+  except processes.PreparationStopped as err:
     print(f"bertjax.data.prepare: {err}", file=sys.stderr, flush=True)
     sys.exit(128 + signal.SIGTERM)  # what a shell reports for SIGTERM: scripts do not go on
   print(f"prepared {m['dir']}: train {m['splits']['train']['instances']} instances in "
