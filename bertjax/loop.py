@@ -25,7 +25,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, metrics as metrics_lib, train
-from bertjax.data import pipeline, prepare, tokenizer as tokenizer_lib
+from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.model import BertConfig
 
 ITEMS = ("params", "opt_state")
@@ -88,6 +88,7 @@ def resolve_vocab_size(config_vocab: int, tokenizer_vocab: int) -> int:
 def prepare_data(config) -> dict:
   """Vocabulary and prepared shards (process 0 builds them, the others wait), then the manifest."""
   data = config.data
+  storage.check_shared_storage(data, jax.process_index(), jax.process_count())
   if jax.process_index() == 0:
     if data.tokenizer == "sentencepiece":
       tokenizer_lib.ensure_sentencepiece(data)

@@ -60,6 +60,9 @@ def get_config():
   d.cache_dir = ".cache/bertjax"  # root of the settings-named prepared-data folders
   d.shuffle_window = 16384  # sequences permuted together; shards are also reordered every epoch
   d.prefetch_batches = 4  # batches tf.data prepares ahead of the training step
+  d.max_replaced_char_share = 0.01  # a source file with more invalid UTF-8 (U+FFFD) is refused
+  d.max_line_chars = 20_000  # a longer line is refused, naming file and line (0: no limit)
+  d.max_document_pair_share = 0.05  # warn when one document yields more of a split's pairs
 
   # --- train: see bertjax/train.py and bertjax/optimizer.py. ---------------------------------------
   t = config.train = ml_collections.ConfigDict()

@@ -37,7 +37,8 @@ def test_glob_without_match_is_an_error(tmp_path):
 def test_invalid_utf8_is_replaced_and_counted(tmp_path):
   path = _write(os.path.join(str(tmp_path), "bad.txt"), b"caf\xc3\xa9 ok.\nbad \xff\xfe here.\n\xc3\n")
   stats = corpus.CorpusStats()
-  docs = list(corpus.documents_from_source(path, stats))
+  docs = list(corpus.documents_from_source(path, stats,
+                                           limits=corpus.InputLimits(max_replaced_char_share=1.0)))
   assert docs == [["caf\u00e9 ok.", "bad \ufffd\ufffd here.", "\ufffd"]]
   assert (stats.invalid_utf8_lines, stats.invalid_utf8_chars) == (2, 3)
 
@@ -45,8 +46,12 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path):
 def test_sentence_splitter():
   text = "Dr. Smith went home. It rained!  Did it?\nNew line here. 3 cats \"ran.\" Then (more) text."
   assert corpus.split_sentences(text) == [
-      "Dr.", "Smith went home.", "It rained!", "Did it?", "New line here.", "3 cats \"ran.\"",
+      "Dr. Smith went home.", "It rained!", "Did it?", "New line here.", "3 cats \"ran.\"",
       "Then (more) text."]
+  # Titles and common abbreviations do not end a sentence; the word "No." may.
+  text = "Ask Mrs. Jones (cf. Fig. 2) or e.g. Prof. Li. It works. No. It does not."
+  assert corpus.split_sentences(text) == [
+      "Ask Mrs. Jones (cf. Fig. 2) or e.g. Prof. Li.", "It works.", "No.", "It does not."]
 
 
 def test_tfds_source_built_locally(tmp_path):
@@ -101,3 +106,64 @@ def test_non_local_paths_through_gfile():
     f.write(gzip.compress(b"One.\nTwo.\n\nThree.\n"))
   assert list(corpus.documents_from_source("ram://bertjax_corpus/*.gz")) == [["One.", "Two."],
                                                                             ["Three."]]
+
+
+def test_binary_or_undecodable_file_is_refused_naming_it(tmp_path, caplog):
+  import random
+  d = str(tmp_path)
+  _write(os.path.join(d, "a.txt"), b"One good line.\nAnother.\n")
+  noise = bytes(random.Random(0).randrange(256) for _ in range(20_000))
+  _write(os.path.join(d, "b.txt"), noise)
+  with pytest.raises(ValueError, match=r"b\.txt: .* characters \(\d+\.\d%\) are not valid UTF-8, "
+                                       r"above config.data.max_replaced_char_share=0.01"):
+    list(corpus.documents_from_source(os.path.join(d, "*.txt")))
+  # The limit is a setting: raised, the file is read (and still named with its share).
+  with caplog.at_level("WARNING"):
+    list(corpus.documents_from_source(os.path.join(d, "*.txt"),
+                                      limits=corpus.InputLimits(max_replaced_char_share=1.0)))
+  assert "b.txt: " in caplog.text and "replaced by U+FFFD" in caplog.text
+  # A few bad bytes in a large text are repaired, counted per file and named in a warning.
+  stats = corpus.CorpusStats()
+  _write(os.path.join(d, "b.txt"), b"Plain text here.\n" * 200 + b"one \xff bad byte.\n")
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    list(corpus.documents_from_source(os.path.join(d, "*.txt"), stats))
+  assert stats.replaced_by_input == {os.path.join(d, "b.txt"): [1, 3215]}
+  assert "b.txt: 1 of 3215 characters (0.031%)" in caplog.text
+
+
+def test_gzip_data_under_another_name_is_refused(tmp_path):
+  _write(os.path.join(str(tmp_path), "part.txt.gzip"), b"One.\nTwo.\n" * 100, gz=True)
+  with pytest.raises(ValueError, match=r"part\.txt\.gzip is gzip-compressed but its name does not "
+                                       r"end in \.gz"):
+    list(corpus.documents_from_source(os.path.join(str(tmp_path), "*")))
+
+
+def test_truncated_or_corrupt_gzip_names_its_path(tmp_path):
+  data = gzip.compress(b"One sentence.\nTwo sentences.\n" * 2000)
+  cut = _write(os.path.join(str(tmp_path), "cut.txt.gz"), data[:len(data) // 2])
+  with pytest.raises(ValueError, match=f"{cut} is not a valid gzip file \\(EOFError"):
+    list(corpus.documents_from_source(cut))
+  bad = _write(os.path.join(str(tmp_path), "bad.txt.gz"), data[:20] + b"\x00" * 200 + data[220:])
+  with pytest.raises(ValueError, match=f"{bad} is not a valid gzip file .*gzip -t"):
+    list(corpus.documents_from_source(bad))
+  plain = _write(os.path.join(str(tmp_path), "plain.txt.gz"), b"not compressed at all\n")
+  with pytest.raises(ValueError, match=f"{plain} is not a valid gzip file"):
+    list(corpus.documents_from_source(plain))
+
+
+def test_over_long_line_is_refused_naming_file_and_line(tmp_path):
+  path = _write(os.path.join(str(tmp_path), "c.txt"),
+                b"Short.\nAlso short.\n" + b"word " * 6000 + b"\nEnd.\n")
+  with pytest.raises(ValueError, match=r"c\.txt, line 3: 30,000 characters, above "
+                                       r"config.data.max_line_chars=20,000"):
+    list(corpus.documents_from_source(path))
+  docs = list(corpus.documents_from_source(path, limits=corpus.InputLimits(max_line_chars=0)))
+  assert len(docs[0]) == 4
+
+
+def test_directory_as_source_suggests_a_glob(tmp_path):
+  _write(os.path.join(str(tmp_path), "a.txt"), b"One.\n")
+  with pytest.raises(IsADirectoryError, match=f"{tmp_path} .* is a directory; .*use e.g. "
+                                              f"'{tmp_path}/\\*.txt'"):
+    list(corpus.documents_from_source(str(tmp_path)))

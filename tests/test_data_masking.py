@@ -115,3 +115,76 @@ def test_whole_word_masking_takes_whole_words():
         assert picked[r, i] == picked[r, i - 1], (r, i)  # a piece goes with its word
   rate = picked.sum() / maskable.sum()
   assert 0.12 < rate < 0.16, rate
+
+
+def _reference_whole_words(word_lens, k, rng):
+  """The original's selection: words in random order, a word that does not fit is skipped."""
+  taken, total = [], 0
+  for w in rng.permutation(len(word_lens)):
+    if total >= k:
+      break
+    if total + word_lens[w] > k:
+      continue
+    taken.append(w)
+    total += word_lens[w]
+  return taken
+
+
+def _word_rates_padded(word_lens, draws, L):
+  """Per-word masking rate of `[CLS] words [SEP] + padding`, one sequence masked `draws` times."""
+  row = [CLS]
+  for w, n in enumerate(word_lens):
+    row += [5 + w] + [900 + w] * (n - 1)  # a word-start piece, then continuation pieces
+  row += [SEP]
+  ids = np.zeros([draws, L], np.int32)
+  ids[:, :len(row)] = row
+  mask = (ids != PAD).astype(np.int32)
+  _, pos, _, weights = _run(ids, mask, spec=_spec(whole_word_masking=True),
+                            example_ids=np.arange(draws))
+  word_of = np.full(L, -1)
+  word_of[1:len(row) - 1] = np.repeat(np.arange(len(word_lens)), word_lens)
+  hits = np.zeros(len(word_lens))
+  for r in range(draws):
+    words = word_of[pos[r][weights[r] > 0]]
+    assert (words >= 0).all()
+    for w in set(words):
+      assert (words == w).sum() == word_lens[w]  # whole words only
+      hits[w] += 1
+  return hits / draws, weights.sum(1)
+
+
+def _reference_word_rates(word_lens, draws, seed=0):
+  rng = np.random.default_rng(seed)
+  n = sum(word_lens)
+  hits = np.zeros(len(word_lens))
+  for _ in range(draws):
+    k = min(20, max(1, int(np.floor(n * 0.15 + rng.random()))))  # our count: stochastic rounding
+    hits[_reference_whole_words(word_lens, k, rng)] += 1
+  return hits / draws
+
+
+def test_whole_word_masking_reaches_every_word_of_a_padded_sequence():
+  # Twelve one-piece words then [SEP] and padding: every word, the last one too, near 15%.
+  rates, _ = _word_rates_padded([1] * 12, 4000, L=24)
+  assert np.all(np.abs(rates - 0.15) < 0.03), rates
+
+
+def test_whole_word_masking_matches_the_original_selection():
+  # Words of several lengths: a word that does not fit is skipped and the next one tried, so
+  # short words fill what long ones leave; the rates follow the original's rule.
+  word_lens = [3, 1, 2, 1, 4, 1, 1, 2, 1, 3, 1, 1]
+  rates, counts = _word_rates_padded(word_lens, 6000, L=32)
+  expected = _reference_word_rates(word_lens, 20000)
+  assert np.all(np.abs(rates - expected) < 0.025), (rates, expected)
+  assert abs(counts.mean() - 0.15 * sum(word_lens)) < 0.1, counts.mean()
+
+
+def test_readme_lists_the_deviations_from_the_original_masking():
+  import pathlib
+  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  section = readme[readme.index("**Deliberate deviations from the original"):]
+  section = " ".join(section[:section.index("###")].split())
+  for fact in ("15% of the *non-special* tokens", "A random replacement (the 10% case) is drawn "
+               "from the non-special tokens", "Masks are drawn anew every epoch",
+               "Whole-word masking: a continuation piece right after `[CLS]` or `[SEP]`"):
+    assert fact in section, fact

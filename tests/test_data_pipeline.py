@@ -64,23 +64,48 @@ def test_host_slices_disjoint_and_complete_rows_mode(cfg):
   assert n - len(single) * 8 < 8  # only the last partial global batch is left out
 
 
-def test_host_slices_disjoint_and_complete_files_mode(cfg):
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_host_slices_disjoint_and_complete_files_mode(cfg, hosts):
   m = prepare.load_manifest(cfg)
   n = m["splits"]["train"]["instances"]
+  G = 4 * hosts
   per_host = []
-  for p in range(2):
-    pipe = pipeline.make_pipeline(cfg, split="train", global_batch_size=16, process_index=p,
-                                  process_count=2, include_example_ids=True)
+  for p in range(hosts):
+    pipe = pipeline.make_pipeline(cfg, split="train", global_batch_size=G, process_index=p,
+                                  process_count=hosts, include_example_ids=True)
     per_host.append(_rows([next(pipe) for _ in range(pipe.steps_per_epoch)]))
-  assert len(per_host[0]) == len(per_host[1])
-  assert not set(per_host[0]) & set(per_host[1])
-  union = set(per_host[0]) | set(per_host[1])
-  assert len(union) == 2 * len(per_host[0]) and union <= set(range(n))
-  # The hosts stop together at the shorter host's end; the rest waits for a later epoch.
-  plan = [pipeline.epoch_plan(m, "train", epoch=0, seed=0, shuffle=True, global_batch_size=16,
-                              process_index=p, process_count=2) for p in range(2)]
-  assert n - len(union) == sum(sum(pl.counts) for pl in plan) - 2 * plan[0].steps * 8
-  assert set(plan[0].files).isdisjoint(plan[1].files)
+  assert len({len(h) for h in per_host}) == 1
+  union = set(np.concatenate(per_host))
+  assert len(union) == sum(map(len, per_host)) and union <= set(range(n))  # disjoint
+  # Equal record ranges: less than one global batch (plus rounding) waits for a later epoch,
+  # however the 4 shards divide among the hosts.
+  assert n - len(union) < G + hosts, (n, len(union))
+
+
+def test_uneven_shards_on_many_hosts_leave_at_most_a_batch_per_epoch():
+  # 16 shards on 12 hosts: whole files per host would leave about a quarter of each epoch unread.
+  counts = [1000 + 37 * k for k in range(16)]
+  manifest = {"dir": "/d", "splits": {"train": {"files": [f"s{k}" for k in range(16)],
+                                                "counts": counts}}}
+  n, G = sum(counts), 12 * 32
+  plans = [pipeline.epoch_plan(manifest, "train", epoch=3, seed=0, shuffle=True,
+                               global_batch_size=G, process_index=p, process_count=12)
+           for p in range(12)]
+  assert len({pl.steps for pl in plans}) == 1
+  assert n - plans[0].steps * G < G and (n - plans[0].steps * G) / n < 0.01
+  # The ranges tile the stream: each host's first record follows the previous host's range.
+  starts = [pl.bases[0] + pl.skip for pl in plans]
+  assert len(set(starts)) == 12
+
+
+def test_restart_of_one_host_among_three(cfg):
+  kw = dict(split="train", global_batch_size=12, process_index=1, process_count=3, seed=5)
+  p = pipeline.make_pipeline(cfg, include_example_ids=True, **kw)
+  straight = [next(p) for _ in range(p.steps_per_epoch + 3)]
+  resumed = _take(cfg, 5, start_step=p.steps_per_epoch - 2, **kw)
+  for a, b in zip(straight[p.steps_per_epoch - 2:], resumed):
+    for k in b:
+      assert np.array_equal(a[k], b[k]), k
 
 
 def test_restart_at_step_n_equals_uninterrupted(cfg):

@@ -43,17 +43,23 @@ def test_deterministic_parallel_and_resumable(tmp_path):
   assert timeless(m1b) == timeless(m1)
 
 
-def test_repairs_are_counted_in_the_manifest(tmp_path):
+def test_repairs_are_counted_in_the_manifest(tmp_path, caplog):
   docs = random_documents(20, 15)
   docs[3].insert(2, " ".join(["baba"] * 300))  # one line far longer than a sequence
   path = write_corpus(str(tmp_path / "c.txt"), docs)
   with open(path, "ab") as f:
-    f.write(b"\nbad \xff bytes here.\nAnd more.\n")
+    f.write(b"\nbaba \xff baba.\nbebe baba.\n")  # vocabulary words around an invalid byte
   c = data_config(tmp_path, n_docs=0, source=path)
-  m = prepare.ensure_prepared(c)
+  with caplog.at_level("WARNING"):
+    m = prepare.ensure_prepared(c)
   assert m["corpus"]["invalid_utf8_lines"] == 1 and m["corpus"]["invalid_utf8_chars"] == 1
+  assert list(m["corpus"]["replaced_by_input"]) == [path]
+  assert m["corpus"]["replaced_by_input"][path][0] == 1
+  assert f"{path} (" in caplog.text  # the warning names the file and its share
   assert sum(m["splits"][s]["long_sentences_split"] for s in prepare.SPLITS) >= 1
-  assert m["splits"]["train"]["unk_tokens"] + m["splits"]["eval"]["unk_tokens"] >= 1  # the U+FFFD word
+  # The tokenizer deletes U+FFFD, as the original: every word of this corpus is in the
+  # vocabulary, so not one [UNK] (a kept U+FFFD would be one).
+  assert m["splits"]["train"]["unk_tokens"] + m["splits"]["eval"]["unk_tokens"] == 0
 
 
 def test_empty_corpus_and_no_instances(tmp_path):
@@ -108,7 +114,7 @@ def test_truncated_and_corrupt_shards(tmp_path):
   with open(shard, "wb") as f:
     f.write(bytes(bad))
   p = pipeline.make_pipeline(c, split="train", global_batch_size=8)
-  with pytest.raises(ValueError, match="corrupt or truncated"):
+  with pytest.raises(ValueError, match=f"{shard} is corrupt or truncated .*Delete it"):
     for _ in range(10 * p.steps_per_epoch):
       next(p)
 
@@ -137,3 +143,132 @@ def test_blank_line_after_every_sentence_warns(tmp_path, caplog):
     m = prepare.ensure_prepared(c)
   assert "Almost every document has one sentence" in caplog.text
   assert m["splits"]["train"]["not_next"] == m["splits"]["train"]["instances"]
+
+
+def test_resume_refuses_a_preparation_started_with_other_settings(tmp_path):
+  c = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
+  prepare.ensure_prepared(c)
+  d = tmp_path / "prep"
+  # Interrupted: no manifest, one shard unfinished. Resuming at another length would mix shards.
+  os.remove(d / "manifest.json")
+  os.remove(d / "train-00002-of-00004.json")
+  c_len = data_config(tmp_path, prepared_dir=str(d), max_seq_length=128)
+  with pytest.raises(ValueError, match=r"a finished shard \(train-00000-of-00004.json\) made with "
+                                       r"other settings .*'max_seq_length': \(64, 128\).*Delete"):
+    prepare.ensure_prepared(c_len)
+  # Interrupted after the first stage only: the raw split is checked too.
+  for f in os.listdir(d):
+    if f.endswith(".json"):
+      os.remove(d / f)
+  c_frac = data_config(tmp_path, prepared_dir=str(d), eval_fraction=0.3)
+  with pytest.raises(ValueError, match=r"a raw split \(raw/\) made with other settings "
+                                       r".*'eval_fraction': \(0.1, 0.3\)"):
+    prepare.ensure_prepared(c_frac)
+  # The same settings resume.
+  assert prepare.ensure_prepared(c)["splits"]["train"]["instances"] > 0
+
+
+def test_one_document_swamping_the_pairs_warns(tmp_path, caplog):
+  docs = random_documents(30, 10)
+  # One line of 5,000 words (allowed here) is cut into many pieces, each a pair or more.
+  docs[5].append(" ".join(["baba"] * 5000) + ".")
+  c = data_config(tmp_path, n_docs=0, source=write_corpus(str(tmp_path / "c.txt"), docs),
+                  max_line_chars=0, eval_fraction=0.0)
+  with caplog.at_level("WARNING"):
+    m = prepare.ensure_prepared(c)
+  big = m["splits"]["train"]["largest_document"]
+  assert big["instances"] > 0.3 * m["splits"]["train"]["instances"]
+  assert "train: one document yields" in caplog.text and "above max_document_pair_share" in caplog.text
+  assert repr(docs[5][0][:80]) in caplog.text  # how to find it
+  # By default such a line is refused before anything is prepared, naming the file and line.
+  c.max_line_chars = 20_000
+  c.prepared_dir = str(tmp_path / "other")
+  with pytest.raises(ValueError, match=r"c\.txt, line 66: 25,000 characters"):
+    prepare.ensure_prepared(c)
+
+
+def test_binary_file_in_the_source_is_refused(tmp_path):
+  import random
+  c = data_config(tmp_path)
+  noise = tmp_path / "noise.txt"
+  noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(5000)))
+  c.source = f"{c.source},{noise}"
+  with pytest.raises(ValueError, match=f"{noise}: .* not valid UTF-8"):
+    prepare.ensure_prepared(c)
+
+
+def test_cache_dir_under_a_regular_file_is_named(tmp_path):
+  (tmp_path / "afile").write_text("x")
+  c = data_config(tmp_path, cache_dir=str(tmp_path / "afile" / "cache"))
+  with pytest.raises(OSError, match=r"Cannot create the folder .*afile/cache.* \(from "
+                                    r"config.data.cache_dir\)"):
+    prepare.ensure_prepared(c)
+  c = data_config(tmp_path, tokenizer="sentencepiece", vocab_path="",
+                  cache_dir=str(tmp_path / "afile" / "cache"))
+  from bertjax.data import tokenizer
+  with pytest.raises(OSError, match=r"\(from config.data.cache_dir\)"):
+    tokenizer.ensure_sentencepiece(c)
+
+
+def _marked_processes(marker: str) -> list[int]:
+  """Live processes whose environment holds `marker` (this test's workers, nobody else's)."""
+  pids = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        if marker.encode() not in f.read():
+          continue
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+          pids.append(int(pid))
+    except OSError:
+      continue
+  return pids
+
+
+def test_sigterm_stops_the_workers_and_says_the_preparation_resumes(tmp_path):
+  import signal
+  import subprocess
+  import sys
+  import time
+  import uuid
+  c = data_config(tmp_path, n_docs=60, prepare_workers=2)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  marker = f"BERTJAX_TEST_{uuid.uuid4().hex}"
+  env = {**os.environ, marker: "1", "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+  flags = [f"--config.data.{k}={c[k]}" for k in ("tokenizer", "vocab_path", "source", "cache_dir",
+                                                  "max_seq_length", "prepare_workers")]
+  proc = subprocess.Popen([sys.executable, "-m", "bertjax.data.prepare",
+                           "--config=configs/base.py", *flags], cwd=root, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 60
+  while len(_marked_processes(marker)) < 3 and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)  # the command and its 2 workers
+  workers = [p for p in _marked_processes(marker) if p != proc.pid]
+  assert len(workers) == 2, (workers, proc.poll())
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+  assert "stopped by SIGTERM, its worker processes too" in err and "to resume" in err, err[-2000:]
+  assert "Traceback" not in err
+  assert not _marked_processes(marker)  # no worker left behind
+  # Running again finishes the preparation.
+  assert prepare.ensure_prepared(c, num_workers=1)["splits"]["train"]["instances"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config.data.max_predictions_per_seq=200"],
+     "max_predictions_per_seq=200 must be within 1 and max_seq_length=128"),
+    (["--config.data.max_seq_length=1024", "--config.data.max_predictions_per_seq=150"],
+     "max_seq_length=1024 exceeds config.model.max_position_embeddings=512"),
+])
+def test_prepare_command_validates_lengths_first(tmp_path, flags, message):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-m", "bertjax.data.prepare", "--config=configs/base.py",
+                         f"--config.data.cache_dir={tmp_path / 'cache'}", *flags], cwd=root,
+                        env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+  assert not (tmp_path / "cache").exists()  # refused before any work

@@ -1,6 +1,7 @@
 """Tokenizers: WordPiece against the original's documented cases; SentencePiece training."""
 
 import os
+import unicodedata
 
 import pytest
 
@@ -120,3 +121,106 @@ def test_sentencepiece_vocab_per_source_in_cache(tmp_path):
   wp = data_config(tmp_path / "c", n_docs=0, vocab_path="")
   with pytest.raises(ValueError, match="vocab_path is empty"):
     tokenizer_lib.load_tokenizer(wp)
+
+
+def test_sentencepiece_says_when_the_corpus_is_too_small_or_odd(tmp_path, caplog):
+  from test_data_fixtures import random_documents
+  sentences = [s for d in random_documents(20, 10) for s in d]
+  # Far more pieces asked for than the text holds: both numbers are said.
+  with caplog.at_level("WARNING"):
+    path = tokenizer_lib.train_sentencepiece(sentences, vocab_size=8000,
+                                             output=str(tmp_path / "big"))
+  made = tokenizer_lib.load_tokenizer(path).vocab_size
+  assert made < 8000 and f"SentencePiece made {made} pieces, not the 8000 asked for" in caplog.text
+  # Fewer pieces than the corpus has characters: our message, not SentencePiece's check.
+  with pytest.raises(ValueError, match=r"vocabulary of 20 pieces .* cannot hold the \d+ distinct "
+                                       r"characters"):
+    tokenizer_lib.train_sentencepiece(sentences, vocab_size=20, output=str(tmp_path / "small"))
+  # Only a giant line: SentencePiece would skip it and fail on an empty corpus.
+  with pytest.raises(ValueError, match=r"no sentence of at most 65536 bytes \(1 longer one"):
+    tokenizer_lib.train_sentencepiece(["word " * 20_000], vocab_size=100,
+                                      output=str(tmp_path / "long"))
+
+
+# --- The original's rules, written out plainly as a reference (tokenization.py's documented
+# behaviour, not its code): BasicTokenizer then greedy longest-match WordPiece.
+_CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+        (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+def _is_punct(ch):
+  cp = ord(ch)
+  return (33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126
+          or unicodedata.category(ch).startswith("P"))
+
+
+def _reference_tokenize(text, vocab, lower):
+  kept = []
+  for ch in text:
+    if ch in "\t\n\r" or unicodedata.category(ch) == "Zs":
+      kept.append(" ")
+    elif not (ord(ch) in (0, 0xFFFD) or unicodedata.category(ch) in ("Cc", "Cf")):
+      kept.append(f" {ch} " if any(lo <= ord(ch) <= hi for lo, hi in _CJK) else ch)
+  words = []
+  for token in "".join(kept).split():  # str.split: every Unicode whitespace, U+2028 included
+    if lower:
+      token = "".join(c for c in unicodedata.normalize("NFD", token.lower())
+                      if unicodedata.category(c) != "Mn")
+    word = ""
+    for ch in token:
+      if _is_punct(ch):
+        words += [word, ch] if word else [ch]
+        word = ""
+      else:
+        word += ch
+    words += [word] if word else []
+  pieces = []
+  for word in words:
+    if len(word) > 200:
+      pieces.append("[UNK]")
+      continue
+    out, start = [], 0
+    while start < len(word):
+      end = len(word)
+      while end > start and ("##" if start else "") + word[start:end] not in vocab:
+        end -= 1
+      if end == start:
+        out = ["[UNK]"]
+        break
+      out.append(("##" if start else "") + word[start:end])
+      start = end
+    pieces += out
+  return pieces
+
+
+# Characters where Hugging Face's BertNormalizer and the original part ways, and some that agree.
+_TRICKY = ["\ue000", "\U000F0001", "\u0378", "\U0002B820", "\U0002B8FF", "\u4e00", "\x0b", "\x0c",
+           "\x1c", "\x85", "\u2028", "\u2029", "\u00a0", "\u200b", "\u093e", "\u0301", "\u20dd",
+           "\u00e9", "\u0130", "\u03a3", "\ufffd", "\x00", "!", "-", "\u00bf", " ", "\t"]
+
+
+def test_wordpiece_matches_the_original_where_hugging_face_differs(tmp_path):
+  import random
+  words = ["a", "b", "ab", "##b", "##a", "\ue000", "a\ue000", "\U0002B820", "\u4e00", "\u0378",
+           "\u093e", "a\u093e", "\u20dd", "\u0130", "\u03c3", "\u03c2", "\U000F0001", "\u00e9",
+           "e", "i", "\u00bf", "!", "-", "ab\u20dd", "\u2028"]
+  for lower in (True, False):
+    tok = _wordpiece(tmp_path, SPECIALS + words, lower=lower, name=f"v{lower}.txt")
+    vocab = set(tok.pieces)
+    assert tok.tokenize("a\ue000 \U0002B820b a\x0bb a\x0cb") == _reference_tokenize(
+        "a\ue000 \U0002B820b a\x0bb a\x0cb", vocab, lower)
+    rng = random.Random(0)
+    for _ in range(400):
+      text = "".join(rng.choice(_TRICKY + ["a", "b", "e", "ab", "i", " "]) for _ in range(12))
+      assert tok.tokenize(text) == _reference_tokenize(text, vocab, lower), (lower, repr(text))
+
+
+def test_wordpiece_vocab_lines_as_the_original_reads_them(tmp_path):
+  # Split on "\n" only: a piece holding U+0085 or U+2028 is one line, not two; a duplicate maps to
+  # its last line; a blank line is an entry; the final newline is not.
+  path = tmp_path / "v.txt"
+  path.write_bytes("\n".join(SPECIALS + ["x\u0085y", "dup", "", "z\u2028q", "dup", "w"]).encode()
+                   + b"\n")
+  tok = tokenizer_lib.load_tokenizer(str(path))
+  assert tok.pieces == SPECIALS + ["x\u0085y", "dup", "", "z\u2028q", "dup", "w"]
+  assert tok.encode("dup w") == [9, 10]

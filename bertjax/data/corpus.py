@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import sysconfig
+import zlib
 from typing import Iterable, Iterator
 
 Document = list[str]
@@ -25,6 +26,10 @@ Document = list[str]
 # Ends a sentence: . ! or ? (optionally closing quotes/brackets), whitespace, then a likely start.
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
 _ONLY_PUNCT = re.compile(r"^[\W_]+$")
+# A piece ending so is no sentence end: a title or a common abbreviation. (Not initials: in
+# technical prose "A. B" is more often a variable ending a sentence than a name.)
+_NOT_AN_END = re.compile(r"(?:^|[\s(\"'])(?:Mr|Mrs|Ms|Dr|Prof|Sr|Jr|St|Mt|Gen|Col|Lt|Sgt|Capt|Rev|"
+                         r"Hon|vs|cf|Fig|Vol|pp|approx|e\.g|i\.e)\.$")
 
 
 @dataclasses.dataclass
@@ -36,30 +41,91 @@ class CorpusStats:
   sentences: int = 0
   invalid_utf8_lines: int = 0  # lines with bytes that are not UTF-8, decoded with U+FFFD
   invalid_utf8_chars: int = 0  # U+FFFD characters those replacements introduced
+  # input (file or dataset) -> [replaced characters, characters], for inputs with any replaced
+  replaced_by_input: dict = dataclasses.field(default_factory=dict)
 
-  def add(self, other: "CorpusStats"):
-    for f in dataclasses.fields(self):
-      setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+@dataclasses.dataclass(frozen=True)
+class InputLimits:
+  """What reading refuses (`config.data.max_replaced_char_share`, `max_line_chars`)."""
+  max_replaced_char_share: float = 0.01
+  max_line_chars: int = 20_000  # 0: no limit
+
+
+def limits_of(data_config) -> InputLimits:
+  return InputLimits(data_config.max_replaced_char_share, data_config.max_line_chars)
+
+
+class _InputCheck:
+  """Per input file (or dataset): refuses over-long lines and mostly-undecodable content."""
+
+  # Checked every this many characters as well as at the end, so a large binary file fails early.
+  _EVERY = 1 << 20
+
+  def __init__(self, name: str, limits: InputLimits, stats: CorpusStats, hint: str = ""):
+    self.name, self.limits, self.stats, self.hint = name, limits, stats, hint
+    self.chars = self.replaced = self._next_check = 0
+
+  def line(self, text: str, replaced: int, where: str):
+    n = len(text)
+    if self.limits.max_line_chars and n > self.limits.max_line_chars:
+      raise ValueError(
+          f"{self.name}, {where}: {n:,} characters, above config.data.max_line_chars="
+          f"{self.limits.max_line_chars:,}. The format wants one sentence per line; one line this "
+          f"long would be cut into thousands of one-sentence pieces that dominate the training "
+          f"pairs. Split it into sentences or remove it, or raise max_line_chars (0: no limit).")
+    self.chars += n
+    self.replaced += replaced
+    if self.chars >= self._next_check:
+      self._check_share()
+      self._next_check = self.chars + self._EVERY
+
+  def finish(self):
+    self._check_share()
+    if self.replaced:
+      self.stats.replaced_by_input[self.name] = [self.replaced, self.chars]
+      logging.warning("%s: %d of %d characters (%.3f%%) were not valid UTF-8 and were replaced by "
+                      "U+FFFD.", self.name, self.replaced, self.chars,
+                      100 * self.replaced / max(self.chars, 1))
+
+  def _check_share(self):
+    share = self.replaced / max(self.chars, 1)
+    if share > self.limits.max_replaced_char_share:
+      raise ValueError(
+          f"{self.name}: {self.replaced:,} of the first {self.chars:,} characters ({share:.1%}) are "
+          f"not valid UTF-8, above config.data.max_replaced_char_share="
+          f"{self.limits.max_replaced_char_share}: it is binary data{self.hint} or text in another "
+          f"encoding, not UTF-8 text. Leave it out of config.data.source, convert it to UTF-8 "
+          f"(e.g. `iconv -f latin1 -t utf-8`), or raise max_replaced_char_share.")
 
 
 def split_sentences(text: str) -> list[str]:
-  """Rule-based splitter (no model to download): newlines, then sentence-final punctuation."""
+  """Rule-based splitter (no model to download): newlines, then sentence-final punctuation not
+  after a title, a common abbreviation or an initial."""
   out = []
   for line in text.splitlines():
     line = " ".join(line.split())
-    if line:
-      out.extend(s for s in _SENTENCE_END.split(line) if s.strip())
+    if not line:
+      continue
+    pieces = [s for s in _SENTENCE_END.split(line) if s.strip()]
+    for i, piece in enumerate(pieces):
+      if i and _NOT_AN_END.search(pieces[i - 1]):
+        out[-1] += " " + piece
+      else:
+        out.append(piece)
   return out
 
 
-def _decode_line(raw: bytes, stats: CorpusStats) -> str:
+def _decode_line(raw: bytes, stats: CorpusStats) -> tuple[str, int]:
+  """The text and how many U+FFFD the decoding introduced."""
   try:
-    return raw.decode("utf-8")
+    return raw.decode("utf-8"), 0
   except UnicodeDecodeError:
     text = raw.decode("utf-8", errors="replace")
+    replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
     stats.invalid_utf8_lines += 1
-    stats.invalid_utf8_chars += text.count("\ufffd") - raw.count("\ufffd".encode())
-    return text
+    stats.invalid_utf8_chars += replaced
+    return text, replaced
 
 
 def expand_patterns(patterns: str) -> list[str]:
@@ -70,39 +136,66 @@ def expand_patterns(patterns: str) -> list[str]:
     matched = sorted(tf.io.gfile.glob(pattern))
     if not matched:
       raise FileNotFoundError(f"No file matches {pattern!r} (from source {patterns!r}).")
+    for path in matched:
+      if tf.io.gfile.isdir(path):
+        raise IsADirectoryError(
+            f"{path} (from source {patterns!r}) is a directory; config.data.source takes files: "
+            f"use e.g. '{path.rstrip('/')}/*.txt' (or '{path.rstrip('/')}/*.txt.gz').")
     files.extend(matched)
   if not files:
     raise FileNotFoundError(f"Source {patterns!r} names no file pattern.")
   return files
 
 
-def text_file_documents(patterns: str, stats: CorpusStats | None = None) -> Iterator[Document]:
-  """Documents of files in the original format; U+FFFD replaces invalid UTF-8 (counted)."""
+def _lines(path: str) -> Iterator[bytes]:
+  """The raw lines of a plain or gzip (`.gz`) file; damaged or misnamed gzip is an error."""
   import tensorflow as tf
+  with tf.io.gfile.GFile(path, "rb") as raw:
+    is_gz = path.endswith(".gz")
+    if not is_gz and raw.read(2) == b"\x1f\x8b":
+      raise ValueError(f"{path} is gzip-compressed but its name does not end in .gz, so it would "
+                       f"be read as text. Rename it to end in .gz (e.g. .txt.gz) or decompress it.")
+    raw.seek(0)
+    try:
+      yield from gzip.GzipFile(fileobj=raw) if is_gz else raw
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+      raise ValueError(f"{path} is not a valid gzip file ({type(err).__name__}: {err}): "
+                       f"truncated or corrupt. Check it with `gzip -t {path}`, then copy or "
+                       f"compress it again, or leave it out of config.data.source.") from None
+
+
+def text_file_documents(patterns: str, stats: CorpusStats | None = None,
+                        limits: InputLimits = InputLimits()) -> Iterator[Document]:
+  """Documents of files in the original format; U+FFFD replaces invalid UTF-8 (counted per file,
+  a file over `limits.max_replaced_char_share` refused) and over-long lines are refused."""
   stats = stats if stats is not None else CorpusStats()
   for path in expand_patterns(patterns):
     stats.files += 1
-    with tf.io.gfile.GFile(path, "rb") as raw:
-      f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-      doc = []
-      for raw_line in f:
-        stats.bytes += len(raw_line)
-        line = " ".join(_decode_line(raw_line, stats).split())
-        if line:
-          doc.append(line)
-        elif doc:
-          stats.documents += 1
-          stats.sentences += len(doc)
-          yield doc
-          doc = []
-      if doc:  # a file's end closes its last document
+    hint = "" if path.endswith(".gz") else " (compressed? only names ending in .gz are unpacked)"
+    check = _InputCheck(path, limits, stats, hint)
+    doc = []
+    for number, raw_line in enumerate(_lines(path), 1):
+      stats.bytes += len(raw_line)
+      text, replaced = _decode_line(raw_line, stats)
+      text = text.rstrip("\r\n")
+      check.line(text, replaced, f"line {number}")
+      line = " ".join(text.split())
+      if line:
+        doc.append(line)
+      elif doc:
         stats.documents += 1
         stats.sentences += len(doc)
         yield doc
+        doc = []
+    check.finish()
+    if doc:  # a file's end closes its last document
+      stats.documents += 1
+      stats.sentences += len(doc)
+      yield doc
 
 
 def tfds_documents(spec: str, stats: CorpusStats | None = None, *, data_dir: str | None = None,
-                   split: str = "train") -> Iterator[Document]:
+                   split: str = "train", limits: InputLimits = InputLimits()) -> Iterator[Document]:
   """`tfds:name[/config]:feature`: one example per document; never downloads."""
   import tensorflow_datasets as tfds
   stats = stats if stats is not None else CorpusStats()
@@ -120,14 +213,19 @@ def tfds_documents(spec: str, stats: CorpusStats | None = None, *, data_dir: str
     raise KeyError(f"TFDS dataset {name} has no feature {feature!r}; it has {sorted(features)}.")
   ds = builder.as_dataset(split=split, shuffle_files=False)
   stats.files += 1
-  for example in ds.as_numpy_iterator():
+  check = _InputCheck(spec, limits, stats)
+  for number, example in enumerate(ds.as_numpy_iterator()):
     raw = example[feature]
     stats.bytes += len(raw)
-    doc = split_sentences(_decode_line(raw, stats))
+    text, replaced = _decode_line(raw, stats)
+    doc = split_sentences(text)
+    for i, sentence in enumerate(doc):
+      check.line(sentence, replaced if i == 0 else 0, f"a sentence of example {number} ({split})")
     if doc:
       stats.documents += 1
       stats.sentences += len(doc)
       yield doc
+  check.finish()
 
 
 def _clean_prose(text: str) -> list[str]:
@@ -195,20 +293,20 @@ def builtin_documents(stats: CorpusStats | None = None) -> Iterator[Document]:
 
 
 def documents_from_source(source: str, stats: CorpusStats | None = None, *,
-                          tfds_data_dir: str | None = None,
-                          tfds_split: str = "train") -> Iterator[Document]:
+                          tfds_data_dir: str | None = None, tfds_split: str = "train",
+                          limits: InputLimits = InputLimits()) -> Iterator[Document]:
   if not source:
     raise ValueError("config.data.source is empty: use 'builtin', file globs or tfds:name:feature.")
   if source == "builtin":
     return builtin_documents(stats)
   if source.startswith("tfds:"):
-    return tfds_documents(source, stats, data_dir=tfds_data_dir, split=tfds_split)
-  return text_file_documents(source, stats)
+    return tfds_documents(source, stats, data_dir=tfds_data_dir, split=tfds_split, limits=limits)
+  return text_file_documents(source, stats, limits)
 
 
 def read_documents(data_config, stats: CorpusStats | None = None) -> Iterator[Document]:
   return documents_from_source(data_config.source, stats, tfds_data_dir=data_config.tfds_data_dir,
-                               tfds_split=data_config.tfds_split)
+                               tfds_split=data_config.tfds_split, limits=limits_of(data_config))
 
 
 def is_heldout(doc: Document, eval_fraction: float) -> bool:

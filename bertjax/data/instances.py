@@ -132,29 +132,40 @@ def mlm_only_instances(docs: Sequence[TokenDoc], *, max_seq_length: int, cls_id:
 
 def create_instances(docs: Sequence[TokenDoc], *, max_seq_length: int, nsp: bool,
                      short_seq_prob: float, dupe_factor: int, cls_id: int, sep_id: int,
-                     rng: random.Random, stats: InstanceStats,
-                     num_own: int | None = None) -> list[Instance]:
+                     rng: random.Random, stats: InstanceStats, num_own: int | None = None,
+                     per_document: list[int] | None = None) -> list[Instance]:
   """All instances of a document set, `dupe_factor` passes, shuffled (pairs differ per pass).
 
   Only the first `num_own` documents get instances; the others only lend NotNext segments.
+  `per_document`, if given, receives each own document's instance count (MLM-only chunks cross
+  documents: there, its share of the tokens in chunks).
   """
   num_own = len(docs) if num_own is None else num_own
   if max_seq_length < 5:
     raise ValueError(f"max_seq_length {max_seq_length} leaves no room for [CLS] A [SEP] B [SEP].")
   max_tokens = max_seq_length - 3 if nsp else max_seq_length - 2
-  own = [d for d in (split_long_sentences(doc, max_tokens, stats) for doc in docs[:num_own]) if d]
+  own_split = [split_long_sentences(doc, max_tokens, stats) for doc in docs[:num_own]]
+  own_index = [i for i, d in enumerate(own_split) if d]
+  own = [own_split[i] for i in own_index]
   lent = [d for d in (split_long_sentences(doc, max_tokens, InstanceStats()) for doc in
                       docs[num_own:]) if d]
   docs = own + lent
+  counts = [0] * num_own
   out = []
   for _ in range(dupe_factor):
     if nsp:
       for k in range(len(own)):
+        before = len(out)
         out.extend(nsp_instances(docs, k, max_seq_length=max_seq_length,
                                  short_seq_prob=short_seq_prob, cls_id=cls_id, sep_id=sep_id,
                                  rng=rng, stats=stats))
+        counts[own_index[k]] += len(out) - before
     else:
       out.extend(mlm_only_instances(own, max_seq_length=max_seq_length, cls_id=cls_id,
                                     sep_id=sep_id, rng=rng, stats=stats))
+      for k, d in enumerate(own):
+        counts[own_index[k]] += -(-sum(map(len, d)) // max_tokens)
+  if per_document is not None:
+    per_document[:] = counts
   rng.shuffle(out)
   return out

@@ -71,6 +71,46 @@ def _uniform(h):
   return tf.cast(tf.bitwise.right_shift(h, tf.constant(8, tf.uint32)), tf.float32) * (1.0 / (1 << 24))
 
 
+def _whole_word_selection(ids_BxL, maskable_BxL, k_B, key_B1, spec: MaskingSpec):
+  """Positions of whole words, as the original: words in random order, each taken if it fits in
+  the k still to predict, a word that does not fit skipped for the next one. Returns [B, L] bool.
+
+  U = L + 1 word slots per row (word w has index w; 0 holds the pieces before the first word).
+  """
+  B, L = tf.shape(ids_BxL)[0], ids_BxL.shape[1]
+  word_start_V = tf.constant(np.asarray(spec.word_start_V, bool))
+  prev_maskable_BxL = tf.pad(maskable_BxL[:, :-1], [[0, 0], [1, 0]])
+  # A piece after a special token starts a word even if the vocabulary calls it a continuation.
+  starts_BxL = tf.logical_and(maskable_BxL, tf.logical_or(tf.gather(word_start_V, ids_BxL),
+                                                          tf.logical_not(prev_maskable_BxL)))
+  word_BxL = tf.cumsum(tf.cast(starts_BxL, tf.int32), axis=1)
+  # Only maskable positions count: [SEP] and padding share the index of the word before them.
+  flat_word = tf.reshape(tf.range(B)[:, None] * (L + 1) + word_BxL, [-1])
+  len_BxU = tf.reshape(tf.math.unsorted_segment_sum(
+      tf.reshape(tf.cast(maskable_BxL, tf.int32), [-1]), flat_word, B * (L + 1)), [B, L + 1])
+  score_BxU = tf.cast(tf.bitwise.right_shift(hash_u32(*key_B1, tf.range(L + 1)[None, :], _SELECT),
+                                             tf.constant(1, tf.uint32)), tf.int32)
+  order_BxU = tf.argsort(tf.where(len_BxU > 0, score_BxU, -1), axis=1, direction="DESCENDING",
+                         stable=True)
+  len_ranked_UxB = tf.transpose(tf.gather(len_BxU, order_BxU, batch_dims=1))
+  # The greedy pass is sequential; it stops once every row is full or has tried all its words.
+  num_words = tf.reduce_max(tf.reduce_sum(tf.cast(len_BxU > 0, tf.int32), axis=1))
+
+  def step(r, total_B, taken):
+    n_B = len_ranked_UxB[r]
+    fits_B = tf.logical_and(n_B > 0, total_B + n_B <= k_B)
+    return r + 1, total_B + tf.where(fits_B, n_B, 0), taken.write(r, fits_B)
+
+  num_ranks, _, taken = tf.while_loop(
+      lambda r, total_B, taken: tf.logical_and(r < num_words, tf.reduce_any(total_B < k_B)), step,
+      (0, tf.zeros_like(k_B), tf.TensorArray(tf.bool, size=L + 1, element_shape=[None])))
+  taken_UxB = tf.concat([taken.gather(tf.range(num_ranks)),
+                         tf.zeros([L + 1 - num_ranks, B], tf.bool)], axis=0)
+  rank_Nx2 = tf.stack([tf.broadcast_to(tf.range(B)[:, None], [B, L + 1]), order_BxU], axis=-1)
+  word_taken_BxU = tf.scatter_nd(rank_Nx2, tf.transpose(taken_UxB), [B, L + 1])
+  return tf.logical_and(maskable_BxL, tf.gather(word_taken_BxU, word_BxL, batch_dims=1))
+
+
 def mask_batch(input_ids_BxL, input_mask_BxL, example_id_B, *, seed: int, epoch, spec: MaskingSpec):
   """Masks a batch; returns (masked input_ids, masked_lm_positions, masked_lm_ids, masked_lm_weights)."""
   B = tf.shape(input_ids_BxL)[0]
@@ -95,35 +135,18 @@ def mask_batch(input_ids_BxL, input_mask_BxL, example_id_B, *, seed: int, epoch,
   k_B = tf.cast(k_B, tf.int32)
 
   if spec.whole_word_masking:
-    word_start_V = tf.constant(np.asarray(spec.word_start_V, bool))
-    prev_maskable_BxL = tf.pad(maskable_BxL[:, :-1], [[0, 0], [1, 0]])
-    # A piece after a special token starts a word even if the vocabulary calls it a continuation.
-    starts_BxL = tf.logical_and(maskable_BxL, tf.logical_or(tf.gather(word_start_V, ids_BxL),
-                                                            tf.logical_not(prev_maskable_BxL)))
-    unit_BxL = tf.cumsum(tf.cast(starts_BxL, tf.int64), axis=1)  # word index; pieces share it
+    selected_BxL = _whole_word_selection(ids_BxL, maskable_BxL, k_B, key_B1, spec)
+    # The selected positions (at most k <= M) come first: top_k of a 0/1 score.
+    _, cand_BxM = tf.math.top_k(tf.cast(selected_BxL, tf.int32), k=M)
+    valid_BxM = tf.gather(selected_BxL, cand_BxM, batch_dims=1)
   else:
-    unit_BxL = tf.broadcast_to(pos_1xL, tf.shape(ids_BxL, out_type=tf.int64))
-  # 31-bit integer scores: pieces of one word tie, and top_k keeps ties in position order.
-  score_BxL = tf.cast(tf.bitwise.right_shift(hash_u32(*key_B1, unit_BxL, _SELECT),
-                                             tf.constant(1, tf.uint32)), tf.int32)
-  score_BxL = tf.where(maskable_BxL, score_BxL, -1)
-  _, cand_BxM = tf.math.top_k(score_BxL, k=M, sorted=True)
-  j_1xM = tf.range(M)[None, :]
-  cand_ok_BxM = tf.gather(maskable_BxL, cand_BxM, batch_dims=1)
-  if spec.whole_word_masking:
-    # Take whole words in score order while they fit in k (a word that does not fit ends the list).
-    rows_BxL = tf.cast(tf.range(B)[:, None], tf.int64) * (L + 1) + unit_BxL
-    flat = tf.reshape(rows_BxL, [-1])
-    nseg = tf.cast(B, tf.int64) * (L + 1)
-    word_len = tf.math.unsorted_segment_sum(tf.ones_like(flat, tf.int32), flat, nseg)
-    word_first = tf.math.unsorted_segment_min(tf.reshape(tf.broadcast_to(
-        tf.cast(pos_1xL, tf.int32), tf.shape(ids_BxL)), [-1]), flat, nseg)
-    cand_unit_BxM = tf.gather(rows_BxL, cand_BxM, batch_dims=1)
-    last_rank_BxM = (j_1xM - (cand_BxM - tf.gather(word_first, cand_unit_BxM))
-                     + tf.gather(word_len, cand_unit_BxM) - 1)
-    valid_BxM = tf.logical_and(cand_ok_BxM, last_rank_BxM < k_B[:, None])
-  else:
-    valid_BxM = tf.logical_and(cand_ok_BxM, j_1xM < k_B[:, None])
+    # 31-bit integer scores: the k highest-scoring maskable positions are predicted.
+    score_BxL = tf.cast(tf.bitwise.right_shift(hash_u32(*key_B1, pos_1xL, _SELECT),
+                                               tf.constant(1, tf.uint32)), tf.int32)
+    score_BxL = tf.where(maskable_BxL, score_BxL, -1)
+    _, cand_BxM = tf.math.top_k(score_BxL, k=M, sorted=True)
+    cand_ok_BxM = tf.gather(maskable_BxL, cand_BxM, batch_dims=1)
+    valid_BxM = tf.logical_and(cand_ok_BxM, tf.range(M)[None, :] < k_B[:, None])
   # Positions in ascending order, as the original; padding slots at the end.
   positions_BxM = tf.sort(tf.where(valid_BxM, cand_BxM, L), axis=1)
   weights_BxM = positions_BxM < L

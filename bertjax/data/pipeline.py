@@ -5,11 +5,12 @@ permuted within windows of `shuffle_window` by stateless random ops; masks are h
 epoch, sequence id, position). So a pipeline started at step N yields exactly what an uninterrupted
 one yields from its N-th batch on, and reaches step N by skipping whole files, not by replaying.
 
-Host sharding: with at least as many shard files as processes, each process reads its own files
-(`shards[p::P]` of that epoch's permutation; every host stops at the shortest host's step count,
-so a few sequences per epoch may wait for a later epoch). With fewer files than processes, every
-process reads the whole stream and keeps its rows of each global batch (complete, but each host
-reads everything).
+Host sharding: with at least as many shard files as processes, the epoch's files (in that epoch's
+permutation) form one stream of N records and process p reads records [p N / P, (p + 1) N / P):
+equal ranges that may start or end inside a file, so at most about one global batch per epoch is
+left for a later epoch, whatever the shard sizes. With fewer files than processes, every process
+reads the whole stream and keeps its rows of each global batch (complete, but each host reads
+everything).
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ class EpochPlan:
   counts: tuple  # records per file
   steps: int  # batches this epoch (equal on every host)
   rows_mode: bool  # True: read everything, keep this host's rows of each global batch
+  skip: int = 0  # records of the first file that precede this host's range
 
 
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -49,17 +51,20 @@ def epoch_plan(manifest: dict, split: str, *, epoch: int, seed: int, shuffle: bo
   bases = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
   order = _permutation(len(files), seed, epoch) if shuffle else np.arange(len(files))
   host_batch = global_batch_size // process_count
-  if len(files) >= process_count:
-    per_host = [order[p::process_count] for p in range(process_count)]
-    steps = min(sum(counts[i] for i in h) for h in per_host) // host_batch
-    mine = per_host[process_index]
-    rows_mode = False
-  else:
-    steps = sum(counts) // global_batch_size
-    mine = order
-    rows_mode = True
+  total = sum(counts)
+  if len(files) < process_count:
+    return EpochPlan(tuple(files[i] for i in order), tuple(bases[i] for i in order),
+                     tuple(counts[i] for i in order), total // global_batch_size, True)
+  # Equal record ranges, not whole files per host: with 16 files on 12 hosts, whole files would
+  # stop every host at a one-file host's count and leave about a quarter of the epoch unread.
+  lo = process_index * total // process_count
+  hi = (process_index + 1) * total // process_count
+  steps = (total // process_count) // host_batch  # the shortest range's batches
+  ends = np.cumsum([counts[i] for i in order])
+  mine = [i for i, end in zip(order, ends) if end > lo and end - counts[i] < hi]
+  first_start = int(ends[list(order).index(mine[0])] - counts[mine[0]]) if mine else 0
   return EpochPlan(tuple(files[i] for i in mine), tuple(bases[i] for i in mine),
-                   tuple(counts[i] for i in mine), steps, rows_mode)
+                   tuple(counts[i] for i in mine), steps, False, skip=lo - first_start)
 
 
 def _windows(plan: EpochPlan, skip: int, *, window: int, shuffle: bool, seed: int,
@@ -108,7 +113,8 @@ def _epoch_dataset(plan: EpochPlan, *, epoch: int, skip_steps: int, seed: int, s
                    window: int, host_batch: int, process_index: int, process_count: int,
                    parse_and_mask) -> tf.data.Dataset:
   per_step = host_batch * process_count if plan.rows_mode else host_batch
-  ds = _windows(plan, skip_steps * per_step, window=window, shuffle=shuffle, seed=seed, epoch=epoch)
+  ds = _windows(plan, plan.skip + skip_steps * per_step, window=window, shuffle=shuffle, seed=seed,
+                epoch=epoch)
   ds = ds.rebatch(host_batch, drop_remainder=True)
   if plan.rows_mode:
     ds = ds.shard(process_count, process_index)
@@ -156,9 +162,11 @@ class Pipeline:
     self.steps_per_epoch = first.steps
     dropped = n - first.steps * global_batch_size
     if dropped and process_index == 0:
-      logging.info("%s: %d of %d sequences do not fill the last global batch of epoch 0 (or the "
-                   "shortest host's files); later epochs reorder, so they are seen then.",
-                   split, dropped, n)
+      # Per epoch, not for good: later epochs reorder the shards, so other sequences wait then.
+      log = logging.warning if dropped > 0.01 * n else logging.info
+      log("%s: %d of %d sequences (%.2f%%) per epoch do not fill a global batch of %d on %d "
+          "host(s) and wait for a later epoch.", split, dropped, n, 100 * dropped / n,
+          global_batch_size, process_count)
     self._iter = self._batches()
 
   def plan(self, epoch: int) -> EpochPlan:
@@ -176,14 +184,7 @@ class Pipeline:
         return  # eval is one pass: a start beyond it yields nothing
       skip -= plan.steps
       epoch += 1
-    empty_epochs = 0
     while True:
-      # A host can draw only empty shards in some epoch; never in 100 running means no data at all.
-      empty_epochs = empty_epochs + 1 if plan.steps == 0 else 0
-      if empty_epochs > 100:
-        raise ValueError(f"{empty_epochs} epochs in a row without a full batch of "
-                         f"{self.host_batch} on host {self.process_index}: the shards are too "
-                         f"uneven for {self.process_count} hosts; prepare with fewer shards.")
       ds = _epoch_dataset(plan, epoch=epoch, skip_steps=skip, seed=self.seed, shuffle=self.shuffle,
                           window=self.window, host_batch=self.host_batch,
                           process_index=self.process_index, process_count=self.process_count,
@@ -191,9 +192,10 @@ class Pipeline:
       try:
         yield from ds.as_numpy_iterator()
       except tf.errors.DataLossError as e:
-        raise ValueError(f"A {self.split} shard in {self.manifest['dir']} is corrupt or truncated "
-                         f"({e.message.splitlines()[0]}). Delete it, its .json and manifest.json, "
-                         f"then prepare again (only that shard is redone).") from None
+        bad = _first_damaged(plan.files) or f"A {self.split} shard in {self.manifest['dir']}"
+        raise ValueError(f"{bad} is corrupt or truncated ({e.message.splitlines()[0]}). Delete it, "
+                         f"its .json and {self.manifest['dir']}/manifest.json, then prepare again "
+                         f"(only that shard is redone).") from None
       if not self.shuffle:
         return
       epoch, skip = epoch + 1, 0
@@ -204,6 +206,17 @@ class Pipeline:
 
   def __next__(self) -> dict:
     return next(self._iter)
+
+
+def _first_damaged(files) -> str | None:
+  """The first of `files` whose records fail their checksums (read again, only after an error)."""
+  for path in files:
+    try:
+      for _ in tf.data.TFRecordDataset(path, buffer_size=1 << 20).batch(4096):
+        pass
+    except tf.errors.DataLossError:
+      return path
+  return None
 
 
 @functools.lru_cache(maxsize=8)  # pipelines of the same settings share one traced function

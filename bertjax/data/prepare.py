@@ -17,13 +17,13 @@ import logging
 import os
 import random
 import re
-import subprocess
+import signal
 import sys
 import time
 
 import numpy as np
 
-from bertjax.data import corpus, instances
+from bertjax.data import corpus, instances, processes, storage
 from bertjax.data import tokenizer as tokenizer_lib
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
@@ -34,6 +34,8 @@ SPLITS = ("train", "eval")
 _SETTING_KEYS = ("source", "tfds_split", "max_seq_length", "nsp", "short_seq_prob", "dupe_factor",
                  "eval_dupe_factor", "eval_fraction", "num_shards", "num_eval_shards",
                  "prepare_seed")
+# Those of them that decide the first stage (which document goes to which raw shard).
+_SPLIT_KEYS = ("source", "tfds_split", "eval_fraction", "num_shards", "num_eval_shards")
 
 
 def _gfile():
@@ -74,6 +76,16 @@ def _num_shards(data_config, split: str) -> int:
   return n
 
 
+def _refuse_other_settings(out_dir: str, found: dict, want: dict, what: str):
+  """An unfinished preparation is resumed only with the settings it was started with."""
+  diff = {k: (found.get(k), v) for k, v in want.items() if found.get(k) != v}
+  if diff:
+    raise ValueError(f"{out_dir} holds {what} made with other settings (key: (found, configured)): "
+                     f"{diff}; resuming would mix the two. Delete {out_dir} to prepare anew, or "
+                     f"set config.data.prepared_dir to another folder (empty: a settings-named "
+                     f"folder under cache_dir).")
+
+
 def _write_atomic(path: str, data: bytes):
   gf = _gfile()
   with gf.GFile(path + ".tmp", "wb") as f:
@@ -86,9 +98,12 @@ def _split_stage(data_config, out_dir: str) -> dict:
   gf = _gfile()
   raw_dir = os.path.join(out_dir, "raw")
   done_path = os.path.join(raw_dir, "_SUCCESS")
+  settings = {k: data_config[k] for k in _SPLIT_KEYS}
   if gf.exists(done_path):
     with gf.GFile(done_path, "r") as f:
-      return json.load(f)
+      info = json.load(f)
+    _refuse_other_settings(out_dir, info.get("settings", {}), settings, "a raw split (raw/)")
+    return info
   gf.makedirs(raw_dir)
   stats = corpus.CorpusStats()
   counts = {s: 0 for s in SPLITS}
@@ -111,7 +126,7 @@ def _split_stage(data_config, out_dir: str) -> dict:
   if counts["train"] + counts["eval"] == 0:
     raise ValueError(f"Source {data_config.source!r} yielded no document ({stats.files} file(s), "
                      f"{stats.bytes} bytes): nothing to prepare.")
-  info = {"corpus": stats.__dict__, "documents": counts}
+  info = {"corpus": stats.__dict__, "documents": counts, "settings": settings}
   _write_atomic(done_path, json.dumps(info).encode())
   return info
 
@@ -181,10 +196,12 @@ def _shard_task(task) -> dict:
   # One seed per (split, shard): deterministic whatever the number of processes.
   rng = random.Random(f"{s['prepare_seed']}/{split}/{k}")
   dupe = s["dupe_factor"] if split == "train" else s["eval_dupe_factor"]
+  per_document = []
   insts = instances.create_instances(
       token_docs, max_seq_length=s["max_seq_length"], nsp=s["nsp"],
       short_seq_prob=s["short_seq_prob"], dupe_factor=dupe, cls_id=tok.cls_id, sep_id=tok.sep_id,
-      rng=rng, stats=stats, num_own=num_own)
+      rng=rng, stats=stats, num_own=num_own, per_document=per_document)
+  top = int(np.argmax(per_document)) if per_document else 0
   own_sentences = sum(len(d) for d in docs[:num_own])
   text_bytes = sum(len(x.encode()) + 1 for d in docs[:num_own] for x in d)
   with tf.io.TFRecordWriter(record_path + ".tmp") as w:
@@ -195,34 +212,17 @@ def _shard_task(task) -> dict:
           "documents": num_own, "sentences": own_sentences, "text_bytes": text_bytes,
           "unk_tokens": sum(x.count(tok.unk_id) for x in ids[:own_sentences]),
           "seconds": time.time() - t0,
-          **stats.__dict__}
+          # The document with the most instances, to find one that swamps the rest.
+          "largest_document": {"instances": per_document[top] if per_document else 0,
+                               "start": docs[top][0][:80] if docs else "", "raw_shard": name},
+          "settings": s, **stats.__dict__}
   _write_atomic(os.path.join(out_dir, name + ".json"), json.dumps(info).encode())
   return info
 
 
 def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
-  """Fresh interpreters, not multiprocessing: forking a process holding TensorFlow can deadlock,
-  and spawn re-imports the caller's main script (which may have no __main__ guard)."""
-  import bertjax
-  env = dict(os.environ)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(bertjax.__file__)))
-  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  env["CUDA_VISIBLE_DEVICES"] = ""
-  procs = []
-  for w in range(num_processes):
-    mine = tasks[w::num_processes]
-    p = subprocess.Popen([sys.executable, "-c", "from bertjax.data import prepare; prepare._worker()"],
-                         stdin=subprocess.PIPE, env=env)
-    p.stdin.write(json.dumps(mine).encode())
-    p.stdin.close()
-    procs.append(p)
-  failed = [(i, p.wait()) for i, p in enumerate(procs)]
-  failed = [(i, rc) for i, rc in failed if rc != 0]
-  if failed:
-    raise RuntimeError(f"{len(failed)} of {num_processes} preparation process(es) failed (process, "
-                       f"exit code): {failed}; see their errors above. Finished shards are kept: "
-                       f"run again to resume.")
+  processes.run_workers([tasks[w::num_processes] for w in range(num_processes)],
+                        "from bertjax.data import prepare; prepare._worker()")
   results = []
   for t in tasks:
     with _gfile().GFile(os.path.join(t[0], _shard_name(t[1], t[2], t[3]) + ".json"), "r") as f:
@@ -243,6 +243,8 @@ def _summarize(infos: list[dict]) -> dict:
   out["counts"] = [i["instances"] for i in infos]
   out["bytes"] = [i["bytes"] for i in infos]
   out["shard_seconds"] = sum(i["seconds"] for i in infos)  # summed over processes
+  out["largest_document"] = max((i["largest_document"] for i in infos),
+                                key=lambda d: d["instances"])
   return out
 
 
@@ -251,7 +253,21 @@ def prepare(data_config, *, num_workers: int | None = None) -> dict:
   gf = _gfile()
   tok = tokenizer_lib.load_tokenizer(data_config)
   out_dir = prepared_dir(data_config, tok)
-  gf.makedirs(out_dir)
+  storage.make_dirs(out_dir, "prepared_dir" if data_config.prepared_dir else "cache_dir")
+  try:
+    with processes.sigterm_raises():
+      return _prepare(data_config, tok, out_dir, num_workers)
+  except processes.PreparationStopped:
+    total = sum(_num_shards(data_config, split) for split in SPLITS)
+    finished = len(gf.glob(os.path.join(out_dir, "*-of-*.json")))
+    raise processes.PreparationStopped(
+        f"Preparation in {out_dir} stopped by SIGTERM, its worker processes too, with {finished} "
+        f"of {total} shard(s) finished. They are kept: run the same command again to resume "
+        f"(only the other shards are made).") from None
+
+
+def _prepare(data_config, tok, out_dir: str, num_workers: int | None) -> dict:
+  gf = _gfile()
   s = settings_of(data_config, tok)
   t0 = time.time()
   split_info = _split_stage(data_config, out_dir)
@@ -265,6 +281,8 @@ def prepare(data_config, *, num_workers: int | None = None) -> dict:
       if gf.exists(done):  # finished by an earlier, interrupted run
         with gf.GFile(done, "r") as f:
           infos[(split, k)] = json.load(f)
+        _refuse_other_settings(out_dir, infos[(split, k)].get("settings", {}), s,
+                               f"a finished shard ({os.path.basename(done)})")
       else:
         tasks.append((out_dir, split, k, n, tok_spec, s))
   num_workers = num_workers or data_config.prepare_workers or os.cpu_count() or 1
@@ -296,10 +314,20 @@ def prepare(data_config, *, num_workers: int | None = None) -> dict:
                  "%d [UNK] token(s)", split, sp["documents"], sp["instances"],
                  100 * sp["not_next"] / max(sp["instances"], 1), sp["long_sentences_split"],
                  sp["unk_tokens"])
+    big = sp["largest_document"]
+    if sp["instances"] and big["instances"] > data_config.max_document_pair_share * sp["instances"]:
+      logging.warning(
+          "%s: one document yields %d of the %d instances (%.1f%%, above max_document_pair_share "
+          "%s): it starts %r (raw shard %s). One huge document swamps the others; check it.",
+          split, big["instances"], sp["instances"], 100 * big["instances"] / sp["instances"],
+          data_config.max_document_pair_share, big["start"], big["raw_shard"])
   corpus_stats = split_info["corpus"]
   if corpus_stats["invalid_utf8_lines"]:
-    logging.warning("%d line(s) had invalid UTF-8; %d character(s) were replaced by U+FFFD.",
-                    corpus_stats["invalid_utf8_lines"], corpus_stats["invalid_utf8_chars"])
+    worst = sorted(corpus_stats["replaced_by_input"].items(), key=lambda kv: -kv[1][0] / kv[1][1])
+    logging.warning("%d line(s) had invalid UTF-8; %d character(s) were replaced by U+FFFD, in "
+                    "%d input(s) (replaced share): %s", corpus_stats["invalid_utf8_lines"],
+                    corpus_stats["invalid_utf8_chars"], len(worst),
+                    ", ".join(f"{name} ({r / c:.3%})" for name, (r, c) in worst[:10]))
   if s["nsp"] and corpus_stats["sentences"] <= 1.1 * corpus_stats["documents"]:
     logging.warning("Almost every document has one sentence: NSP pairs will nearly all be NotNext. "
                     "The format wants one sentence per line and a blank line only between documents.")
@@ -343,8 +371,26 @@ def load_manifest(data_config, tok=None, *, check_files: bool = True) -> dict:
   return manifest
 
 
+def check_config(data_config, model_config=None):
+  """Refuses, before any work, lengths that preparation would accept and training could not use."""
+  L, M = data_config.max_seq_length, data_config.max_predictions_per_seq
+  if L < 5:
+    raise ValueError(f"config.data.max_seq_length={L} leaves no room for [CLS] A [SEP] B [SEP]; "
+                     f"use at least 5 (128 or 512 as the original).")
+  if not 1 <= M <= L:
+    raise ValueError(f"config.data.max_predictions_per_seq={M} must be within 1 and "
+                     f"max_seq_length={L}: it is the number of masked slots per sequence. Use "
+                     f"about 0.15 x max_seq_length (20 at 128, 76 at 512).")
+  if model_config is not None and L > model_config.max_position_embeddings:
+    raise ValueError(f"config.data.max_seq_length={L} exceeds config.model."
+                     f"max_position_embeddings={model_config.max_position_embeddings}: the model "
+                     f"has no position for the tokens beyond. Lower max_seq_length or raise "
+                     f"max_position_embeddings.")
+
+
 def ensure_prepared(data_config, *, num_workers: int | None = None) -> dict:
   """Prepares shards unless a matching manifest exists (cached, resumable); returns the manifest."""
+  check_config(data_config)
   tok = tokenizer_lib.load_tokenizer(data_config)
   out_dir = prepared_dir(data_config, tok)
   if _gfile().exists(os.path.join(out_dir, "manifest.json")):
@@ -358,9 +404,14 @@ def main(argv):
   from absl import flags
   logging.getLogger().setLevel(logging.INFO)
   config = flags.FLAGS.config
+  check_config(config.data, config.model)
   if config.data.tokenizer == "sentencepiece":
     tokenizer_lib.ensure_sentencepiece(config.data)
-  m = ensure_prepared(config.data)
+  try:
+    m = ensure_prepared(config.data)
+  except processes.PreparationStopped as err:
+    print(f"bertjax.data.prepare: {err}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGTERM)  # what a shell reports for SIGTERM: scripts do not go on
   print(f"prepared {m['dir']}: train {m['splits']['train']['instances']} instances in "
         f"{len(m['splits']['train']['files'])} shard(s), eval {m['splits']['eval']['instances']}; "
         f"{m['corpus']['bytes'] / 1e6:.1f} MB of text at {m['mb_per_s']:.2f} MB/s")

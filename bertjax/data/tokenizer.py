@@ -8,11 +8,14 @@ Train a SentencePiece vocabulary:
 """
 
 import argparse
+import functools
 import hashlib
+import logging
 import os
 import re
 import sys
 import tempfile
+import unicodedata
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -21,6 +24,8 @@ PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
 # The original WordPiece gives up on longer words (one [UNK]).
 MAX_WORD_CHARS = 200
+# SentencePiece's trainer skips longer sentences (in bytes); with none left it fails obscurely.
+SPM_MAX_SENTENCE_BYTES = 1 << 16
 
 
 class Tokenizer:
@@ -82,31 +87,100 @@ def _load_sentencepiece(path: str) -> Tokenizer:
   return Tokenizer("sentencepiece", pieces, encode_batch, word_start_V, options)
 
 
-def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
+# The original's CJK ideograph ranges; Hugging Face's normalizer has 0x2B920 for 0x2B820.
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+# ASCII text (most sentences of most corpora) needs only this: controls dropped, \t \n \r to spaces.
+_ASCII_CLEAN = {c: None for c in (*range(32), 127)} | {ord("\t"): " ", ord("\n"): " ",
+                                                         ord("\r"): " "}
+
+
+def _char_class(codes: Iterable[int]) -> str:
+  """A regex character class of code points, as ranges."""
+  codes, parts, i = sorted(codes), [], 0
+  while i < len(codes):
+    j = i
+    while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
+      j += 1
+    parts.append(re.escape(chr(codes[i])) + ("-" + re.escape(chr(codes[j])) if j > i else ""))
+    i = j + 1
+  return "[" + "".join(parts) + "]"
+
+
+@functools.lru_cache(maxsize=1)
+def _original_patterns():
+  """Regexes of the original BasicTokenizer's character rules, from this Python's Unicode tables.
+
+  Planes 4 to 13 hold no assigned character, so they are not scanned (a quarter of a second).
+  """
+  by_cat = {"Cc": [], "Cf": [], "Zs": [], "Mn": []}
+  for c in (*range(0x40000), *range(0xE0000, 0xE1000)):
+    cat = unicodedata.category(chr(c))
+    if cat in by_cat:
+      by_cat[cat].append(c)
+  drop = {0, 0xFFFD, *by_cat["Cc"], *by_cat["Cf"]} - {ord("\t"), ord("\n"), ord("\r")}
+  space = {ord(" "), ord("\t"), ord("\n"), ord("\r"), *by_cat["Zs"]}
+  cjk = [c for lo, hi in _CJK_RANGES for c in range(lo, hi + 1)]
+  return (re.compile(_char_class(drop)), re.compile(_char_class(space)),
+          re.compile(_char_class(cjk)), re.compile(_char_class(by_cat["Mn"])))
+
+
+def original_normalize(text: str, do_lower_case: bool) -> str:
+  """The original BasicTokenizer up to its whitespace and punctuation split (which the Hugging Face
+  pre-tokenizer does alike): drop NUL, U+FFFD and Cc/Cf controls (vertical tab and form feed
+  included; tab and newlines become spaces, as Zs does); spaces around CJK ideographs; if uncased,
+  lower-case, NFD, drop Mn marks.
+  """
+  if text.isascii():
+    text = text.translate(_ASCII_CLEAN)
+    return text.lower() if do_lower_case else text
+  drop, space, cjk, marks = _original_patterns()
+  text = space.sub(" ", drop.sub("", text))
+  text = cjk.sub(r" \g<0> ", text)
+  if do_lower_case:
+    text = text.lower()
+    if not text.isascii():
+      text = marks.sub("", unicodedata.normalize("NFD", text))
+  return text
+
+
+def read_wordpiece_vocab(path: str) -> list[str]:
+  """The lines of a vocab.txt as the original reads them: split on "\n" only (not on the other
+  line breaks `str.splitlines` knows), each stripped; a blank line is an (unused) entry."""
   import tensorflow as tf
+  with tf.io.gfile.GFile(path, "rb") as f:
+    text = f.read().decode("utf-8", errors="ignore")
+  lines = text.split("\n")
+  if lines and lines[-1] == "":
+    lines.pop()  # the newline that ends the last line
+  return [line.strip() for line in lines]
+
+
+def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
   from tokenizers import Tokenizer as HfTokenizer
-  from tokenizers import models, normalizers, pre_tokenizers
-  with tf.io.gfile.GFile(path, "r") as f:
-    # The original strips each line and keeps blank lines as (useless) entries, so ids stay aligned.
-    pieces = [line.strip() for line in f.read().splitlines()]
+  from tokenizers import models, pre_tokenizers
+  pieces = read_wordpiece_vocab(path)
   vocab = {}
   for i, p in enumerate(pieces):
-    vocab.setdefault(p, i)
+    vocab[p] = i  # a duplicate maps to its last line, as the original's dict; ids = line numbers
   if UNK not in vocab:
     raise ValueError(f"WordPiece vocabulary {path} ({len(pieces)} lines) lacks {UNK}; BERT needs "
                      f"all of {list(SPECIAL_TOKENS)}.")
   hf = HfTokenizer(models.WordPiece(vocab=vocab, unk_token=UNK,
                                     max_input_chars_per_word=MAX_WORD_CHARS))
-  # strip_accents=None follows lowercase, as the original: uncased vocabularies strip accents.
-  hf.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                             strip_accents=None, lowercase=do_lower_case)
+  # Normalized here, not by Hugging Face's BertNormalizer, which differs from the original:
+  # it also deletes private-use and unassigned characters, splits at vertical tab and form feed
+  # (the original deletes them), strips every combining mark (not only Mn) and misses part of a
+  # CJK range.
   hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
   word_start_V = np.array([not p.startswith("##") for p in pieces])
 
   def encode_batch(texts):
+    texts = [original_normalize(t, do_lower_case) for t in texts]
     return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
 
-  return Tokenizer("wordpiece", pieces, encode_batch, word_start_V, f"lower={do_lower_case}")
+  return Tokenizer("wordpiece", pieces, encode_batch, word_start_V,
+                   f"lower={do_lower_case}|original-normalization")
 
 
 def vocab_path_of(data_config) -> str:
@@ -163,32 +237,61 @@ def train_sentencepiece(sentences: Iterable[str], *, vocab_size: int, output: st
     tf.io.gfile.makedirs(parent)
   # SentencePiece samples with its own RNG when input exceeds input_sentence_size; taking the first
   # sentences ourselves keeps training deterministic.
-  count = 0
+  count = too_long = 0
   with tempfile.TemporaryDirectory() as tmp:
     text_path = os.path.join(tmp, "corpus.txt")
     with open(text_path, "w", encoding="utf-8") as f:
       for s in sentences:
         s = s.strip()
-        if s:
+        if len(s.encode()) > SPM_MAX_SENTENCE_BYTES:
+          too_long += 1
+        elif s:
           f.write(s + "\n")
           count += 1
           if count >= max_sentences:
             break
+    if too_long:
+      logging.warning("SentencePiece training leaves out %d sentence(s) longer than %d bytes.",
+                      too_long, SPM_MAX_SENTENCE_BYTES)
     if count == 0:
-      raise ValueError("Cannot train SentencePiece: the corpus yielded no sentence.")
+      raise ValueError(f"Cannot train SentencePiece: the corpus yielded no sentence of at most "
+                       f"{SPM_MAX_SENTENCE_BYTES} bytes ({too_long} longer one(s)). The format "
+                       f"wants one sentence per line, a blank line between documents.")
     spm.set_random_generator_seed(seed)
-    spm.SentencePieceTrainer.train(
-        input=text_path, model_prefix=os.path.join(tmp, "spm"), vocab_size=vocab_size,
-        model_type=model_type, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece=PAD,
-        unk_piece=UNK, control_symbols=[CLS, SEP, MASK], character_coverage=0.9995,
-        normalization_rule_name="nmt_nfkc_cf" if do_lower_case else "nmt_nfkc",
-        max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
-        hard_vocab_limit=False)
+    try:
+      spm.SentencePieceTrainer.train(
+          input=text_path, model_prefix=os.path.join(tmp, "spm"), vocab_size=vocab_size,
+          model_type=model_type, pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, pad_piece=PAD,
+          unk_piece=UNK, control_symbols=[CLS, SEP, MASK], character_coverage=0.9995,
+          normalization_rule_name="nmt_nfkc_cf" if do_lower_case else "nmt_nfkc",
+          max_sentence_length=SPM_MAX_SENTENCE_BYTES, num_threads=1, minloglevel=2,
+          hard_vocab_limit=False)
+    except RuntimeError as err:
+      raise _spm_error(err, vocab_size, count) from None
+    made = spm.SentencePieceProcessor(model_file=os.path.join(tmp, "spm.model")).get_piece_size()
+    if made < vocab_size:
+      logging.warning("SentencePiece made %d pieces, not the %d asked for (spm_vocab_size): %d "
+                      "sentences hold too little text for more. Train on more text, or ask for "
+                      "%d to make the size explicit.", made, vocab_size, count, made)
     # Write through gfile so gs:// outputs work; write-then-rename so readers never see half a file.
     tf.io.gfile.copy(os.path.join(tmp, "spm.model"), output + ".model.tmp", overwrite=True)
     tf.io.gfile.rename(output + ".model.tmp", output + ".model", overwrite=True)
     tf.io.gfile.copy(os.path.join(tmp, "spm.vocab"), output + ".vocab", overwrite=True)
   return output + ".model"
+
+
+def _spm_error(err: RuntimeError, vocab_size: int, count: int) -> Exception:
+  """SentencePiece's internal check messages, said in terms of our settings."""
+  text = str(err)
+  sizes = re.search(r"(\d+) vs (\d+)", text)
+  if "required_chars" in text and sizes:
+    needed = max(int(x) for x in sizes.groups())
+    return ValueError(f"A SentencePiece vocabulary of {vocab_size} pieces (spm_vocab_size, or "
+                      f"--vocab_size) cannot hold the {needed} distinct characters and special "
+                      f"pieces this corpus needs; ask for at least {needed} pieces (thousands, for "
+                      f"a useful vocabulary).")
+  return ValueError(f"SentencePiece could not train a vocabulary of {vocab_size} pieces on {count} "
+                    f"sentence(s): {text}")
 
 
 def ensure_sentencepiece(data_config) -> str:
@@ -201,6 +304,9 @@ def ensure_sentencepiece(data_config) -> str:
   if not path.endswith(".model"):
     raise ValueError(f"SentencePiece vocab_path must end in .model, got {path!r}.")
   if not tf.io.gfile.exists(path):
+    from bertjax.data import storage
+    storage.make_dirs(os.path.dirname(path) or ".",
+                      "vocab_path" if data_config.vocab_path else "cache_dir")
     docs = corpus.split_documents(corpus.read_documents(data_config), "train",
                                   data_config.eval_fraction)
     train_sentencepiece((s for d in docs for s in d), vocab_size=data_config.spm_vocab_size,
