@@ -31,6 +31,7 @@ def get_config():
   m.scan_layers = False  # stack layers with nn.scan: one compiled layer, faster compiles
   m.remat_policy = "none"  # "none", "full", "dots" (save matmuls without batch dims), "dots_all"
   m.attention_impl = "xla"  # "xla" (any device) or "cudnn" (fused kernel, NVIDIA GPUs)
+  m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
 
   # --- data: see bertjax/data. ---------------------------------------------------------------------
   d = config.data = ml_collections.ConfigDict()
@@ -82,7 +83,7 @@ def get_config():
   # The loop (bertjax/loop.py):
   t.log_every_steps = 100  # a console line, TensorBoard and metrics.jsonl every this many steps
   t.eval_every_steps = 10_000  # held-out evaluation every this many steps (0: only at the end)
-  t.eval_sequences = 10_000  # held-out sequences per evaluation, always the same (MLPerf: 10,000; 0 = all)
+  t.eval_sequences = 10_000  # held-out sequences per evaluation, always the same ones (0: all)
   t.profile_start_step = -1  # first step of a profiler trace in workdir/profile (-1: none)
   t.profile_num_steps = 5  # steps the profiler trace covers
 

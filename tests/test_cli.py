@@ -60,3 +60,27 @@ def test_commands_load_configs_from_another_directory(tmp_path, module, extra):
   else:
     assert done.returncode == 0, out[-2000:]
     assert "sequences_per_s" in out
+
+
+def _record(path: str, level: int):
+  import logging  # pylint: disable=import-outside-toplevel
+  return logging.LogRecord("absl", level, path, 1, "a message", None, None)
+
+
+def test_third_party_info_is_off_unless_verbosity_is_asked_for(monkeypatch):
+  import logging  # pylint: disable=import-outside-toplevel
+  from absl import flags, logging as absl_logging  # pylint: disable=import-outside-toplevel
+  handler = absl_logging.get_absl_handler()
+  monkeypatch.setattr(handler, "filters", [])
+  own = os.path.join(os.path.dirname(cli.__file__), "loop.py")
+  orbax = "/venv/site-packages/orbax/checkpoint/checkpoint_manager.py"
+  monkeypatch.setattr(flags.FLAGS["verbosity"], "present", 1)
+  assert not cli.quiet_third_party_logs()  # asked for: everything as absl would log it
+  assert handler.filter(_record(orbax, logging.INFO))
+  monkeypatch.setattr(flags.FLAGS["verbosity"], "present", 0)
+  assert cli.quiet_third_party_logs() and len(handler.filters) == 1
+  cli.quiet_third_party_logs()
+  assert len(handler.filters) == 1  # applied once
+  assert not handler.filter(_record(orbax, logging.INFO))
+  assert handler.filter(_record(orbax, logging.WARNING))
+  assert handler.filter(_record(own, logging.INFO))

@@ -4,6 +4,7 @@ the non-finite guard, the fixed held-out set."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -283,6 +284,12 @@ def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
   out = proc.communicate(timeout=120)[0]
   assert proc.returncode == 0, "".join(lines) + out
   assert "SIGTERM received; saved step" in out
+  # A save happened, yet the INFO lines of the output are bertjax's own (orbax alone would have
+  # written kilobytes): absl prints the file of each, e.g. "I1123 ... loop.py:238] Run ...".
+  own = set(os.listdir(os.path.join(ROOT, "bertjax"))) | set(
+      os.listdir(os.path.join(ROOT, "bertjax", "data")))
+  info_files = re.findall(r"^I\d{4} \S+ +\d+ ([\w.]+):\d+\]", "".join(lines) + out, re.M)
+  assert info_files and set(info_files) <= own, set(info_files) - own
   saved = Checkpointer(str(tmp_path / "run" / "checkpoints"), loop.ITEMS, save_every=1, keep=1)
   assert saved.latest_step() >= 3
   saved.close()

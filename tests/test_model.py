@@ -67,6 +67,29 @@ def test_initialisation_follows_the_original():
       assert np.all(np.asarray(value) == 1.0), name
 
 
+def test_a_sinusoidal_start_makes_each_offset_one_linear_map_of_the_table():
+  # 64 positions of width 16: the fit below is over-determined, so it can fail.
+  normal = dataclasses.replace(SMALL, hidden_size=16, num_heads=2, intermediate_size=32,
+                               max_position_embeddings=64, initializer_range=0.1)
+  sine = dataclasses.replace(normal, position_init="sinusoidal")
+
+  def table(cfg, seed):
+    params = BertModel(cfg).init(jax.random.key(seed), jnp.ones((1, 8), jnp.int32))["params"]
+    return np.asarray(nn.unbox(params)["embeddings"]["position_embeddings"]["embedding"],
+                      np.float64)
+
+  np.testing.assert_array_equal(table(sine, 0), table(sine, 1))  # a fixed start, whatever the seed
+  # Its size is the other tables': root mean square initializer_range over the fast columns.
+  assert abs(np.sqrt(np.mean(table(sine, 0)[:, :4] ** 2)) - 0.1) < 0.01
+  # Why it is there: one matrix takes every position to the next, so "the token before" is the
+  # same direction of attention at every position. A random table has no such map.
+  for cfg, exact in ((sine, True), (normal, False)):
+    t = table(cfg, 0)
+    shift, *_ = np.linalg.lstsq(t[:-1], t[1:], rcond=None)
+    residual = np.linalg.norm(t[:-1] @ shift - t[1:]) / np.linalg.norm(t[1:])
+    assert (residual < 1e-6) == exact, (cfg.position_init, residual)
+
+
 def test_every_parameter_carries_logical_axis_names():
   cfg = dataclasses.replace(SMALL, scan_layers=True)
   variables = BertForPreTraining(cfg).init(jax.random.key(0), jnp.ones((1, 8), jnp.int32),
@@ -303,6 +326,8 @@ def test_config_errors_name_the_problem():
     BertConfig.from_dict({"hiden_size": 768})
   with pytest.raises(ValueError, match="attention_dropout=0.0"):
     BertConfig(attention_impl="cudnn", attention_dropout=0.1)
+  with pytest.raises(ValueError, match=r"position_init='sine'; choose one of \('normal', "):
+    BertConfig(position_init="sine")
 
 
 def test_sequence_longer_than_position_table_is_refused():
