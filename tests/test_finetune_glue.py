@@ -258,6 +258,8 @@ def test_single_sentence_and_regression_features(tok):
                                    glue.Example("y", "a", "b", None, 1)], tok, max_seq_length=6)
   assert f["label"].dtype == np.float32 and f["label"][0] == pytest.approx(3.8)
   assert np.isnan(f["label"][1])
+  with pytest.raises(ValueError, match=r"here:7: label 'yes' is not one of RTE's labels"):
+    glue.glue_features("RTE", [glue.Example("here:7", "a", "b", "yes", 0)], tok, 8)
   with pytest.raises(ValueError, match="max_seq_length 3 leaves no room"):
     glue.glue_features("MRPC", [glue.Example("x", "a", "b", "1", 0)], tok, max_seq_length=3)
 

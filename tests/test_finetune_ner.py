@@ -228,6 +228,8 @@ def test_word_without_pieces_and_word_longer_than_the_window(tok):
   np.testing.assert_array_equal(f["input_ids"], [[ID["[CLS]"], ID["[UNK]"], ID["[SEP]"]],
                                                  [ID["[CLS]"], ID["black"], ID["[SEP]"]]])
   assert ner.tags_from_predictions(f, f["label_ids"], [s]) == [["O", "B-PER"]]
+  with pytest.raises(ValueError, match=r"here:3: tag\(s\) \['B-DATE'\] are not in the labels"):
+    ner.ner_features([ner.Sentence("here:3", ("x",), ("B-DATE",))], tok, 8)
 
 
 def test_tfds_not_built_and_rows(tmp_path):

@@ -341,6 +341,10 @@ def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
     label_N = np.array([np.nan if e.label is None else e.label for e in examples], np.float32)
   else:
     label_id = {name: k for k, name in enumerate(task.labels)}
+    bad = next((e for e in examples if e.label is not None and e.label not in label_id), None)
+    if bad is not None:
+      raise ValueError(f"{bad.guid}: label {bad.label!r} is not one of {task.name}'s labels "
+                       f"{list(task.labels)}.")
     label_N = np.array([-1 if e.label is None else label_id[e.label] for e in examples], np.int32)
   return {"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
           "segment_ids": segment_ids_NxL, "label": label_N,

@@ -209,6 +209,10 @@ def ner_features(sentences: Sequence[Sentence], tokenizer, max_seq_length: int,
   if max_seq_length < 3:
     raise ValueError(f"max_seq_length {max_seq_length} leaves no room beside [CLS] and [SEP].")
   label_id = {t: k for k, t in enumerate(labels)}
+  for s in sentences:
+    unknown = set(s.tags) - set(label_id)
+    if unknown:
+      raise ValueError(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
   room = max_seq_length - 2
   pieces = tokenizer.encode_batch([w for s in sentences for w in s.words])
   windows, empty, cut_words, split_sentences = [], 0, 0, 0
