@@ -215,26 +215,25 @@ def ner_features(sentences: Sequence[Sentence], tokenizer, max_seq_length: int,
       raise ValueError(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
   room = max_seq_length - 2
   pieces = tokenizer.encode_batch([w for s in sentences for w in s.words])
+  # A window: (sentence, piece ids, each piece's label id or -1 after a word's first, first word).
   windows, empty, cut_words, split_sentences = [], 0, 0, 0
   at = 0
   for n, s in enumerate(sentences):
-    current, first, start = [], [], 0  # pieces of the window, their word-start flags
-    ids_of_window = []
+    ids, piece_labels, start, count = [], [], 0, 0
     for w, tag in enumerate(s.tags):
       word = pieces[at + w]
       if not word:  # a word the tokenizer drops entirely still needs a place for its label
         word, empty = [tokenizer.unk_id], empty + 1
       if len(word) > room:
         word, cut_words = word[:room], cut_words + 1
-      if len(current) + len(word) > room:
-        ids_of_window.append((current, first, start))
-        current, first, start = [], [], w
-      current += word
-      first += [label_id[tag]] + [-1] * (len(word) - 1)
+      if len(ids) + len(word) > room:
+        windows.append((n, ids, piece_labels, start))
+        ids, piece_labels, start, count = [], [], w, count + 1
+      ids += word
+      piece_labels += [label_id[tag]] + [-1] * (len(word) - 1)
     at += len(s.words)
-    ids_of_window.append((current, first, start))
-    split_sentences += len(ids_of_window) > 1
-    windows += [(n, *window) for window in ids_of_window]
+    windows.append((n, ids, piece_labels, start))
+    split_sentences += count > 0
   if empty or cut_words or split_sentences:
     logging.info("NER features: %d sentence(s) split into windows of %d pieces; %d word(s) "
                  "without pieces labeled on [UNK]; %d word(s) cut to the window.",
@@ -244,13 +243,13 @@ def ner_features(sentences: Sequence[Sentence], tokenizer, max_seq_length: int,
   input_mask_NxL = np.zeros(shape, np.int32)
   label_ids_NxL = np.zeros(shape, np.int32)
   label_weights_NxL = np.zeros(shape, np.float32)
-  for i, (_, ids, first, _) in enumerate(windows):
+  for i, (_, ids, piece_labels, _) in enumerate(windows):
     row = [tokenizer.cls_id, *ids, tokenizer.sep_id]
     input_ids_NxL[i, :len(row)] = row
     input_mask_NxL[i, :len(row)] = 1
-    first_L = np.array(first, np.int32)
-    label_ids_NxL[i, 1:1 + len(ids)] = np.maximum(first_L, 0)
-    label_weights_NxL[i, 1:1 + len(ids)] = first_L >= 0
+    piece_labels_P = np.array(piece_labels, np.int32)
+    label_ids_NxL[i, 1:1 + len(ids)] = np.maximum(piece_labels_P, 0)
+    label_weights_NxL[i, 1:1 + len(ids)] = piece_labels_P >= 0
   return {"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
           "segment_ids": np.zeros(shape, np.int32), "label_ids": label_ids_NxL,
           "label_weights": label_weights_NxL,
