@@ -1,0 +1,1 @@
+"""Fine-tuning tasks: data, post-processing and metrics, one module per task family."""
