@@ -64,9 +64,9 @@ def test_wordpiece_offsets_point_into_the_original_text(wp):
         assert normalized == wp.pieces[i].removeprefix("##")
   (_, s, e), = wp.encode_with_offsets(["Caf\u00e9 M\u00fcller"])
   assert [(int(a), int(b)) for a, b in zip(s, e)] == [(0, 4), (5, 11)]
-  # The combining acute accent of "Rene\u0301e" stays inside the word's span.
-  (_, s, e), = wp.encode_with_offsets(["Rene\u0301e x"])
-  assert "Rene\u0301e x"[s[0]:e[0]] == "Rene\u0301e"
+  # A combining accent that normalization drops stays with the word it ends.
+  (_, s, e), = wp.encode_with_offsets(["Cafe\u0301 x"])
+  assert "Cafe\u0301 x"[s[0]:e[0]] == "Cafe\u0301"
 
 
 def test_sentencepiece_offsets_cover_every_non_space_character(tmp_path):
@@ -209,6 +209,11 @@ def test_candidate_filters(wp):
     return post.postprocess([ex], feats, start, end,
                             max_answer_length=max_answer_length).predictions["x"]
 
+  # The candidates themselves (their texts would be empty and skipped anyway): inside the context,
+  # in order, not too long.
+  start, end = np.random.default_rng(0).normal(size=(2, 1, L)).astype(np.float32)
+  f_C, s_C, e_C = post._candidates(feats, start, end, 20, 3)
+  assert len(f_C) and np.all((s_C >= 3) & (e_C <= 10) & (s_C <= e_C) & (e_C - s_C < 3))
   assert predict([]) == "beta gamma"
   assert predict([(1, 1)]) == "beta gamma"  # the question token is no answer
   # (6, 3) ends before it starts; the best valid pairs start at 6 and score 20: (6, 6) is
@@ -259,6 +264,18 @@ def test_nbest_and_v2_null_threshold(wp, tmp_path):
   assert json.load(open(paths[0])) == {"x": "beta gamma"}
   assert list(json.load(open(paths[1]))["x"][0]) == ["text", "probability", "start_logit",
                                                      "end_logit"]
+
+
+def test_nbest_texts_are_unique(wp):
+  ex = _example("u", "q", "w1 w2 w1", "w1")
+  feats = squad.make_features([ex], wp, max_seq_length=10, max_query_length=1)
+  start, end = np.zeros((1, 10), np.float32), np.zeros((1, 10), np.float32)
+  start[0, [3, 5]], end[0, [3, 5]] = [5, 4], [5, 4]  # "w1" at 3 (score 10) and at 5 (8)
+  nbest = post.postprocess([ex], feats, start, end).nbest["u"]
+  texts = [e["text"] for e in nbest]
+  # 6 spans of 3 tokens, 5 distinct texts: the second "w1" is dropped.
+  assert texts == ["w1", "w1 w2 w1", "w1 w2", "w2 w1", "w2"]
+  assert (nbest[0]["start_logit"], nbest[0]["end_logit"]) == (5.0, 5.0)
 
 
 def test_v2_null_score_is_the_lowest_over_the_windows(wp):
@@ -362,11 +379,10 @@ def test_normalize_answer():
 
 
 def test_v1_metrics_by_hand():
-  gold = {"q1": ["Denver Broncos", "The Denver Broncos"], "q2": ["1895"],
-          "q3": ["New York City", "NYC"]}
+  gold = {"q1": ["Broncos", "The Denver Broncos"], "q2": ["1895"], "q3": ["NYC", "New York City"]}
   preds = {"q1": "denver broncos!", "q2": "in 1895", "q3": "York"}
-  # q1: EM 1, F1 1. q2: [in, 1895] vs [1895]: P 1/2, R 1 -> F1 2/3, EM 0.
-  # q3: [york] vs [new, york, city]: P 1, R 1/3 -> F1 1/2 (vs "NYC": 0), EM 0.
+  # q1: EM 1, F1 1 (the second gold; the first gives EM 0). q2: [in, 1895] vs [1895]: P 1/2, R 1
+  # -> F1 2/3, EM 0. q3: [york] vs "NYC" 0, vs [new, york, city]: P 1, R 1/3 -> F1 1/2; EM 0.
   # EM = 1/3 = 33.33%; F1 = (1 + 2/3 + 1/2) / 3 = 72.22%.
   got = metrics.evaluate_v1(gold, preds)
   assert got["exact_match"] == pytest.approx(100 / 3) and got["f1"] == pytest.approx(650 / 9)
@@ -377,16 +393,19 @@ def test_v1_metrics_by_hand():
 
 
 def test_v2_metrics_by_hand():
-  gold = {"a": ["Paris"], "b": ["the Seine", "Seine river"], "c": [], "d": [], "e": ["The"]}
-  preds = {"a": "Paris", "b": "river", "c": "", "d": "Lyon", "e": ""}
+  gold = {"a": ["Paris"], "b": ["the Seine", "Seine river"], "c": [], "d": [], "e": ["the", "Rome"],
+          "f": ["The"]}
+  preds = {"a": "Paris", "b": "river", "c": "", "d": "Lyon", "e": "", "f": ""}
   # Raw: a EM 1 F1 1; b EM 0, F1 max(0, [river] vs [seine, river] = 2/3); c: "" for no answer,
-  # EM 1 F1 1; d EM 0 F1 0; e has an answer ("The") that normalizes to nothing, so "" is
-  # the gold text: EM 1 F1 1, yet it counts as HasAns.
+  # EM 1 F1 1; d EM 0 F1 0; e: gold "the" normalizes to nothing and is dropped, "" vs "Rome":
+  # EM 0 F1 0; f: no gold text is left, so "" is the gold: EM 1 F1 1 (and it counts as HasAns).
+  # exact = 3/6 = 50%, f1 = (1 + 2/3 + 1 + 1) / 6; HasAns (a, b, e, f): f1 = (1 + 2/3 + 1) / 4.
   got = metrics.evaluate_v2(gold, preds)
-  assert got["exact"] == pytest.approx(300 / 5) and got["f1"] == pytest.approx((11 / 3) / 5 * 100)
-  assert got["HasAns_total"] == 3 and got["HasAns_f1"] == pytest.approx((8 / 3) / 3 * 100)
+  assert got["exact"] == 50.0 and got["f1"] == pytest.approx((11 / 3) / 6 * 100)
+  assert got["HasAns_total"] == 4 and got["HasAns_f1"] == pytest.approx((8 / 3) / 4 * 100)
   assert got["NoAns_exact"] == 50.0 and "best_f1" not in got
-  del gold["e"], preds["e"]
+  for q in "ef":
+    del gold[q], preds[q]
   null_odds = {"a": -3.0, "b": 0.5, "c": 2.0, "d": 1.5}
   got = metrics.evaluate_v2(gold, preds, null_odds)
   # na_prob > 1.0 counts as "no answer": c (correct either way) and d (now correct: 1).
