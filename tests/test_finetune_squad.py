@@ -419,3 +419,12 @@ def test_v2_metrics_by_hand():
   assert got["best_f1"] == pytest.approx((11 / 3) / 4 * 100) and got["best_f1_thresh"] == 0.5
   with pytest.raises(ValueError, match=r"1 of 4 questions have no prediction \(e.g. \['d'\]\)"):
     metrics.evaluate_v2(gold, {k: v for k, v in preds.items() if k != "d"})
+
+
+def test_benchmark_runs_small(capsys):
+  from bertjax.finetune import benchmark
+  benchmark.main(["squad", "--train_questions", "60", "--train_contexts", "12",
+                  "--dev_questions", "30", "--dev_contexts", "6", "--whole_words", "500"])
+  out = capsys.readouterr().out
+  assert "train features: 60 questions" in out and "questions/s" in out
+  assert "post-processing v2.0: 30 questions" in out
