@@ -1,7 +1,8 @@
 """Tokenizers: SentencePiece (trained here) and WordPiece `vocab.txt` (Google's released checkpoints).
 
 Both expose the same small interface (`Tokenizer`): the BERT special ids, a vocabulary fingerprint
-that prepared shards record, `encode`, and a per-id word-start table for whole-word masking.
+that prepared shards record, `encode`, `encode_with_offsets` (character spans in the original text,
+for span extraction), and a per-id word-start table for whole-word masking.
 
 Train a SentencePiece vocabulary:
   python -m bertjax.data.tokenizer train --corpus=builtin --vocab_size=8000 --output=/tmp/spm
@@ -32,11 +33,12 @@ class Tokenizer:
   """Text -> ids with the BERT special tokens; built by `load_tokenizer`."""
 
   def __init__(self, kind: str, pieces: Sequence[str], encode_batch_fn, word_start_V: np.ndarray,
-               options: str):
+               options: str, offsets_batch_fn=None):
     self.kind = kind
     self.pieces = list(pieces)
     self.vocab_size = len(self.pieces)
     self._encode_batch_fn = encode_batch_fn
+    self._offsets_batch_fn = offsets_batch_fn
     index = {p: i for i, p in enumerate(self.pieces)}
     missing = [t for t in SPECIAL_TOKENS if t not in index]
     if missing:
@@ -59,6 +61,14 @@ class Tokenizer:
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return self._encode_batch_fn(list(texts))
 
+  def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray,
+                                                                     np.ndarray]]:
+    """Per text (ids_N, start_N, end_N) int32: the ids of `encode_batch` and each token's characters
+    `text[start:end]` in the ORIGINAL text (normalization may change its length)."""
+    if self._offsets_batch_fn is None:
+      raise NotImplementedError(f"{self!r} was built without character offsets.")
+    return self._offsets_batch_fn(list(texts))
+
   def tokenize(self, text: str) -> list[str]:
     return [self.pieces[i] for i in self.encode(text)]
 
@@ -78,13 +88,35 @@ def _load_sentencepiece(path: str) -> Tokenizer:
   def encode_batch(texts):
     return sp.encode(texts, out_type=int)
 
+  def offsets_batch(texts):
+    return [_sentencepiece_offsets(t, proto) for t, proto in
+            zip(texts, sp.encode(texts, return_type="proto"))]
+
   # Pieces, scores and normalization rules decide the encoding; the trainer spec (which records
   # temporary paths) does not, so it is left out.
   from sentencepiece import sentencepiece_model_pb2
   model = sentencepiece_model_pb2.ModelProto.FromString(proto)
   model.ClearField("trainer_spec")
   options = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
-  return Tokenizer("sentencepiece", pieces, encode_batch, word_start_V, options)
+  return Tokenizer("sentencepiece", pieces, encode_batch, word_start_V, options, offsets_batch)
+
+
+def _sentencepiece_offsets(text: str, proto) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """SentencePiece reports UTF-8 byte spans of the original text; a word-initial piece's span
+  holds the spaces before it, which no answer wants, so they are left out (a bare "\u2581" piece
+  becomes empty)."""
+  ids = np.array([p.id for p in proto.pieces], np.int32)
+  begin_N = np.array([p.begin for p in proto.pieces], np.int64)
+  end_N = np.array([p.end for p in proto.pieces], np.int64)
+  if not text.isascii():
+    data = np.frombuffer(text.encode("utf-8"), np.uint8)
+    # chars_before[b] = number of characters that start before byte b.
+    chars_before = np.concatenate([[0], np.cumsum((data & 0xC0) != 0x80)])
+    begin_N, end_N = chars_before[begin_N], chars_before[end_N]
+  for i in range(len(ids)):
+    while begin_N[i] < end_N[i] and text[begin_N[i]].isspace():
+      begin_N[i] += 1
+  return ids, begin_N.astype(np.int32), end_N.astype(np.int32)
 
 
 # The original's CJK ideograph ranges; Hugging Face's normalizer has 0x2B920 for 0x2B820.
@@ -144,6 +176,39 @@ def original_normalize(text: str, do_lower_case: bool) -> str:
   return text
 
 
+# ASCII characters that `original_normalize` deletes (tab and line breaks become spaces, 1 for 1).
+_ASCII_DROPPED = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _normalized_length(char: str, do_lower_case: bool) -> int:
+  return len(original_normalize(char, do_lower_case))
+
+
+def normalize_with_source(text: str, do_lower_case: bool) -> tuple[str, np.ndarray | None]:
+  """`original_normalize(text)` and, per normalized character, the index of the original character
+  it came from (None when that is the identity: ASCII text without deleted controls).
+
+  Every rule of the normalization acts on one character at a time, so the map is the per-character
+  output lengths, repeated. Python's lower-casing of a final sigma depends on its neighbours but
+  keeps the length; should any rule ever disagree in length, the per-character text is used.
+  """
+  if text.isascii() and not _ASCII_DROPPED.search(text):
+    return original_normalize(text, do_lower_case), None
+  codes_N = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+  length_N = np.ones(len(codes_N), np.int64)
+  length_N[(codes_N < 32) & (codes_N != 9) & (codes_N != 10) & (codes_N != 13)] = 0
+  length_N[codes_N == 127] = 0
+  wide = np.flatnonzero(codes_N >= 128)
+  if len(wide):
+    uniq, inverse = np.unique(codes_N[wide], return_inverse=True)
+    length_N[wide] = np.array([_normalized_length(chr(c), do_lower_case) for c in uniq])[inverse]
+  normalized = original_normalize(text, do_lower_case)
+  if int(length_N.sum()) != len(normalized):
+    normalized = "".join(original_normalize(c, do_lower_case) for c in text)
+  return normalized, np.repeat(np.arange(len(codes_N)), length_N)
+
+
 def read_wordpiece_vocab(path: str) -> list[str]:
   """The lines of a vocab.txt as the original reads them: split on "\n" only (not on the other
   line breaks `str.splitlines` knows), each stripped; a blank line is an (unused) entry."""
@@ -179,8 +244,25 @@ def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
     texts = [original_normalize(t, do_lower_case) for t in texts]
     return [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
 
+  def offsets_batch(texts):
+    pairs = [normalize_with_source(t, do_lower_case) for t in texts]
+    encodings = hf.encode_batch([n for n, _ in pairs], add_special_tokens=False)
+    out = []
+    for text, (_, source_M), enc in zip(texts, pairs, encodings):
+      # Hugging Face's offsets are characters of the normalized text it was given.
+      span_Nx2 = np.array(enc.offsets, np.int64).reshape(-1, 2)
+      start_N, end_N = span_Nx2[:, 0], span_Nx2[:, 1]
+      if source_M is not None:
+        # A token ends where the next normalized character begins in the original, so characters
+        # normalization deleted (an accent's combining mark, a soft hyphen) stay with the word they
+        # follow; the max covers a CJK character whose added spaces share its index.
+        next_source = np.append(source_M, len(text))
+        start_N, end_N = source_M[start_N], np.maximum(source_M[end_N - 1] + 1, next_source[end_N])
+      out.append((np.array(enc.ids, np.int32), start_N.astype(np.int32), end_N.astype(np.int32)))
+    return out
+
   return Tokenizer("wordpiece", pieces, encode_batch, word_start_V,
-                   f"lower={do_lower_case}|original-normalization")
+                   f"lower={do_lower_case}|original-normalization", offsets_batch)
 
 
 def vocab_path_of(data_config) -> str:
