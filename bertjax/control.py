@@ -3,8 +3,8 @@
 - `Schedule`: whether a step logs, saves or evaluates; every interval is checked before anything runs.
 - `StopSignal`: whether every host should stop now. One process: SIGTERM / SIGINT set a flag.
   Several: jax's preemption sync point, which the coordination service agrees on in the
-  background, so asking costs no communication and can be done at every step (and every
-  evaluation batch) to save inside a preemption's grace period.
+  background, so asking costs no communication and is done at every step, to save inside a
+  preemption's grace period.
 - `MetricsBuffer`: a step's metrics are read when the next step has been dispatched (the host never
   waits for the step it just queued), summed over the log interval, and checked: a non-finite loss
   or gradient norm raises before anything of that state can be saved.
@@ -60,17 +60,18 @@ def _sync_manager():
 
 
 class StopSignal:
-  """A preemption notice (SIGTERM) or Ctrl-C, agreed on by every host at the same check.
+  """A preemption notice (SIGTERM) or Ctrl-C, agreed on by every host at the same step.
 
-  Every host must call `should_stop()` the same number of times (once per step and once per
-  evaluation batch, which all hosts run in lockstep): the calls are numbered, and the hosts agree
-  on the first number after the highest any host had reached when the notice arrived.
+  With several hosts the sync point is numbered by training steps: the hosts agree on the step
+  after the highest any of them had reached when the notice arrived. Orbax asks the same sync
+  point, with the same numbers, when it saves; so the ids must be the training steps, and an
+  evaluation (no steps) cannot be cut short there: the notice is honoured at the step after it,
+  which `train.eval_sequences` keeps near.
   """
 
   def __init__(self):
     self.received: str | None = None
     self._previous = {}
-    self._checks = 0
     self._multi = jax.process_count() > 1
     self._manager = _sync_manager() if self._multi else None
 
@@ -96,15 +97,24 @@ class StopSignal:
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
 
-  def should_stop(self) -> bool:
-    self._checks += 1
+  def at_step(self, step: int) -> bool:
+    """Whether every host stops after `step`; called once per step, with increasing steps."""
     if not self._multi:
       return self.received is not None
     if self._manager is not None:
-      if self._manager.reached_sync_point(self._checks):
+      if self._manager.reached_sync_point(step):
         self.received = self.received or "a preemption notice"
         return True
       return False
+    return self._gathered()
+
+  def during_evaluation(self) -> bool:
+    """Whether to abandon an evaluation now (every host alike; see the class docstring)."""
+    if not self._multi:
+      return self.received is not None
+    return False if self._manager is not None else self._gathered()
+
+  def _gathered(self) -> bool:
     # No preemption service (jax_enable_preemption_service off): one tiny all-gather per check.
     flags = multihost_utils.process_allgather(np.array([self.received is not None], np.int32))
     if np.any(flags):

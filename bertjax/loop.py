@@ -158,7 +158,7 @@ def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.
   max_batches = max(1, max_sequences // batch_size) if max_sequences else 0
   total, count, not_next, pairs = None, 0, 0.0, 0
   for batch in batches:
-    if stop is not None and stop.should_stop():
+    if stop is not None and stop.during_evaluation():
       return None
     total = metrics_lib.accumulate(total, training.eval_step(state, training.to_global(batch)))
     if "next_sentence_labels" in batch:
@@ -305,7 +305,7 @@ def _train(training: train.Training, state, batches: Iterator[dict], start: int,
       state, step_metrics = training.train_step(state, training.to_global(next(batches)), rng)
       step += 1
       buffer.push(step, step_metrics)
-      stopping = stop.should_stop()
+      stopping = stop.at_step(step)
       at_save = schedule.at_save(step) or stopping
       if schedule.at_log(step) or at_save:
         buffer.flush()  # the non-finite guard runs before anything of this state is saved

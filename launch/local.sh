@@ -152,10 +152,14 @@ for ((i = 0; i < num_processes; i++)); do
   mkfifo "$fifos/$i"
   # The prefixer stays in the launcher's process group, where a terminal's Ctrl-C lands: it must
   # survive that and print the processes' last words (the checkpoint they save). One write per
-  # line (fflush), so the lines of different processes interleave whole.
+  # line, so the lines of different processes interleave whole. Bash's `read` takes a pipe a line
+  # at a time; awk would not do here: mawk (Debian's awk) reads a FIFO in blocks and holds a
+  # sparse log's lines back until its buffer fills or the process exits.
   (
     trap '' INT TERM HUP
-    exec awk -v prefix="[$i] " '{ print prefix $0; fflush() }' <"$fifos/$i" 3>&-
+    while IFS= read -r line || [[ -n $line ]]; do
+      printf '[%s] %s\n' "$i" "$line"
+    done <"$fifos/$i" 3>&-
   ) &
   prefixers+=("$!")
   ids=()
