@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from bertjax.data import pipeline, prepare
+from bertjax.data import pipeline, prepare, tokenizer as tokenizer_lib
 from test_data_fixtures import data_config, random_documents, write_corpus, write_vocab
 
 
@@ -272,3 +272,15 @@ def test_prepare_command_validates_lengths_first(tmp_path, flags, message):
                         timeout=120)
   assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
   assert not (tmp_path / "cache").exists()  # refused before any work
+
+
+def test_a_change_to_the_text_processing_moves_both_caches(tmp_path, monkeypatch):
+  from bertjax.data import corpus as corpus_lib  # pylint: disable=import-outside-toplevel
+  c = data_config(tmp_path)
+  c.tokenizer, c.vocab_path = "sentencepiece", ""  # the cached vocabulary is named by the source
+  tok = tokenizer_lib.load_tokenizer(data_config(tmp_path))
+  before = (tokenizer_lib.vocab_path_of(c), prepare.prepared_dir(c, tok))
+  monkeypatch.setattr(corpus_lib, "TEXT_VERSION", corpus_lib.TEXT_VERSION + 1)
+  after = (tokenizer_lib.vocab_path_of(c), prepare.prepared_dir(c, tok))
+  # Documents split anew must not meet a vocabulary or shards made from the old sentences.
+  assert before[0] != after[0] and before[1] != after[1]

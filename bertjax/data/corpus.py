@@ -24,6 +24,10 @@ from typing import Iterable, Iterator
 Document = list[str]
 
 # Ends a sentence: . ! or ? (optionally closing quotes/brackets), whitespace, then a likely start.
+# What the readers and the sentence splitter make of a source. Vocabularies and prepared shards
+# cached under a source's name carry it, so a change that alters the documents or sentences (bump
+# it then) never reuses caches made from the old text. 2: titles and abbreviations end no sentence.
+TEXT_VERSION = 2
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
 _ONLY_PUNCT = re.compile(r"^[\W_]+$")
 # A piece ending so is no sentence end: a title or a common abbreviation. (Not initials: in

@@ -51,6 +51,7 @@ def settings_of(data_config, tok) -> dict:
   s = {k: data_config[k] for k in _SETTING_KEYS}
   s["tokenizer_fingerprint"] = tok.fingerprint
   s["format_version"] = FORMAT_VERSION
+  s["text_version"] = corpus.TEXT_VERSION
   s["id_dtype"] = id_dtype(tok.vocab_size)
   return s
 

@@ -278,7 +278,9 @@ def vocab_path_of(data_config) -> str:
                      f"one (e.g. the vocab.txt of a released BERT checkpoint).")
   source = data_config.source
   slug = re.sub(r"[^A-Za-z0-9]+", "_", source)[:40].strip("_") or "corpus"
-  key = hashlib.sha256(f"{source}|{data_config.tfds_split}|{data_config.eval_fraction}".encode())
+  from bertjax.data import corpus  # pylint: disable=import-outside-toplevel
+  key = hashlib.sha256(f"{source}|{data_config.tfds_split}|{data_config.eval_fraction}|"
+                       f"{corpus.TEXT_VERSION}".encode())
   case = "uncased" if data_config.do_lower_case else "cased"
   return os.path.join(data_config.cache_dir, f"spm-{slug}-{key.hexdigest()[:8]}-"
                       f"{data_config.spm_vocab_size}-{case}.model")
