@@ -337,7 +337,7 @@ def test_bad_files_name_the_file_and_the_question(tmp_path, caplog):
 
 
 def test_tfds_is_never_downloaded(tmp_path, monkeypatch):
-  with pytest.raises(FileNotFoundError, match=f"squad/v1.1 is not built in {tmp_path}"):
+  with pytest.raises(FileNotFoundError, match=f"squad/v1.1 is not built under {tmp_path}"):
     squad.read_squad_tfds("squad/v1.1", "train", data_dir=str(tmp_path), is_training=True)
   with pytest.raises(ValueError, match="use one of"):
     squad.read_squad_tfds("squad", "train", data_dir=str(tmp_path), is_training=True)

@@ -198,6 +198,19 @@ def text_file_documents(patterns: str, stats: CorpusStats | None = None,
       yield doc
 
 
+def built_tfds(name: str, data_dir: str | None, otherwise: str):
+  """The TFDS builder of `name` already built under `data_dir`: bertjax never downloads, so one
+  that is not built is an error saying where it looked and what to do instead (`otherwise`)."""
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  builder = tfds.builder(name, data_dir=data_dir or None)
+  if not builder.is_prepared():
+    raise FileNotFoundError(
+        f"TFDS dataset {name} is not built under {builder.data_dir}; bertjax never downloads. "
+        f"Build it where there is network (`tfds build {name} --data_dir=DIR`) and copy it, or "
+        f"{otherwise}.")
+  return builder
+
+
 def tfds_documents(spec: str, stats: CorpusStats | None = None, *, data_dir: str | None = None,
                    split: str = "train", limits: InputLimits = InputLimits()) -> Iterator[Document]:
   """`tfds:name[/config]:feature`: one example per document; never downloads."""
@@ -208,10 +221,7 @@ def tfds_documents(spec: str, stats: CorpusStats | None = None, *, data_dir: str
   if not sep or not name or not feature:
     raise ValueError(f"TFDS source {spec!r} must look like tfds:name/config:feature, "
                      f"e.g. tfds:wikipedia/20230601.en:text.")
-  builder = tfds.builder(name, data_dir=data_dir or None)
-  if not builder.is_prepared():
-    raise FileNotFoundError(f"TFDS dataset {name} is not prepared under {builder.data_dir}; build "
-                            f"it first (e.g. `tfds build {name}`) or set config.data.tfds_data_dir.")
+  builder = built_tfds(name, data_dir, "set config.data.tfds_data_dir to where it is built")
   features = builder.info.features
   if feature not in features:
     raise KeyError(f"TFDS dataset {name} has no feature {feature!r}; it has {sorted(features)}.")

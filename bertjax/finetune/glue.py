@@ -19,6 +19,8 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from bertjax.data import corpus
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where a split lives and its columns (0-based)."""
@@ -281,12 +283,7 @@ def read_glue_tfds(data_dir: str | None, task: str | GlueTask, split: str) -> Gl
   task = task if isinstance(task, GlueTask) else get_task(task)
   _split_layout(task, split)
   name = f"glue/{task.tfds_name}"
-  builder = tfds.builder(name, data_dir=data_dir)
-  if not builder.is_prepared():
-    raise FileNotFoundError(
-        f"TFDS dataset {name} is not built under {builder.data_dir}; bertjax never downloads. "
-        f"Build it where there is network (`tfds build {name} --data_dir=...`) and copy it, or "
-        f"read GLUE's TSV files instead.")
+  builder = corpus.built_tfds(name, data_dir, "read GLUE's TSV files instead")
   feature = builder.info.features["label"]
   ds = builder.as_dataset(split=task.tfds_splits[split], shuffle_files=False)
   return examples_from_tfds(task, split, tfds.as_numpy(ds), getattr(feature, "names", None),

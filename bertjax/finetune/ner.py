@@ -19,6 +19,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from bertjax.data import corpus
+
 CONLL2003_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
 DOCSTART = "-DOCSTART-"
 
@@ -188,12 +190,7 @@ def sentences_from_tfds(rows: Iterable[Mapping], tag_names: Sequence[str], where
 def read_conll_tfds(data_dir: str | None, split: str) -> list[Sentence]:
   """CoNLL-2003 from the TFDS `conll2003` dataset built under data_dir; nothing is downloaded."""
   import tensorflow_datasets as tfds
-  builder = tfds.builder("conll2003", data_dir=data_dir)
-  if not builder.is_prepared():
-    raise FileNotFoundError(
-        f"TFDS dataset conll2003 is not built under {builder.data_dir}; bertjax never downloads. "
-        f"Build it where there is network (`tfds build conll2003 --data_dir=...`) and copy it, or "
-        f"read the CoNLL column files instead.")
+  builder = corpus.built_tfds("conll2003", data_dir, "read the CoNLL column files instead")
   ds = builder.as_dataset(split=split, shuffle_files=False)
   return sentences_from_tfds(tfds.as_numpy(ds), builder.info.features["ner"].feature.names,
                              f"tfds conll2003 {split}")

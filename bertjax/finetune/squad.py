@@ -15,6 +15,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from bertjax.data import corpus
+
 # Defaults of the original run_squad.py.
 MAX_SEQ_LENGTH, DOC_STRIDE, MAX_QUERY_LENGTH = 384, 128, 64
 TFDS_NAMES = ("squad/v1.1", "squad/v2.0")
@@ -100,12 +102,7 @@ def read_squad_tfds(name: str, split: str, *, data_dir: str | None = None,
   if name not in TFDS_NAMES:
     raise ValueError(f"Unknown SQuAD TFDS name {name!r}; use one of {list(TFDS_NAMES)}.")
   import tensorflow_datasets as tfds
-  builder = tfds.builder(name, data_dir=data_dir)
-  if not builder.is_prepared():
-    raise FileNotFoundError(
-        f"TFDS dataset {name} is not built in {builder.data_dir} (data_dir={data_dir!r}); it is "
-        f"never downloaded here. Build it once (`tfds build {name} --data_dir=DIR`) and pass that "
-        f"data_dir, or read the SQuAD JSON files with read_squad_json.")
+  builder = corpus.built_tfds(name, data_dir, "read the SQuAD JSON files with read_squad_json")
   if split not in builder.info.splits:
     raise ValueError(f"TFDS dataset {name} has no split {split!r}; it has "
                      f"{sorted(builder.info.splits)}.")
