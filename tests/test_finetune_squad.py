@@ -91,6 +91,14 @@ def test_max_context_by_hand():
   assert list(squad.max_context_W([(0, 4), (1, 5)], 6)) == [0, 0, 1, 1, 1, 1]
 
 
+def test_windows_by_hand():
+  # 20 tokens, windows of 8 every 5: 0..7, 5..12, 10..17, then 15..19 reaches the end.
+  assert squad._windows(20, 8, 5) == [(0, 8), (5, 8), (10, 8), (15, 5)]
+  # A stride over the window moves by the window: 0..3, 4..7, 8..9. No context: one empty window.
+  assert squad._windows(10, 4, 6) == [(0, 4), (4, 4), (8, 2)]
+  assert squad._windows(0, 4, 2) == [(0, 0)]
+
+
 def _original_windows(n, max_doc, stride):
   spans, start = [], 0
   while start < n:

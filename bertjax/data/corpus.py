@@ -214,7 +214,6 @@ def built_tfds(name: str, data_dir: str | None, otherwise: str):
 def tfds_documents(spec: str, stats: CorpusStats | None = None, *, data_dir: str | None = None,
                    split: str = "train", limits: InputLimits = InputLimits()) -> Iterator[Document]:
   """`tfds:name[/config]:feature`: one example per document; never downloads."""
-  import tensorflow_datasets as tfds
   stats = stats if stats is not None else CorpusStats()
   body = spec[len("tfds:"):]
   name, sep, feature = body.rpartition(":")

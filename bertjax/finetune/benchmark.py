@@ -115,10 +115,11 @@ def bench_squad(args) -> None:
       t1 = time.perf_counter()
       squad_postprocess.write_predictions(result, os.path.join(tmp, f"out{int(v2)}"))
       t2 = time.perf_counter()
+      # Timed only: the figures on random logits mean nothing.
       if v2:
-        scores = squad_metrics.evaluate_v2(gold, result.predictions, result.null_odds)
+        squad_metrics.evaluate_v2(gold, result.predictions, result.null_odds)
       else:
-        scores = squad_metrics.evaluate_v1(gold, result.predictions)
+        squad_metrics.evaluate_v1(gold, result.predictions)
       t3 = time.perf_counter()
       print(f"post-processing {'v2.0' if v2 else 'v1.1'}: {len(dev.examples)} questions, {F} "
             f"features, n-best 20: {t1 - t0:.1f} s, writing the json files {t2 - t1:.1f} s, "
