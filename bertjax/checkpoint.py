@@ -166,6 +166,39 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(**args))
     return {name: restored[name] for name in abstract_items}, dict(restored[META])
 
+  def restore_subtree(self, step: int, item: str, key: str, target: Any, elsewhere) -> Any:
+    """`item[key]` of one step, placed like `target` (a tree of ShapeDtypeStructs with shardings,
+    the same structure as the stored subtree); the rest of the item is read onto `elsewhere` (a
+    sharding) and dropped. For taking a pre-trained encoder out of a run with other heads."""
+    stored = self._manager.item_metadata(step)[item]
+    if key not in stored:
+      raise ValueError(f"{self.directory} step {step} holds no {item}[{key!r}] (it holds "
+                       f"{sorted(stored)}).")
+    wanted = dict(jax.tree_util.tree_flatten_with_path(target)[0])
+    problems = []
+
+    def place(path, leaf):
+      if path[:1] == (jax.tree_util.DictKey(key),):
+        like = wanted.pop(path[1:], None)
+        if like is None:
+          problems.append(f"unexpected {jax.tree_util.keystr(path)}")
+        elif tuple(like.shape) != tuple(leaf.shape):
+          problems.append(f"{jax.tree_util.keystr(path)}: stored {tuple(leaf.shape)}, model "
+                          f"{tuple(like.shape)}")
+        else:
+          return jax.ShapeDtypeStruct(leaf.shape, like.dtype, sharding=like.sharding)
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=elsewhere)
+
+    abstract = jax.tree_util.tree_map_with_path(place, stored)
+    problems += [f"missing {key}{jax.tree_util.keystr(path)}" for path in wanted]
+    if problems:
+      raise CheckpointMismatchError(
+          f"{self.directory} step {step}: its {key} does not fit this model: "
+          + "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)"
+                                        if len(problems) > 10 else ""))
+    items, _ = self.restore(step, {item: abstract})
+    return items[item][key]
+
   def read_meta(self, step: int) -> dict:
     return dict(self._manager.restore(step, args=ocp.args.Composite(
         **{META: ocp.args.JsonRestore()}))[META])

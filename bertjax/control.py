@@ -8,6 +8,8 @@
 - `MetricsBuffer`: a step's metrics are read when the next step has been dispatched (the host never
   waits for the step it just queued), summed over the log interval, and checked: a non-finite loss
   or gradient norm raises before anything of that state can be saved.
+- `run_steps`: the steps themselves, in the one order both loops follow: step, check, log, save,
+  stop, evaluate.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -173,3 +175,38 @@ class MetricsBuffer:
     out = metrics_lib.reduce(self._total, self._steps)
     self._total, self._steps = None, 0
     return out
+
+
+def run_steps(step_fn: Callable, state: Any, batches: Iterator, start: int, schedule: Schedule,
+              stop: StopSignal, *, save: Callable, evaluate: Callable, log: Callable,
+              before_step: Callable | None = None) -> tuple[Any, int | None]:
+  """Steps `start`..`schedule.total_steps`: (state, None) at the end, (state, step) when a stop
+  signal ended them (that step is saved).
+
+  step_fn(state, host_batch) -> (state, device metrics); save(step, state); log(step, scalars);
+  evaluate(step, state, stop) -> metrics, or None when the stop signal cut it short (the step is
+  then saved, so the rerun goes on from it); before_step(step) for a profiler.
+  """
+  buffer = MetricsBuffer()
+  step = start
+  while step < schedule.total_steps:
+    if before_step is not None:
+      before_step(step)
+    state, step_metrics = step_fn(state, next(batches))
+    step += 1
+    buffer.push(step, step_metrics)
+    stopping = stop.at_step(step)
+    at_save = schedule.at_save(step) or stopping
+    if schedule.at_log(step) or at_save:
+      buffer.flush()  # the non-finite guard runs before anything of this state is saved
+    if schedule.at_log(step):
+      log(step, buffer.take())
+    if at_save:
+      save(step, state)
+    if stopping:
+      return state, step
+    if schedule.at_eval(step) and evaluate(step, state, stop) is None:
+      if not schedule.at_save(step):  # stopped during the evaluation: keep this step
+        save(step, state)
+      return state, step
+  return state, None

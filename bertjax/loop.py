@@ -99,8 +99,8 @@ def prepare_data(config) -> dict:
 
 
 def _restore_or_init(training: train.Training, ckpt: checkpoint_lib.Checkpointer,
-                     loop: LoopConfig, expected: checkpoint_lib.Expected, seed: int
-                     ) -> tuple[train.TrainState, str]:
+                     expected: checkpoint_lib.Expected, seed: int,
+                     init: "Initialiser | None") -> tuple[train.TrainState, str]:
   abstract = training.abstract_state
   found = ckpt.restore_latest({"params": abstract.params, "opt_state": abstract.opt_state},
                               expected)
@@ -111,13 +111,18 @@ def _restore_or_init(training: train.Training, ckpt: checkpoint_lib.Checkpointer
     train.check_step_counters(state)
     return state, f"resumed from {ckpt.directory} at step {step}"
   state = training.init_state(train.rng_streams(seed)[0])
-  if loop.init_from:
-    vocab_check = None if loop.init_from_other_vocab else expected.tokenizer_fingerprint
-    params = load_init_params(loop.init_from, abstract.params, training.model_config,
-                              tokenizer_fingerprint=vocab_check)
-    state = state.replace(params=params)
-    return state, f"parameters from init_from={loop.init_from}, optimizer fresh"
+  if init is not None:
+    state = state.replace(params=init.load(state.params))
+    return state, init.origin
   return state, "initialised from scratch"
+
+
+@dataclasses.dataclass(frozen=True)
+class Initialiser:
+  """Where a new run's parameters come from when its workdir has no checkpoint (init_from)."""
+
+  origin: str  # said on the console: "parameters from ..."
+  load: Callable[[Any], Any]  # freshly initialised params -> the params to start from
 
 
 def load_init_params(path: str, abstract_params: Any, config: BertConfig,
@@ -200,11 +205,130 @@ def _write_config(config, workdir: str) -> None:
       f.write(config.to_json_best_effort(indent=2))
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """One run for `execute`: what pre-training and fine-tuning each bring to the shared loop."""
+
+  training: train.Training
+  loop: LoopConfig
+  expected: checkpoint_lib.Expected  # what a checkpoint in the workdir must match
+  meta: Mapping[str, Any]  # saved beside every checkpoint (besides `expected`'s facts)
+  batches: Callable[[int], Iterator[Mapping[str, np.ndarray]]]  # host batches from a step on
+  evaluate: Callable  # (step, state, stop) -> scalars, or None when stopped part way
+  seqs_per_step: int
+  flops_per_step: float | None = None
+  init: Initialiser | None = None
+  # (restored step) -> whether its periodic evaluation is still owed (a stop came between its
+  # save and its evaluation); it is then run before any further step.
+  eval_owed: Callable[[int], bool] | None = None
+  on_accepted: Callable[[], None] | None = None  # once the workdir's checkpoints are accepted
+
+
+def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
+  """Runs (or resumes) `job` in `workdir`: restore or initialise, train with saves, logs, stop
+  signals and periodic evaluations, then the final evaluation. Returns (state, final metrics);
+  the metrics are {} when a stop signal ended the run early."""
+  training, loop, schedule = job.training, job.loop, job.loop.schedule
+  tcfg = training.train_config
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ITEMS,
+                                     save_every=schedule.save_every, keep=loop.keep,
+                                     async_save=loop.async_save)
+  state, origin = _restore_or_init(training, ckpt, job.expected, tcfg.seed, job.init)
+  _write_config(config, workdir)
+  if job.on_accepted is not None and jax.process_index() == 0:
+    job.on_accepted()
+  start = int(jax.device_get(state.step))
+  is_main = jax.process_index() == 0
+  logging.info("Run %s: %s; %d parameters.", workdir, origin,
+               sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
+  say(origin)
+  writer = metrics_lib.Writer(workdir, enabled=is_main)
+  meta = {**job.expected.meta(), **job.meta, "train": dataclasses.asdict(tcfg)}
+
+  def save(step, state):
+    ckpt.save(step, {"params": state.params, "opt_state": state.opt_state},
+              {**meta, "step": step}, force=True)
+
+  def run_eval(step, state, stop):
+    scalars = job.evaluate(step, state, stop)
+    if scalars is not None:
+      writer.write(step, scalars, prefix="eval/")
+      say(f"eval at step {step}: " + " | ".join(
+          f"{k} {v:.4f}" for k, v in scalars.items() if k != "num_sequences"), prefix=False)
+    return scalars
+
+  speed = metrics_lib.Throughput(start, tcfg.num_train_steps, job.seqs_per_step,
+                                 job.flops_per_step, _peak_flops())
+
+  def log(step, scalars):
+    rates = speed.update(step)
+    writer.write(step, {**scalars, **rates}, prefix="train/")
+    say(metrics_lib.progress_line(step, tcfg.num_train_steps, scalars, rates), prefix=False)
+
+  rng = train.rng_streams(tcfg.seed)[1]  # dropout; fold_in(rng, step) inside the step
+
+  def step_fn(state, host_batch):
+    return training.train_step(state, training.to_global(host_batch), rng)
+
+  # Every exit, an error's too, waits for the saves under way: a good checkpoint is never lost
+  # because a later step failed.
+  with contextlib.closing(ckpt), contextlib.closing(writer), control.StopSignal() as stop, \
+      _Profiler(loop, workdir) as profiler:
+    if (0 < start < tcfg.num_train_steps and job.eval_owed is not None and job.eval_owed(start)
+        and run_eval(start, state, stop) is None):
+      say(f"{stop.describe()} received; the run is saved at step {start}. Run the same "
+          "command to resume.")
+      return state, {}
+    if start < tcfg.num_train_steps:
+      state, stopped_at = control.run_steps(
+          step_fn, state, job.batches(start), start, schedule, stop, save=save,
+          evaluate=run_eval, log=log, before_step=profiler.before_step)
+      if stopped_at is not None:
+        ckpt.wait()
+        say(f"{stop.describe()} received; saved step {stopped_at} in {ckpt.directory}. Run the "
+            "same command to resume.")
+        return state, {}
+    else:
+      say(f"the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps).")
+    ckpt.wait()  # the last checkpoint is final before the (long) final evaluation
+    final = run_eval(tcfg.num_train_steps, state, stop)
+  if final is None:
+    say(f"{stop.describe()} received during the final evaluation; the run is complete and saved. "
+        "Run the same command to evaluate it.")
+    return state, {}
+  return state, final
+
+
+def say(text: str, prefix: bool = True) -> None:
+  """A console line from process 0 (the others would repeat it)."""
+  if jax.process_index() == 0:
+    print(f"bertjax: {text}" if prefix else text, flush=True)
+
+
+def _peak_flops() -> float | None:
+  peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
+  return peak * 1e12 * jax.device_count() if peak else None
+
+
+class _Profiler(contextlib.ExitStack):
+  """A profiler trace of `train.profile_num_steps` steps from `train.profile_start_step`."""
+
+  def __init__(self, loop: LoopConfig, workdir: str):
+    super().__init__()
+    self._loop, self._workdir = loop, workdir
+
+  def before_step(self, step: int) -> None:
+    first = self._loop.profile_start_step
+    if step == first and jax.process_index() == 0:
+      self.enter_context(jax.profiler.trace(os.path.join(self._workdir, "profile")))
+    if first >= 0 and step == first + self._loop.profile_num_steps:
+      self.close()
+
+
 def train_and_evaluate(config, workdir: str) -> dict[str, float]:
-  """Runs (or resumes) the job described by `config` in `workdir`; returns the final eval metrics
-  ({} when a stop signal ended the run early)."""
+  """Runs (or resumes) the pre-training job described by `config` in `workdir`; returns the final
+  eval metrics ({} when a stop signal ended the run early)."""
   loop = LoopConfig.from_config(config)
-  schedule = loop.schedule
   check_workdir(workdir)
   if loop.init_from:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -228,101 +352,30 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   expected = checkpoint_lib.Expected(model=training.model_config,
                                      optimizer=checkpoint_lib.optimizer_fields(tcfg),
                                      tokenizer_fingerprint=fingerprint)
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ITEMS,
-                                     save_every=schedule.save_every, keep=loop.keep,
-                                     async_save=loop.async_save)
-  state, origin = _restore_or_init(training, ckpt, loop, expected, tcfg.seed)
-  _write_config(config, workdir)
-  start = int(jax.device_get(state.step))
-  is_main = jax.process_index() == 0
-  logging.info("Run %s: %s; %d parameters.", workdir, origin,
-               sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
-  say = (lambda text: print(f"bertjax: {text}", flush=True)) if is_main else (lambda text: None)
-  say(origin)
-  writer = metrics_lib.Writer(workdir, enabled=is_main)
-  meta = {**expected.meta(), "train": dataclasses.asdict(tcfg), "data_source": data.source}
-
-  def save(step, state):
-    ckpt.save(step, {"params": state.params, "opt_state": state.opt_state},
-              {**meta, "step": step}, force=True)
-
-  def run_eval(step, state, stop):
-    scalars = evaluate(training, state, eval_batches(), loop.eval_sequences, stop)
-    if scalars is not None:
-      writer.write(step, scalars, prefix="eval/")
-      if is_main:
-        print(f"eval at step {step}: " + " | ".join(
-            f"{k} {v:.4f}" for k, v in scalars.items() if k != "num_sequences"), flush=True)
-    return scalars
-
-  # Every exit, an error's too, waits for the saves under way: a good checkpoint is never lost
-  # because a later step failed.
-  with contextlib.closing(ckpt), contextlib.closing(writer), control.StopSignal() as stop:
-    if start < tcfg.num_train_steps:
-      train_batches = _batches(pipeline.make_pipeline(data, split="train", seed=tcfg.seed,
-                                                      start_step=start, **per_host), data.nsp)
-      flops = metrics_lib.train_flops(training.model_config, tcfg.batch_size,
-                                      data.max_seq_length, data.max_predictions_per_seq)
-      peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
-      speed = metrics_lib.Throughput(start, tcfg.num_train_steps, tcfg.batch_size, flops,
-                                     peak * 1e12 * jax.device_count() if peak else None)
-      state, stopped_at = _train(training, state, train_batches, start, loop, stop, save,
-                                 run_eval, writer, speed, workdir)
-      if stopped_at is not None:
-        ckpt.wait()
-        say(f"{stop.describe()} received; saved step {stopped_at} in {ckpt.directory}. Run the "
-            "same command to resume.")
-        return {}
-    else:
-      say(f"the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps).")
-    ckpt.wait()  # the last checkpoint is final before the (long) final evaluation
-    final = run_eval(tcfg.num_train_steps, state, stop)
-  if final is None:
-    say(f"{stop.describe()} received during the final evaluation; the run is complete and saved. "
-        "Run the same command to evaluate it.")
-    return {}
-  if is_main:
+  init = None
+  if loop.init_from:
+    vocab_check = None if loop.init_from_other_vocab else fingerprint
+    init = Initialiser(
+        f"parameters from init_from={loop.init_from}, optimizer fresh",
+        lambda fresh: load_init_params(loop.init_from, checkpoint_lib.abstract_like(fresh),
+                                       training.model_config, tokenizer_fingerprint=vocab_check))
+  job = Job(
+      training=training, loop=loop, expected=expected, meta={"data_source": data.source},
+      batches=lambda start: _batches(pipeline.make_pipeline(
+          data, split="train", seed=tcfg.seed, start_step=start, **per_host), data.nsp),
+      evaluate=lambda step, state, stop: evaluate(training, state, eval_batches(),
+                                                  loop.eval_sequences, stop),
+      seqs_per_step=tcfg.batch_size,
+      flops_per_step=metrics_lib.train_flops(training.model_config, tcfg.batch_size,
+                                             data.max_seq_length, data.max_predictions_per_seq),
+      init=init,
+      on_accepted=lambda: tokenizer_lib.copy_to_workdir(
+          tokenizer_lib.vocab_path_of(data), data.tokenizer, fingerprint, workdir,
+          data.do_lower_case))
+  _, final = execute(config, workdir, job)
+  if final and jax.process_index() == 0:
     print(summary(final, workdir), flush=True)
   return final
-
-
-def _train(training: train.Training, state, batches: Iterator[dict], start: int,
-           loop: LoopConfig, stop: control.StopSignal, save: Callable, run_eval: Callable,
-           writer: metrics_lib.Writer, speed: metrics_lib.Throughput, workdir: str):
-  """The steps from `start`: (state, None) at the end, (state, step) when a stop signal ended them
-  (that step is saved)."""
-  schedule, tcfg = loop.schedule, training.train_config
-  is_main = jax.process_index() == 0
-  rng = train.rng_streams(tcfg.seed)[1]  # dropout; fold_in(rng, step) inside the step
-  buffer = control.MetricsBuffer()
-  with contextlib.ExitStack() as profiling:
-    step = start
-    while step < tcfg.num_train_steps:
-      if step == loop.profile_start_step and is_main:
-        profiling.enter_context(jax.profiler.trace(os.path.join(workdir, "profile")))
-      if loop.profile_start_step >= 0 and step == loop.profile_start_step + loop.profile_num_steps:
-        profiling.close()
-      state, step_metrics = training.train_step(state, training.to_global(next(batches)), rng)
-      step += 1
-      buffer.push(step, step_metrics)
-      stopping = stop.at_step(step)
-      at_save = schedule.at_save(step) or stopping
-      if schedule.at_log(step) or at_save:
-        buffer.flush()  # the non-finite guard runs before anything of this state is saved
-      if schedule.at_log(step):
-        scalars, rates = buffer.take(), speed.update(step)
-        writer.write(step, {**scalars, **rates}, prefix="train/")
-        if is_main:
-          print(metrics_lib.progress_line(step, tcfg.num_train_steps, scalars, rates), flush=True)
-      if at_save:
-        save(step, state)
-      if stopping:
-        return state, step
-      if schedule.at_eval(step) and run_eval(step, state, stop) is None:
-        if not schedule.at_save(step):  # stopped during the evaluation: keep this step
-          save(step, state)
-        return state, step
-  return state, None
 
 
 def summary(final: Mapping[str, float], workdir: str) -> str:

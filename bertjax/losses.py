@@ -66,14 +66,11 @@ def pretraining_metrics(mlm_logits_BxMxV, nsp_logits_Bx2,
   return metrics
 
 
-def total_loss(metrics: Mapping[str, Metric]) -> jax.Array:
-  """The objective: mean MLM loss over real predictions + mean NSP loss, as the original.
+def total_loss(terms: Mapping[str, Metric]) -> jax.Array:
+  """The objective: the sum of each term's mean, sum / denominator. For pre-training that is the
+  mean MLM loss over real predictions + the mean NSP loss, as the original; a fine-tuning head has
+  one term.
 
   The 1e-5 keeps a batch without a single masked token finite, as the original's denominator.
   """
-  loss_sum, loss_den = metrics["mlm_loss"]
-  loss = loss_sum / (loss_den + 1e-5)
-  if "nsp_loss" in metrics:
-    nsp_sum, nsp_den = metrics["nsp_loss"]
-    loss = loss + nsp_sum / (nsp_den + 1e-5)
-  return loss
+  return sum(loss_sum / (loss_den + 1e-5) for loss_sum, loss_den in terms.values())

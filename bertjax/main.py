@@ -33,7 +33,9 @@ def hide_accelerators_from_tensorflow() -> None:
       pass
 
 
-def main(argv):
+def start(argv) -> None:
+  """What a run's process does before any work: quiet logs, TensorFlow off the accelerators, and
+  the multi-process join (shared by `bertjax.main` and `bertjax.finetune`)."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -42,8 +44,13 @@ def main(argv):
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
   cli.quiet_third_party_logs()
   hide_accelerators_from_tensorflow()
-  from bertjax import distributed, loop  # pylint: disable=import-outside-toplevel
+  from bertjax import distributed  # pylint: disable=import-outside-toplevel
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+
+
+def main(argv):
+  start(argv)
+  from bertjax import loop  # pylint: disable=import-outside-toplevel
   loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
 
 

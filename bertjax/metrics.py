@@ -161,7 +161,8 @@ def progress_line(step: int, total_steps: int, scalars: Mapping[str, float],
                   speed: Mapping[str, float]) -> str:
   """One console line per interval: what a person watching the run wants to see."""
   parts = [f"step {step}/{total_steps}", f"loss {scalars.get('loss', float('nan')):.4f}"]
-  for key, label in (("mlm_accuracy", "mlm_acc"), ("nsp_accuracy", "nsp_acc")):
+  for key, label in (("mlm_accuracy", "mlm_acc"), ("nsp_accuracy", "nsp_acc"),
+                     ("accuracy", "acc")):
     if key in scalars:
       parts.append(f"{label} {scalars[key]:.3f}")
   if "learning_rate" in scalars:

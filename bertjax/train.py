@@ -31,6 +31,7 @@ The loop (checkpoints, logging, evaluation schedule) is bertjax/loop.py; nothing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from typing import Any, Callable, Mapping
 
@@ -153,15 +154,7 @@ def dummy_batch(batch_size: int, seq_len: int = 8, max_predictions: int = 1) -> 
           "next_sentence_labels": ints(batch_size)}
 
 
-def init_state(model: nn.Module, tx: optax.GradientTransformation, rng,
-               batch_size: int = 1) -> TrainState:
-  """The initial state with parameters still boxed in `nn.Partitioned` (their logical names)."""
-  inputs = model_inputs(dummy_batch(batch_size))
-  params = model.init({"params": rng}, **inputs, deterministic=True)["params"]
-  return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params))
-
-
-def _denominators(batch: Batch) -> dict[str, jax.Array]:
+def _pretraining_denominators(batch: Batch) -> dict[str, jax.Array]:
   # The (sum, denominator) denominators of losses.pretraining_metrics, over the whole batch.
   den = {"mlm_loss": jnp.sum(batch["masked_lm_weights"].astype(jnp.float32))}
   if "next_sentence_labels" in batch:
@@ -169,11 +162,43 @@ def _denominators(batch: Batch) -> dict[str, jax.Array]:
   return den
 
 
-def _loss_fn(params, model, batch, dropout_rng, denominators):
-  mlm_logits, nsp_logits = model.apply(
-      {"params": params}, **model_inputs(batch), deterministic=False,
-      rngs={"dropout": dropout_rng})
-  metrics = losses.pretraining_metrics(mlm_logits, nsp_logits, batch)
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """What is trained: the model around the encoder, what it reads from a batch, what it scores.
+
+  The objective is the sum, over the names `denominators` returns, of metric sum / denominator,
+  each denominator taken over the whole batch (so microbatches add up exactly). Pre-training's
+  terms are mlm_loss and nsp_loss; a fine-tuning head has one term (bertjax/finetune/heads).
+  `outputs` are what a prediction returns to the host (fine-tuning's logits).
+  """
+
+  name: str
+  make_model: Callable[[BertConfig], nn.Module]
+  inputs: Callable[[Batch], dict]  # the model's keyword arguments from a batch
+  metrics: Callable[[Any, Batch], Metrics]  # (model output, batch) -> {name: (sum, den)}
+  denominators: Callable[[Batch], dict]  # loss term name -> its denominator over the batch
+  dummy_batch: Callable[[int], dict]  # zeros of a batch of this many rows, for init
+  outputs: Callable[[Any], dict] | None = None  # model output -> {name: array}, for predictions
+
+
+PRETRAINING = Objective(
+    "pretraining", BertForPreTraining, model_inputs,
+    lambda out, batch: losses.pretraining_metrics(out[0], out[1], batch),
+    _pretraining_denominators, dummy_batch)
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, rng,
+               batch_size: int = 1, objective: Objective = PRETRAINING) -> TrainState:
+  """The initial state with parameters still boxed in `nn.Partitioned` (their logical names)."""
+  inputs = objective.inputs(objective.dummy_batch(batch_size))
+  params = model.init({"params": rng}, **inputs, deterministic=True)["params"]
+  return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def _loss_fn(params, model, batch, dropout_rng, denominators, objective=PRETRAINING):
+  out = model.apply({"params": params}, **objective.inputs(batch), deterministic=False,
+                    rngs={"dropout": dropout_rng})
+  metrics = objective.metrics(out, batch)
   # This microbatch's share of the whole batch's objective (see the module docstring).
   share = {name: (metrics[name][0], den) for name, den in denominators.items()}
   return losses.total_loss(share), metrics
@@ -193,11 +218,12 @@ def _split_microbatches(batch: Batch, k: int, mesh: Mesh | None) -> Batch:
 
 def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
                tx: optax.GradientTransformation, schedule: Callable, num_microbatches: int = 1,
-               mesh: Mesh | None = None, param_shardings=None) -> tuple[TrainState, Metrics]:
+               mesh: Mesh | None = None, param_shardings=None,
+               objective: Objective = PRETRAINING) -> tuple[TrainState, Metrics]:
   """One optimizer update on `batch` (the global batch). Pure: jit it (see `build`)."""
   step_rng = jax.random.fold_in(rng, state.step)  # a new dropout mask each step, reproducibly
-  denominators = _denominators(batch)
-  grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
+  denominators = objective.denominators(batch)
+  grad_fn = jax.value_and_grad(functools.partial(_loss_fn, objective=objective), has_aux=True)
 
   if num_microbatches == 1:
     (loss, metrics), grads = grad_fn(state.params, model, batch, jax.random.fold_in(step_rng, 0),
@@ -222,7 +248,7 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first = jax.tree.map(lambda x: x[0], micro)
     metrics_shape = jax.eval_shape(
-        lambda: _loss_fn(state.params, model, first, step_rng, denominators)[1])
+        lambda: _loss_fn(state.params, model, first, step_rng, denominators, objective)[1])
     zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
     carry = (zeros, jnp.zeros([], jnp.float32), zero_metrics)
     (grads, loss, metrics), _ = jax.lax.scan(
@@ -241,11 +267,18 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(state: TrainState, batch: Batch, *, model: nn.Module) -> Metrics:
+def eval_step(state: TrainState, batch: Batch, *, model: nn.Module,
+              objective: Objective = PRETRAINING) -> Metrics:
   """Metrics of the batch without dropout, as (sum, denominator)."""
-  mlm_logits, nsp_logits = model.apply({"params": state.params}, **model_inputs(batch),
-                                       deterministic=True)
-  return losses.pretraining_metrics(mlm_logits, nsp_logits, batch)
+  out = model.apply({"params": state.params}, **objective.inputs(batch), deterministic=True)
+  return objective.metrics(out, batch)
+
+
+def predict_step(state: TrainState, batch: Batch, *, model: nn.Module,
+                 objective: Objective) -> dict[str, jax.Array]:
+  """The objective's outputs (logits) of the batch without dropout, for the host to score."""
+  out = model.apply({"params": state.params}, **objective.inputs(batch), deterministic=True)
+  return objective.outputs(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +298,8 @@ class Training:
   init_state: Callable  # (init_rng) -> TrainState, created directly in its shardings
   train_step: Callable  # (state, batch, dropout_rng) -> (state, metrics); state donated
   eval_step: Callable  # (state, batch) -> metrics
+  predict_step: Callable | None = None  # (state, batch) -> outputs, on every host (fine-tuning)
+  objective: Objective = PRETRAINING
 
   def to_global(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows of the global batch (numpy) -> global arrays sharded for the step."""
@@ -286,19 +321,35 @@ def _in_mesh(fn, mesh: Mesh | None, rules: sharding.Rules):
   return wrapped
 
 
+def abstract_params(model: nn.Module, mesh: Mesh, rules: sharding.Rules,
+                    objective: Objective = PRETRAINING) -> Any:
+  """The parameters `model` would have, as ShapeDtypeStructs sharded on `mesh` (for restoring)."""
+  init_batch = sharding.batch_axis_size(mesh)
+
+  def init(rng):
+    return model.init({"params": rng}, **objective.inputs(objective.dummy_batch(init_batch)),
+                      deterministic=True)["params"]
+
+  boxed = jax.eval_shape(_in_mesh(init, None, rules), jax.random.PRNGKey(0))
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      nn.unbox(boxed), sharding.logical_shardings(boxed, mesh, rules))
+
+
 def build(model_config: BertConfig, train_config: TrainConfig,
-          mesh_config: sharding.MeshConfig, devices=None) -> Training:
+          mesh_config: sharding.MeshConfig, devices=None,
+          objective: Objective = PRETRAINING) -> Training:
   """Mesh, model, optimizer, shardings and the jitted functions. Checks sizes before compiling."""
   mesh = sharding.create_mesh(mesh_config, devices)
   sharding.check_model_fits(model_config, mesh)
   sharding.check_batch_size(train_config.batch_size, mesh, train_config.num_microbatches)
   rules = mesh_config.logical_axis_rules
-  model = BertForPreTraining(model_config)
+  model = objective.make_model(model_config)
   tx, schedule = optimizer_lib.create_optimizer(train_config)
   init_batch = sharding.batch_axis_size(mesh)
 
-  boxed = jax.eval_shape(_in_mesh(lambda rng: init_state(model, tx, rng, init_batch), None, rules),
-                         jax.random.PRNGKey(0))
+  boxed = jax.eval_shape(_in_mesh(
+      lambda rng: init_state(model, tx, rng, init_batch, objective), None, rules),
+      jax.random.PRNGKey(0))
   state_shardings = sharding.logical_shardings(boxed, mesh, rules)
   abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 nn.unbox(boxed), state_shardings)
@@ -306,28 +357,37 @@ def build(model_config: BertConfig, train_config: TrainConfig,
   batch_sh = sharding.batch_sharding(mesh)
 
   init = jax.jit(
-      _in_mesh(lambda rng: nn.unbox(init_state(model, tx, rng, init_batch)), None, rules),
+      _in_mesh(lambda rng: nn.unbox(init_state(model, tx, rng, init_batch, objective)), None,
+               rules),
       in_shardings=replicated, out_shardings=state_shardings)
   step = jax.jit(
       _in_mesh(lambda s, b, r: train_step(
           s, b, r, model=model, tx=tx, schedule=schedule,
           num_microbatches=train_config.num_microbatches, mesh=mesh,
-          param_shardings=state_shardings.params), mesh, rules),
+          param_shardings=state_shardings.params, objective=objective), mesh, rules),
       in_shardings=(state_shardings, batch_sh, replicated),
       out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-  evaluate = jax.jit(_in_mesh(lambda s, b: eval_step(s, b, model=model), mesh, rules),
-                     in_shardings=(state_shardings, batch_sh), out_shardings=replicated)
+  evaluate = jax.jit(
+      _in_mesh(lambda s, b: eval_step(s, b, model=model, objective=objective), mesh, rules),
+      in_shardings=(state_shardings, batch_sh), out_shardings=replicated)
+  predict = None
+  if objective.outputs is not None:
+    # Replicated outputs: every host holds the whole batch's logits, to score or write them.
+    predict = jax.jit(
+        _in_mesh(lambda s, b: predict_step(s, b, model=model, objective=objective), mesh, rules),
+        in_shardings=(state_shardings, batch_sh), out_shardings=replicated)
   return Training(model_config=model_config, train_config=train_config, mesh=mesh, rules=rules,
                   model=model, optimizer=tx, schedule=schedule, abstract_state=abstract_state,
                   state_shardings=state_shardings, batch_sharding=batch_sh, init_state=init,
-                  train_step=step, eval_step=evaluate)
+                  train_step=step, eval_step=evaluate, predict_step=predict, objective=objective)
 
 
-def from_config(config, devices=None, **model_overrides) -> Training:
+def from_config(config, devices=None, objective: Objective = PRETRAINING,
+                **model_overrides) -> Training:
   """`build` from an ml_collections config (sections model, train, mesh); the ConfigDict stops here.
 
   `model_overrides` replace model keys, e.g. `vocab_size=` from the tokenizer.
   """
   return build(BertConfig.from_dict(config.model, **model_overrides),
                TrainConfig.from_dict(config.train),
-               sharding.MeshConfig.from_dict(config.mesh), devices)
+               sharding.MeshConfig.from_dict(config.mesh), devices, objective)

@@ -11,6 +11,7 @@ Train a SentencePiece vocabulary:
 import argparse
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -307,6 +308,30 @@ def load_tokenizer(path_or_config) -> Tokenizer:
   if kind == "wordpiece":
     return _load_wordpiece(path, lower)
   raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+
+
+# A run's vocabulary is copied into its workdir, named here, so the workdir alone can be
+# fine-tuned or served: a cached SentencePiece model lives under a cache_dir another machine lacks.
+WORKDIR_RECORD = "tokenizer.json"
+
+
+def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
+                    do_lower_case: bool = True) -> str:
+  """Copies the vocabulary into `workdir` (vocab.model or vocab.txt) with tokenizer.json naming
+  it, its kind, casing and fingerprint; returns the copy's path. Written once: a later run in the
+  same workdir finds its fingerprint already checked against the checkpoints."""
+  import tensorflow as tf
+  name = "vocab.model" if kind == "sentencepiece" else "vocab.txt"
+  target = os.path.join(workdir, name)
+  record = os.path.join(workdir, WORKDIR_RECORD)
+  if tf.io.gfile.exists(record):
+    return target
+  tf.io.gfile.copy(vocab_file, target + ".tmp", overwrite=True)
+  tf.io.gfile.rename(target + ".tmp", target, overwrite=True)
+  with tf.io.gfile.GFile(record, "w") as f:
+    json.dump({"file": name, "kind": kind, "do_lower_case": bool(do_lower_case),
+               "fingerprint": fingerprint, "copied_from": vocab_file}, f, indent=2)
+  return target
 
 
 def train_sentencepiece(sentences: Iterable[str], *, vocab_size: int, output: str,

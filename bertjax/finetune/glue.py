@@ -122,6 +122,8 @@ TASKS: dict[str, GlueTask] = {t.name: t for t in [
     # The diagnostic set: MNLI's labels, predicted by an MNLI model, scored by the server only.
     GlueTask("AX", NLI, {"test": Layout("diagnostic/diagnostic.tsv", "index", 3, 1, 2, None, 0)},
              "ax", {"test": "test"}, ("premise", "hypothesis"), TFDS_NLI, {"test": "AX.tsv"}),
+    # Not GLUE: the built-in task of `make finetune` (bertjax/finetune/builtin.py), in RTE's layout.
+    _pair_task("NEXT", BINARY, "", ("sentence1", "sentence2"), BINARY),
 ]}
 
 # Rows per test file on the GLUE server; a submission of another size is rejected there.
@@ -134,7 +136,7 @@ def get_task(name: str) -> GlueTask:
   """A task by GLUE's name or TFDS's ("sts-b", "stsb", "STS-B" alike)."""
   key = name.lower().replace("-", "").replace("_", "")
   for task in TASKS.values():
-    if key in (task.name.lower().replace("-", ""), task.tfds_name):
+    if key in (task.name.lower().replace("-", ""), task.tfds_name or None):
       return task
   raise ValueError(f"Unknown GLUE task {name!r}; known: {list(TASKS)}.")
 
@@ -282,6 +284,8 @@ def read_glue_tfds(data_dir: str | None, task: str | GlueTask, split: str) -> Gl
   import tensorflow_datasets as tfds
   task = task if isinstance(task, GlueTask) else get_task(task)
   _split_layout(task, split)
+  if not task.tfds_name:
+    raise ValueError(f"{task.name} has no TFDS dataset; read its TSV files (source='files').")
   name = f"glue/{task.tfds_name}"
   builder = corpus.built_tfds(name, data_dir, "read GLUE's TSV files instead")
   feature = builder.info.features["label"]
@@ -375,7 +379,7 @@ def write_submission(output_dir: str, task: str | GlueTask, split: str, indices:
                        f"{len(task.labels) - 1}; pass the argmax of the logits.")
     names = [task.labels[int(p)] for p in predictions_N]
   file_name = task.submissions[split]
-  if TEST_SIZES[file_name] != indices_N.size:
+  if TEST_SIZES.get(file_name, indices_N.size) != indices_N.size:
     logging.warning("%s holds %d predictions; the GLUE server expects %d.", file_name,
                     indices_N.size, TEST_SIZES[file_name])
   order = np.argsort(indices_N, kind="stable")

@@ -117,6 +117,7 @@ GLUE_METRICS: dict[str, TaskMetrics] = {
     "RTE": TaskMetrics(("accuracy",), "accuracy"),
     "WNLI": TaskMetrics(("accuracy",), "accuracy"),
     "AX": TaskMetrics((), ""),
+    "NEXT": TaskMetrics(("accuracy",), "accuracy"),  # the built-in task (finetune/builtin.py)
 }
 
 _METRIC_FNS = {"accuracy": accuracy, "f1": f1, "mcc": matthews_corrcoef, "pearson": pearson,

@@ -1,0 +1,24 @@
+"""`python -m bertjax.finetune --config=configs/finetune.py:TASK --workdir=DIR --config.init_from=PATH`
+
+Fine-tunes init_from's encoder on TASK (GLUE's names, squad_v1.1, squad_v2.0, conll2003, next)
+with the same conventions as `python -m bertjax.main`: dotted overrides of a locked config,
+config.json in the workdir, console progress, TensorBoard + metrics.jsonl, orbax checkpoints, exact
+resume (run the same command again), a save on SIGTERM, several processes, the mesh from
+config.mesh. See bertjax/finetune/run.py for what the workdir holds.
+"""
+
+from absl import app
+
+from bertjax import main as main_lib
+
+FLAGS = main_lib.FLAGS
+
+
+def main(argv):
+  main_lib.start(argv)
+  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  run.finetune(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)

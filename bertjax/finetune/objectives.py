@@ -1,0 +1,108 @@
+"""The fine-tuning objectives: a task head over the encoder, its loss, and what it predicts.
+
+Each is a `train.Objective`, so fine-tuning runs through the same jitted, sharded step as
+pre-training (microbatches, clipping, the optimizer's count and all). Batches carry a `weight` per
+row: 1 for a real example, 0 for the rows that pad the last evaluation batch to the global batch
+size, so padding never counts in a loss or metric.
+
+  classification  pooled -> dropout -> dense(C); softmax cross-entropy (GLUE but STS-B)
+  regression      pooled -> dropout -> dense(1); mean squared error (STS-B)
+  span            sequence -> dense(2): start and end logits; the mean of the two cross-entropies,
+                  as the original run_squad.py (SQuAD)
+  tagging         sequence -> dropout -> dense(C); cross-entropy on each word's first piece (NER)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax import heads, losses, train
+
+INPUTS = ("input_ids", "input_mask", "segment_ids")
+
+
+def _inputs(batch):
+  return {name: batch[name] for name in INPUTS}
+
+
+def _dummy(batch_size: int, **extra) -> dict:
+  seq_len = 8
+  out = {name: np.zeros((batch_size, seq_len), np.int32) for name in INPUTS}
+  out["weight"] = np.zeros((batch_size,), np.float32)
+  for name, (shape, dtype) in extra.items():
+    out[name] = np.zeros((batch_size,) + tuple(seq_len if d is None else d for d in shape), dtype)
+  return out
+
+
+def _weight(batch):
+  return batch["weight"].astype(jnp.float32)
+
+
+def _count(batch):
+  return jnp.sum(_weight(batch))
+
+
+def classification(num_labels: int) -> train.Objective:
+  def metrics(logits_BxC, batch):
+    w_B = _weight(batch)
+    return {"cls_loss": losses.weighted_cross_entropy(logits_BxC, batch["label"], w_B),
+            "accuracy": losses.weighted_accuracy(logits_BxC, batch["label"], w_B)}
+
+  return train.Objective(
+      f"classification_{num_labels}",
+      functools.partial(heads.BertForSequenceClassification, num_labels=num_labels), _inputs,
+      metrics, lambda batch: {"cls_loss": _count(batch)},
+      functools.partial(_dummy, label=((), np.int32)), lambda logits: {"logits": logits})
+
+
+def regression() -> train.Objective:
+  def metrics(out_Bx1, batch):
+    w_B = _weight(batch)
+    error_B = out_Bx1[:, 0] - batch["label"].astype(jnp.float32)
+    return {"mse_loss": (jnp.sum(w_B * error_B ** 2), jnp.sum(w_B))}
+
+  return train.Objective(
+      "regression", functools.partial(heads.BertForSequenceClassification, num_labels=1),
+      _inputs, metrics, lambda batch: {"mse_loss": _count(batch)},
+      functools.partial(_dummy, label=((), np.float32)), lambda out: {"score": out[:, 0]})
+
+
+def span() -> train.Objective:
+  def metrics(out, batch):
+    start_BxL, end_BxL = out
+    w_B = _weight(batch)
+    start_loss, den = losses.weighted_cross_entropy(start_BxL, batch["start_positions"], w_B)
+    end_loss, _ = losses.weighted_cross_entropy(end_BxL, batch["end_positions"], w_B)
+    return {"span_loss": ((start_loss + end_loss) / 2, den),
+            "start_accuracy": losses.weighted_accuracy(start_BxL, batch["start_positions"], w_B),
+            "end_accuracy": losses.weighted_accuracy(end_BxL, batch["end_positions"], w_B)}
+
+  return train.Objective(
+      "span", heads.BertForSpanExtraction, _inputs, metrics,
+      lambda batch: {"span_loss": _count(batch)},
+      functools.partial(_dummy, start_positions=((), np.int32), end_positions=((), np.int32)),
+      lambda out: {"start_logits": out[0], "end_logits": out[1]})
+
+
+def tagging(num_labels: int) -> train.Objective:
+  def token_weights(batch):
+    return batch["label_weights"].astype(jnp.float32) * _weight(batch)[:, None]
+
+  def metrics(logits_BxLxC, batch):
+    w_BxL = token_weights(batch)
+    return {"tag_loss": losses.weighted_cross_entropy(logits_BxLxC, batch["label_ids"], w_BxL),
+            "accuracy": losses.weighted_accuracy(logits_BxLxC, batch["label_ids"], w_BxL)}
+
+  return train.Objective(
+      f"tagging_{num_labels}",
+      functools.partial(heads.BertForTokenClassification, num_labels=num_labels), _inputs,
+      metrics, lambda batch: {"tag_loss": jnp.sum(token_weights(batch))},
+      functools.partial(_dummy, label_ids=((None,), np.int32),
+                        label_weights=((None,), np.float32)),
+      # Label ids, not logits: the host needs only the argmax, and [B, L, C] floats are C times
+      # the transfer.
+      lambda logits: {"predicted": jnp.argmax(logits, axis=-1).astype(jnp.int32)})

@@ -1,0 +1,470 @@
+"""The fine-tuning run: `python -m bertjax.finetune --config=configs/finetune.py:TASK --workdir=DIR`.
+
+It runs through the pre-training loop's own machinery (`loop.execute`: restore or initialise,
+checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what fine-tuning adds:
+
+- the encoder of `init_from` (a pre-training workdir, a fine-tuning workdir, or a folder written by
+  `python -m bertjax.convert.hf import`), task heads new; or `random_init=True` for the same
+  architecture and vocabulary with fresh weights (the comparison `make finetune` prints);
+- the task's features in memory, shuffled per epoch by (seed, epoch), so a resumed run sees the
+  batches an uninterrupted one would;
+- an evaluation of the dev set(s) after every epoch with the task's metrics, the best checkpoint by
+  the task's main metric kept in `best/` beside the latest ones in `checkpoints/`;
+- at the end, predictions of the test splits (and SQuAD's dev predictions) from the best
+  checkpoint in `predictions/`, `results.json`, and a one-line summary.
+
+Workdir: config.json, checkpoints/, best/, evaluations.json, metrics.jsonl, tensorboard/,
+predictions/, results.json, vocab file (copied from init_from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Iterator, Mapping
+
+import jax
+import numpy as np
+
+from bertjax import checkpoint as checkpoint_lib, control, loop, metrics as metrics_lib, sharding
+from bertjax import train
+from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.finetune import tasks
+from bertjax.heads import BertForPreTraining
+from bertjax.model import BertConfig
+
+# Model keys a fine-tuning config may leave at 0 / "" to take init_from's value.
+INHERITED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+             "max_position_embeddings", "type_vocab_size", "initializer_range", "layer_norm_eps",
+             "hidden_act", "dtype", "param_dtype", "remat_policy", "attention_impl",
+             "position_init")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """What init_from holds: its model, its vocabulary file and fingerprint, how to read its encoder."""
+
+  path: str
+  kind: str  # "workdir" (a bertjax run: pre-training or fine-tuning) or "converted" (convert.hf)
+  model: dict
+  vocab_file: str | None
+  tokenizer_fingerprint: str | None
+  do_lower_case: bool
+
+
+def _read_json(path: str) -> dict:
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  with tf.io.gfile.GFile(path) as f:
+    return json.load(f)
+
+
+def inspect_source(path: str) -> Source:
+  """Reads init_from's model, vocabulary and fingerprint; nothing of its weights yet."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  if not tf.io.gfile.exists(path):
+    raise FileNotFoundError(f"init_from={path} does not exist.")
+  if tf.io.gfile.exists(os.path.join(path, "bert_config.json")):
+    vocab = os.path.join(path, "vocab.txt")
+    return Source(path, "converted", _read_json(os.path.join(path, "bert_config.json")),
+                  vocab if tf.io.gfile.exists(vocab) else None, None, True)
+  workdir = os.path.dirname(path.rstrip("/")) if os.path.basename(
+      path.rstrip("/")) == "checkpoints" else path
+  folder = os.path.join(workdir, "checkpoints")
+  if not tf.io.gfile.exists(folder):
+    raise FileNotFoundError(
+        f"init_from={path} is neither a bertjax workdir (no checkpoints/) nor a folder written by "
+        "`python -m bertjax.convert.hf import` (no bert_config.json).")
+  ckpt = checkpoint_lib.Checkpointer(folder, loop.ITEMS, save_every=1, keep=1)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"init_from={path} holds no checkpoint.")
+    meta = ckpt.read_meta(steps[-1])
+  finally:
+    ckpt.close()
+  vocab_file, lower = _workdir_vocabulary(workdir)
+  return Source(workdir, "workdir", meta["model"], vocab_file, meta.get("tokenizer_fingerprint"),
+                lower)
+
+
+def _workdir_vocabulary(workdir: str) -> tuple[str | None, bool]:
+  """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
+  names (runs from before the copy; relative cache paths resolve from the current directory)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  record = os.path.join(workdir, tokenizer_lib.WORKDIR_RECORD)
+  if tf.io.gfile.exists(record):
+    info = _read_json(record)
+    return os.path.join(workdir, info["file"]), bool(info.get("do_lower_case", True))
+  config_path = os.path.join(workdir, "config.json")
+  if not tf.io.gfile.exists(config_path):
+    return None, True
+  config = _read_json(config_path)
+  data = config.get("data") or {}
+  if not data:  # a fine-tuning workdir records its vocabulary in tokenizer.json only
+    return None, True
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  try:
+    return tokenizer_lib.vocab_path_of(ml_collections.ConfigDict(data)), bool(
+        data.get("do_lower_case", True))
+  except ValueError:
+    return None, True
+
+
+def resolve_model(config, source: Source | None) -> BertConfig:
+  """init_from's model with the config's overrides (dropout, dtype, ...); without init_from the
+  config's model keys must say the shape."""
+  wanted = dict(config.model)
+  base = dict(source.model) if source is not None else {}
+  if source is None:
+    unset = [k for k in checkpoint_lib.SHAPE_FIELDS if k != "scan_layers" and not wanted.get(k)]
+    if unset:
+      raise ValueError("Without init_from the model's shape must be given: set "
+                       + ", ".join(f"config.model.{k}" for k in unset)
+                       + " (or init_from, to copy a run's model).")
+  merged = dict(base)
+  for key, value in wanted.items():
+    if key in INHERITED and value in (0, 0.0, ""):
+      continue
+    if source is not None and key in checkpoint_lib.SHAPE_FIELDS and key in base and (
+        base[key] != value):
+      raise ValueError(f"config.model.{key}={value!r} but init_from={source.path} has "
+                       f"{base[key]!r}; leave it at 0 to take init_from's.")
+    merged[key] = value
+  known = {f.name for f in dataclasses.fields(BertConfig)}
+  return BertConfig(**{k: v for k, v in merged.items() if k in known})
+
+
+def resolve_tokenizer(config, source: Source | None):
+  """The task's tokenizer: config.vocab_path, else init_from's. A vocabulary other than the one
+  init_from was trained with is refused, naming both fingerprints."""
+  path = config.vocab_path or (source.vocab_file if source is not None else None)
+  if not path:
+    where = (f"init_from={source.path} records none" if source is not None
+             else "there is no init_from")
+    raise ValueError(f"No vocabulary for the task: {where}. Set config.vocab_path (a SentencePiece "
+                     ".model or a WordPiece vocab.txt).")
+  lower = config.do_lower_case if config.vocab_path or source is None else source.do_lower_case
+  kind = "sentencepiece" if path.endswith(".model") else "wordpiece"
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  tokenizer = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
+      {"vocab_path": path, "tokenizer": kind, "do_lower_case": lower}))
+  have = source.tokenizer_fingerprint if source is not None else None
+  if have is not None and have != tokenizer.fingerprint and not config.init_from_other_vocab:
+    raise checkpoint_lib.CheckpointMismatchError(
+        f"The task's vocabulary {path} (fingerprint {tokenizer.fingerprint}) is not the one "
+        f"init_from={source.path} was trained with (fingerprint {have}): its embedding rows would "
+        "index other pieces. Leave config.vocab_path empty to use init_from's, or set "
+        "config.init_from_other_vocab=True to take the weights anyway.")
+  return tokenizer, path, lower
+
+
+def _encoder_loader(source: Source, training: train.Training):
+  """fresh params -> the same params with `bert` (the encoder) read from init_from."""
+  def load(fresh):
+    target = checkpoint_lib.abstract_like(fresh["bert"])
+    if source.kind == "converted":
+      from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+      full = train.abstract_params(BertForPreTraining(training.model_config), training.mesh,
+                                   training.rules)
+      full["bert"] = target
+      encoder = hf.load_params(source.path, full)[1]["bert"]
+    else:
+      ckpt = checkpoint_lib.Checkpointer(os.path.join(source.path, "checkpoints"), loop.ITEMS,
+                                         save_every=1, keep=1)
+      try:
+        encoder = ckpt.restore_subtree(ckpt.all_steps()[-1], "params", "bert", target,
+                                       sharding.replicated(training.mesh))
+      finally:
+        ckpt.close()
+    return {**fresh, "bert": encoder}
+  return load
+
+
+# Batches ---------------------------------------------------------------------------------------
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+  """Full batches per epoch (the remainder waits for the next epoch's order, as the original's
+  drop_remainder): at least one."""
+  return max(1, num_examples // batch_size)
+
+
+def train_batches(features: Mapping[str, np.ndarray], batch_size: int, seed: int, start_step: int,
+                  process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
+  """This host's rows of each global batch from `start_step` on; the order of epoch e is a
+  permutation drawn from (seed, e), so any step's batch is known without replaying the others."""
+  n = len(next(iter(features.values())))
+  if n < batch_size:
+    # Repeat the examples so one batch holds each at least once (a tiny task, a test).
+    reps = -(-batch_size // n)
+    features = {k: np.concatenate([v] * reps) for k, v in features.items()}
+    n *= reps
+  per_epoch, rows = steps_per_epoch(n, batch_size), batch_size // process_count
+  step, epoch, order = start_step, None, None
+  while True:
+    if step // per_epoch != epoch:
+      epoch = step // per_epoch
+      order = np.random.default_rng([seed, epoch]).permutation(n)
+    at = (step % per_epoch) * batch_size + process_index * rows
+    index = np.sort(order[at:at + rows])
+    batch = {k: v[index] for k, v in features.items()}
+    batch["weight"] = np.ones(rows, np.float32)
+    yield batch
+    step += 1
+
+
+def eval_batches(features: Mapping[str, np.ndarray], batch_size: int, process_index: int = 0,
+                 process_count: int = 1) -> Iterator[dict]:
+  """Every example once, in order; the last global batch is filled with weight-0 copies."""
+  n = len(next(iter(features.values())))
+  rows = batch_size // process_count
+  for at in range(0, n, batch_size):
+    index = np.arange(at + process_index * rows, at + (process_index + 1) * rows)
+    weight = (index < n).astype(np.float32)
+    index = np.minimum(index, n - 1)
+    batch = {k: v[index] for k, v in features.items()}
+    batch["weight"] = weight
+    yield batch
+
+
+def predict(training: train.Training, params_state, features: Mapping[str, np.ndarray],
+            batch_size: int, stop: control.StopSignal | None = None
+            ) -> dict[str, np.ndarray] | None:
+  """The objective's outputs for every example (numpy, on every host); None if `stop` asked."""
+  n = len(next(iter(features.values())))
+  parts: dict[str, list] = {}
+  for batch in eval_batches(tasks.model_features(features), batch_size, jax.process_index(),
+                            jax.process_count()):
+    if stop is not None and stop.during_evaluation():
+      return None
+    out = jax.device_get(training.predict_step(params_state, training.to_global(batch)))
+    for k, v in out.items():
+      parts.setdefault(k, []).append(np.asarray(v))
+  return {k: np.concatenate(v)[:n] for k, v in parts.items()}
+
+
+# The run ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+  """The keys of `config.train` and `config.checkpoint` fine-tuning reads, checked up front."""
+
+  batch_size: int
+  eval_batch_size: int
+  num_epochs: float
+  warmup_proportion: float
+  log_every_steps: int
+  save_every_steps: int  # 0: at the end of every epoch
+  keep: int
+  async_save: bool
+
+  @classmethod
+  def from_config(cls, config) -> "FinetuneConfig":
+    t, c = config.train, config.checkpoint
+    problems = [f"{k}={v} must be {why}" for k, v, ok, why in (
+        ("train.batch_size", t.batch_size, t.batch_size >= 1, ">= 1"),
+        ("train.eval_batch_size", t.eval_batch_size, t.eval_batch_size >= 0,
+         ">= 0 (0: train.batch_size)"),
+        ("train.num_epochs", t.num_epochs, t.num_epochs > 0, "> 0"),
+        ("train.warmup_proportion", t.warmup_proportion, 0 <= t.warmup_proportion <= 1,
+         "in [0, 1]"),
+        ("train.log_every_steps", t.log_every_steps, t.log_every_steps >= 1, ">= 1"),
+        ("checkpoint.save_every_steps", c.save_every_steps, c.save_every_steps >= 0,
+         ">= 0 (0: every epoch)"),
+        ("checkpoint.keep", c.keep, c.keep >= 1, ">= 1")) if not ok]
+    if problems:
+      raise ValueError("Invalid config: " + "; ".join(problems))
+    return cls(t.batch_size, t.eval_batch_size or t.batch_size, float(t.num_epochs),
+               float(t.warmup_proportion), t.log_every_steps, c.save_every_steps, c.keep,
+               c.async_save)
+
+
+def _train_config(config, total_steps: int, warmup: int) -> train.TrainConfig:
+  t = config.train
+  return train.TrainConfig(
+      batch_size=t.batch_size, num_microbatches=t.num_microbatches, num_train_steps=total_steps,
+      seed=t.seed, optimizer=t.optimizer, learning_rate=t.learning_rate, warmup_steps=warmup,
+      weight_decay=t.weight_decay, adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps,
+      bias_correction=t.bias_correction, max_grad_norm=t.max_grad_norm)
+
+
+def _better(value: float, best: float | None) -> bool:
+  if not math.isfinite(value):
+    return False
+  return best is None or value > best
+
+
+class Evaluations:
+  """Scores after each epoch (evaluations.json) and the best checkpoint (best/)."""
+
+  def __init__(self, workdir: str, meta: Mapping[str, Any], start: int):
+    self.path = os.path.join(workdir, "evaluations.json")
+    self.records: list[dict] = []
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if tf.io.gfile.exists(self.path):
+      # Scores of steps after the restored one belong to a timeline the run no longer has.
+      self.records = [r for r in _read_json(self.path) if r["step"] <= start]
+    self.best = checkpoint_lib.Checkpointer(os.path.join(workdir, "best"), ("params",),
+                                            save_every=1, keep=1, async_save=False)
+    self._meta = dict(meta)
+
+  def done(self, step: int) -> bool:
+    return any(r["step"] == step for r in self.records)
+
+  def best_record(self) -> dict | None:
+    scored = [r for r in self.records if math.isfinite(r["scores"]["main"])]
+    return max(scored, key=lambda r: r["scores"]["main"]) if scored else None
+
+  def add(self, step: int, epoch: float, scores: Mapping[str, float], params) -> None:
+    best = self.best_record()
+    record = {"step": step, "epoch": epoch, "scores": dict(scores)}
+    self.records = [r for r in self.records if r["step"] != step] + [record]
+    if _better(scores["main"], best["scores"]["main"] if best else None):
+      self.best.save(step, {"params": params}, {**self._meta, "step": step, "epoch": epoch,
+                                                "scores": dict(scores)}, force=True)
+      self.best.wait()
+    if jax.process_index() == 0:
+      import tensorflow as tf  # pylint: disable=import-outside-toplevel
+      with tf.io.gfile.GFile(self.path + ".tmp", "w") as f:
+        json.dump(self.records, f, indent=2)
+      tf.io.gfile.rename(self.path + ".tmp", self.path, overwrite=True)
+
+  def close(self) -> None:
+    self.best.close()
+
+
+def finetune(config, workdir: str) -> dict:
+  """Runs (or resumes) the fine-tuning job of `config` in `workdir`; returns results.json's dict
+  ({} when a stop signal ended the run early)."""
+  ft = FinetuneConfig.from_config(config)
+  task_name = tasks.canonical(config.task)
+  loop.check_workdir(workdir)
+  if config.random_init and not config.init_from:
+    raise ValueError("random_init=True copies init_from's architecture and vocabulary with fresh "
+                     "weights: set config.init_from too.")
+  source = inspect_source(config.init_from) if config.init_from else None
+  tokenizer, vocab_file, lower = resolve_tokenizer(config, source)
+  model_config = resolve_model(config, source)
+  if model_config.vocab_size < tokenizer.vocab_size:
+    raise ValueError(f"The model's {model_config.vocab_size} embedding rows are fewer than the "
+                     f"vocabulary's {tokenizer.vocab_size} pieces ({vocab_file}).")
+  if config.max_seq_length > model_config.max_position_embeddings:
+    raise ValueError(f"max_seq_length={config.max_seq_length} exceeds the model's "
+                     f"max_position_embeddings={model_config.max_position_embeddings}.")
+  data = tasks.load(config, tokenizer)
+  for note in data.notes:
+    loop.say(note)
+  train_features = tasks.model_features(data.train)
+  n_train = len(train_features["input_ids"])
+  per_epoch = steps_per_epoch(n_train, ft.batch_size)
+  total = max(1, int(round(ft.num_epochs * per_epoch)))
+  warmup = int(ft.warmup_proportion * total)
+  tcfg = _train_config(config, total, warmup)
+  mesh_config = sharding.MeshConfig.from_dict(config.mesh)
+  training = train.build(model_config, tcfg, mesh_config, objective=data.objective)
+  sharding.check_batch_size(ft.eval_batch_size, training.mesh)
+  schedule = control.Schedule(total_steps=total, log_every=ft.log_every_steps,
+                              save_every=ft.save_every_steps or per_epoch, eval_every=per_epoch)
+  loop_config = loop.LoopConfig(schedule=schedule, eval_sequences=0, profile_start_step=-1,
+                                profile_num_steps=1, keep=ft.keep, async_save=ft.async_save,
+                                init_from=config.init_from, init_from_other_vocab=False)
+  expected = checkpoint_lib.Expected(model=model_config,
+                                     optimizer=checkpoint_lib.optimizer_fields(tcfg),
+                                     tokenizer_fingerprint=tokenizer.fingerprint)
+  _check_task(workdir, task_name)
+  init = None
+  origin = "random initialisation (random_init=True)" if config.random_init else "scratch"
+  if source is not None and not config.random_init:
+    origin = f"the encoder of init_from={source.path}"
+    init = loop.Initialiser(f"encoder from init_from={source.path}, {task_name} head new",
+                            _encoder_loader(source, training))
+  meta = {"task": task_name, "init": origin}
+  evaluations = Evaluations(workdir, meta, start=_latest_step(workdir))
+  processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
+
+  def evaluate(step, state, stop):
+    scores = {}
+    for k, eval_set in enumerate(data.evals):
+      outputs = predict(training, state, eval_set.features, ft.eval_batch_size, stop)
+      if outputs is None:
+        return None
+      got = eval_set.score(outputs)
+      prefix = "" if len(data.evals) == 1 else f"{eval_set.name}/"
+      scores.update({prefix + name: float(v) for name, v in got.items()
+                     if name != "main" and isinstance(v, (int, float))})
+      if k == 0:
+        scores["main"] = float(got["main"])
+    evaluations.add(step, step / per_epoch, scores, state.params)
+    return scores
+
+  job = loop.Job(
+      training=training, loop=loop_config, expected=expected, meta=meta,
+      batches=lambda start: train_batches(train_features, ft.batch_size, tcfg.seed, start,
+                                          **processes),
+      evaluate=evaluate, seqs_per_step=ft.batch_size, init=init,
+      eval_owed=lambda step: step % per_epoch == 0 and not evaluations.done(step),
+      on_accepted=lambda: tokenizer_lib.copy_to_workdir(vocab_file, tokenizer.kind,
+                                                        tokenizer.fingerprint, workdir, lower))
+  loop.say(f"{task_name}: {n_train} training examples, {per_epoch} steps per epoch, {total} "
+           f"steps ({ft.num_epochs:g} epochs), warmup {warmup}; dev: "
+           + ", ".join(f"{e.name} {len(e.features['input_ids'])}" for e in data.evals))
+  try:
+    state, final = loop.execute(config, workdir, job)
+    if not final:
+      return {}
+    return _finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
+  finally:
+    evaluations.close()
+
+
+def _latest_step(workdir: str) -> int:
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  folder = os.path.join(workdir, "checkpoints")
+  if not tf.io.gfile.exists(folder):
+    return 0
+  steps = [int(n.rstrip("/")) for n in tf.io.gfile.listdir(folder) if n.rstrip("/").isdigit()]
+  return max(steps, default=0)
+
+
+def _check_task(workdir: str, task_name: str) -> None:
+  """A workdir holds one task: resuming another task's run would put a new head on its state."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  path = os.path.join(workdir, "results.json")
+  config_path = os.path.join(workdir, "config.json")
+  for p in (path, config_path):
+    if tf.io.gfile.exists(p):
+      recorded = _read_json(p).get("task")
+      if recorded and tasks.canonical(recorded) != task_name:
+        raise ValueError(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
+                         "needs its own workdir.")
+
+
+def _finish(config, workdir, training, data: tasks.TaskData, evaluations: Evaluations, state, ft,
+            task_name: str, origin: str) -> dict:
+  best = evaluations.best_record()
+  params_state = state
+  if best is not None and best["step"] != int(jax.device_get(state.step)):
+    items, _ = evaluations.best.restore(best["step"], {"params": checkpoint_lib.abstract_like(
+        state.params)})
+    params_state = state.replace(params=items["params"])
+  files = []
+  out_dir = os.path.join(workdir, "predictions")
+  for predict_set in data.predicts:
+    outputs = predict(training, params_state, predict_set.features, ft.eval_batch_size)
+    if jax.process_index() == 0:
+      files += predict_set.write(outputs, out_dir)
+  final = evaluations.records[-1]["scores"] if evaluations.records else {}
+  results = {"task": task_name, "init": origin, "main_metric": data.main_metric,
+             "best": best, "final": final, "evaluations": evaluations.records,
+             "predictions": files, "notes": data.notes}
+  if jax.process_index() == 0:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with tf.io.gfile.GFile(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(results, f, indent=2)
+    where = f" | predictions in {out_dir}" if files else ""
+    if best is not None:
+      print(f"{task_name}: best dev {data.main_metric} {best['scores']['main']:.4f} at epoch "
+            f"{best['epoch']:g} (step {best['step']}); last {final.get('main', float('nan')):.4f}"
+            f" | init: {origin} | {os.path.join(workdir, 'results.json')}{where}", flush=True)
+  return results

@@ -1,0 +1,273 @@
+"""Each fine-tuning task as the run sees it: the objective, the training features, the sets scored
+after every epoch, and the sets only predicted (test splits) with what is written for them.
+
+  GLUE (CoLA, SST-2, MRPC, STS-B, QQP, MNLI, QNLI, RTE, WNLI) and NEXT (the built-in task):
+      dev split(s) scored with the task's GLUE metrics; test split(s) written as the GLUE server's
+      `TASK.tsv`. MNLI scores dev_matched (main) and dev_mismatched, and also predicts AX (the
+      diagnostic set) where its file is present: GLUE scores AX with the MNLI model.
+  SQuAD v1.1 / v2.0: the dev file scored with the official EM / F1; predictions.json,
+      nbest_predictions.json (and null_odds.json) written for it.
+  CoNLL-2003: dev ("testa") scored with conlleval's entity F1, test ("testb") scored and written
+      as `word gold predicted` columns, the input conlleval reads.
+
+`load(config, tokenizer)` reads everything before the first step, so a bad file fails at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from bertjax import train
+from bertjax.finetune import glue, metrics as ft_metrics, ner, objectives, squad, squad_metrics
+from bertjax.finetune import squad_postprocess
+
+SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
+NER_TASKS = ("conll2003",)
+# What --config=configs/finetune.py:TASK accepts, besides GLUE's names in any spelling.
+NAMES = tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """Features of one split, how to score its outputs (None: predict only) and what to write."""
+
+  name: str
+  features: dict[str, np.ndarray]
+  score: Callable[[Mapping[str, np.ndarray]], dict[str, float]] | None
+  write: Callable[[Mapping[str, np.ndarray], str], list[str]] | None = None
+
+
+@dataclasses.dataclass
+class TaskData:
+  name: str  # canonical: "MRPC", "squad_v1.1", "conll2003", ...
+  objective: train.Objective
+  train: dict[str, np.ndarray]
+  evals: list[EvalSet]  # after every epoch; the first one's "main" picks the best checkpoint
+  predicts: list[EvalSet]  # once, at the end, with the best checkpoint
+  main_metric: str  # the name of "main" in the first eval set (said in results)
+  notes: list[str] = dataclasses.field(default_factory=list)  # counted repairs, skipped rows
+
+
+def canonical(name: str) -> str:
+  key = name.strip().lower()
+  if key in SQUAD_TASKS or key in NER_TASKS:
+    return key
+  if key in ("squad1", "squad_v1", "squad"):
+    return "squad_v1.1"
+  if key in ("squad2", "squad_v2"):
+    return "squad_v2.0"
+  if key in ("conll", "ner"):
+    return "conll2003"
+  try:
+    task = glue.get_task(key)
+  except ValueError:
+    raise ValueError(f"Unknown fine-tuning task {name!r}; choose one of {list(NAMES)}.") from None
+  if task.name == "AX":
+    raise ValueError("AX (GLUE's diagnostic set) has no training data: GLUE scores it with the "
+                     "MNLI model, so task=mnli writes AX.tsv beside MNLI's test predictions.")
+  return task.name
+
+
+def family(name: str) -> str:
+  name = canonical(name)
+  return "squad" if name in SQUAD_TASKS else "ner" if name in NER_TASKS else "glue"
+
+
+def load(config, tokenizer) -> TaskData:
+  name = canonical(config.task)
+  loader = {"glue": _glue, "squad": _squad, "ner": _ner}[family(name)]
+  return loader(name, config, tokenizer)
+
+
+def _tfds_dir(config) -> str | None:
+  return config.tfds_data_dir or None
+
+
+def _check_source(config) -> None:
+  if config.source not in ("files", "tfds"):
+    raise ValueError(f"config.source={config.source!r}: use 'files' (the task's original files) "
+                     "or 'tfds' (a TFDS dataset already built under tfds_data_dir).")
+
+
+# GLUE ------------------------------------------------------------------------------------------
+
+def _glue_split(name: str, config, split: str):
+  if config.source == "tfds":
+    return glue.read_glue_tfds(_tfds_dir(config), name, split)
+  if not config.data_dir:
+    raise ValueError(f"{name} from files needs config.data_dir: the folder of GLUE's download "
+                     f"(holding {glue.get_task(name).splits[split].file}).")
+  return glue.read_glue_tsv(config.data_dir, name, split)
+
+
+def _glue_available(name: str, config, split: str) -> bool:
+  if config.source == "tfds":
+    return True
+  return os.path.exists(os.path.join(config.data_dir, glue.get_task(name).splits[split].file))
+
+
+def _glue(name: str, config, tokenizer) -> TaskData:
+  _check_source(config)
+  task = glue.get_task(name)
+  notes = []
+
+  def features(task_name, split):
+    got = _glue_split(task_name, config, split)
+    if got.skipped:
+      notes.append(f"{task_name} {split}: left out {len(got.skipped)} malformed row(s), e.g. "
+                   f"{got.skipped[0]}")
+    return glue.glue_features(task_name, got.examples, tokenizer, config.max_seq_length)
+
+  train_features = features(name, "train")
+  objective = (objectives.regression() if task.is_regression
+               else objectives.classification(task.num_labels))
+
+  def scorer(task_name, labels_N):
+    def score(outputs):
+      predictions = (outputs["score"] if task.is_regression
+                     else np.argmax(outputs["logits"], axis=-1))
+      return ft_metrics.glue_metrics(task_name, predictions, labels_N)
+    return score
+
+  def submission(task_name, split, index_N):
+    def write(outputs, output_dir):
+      predictions = (outputs["score"] if task.is_regression
+                     else np.argmax(outputs["logits"], axis=-1))
+      return [glue.write_submission(output_dir, task_name, split, index_N, predictions)]
+    return write
+
+  dev_splits = [s for s in task.splits if s.startswith("dev")]
+  evals = []
+  for split in dev_splits:
+    f = features(name, split)
+    evals.append(EvalSet(split, f, scorer(name, f["label"])))
+  predicts = []
+  test_sets = [(name, s) for s in task.submissions]
+  if name == "MNLI":
+    test_sets.append(("AX", "test"))
+  for task_name, split in test_sets:
+    if not _glue_available(task_name, config, split):
+      notes.append(f"{task_name} {split}: no file under data_dir; not predicted")
+      continue
+    f = features(task_name, split)
+    predicts.append(EvalSet(f"{task_name}_{split}" if task_name != name else split, f, None,
+                            submission(task_name, split, f["index"])))
+  main = ft_metrics.GLUE_METRICS[name].main
+  return TaskData(name, objective, train_features, evals, predicts, main, notes)
+
+
+# SQuAD -----------------------------------------------------------------------------------------
+
+def _squad_set(name: str, config, split: str, is_training: bool) -> squad.SquadSet:
+  if config.source == "tfds":
+    tfds_split = "train" if split == "train" else "validation"
+    return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(config),
+                                 is_training=is_training)
+  path = config.train_file if split == "train" else config.dev_file
+  if not path:
+    raise ValueError(f"{name} from files needs config.{'train' if split == 'train' else 'dev'}"
+                     f"_file: the SQuAD JSON ({'train' if split == 'train' else 'dev'}-"
+                     f"{name.split('_v')[1]}.json).")
+  return squad.read_squad_json(path, is_training=is_training)
+
+
+def _squad(name: str, config, tokenizer) -> TaskData:
+  _check_source(config)
+  version_2 = name == "squad_v2.0"
+  sizes = dict(max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
+               max_query_length=config.max_query_length)
+  train_set = _squad_set(name, config, "train", True)
+  train_features = squad.make_features(train_set.examples, tokenizer, **sizes)
+  dev_set = _squad_set(name, config, "dev", False)
+  dev_features = squad.make_features(dev_set.examples, tokenizer, **sizes)
+  gold = squad_metrics.gold_answers(dev_set.examples)
+  notes = [f"{s.source}: {what} {len(items)} question(s) whose answer does not match its offset"
+           for s, what, items in ((train_set, "skipped", train_set.skipped),
+                                  (dev_set, "kept without a target", dev_set.unmatched)) if items]
+
+  def predict(outputs):
+    return squad_postprocess.postprocess(
+        dev_set.examples, dev_features, outputs["start_logits"], outputs["end_logits"],
+        n_best_size=config.n_best_size, max_answer_length=config.max_answer_length,
+        version_2_with_negative=version_2,
+        null_score_diff_threshold=config.null_score_diff_threshold)
+
+  def score(outputs):
+    result = predict(outputs)
+    if not version_2:
+      out = squad_metrics.evaluate_v1(gold, result.predictions)
+      return {**out, "main": out["f1"]}
+    out = squad_metrics.evaluate_v2(gold, result.predictions, result.null_odds)
+    return {**{k: float(v) for k, v in out.items()}, "main": float(out["f1"])}
+
+  def write(outputs, output_dir):
+    return squad_postprocess.write_predictions(predict(outputs), output_dir)
+
+  dev = EvalSet("dev", dev_features, score)
+  written = EvalSet("dev", dev_features, None, write)
+  return TaskData(name, objectives.span(), train_features, [dev], [written], "f1", notes)
+
+
+# CoNLL-2003 ------------------------------------------------------------------------------------
+
+def _ner_split(config, split: str) -> list[ner.Sentence]:
+  if config.source == "tfds":
+    return ner.read_conll_tfds(_tfds_dir(config), {"dev": "validation"}.get(split, split))
+  path = {"train": config.train_file, "dev": config.dev_file, "test": config.test_file}[split]
+  if not path:
+    raise ValueError(f"conll2003 from files needs config.{split}_file (eng.train, eng.testa, "
+                     f"eng.testb in the original release).")
+  return ner.read_conll(path)
+
+
+def _ner(name: str, config, tokenizer) -> TaskData:
+  _check_source(config)
+  labels = ner.CONLL2003_LABELS
+
+  def features(sentences):
+    return ner.ner_features(sentences, tokenizer, config.max_seq_length, labels)
+
+  def scorer(sentences, f):
+    gold = [list(s.tags) for s in sentences]
+
+    def score(outputs):
+      predicted = ner.tags_from_predictions(f, outputs["predicted"], sentences, labels)
+      out = ner.conlleval(gold, predicted)
+      return {"precision": out["precision"], "recall": out["recall"], "f1": out["f1"],
+              "accuracy": out["accuracy"], "main": out["f1"]}
+    return score
+
+  def writer(sentences, f, split):
+    def write(outputs, output_dir):
+      import tensorflow as tf  # pylint: disable=import-outside-toplevel
+      predicted = ner.tags_from_predictions(f, outputs["predicted"], sentences, labels)
+      tf.io.gfile.makedirs(output_dir)
+      path = os.path.join(output_dir, f"{split}_predictions.txt")
+      with tf.io.gfile.GFile(path, "w") as out:
+        for s, tags in zip(sentences, predicted):
+          out.write("".join(f"{w} {g} {p}\n" for w, g, p in zip(s.words, s.tags, tags)) + "\n")
+      return [path]
+    return write
+
+  train_features = features(_ner_split(config, "train"))
+  evals, predicts = [], []
+  for split in ("dev", "test"):
+    if split == "test" and config.source == "files" and not config.test_file:
+      continue
+    sentences = _ner_split(config, split)
+    f = features(sentences)
+    if split == "dev":
+      evals.append(EvalSet("dev", f, scorer(sentences, f)))
+    predicts.append(EvalSet(split, f, scorer(sentences, f), writer(sentences, f, split)))
+  return TaskData(name, objectives.tagging(len(labels)), train_features, evals, predicts, "f1")
+
+
+def model_features(features: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  """The arrays a batch carries to the device (not indices, offsets or other host-side keys)."""
+  keep = ("input_ids", "input_mask", "segment_ids", "label", "start_positions", "end_positions",
+          "label_ids", "label_weights")
+  return {k: v for k, v in features.items() if k in keep}

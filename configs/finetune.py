@@ -1,0 +1,98 @@
+"""Fine-tuning: `python -m bertjax.finetune --config=configs/finetune.py:TASK --workdir=DIR
+--config.init_from=PATH [--config.data_dir=... | --config.train_file=... --config.dev_file=...]`
+
+TASK: cola, sst-2, mrpc, sts-b, qqp, mnli (also predicts AX), qnli, rte, wnli; squad_v1.1,
+squad_v2.0; conll2003; next (the built-in task of `make finetune`). Any key below can be overridden.
+
+The original recipe (google-research/bert run_classifier.py / run_squad.py and the paper's
+appendix A.3) is the default: AdamW (weight decay 0.01, no bias correction), 10% linear warmup then
+linear decay to 0, batch 32, dropout 0.1, max_seq_length 128; GLUE and CoNLL 3 epochs at 2e-5
+(the paper searched 5e-5, 3e-5, 2e-5 on dev); SQuAD 2 epochs at 3e-5, max_seq_length 384, doc_stride
+128, max_query_length 64, n-best 20, max_answer_length 30. The dev set is scored after every epoch
+and the best checkpoint kept.
+
+NEXT (the built-in task) fine-tunes the tiny model of configs/tiny.py: max_seq_length 64 (its
+pre-training length), 1e-4 (a 128-wide model takes a larger rate than BERT-Base's; chosen on NEXT's
+dev split over 3e-5, 1e-4, 3e-4), 3 epochs of 8,000 pairs.
+"""
+
+import ml_collections
+
+from configs import base
+
+SQUAD = ("squad_v1.1", "squad_v2.0")
+
+
+def get_config(task: str = "next"):
+  config = ml_collections.ConfigDict()
+  config.task = task  # see the module docstring; checked when the run starts
+  config.source = "files"  # "files" (the task's original files) or "tfds" (built under tfds_data_dir)
+  config.data_dir = ""  # GLUE: the folder of GLUE's download (CoLA/train.tsv, MNLI/..., ...)
+  config.train_file = ""  # SQuAD: train-v1.1.json ...; CoNLL-2003: eng.train
+  config.dev_file = ""  # SQuAD: dev-v1.1.json ...; CoNLL-2003: eng.testa
+  config.test_file = ""  # CoNLL-2003: eng.testb (scored and written); "" = none
+  config.tfds_data_dir = ""  # where TFDS datasets are built (nothing is ever downloaded)
+  config.init_from = ""  # a bertjax workdir, or a `convert.hf import` folder; "" = random init
+  config.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
+  config.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary
+  config.vocab_path = ""  # "" = init_from's vocabulary (the one it was trained with)
+  config.do_lower_case = True  # for a WordPiece vocab_path given here
+  config.max_seq_length = 128  # [CLS] A [SEP] B [SEP]; longest-first truncation
+  # SQuAD only.
+  config.doc_stride = 128
+  config.max_query_length = 64
+  config.n_best_size = 20
+  config.max_answer_length = 30
+  config.null_score_diff_threshold = 0.0  # v2.0: answer "" when null - best > this
+
+  # The encoder: 0 / "" takes init_from's value (shape keys must then match it).
+  m = config.model = ml_collections.ConfigDict()
+  for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+              "max_position_embeddings", "type_vocab_size"):
+    m[key] = 0
+  m.initializer_range = 0.0  # of the new head; 0 = init_from's (0.02 for BERT)
+  m.layer_norm_eps = 0.0
+  m.hidden_act = ""
+  m.dtype = ""  # "" = init_from's compute dtype
+  m.param_dtype = ""
+  m.remat_policy = ""
+  m.attention_impl = ""
+  m.position_init = ""
+  m.hidden_dropout = 0.1  # the paper's fine-tuning dropout, whatever pre-training used
+  m.attention_dropout = 0.1
+
+  t = config.train = ml_collections.ConfigDict()
+  t.batch_size = 32  # global
+  t.eval_batch_size = 0  # 0 = batch_size
+  t.num_epochs = 3.0
+  t.learning_rate = 2e-5
+  t.warmup_proportion = 0.1
+  t.seed = 0  # head init, dropout, the order of examples
+  t.optimizer = "adamw"
+  t.weight_decay = 0.01
+  t.adam_b1 = 0.9
+  t.adam_b2 = 0.999
+  t.adam_eps = 1e-6
+  t.bias_correction = False
+  t.max_grad_norm = 1.0
+  t.num_microbatches = 1
+  t.log_every_steps = 50
+
+  c = config.checkpoint = ml_collections.ConfigDict()
+  c.save_every_steps = 0  # 0 = at the end of every epoch (also on SIGTERM and at the end)
+  c.keep = 2  # latest checkpoints kept; the best one is kept apart in best/
+  c.async_save = True
+
+  config.mesh = base.get_config().mesh
+
+  key = task.strip().lower()
+  if key in SQUAD or key.startswith("squad"):
+    config.max_seq_length = 384
+    t.num_epochs = 2.0
+    t.learning_rate = 3e-5
+  elif key == "next":
+    config.data_dir = ".cache/bertjax/finetune"  # written by `make finetune`
+    config.init_from = "workdirs/tiny"
+    config.max_seq_length = 64
+    t.learning_rate = 1e-4
+  return config
