@@ -1,9 +1,10 @@
-# The two commands of the README: `make pretrain` and `make test`. Both set everything up.
+# The three commands of the README: `make pretrain`, `make finetune` and `make test`. Each sets
+# everything up.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test pretrain install clean
+.PHONY: test pretrain finetune install clean
 
 # Re-install only when the package metadata changes. `pretrain` needs the package alone, `test`
 # also the test extra (pytest, and the reference implementation for parity tests) and the tpu
@@ -33,6 +34,22 @@ WORKDIR ?= workdirs/tiny
 pretrain: $(VENV)/.installed
 	JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bertjax.main --config=configs/tiny.py \
 	  --workdir=$(WORKDIR) $(ARGS)
+
+# Fine-tunes the encoder of $(WORKDIR) (pre-training it first if it has no checkpoint) on the
+# built-in task NEXT, and the same model from random initialisation, then prints both dev scores.
+# SEED varies the head's init, dropout and example order.
+FT_DATA := .cache/bertjax/finetune
+SEED ?= 0
+FT := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bertjax.finetune \
+  --config=configs/finetune.py:next --config.init_from=$(WORKDIR) --config.data_dir=$(FT_DATA) \
+  --config.train.seed=$(SEED)
+finetune: $(VENV)/.installed
+	test -d $(WORKDIR)/checkpoints || $(MAKE) pretrain
+	$(PY) -m bertjax.finetune.builtin write --data_dir=$(FT_DATA)
+	$(FT) --workdir=workdirs/next-pretrained-s$(SEED) $(ARGS)
+	$(FT) --workdir=workdirs/next-random-s$(SEED) --config.random_init=True $(ARGS)
+	$(PY) -m bertjax.finetune.builtin compare workdirs/next-pretrained-s$(SEED) \
+	  workdirs/next-random-s$(SEED)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -13,7 +13,7 @@ that fits here fits there.
 
 Prints per-chip memory from XLA's buffer assignment (arguments, outputs, temporaries, code, less
 the outputs written into donated arguments) against the chip's HBM; the FLOPs of one step (XLA's
-count per chip and the model count of bertjax.metrics); and at an assumed MFU (--mfu) the step
+count per chip and the model count of bertjax.flops); and at an assumed MFU (--mfu) the step
 time, sequences/s and chip-hours of train.num_train_steps. Exits 1, naming the shortfall, when the
 step does not fit. (XLA's TPU compiler itself works to fit HBM before it gives up, e.g. by
 recomputing activations: a step near the limit can compile slowly and run slower than its FLOPs
@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, metrics, sharding, train
+from bertjax import cli, flops, sharding, train
 
 GIB = 2**30
 
@@ -54,7 +54,7 @@ _GRIDS = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 class Generation:
   """How one TPU generation's slice names read, and its chip's memory.
 
-  Peak FLOP/s come from bertjax.metrics.PEAK_TFLOPS, by the devices' `device_kind`.
+  Peak FLOP/s come from bertjax.flops.PEAK_TFLOPS, by the devices' `device_kind`.
   """
 
   libtpu_name: str  # the prefix of libtpu's topology names ("v5" is v5p)
@@ -249,8 +249,8 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
   device_kind = training.mesh.devices.flat[0].device_kind
-  peak = metrics.peak_tflops(device_kind)
-  model_flops = metrics.train_flops(mc, tc.batch_size, seq_len, max_predictions)
+  peak = flops.peak_tflops(device_kind)
+  model_flops = flops.train_flops(mc, tc.batch_size, seq_len, max_predictions)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla_flops = float(cost.get("flops", 0.0)) if cost else 0.0
@@ -318,8 +318,8 @@ def main(argv):
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   hbm_gib = FLAGS.hbm_gib or topology.hbm_gib
-  seq_len, max_predictions = metrics.sequence_shape(config)
-  vocab = int(config.model.vocab_size) or metrics.DEFAULT_VOCAB_SIZE
+  seq_len, max_predictions = flops.sequence_shape(config)
+  vocab = int(config.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE
   if not config.model.vocab_size:
     print(f"bertjax.aot: model.vocab_size is 0 (the tokenizer's); assuming {vocab} "
           "(--config.model.vocab_size=N to change)")

@@ -31,8 +31,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, metrics, train
-from bertjax.metrics import peak_tflops, train_flops
+from bertjax import cli, flops, train
+from bertjax.flops import peak_tflops, train_flops
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
                     seed: int = 0) -> dict[str, np.ndarray]:
@@ -91,7 +91,7 @@ class StepRunner:
 
   def __init__(self, config, seq_len: int, max_predictions: int, devices=None):
     # vocab_size 0 means "the tokenizer's"; there is none here, so take the released English one.
-    vocab = int(config.model.vocab_size) or metrics.DEFAULT_VOCAB_SIZE
+    vocab = int(config.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE
     self.training = train.from_config(config, devices=devices, vocab_size=vocab)
     self.cfg = self.training.model_config
     tc = self.training.train_config
@@ -163,7 +163,7 @@ def print_report(figures: dict, out=sys.stdout) -> None:
 def main(argv):
   del argv
   config = FLAGS.config
-  seq_len, max_predictions = metrics.sequence_shape(config)
+  seq_len, max_predictions = flops.sequence_shape(config)
   runner = StepRunner(config, seq_len, max_predictions)
   time_steps(runner.step, FLAGS.warmup_steps)
   figures = report(runner, time_steps(runner.step, FLAGS.steps))

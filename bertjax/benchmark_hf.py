@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from bertjax import benchmark, metrics, optimizer as optimizer_lib
+from bertjax import benchmark, flops, optimizer as optimizer_lib
 from bertjax.model import BertConfig
 
 FLAGS = flags.FLAGS
@@ -95,7 +95,7 @@ class HfStepRunner:
 def main(argv):
   del argv
   config = FLAGS.config
-  seq_len, max_predictions = metrics.sequence_shape(config)
+  seq_len, max_predictions = flops.sequence_shape(config)
   devices = jax.local_devices()[:1]
   ours = benchmark.StepRunner(config, seq_len, max_predictions, devices=devices)
   host = benchmark.synthetic_batch(ours.batch_size, seq_len, max_predictions,

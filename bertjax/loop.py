@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from bertjax import checkpoint as checkpoint_lib, control, metrics as metrics_lib, train
+from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
 from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.model import BertConfig
 
@@ -306,7 +306,7 @@ def say(text: str, prefix: bool = True) -> None:
 
 
 def _peak_flops() -> float | None:
-  peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
+  peak = flops.peak_tflops(jax.devices()[0].device_kind)
   return peak * 1e12 * jax.device_count() if peak else None
 
 
@@ -366,7 +366,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
       evaluate=lambda step, state, stop: evaluate(training, state, eval_batches(),
                                                   loop.eval_sequences, stop),
       seqs_per_step=tcfg.batch_size,
-      flops_per_step=metrics_lib.train_flops(training.model_config, tcfg.batch_size,
+      flops_per_step=flops.train_flops(training.model_config, tcfg.batch_size,
                                              data.max_seq_length, data.max_predictions_per_seq),
       init=init,
       on_accepted=lambda: tokenizer_lib.copy_to_workdir(

@@ -67,10 +67,11 @@ def pretraining_metrics(mlm_logits_BxMxV, nsp_logits_Bx2,
 
 
 def total_loss(terms: Mapping[str, Metric]) -> jax.Array:
-  """The objective: the sum of each term's mean, sum / denominator. For pre-training that is the
-  mean MLM loss over real predictions + the mean NSP loss, as the original; a fine-tuning head has
-  one term.
+  """The objective: the sum of the means (sum / denominator) of the terms named `*loss`; other
+  entries (accuracies) are ignored. For pre-training that is the mean MLM loss over real
+  predictions + the mean NSP loss, as the original; a fine-tuning head has one term.
 
   The 1e-5 keeps a batch without a single masked token finite, as the original's denominator.
   """
-  return sum(loss_sum / (loss_den + 1e-5) for loss_sum, loss_den in terms.values())
+  return sum(loss_sum / (loss_den + 1e-5) for name, (loss_sum, loss_den) in terms.items()
+             if name.endswith("loss"))

@@ -116,6 +116,13 @@ LAYOUTS = [
     ("AX", "test", "diagnostic/diagnostic.tsv",
      "index\tsentence1\tsentence2\n0\tthe cat sat .\tthe cat did not sit .\n",
      [("the cat sat .", "the cat did not sit .", None, 0)]),
+    # The built-in task of `make finetune` (not GLUE), written in RTE's layout.
+    ("NEXT", "train", "NEXT/train.tsv", "index\tsentence1\tsentence2\tlabel\n0\ta .\tb .\t1\n",
+     [("a .", "b .", "1", 0)]),
+    ("NEXT", "dev", "NEXT/dev.tsv", "index\tsentence1\tsentence2\tlabel\n3\ta .\tc .\t0\n",
+     [("a .", "c .", "0", 0)]),
+    ("NEXT", "test", "NEXT/test.tsv", "index\tsentence1\tsentence2\n7\ta\tb\n",
+     [("a", "b", None, 7)]),
 ]
 
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 
-from bertjax import checkpoint as checkpoint_lib, control, loop, metrics as metrics_lib, sharding
+from bertjax import checkpoint as checkpoint_lib, control, loop, sharding
 from bertjax import train
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import tasks

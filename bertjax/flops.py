@@ -1,0 +1,59 @@
+"""Model FLOPs of a BERT training step and the peak FLOP/s of accelerators: what MFU is made of.
+
+Read by the loop's throughput line, `bertjax.benchmark` and `bertjax.aot`.
+"""
+
+from __future__ import annotations
+
+from bertjax.model import BertConfig
+
+
+# Model FLOPs count matmuls only, 2 per multiply-add, training = 3 x forward. Per sequence, forward:
+#   encoder  num_layers * L * (8 D^2 + 4 D F + 4 L D)   (Q, K, V, output; MLP; QK^T and PV)
+#   pooler + NSP        2 D^2 + 4 D
+#   MLM head        M * (2 D^2 + 2 D V)                  (only the M masked positions)
+# Rematerialisation is not useful work and is not counted, so MFU compares across remat policies.
+# Dense bfloat16 peak TFLOP/s per chip (per GPU), from the vendors' data sheets. Matched against
+# jax's `device_kind` in order (more specific names first).
+PEAK_TFLOPS = (
+    ("TPU v6 lite", 918.0), ("TPU v6e", 918.0),
+    ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
+    ("TPU v5p", 459.0), ("TPU v5", 459.0),
+    ("TPU v4", 275.0),
+    ("H200", 989.0), ("H100", 989.0),  # SXM; dense (no sparsity)
+    ("A100", 312.0),
+)
+
+
+# A config may leave the vocabulary to its tokenizer (model.vocab_size 0), which the benchmark and
+# the AOT check do not read: they assume Google's English WordPiece.
+DEFAULT_VOCAB_SIZE = 30522
+
+
+def sequence_shape(config) -> tuple[int, int]:
+  """(L, M) from the data section: max_seq_length and max_predictions_per_seq."""
+  data = config.get("data", {})
+  seq_len = int(data.get("max_seq_length", 128))
+  return seq_len, int(data.get("max_predictions_per_seq", max(1, round(0.15 * seq_len))))
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """Peak bf16 TFLOP/s of one device, or None when unknown (CPUs)."""
+  for name, peak in PEAK_TFLOPS:
+    if name.lower() in device_kind.lower():
+      return peak
+  return None
+
+
+def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, max_predictions: int) -> float:
+  """Matmul FLOPs of one sequence's forward pass (see the module docstring)."""
+  d, f, v, length = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_len
+  encoder = cfg.num_layers * length * (8 * d * d + 4 * d * f + 4 * length * d)
+  pooler_nsp = 2 * d * d + 4 * d
+  mlm = max_predictions * (2 * d * d + 2 * d * v)
+  return float(encoder + pooler_nsp + mlm)
+
+
+def train_flops(cfg: BertConfig, batch_size: int, seq_len: int, max_predictions: int) -> float:
+  """Model FLOPs of one training step on the whole (global) batch."""
+  return 3.0 * batch_size * forward_flops_per_sequence(cfg, seq_len, max_predictions)
