@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-Usage: launch/local.sh [-n N] [-d D] [-p PORT] [--python PY] -- BERTJAX_MAIN_FLAGS...
+Usage: launch/local.sh [-n N] [-d D] [-p PORT] [--python PY] [-m MODULE] -- BERTJAX_MAIN_FLAGS...
 
 Runs N processes of `python -m bertjax.main` on this machine as the hosts of a pod: each sees D
 emulated CPU devices, and together they form one global mesh of N x D devices (collectives over
@@ -16,6 +16,8 @@ unchanged; the launcher adds --coordinator_address, --num_processes and --proces
   -d D         emulated CPU devices per process (default 4)
   -p PORT      coordinator port (default: a free port)
   --python PY  interpreter (default: $PYTHON, else .venv/bin/python of this checkout, else python3)
+  -m MODULE    the command each process runs (default bertjax.main; bertjax.finetune for a
+               fine-tuning pod)
   -h, --help   this text
 
 Output: each line of process i's stdout and stderr is prefixed with "[i] ".
@@ -47,17 +49,19 @@ num_processes=2
 devices=4
 port=""
 python=${PYTHON:-}
+module=bertjax.main
 saw_dashdash=0
 while (($#)); do
   case $1 in
     -h | --help) usage; exit 0 ;;
-    -n | -d | -p | --python)
+    -n | -d | -p | -m | --python)
       (($# >= 2)) || die_usage "option $1 needs a value"
       case $1 in
         -n) num_processes=$2 ;;
         -d) devices=$2 ;;
         -p) port=$2 ;;
         --python) python=$2 ;;
+        -m) module=$2 ;;
       esac
       shift 2 ;;
     --) shift; saw_dashdash=1; break ;;
@@ -147,7 +151,7 @@ trap 'on_signal TERM' TERM
 trap 'on_signal TERM' HUP
 trap cleanup EXIT
 
-log "$num_processes process(es) x $devices CPU device(s)${port:+, coordinator 127.0.0.1:$port}: $python -m bertjax.main $*"
+log "$num_processes process(es) x $devices CPU device(s)${port:+, coordinator 127.0.0.1:$port}: $python -m $module $*"
 for ((i = 0; i < num_processes; i++)); do
   mkfifo "$fifos/$i"
   # The prefixer stays in the launcher's process group, where a terminal's Ctrl-C lands: it must
@@ -169,7 +173,7 @@ for ((i = 0; i < num_processes; i++)); do
   set -m
   JAX_PLATFORMS=cpu XLA_FLAGS=$xla_flags PYTHONUNBUFFERED=1 \
     PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" \
-    "$python" -m bertjax.main "$@" ${distributed[@]+"${distributed[@]}"} \
+    "$python" -m "$module" "$@" ${distributed[@]+"${distributed[@]}"} \
     ${ids[@]+"${ids[@]}"} <"/dev/null" >"$fifos/$i" 2>&1 3>&- &
   pids+=("$!")
   alive+=(1)
