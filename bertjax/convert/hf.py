@@ -9,7 +9,8 @@ Command line:
   python -m bertjax.convert.hf import --hf_dir=DIR_WITH_config.json_AND_model.safetensors --output=OUT
   python -m bertjax.convert.hf export --params=OUT --output=HF_DIR
 `import` writes an orbax checkpoint of the parameters plus `bert_config.json` (see `save_params`),
-the form a run's `init_from` reads; `export` writes `config.json` and `model.safetensors` back.
+and copies the folder's `vocab.txt` if it has one: the form a run's `init_from` (pre-training or
+`python -m bertjax.finetune`) reads; `export` writes `config.json` and `model.safetensors` back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from typing import Callable
 
@@ -358,6 +360,9 @@ def main(argv: list[str]) -> None:
   if args.command == "import":
     config, params = load_hf_dir(args.hf_dir, scan_layers=args.scan_layers)
     save_params(args.output, params, config)
+    vocab = os.path.join(args.hf_dir, "vocab.txt")
+    if os.path.exists(vocab):  # the WordPiece vocabulary travels with the weights it indexes
+      shutil.copyfile(vocab, os.path.join(args.output, "vocab.txt"))
     print(f"Imported {args.hf_dir} -> {args.output} ({config.num_layers} layers, "
           f"hidden {config.hidden_size}, vocab {config.vocab_size})")
   else:

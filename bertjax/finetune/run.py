@@ -26,6 +26,7 @@ import os
 from typing import Any, Iterator, Mapping
 
 import jax
+import ml_collections
 import numpy as np
 
 from bertjax import checkpoint as checkpoint_lib, control, loop, sharding
@@ -104,7 +105,6 @@ def _workdir_vocabulary(workdir: str) -> tuple[str | None, bool]:
   data = config.get("data") or {}
   if not data:  # a fine-tuning workdir records its vocabulary in tokenizer.json only
     return None, True
-  import ml_collections  # pylint: disable=import-outside-toplevel
   try:
     return tokenizer_lib.vocab_path_of(ml_collections.ConfigDict(data)), bool(
         data.get("do_lower_case", True))
@@ -147,10 +147,15 @@ def resolve_tokenizer(config, source: Source | None):
                      ".model or a WordPiece vocab.txt).")
   lower = config.do_lower_case if config.vocab_path or source is None else source.do_lower_case
   kind = "sentencepiece" if path.endswith(".model") else "wordpiece"
-  import ml_collections  # pylint: disable=import-outside-toplevel
   tokenizer = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
       {"vocab_path": path, "tokenizer": kind, "do_lower_case": lower}))
   have = source.tokenizer_fingerprint if source is not None else None
+  if (have is None and source is not None and source.vocab_file and config.vocab_path
+      and source.vocab_file != config.vocab_path):
+    # A converted folder records no fingerprint, but the vocabulary beside it has one.
+    have = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
+        {"vocab_path": source.vocab_file, "tokenizer": "wordpiece",
+         "do_lower_case": source.do_lower_case})).fingerprint
   if have is not None and have != tokenizer.fingerprint and not config.init_from_other_vocab:
     raise checkpoint_lib.CheckpointMismatchError(
         f"The task's vocabulary {path} (fingerprint {tokenizer.fingerprint}) is not the one "
