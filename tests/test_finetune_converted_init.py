@@ -1,0 +1,87 @@
+"""Fine-tuning from a folder of `python -m bertjax.convert.hf import`: its weights and vocabulary."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from bertjax import checkpoint as checkpoint_lib, loop, train
+from bertjax.convert import hf
+from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.finetune import run
+from bertjax.heads import BertForPreTraining
+from bertjax.model import BertConfig
+from configs import finetune as finetune_config
+from test_data_fixtures import write_vocab
+
+
+def _task(folder, n=24):
+  os.makedirs(folder / "NEXT")
+  for split in ("train", "dev"):
+    rows = [f"{i}\tthe cat sat\ta dog ran\t{i % 2}" for i in range(n)]
+    (folder / "NEXT" / f"{split}.tsv").write_text(
+        "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
+
+
+def _converted(tmp_path) -> tuple[str, dict, BertConfig]:
+  """A folder as `convert.hf import` writes it: bert_config.json, params/, vocab.txt."""
+  folder = tmp_path / "converted"
+  os.makedirs(folder)
+  vocab = write_vocab(str(folder / "vocab.txt"))
+  size = tokenizer_lib.load_tokenizer(vocab).vocab_size
+  cfg = BertConfig(vocab_size=size, hidden_size=32, num_layers=1, num_heads=2,
+                   intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.0,
+                   attention_dropout=0.0)
+  params = jax.device_get(train.init_state(
+      BertForPreTraining(cfg), train.optimizer_lib.create_optimizer(
+          train.TrainConfig(num_train_steps=1, warmup_steps=0))[0],
+      jax.random.PRNGKey(3)).params)
+  params = jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))
+  hf.save_params(str(folder), params, cfg)
+  return str(folder), params, cfg
+
+
+def _config(init_from, data_dir):
+  config = finetune_config.get_config("next")
+  config.init_from, config.data_dir = init_from, data_dir
+  config.max_seq_length = 16
+  t = config.train
+  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 0.0, 1
+  config.model.hidden_dropout = config.model.attention_dropout = 0.0
+  return config
+
+
+def test_encoder_and_vocabulary_come_from_a_converted_folder(tmp_path, monkeypatch):
+  folder, params, cfg = _converted(tmp_path)
+  _task(tmp_path / "task")
+  config = _config(folder, str(tmp_path / "task"))
+  real = train.build
+  monkeypatch.setattr(train, "build", lambda *a, **kw: real(*a, devices=jax.devices()[:1], **{
+      k: v for k, v in kw.items() if k != "devices"}))
+  results = run.finetune(config, str(tmp_path / "ft"))
+  assert results["evaluations"]
+  # Learning rate 0: the saved encoder is the converted one, leaf for leaf.
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ft" / "checkpoints"), loop.ITEMS,
+                                     save_every=1, keep=1)
+  step = ckpt.all_steps()[-1]
+  saved = ckpt._manager.restore(step)["params"]  # pylint: disable=protected-access
+  ckpt.close()
+  want = jax.tree_util.tree_leaves_with_path(params["bert"])
+  got = dict(jax.tree_util.tree_leaves_with_path(saved["bert"]))
+  assert len(want) == len(got) > 10
+  for path, value in want:
+    np.testing.assert_array_equal(np.asarray(got[path]), value, err_msg=str(path))
+  # The folder's vocab.txt became the run's (copied into the workdir with its fingerprint).
+  record = (tmp_path / "ft" / tokenizer_lib.WORKDIR_RECORD).read_text()
+  assert tokenizer_lib.load_tokenizer(os.path.join(folder, "vocab.txt")).fingerprint in record
+
+  # Another vocabulary than the folder's is refused, naming both fingerprints.
+  pieces = (tmp_path / "converted" / "vocab.txt").read_text().split("\n")
+  other = tmp_path / "other_vocab.txt"  # the same pieces, two of them swapped
+  other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
+  config = _config(folder, str(tmp_path / "task"))
+  config.vocab_path = str(other)
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
+    run.finetune(config, str(tmp_path / "ft2"))
+  assert str(err.value).count("wordpiece-") == 2
