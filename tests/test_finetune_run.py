@@ -463,6 +463,44 @@ def test_interrupted_run_resumes_to_the_same_end_and_keeps_the_best_epoch(
     np.testing.assert_array_equal(predicted_with[key], at_epoch_2[key], err_msg=key)
 
 
+class _Crash(Exception):
+  pass
+
+
+def test_a_crash_after_an_evaluation_reruns_from_the_last_checkpoint(
+    rte_run, pretrained, rte_dir, tmp_path, monkeypatch, capsys):
+  # Checkpoints every 40 steps, evaluations every 32: a crash (no SIGTERM, no save) at step 70
+  # leaves checkpoint 40 behind epoch 2's evaluation and its best/ checkpoint, which the rerun
+  # computes again.
+  config = rte_config(pretrained, rte_dir[0])
+  config.checkpoint.save_every_steps = 40
+  workdir = str(tmp_path / "run")
+  real = run.train_batches
+
+  def crashing(*args, **kwargs):
+    for step, batch in enumerate(real(*args, **kwargs), args[3]):
+      if step == 70:
+        raise _Crash()
+      yield batch
+  with monkeypatch.context() as mp:
+    mp.setattr(run, "train_batches", crashing)
+    with pytest.raises(_Crash):
+      run.finetune(config, workdir)
+  assert steps_in(os.path.join(workdir, "checkpoints")) == [40]
+  assert [e["step"] for e in read_json(os.path.join(workdir, "evaluations.json"))] == [32, 64]
+
+  done = finetune(config, workdir, monkeypatch)
+  assert f"resumed from {workdir}/checkpoints at step 40" in capsys.readouterr().out
+  assert [(e["step"], e["scores"]) for e in done.results["evaluations"]] == [
+      (e["step"], e["scores"]) for e in rte_run.results["evaluations"]]
+  check_workdir_files(workdir, done.results, "RTE", "accuracy", ["RTE.tsv"])
+  assert done.results["best"] == rte_run.results["best"]
+  final = flat(saved_params(os.path.join(workdir, "checkpoints"), TOTAL))
+  ref = flat(saved_params(os.path.join(rte_run.workdir, "checkpoints"), TOTAL))
+  for key in ref:
+    np.testing.assert_array_equal(final[key], ref[key], err_msg=key)
+
+
 # 5. Bad input -----------------------------------------------------------------------------------
 
 RTE_HEAD = "index\tsentence1\tsentence2\tlabel\n"
