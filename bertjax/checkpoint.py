@@ -199,6 +199,9 @@ class Checkpointer:
     items, _ = self.restore(step, {item: abstract})
     return items[item][key]
 
+  def delete(self, step: int) -> None:
+    self._manager.delete(step)
+
   def read_meta(self, step: int) -> dict:
     return dict(self._manager.restore(step, args=ocp.args.Composite(
         **{META: ocp.args.JsonRestore()}))[META])

@@ -312,6 +312,11 @@ class Evaluations:
       self.records = [r for r in _read_json(self.path) if r["step"] <= start]
     self.best = checkpoint_lib.Checkpointer(os.path.join(workdir, "best"), ("params",),
                                             save_every=1, keep=1, async_save=False)
+    # So does a best checkpoint of such a step (a crash between an evaluation and the next
+    # checkpoint): the rerun evaluates that step again and saves its own.
+    for step in self.best.all_steps():
+      if step > start:
+        self.best.delete(step)
     self._meta = dict(meta)
 
   def done(self, step: int) -> bool:

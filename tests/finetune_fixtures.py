@@ -1,0 +1,194 @@
+"""Shared helpers of the fine-tuning run tests (no tests here): a tiny pre-trained workdir, small
+synthetic tasks of each family in their real file formats, and fine-tuning configs sized for a CPU.
+
+Every task's labels follow from its text by a rule a 2-layer, 32-wide model learns in a few
+epochs, so a score far above chance shows the whole path works: files -> features -> the head and
+its loss -> the sharded step -> scoring -> prediction files.
+"""
+
+import json
+import os
+import random
+
+import jax
+import pytest
+
+from bertjax import loop, train
+from configs import finetune as finetune_config
+from configs import tiny
+from test_data_fixtures import WORDS, data_config
+
+# Words with a role in the tasks; the others are filler.
+KEYS = WORDS[:3]  # RTE: "entailment" iff sentence B holds one of these
+COUNTED = WORDS[3:6]  # STS-B: the score is how many of these the pair holds
+ANSWERS = WORDS[6:12]  # SQuAD: the answer is the one of these in the context
+QUESTION = " ".join(WORDS[12:14])
+FIRST_NAMES = WORDS[14:24]  # CoNLL: a person is a first name (B-PER) ...
+SURNAMES = WORDS[24:34]  # ... and at times a surname after it (I-PER)
+PLACES = WORDS[34:40]  # CoNLL: locations (B-LOC)
+FILLER = WORDS[40:]
+
+SEQ = 32  # max_seq_length of every fine-tuning run here
+
+
+def pretrain(root: str, steps: int = 30) -> str:
+  """A tiny pre-training run (hidden 32, 2 layers) on a synthetic corpus; returns its workdir.
+
+  It runs on one device (a third faster to compile and save than on 8), so fine-tuning on the
+  8-device mesh also restores its encoder onto another mesh."""
+  config = tiny.get_config()
+  config.data = data_config(os.path.join(root, "data"), n_docs=30, sents_per_doc=12)
+  m = config.model
+  m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 32, 2, 2, 64
+  m.max_position_embeddings = 64
+  t = config.train
+  t.batch_size, t.num_train_steps, t.warmup_steps, t.learning_rate = 8, steps, 3, 1e-3
+  t.log_every_steps, t.eval_every_steps, t.eval_sequences = steps, 0, 8
+  config.checkpoint.save_every_steps = steps
+  workdir = os.path.join(root, "pretrained")
+  real = train.from_config
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(train, "from_config", lambda config, devices=None, **kw: real(
+        config, jax.devices()[:1], **kw))
+    loop.train_and_evaluate(config, workdir)
+  return workdir
+
+
+def ft_config(task: str, init_from: str, **train_overrides):
+  """configs/finetune.py for `task` at the size of these tests (batch 16, 3 epochs, 1e-3)."""
+  config = finetune_config.get_config(task)
+  config.init_from = init_from
+  config.max_seq_length = SEQ
+  config.doc_stride, config.max_query_length = 16, 8
+  t = config.train
+  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 16, 3, 1e-3, 1000
+  for k, v in train_overrides.items():
+    t[k] = v
+  return config
+
+
+def _words(rng, low, high, pool=FILLER):
+  return [rng.choice(pool) for _ in range(rng.randint(low, high))]
+
+
+def _insert(rng, words, word):
+  words.insert(rng.randrange(len(words) + 1), word)
+
+
+def _write(path, text):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+  return path
+
+
+# GLUE: RTE (pair classification, label names) and STS-B (regression) ---------------------------
+
+def rte_rows(n, seed):
+  """(sentence1, sentence2, label): entailment iff sentence2 holds a key word; half of the others
+  hold one in sentence1, so the segment matters."""
+  rng = random.Random(seed)
+  rows = []
+  for i in range(n):
+    a, b = _words(rng, 3, 8), _words(rng, 3, 8)
+    positive = i % 2 == 0
+    if positive:
+      _insert(rng, b, rng.choice(KEYS))
+    elif rng.random() < 0.5:
+      _insert(rng, a, rng.choice(KEYS))
+    rows.append((" ".join(a), " ".join(b), "entailment" if positive else "not_entailment"))
+  rng.shuffle(rows)
+  return rows
+
+
+def write_rte(data_dir, n_train=256, n_dev=64, n_test=24, seed=0):
+  head = "index\tsentence1\tsentence2\tlabel\n"
+  for split, n, s in (("train", n_train, seed), ("dev", n_dev, seed + 1)):
+    _write(os.path.join(data_dir, "RTE", f"{split}.tsv"),
+           head + "".join(f"{i}\t{a}\t{b}\t{y}\n" for i, (a, b, y) in enumerate(rte_rows(n, s))))
+  test = rte_rows(n_test, seed + 2)
+  # Test indices out of order, as a check that the submission is sorted by index.
+  _write(os.path.join(data_dir, "RTE", "test.tsv"), "index\tsentence1\tsentence2\n" + "".join(
+      f"{n_test - 1 - i}\t{a}\t{b}\n" for i, (a, b, _) in enumerate(test)))
+  return test[::-1]  # by index
+
+
+STSB_HEAD = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
+
+
+def stsb_rows(n, seed):
+  """(sentence1, sentence2, score): the score is the number of counted words in the pair."""
+  rng = random.Random(seed)
+  rows = []
+  for _ in range(n):
+    a, b = _words(rng, 3, 7), _words(rng, 3, 7)
+    k = rng.randint(0, 5)
+    for _ in range(k):
+      _insert(rng, rng.choice((a, b)), rng.choice(COUNTED))
+    rows.append((" ".join(a), " ".join(b), float(k)))
+  return rows
+
+
+def write_stsb(data_dir, n_train=256, n_dev=64, n_test=16, seed=0):
+  def row(i, a, b):
+    return f"{i}\tmain-captions\tMSRvid\t2012test\t{i:04d}\tnone\tnone\t{a}\t{b}"
+  for split, n, s in (("train", n_train, seed), ("dev", n_dev, seed + 1)):
+    _write(os.path.join(data_dir, "STS-B", f"{split}.tsv"), STSB_HEAD + "\tscore\n" + "".join(
+        f"{row(i, a, b)}\t{y:.3f}\n" for i, (a, b, y) in enumerate(stsb_rows(n, s))))
+  test = stsb_rows(n_test, seed + 2)
+  _write(os.path.join(data_dir, "STS-B", "test.tsv"), STSB_HEAD + "\n" + "".join(
+      f"{row(i, a, b)}\n" for i, (a, b, _) in enumerate(test)))
+  return test
+
+
+# SQuAD v1.1 -------------------------------------------------------------------------------------
+
+def squad_paragraphs(n, seed, prefix, length=(10, 40)):
+  """Contexts of filler words, longer than one window at times, holding one answer word."""
+  rng = random.Random(seed)
+  paragraphs = []
+  for i in range(n):
+    words = _words(rng, *length)
+    at = rng.randrange(len(words) + 1)
+    answer = rng.choice(ANSWERS)
+    words.insert(at, answer)
+    # Capitalised, with a full stop: the offset counts characters of this text.
+    context = " ".join(words).capitalize() + "."
+    start = len(" ".join(words[:at])) + (at > 0)
+    assert context[start:start + len(answer)].lower() == answer
+    answer = context[start:start + len(answer)]
+    paragraphs.append({"context": context, "qas": [
+        {"id": f"{prefix}{i}", "question": QUESTION, "answers": [
+            {"text": answer, "answer_start": start}]}]})
+  return paragraphs
+
+
+def write_squad(path, paragraphs):
+  return _write(path, json.dumps({"version": "1.1", "data": [{"title": "synthetic",
+                                                                "paragraphs": paragraphs}]}))
+
+
+# CoNLL-2003 -------------------------------------------------------------------------------------
+
+def conll_sentences(n, seed):
+  """[(word, tag)] per sentence: a first name, and a surname after it, are a person, a place is a
+  location, the rest O. Tags in IOB1, as the original files."""
+  rng = random.Random(seed)
+  sentences = []
+  for _ in range(n):
+    words = []
+    for _ in range(rng.randint(1, 2)):  # filler between entities: never two in a row
+      words += [(w, "O") for w in _words(rng, 1, 3)]
+      if rng.random() < 0.7:
+        person = [rng.choice(FIRST_NAMES)] + [rng.choice(SURNAMES)] * (rng.random() < 0.5)
+        words += [(w.capitalize(), "I-PER") for w in person]
+      else:
+        words.append((rng.choice(PLACES).capitalize(), "I-LOC"))
+    words += [(w, "O") for w in _words(rng, 0, 3)]
+    sentences.append(words)
+  return sentences
+
+
+def write_conll(path, sentences):
+  body = "".join("".join(f"{w} NN I-NP {t}\n" for w, t in s) + "\n" for s in sentences)
+  return _write(path, "-DOCSTART- -X- O O\n\n" + body)
