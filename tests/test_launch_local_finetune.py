@@ -1,0 +1,64 @@
+"""launch/local.sh -m bertjax.finetune: a fine-tuning pod on one machine (apart from
+test_launch_local.py so that the suite's two workers can run them side by side)."""
+
+import json
+import os
+
+import numpy as np
+
+from test_data_fixtures import data_config, random_documents
+from test_launch_local import runs  # pylint: disable=unused-import  (the fixture)
+
+
+def _pair_task(folder, n_train=96, n_dev=40):
+  """NEXT files (RTE's layout): label 1 when the second sentence repeats the first one's first
+  word, something a tiny model can pick up in an epoch or two."""
+  docs = random_documents(n_train + n_dev, 2, seed=7)
+  os.makedirs(folder / "NEXT")
+  for split, rows in (("train", docs[:n_train]), ("dev", docs[n_train:])):
+    lines = ["index\tsentence1\tsentence2\tlabel"]
+    for i, (a, b) in enumerate(rows):
+      label = i % 2
+      if label:
+        b = a.split()[0] + " " + b
+      lines.append(f"{i}\t{a}\t{b}\t{label}")
+    (folder / "NEXT" / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+
+
+def test_finetuning_pod_scores_as_one_process(tmp_path, runs):
+  """`python -m bertjax.finetune` on 2 processes x 2 devices gives one process's dev scores."""
+  data = data_config(tmp_path / "data", n_docs=0)
+  _pair_task(tmp_path / "task")
+  vocab_size = sum(1 for _ in open(data.vocab_path, encoding="utf-8"))
+  flags = ["--config=configs/finetune.py:next", "--config.init_from=",
+           f"--config.vocab_path={data.vocab_path}", f"--config.data_dir={tmp_path / 'task'}",
+           f"--config.model.vocab_size={vocab_size}", "--config.model.hidden_size=32",
+           "--config.model.num_layers=1", "--config.model.num_heads=2",
+           "--config.model.intermediate_size=64", "--config.model.max_position_embeddings=64",
+           "--config.model.type_vocab_size=2", "--config.max_seq_length=32",
+           "--config.train.batch_size=8", "--config.train.num_epochs=2",
+           "--config.train.log_every_steps=4",
+           # Dropout off: which device holds which row differs between the two layouts, and with
+           # it each row's dropout mask.
+           "--config.model.hidden_dropout=0", "--config.model.attention_dropout=0"]
+  pod = runs.launch(["-n", "2", "-d", "2", "-m", "bertjax.finetune"],
+                    flags + [f"--workdir={tmp_path / 'pod'}"])
+  assert pod.finish() == 0, pod.output[-5000:]
+  single = runs.launch(["-n", "1", "-d", "4", "-m", "bertjax.finetune"],
+                       flags + [f"--workdir={tmp_path / 'one'}"])
+  assert single.finish() == 0, single.output[-5000:]
+  pod_results = json.loads((tmp_path / "pod" / "results.json").read_text())
+  one_results = json.loads((tmp_path / "one" / "results.json").read_text())
+  scores = [[r["scores"]["accuracy"] for r in res["evaluations"]]
+            for res in (pod_results, one_results)]
+  assert len(scores[0]) == 2 and scores[0] == scores[1]
+  # The same batches and updates: the training losses agree at every log step (each host feeding
+  # its own rows of every global batch; a host feeding another's rows changes them).
+  losses = [[json.loads(line)["train/loss"] for line in (tmp_path / name / "metrics.jsonl")
+             .read_text().splitlines() if "train/loss" in line] for name in ("pod", "one")]
+  assert len(losses[0]) == 6
+  np.testing.assert_allclose(losses[0], losses[1], rtol=2e-5)
+  assert (tmp_path / "pod" / "best").is_dir()
+  # Only process 0 speaks.
+  assert not [line for line in pod.output.splitlines() if line.startswith("[1] NEXT:")]
+  assert [line for line in pod.output.splitlines() if line.startswith("[0] NEXT: best dev")]
