@@ -61,11 +61,9 @@ def rte_dir(tmp_path_factory):
   return data_dir, test_rows
 
 
-def rte_config(pretrained, data_dir, **train_overrides):
+def rte_config(pretrained, data_dir):
   config = fx.ft_config("rte", pretrained, batch_size=BATCH, num_epochs=EPOCHS)
   config.data_dir = data_dir
-  for k, v in train_overrides.items():
-    config.train[k] = v
   return config
 
 
@@ -311,6 +309,9 @@ def test_sharded_run_equals_one_device(rte_run, pretrained, rte_dir, tmp_path, m
     assert got["step"] == ref["step"]
     assert got["scores"] == pytest.approx(ref["scores"], abs=1.5 / N_DEV)
   assert done.results["best"]["step"] == rte_run.results["best"]["step"]
+  with open(os.path.join(done.workdir, "predictions", "RTE.tsv")) as got, open(
+      os.path.join(rte_run.workdir, "predictions", "RTE.tsv")) as ref:
+    assert got.read() == ref.read()
   # Near-identical parameters (sums in another order) after 96 steps.
   got = flat(saved_params(os.path.join(done.workdir, "checkpoints")))
   ref = flat(saved_params(os.path.join(rte_run.workdir, "checkpoints")))
@@ -525,9 +526,11 @@ def _conll_case(tmp_path, dev_line):
   return config
 
 
-def _bad_epochs(tmp_path):
+def _bad_values(tmp_path, **values):
   config = _glue_case(tmp_path)
-  config.train.num_epochs = 0
+  for key, value in values.items():
+    section, name = key.split("__")
+    config[section][name] = value
   return config
 
 
@@ -546,7 +549,13 @@ BAD_INPUT = {
     "unknown_task": (
         lambda p: fx.ft_config("rtee", ""),
         r"Unknown fine-tuning task 'rtee'; choose one of \[.*'rte'"),
-    "zero_epochs": (_bad_epochs, r"Invalid config: train.num_epochs=0(\.0)? must be > 0"),
+    "zero_epochs": (lambda p: _bad_values(p, train__num_epochs=0),
+                    r"Invalid config: train.num_epochs=0(\.0)? must be > 0$"),
+    "bad_values": (
+        lambda p: _bad_values(p, train__batch_size=0, train__warmup_proportion=1.5,
+                              checkpoint__keep=0),
+        r"Invalid config: train.batch_size=0 must be >= 1; train.warmup_proportion=1.5 must be "
+        r"in \[0, 1\]; checkpoint.keep=0 must be >= 1$"),
 }
 
 
