@@ -510,7 +510,7 @@ GOOD_ROWS = "".join(f"{i}\t{a}\t{b}\t{y}\n" for i, (a, b, y) in enumerate(fx.rte
 
 def _glue_case(tmp_path, train=RTE_HEAD + GOOD_ROWS, dev=RTE_HEAD + GOOD_ROWS):
   for split, rows in (("train", train), ("dev", dev)):
-    fx._write(str(tmp_path / "glue" / "RTE" / f"{split}.tsv"), rows)  # pylint: disable=protected-access
+    fx.write_file(str(tmp_path / "glue" / "RTE" / f"{split}.tsv"), rows)
   config = fx.ft_config("rte", "")
   config.data_dir = str(tmp_path / "glue")
   return config
