@@ -75,7 +75,7 @@ def _insert(rng, words, word):
   words.insert(rng.randrange(len(words) + 1), word)
 
 
-def _write(path, text):
+def write_file(path, text):
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
     f.write(text)
@@ -104,11 +104,11 @@ def rte_rows(n, seed):
 def write_rte(data_dir, n_train=256, n_dev=64, n_test=24, seed=0):
   head = "index\tsentence1\tsentence2\tlabel\n"
   for split, n, s in (("train", n_train, seed), ("dev", n_dev, seed + 1)):
-    _write(os.path.join(data_dir, "RTE", f"{split}.tsv"),
-           head + "".join(f"{i}\t{a}\t{b}\t{y}\n" for i, (a, b, y) in enumerate(rte_rows(n, s))))
+    write_file(os.path.join(data_dir, "RTE", f"{split}.tsv"), head + "".join(
+        f"{i}\t{a}\t{b}\t{y}\n" for i, (a, b, y) in enumerate(rte_rows(n, s))))
   test = rte_rows(n_test, seed + 2)
   # Test indices out of order, as a check that the submission is sorted by index.
-  _write(os.path.join(data_dir, "RTE", "test.tsv"), "index\tsentence1\tsentence2\n" + "".join(
+  write_file(os.path.join(data_dir, "RTE", "test.tsv"), "index\tsentence1\tsentence2\n" + "".join(
       f"{n_test - 1 - i}\t{a}\t{b}\n" for i, (a, b, _) in enumerate(test)))
   return test[::-1]  # by index
 
@@ -133,10 +133,10 @@ def write_stsb(data_dir, n_train=256, n_dev=64, n_test=16, seed=0):
   def row(i, a, b):
     return f"{i}\tmain-captions\tMSRvid\t2012test\t{i:04d}\tnone\tnone\t{a}\t{b}"
   for split, n, s in (("train", n_train, seed), ("dev", n_dev, seed + 1)):
-    _write(os.path.join(data_dir, "STS-B", f"{split}.tsv"), STSB_HEAD + "\tscore\n" + "".join(
+    write_file(os.path.join(data_dir, "STS-B", f"{split}.tsv"), STSB_HEAD + "\tscore\n" + "".join(
         f"{row(i, a, b)}\t{y:.3f}\n" for i, (a, b, y) in enumerate(stsb_rows(n, s))))
   test = stsb_rows(n_test, seed + 2)
-  _write(os.path.join(data_dir, "STS-B", "test.tsv"), STSB_HEAD + "\n" + "".join(
+  write_file(os.path.join(data_dir, "STS-B", "test.tsv"), STSB_HEAD + "\n" + "".join(
       f"{row(i, a, b)}\n" for i, (a, b, _) in enumerate(test)))
   return test
 
@@ -164,7 +164,7 @@ def squad_paragraphs(n, seed, prefix, length=(10, 40)):
 
 
 def write_squad(path, paragraphs):
-  return _write(path, json.dumps({"version": "1.1", "data": [{"title": "synthetic",
+  return write_file(path, json.dumps({"version": "1.1", "data": [{"title": "synthetic",
                                                                 "paragraphs": paragraphs}]}))
 
 
@@ -191,4 +191,4 @@ def conll_sentences(n, seed):
 
 def write_conll(path, sentences):
   body = "".join("".join(f"{w} NN I-NP {t}\n" for w, t in s) + "\n" for s in sentences)
-  return _write(path, "-DOCSTART- -X- O O\n\n" + body)
+  return write_file(path, "-DOCSTART- -X- O O\n\n" + body)

@@ -61,11 +61,9 @@ def rte_dir(tmp_path_factory):
   return data_dir, test_rows
 
 
-def rte_config(pretrained, data_dir, **train_overrides):
+def rte_config(pretrained, data_dir):
   config = fx.ft_config("rte", pretrained, batch_size=BATCH, num_epochs=EPOCHS)
   config.data_dir = data_dir
-  for k, v in train_overrides.items():
-    config.train[k] = v
   return config
 
 
@@ -311,6 +309,9 @@ def test_sharded_run_equals_one_device(rte_run, pretrained, rte_dir, tmp_path, m
     assert got["step"] == ref["step"]
     assert got["scores"] == pytest.approx(ref["scores"], abs=1.5 / N_DEV)
   assert done.results["best"]["step"] == rte_run.results["best"]["step"]
+  with open(os.path.join(done.workdir, "predictions", "RTE.tsv")) as got, open(
+      os.path.join(rte_run.workdir, "predictions", "RTE.tsv")) as ref:
+    assert got.read() == ref.read()
   # Near-identical parameters (sums in another order) after 96 steps.
   got = flat(saved_params(os.path.join(done.workdir, "checkpoints")))
   ref = flat(saved_params(os.path.join(rte_run.workdir, "checkpoints")))
@@ -385,6 +386,19 @@ def test_init_from_refuses_another_vocabulary_or_shape(pretrained, rte_dir, tmp_
   assert not builds.trainings  # each refused before anything was compiled
   assert not any(os.path.exists(tmp_path / d / "checkpoints")
                  for d in ("vocab", "hidden_size", "num_layers", "vocab_size", "random"))
+
+
+def test_a_workdir_of_another_task_is_refused(rte_run, pretrained, tmp_path, monkeypatch):
+  fx.write_stsb(str(tmp_path / "glue"), n_train=32, n_dev=8)
+  config = fx.ft_config("sts-b", pretrained)
+  config.data_dir = str(tmp_path / "glue")
+  before = {name: os.path.getmtime(os.path.join(rte_run.workdir, name))
+            for name in ("results.json", "config.json", "evaluations.json")}
+  Builds(monkeypatch)
+  with pytest.raises(ValueError, match=f"--workdir={rte_run.workdir} holds a RTE run; "
+                     "fine-tuning STS-B needs its own workdir"):
+    run.finetune(config, rte_run.workdir)
+  assert before == {name: os.path.getmtime(os.path.join(rte_run.workdir, name)) for name in before}
 
 
 # 4. Resume and the best checkpoint --------------------------------------------------------------
@@ -509,7 +523,7 @@ GOOD_ROWS = "".join(f"{i}\t{a}\t{b}\t{y}\n" for i, (a, b, y) in enumerate(fx.rte
 
 def _glue_case(tmp_path, train=RTE_HEAD + GOOD_ROWS, dev=RTE_HEAD + GOOD_ROWS):
   for split, rows in (("train", train), ("dev", dev)):
-    fx._write(str(tmp_path / "glue" / "RTE" / f"{split}.tsv"), rows)  # pylint: disable=protected-access
+    fx.write_file(str(tmp_path / "glue" / "RTE" / f"{split}.tsv"), rows)
   config = fx.ft_config("rte", "")
   config.data_dir = str(tmp_path / "glue")
   return config
@@ -525,9 +539,11 @@ def _conll_case(tmp_path, dev_line):
   return config
 
 
-def _bad_epochs(tmp_path):
+def _bad_values(tmp_path, **values):
   config = _glue_case(tmp_path)
-  config.train.num_epochs = 0
+  for key, value in values.items():
+    section, name = key.split("__")
+    config[section][name] = value
   return config
 
 
@@ -546,7 +562,13 @@ BAD_INPUT = {
     "unknown_task": (
         lambda p: fx.ft_config("rtee", ""),
         r"Unknown fine-tuning task 'rtee'; choose one of \[.*'rte'"),
-    "zero_epochs": (_bad_epochs, r"Invalid config: train.num_epochs=0(\.0)? must be > 0"),
+    "zero_epochs": (lambda p: _bad_values(p, train__num_epochs=0),
+                    r"Invalid config: train.num_epochs=0(\.0)? must be > 0$"),
+    "bad_values": (
+        lambda p: _bad_values(p, train__batch_size=0, train__warmup_proportion=1.5,
+                              checkpoint__keep=0),
+        r"Invalid config: train.batch_size=0 must be >= 1; train.warmup_proportion=1.5 must be "
+        r"in \[0, 1\]; checkpoint.keep=0 must be >= 1$"),
 }
 
 
