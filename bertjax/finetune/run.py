@@ -455,9 +455,16 @@ def _finish(config, workdir, training, data: tasks.TaskData, evaluations: Evalua
   best = evaluations.best_record()
   params_state = state
   if best is not None and best["step"] != int(jax.device_get(state.step)):
-    items, _ = evaluations.best.restore(best["step"], {"params": checkpoint_lib.abstract_like(
-        state.params)})
-    params_state = state.replace(params=items["params"])
+    if best["step"] in evaluations.best.all_steps():
+      items, _ = evaluations.best.restore(best["step"], {"params": checkpoint_lib.abstract_like(
+          state.params)})
+      params_state = state.replace(params=items["params"])
+    else:
+      # Only after a rerun on another mesh scored an epoch below its first run's score: the
+      # best weights were replaced by that epoch's and then dropped with it.
+      data.notes.append(f"the best epoch's checkpoint (step {best['step']}) is gone; "
+                        "predictions come from the last step")
+      loop.say(data.notes[-1])
   files = []
   out_dir = os.path.join(workdir, "predictions")
   for predict_set in data.predicts:
