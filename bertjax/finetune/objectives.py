@@ -45,17 +45,24 @@ def _count(batch):
   return jnp.sum(_weight(batch))
 
 
-def classification(num_labels: int) -> train.Objective:
-  def metrics(logits_BxC, batch):
-    w_B = _weight(batch)
-    return {"cls_loss": losses.weighted_cross_entropy(logits_BxC, batch["label"], w_B),
-            "accuracy": losses.weighted_accuracy(logits_BxC, batch["label"], w_B)}
+def _labelled(name: str, model, term: str, label_key: str, weights, dummy, outputs
+              ) -> train.Objective:
+  """Cross-entropy of `batch[label_key]` under `weights(batch)`, and the accuracy beside it."""
+  def metrics(logits, batch):
+    w = weights(batch)
+    return {term: losses.weighted_cross_entropy(logits, batch[label_key], w),
+            "accuracy": losses.weighted_accuracy(logits, batch[label_key], w)}
 
-  return train.Objective(
+  return train.Objective(name, model, _inputs, metrics,
+                         lambda batch: {term: jnp.sum(weights(batch))}, dummy, outputs)
+
+
+def classification(num_labels: int) -> train.Objective:
+  return _labelled(
       f"classification_{num_labels}",
-      functools.partial(heads.BertForSequenceClassification, num_labels=num_labels), _inputs,
-      metrics, lambda batch: {"cls_loss": _count(batch)},
-      functools.partial(_dummy, label=((), np.int32)), lambda logits: {"logits": logits})
+      functools.partial(heads.BertForSequenceClassification, num_labels=num_labels), "cls_loss",
+      "label", _weight, functools.partial(_dummy, label=((), np.int32)),
+      lambda logits: {"logits": logits})
 
 
 def regression() -> train.Objective:
@@ -88,18 +95,11 @@ def span() -> train.Objective:
 
 
 def tagging(num_labels: int) -> train.Objective:
-  def token_weights(batch):
-    return batch["label_weights"].astype(jnp.float32) * _weight(batch)[:, None]
-
-  def metrics(logits_BxLxC, batch):
-    w_BxL = token_weights(batch)
-    return {"tag_loss": losses.weighted_cross_entropy(logits_BxLxC, batch["label_ids"], w_BxL),
-            "accuracy": losses.weighted_accuracy(logits_BxLxC, batch["label_ids"], w_BxL)}
-
-  return train.Objective(
+  return _labelled(
       f"tagging_{num_labels}",
-      functools.partial(heads.BertForTokenClassification, num_labels=num_labels), _inputs,
-      metrics, lambda batch: {"tag_loss": jnp.sum(token_weights(batch))},
+      functools.partial(heads.BertForTokenClassification, num_labels=num_labels), "tag_loss",
+      "label_ids",
+      lambda batch: batch["label_weights"].astype(jnp.float32) * _weight(batch)[:, None],
       functools.partial(_dummy, label_ids=((None,), np.int32),
                         label_weights=((None,), np.float32)),
       # Label ids, not logits: the host needs only the argmax, and [B, L, C] floats are C times
