@@ -84,3 +84,15 @@ def test_third_party_info_is_off_unless_verbosity_is_asked_for(monkeypatch):
   assert not handler.filter(_record(orbax, logging.INFO))
   assert handler.filter(_record(orbax, logging.WARNING))
   assert handler.filter(_record(own, logging.INFO))
+
+
+def test_a_refused_input_ends_the_command_with_its_message_alone(tmp_path):
+  """A bad task name (or any refused input) is one line on stderr and exit status 1."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  done = subprocess.run([sys.executable, "-m", "bertjax.finetune",
+                         f"--config={ROOT}/configs/finetune.py:nosuchtask",
+                         f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr[-2000:]
+  assert "bertjax: ValueError: Unknown fine-tuning task 'nosuchtask'" in done.stderr
+  assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -17,7 +17,7 @@ FLAGS = main_lib.FLAGS
 def main(argv):
   main_lib.start(argv)
   from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
-  run.finetune(FLAGS.config, FLAGS.workdir)
+  main_lib.explained(run.finetune, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
