@@ -225,7 +225,8 @@ class Job:
   # (restored step) -> whether its periodic evaluation is still owed (a stop came between its
   # save and its evaluation); it is then run before any further step.
   eval_owed: Callable[[int], bool] | None = None
-  on_accepted: Callable[[], None] | None = None  # once the workdir's checkpoints are accepted
+  # (the step the run starts from), on every process, once the workdir's checkpoints are accepted
+  on_accepted: Callable[[int], None] | None = None
 
 
 def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
@@ -239,9 +240,9 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
                                      async_save=loop.async_save)
   state, origin = _restore_or_init(training, ckpt, job.expected, tcfg.seed, job.init)
   _write_config(config, workdir)
-  if job.on_accepted is not None and jax.process_index() == 0:
-    job.on_accepted()
   start = int(jax.device_get(state.step))
+  if job.on_accepted is not None:
+    job.on_accepted(start)
   is_main = jax.process_index() == 0
   logging.info("Run %s: %s; %d parameters.", workdir, origin,
                sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
@@ -301,6 +302,14 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
         "Run the same command to evaluate it.")
     return state, {}
   return state, final
+
+
+def keep_vocabulary(vocab_file: str, kind: str, fingerprint: str, workdir: str,
+                    do_lower_case: bool) -> None:
+  """The run's vocabulary copied beside its checkpoints (process 0 writes), so that the workdir
+  alone can be fine-tuned or continued elsewhere."""
+  if jax.process_index() == 0:
+    tokenizer_lib.copy_to_workdir(vocab_file, kind, fingerprint, workdir, do_lower_case)
 
 
 def say(text: str, prefix: bool = True) -> None:
@@ -371,9 +380,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
                                                   loop.eval_sequences, stop),
       seqs_per_step=tcfg.batch_size,
       flops_per_step=flops.train_flops(training.model_config, tcfg.batch_size,
-                                             data.max_seq_length, data.max_predictions_per_seq),
+                                       data.max_seq_length, data.max_predictions_per_seq),
       init=init,
-      on_accepted=lambda: tokenizer_lib.copy_to_workdir(
+      on_accepted=lambda start: keep_vocabulary(
           tokenizer_lib.vocab_path_of(data), data.tokenizer, fingerprint, workdir,
           data.do_lower_case))
   _, final = execute(config, workdir, job)

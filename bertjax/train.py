@@ -168,7 +168,7 @@ class Objective:
 
   The objective is the sum, over the names `denominators` returns, of metric sum / denominator,
   each denominator taken over the whole batch (so microbatches add up exactly). Pre-training's
-  terms are mlm_loss and nsp_loss; a fine-tuning head has one term (bertjax/finetune/heads).
+  terms are mlm_loss and nsp_loss; a fine-tuning head has one term (bertjax/finetune/objectives.py).
   `outputs` are what a prediction returns to the host (fine-tuning's logits).
   """
 
@@ -299,7 +299,6 @@ class Training:
   train_step: Callable  # (state, batch, dropout_rng) -> (state, metrics); state donated
   eval_step: Callable  # (state, batch) -> metrics
   predict_step: Callable | None = None  # (state, batch) -> outputs, on every host (fine-tuning)
-  objective: Objective = PRETRAINING
 
   def to_global(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows of the global batch (numpy) -> global arrays sharded for the step."""
@@ -321,6 +320,13 @@ def _in_mesh(fn, mesh: Mesh | None, rules: sharding.Rules):
   return wrapped
 
 
+def _placed(boxed: Any, mesh: Mesh, rules: sharding.Rules) -> tuple[Any, Any]:
+  """(ShapeDtypeStructs with shardings, the NamedShardings) of a boxed abstract tree."""
+  shardings = sharding.logical_shardings(boxed, mesh, rules)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      nn.unbox(boxed), shardings), shardings
+
+
 def abstract_params(model: nn.Module, mesh: Mesh, rules: sharding.Rules,
                     objective: Objective = PRETRAINING) -> Any:
   """The parameters `model` would have, as ShapeDtypeStructs sharded on `mesh` (for restoring)."""
@@ -330,9 +336,8 @@ def abstract_params(model: nn.Module, mesh: Mesh, rules: sharding.Rules,
     return model.init({"params": rng}, **objective.inputs(objective.dummy_batch(init_batch)),
                       deterministic=True)["params"]
 
-  boxed = jax.eval_shape(_in_mesh(init, None, rules), jax.random.PRNGKey(0))
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      nn.unbox(boxed), sharding.logical_shardings(boxed, mesh, rules))
+  return _placed(jax.eval_shape(_in_mesh(init, None, rules), jax.random.PRNGKey(0)), mesh,
+                 rules)[0]
 
 
 def build(model_config: BertConfig, train_config: TrainConfig,
@@ -350,9 +355,7 @@ def build(model_config: BertConfig, train_config: TrainConfig,
   boxed = jax.eval_shape(_in_mesh(
       lambda rng: init_state(model, tx, rng, init_batch, objective), None, rules),
       jax.random.PRNGKey(0))
-  state_shardings = sharding.logical_shardings(boxed, mesh, rules)
-  abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                nn.unbox(boxed), state_shardings)
+  abstract_state, state_shardings = _placed(boxed, mesh, rules)
   replicated = sharding.replicated(mesh)
   batch_sh = sharding.batch_sharding(mesh)
 
@@ -379,7 +382,7 @@ def build(model_config: BertConfig, train_config: TrainConfig,
   return Training(model_config=model_config, train_config=train_config, mesh=mesh, rules=rules,
                   model=model, optimizer=tx, schedule=schedule, abstract_state=abstract_state,
                   state_shardings=state_shardings, batch_sharding=batch_sh, init_state=init,
-                  train_step=step, eval_step=evaluate, predict_step=predict, objective=objective)
+                  train_step=step, eval_step=evaluate, predict_step=predict)
 
 
 def from_config(config, devices=None, objective: Objective = PRETRAINING,

@@ -303,21 +303,23 @@ def _better(value: float, best: float | None) -> bool:
 class Evaluations:
   """Scores after each epoch (evaluations.json) and the best checkpoint (best/)."""
 
-  def __init__(self, workdir: str, meta: Mapping[str, Any], start: int):
+  def __init__(self, workdir: str, meta: Mapping[str, Any]):
     self.path = os.path.join(workdir, "evaluations.json")
     self.records: list[dict] = []
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    if tf.io.gfile.exists(self.path):
-      # Scores of steps after the restored one belong to a timeline the run no longer has.
-      self.records = [r for r in _read_json(self.path) if r["step"] <= start]
     self.best = checkpoint_lib.Checkpointer(os.path.join(workdir, "best"), ("params",),
                                             save_every=1, keep=1, async_save=False)
-    # So does a best checkpoint of such a step (a crash between an evaluation and the next
-    # checkpoint): the rerun evaluates that step again and saves its own.
+    self._meta = dict(meta)
+
+  def begin(self, start: int) -> None:
+    """Takes the scores of earlier runs in the workdir up to `start`, the step this run restored:
+    later ones (and a best checkpoint of such a step, after a crash between an evaluation and the
+    next checkpoint) belong to a timeline the run no longer has; it evaluates those steps again."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if tf.io.gfile.exists(self.path):
+      self.records = [r for r in _read_json(self.path) if r["step"] <= start]
     for step in self.best.all_steps():
       if step > start:
         self.best.delete(step)
-    self._meta = dict(meta)
 
   def done(self, step: int) -> bool:
     return any(r["step"] == step for r in self.records)
@@ -390,7 +392,7 @@ def finetune(config, workdir: str) -> dict:
     init = loop.Initialiser(f"encoder from init_from={source.path}, {task_name} head new",
                             _encoder_loader(source, training))
   meta = {"task": task_name, "init": origin}
-  evaluations = Evaluations(workdir, meta, start=_latest_step(workdir))
+  evaluations = Evaluations(workdir, meta)
   processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
   def evaluate(step, state, stop):
@@ -408,14 +410,17 @@ def finetune(config, workdir: str) -> dict:
     evaluations.add(step, step / per_epoch, scores, state.params)
     return scores
 
+  def accepted(start):
+    evaluations.begin(start)
+    loop.keep_vocabulary(vocab_file, tokenizer.kind, tokenizer.fingerprint, workdir, lower)
+
   job = loop.Job(
       training=training, loop=loop_config, expected=expected, meta=meta,
       batches=lambda start: train_batches(train_features, ft.batch_size, tcfg.seed, start,
                                           **processes),
       evaluate=evaluate, seqs_per_step=ft.batch_size, init=init,
       eval_owed=lambda step: step % per_epoch == 0 and not evaluations.done(step),
-      on_accepted=lambda: tokenizer_lib.copy_to_workdir(vocab_file, tokenizer.kind,
-                                                        tokenizer.fingerprint, workdir, lower))
+      on_accepted=accepted)
   loop.say(f"{task_name}: {n_train} training examples, {per_epoch} steps per epoch, {total} "
            f"steps ({ft.num_epochs:g} epochs), warmup {warmup}; dev: "
            + ", ".join(f"{e.name} {len(e.features['input_ids'])}" for e in data.evals))
@@ -426,15 +431,6 @@ def finetune(config, workdir: str) -> dict:
     return _finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
   finally:
     evaluations.close()
-
-
-def _latest_step(workdir: str) -> int:
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  folder = os.path.join(workdir, "checkpoints")
-  if not tf.io.gfile.exists(folder):
-    return 0
-  steps = [int(n.rstrip("/")) for n in tf.io.gfile.listdir(folder) if n.rstrip("/").isdigit()]
-  return max(steps, default=0)
 
 
 def _check_task(workdir: str, task_name: str) -> None:
