@@ -42,6 +42,7 @@ REMAT_POLICIES = {
 
 ATTENTION_IMPLS = ("xla", "cudnn")
 POSITION_INITS = ("normal", "sinusoidal")
+QUERY_KEY_INITS = ("independent", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class BertConfig:
   remat_policy: str = "none"
   attention_impl: str = "xla"
   position_init: str = "normal"  # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
+  query_key_init: str = "independent"  # or "shared": see SelfAttention
 
   def __post_init__(self):
     problems = []
@@ -83,6 +85,9 @@ class BertConfig:
       problems.append(f"remat_policy={self.remat_policy!r}; choose one of {list(REMAT_POLICIES)}")
     if self.position_init not in POSITION_INITS:
       problems.append(f"position_init={self.position_init!r}; choose one of {POSITION_INITS}")
+    if self.query_key_init not in QUERY_KEY_INITS:
+      problems.append(
+          f"query_key_init={self.query_key_init!r}; choose one of {QUERY_KEY_INITS}")
     if self.attention_impl not in ATTENTION_IMPLS:
       problems.append(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
     for name in ("hidden_dropout", "attention_dropout"):
@@ -183,13 +188,16 @@ class Dense(nn.Module):
   names: tuple[str | None, ...]  # logical axis names of the kernel
   axis: int | tuple[int, ...] = -1
   out_dtype: Any = None  # dtype of the result (and of the accumulation): the compute dtype if None
+  kernel_init: Any = None  # the kernel's initialiser (boxed with `names`); None: the config's normal
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
     features = tuple(np.atleast_1d(self.features).tolist())
     axes = tuple(a % x.ndim for a in np.atleast_1d(self.axis).tolist())
-    kernel = self.param("kernel", _kernel_init(cfg, self.names),
+    init = (_kernel_init(cfg, self.names) if self.kernel_init is None
+            else nn.with_logical_partitioning(self.kernel_init, self.names))
+    kernel = self.param("kernel", init,
                         tuple(x.shape[a] for a in axes) + features, cfg.storage_dtype)
     bias = self.param("bias", _zeros(self.names[len(axes):]), features, cfg.storage_dtype)
     out_dtype = cfg.compute_dtype if self.out_dtype is None else jnp.dtype(self.out_dtype)
@@ -199,8 +207,9 @@ class Dense(nn.Module):
     return y + bias.astype(out_dtype)
 
 
-def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None) -> Dense:
-  return Dense(config, features, tuple(names), axis, out_dtype, name=name)
+def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None,
+          kernel_init=None) -> Dense:
+  return Dense(config, features, tuple(names), axis, out_dtype, kernel_init, name=name)
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
@@ -261,7 +270,15 @@ class Embeddings(nn.Module):
 
 
 class SelfAttention(nn.Module):
-  """Multi-head self-attention with its output projection (before the residual)."""
+  """Multi-head self-attention with its output projection (before the residual).
+
+  `query_key_init="shared"` starts the key projection as a copy of the query's (both are then
+  trained apart, as in the original). Each head's score q_i . k_j is then x_i^T W W^T x_j, a
+  positive semi-definite form: from step one a token attends most to itself and to tokens whose
+  representation is close to its own, which with a sinusoidal position table means its
+  neighbours. With independent random W_Q, W_K the scores carry no such order and a small model
+  must first find one, on a plateau whose length varies from run to run (configs/tiny.py).
+  """
 
   config: BertConfig
 
@@ -269,8 +286,15 @@ class SelfAttention(nn.Module):
   def __call__(self, x_BxLxD, mask_Bx1xLxL, deterministic: bool):
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
-    q_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "query")(x_BxLxD)
-    k_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "key")(x_BxLxD)
+    names = ("embed", "heads", "kv")
+    query = dense(cfg, shape, names, "query")
+    q_BxLxNxK = query(x_BxLxD)
+    key_init = None
+    if cfg.query_key_init == "shared" and self.is_initializing():
+      # A copy (not the same array): the train step donates every buffer of the state once.
+      w_DxNxK = nn.meta.unbox(query.variables["params"]["kernel"])
+      key_init = lambda rng, shape, dtype: jnp.array(w_DxNxK, dtype=dtype, copy=True)
+    k_BxLxNxK = dense(cfg, shape, names, "key", kernel_init=key_init)(x_BxLxD)
     v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value")(x_BxLxD)
     q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
                                                        "activation_heads", "activation_kv"))

@@ -32,6 +32,7 @@ def get_config():
   m.remat_policy = "none"  # "none", "full", "dots" (save matmuls without batch dims), "dots_all"
   m.attention_impl = "xla"  # "xla" (any device) or "cudnn" (fused kernel, NVIDIA GPUs)
   m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
+  m.query_key_init = "independent"  # "independent" (original) or "shared": W_K starts as W_Q (small models)
 
   # --- data: see bertjax/data. ---------------------------------------------------------------------
   d = config.data = ml_collections.ConfigDict()

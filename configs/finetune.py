@@ -60,6 +60,7 @@ def get_config(task: str = "next"):
   m.remat_policy = ""
   m.attention_impl = ""
   m.position_init = ""
+  m.query_key_init = ""
   m.hidden_dropout = 0.1  # the paper's fine-tuning dropout, whatever pre-training used
   m.attention_dropout = 0.1
 

@@ -51,6 +51,7 @@ def get_config():
   m.attention_dropout = 0.0
   m.initializer_range = 0.088  # 1 / sqrt(hidden_size): 0.02 leaves this width on a plateau
   m.position_init = "sinusoidal"  # leaves the plateau thousands of steps sooner (docstring)
+  m.query_key_init = "shared"  # W_K starts as W_Q: attention starts local (docstring)
 
   d = config.data
   d.max_seq_length = 64

@@ -90,6 +90,45 @@ def test_a_sinusoidal_start_makes_each_offset_one_linear_map_of_the_table():
     assert (residual < 1e-6) == exact, (cfg.position_init, residual)
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_shared_query_key_start_copies_w_q_into_w_k_and_orders_attention_by_position(scan):
+  cfg = dataclasses.replace(SMALL, hidden_size=16, num_heads=2, intermediate_size=32,
+                            max_position_embeddings=64, initializer_range=0.25,
+                            position_init="sinusoidal", scan_layers=scan)
+  shared = dataclasses.replace(cfg, query_key_init="shared")
+
+  def attention(c):
+    params = nn.unbox(BertModel(c).init(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"])
+    layer = (jax.tree.map(lambda a: a[0], params["encoder"]["layers"]["layer"]) if scan
+             else params["encoder"]["layer_0"])
+    return params, layer["attention"]
+
+  params, att = attention(shared)
+  indep_params, indep = attention(cfg)
+  np.testing.assert_array_equal(att["key"]["kernel"], att["query"]["kernel"])
+  # Only W_K changes: every other parameter is the one the independent start draws.
+  np.testing.assert_array_equal(att["query"]["kernel"], indep["query"]["kernel"])
+  assert not np.array_equal(indep["key"]["kernel"], indep["query"]["kernel"])
+  differ = [jax.tree_util.keystr(path) for (path, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(indep_params))
+      if not np.array_equal(a, b)]
+  assert differ and all(p.endswith("['key']['kernel']") for p in differ), differ
+
+  # Why: q_i . k_j = x_i^T W W^T x_j is largest near i. Scores of the position table alone
+  # (one head) fall with distance from the diagonal; independent W_Q, W_K give no such order.
+  table = params["embeddings"]["position_embeddings"]["embedding"]
+
+  def near_minus_far(a):
+    w_q = a["query"]["kernel"][:, 0, :]
+    w_k = a["key"]["kernel"][:, 0, :]
+    scores = (table @ w_q) @ (table @ w_k).T
+    offsets = np.abs(np.arange(64)[:, None] - np.arange(64)[None, :])
+    return scores[(offsets >= 1) & (offsets <= 2)].mean() - scores[offsets >= 16].mean()
+
+  assert near_minus_far(att) > 0.5 * abs(near_minus_far(indep)) + 1e-3
+  assert near_minus_far(att) > 0
+
+
 def test_every_parameter_carries_logical_axis_names():
   cfg = dataclasses.replace(SMALL, scan_layers=True)
   variables = BertForPreTraining(cfg).init(jax.random.key(0), jnp.ones((1, 8), jnp.int32),
@@ -328,6 +367,8 @@ def test_config_errors_name_the_problem():
     BertConfig(attention_impl="cudnn", attention_dropout=0.1)
   with pytest.raises(ValueError, match=r"position_init='sine'; choose one of \('normal', "):
     BertConfig(position_init="sine")
+  with pytest.raises(ValueError, match=r"query_key_init='tied'; choose one of \('independent', "):
+    BertConfig(query_key_init="tied")
 
 
 def test_sequence_longer_than_position_table_is_refused():

@@ -40,7 +40,7 @@ from bertjax.model import BertConfig
 INHERITED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
              "max_position_embeddings", "type_vocab_size", "initializer_range", "layer_norm_eps",
              "hidden_act", "dtype", "param_dtype", "remat_policy", "attention_impl",
-             "position_init")
+             "position_init", "query_key_init")
 
 
 @dataclasses.dataclass(frozen=True)
