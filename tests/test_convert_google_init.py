@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from bertjax import checkpoint as checkpoint_lib, loop, train
 from bertjax.convert import google
@@ -74,6 +75,18 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
     assert saved[name].tobytes() == value.tobytes(), name
   record = json.load(open(tmp_path / "run" / "tokenizer.json"))
   assert record["copied_from"] == os.path.join(folder, "vocab.txt") and record["do_lower_case"]
+  # The run exports back to Google's layout: the same variables, config and vocabulary.
+  google.export_folder(str(tmp_path / "run"), str(tmp_path / "exported"))
+  reader = tf.train.load_checkpoint(str(tmp_path / "exported" / "bert_model.ckpt"))
+  assert sorted(reader.get_variable_to_shape_map()) == sorted(variables)
+  for name, value in variables.items():
+    assert reader.get_tensor(name).tobytes() == value.tobytes(), name
+  exported = json.load(open(tmp_path / "exported" / "bert_config.json"))
+  assert exported.keys() == SMALL.keys()  # the sizes of the folder, the run's dropout and init
+  assert {k: v for k, v in exported.items() if isinstance(v, int)} == {
+      k: v for k, v in SMALL.items() if isinstance(v, int)}
+  assert (tmp_path / "exported" / "vocab.txt").read_text() == open(
+      os.path.join(folder, "vocab.txt")).read()
 
   # Another model size is refused, naming the sizes; so is another vocabulary, unless asked for
   # (both checked where the run takes init_from's parameters).
