@@ -173,7 +173,7 @@ def load_init_params(path: str, abstract_params: Any, config: BertConfig,
 def _check_folder_vocabulary(path: str, fingerprint: str | None, do_lower_case: bool) -> None:
   """Refuses a converted or Google folder whose vocab.txt is not the run's vocabulary. The casing
   is the run's: a folder's is only what its name or record says, and differing is warned about
-  when the run takes the vocabulary (`init_vocabulary`)."""
+  when the run takes the vocabulary (`_init_vocabulary`)."""
   from bertjax.convert import google  # pylint: disable=import-outside-toplevel
   vocab, _, _ = google.vocabulary_of(path)
   if fingerprint is None or vocab is None:
@@ -188,7 +188,7 @@ def _check_folder_vocabulary(path: str, fingerprint: str | None, do_lower_case: 
         "checkpoint.init_from_other_vocab=True to take the weights anyway.")
 
 
-def init_vocabulary(config, init_from: str):
+def _init_vocabulary(config, init_from: str):
   """`config` with the vocabulary of init_from when it is a Google folder or a converted folder
   with a vocab.txt and the config names none: WordPiece, cased as the folder says. The original
   pairs each checkpoint with its vocab.txt; another vocabulary would scramble the embeddings."""
@@ -400,7 +400,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     if not tf.io.gfile.exists(loop.init_from):
       raise FileNotFoundError(f"checkpoint.init_from={loop.init_from} does not exist")
-    config = init_vocabulary(config, loop.init_from)
+    config = _init_vocabulary(config, loop.init_from)
   manifest = prepare_data(config)
   vocab_size = resolve_vocab_size(config.model.vocab_size, manifest["vocab_size"])
   training = train.from_config(config, vocab_size=vocab_size)

@@ -34,8 +34,11 @@ import numpy as np
 from absl import logging
 
 from bertjax.convert import hf, tf_bundle
-from bertjax.convert.tf_bundle import CheckpointReader, read_checkpoint  # noqa: F401 (public)
 from bertjax.model import ACTIVATIONS, BertConfig
+
+# The TensorFlow-free reader, public here too.
+CheckpointReader = tf_bundle.CheckpointReader
+read_checkpoint = tf_bundle.read_checkpoint
 
 CONFIG_FILE = "bert_config.json"
 VOCAB_FILE = "vocab.txt"
@@ -181,6 +184,9 @@ def params_from_google(source, config: BertConfig, *, scan_layers: bool | None =
                      for name in set(table) & set(present) if present[name] != table[name][2])
   problems = [f"{what} variables ({len(names)}): {names}" for what, names in (
       ("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if names]
+  if any("/.ATTRIBUTES/" in name for name in unexpected):
+    problems.append("the names are those of a TF2 object-based checkpoint (tf.train.Checkpoint), "
+                    "not the TF1 names of Google's releases")
   if problems:
     raise ValueError(
         f"The checkpoint does not fit BertConfig(vocab_size={config.vocab_size}, hidden_size="
@@ -210,8 +216,8 @@ def is_google_folder(path: str) -> bool:
   keys (a converted folder's bert_config.json has bertjax's)."""
   try:
     names = tf_bundle.listdir(path)
-  except (OSError, ValueError):
-    return False
+  except Exception:  # pylint: disable=broad-except
+    return False  # not a folder, or none at all (TensorFlow's errors for URLs are not OSErrors)
   if CONFIG_FILE not in names or not any(name.endswith(".index") for name in names):
     return False
   try:
@@ -230,6 +236,8 @@ def load_folder(path: str, *, scan_layers: bool = False) -> tuple[BertConfig, di
 def lower_case_from_name(name: str) -> bool | None:
   """The casing a release's folder name says, as the original's check reads it; None if it says
   nothing. Also covers the names it predates (wwm_*, the small BERTs, TF Hub's bert_en_*)."""
+  if "://" not in name:
+    name = os.path.abspath(name)  # "." names the folder it is
   name = os.path.basename(name.rstrip("/")).lower()
   if "uncased" in name or "multilingual_l" in name or "chinese" in name or "bert_zh" in name:
     return True
@@ -248,8 +256,11 @@ def _read_record(folder: str) -> dict | None:
 
 def vocabulary_of(folder: str) -> tuple[str | None, bool | None, str]:
   """(vocab.txt or None, do_lower_case or None when unknown, why) of a Google folder or a
-  converted one: the casing its tokenizer.json records (written by this module), else for a
-  Google folder what its name says, else lower-cased as the original's flag defaults."""
+  converted one (None for anything else): the casing its tokenizer.json records (written by this
+  module), else for a Google folder what its name says, else lower-cased as the original's flag
+  defaults."""
+  if not tf_bundle.exists(os.path.join(folder, CONFIG_FILE)):  # a workdir: its own vocabulary
+    return None, None, ""
   record = _read_record(folder)
   if record is not None and record.get("kind", "wordpiece") == "wordpiece":
     vocab = os.path.join(folder, record.get("file", VOCAB_FILE))
@@ -319,9 +330,10 @@ def _wordpiece(vocab: str, lower: bool):
 
 def _write_vocabulary(vocab: str, fingerprint: str, output: str, lower: bool) -> None:
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   record = os.path.join(output, TOKENIZER_RECORD)
-  if tf_bundle.exists(record):  # copy_to_workdir keeps a record it finds: this one is replaced
-    os.remove(record)
+  if tf.io.gfile.exists(record):  # copy_to_workdir keeps a record it finds: this one is replaced
+    tf.io.gfile.remove(record)
   tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower)
 
 
