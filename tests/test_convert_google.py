@@ -17,6 +17,7 @@ import transformers  # the `test` extra pins 4.57, the last release with Flax BE
 from flax.traverse_util import unflatten_dict
 
 from bertjax.convert import google, hf, tf_bundle
+from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertModel
 from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save, shapes, slots
@@ -305,6 +306,9 @@ def test_do_lower_case_from_the_name_and_the_warning(tmp_path, caplog):
       "vocab.txt", "wordpiece", False)
   assert google.vocabulary_of(str(tmp_path / "out"))[:2] == (
       str(tmp_path / "out" / "vocab.txt"), False)
+  source = run.inspect_source(str(tmp_path / "out"))  # fine-tuning's view of init_from
+  assert (source.kind, source.vocab_file, source.do_lower_case) == (
+      "converted", str(tmp_path / "out" / "vocab.txt"), False)
 
 
 # The command line, and no TensorFlow -----------------------------------------------------------
