@@ -199,6 +199,13 @@ class Checkpointer:
     items, _ = self.restore(step, {item: abstract})
     return items[item][key]
 
+  def restore_stored(self, step: int, item: str) -> Any:
+    """One item of one step with the shapes and dtypes it was saved with, on this process's
+    devices (to read a run's parameters outside a run, e.g. to export them)."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        **{item: ocp.args.StandardRestore()}))
+    return restored[item]
+
   def delete(self, step: int) -> None:
     self._manager.delete(step)
 
@@ -280,3 +287,16 @@ def abstract_like(tree: Any) -> Any:
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
       tree)
 
+
+def put_like(values: Any, abstract: Any) -> Any:
+  """Host arrays (numpy, the same on every process) placed as `abstract` (ShapeDtypeStructs with
+  shardings, the same tree) says: each device takes its own slice."""
+  def put(value, like):
+    value = np.asarray(value, like.dtype)
+    if value.shape != tuple(like.shape):
+      raise CheckpointMismatchError(f"an array of shape {value.shape} for a parameter of shape "
+                                    f"{tuple(like.shape)}")
+    if like.sharding is None:
+      return jax.device_put(value)
+    return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
+  return jax.tree.map(put, values, abstract)

@@ -1,4 +1,5 @@
-"""What the commands (main, aot, benchmark, data.prepare) share: the `--config` flag, quiet logs.
+"""What the commands (main, aot, benchmark, data.prepare, convert) share: the `--config` flag,
+quiet logs, refusals reported without a traceback.
 
 Config files live in a `configs/` folder and import `configs.base`. So that this works whatever the
 working directory, the folder holding `configs/` (the config file's grandparent) is put on
@@ -64,3 +65,15 @@ def quiet_third_party_logs() -> bool:
   if not any(isinstance(f, _OwnInfoOnly) for f in handler.filters):
     handler.addFilter(_OwnInfoOnly())
   return True
+
+
+def explained(run, *args):
+  """Runs `run(*args)`; a refusal of the input (a bad config value, a missing or malformed file, a
+  checkpoint of another run, a non-finite loss) ends the command with its message alone and exit
+  status 1, as `bertjax.aot` does: the message names the problem and the fix, and a traceback
+  would only bury it. Other errors keep their traceback."""
+  from bertjax import control  # pylint: disable=import-outside-toplevel
+  try:
+    return run(*args)
+  except (ValueError, FileNotFoundError, PermissionError, control.NonFiniteError) as err:
+    sys.exit(f"bertjax: {type(err).__name__}: {err}")

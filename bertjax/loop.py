@@ -19,11 +19,13 @@ preparation seed, so every run and seed is scored on the same predictions).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
@@ -130,18 +132,28 @@ class Initialiser:
 
 
 def load_init_params(path: str, abstract_params: Any, config: BertConfig,
-                     tokenizer_fingerprint: str | None = None) -> Any:
-  """Parameters of another run (its workdir or checkpoints folder) or of `convert.hf import`.
+                     tokenizer_fingerprint: str | None = None, do_lower_case: bool = True) -> Any:
+  """Parameters of another run (its workdir or checkpoints folder), of a folder written by
+  `convert.hf import` or `convert.google import`, or of a Google folder (bert_config.json +
+  bert_model.ckpt.*, read without TensorFlow).
 
-  With `tokenizer_fingerprint`, a run whose vocabulary differs is refused (its embedding rows would
-  index other pieces).
+  With `tokenizer_fingerprint`, a source whose vocabulary differs is refused (its embedding rows
+  would index other pieces); a folder's vocab.txt is fingerprinted with `do_lower_case`, the run's.
   """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
   if not tf.io.gfile.exists(path):
     raise FileNotFoundError(f"init_from={path} does not exist")
-  if tf.io.gfile.exists(os.path.join(path, "bert_config.json")):  # written by convert.hf import
+  if google.is_google_folder(path):
+    saved = dataclasses.replace(google.read_google_config(path), scan_layers=config.scan_layers)
+    checkpoint_lib.check_model_matches(dataclasses.asdict(saved), config, path)
+    _check_folder_vocabulary(path, tokenizer_fingerprint, do_lower_case)
+    _, params = google.load_folder(path, scan_layers=config.scan_layers)
+    return checkpoint_lib.put_like(params, abstract_params)
+  if tf.io.gfile.exists(os.path.join(path, "bert_config.json")):  # written by convert.* import
     from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
     checkpoint_lib.check_model_matches(dataclasses.asdict(hf.read_config(path)), config, path)
+    _check_folder_vocabulary(path, tokenizer_fingerprint, do_lower_case)
     return hf.load_params(path, abstract_params)[1]
   folder = path if not tf.io.gfile.exists(os.path.join(path, "checkpoints")) else os.path.join(
       path, "checkpoints")
@@ -156,6 +168,47 @@ def load_init_params(path: str, abstract_params: Any, config: BertConfig,
   items, _ = ckpt.restore(steps[-1], {"params": abstract_params})
   ckpt.close()
   return items["params"]
+
+
+def _check_folder_vocabulary(path: str, fingerprint: str | None, do_lower_case: bool) -> None:
+  """Refuses a converted or Google folder whose vocab.txt is not the run's vocabulary. The casing
+  is the run's: a folder's is only what its name or record says, and differing is warned about
+  when the run takes the vocabulary (`_init_vocabulary`)."""
+  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+  vocab, _, _ = google.vocabulary_of(path)
+  if fingerprint is None or vocab is None:
+    return
+  folder_fp = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
+      {"vocab_path": vocab, "tokenizer": "wordpiece", "do_lower_case": do_lower_case})).fingerprint
+  if folder_fp != fingerprint:
+    raise checkpoint_lib.CheckpointMismatchError(
+        f"init_from={path} was trained with its {vocab} (fingerprint {folder_fp}), not with this "
+        f"run's vocabulary (fingerprint {fingerprint}): its embedding rows would index other "
+        "pieces. Leave config.data.vocab_path empty to take init_from's, or set "
+        "checkpoint.init_from_other_vocab=True to take the weights anyway.")
+
+
+def _init_vocabulary(config, init_from: str):
+  """`config` with the vocabulary of init_from when it is a Google folder or a converted folder
+  with a vocab.txt and the config names none: WordPiece, cased as the folder says. The original
+  pairs each checkpoint with its vocab.txt; another vocabulary would scramble the embeddings."""
+  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+  vocab, lower, why = google.vocabulary_of(init_from)
+  data = config.data
+  if vocab is None:
+    return config
+  if data.vocab_path:
+    if lower is not None and data.tokenizer == "wordpiece" and bool(data.do_lower_case) != lower:
+      logging.warning("config.data.do_lower_case=%s, but init_from=%s is %s (%s).",
+                      data.do_lower_case, init_from, "uncased" if lower else "cased", why)
+    return config
+  config = copy.deepcopy(config)
+  config.data.tokenizer, config.data.vocab_path = "wordpiece", vocab
+  if lower is not None:
+    config.data.do_lower_case = lower
+  say(f"vocabulary from init_from: {vocab} (WordPiece, do_lower_case="
+      f"{config.data.do_lower_case}" + (f": {why})" if why else ")"))
+  return config
 
 
 def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.ndarray]],
@@ -347,6 +400,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     if not tf.io.gfile.exists(loop.init_from):
       raise FileNotFoundError(f"checkpoint.init_from={loop.init_from} does not exist")
+    config = _init_vocabulary(config, loop.init_from)
   manifest = prepare_data(config)
   vocab_size = resolve_vocab_size(config.model.vocab_size, manifest["vocab_size"])
   training = train.from_config(config, vocab_size=vocab_size)
@@ -371,7 +425,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
     init = Initialiser(
         f"parameters from init_from={loop.init_from}, optimizer fresh",
         lambda fresh: load_init_params(loop.init_from, checkpoint_lib.abstract_like(fresh),
-                                       training.model_config, tokenizer_fingerprint=vocab_check))
+                                       training.model_config, tokenizer_fingerprint=vocab_check,
+                                       do_lower_case=data.do_lower_case))
   job = Job(
       training=training, loop=loop, expected=expected, meta={"data_source": data.source},
       batches=lambda start: _batches(pipeline.make_pipeline(

@@ -8,7 +8,6 @@ join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordi
 """
 
 import os
-import sys
 
 from absl import app, flags
 
@@ -49,22 +48,10 @@ def start(argv) -> None:
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
 
-def explained(run, *args):
-  """Runs `run(*args)`; a refusal of the input (a bad config value, a missing or malformed file, a
-  checkpoint of another run, a non-finite loss) ends the command with its message alone and exit
-  status 1, as `bertjax.aot` does: the message names the problem and the fix, and a traceback
-  would only bury it. Other errors keep their traceback."""
-  from bertjax import control  # pylint: disable=import-outside-toplevel
-  try:
-    return run(*args)
-  except (ValueError, FileNotFoundError, PermissionError, control.NonFiniteError) as err:
-    sys.exit(f"bertjax: {type(err).__name__}: {err}")
-
-
 def main(argv):
   start(argv)
   from bertjax import loop  # pylint: disable=import-outside-toplevel
-  explained(loop.train_and_evaluate, FLAGS.config, FLAGS.workdir)
+  cli.explained(loop.train_and_evaluate, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":

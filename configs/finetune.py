@@ -34,7 +34,8 @@ def get_config(task: str = "next"):
   config.dev_file = ""  # SQuAD: dev-v1.1.json ...; CoNLL-2003: eng.testa
   config.test_file = ""  # CoNLL-2003: eng.testb (scored and written); "" = none
   config.tfds_data_dir = ""  # where TFDS datasets are built (nothing is ever downloaded)
-  config.init_from = ""  # a bertjax workdir, or a `convert.hf import` folder; "" = random init
+  config.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder or a Google folder;
+  #                        "" = random init
   config.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
   config.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary
   config.vocab_path = ""  # "" = init_from's vocabulary (the one it was trained with)

@@ -9,7 +9,7 @@ config.mesh. See bertjax/finetune/run.py for what the workdir holds.
 
 from absl import app
 
-from bertjax import main as main_lib
+from bertjax import cli, main as main_lib
 
 FLAGS = main_lib.FLAGS
 
@@ -17,7 +17,7 @@ FLAGS = main_lib.FLAGS
 def main(argv):
   main_lib.start(argv)
   from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
-  main_lib.explained(run.finetune, FLAGS.config, FLAGS.workdir)
+  cli.explained(run.finetune, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":

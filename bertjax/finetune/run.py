@@ -3,8 +3,9 @@
 It runs through the pre-training loop's own machinery (`loop.execute`: restore or initialise,
 checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what fine-tuning adds:
 
-- the encoder of `init_from` (a pre-training workdir, a fine-tuning workdir, or a folder written by
-  `python -m bertjax.convert.hf import`), task heads new; or `random_init=True` for the same
+- the encoder of `init_from` (a pre-training workdir, a fine-tuning workdir, a folder written by
+  `python -m bertjax.convert.hf import` or `convert.google import`, or a Google folder as released:
+  bert_config.json, bert_model.ckpt.*, vocab.txt), task heads new; or `random_init=True` for the same
   architecture and vocabulary with fresh weights (the comparison `make finetune` prints);
 - the task's features in memory, shuffled per epoch by (seed, epoch), so a resumed run sees the
   batches an uninterrupted one would;
@@ -28,6 +29,7 @@ from typing import Any, Iterator, Mapping
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 from bertjax import checkpoint as checkpoint_lib, control, loop, sharding
 from bertjax import train
@@ -48,7 +50,9 @@ class Source:
   """What init_from holds: its model, its vocabulary file and fingerprint, how to read its encoder."""
 
   path: str
-  kind: str  # "workdir" (a bertjax run: pre-training or fine-tuning) or "converted" (convert.hf)
+  # "workdir" (a bertjax run: pre-training or fine-tuning), "converted" (convert.hf or
+  # convert.google import) or "google" (a Google folder: bert_config.json + bert_model.ckpt.*)
+  kind: str
   model: dict
   vocab_file: str | None
   tokenizer_fingerprint: str | None
@@ -66,17 +70,24 @@ def inspect_source(path: str) -> Source:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   if not tf.io.gfile.exists(path):
     raise FileNotFoundError(f"init_from={path} does not exist.")
+  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+  if google.is_google_folder(path):
+    model = dataclasses.asdict(google.read_google_config(path))
+    del model["scan_layers"]  # a layout of ours, chosen by the task's config
+    vocab, lower, _ = google.vocabulary_of(path)
+    return Source(path, "google", model, vocab, None, lower)
   if tf.io.gfile.exists(os.path.join(path, "bert_config.json")):
-    vocab = os.path.join(path, "vocab.txt")
-    return Source(path, "converted", _read_json(os.path.join(path, "bert_config.json")),
-                  vocab if tf.io.gfile.exists(vocab) else None, None, True)
+    vocab, lower, _ = google.vocabulary_of(path)  # the casing `convert.google import` recorded
+    return Source(path, "converted", _read_json(os.path.join(path, "bert_config.json")), vocab,
+                  None, True if lower is None else lower)
   workdir = os.path.dirname(path.rstrip("/")) if os.path.basename(
       path.rstrip("/")) == "checkpoints" else path
   folder = os.path.join(workdir, "checkpoints")
   if not tf.io.gfile.exists(folder):
     raise FileNotFoundError(
         f"init_from={path} is neither a bertjax workdir (no checkpoints/) nor a folder written by "
-        "`python -m bertjax.convert.hf import` (no bert_config.json).")
+        "`python -m bertjax.convert.hf import` or `convert.google import`, nor a Google folder "
+        "(no bert_config.json).")
   ckpt = checkpoint_lib.Checkpointer(folder, loop.ITEMS, save_every=1, keep=1)
   try:
     steps = ckpt.all_steps()
@@ -152,10 +163,18 @@ def resolve_tokenizer(config, source: Source | None):
   have = source.tokenizer_fingerprint if source is not None else None
   if (have is None and source is not None and source.vocab_file and config.vocab_path
       and source.vocab_file != config.vocab_path):
-    # A converted folder records no fingerprint, but the vocabulary beside it has one.
+    # A converted or Google folder records no fingerprint, but the vocabulary beside it has one;
+    # under the task's casing, so that only other pieces are refused (a folder's casing is what
+    # its name or import said, and a task may override it).
     have = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
         {"vocab_path": source.vocab_file, "tokenizer": "wordpiece",
-         "do_lower_case": source.do_lower_case})).fingerprint
+         "do_lower_case": lower})).fingerprint
+  if source is not None and source.kind != "workdir" and kind == "wordpiece":
+    from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+    _, known, why = google.vocabulary_of(source.path)
+    if known is not None and known != lower:
+      logging.warning("do_lower_case=%s, but init_from=%s is %s (%s).", lower, source.path,
+                      "uncased" if known else "cased", why)
   if have is not None and have != tokenizer.fingerprint and not config.init_from_other_vocab:
     raise checkpoint_lib.CheckpointMismatchError(
         f"The task's vocabulary {path} (fingerprint {tokenizer.fingerprint}) is not the one "
@@ -169,7 +188,12 @@ def _encoder_loader(source: Source, training: train.Training):
   """fresh params -> the same params with `bert` (the encoder) read from init_from."""
   def load(fresh):
     target = checkpoint_lib.abstract_like(fresh["bert"])
-    if source.kind == "converted":
+    if source.kind == "google":
+      from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+      _, params = google.load_folder(source.path,
+                                     scan_layers=training.model_config.scan_layers)
+      encoder = checkpoint_lib.put_like(params["bert"], target)
+    elif source.kind == "converted":
       from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
       full = train.abstract_params(BertForPreTraining(training.model_config), training.mesh,
                                    training.rules)

@@ -1,0 +1,447 @@
+"""Google's released BERT checkpoints (the TF1 variable layout of google-research/bert) in and out.
+
+A Google folder holds `bert_config.json` (the original's keys: num_hidden_layers, ...),
+`bert_model.ckpt.index` + `bert_model.ckpt.data-00000-of-00001` (variables named
+`bert/encoder/layer_N/attention/self/query/kernel`, ...; dense kernels [in, out] as Flax, the NSP
+weights `cls/seq_relationship/output_weights` stored [2, H]) and `vocab.txt`. Its checkpoint is read
+without TensorFlow (`tf_bundle`); the names are mapped onto Hugging Face's, whose mapping onto the
+bertjax tree (`convert.hf`) is then shared, unrolled (`layer_N`) or scanned (`layers/layer`).
+
+Command line:
+  python -m bertjax.convert.google import --ckpt_dir=uncased_L-12_H-768_A-12 --output=OUT
+      [--do_lower_case=true|false] [--scan_layers]
+  python -m bertjax.convert.google export --params=OUT_OR_WORKDIR --output=DIR
+`import` writes what `convert.hf import` writes (an orbax checkpoint of the parameters and
+bertjax's `bert_config.json`), plus the folder's `vocab.txt` and `tokenizer.json` recording its
+casing: the form a run's `init_from` reads. A Google folder itself is also accepted as `init_from`.
+`export` writes a Google folder from a converted folder or a pre-training workdir.
+
+Casing: the original checks `do_lower_case` against the checkpoint's folder name
+(`validate_case_matches_checkpoint`); here the name sets it (uncased_*, multilingual_L-*, chinese_*:
+lower-cased; cased_*, multi_cased_*: not), `--do_lower_case` overrides it, and a flag that
+contradicts the name is warned about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+
+import numpy as np
+from absl import logging
+
+from bertjax.convert import hf, tf_bundle
+from bertjax.model import ACTIVATIONS, BertConfig
+
+# The TensorFlow-free reader, public here too.
+CheckpointReader = tf_bundle.CheckpointReader
+read_checkpoint = tf_bundle.read_checkpoint
+
+CONFIG_FILE = "bert_config.json"
+VOCAB_FILE = "vocab.txt"
+CHECKPOINT_NAME = "bert_model.ckpt"
+TOKENIZER_RECORD = "tokenizer.json"  # = bertjax.data.tokenizer.WORKDIR_RECORD (kept TF-free here)
+
+# bert_config.json keys are Hugging Face's (its config was copied from this one), less
+# layer_norm_eps: the original hard-codes 1e-12.
+_CONFIG_KEYS = {k: v for k, v in hf._HF_CONFIG_KEYS.items()  # pylint: disable=protected-access
+                if k != "layer_norm_eps"}
+# The original BertConfig's defaults for keys a config leaves out (type_vocab_size is 16 in its
+# code, 2 in every released file).
+_CONFIG_DEFAULTS = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                    "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                    "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512,
+                    "type_vocab_size": 16, "initializer_range": 0.02}
+# Keys of the multilingual and Chinese releases that the original code does not read.
+_UNREAD_KEYS = ("directionality", "pooler_fc_size", "pooler_num_attention_heads",
+                "pooler_num_fc_layers", "pooler_size_per_head", "pooler_type")
+# Optimizer state and step counter of training checkpoints: not part of the model.
+_SLOT_SUFFIXES = ("adam_m", "adam_v")
+_STEP = "global_step"
+
+
+# Config ----------------------------------------------------------------------------------------
+
+def config_from_google(google_config: dict, **overrides) -> BertConfig:
+  """A BertConfig from the dict of a Google `bert_config.json`."""
+  if "vocab_size" not in google_config:
+    raise ValueError(f"bert_config.json has no vocab_size (keys: {sorted(google_config)}); it is "
+                     "not a BERT config of Google's release")
+  values = {**_CONFIG_DEFAULTS, **google_config}
+  unknown = sorted(set(values) - set(_CONFIG_KEYS) - {"hidden_act"} - set(_UNREAD_KEYS))
+  if unknown:
+    logging.warning("bert_config.json keys %s are not BERT's; ignored.", unknown)
+  # The original lower-cases the name; its "gelu" is the erf form the 2018 checkpoints were
+  # trained with (the later code computes the tanh approximation under the same name).
+  act = str(values["hidden_act"]).lower()
+  if act != "gelu":
+    raise ValueError(f"hidden_act={values['hidden_act']!r} has no bertjax equivalent (bertjax "
+                     f"offers {sorted(ACTIVATIONS)}; Google's 'gelu' is bertjax's 'gelu')")
+  ours = {mine: values[theirs] for theirs, mine in _CONFIG_KEYS.items()}
+  return BertConfig.from_dict({**ours, "hidden_act": "gelu"}, **overrides)
+
+
+def config_to_google(config: BertConfig) -> dict:
+  """The `bert_config.json` dict of a BertConfig, in Google's keys."""
+  if config.hidden_act != "gelu":
+    logging.warning("hidden_act=%r is written as 'gelu', the only GELU name of Google's format "
+                    "(which its later code computes as the tanh form); imported back, it reads "
+                    "as the erf form.", config.hidden_act)
+  if config.layer_norm_eps != 1e-12:
+    logging.warning("layer_norm_eps=%g cannot be written: Google's code uses 1e-12.",
+                    config.layer_norm_eps)
+  out = {theirs: getattr(config, mine) for theirs, mine in _CONFIG_KEYS.items()}
+  out["hidden_act"] = "gelu"
+  return dict(sorted(out.items()))
+
+
+def read_google_config(folder: str, **overrides) -> BertConfig:
+  """The BertConfig of a Google folder's bert_config.json."""
+  path = os.path.join(folder, CONFIG_FILE)
+  if not tf_bundle.exists(path):
+    raise FileNotFoundError(f"{path} not found: a Google BERT folder holds bert_config.json, "
+                            "bert_model.ckpt.* and vocab.txt (unzip the release into one folder)")
+  with tf_bundle.open_file(path, "r") as f:
+    return config_from_google(json.load(f), **overrides)
+
+
+# Names -----------------------------------------------------------------------------------------
+
+_RENAMED = {"cls.predictions.bias": "cls.predictions.output_bias",
+            "cls.seq_relationship.weight": "cls.seq_relationship.output_weights",
+            "cls.seq_relationship.bias": "cls.seq_relationship.output_bias"}
+
+
+def _google_name(hf_name: str) -> tuple[str, bool]:
+  """Google's name of a Hugging Face tensor and whether it is stored transposed (Linear weights
+  are [out, in] in PyTorch; the NSP weights are [2, H] in both)."""
+  if hf_name in _RENAMED:
+    return _RENAMED[hf_name].replace(".", "/"), False
+  name = re.sub(r"\.layer\.(\d+)\.", r".layer_\1.", hf_name)
+  transposed = False
+  if name.endswith("_embeddings.weight"):
+    name = name[:-len(".weight")]
+  elif ".LayerNorm." in name:
+    name = name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                       "LayerNorm.beta")
+  elif name.endswith(".weight"):
+    name, transposed = name[:-len("weight")] + "kernel", True
+  return name.replace(".", "/"), transposed
+
+
+def _table(config: BertConfig) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
+  """Google name -> (Hugging Face name, transposed, Google shape) of every model variable."""
+  out = {}
+  for hf_name, shape in hf._expected_shapes(config).items():  # pylint: disable=protected-access
+    name, transposed = _google_name(hf_name)
+    out[name] = (hf_name, transposed, tuple(reversed(shape)) if transposed else tuple(shape))
+  return out
+
+
+def ignored_variables(names) -> dict[str, int]:
+  """How many of `names` are optimizer slots (by kind) or the step counter."""
+  counts = {}
+  for name in names:
+    kind = name.rsplit("/", 1)[-1]
+    if kind in _SLOT_SUFFIXES or name == _STEP:
+      counts[kind] = counts.get(kind, 0) + 1
+  return counts
+
+
+def _is_ignored(name: str) -> bool:
+  return name == _STEP or name.rsplit("/", 1)[-1] in _SLOT_SUFFIXES
+
+
+def _access(source):
+  """(shapes by name, name -> array) of a dict, a CheckpointReader or TensorFlow's reader."""
+  if isinstance(source, CheckpointReader):
+    return source.shapes(), source.read
+  if hasattr(source, "get_variable_to_shape_map"):
+    return ({k: tuple(v) for k, v in source.get_variable_to_shape_map().items()},
+            source.get_tensor)
+  return {k: tuple(np.shape(v)) for k, v in source.items()}, lambda k: np.asarray(source[k])
+
+
+def params_from_google(source, config: BertConfig, *, scan_layers: bool | None = None) -> dict:
+  """`BertForPreTraining` parameters (nested dict of numpy arrays) from Google's variables.
+
+  `source`: {name: array}, a `CheckpointReader` (only the model's variables are read) or
+  `tf.train.load_checkpoint(...)`. `scan_layers` (default: the config's) stacks the layers.
+  Optimizer slots and global_step are ignored (see `ignored_variables`); every missing,
+  unexpected or mis-shaped variable is listed in one ValueError.
+  """
+  if scan_layers is not None:
+    config = dataclasses.replace(config, scan_layers=scan_layers)
+  shapes, get = _access(source)
+  table = _table(config)
+  present = {name: shape for name, shape in shapes.items() if not _is_ignored(name)}
+  missing = sorted(set(table) - set(present))
+  unexpected = sorted(set(present) - set(table))
+  misshaped = sorted(f"{name}: {present[name]} (expected {table[name][2]})"
+                     for name in set(table) & set(present) if present[name] != table[name][2])
+  problems = [f"{what} variables ({len(names)}): {names}" for what, names in (
+      ("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if names]
+  if any("/.ATTRIBUTES/" in name for name in unexpected):
+    problems.append("the names are those of a TF2 object-based checkpoint (tf.train.Checkpoint), "
+                    "not the TF1 names of Google's releases")
+  if problems:
+    raise ValueError(
+        f"The checkpoint does not fit BertConfig(vocab_size={config.vocab_size}, hidden_size="
+        f"{config.hidden_size}, num_layers={config.num_layers}, intermediate_size="
+        f"{config.intermediate_size}, max_position_embeddings={config.max_position_embeddings}, "
+        f"type_vocab_size={config.type_vocab_size}): " + "; ".join(problems)
+        + ". Use the bert_config.json released with this checkpoint.")
+  state_dict = {}
+  for name, (hf_name, transposed, _) in table.items():
+    value = np.asarray(get(name))
+    state_dict[hf_name] = value.T if transposed else value
+  return hf.params_from_hf(state_dict, config)
+
+
+def params_to_google(params: dict, config: BertConfig) -> dict[str, np.ndarray]:
+  """Google's variables (float32 numpy, original names and shapes) of `BertForPreTraining`
+  parameters."""
+  state_dict = hf.params_to_hf(params, config)
+  return {name: np.ascontiguousarray(state_dict[hf_name].T if transposed else state_dict[hf_name])
+          for name, (hf_name, transposed, _) in _table(config).items()}
+
+
+# Folders and casing ----------------------------------------------------------------------------
+
+def is_google_folder(path: str) -> bool:
+  """Whether `path` is a folder with a TensorFlow checkpoint and a bert_config.json in Google's
+  keys (a converted folder's bert_config.json has bertjax's)."""
+  try:
+    names = tf_bundle.listdir(path)
+  except Exception:  # pylint: disable=broad-except
+    return False  # not a folder, or none at all (TensorFlow's errors for URLs are not OSErrors)
+  if CONFIG_FILE not in names or not any(name.endswith(".index") for name in names):
+    return False
+  try:
+    with tf_bundle.open_file(os.path.join(path, CONFIG_FILE), "r") as f:
+      return "num_hidden_layers" in json.load(f)
+  except (OSError, ValueError):
+    return False
+
+
+def load_folder(path: str, *, scan_layers: bool = False) -> tuple[BertConfig, dict]:
+  """(config, `BertForPreTraining` params as numpy) of a Google folder, without TensorFlow."""
+  config = read_google_config(path, scan_layers=scan_layers)
+  return config, params_from_google(CheckpointReader(path), config)
+
+
+def lower_case_from_name(name: str) -> bool | None:
+  """The casing a release's folder name says, as the original's check reads it; None if it says
+  nothing. Also covers the names it predates (wwm_*, the small BERTs, TF Hub's bert_en_*)."""
+  if "://" not in name:
+    name = os.path.abspath(name)  # "." names the folder it is
+  name = os.path.basename(name.rstrip("/")).lower()
+  if "uncased" in name or "multilingual_l" in name or "chinese" in name or "bert_zh" in name:
+    return True
+  if "cased" in name:
+    return False
+  return None
+
+
+def _read_record(folder: str) -> dict | None:
+  path = os.path.join(folder, TOKENIZER_RECORD)
+  if not tf_bundle.exists(path):
+    return None
+  with tf_bundle.open_file(path, "r") as f:
+    return json.load(f)
+
+
+def vocabulary_of(folder: str) -> tuple[str | None, bool | None, str]:
+  """(vocab.txt or None, do_lower_case or None when unknown, why) of a Google folder or a
+  converted one (None for anything else): the casing its tokenizer.json records (written by this
+  module), else for a Google folder what its name says, else lower-cased as the original's flag
+  defaults."""
+  if not tf_bundle.exists(os.path.join(folder, CONFIG_FILE)):  # a workdir: its own vocabulary
+    return None, None, ""
+  record = _read_record(folder)
+  if record is not None and record.get("kind", "wordpiece") == "wordpiece":
+    vocab = os.path.join(folder, record.get("file", VOCAB_FILE))
+    return (vocab if tf_bundle.exists(vocab) else None, bool(record.get("do_lower_case", True)),
+            f"recorded in {os.path.join(folder, TOKENIZER_RECORD)}")
+  vocab = os.path.join(folder, VOCAB_FILE)
+  vocab = vocab if tf_bundle.exists(vocab) else None
+  if not is_google_folder(folder):
+    return vocab, None, ""
+  by_name = lower_case_from_name(folder)
+  if by_name is not None:
+    return vocab, by_name, f"the name {os.path.basename(folder.rstrip('/'))} says " + (
+        "uncased" if by_name else "cased")
+  return vocab, True, (f"the name {os.path.basename(folder.rstrip('/'))} does not say; lower-cased "
+                       "as the original's default (rename the folder or set do_lower_case)")
+
+
+def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, str]:
+  """The casing for a Google folder's vocabulary: `requested` if given (warned when the name
+  says otherwise, as the original's check would refuse it), else what the folder says."""
+  _, inferred, why = vocabulary_of(folder)
+  if requested is None:
+    return bool(inferred), why
+  by_name = lower_case_from_name(folder)
+  if by_name is not None and by_name != requested:
+    logging.warning(
+        "do_lower_case=%s, but %s seems to be a%s model: its pieces were made from %s text, so "
+        "use do_lower_case=%s unless you know the name is wrong.", requested,
+        os.path.basename(folder.rstrip("/")), "n uncased" if by_name else " cased",
+        "lower-cased" if by_name else "cased", by_name)
+  return requested, "given"
+
+
+# Import and export -----------------------------------------------------------------------------
+
+def import_folder(ckpt_dir: str, output: str, *, do_lower_case: bool | None = None,
+                  scan_layers: bool = False) -> str:
+  """Writes a converted folder (see the module docstring) from a Google folder; returns a line
+  saying what was done."""
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  config = read_google_config(ckpt_dir, scan_layers=scan_layers)
+  reader = CheckpointReader(ckpt_dir)
+  vocab = os.path.join(ckpt_dir, VOCAB_FILE)
+  if not tf_bundle.exists(vocab):
+    raise FileNotFoundError(f"{vocab} not found: the vocabulary the checkpoint's embedding rows "
+                            "index is part of a Google folder (vocab.txt of the same release)")
+  lower, why = resolve_do_lower_case(ckpt_dir, do_lower_case)
+  tokenizer = tokenizer_lib.load_tokenizer(_wordpiece(vocab, lower))
+  if tokenizer.vocab_size > config.vocab_size:
+    raise ValueError(f"{vocab} has {tokenizer.vocab_size} pieces, more than the model's "
+                     f"{config.vocab_size} embedding rows: it is not this checkpoint's vocabulary")
+  params = params_from_google(reader, config)
+  ignored = ignored_variables(reader.keys())
+  hf.save_params(output, params, config)
+  _write_vocabulary(vocab, tokenizer.fingerprint, output, lower)
+  slots = ", ".join(f"{kind} {n}" for kind, n in sorted(ignored.items())) or "none"
+  return (f"Imported {reader.prefix} -> {output} ({config.num_layers} layers, hidden "
+          f"{config.hidden_size}, vocab {config.vocab_size}; do_lower_case={lower}: {why}; "
+          f"ignored optimizer slots and step: {slots})")
+
+
+def _wordpiece(vocab: str, lower: bool):
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  return ml_collections.ConfigDict({"vocab_path": vocab, "tokenizer": "wordpiece",
+                                    "do_lower_case": lower})
+
+
+def _write_vocabulary(vocab: str, fingerprint: str, output: str, lower: bool) -> None:
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  record = os.path.join(output, TOKENIZER_RECORD)
+  if tf.io.gfile.exists(record):  # copy_to_workdir keeps a record it finds: this one is replaced
+    tf.io.gfile.remove(record)
+  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower)
+
+
+def _read_params(path: str) -> tuple[BertConfig, dict, str | None, bool | None]:
+  """(config, params, vocab.txt, do_lower_case) of a converted folder, a pre-training workdir or
+  a Google folder."""
+  if is_google_folder(path):
+    config, params = load_folder(path)
+    vocab, lower, _ = vocabulary_of(path)
+    return config, params, vocab, lower
+  if tf_bundle.exists(os.path.join(path, CONFIG_FILE)):
+    config, params = hf.load_params(path)
+    vocab, lower, _ = vocabulary_of(path)
+    return config, params, vocab, lower
+  workdir = os.path.dirname(path.rstrip("/")) if os.path.basename(
+      path.rstrip("/")) == "checkpoints" else path
+  folder = os.path.join(workdir, "checkpoints")
+  if not tf_bundle.exists(folder):
+    raise FileNotFoundError(f"--params={path} is neither a folder of `convert.google import` or "
+                            "`convert.hf import` (no bert_config.json) nor a bertjax workdir (no "
+                            "checkpoints/)")
+  from bertjax import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  ckpt = checkpoint_lib.Checkpointer(folder, ("params", "opt_state"), save_every=1, keep=1)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"{folder} holds no checkpoint")
+    meta = ckpt.read_meta(steps[-1])
+    params = ckpt.restore_stored(steps[-1], "params")
+  finally:
+    ckpt.close()
+  config = BertConfig.from_dict(meta["model"])
+  record = _read_record(workdir) or {}
+  vocab = os.path.join(workdir, record["file"]) if "file" in record else None
+  if record.get("kind", "wordpiece") != "wordpiece":
+    logging.warning("%s's vocabulary is %s, which Google's tokenization.py cannot read: no "
+                    "vocab.txt is written.", workdir, record.get("kind"))
+    vocab = None
+  return config, params, vocab, record.get("do_lower_case")
+
+
+def export_folder(params_path: str, output: str) -> str:
+  """Writes a Google folder (bert_model.ckpt.*, bert_config.json, vocab.txt) from a converted
+  folder or a pre-training workdir; returns a line saying what was done. Uses TensorFlow's own
+  writer."""
+  config, params, vocab, lower = _read_params(params_path)
+  lacking = sorted({"bert", "mlm", "nsp"} - set(params))
+  if lacking:
+    raise ValueError(f"{params_path} holds parameters {sorted(params)}, without {lacking}: a "
+                     "fine-tuning run keeps no MLM and NSP heads; export a pre-training workdir "
+                     "or a converted folder")
+  variables = params_to_google(params, config)
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  tf.io.gfile.makedirs(output)
+  names = sorted(variables)
+  tf.raw_ops.SaveV2(prefix=os.path.join(output, CHECKPOINT_NAME), tensor_names=names,
+                    shape_and_slices=[""] * len(names),
+                    tensors=[tf.constant(variables[name]) for name in names])
+  with tf.io.gfile.GFile(os.path.join(output, CONFIG_FILE), "w") as f:
+    json.dump(config_to_google(config), f, indent=2)
+  said = "no vocabulary"
+  if vocab is not None:
+    from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    lower = True if lower is None else lower
+    fingerprint = tokenizer_lib.load_tokenizer(_wordpiece(vocab, lower)).fingerprint
+    _write_vocabulary(vocab, fingerprint, output, lower)
+    said = f"vocab.txt (do_lower_case={lower})"
+  return (f"Exported {params_path} -> {os.path.join(output, CHECKPOINT_NAME)} ({len(names)} "
+          f"variables), {CONFIG_FILE}, {said}")
+
+
+# Command line ----------------------------------------------------------------------------------
+
+def _bool(text: str) -> bool:
+  lowered = text.strip().lower()
+  if lowered in ("true", "1", "yes"):
+    return True
+  if lowered in ("false", "0", "no"):
+    return False
+  raise ValueError(f"--do_lower_case={text!r}: use true or false")
+
+
+def main(argv: list[str]) -> None:
+  import argparse  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(prog="python -m bertjax.convert.google", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  imp = sub.add_parser("import", help="Google folder -> bertjax parameters")
+  imp.add_argument("--ckpt_dir", required=True,
+                   help="the unzipped release: bert_config.json, bert_model.ckpt.*, vocab.txt")
+  imp.add_argument("--output", required=True)
+  imp.add_argument("--do_lower_case", default=None,
+                   help="true or false; default: what the folder's name says")
+  imp.add_argument("--scan_layers", action="store_true", help="store layers stacked for nn.scan")
+  exp = sub.add_parser("export", help="bertjax parameters -> Google folder")
+  exp.add_argument("--params", required=True,
+                   help="a folder written by `import` (or convert.hf), or a pre-training workdir")
+  exp.add_argument("--output", required=True)
+  args = parser.parse_args(argv)
+  from bertjax import cli  # pylint: disable=import-outside-toplevel
+  if args.command == "import":
+    line = cli.explained(lambda: import_folder(
+        args.ckpt_dir, args.output, scan_layers=args.scan_layers,
+        do_lower_case=None if args.do_lower_case is None else _bool(args.do_lower_case)))
+  else:
+    line = cli.explained(export_folder, args.params, args.output)
+  print(line)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,160 @@
+"""A Google folder as released (bert_config.json, bert_model.ckpt.*, vocab.txt) as `init_from`:
+pre-training continues from it and fine-tuning starts from it, with its vocabulary and casing."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from bertjax import checkpoint as checkpoint_lib, loop, train
+from bertjax.convert import google
+from bertjax.finetune import run
+from configs import finetune as finetune_config
+from configs import tiny
+from google_fixtures import google_folder, random_variables, slots
+from test_data_fixtures import data_config
+
+SMALL = dict(attention_probs_dropout_prob=0.1, hidden_act="gelu", hidden_dropout_prob=0.1,
+             hidden_size=32, initializer_range=0.02, intermediate_size=64,
+             max_position_embeddings=64, num_attention_heads=2, num_hidden_layers=1,
+             type_vocab_size=2, vocab_size=410)
+
+
+@pytest.fixture(name="one_device")
+def _one_device(monkeypatch):
+  """Runs on one device: a third faster to compile and save than on 8."""
+  real = train.build
+
+  def build(model_config, train_config, mesh_config, devices=None, objective=train.PRETRAINING):
+    del devices
+    return real(model_config, train_config, mesh_config, jax.devices()[:1], objective)
+  monkeypatch.setattr(train, "build", build)
+
+
+def _saved_variables(workdir, params_key=None):
+  """The last checkpoint's parameters of `workdir`, under Google's names."""
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), loop.ITEMS,
+                                     save_every=1, keep=1)
+  params = ckpt.restore_stored(ckpt.all_steps()[-1], "params")
+  ckpt.close()
+  return params if params_key is None else params[params_key]
+
+
+def _pretraining_config(tmp_path):
+  config = tiny.get_config()
+  config.data = data_config(tmp_path / "data", n_docs=30, sents_per_doc=12)
+  config.data.tokenizer, config.data.vocab_path = "sentencepiece", ""  # init_from's, then
+  m = config.model
+  m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 0, 32, 1, 2, 64
+  m.max_position_embeddings = 64
+  t = config.train
+  t.batch_size, t.num_train_steps, t.warmup_steps, t.learning_rate = 8, 2, 0, 0.0
+  t.log_every_steps, t.eval_every_steps, t.eval_sequences = 2, 0, 8
+  config.checkpoint.save_every_steps = 2
+  return config
+
+
+def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys):
+  variables = random_variables(SMALL)
+  folder = google_folder(tmp_path, SMALL, "uncased_L-1_H-32_A-2", variables, slots(variables))
+  config = _pretraining_config(tmp_path)
+  config.checkpoint.init_from = folder
+  loop.train_and_evaluate(config, str(tmp_path / "run"))
+  out = capsys.readouterr().out
+  assert (f"vocabulary from init_from: {folder}/vocab.txt (WordPiece, do_lower_case=True: the "
+          "name uncased_L-1_H-32_A-2 says uncased)") in out
+  assert f"parameters from init_from={folder}" in out
+  # Learning rate 0: the checkpoint holds the Google folder's weights, bit for bit.
+  saved = google.params_to_google(_saved_variables(tmp_path / "run"),
+                                  google.config_from_google(SMALL))
+  assert saved.keys() == variables.keys()
+  for name, value in variables.items():
+    assert saved[name].tobytes() == value.tobytes(), name
+  record = json.load(open(tmp_path / "run" / "tokenizer.json"))
+  assert record["copied_from"] == os.path.join(folder, "vocab.txt") and record["do_lower_case"]
+  # The run exports back to Google's layout: the same variables, config and vocabulary.
+  google.export_folder(str(tmp_path / "run"), str(tmp_path / "exported"))
+  reader = tf.train.load_checkpoint(str(tmp_path / "exported" / "bert_model.ckpt"))
+  assert sorted(reader.get_variable_to_shape_map()) == sorted(variables)
+  for name, value in variables.items():
+    assert reader.get_tensor(name).tobytes() == value.tobytes(), name
+  exported = json.load(open(tmp_path / "exported" / "bert_config.json"))
+  assert exported.keys() == SMALL.keys()  # the sizes of the folder, the run's dropout and init
+  assert {k: v for k, v in exported.items() if isinstance(v, int)} == {
+      k: v for k, v in SMALL.items() if isinstance(v, int)}
+  assert (tmp_path / "exported" / "vocab.txt").read_text() == open(
+      os.path.join(folder, "vocab.txt")).read()
+
+  # Another model size is refused, naming the sizes; so is another vocabulary, unless asked for
+  # (both checked where the run takes init_from's parameters).
+  bigger = google.config_from_google(dict(SMALL, hidden_size=64, intermediate_size=128))
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+                     match="hidden_size: checkpoint 32 vs config 64; model.intermediate_size: "
+                     "checkpoint 64 vs config 128"):
+    loop.load_init_params(folder, None, bigger)
+  same = google.config_from_google(SMALL)
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+                     match=r"was trained with its .*vocab.txt \(fingerprint wordpiece-410-\w+\), "
+                     r"not with this run's vocabulary \(fingerprint wordpiece-410-0123\).* set "
+                     "checkpoint.init_from_other_vocab=True"):
+    loop.load_init_params(folder, None, same, tokenizer_fingerprint="wordpiece-410-0123")
+
+
+def _task(folder, n=24):
+  os.makedirs(folder / "NEXT")
+  for split in ("train", "dev"):
+    rows = [f"{i}\tthe cat sat\ta dog ran\t{i % 2}" for i in range(n)]
+    (folder / "NEXT" / f"{split}.tsv").write_text(
+        "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
+
+
+def _finetune_config(init_from, data_dir):
+  config = finetune_config.get_config("next")
+  config.init_from, config.data_dir = init_from, data_dir
+  config.max_seq_length = 16
+  t = config.train
+  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 0.0, 1
+  config.model.hidden_dropout = config.model.attention_dropout = 0.0
+  return config
+
+
+def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
+  variables = random_variables(SMALL, seed=3)
+  folder = google_folder(tmp_path, SMALL, "cased_L-1_H-32_A-2", variables)
+  _task(tmp_path / "task")
+  config = _finetune_config(folder, str(tmp_path / "task"))
+  config.model.scan_layers = True  # a layout of ours: any fits a Google folder
+  results = run.finetune(config, str(tmp_path / "ft"))
+  assert results["evaluations"]
+  # Learning rate 0: the saved encoder is the folder's, leaf for leaf.
+  encoder = _saved_variables(tmp_path / "ft", "bert")
+  layer = encoder["encoder"]["layers"]["layer"]
+  np.testing.assert_array_equal(layer["mlp"]["intermediate"]["kernel"][0],
+                                variables["bert/encoder/layer_0/intermediate/dense/kernel"])
+  np.testing.assert_array_equal(encoder["embeddings"]["word_embeddings"]["embedding"],
+                                variables["bert/embeddings/word_embeddings"])
+  np.testing.assert_array_equal(encoder["pooler"]["dense"]["kernel"],
+                                variables["bert/pooler/dense/kernel"])
+  # The folder's vocab.txt became the run's, cased as the folder's name says.
+  record = json.load(open(tmp_path / "ft" / "tokenizer.json"))
+  assert record["copied_from"] == os.path.join(folder, "vocab.txt")
+  assert record["do_lower_case"] is False
+
+  # Another model size is refused, naming the sizes.
+  config = _finetune_config(folder, str(tmp_path / "task"))
+  config.model.hidden_size = 64
+  with pytest.raises(ValueError, match=f"config.model.hidden_size=64 but init_from={folder} has "
+                     "32"):
+    run.finetune(config, str(tmp_path / "ft2"))
+  # Another vocabulary than the folder's is refused, naming both fingerprints.
+  pieces = open(os.path.join(folder, "vocab.txt")).read().split("\n")
+  other = tmp_path / "other_vocab.txt"
+  other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
+  config = _finetune_config(folder, str(tmp_path / "task"))
+  config.vocab_path, config.do_lower_case = str(other), False
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
+    run.finetune(config, str(tmp_path / "ft3"))
+  assert str(err.value).count("wordpiece-") == 2
