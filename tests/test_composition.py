@@ -1,6 +1,6 @@
 """A user's own linen model with BertModel inside: a pre-trained encoder loaded into its subtree,
 its own head, trained (encoder frozen or not) under jax.jit on an 8-device mesh with shardings
-from the logical rules; the README's example in full."""
+from the logical rules, computing what one device computes (the README's example, checked)."""
 
 import flax.linen as nn
 import jax
@@ -15,7 +15,7 @@ from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel
 from bertjax.pretrained import load_pretrained
 
-TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16)
 rng = np.random.default_rng(0)
 BATCH = {"input_ids": rng.integers(0, 64, (8, 8)).astype(np.int32),
@@ -64,15 +64,6 @@ def _loss(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def test_sharded_outputs_equal_single_device_ones(setup):
-  mesh, model, params, stored = setup
-  on_mesh = jax.jit(sharding.logical_context(mesh)(model.apply))(
-      {"params": params}, BATCH["input_ids"], BATCH["input_mask"])
-  plain = {"params": {**jax.tree.map(np.asarray, params), "bert": stored}}  # one device, no rules
-  np.testing.assert_allclose(on_mesh, model.apply(plain, BATCH["input_ids"],
-                                                  BATCH["input_mask"]), rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "trained"])
 def test_train_with_the_encoder_frozen_or_trained(setup, freeze):
   mesh, model, params, stored = setup
@@ -84,18 +75,21 @@ def test_train_with_the_encoder_frozen_or_trained(setup, freeze):
 
   @jax.jit
   @sharding.logical_context(mesh)
-  def step(params, opt_state, batch, key):
+  def step(params, opt_state, batch):
     def loss_fn(params):
-      logits = model.apply({"params": params}, batch["input_ids"], batch["input_mask"],
-                           deterministic=False, rngs={"dropout": key})
-      return _loss(logits, batch["labels"])
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+      logits = model.apply({"params": params}, batch["input_ids"], batch["input_mask"])
+      return _loss(logits, batch["labels"]), logits
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, logits
 
   batch = jax.device_put(BATCH, sharding.batch_sharding(mesh))
-  new_params, _, loss = step(params, opt_state, batch, jax.random.key(0))
-  assert np.isfinite(float(loss))
+  new_params, _, logits = step(params, opt_state, batch)
+  # The sharded forward pass computes what one device computes from the stored values.
+  plain = {"params": {**jax.tree.map(np.asarray, params), "bert": stored}}
+  np.testing.assert_allclose(logits, jax.jit(model.apply)(plain, BATCH["input_ids"],
+                                                          BATCH["input_mask"]),
+                             rtol=1e-5, atol=1e-6)
   changed = lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b))
   assert changed(new_params["head"]["kernel"], params["head"]["kernel"])
   bert_changed = [changed(a, b) for a, b in zip(jax.tree.leaves(new_params["bert"]),
