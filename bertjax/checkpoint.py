@@ -171,31 +171,8 @@ class Checkpointer:
     the same structure as the stored subtree); the rest of the item is read onto `elsewhere` (a
     sharding) and dropped. For taking a pre-trained encoder out of a run with other heads."""
     stored = self._manager.item_metadata(step)[item]
-    if key not in stored:
-      raise ValueError(f"{self.directory} step {step} holds no {item}[{key!r}] (it holds "
-                       f"{sorted(stored)}).")
-    wanted = dict(jax.tree_util.tree_flatten_with_path(target)[0])
-    problems = []
-
-    def place(path, leaf):
-      if path[:1] == (jax.tree_util.DictKey(key),):
-        like = wanted.pop(path[1:], None)
-        if like is None:
-          problems.append(f"unexpected {jax.tree_util.keystr(path)}")
-        elif tuple(like.shape) != tuple(leaf.shape):
-          problems.append(f"{jax.tree_util.keystr(path)}: stored {tuple(leaf.shape)}, model "
-                          f"{tuple(like.shape)}")
-        else:
-          return jax.ShapeDtypeStruct(leaf.shape, like.dtype, sharding=like.sharding)
-      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=elsewhere)
-
-    abstract = jax.tree_util.tree_map_with_path(place, stored)
-    problems += [f"missing {key}{jax.tree_util.keystr(path)}" for path in wanted]
-    if problems:
-      raise CheckpointMismatchError(
-          f"{self.directory} step {step}: its {key} does not fit this model: "
-          + "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)"
-                                        if len(problems) > 10 else ""))
+    abstract = subtree_target(stored, key, target, elsewhere,
+                              f"{self.directory} step {step}", item)
     items, _ = self.restore(step, {item: abstract})
     return items[item][key]
 
@@ -300,3 +277,35 @@ def put_like(values: Any, abstract: Any) -> Any:
       return jax.device_put(value)
     return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
   return jax.tree.map(put, values, abstract)
+
+
+def subtree_target(stored: Any, key: str, target: Any, elsewhere, where: str,
+                   item: str = "params") -> Any:
+  """A restore target for a stored tree (orbax metadata, or anything with shapes) whose `key`
+  subtree goes where `target` says (ShapeDtypeStructs with shardings) and the rest onto
+  `elsewhere`. Raises CheckpointMismatchError listing every leaf of `key` that does not fit."""
+  if key not in stored:
+    raise ValueError(f"{where} holds no {item}[{key!r}] (it holds {sorted(stored)}).")
+  wanted = dict(jax.tree_util.tree_flatten_with_path(target)[0])
+  problems = []
+
+  def place(path, leaf):
+    if path[:1] == (jax.tree_util.DictKey(key),):
+      like = wanted.pop(path[1:], None)
+      if like is None:
+        problems.append(f"unexpected {jax.tree_util.keystr(path)}")
+      elif tuple(like.shape) != tuple(leaf.shape):
+        problems.append(f"{jax.tree_util.keystr(path)}: stored {tuple(leaf.shape)}, model "
+                        f"{tuple(like.shape)}")
+      else:
+        return jax.ShapeDtypeStruct(leaf.shape, like.dtype, sharding=like.sharding)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=elsewhere)
+
+  abstract = jax.tree_util.tree_map_with_path(place, stored)
+  problems += [f"missing {key}{jax.tree_util.keystr(path)}" for path in wanted]
+  if problems:
+    raise CheckpointMismatchError(
+        f"{where}: its {key} does not fit this model: "
+        + "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)"
+                                      if len(problems) > 10 else ""))
+  return abstract

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bertjax import sharding
+
 ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
@@ -442,6 +444,10 @@ class BertModel(nn.Module):
                sequence_ids=None, deterministic: bool = True):
     cfg = self.config
     input_ids_BxL = jnp.asarray(input_ids)
+    # Refused here, at trace time, rather than as a ShardingTypeError inside the embedding gather.
+    sharding.check_auto_axes(jax.sharding.get_abstract_mesh(), "The mesh in scope")
+    sharding.check_auto_axes(getattr(jax.typeof(input_ids_BxL).sharding, "mesh", None),
+                             "The mesh input_ids are sharded on")
     batch, length = input_ids_BxL.shape
     if length > cfg.max_position_embeddings:
       raise ValueError(

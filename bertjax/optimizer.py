@@ -46,7 +46,11 @@ def _key_name(key) -> str:
 
 
 def _path_names(path) -> list[str]:
-  return [_key_name(k).lower() for k in path]
+  names = [_key_name(k).lower() for k in path]
+  # An NNX variable (the leaves of `nnx.state(model)`) ends its path in `.value`.
+  if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
+    names = names[:-1]
+  return names
 
 
 def _map_names(fn: Callable[[list[str]], bool], params) -> Any:
@@ -68,7 +72,8 @@ def default_decay_mask(params) -> Any:
   """True where weight decay applies: everything but LayerNorm parameters and biases.
 
   Like the original's regex ("LayerNorm", "layer_norm", "bias"), embeddings and kernels decay.
-  Works on bertjax's names and on Hugging Face Flax names (`LayerNorm`, `bias`), boxed or not.
+  Works on bertjax's names and on Hugging Face Flax names (`LayerNorm`, `bias`), boxed or not,
+  and on an NNX state (`nnx.state(model, nnx.Param)`).
   """
   def decays(names):
     in_norm = any(n in part for part in names[:-1] for n in NO_DECAY_MODULES)

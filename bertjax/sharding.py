@@ -9,14 +9,19 @@ Mesh axes, outermost first:
 
 Sizes come in two groups: ICI (chips linked inside one slice) and DCN (between slices of a
 multi-slice job). Axis size = ici * dcn. One ICI size and one DCN size may be -1: it takes what is
-left. Parameters name their dimensions logically (bertjax/model.py); `config.mesh.logical_axis_rules`
-maps those names to mesh axes, so the model code never names a mesh axis.
+left. Parameters name their dimensions logically (bertjax/model.py); `DEFAULT_RULES` (the default
+of `config.mesh.logical_axis_rules`) maps those names to mesh axes, so the model code never names a
+mesh axis.
+
+In your own code: build the mesh with `create_mesh` (or any mesh whose axes are `AxisType.Auto`)
+and trace every init, apply and jitted step of the model inside `logical_context(mesh)`.
 
 Every check here raises before anything is compiled, with the numbers that do not fit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Mapping, Sequence
@@ -25,12 +30,35 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the mesh axes the batch dimension is split over
 
 Rules = tuple[tuple[str, Any], ...]
+
+# Logical axis name -> mesh axis (or axes, or None = replicated). Parameters are named in
+# bertjax/model.py ("vocab", "embed", "heads", "kv", "mlp", "layers"); activations carry
+# "activation_*" names. `data` and `fsdp` split the batch; `fsdp` also splits parameters and
+# optimizer state (ZeRO-3 style); `tensor` splits heads and the MLP (Megatron).
+DEFAULT_RULES: Rules = (
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv", None),
+    ("activation_mlp", "tensor"),
+    # The vocabulary stays whole: XLA (jax 0.10.2, Shardy and GSPMD alike) miscompiles the
+    # gradients of the MLM head when the tied table is split over both tensor and fsdp while
+    # data > 1 too. Only the M masked positions are projected, so the cost is a few percent.
+    ("activation_vocab", None),
+    ("vocab", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("layers", None),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +71,7 @@ class MeshConfig:
   dcn_data: int = -1
   dcn_fsdp: int = 1
   dcn_tensor: int = 1
-  logical_axis_rules: Rules = ()
+  logical_axis_rules: Rules = DEFAULT_RULES
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "MeshConfig":
@@ -52,7 +80,8 @@ class MeshConfig:
     unknown = sorted(set(values) - known)
     if unknown:
       raise ValueError(f"Unknown mesh config keys {unknown}; known keys are {sorted(known)}")
-    values["logical_axis_rules"] = rules_from_config(values.get("logical_axis_rules", ()))
+    values["logical_axis_rules"] = rules_from_config(
+        values.get("logical_axis_rules", DEFAULT_RULES))
     return cls(**values)
 
   @property
@@ -124,6 +153,63 @@ def create_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None)
   else:
     grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
   return Mesh(grid, MESH_AXES)
+
+
+def check_auto_axes(mesh: Mesh | AbstractMesh | None, where: str = "") -> None:
+  """Raises if `mesh` has Explicit axes, which the model does not support.
+
+  On Explicit axes every sharding must be stated and each of the model's sharding constraints
+  becomes an assertion: the embedding lookup (a gather) then fails with a ShardingTypeError deep in
+  the trace. `jax.make_mesh` makes Explicit axes unless told otherwise.
+  """
+  if mesh is None or mesh.empty:
+    return
+  explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit]
+  if explicit:
+    n = len(mesh.axis_names)
+    raise ValueError(
+        f"{where or 'The mesh'} has Explicit axes {explicit} (mesh {dict(mesh.shape)}, axis types "
+        f"{tuple(t.name for t in mesh.axis_types)}); bertjax's modules shard by logical names, which "
+        "needs Auto axes. Build the mesh with bertjax.sharding.create_mesh(MeshConfig(...)), or "
+        f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * {n})")
+
+
+def _mesh_scope(mesh: Mesh | AbstractMesh):
+  if isinstance(mesh, AbstractMesh):
+    return jax.sharding.use_abstract_mesh(mesh)
+  try:
+    # Outside jit the concrete mesh: eager code (an un-jitted apply, NNX variables created
+    # sharded) needs devices, and traces started inside see its abstract mesh too.
+    return jax.set_mesh(mesh)
+  except ValueError:  # inside a trace only the abstract mesh may be set
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+@contextlib.contextmanager
+def logical_context(mesh: Mesh | AbstractMesh | None = None, rules: Rules | None = None):
+  """The logical-axis `rules` (default `DEFAULT_RULES`) and `mesh` in scope, for the model's
+  sharding constraints. A context manager and a decorator:
+
+      @jax.jit
+      @sharding.logical_context(mesh)
+      def step(params, batch): ...
+
+  Trace every init, apply and step inside it. The model's activations carry
+  `nn.with_logical_constraint`s (batch over data x fsdp, heads and MLP over tensor); traced
+  without rules and mesh they are dropped without a word and XLA lays activations out as it
+  guesses. `mesh=None` applies the rules alone (enough for `init` under `jax.eval_shape`, and for
+  jit's `out_shardings` to place the parameters). Flax's rules are not part of jit's cache key:
+  decorate the function you jit (as above) rather than calling an already traced one inside.
+  """
+  check_auto_axes(mesh)
+  rules = DEFAULT_RULES if rules is None else rules_from_config(rules)
+  with nn.logical_axis_rules(rules):
+    if mesh is None:
+      yield
+    else:
+      with _mesh_scope(mesh):
+        yield
 
 
 def batch_axis_size(mesh: Mesh) -> int:

@@ -306,18 +306,12 @@ class Training:
 
 
 def _in_mesh(fn, mesh: Mesh | None, rules: sharding.Rules):
-  """`fn` traced with the mesh and the logical rules in scope (for the model's constraints).
+  """`fn` traced inside `sharding.logical_context(mesh, rules)` (for the model's constraints).
 
   Init runs without the mesh (mesh=None): the constraints of its dummy forward pass serve no
   purpose there, and jit's out_shardings already create each parameter shard on its device.
   """
-  def wrapped(*args):
-    with nn.logical_axis_rules(rules):
-      if mesh is None:
-        return fn(*args)
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return fn(*args)
-  return wrapped
+  return sharding.logical_context(mesh, rules)(fn)
 
 
 def _placed(boxed: Any, mesh: Mesh, rules: sharding.Rules) -> tuple[Any, Any]:

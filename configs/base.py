@@ -7,6 +7,8 @@ from the command line, e.g. `--config.train.batch_size=256`. Unknown keys are an
 
 import ml_collections
 
+from bertjax import sharding
+
 
 def get_config():
   """Every key with its default (BERT-Base shape; data and steps of the paper's phase 1)."""
@@ -109,28 +111,10 @@ def get_config():
   mesh.dcn_data = -1  # data parallelism across slices (the usual choice: least DCN traffic)
   mesh.dcn_fsdp = 1  # fsdp across slices
   mesh.dcn_tensor = 1  # tensor parallelism across slices (rarely wise: DCN is slow)
-  # Logical axis name -> mesh axis (or axes, or None = replicated). Parameters are named in
-  # bertjax/model.py ("vocab", "embed", "heads", "kv", "mlp", "layers"); activations carry
-  # "activation_*" names. `data` and `fsdp` split the batch; `fsdp` also splits parameters and
-  # optimizer state (ZeRO-3 style); `tensor` splits heads and the MLP (Megatron).
-  mesh.logical_axis_rules = (
-      ("activation_batch", ("data", "fsdp")),
-      ("activation_length", None),
-      ("activation_embed", None),
-      ("activation_heads", "tensor"),
-      ("activation_kv", None),
-      ("activation_mlp", "tensor"),
-      # The vocabulary stays whole: XLA (jax 0.10.2, Shardy and GSPMD alike) miscompiles the
-      # gradients of the MLM head when the tied table is split over both tensor and fsdp while
-      # data > 1 too. Only the M masked positions are projected, so the cost is a few percent.
-      ("activation_vocab", None),
-      ("vocab", None),
-      ("embed", "fsdp"),
-      ("heads", "tensor"),
-      ("kv", None),
-      ("mlp", "tensor"),
-      ("layers", None),
-  )
+  # Logical axis name -> mesh axis (or axes, or None = replicated): bertjax.sharding.DEFAULT_RULES
+  # (batch over data x fsdp, parameters' "embed" over fsdp, heads and MLP over tensor, the
+  # vocabulary whole; the table and its reasons are in bertjax/sharding.py). Override here.
+  mesh.logical_axis_rules = sharding.DEFAULT_RULES
 
   return config
 

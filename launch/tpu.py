@@ -125,7 +125,8 @@ def config_overrides(flags: list[str]) -> dict[str, str]:
 
 
 def load_config(spec: str):
-  """The ConfigDict of `configs/x.py[:arg]` (its own get_config), without importing bertjax or jax."""
+  """The ConfigDict of `configs/x.py[:arg]` (its own get_config; configs/base.py imports
+  bertjax.sharding for its default rules, so jax is imported too)."""
   path, _, arg = spec.partition(":")
   module_path = os.path.join(REPO, path)
   if REPO not in sys.path:

@@ -2,13 +2,16 @@
 
 import dataclasses
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from bertjax import sharding, train
-from bertjax.model import BertConfig
+from bertjax import losses, sharding, train
+from bertjax.heads import BertForPreTraining
+from bertjax.model import BertConfig, BertModel
 from configs import base
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
@@ -131,11 +134,10 @@ def test_host_batch_to_global():
 
 
 @pytest.mark.xfail(strict=True, reason="XLA SPMD bug in jax 0.10.2: when it passes, the default "
-                   "rules may split the vocabulary over tensor again (configs/base.py)")
+                   "rules may split the vocabulary over tensor again (sharding.DEFAULT_RULES)")
 def test_xla_bug_behind_the_whole_vocabulary_rule():
   # grad of sum(sin((x @ w) @ table^T)) with w split (fsdp, tensor), the table (tensor, fsdp) and
   # x over (data, fsdp) on a 2x2x2 mesh: the gradients of x and w come out wrong.
-  import jax.numpy as jnp
   from jax.sharding import NamedSharding
   mesh = sharding.create_mesh(mesh_config(ici_data=2, ici_fsdp=2, ici_tensor=2))
   rng = np.random.default_rng(0)
@@ -149,3 +151,67 @@ def test_xla_bug_behind_the_whole_vocabulary_rule():
   got = grad(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)])
   for g, w_ in zip(got, want):
     np.testing.assert_allclose(g, w_, atol=1e-3, rtol=1e-3)
+
+
+def test_the_default_rules_come_with_the_package():
+  # configs/base.py is not installed with bertjax: a user's own code gets the same table from
+  # bertjax.sharding, and a MeshConfig built without rules uses it.
+  assert base.get_config().mesh.logical_axis_rules == sharding.DEFAULT_RULES
+  assert sharding.MeshConfig().logical_axis_rules == sharding.DEFAULT_RULES
+  assert sharding.MeshConfig.from_dict({"ici_data": 2}).logical_axis_rules == sharding.DEFAULT_RULES
+  assert sharding.MeshConfig.from_dict(base.get_config().mesh) == sharding.MeshConfig()
+
+
+def _constraints(lowered) -> int:
+  return lowered.as_text().count("sdy.sharding_constraint")
+
+
+def test_a_users_step_keeps_the_models_sharding_constraints_only_inside_logical_context():
+  mesh_cfg = mesh_config(ici_data=2, ici_fsdp=4)
+  training = train.build(TINY, train.TrainConfig(batch_size=8), mesh_cfg)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=training.batch_sharding)
+           for k, v in train.dummy_batch(8).items()}
+  params = training.abstract_state.params
+  model = BertForPreTraining(TINY)
+
+  def step(params, batch):  # a user's own step: plain SGD on the pre-training loss
+    def loss_fn(params):
+      mlm, nsp = model.apply({"params": params}, **train.model_inputs(batch))
+      return losses.total_loss(losses.pretraining_metrics(mlm, nsp, batch))
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+  # Forward: the embeddings, then per layer the queries, the MLP's hidden and the layer's output,
+  # then the MLM logits; the backward pass constrains each cotangent again.
+  expected = 2 * (1 + 3 * TINY.num_layers + 1)
+  ours = _constraints(training.train_step.lower(training.abstract_state, batch,
+                                                jax.random.PRNGKey(0)))
+  helped = jax.jit(sharding.logical_context(training.mesh, mesh_cfg.logical_axis_rules)(step))
+  assert ours == _constraints(helped.lower(params, batch)) == expected
+  # Without rules and mesh in scope every constraint is dropped (the documented behaviour).
+  assert _constraints(jax.jit(step).lower(params, batch)) == 0
+
+
+def test_explicit_mesh_axes_are_refused_naming_the_fix():
+  explicit = jax.make_mesh((2, 4, 1), sharding.MESH_AXES)  # Explicit axes: jax's default
+  model = BertModel(TINY)
+  ids = jnp.zeros((8, 8), jnp.int32)
+  params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), ids)))
+  fix = r"bertjax\.sharding\.create_mesh.*axis_types=\(jax\.sharding\.AxisType\.Auto,\) \* 3"
+  with pytest.raises(ValueError, match="The mesh has Explicit axes.*" + fix):
+    with sharding.logical_context(explicit):
+      pass
+  # Refused by the model itself, before the embedding lookup's ShardingTypeError: a mesh set by
+  # the user, or input_ids sharded on one.
+  with pytest.raises(ValueError, match="The mesh in scope has Explicit axes.*" + fix):
+    with jax.set_mesh(explicit):
+      jax.eval_shape(model.apply, params, ids)
+  placed = jax.device_put(ids, jax.NamedSharding(explicit, P(sharding.BATCH_AXES)))
+  with pytest.raises(ValueError, match="The mesh input_ids are sharded on has Explicit axes"):
+    jax.eval_shape(model.apply, params, placed)
+  # The same mesh with Auto axes works.
+  auto = jax.make_mesh((2, 4, 1), sharding.MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  with sharding.logical_context(auto):
+    out = jax.eval_shape(model.apply, params, ids)
+  assert out[0].shape == (8, 8, TINY.hidden_size)

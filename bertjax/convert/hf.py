@@ -328,9 +328,10 @@ def save_params(directory: str, params: dict, config: BertConfig) -> None:
 
 def read_config(directory: str) -> BertConfig:
   """The BertConfig saved by `save_params`."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  with tf.io.gfile.GFile(os.path.join(directory, "bert_config.json")) as f:
-    return BertConfig.from_dict(json.load(f))
+  # epath, not tf.io.gfile: reading a JSON file should not cost a TensorFlow import (local paths
+  # need nothing more; gs:// goes through TensorFlow's file system when it is installed).
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  return BertConfig.from_dict(json.loads(epath.Path(directory, "bert_config.json").read_text()))
 
 
 def load_params(directory: str, abstract_params=None) -> tuple[BertConfig, dict]:

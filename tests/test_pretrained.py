@@ -1,0 +1,138 @@
+"""load_pretrained: the encoder of a workdir or a convert.hf folder, plain, boxed or sharded, the
+layers restacked on request, and no TensorFlow imported on the way."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bertjax import checkpoint as checkpoint_lib, sharding
+from bertjax.convert import hf
+from bertjax.heads import BertForPreTraining, BertForSequenceClassification
+from bertjax.model import BertConfig, BertModel
+from bertjax.pretrained import load_pretrained
+
+TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                  intermediate_size=64, max_position_embeddings=16)
+IDS = jnp.zeros((1, 4), jnp.int32)
+
+
+def _params(model, seed):
+  """Random values in the model's tree (no init to run: the values only have to differ)."""
+  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), IDS)["params"]))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), shapes)
+
+
+def _save_run(folder, steps_and_params):
+  """Checkpoints as bertjax's loop writes them: items params and opt_state, the model in meta."""
+  ckpt = checkpoint_lib.Checkpointer(str(folder / "checkpoints"), ("params", "opt_state"),
+                                     save_every=1, keep=5, async_save=False)
+  for step, params in steps_and_params:
+    opt_state = {"mu": jax.tree.map(np.zeros_like, params)}
+    ckpt.save(step, {"params": params, "opt_state": opt_state},
+              {**checkpoint_lib.Expected(model=TINY).meta(), "step": step}, force=True)
+  ckpt.close()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+  """A pre-training run (two checkpoints), a fine-tuning run and a convert.hf folder."""
+  root = tmp_path_factory.mktemp("pretrained")
+  older, newer = _params(BertForPreTraining(TINY), 1), _params(BertForPreTraining(TINY), 2)
+  _save_run(root / "pretraining", [(3, older), (7, newer)])
+  tuned = _params(BertForSequenceClassification(TINY, num_labels=3), 3)
+  _save_run(root / "finetuning", [(5, tuned)])
+  converted = _params(BertForPreTraining(TINY), 4)
+  hf.save_params(str(root / "converted"), converted, TINY)
+  return {"pretraining": (root / "pretraining", newer["bert"]),
+          "finetuning": (root / "finetuning", tuned["bert"]),
+          "converted": (root / "converted", converted["bert"])}
+
+
+def _assert_same(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), w)
+
+
+@pytest.mark.parametrize("kind", ["pretraining", "finetuning", "converted"])
+def test_loads_the_stored_encoder_and_its_config(sources, kind):
+  path, want = sources[kind]
+  config, encoder = load_pretrained(str(path))
+  assert config == TINY
+  _assert_same(encoder, want)  # the newest checkpoint's, exactly
+  if kind != "converted":  # the checkpoints folder itself is accepted too
+    _assert_same(load_pretrained(str(path / "checkpoints"))[1], want)
+
+
+def test_boxed_and_sharded(sources):
+  path, want = sources["pretraining"]
+  abstract = jax.eval_shape(lambda: BertModel(TINY).init(jax.random.key(0), IDS)["params"])
+  names = nn.get_partition_spec(abstract)
+  _, boxed = load_pretrained(str(path), boxed=True)
+  assert nn.get_partition_spec(boxed) == names
+  _assert_same(nn.unbox(boxed), want)
+
+  mesh = sharding.create_mesh(sharding.MeshConfig(ici_data=2, ici_fsdp=2, ici_tensor=2))
+  _, placed = load_pretrained(str(path), mesh=mesh)
+  expected = sharding.logical_shardings(abstract, mesh, sharding.DEFAULT_RULES)
+  assert jax.tree.map(lambda x: x.sharding, placed) == expected
+  kernel = placed["encoder"]["layer_0"]["mlp"]["intermediate"]["kernel"]
+  assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  _assert_same(placed, want)
+
+
+def test_layers_restacked_on_request(sources):
+  path, want = sources["converted"]
+  config, scanned = load_pretrained(str(path), scan_layers=True)
+  assert config == dataclasses.replace(TINY, scan_layers=True)
+  stacked = scanned["encoder"]["layers"]["layer"]
+  for i in range(TINY.num_layers):
+    _assert_same(jax.tree.map(lambda x, i=i: x[i], stacked), want["encoder"][f"layer_{i}"])
+  # ... and back, here onto a mesh (the "layers" axis stays whole).
+  mesh = sharding.create_mesh(sharding.MeshConfig(ici_data=2, ici_fsdp=4))
+  scanned_dir = path.parent / "converted_scanned"
+  hf.save_params(str(scanned_dir), {"bert": jax.tree.map(np.asarray, scanned), "mlm": {},
+                                    "nsp": {}}, config)
+  config, unrolled = load_pretrained(str(scanned_dir), scan_layers=False, mesh=mesh)
+  assert not config.scan_layers
+  _assert_same(unrolled, want)
+  assert unrolled["encoder"]["layer_1"]["attention"]["query"]["kernel"].sharding.spec == (
+      jax.sharding.PartitionSpec("fsdp", "tensor", None))
+
+
+def test_what_is_not_a_pretrained_encoder_is_named(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    load_pretrained(str(tmp_path / "nowhere"))
+  with pytest.raises(FileNotFoundError, match=r"expected a bertjax workdir \(with checkpoints/\)"
+                     r", a folder written by `python -m bertjax.convert.hf import`"):
+    load_pretrained(str(tmp_path))
+  (tmp_path / "checkpoints").mkdir()
+  with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+    load_pretrained(str(tmp_path))
+  with pytest.raises(ValueError, match="Explicit axes"):
+    load_pretrained(str(tmp_path), mesh=jax.make_mesh((8,), ("data",)))
+
+
+def test_loading_imports_no_tensorflow(sources):
+  # In a fresh interpreter: pytest's may hold TensorFlow already (other tests import it).
+  script = textwrap.dedent(f"""
+      import sys
+      import bertjax.model, bertjax.heads, bertjax.sharding, bertjax.pretrained, bertjax.nnx
+      for path in {[str(sources[k][0]) for k in ("pretraining", "converted")]!r}:
+        bertjax.pretrained.load_pretrained(path)
+      print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
+  """)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip().splitlines()[-1] == "[]"
