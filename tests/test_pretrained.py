@@ -136,3 +136,41 @@ def test_loading_imports_no_tensorflow(sources):
                           env=env, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_google_folder_loads_without_tensorflow(tmp_path):
+  # The folder is written with TensorFlow's own writer here; reading it must not need TensorFlow.
+  import google_fixtures as gf  # pylint: disable=import-outside-toplevel
+  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+  variables = gf.random_variables(gf.GOOGLE_CONFIG, seed=5)
+  folder = gf.google_folder(tmp_path, variables=variables, extra=gf.slots(variables))
+  config, encoder = load_pretrained(folder)
+  assert config == google.config_from_google(gf.GOOGLE_CONFIG)
+  # Leaves read straight from the original names (not through the converter's table) ...
+  np.testing.assert_array_equal(encoder["embeddings"]["word_embeddings"]["embedding"],
+                                variables["bert/embeddings/word_embeddings"])
+  h, n = gf.GOOGLE_CONFIG["hidden_size"], gf.GOOGLE_CONFIG["num_attention_heads"]
+  np.testing.assert_array_equal(
+      encoder["encoder"]["layer_1"]["attention"]["query"]["kernel"],
+      variables["bert/encoder/layer_1/attention/self/query/kernel"].reshape(h, n, h // n))
+  # ... and the whole encoder as the converter maps it, also sharded on a mesh.
+  want = google.params_from_google(variables, config)["bert"]
+  _assert_same(encoder, want)
+  mesh = sharding.create_mesh(sharding.MeshConfig(ici_data=2, ici_fsdp=2, ici_tensor=2),
+                              jax.devices()[:8])
+  _, placed = load_pretrained(folder, mesh=mesh)
+  _assert_same(placed, want)
+  qkv = placed["encoder"]["layer_0"]["attention"]["query"]["kernel"]
+  assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None), qkv.sharding
+
+  script = textwrap.dedent(f"""
+      import sys
+      import bertjax.pretrained
+      bertjax.pretrained.load_pretrained({folder!r})
+      print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
+  """)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip().splitlines()[-1] == "[]"
