@@ -192,3 +192,25 @@ def conll_sentences(n, seed):
 def write_conll(path, sentences):
   body = "".join("".join(f"{w} NN I-NP {t}\n" for w, t in s) + "\n" for s in sentences)
   return write_file(path, "-DOCSTART- -X- O O\n\n" + body)
+
+
+def write_tiny_next(folder, n=24):
+  """A NEXT task of n identical pairs per split (labels alternate): enough to run, nothing to learn."""
+  os.makedirs(folder / "NEXT")
+  for split in ("train", "dev"):
+    rows = [f"{i}\tthe cat sat\ta dog ran\t{i % 2}" for i in range(n)]
+    (folder / "NEXT" / f"{split}.tsv").write_text(
+        "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
+
+
+def frozen_next_config(init_from, data_dir):
+  """NEXT at length 16, one epoch of batch 8, learning rate 0 and no dropout: the encoder that
+  init_from gave stays as loaded, so a test can compare it."""
+  config = finetune_config.get_config("next")
+  config.init_from, config.data_dir = init_from, data_dir
+  config.max_seq_length = 16
+  t = config.train
+  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 0.0, 1
+  config.model.hidden_dropout = config.model.attention_dropout = 0.0
+  return config
+

@@ -21,6 +21,7 @@ from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertModel
 from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save, shapes, slots
+from parity_fixtures import parity_inputs
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
@@ -46,18 +47,6 @@ def _hf_params(variables: dict) -> dict:
       path.append("embedding")
     flat[tuple(path)] = value
   return unflatten_dict(flat)
-
-
-def _inputs(vocab_size):
-  rng = np.random.default_rng(5)
-  ids = rng.integers(0, vocab_size, (3, 20)).astype(np.int32)
-  mask = np.ones((3, 20), np.int32)
-  mask[1, 14:] = 0
-  mask[2, 5:] = 0
-  seg = np.zeros((3, 20), np.int32)
-  seg[:, 9:] = 1
-  positions = np.array([[1, 4, 9, 19], [0, 2, 13, 7], [1, 2, 3, 4]], np.int32)
-  return ids, mask, seg, positions
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +165,7 @@ def test_outputs_match_hugging_face_holding_the_same_weights(folder, scan, tmp_p
   c = GOOGLE_CONFIG
   hf_config = transformers.BertConfig(**c, layer_norm_eps=1e-12)  # run deterministic
   model = transformers.FlaxBertForPreTraining(hf_config, seed=0, _do_init=False)
-  ids, mask, seg, positions = _inputs(c["vocab_size"])
+  ids, mask, seg, positions = parity_inputs(c["vocab_size"])
   out = model(ids, attention_mask=mask, token_type_ids=seg, params=_hf_params(variables))
   if scan:  # through the command's folder, as init_from reads it
     google.import_folder(path, str(tmp_path / "ours"), scan_layers=True)

@@ -12,10 +12,10 @@ import tensorflow as tf
 from bertjax import checkpoint as checkpoint_lib, loop, train
 from bertjax.convert import google
 from bertjax.finetune import run
-from configs import finetune as finetune_config
 from configs import tiny
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import data_config
+from finetune_fixtures import frozen_next_config, write_tiny_next
 
 SMALL = dict(attention_probs_dropout_prob=0.1, hidden_act="gelu", hidden_dropout_prob=0.1,
              hidden_size=32, initializer_range=0.02, intermediate_size=64,
@@ -103,29 +103,11 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
     loop.load_init_params(folder, None, same, tokenizer_fingerprint="wordpiece-410-0123")
 
 
-def _task(folder, n=24):
-  os.makedirs(folder / "NEXT")
-  for split in ("train", "dev"):
-    rows = [f"{i}\tthe cat sat\ta dog ran\t{i % 2}" for i in range(n)]
-    (folder / "NEXT" / f"{split}.tsv").write_text(
-        "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
-
-
-def _finetune_config(init_from, data_dir):
-  config = finetune_config.get_config("next")
-  config.init_from, config.data_dir = init_from, data_dir
-  config.max_seq_length = 16
-  t = config.train
-  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 0.0, 1
-  config.model.hidden_dropout = config.model.attention_dropout = 0.0
-  return config
-
-
 def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
   variables = random_variables(SMALL, seed=3)
   folder = google_folder(tmp_path, SMALL, "cased_L-1_H-32_A-2", variables)
-  _task(tmp_path / "task")
-  config = _finetune_config(folder, str(tmp_path / "task"))
+  write_tiny_next(tmp_path / "task")
+  config = frozen_next_config(folder, str(tmp_path / "task"))
   config.model.scan_layers = True  # a layout of ours: any fits a Google folder
   results = run.finetune(config, str(tmp_path / "ft"))
   assert results["evaluations"]
@@ -144,7 +126,7 @@ def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
   assert record["do_lower_case"] is False
 
   # Another model size is refused, naming the sizes.
-  config = _finetune_config(folder, str(tmp_path / "task"))
+  config = frozen_next_config(folder, str(tmp_path / "task"))
   config.model.hidden_size = 64
   with pytest.raises(ValueError, match=f"config.model.hidden_size=64 but init_from={folder} has "
                      "32"):
@@ -153,7 +135,7 @@ def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
   pieces = open(os.path.join(folder, "vocab.txt")).read().split("\n")
   other = tmp_path / "other_vocab.txt"
   other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
-  config = _finetune_config(folder, str(tmp_path / "task"))
+  config = frozen_next_config(folder, str(tmp_path / "task"))
   config.vocab_path, config.do_lower_case = str(other), False
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
     run.finetune(config, str(tmp_path / "ft3"))

@@ -12,6 +12,7 @@ import transformers  # the `test` extra pins 4.57, the last release with Flax BE
 from bertjax.convert import hf
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel
+from parity_fixtures import parity_inputs
 
 HF_CONFIG = dict(vocab_size=101, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
                  intermediate_size=80, max_position_embeddings=64, type_vocab_size=2,
@@ -26,18 +27,6 @@ def _random_state_dict(config: BertConfig, seed=0):
           for name, shape in hf._expected_shapes(config).items()}  # pylint: disable=protected-access
 
 
-def _inputs():
-  rng = np.random.default_rng(5)
-  ids = rng.integers(0, 101, (3, 20)).astype(np.int32)
-  mask = np.ones((3, 20), np.int32)
-  mask[1, 14:] = 0
-  mask[2, 5:] = 0
-  seg = np.zeros((3, 20), np.int32)
-  seg[:, 9:] = 1
-  positions = np.array([[1, 4, 9, 19], [0, 2, 13, 7], [1, 2, 3, 4]], np.int32)
-  return ids, mask, seg, positions
-
-
 @pytest.fixture(scope="module")
 def reference():
   """Hugging Face FlaxBertForPreTraining outputs for random weights given by a state dict."""
@@ -48,7 +37,7 @@ def reference():
   model = transformers.FlaxBertForPreTraining(hf_config, seed=0)
   # Hugging Face's own converter from PyTorch names: independent of bertjax's mapping.
   hf_params = convert_pytorch_state_dict_to_flax(dict(state_dict), model)
-  ids, mask, seg, _ = _inputs()
+  ids, mask, seg, _ = parity_inputs(101)
   out = model(ids, attention_mask=mask, token_type_ids=seg, params=hf_params,
               output_hidden_states=True)
   base = transformers.FlaxBertModel(hf_config, seed=0, add_pooling_layer=True)
@@ -63,7 +52,7 @@ def reference():
 def test_outputs_match_hugging_face(reference, scan):
   config = hf.config_from_hf(HF_CONFIG, scan_layers=scan)
   params = hf.params_from_hf(reference["state_dict"], config)
-  ids, mask, seg, positions = _inputs()
+  ids, mask, seg, positions = parity_inputs(101)
   sequence, pooled = BertModel(config).apply({"params": params["bert"]}, ids, mask, seg)
   mlm, nsp = BertForPreTraining(config).apply({"params": params}, ids, mask, seg, positions)
   real = mask.astype(bool)  # Hugging Face's outputs at padding queries carry no meaning either

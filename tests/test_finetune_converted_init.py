@@ -12,16 +12,8 @@ from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig
-from configs import finetune as finetune_config
 from test_data_fixtures import write_vocab
-
-
-def _task(folder, n=24):
-  os.makedirs(folder / "NEXT")
-  for split in ("train", "dev"):
-    rows = [f"{i}\tthe cat sat\ta dog ran\t{i % 2}" for i in range(n)]
-    (folder / "NEXT" / f"{split}.tsv").write_text(
-        "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
+from finetune_fixtures import frozen_next_config, write_tiny_next
 
 
 def _converted(tmp_path) -> tuple[str, dict, BertConfig]:
@@ -42,20 +34,10 @@ def _converted(tmp_path) -> tuple[str, dict, BertConfig]:
   return str(folder), params, cfg
 
 
-def _config(init_from, data_dir):
-  config = finetune_config.get_config("next")
-  config.init_from, config.data_dir = init_from, data_dir
-  config.max_seq_length = 16
-  t = config.train
-  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 0.0, 1
-  config.model.hidden_dropout = config.model.attention_dropout = 0.0
-  return config
-
-
 def test_encoder_and_vocabulary_come_from_a_converted_folder(tmp_path, monkeypatch):
   folder, params, cfg = _converted(tmp_path)
-  _task(tmp_path / "task")
-  config = _config(folder, str(tmp_path / "task"))
+  write_tiny_next(tmp_path / "task")
+  config = frozen_next_config(folder, str(tmp_path / "task"))
   real = train.build
   monkeypatch.setattr(train, "build", lambda *a, **kw: real(*a, devices=jax.devices()[:1], **{
       k: v for k, v in kw.items() if k != "devices"}))
@@ -80,7 +62,7 @@ def test_encoder_and_vocabulary_come_from_a_converted_folder(tmp_path, monkeypat
   pieces = (tmp_path / "converted" / "vocab.txt").read_text().split("\n")
   other = tmp_path / "other_vocab.txt"  # the same pieces, two of them swapped
   other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
-  config = _config(folder, str(tmp_path / "task"))
+  config = frozen_next_config(folder, str(tmp_path / "task"))
   config.vocab_path = str(other)
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
     run.finetune(config, str(tmp_path / "ft2"))
