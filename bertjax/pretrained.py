@@ -18,7 +18,8 @@ under the name of its `BertModel` submodule. The arrays are
     each read from the checkpoint directly into its shards.
 
 `scan_layers` (default: as stored) restacks the layers: unrolled `encoder/layer_N` or one scanned
-`encoder/layers/layer` with a leading [num_layers] axis; the config returned says which.
+`encoder/layers/layer` with a leading [num_layers] axis; the config returned says which. The config
+is the source's, dropout and dtypes included: `dataclasses.replace` those for your training.
 """
 
 from __future__ import annotations
@@ -148,8 +149,10 @@ def load_pretrained(path: str, *, scan_layers: bool | None = None, mesh=None,
 
 def _from_workdir(folder: epath.Path):
   """(config, read) of the newest checkpoint of a run: the model record of its `meta` item."""
-  # Only `params` is read; the optimizer state and the heads stay on disk.
-  ckpt = checkpoint_lib.Checkpointer(os.fspath(folder), ("params",), save_every=1, keep=1)
+  # The items bertjax's loop saves (loop.ITEMS; loop imports TensorFlow): orbax warns of an item it
+  # has no handler for. Only the encoder of `params` is read; the rest stays on disk.
+  ckpt = checkpoint_lib.Checkpointer(os.fspath(folder), ("params", "opt_state"), save_every=1,
+                                     keep=1)
   steps = ckpt.all_steps()
   if not steps:
     ckpt.close()
