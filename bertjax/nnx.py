@@ -11,11 +11,13 @@ not. Each parameter becomes an `nnx.Param` whose `out_sharding` metadata holds t
 axis names (("vocab", "embed"), ...). The bridge alone fails to create them outside a mesh ("An
 auto mesh context or metadata is required ..."), because NNX places every annotated variable on
 its mesh at creation; and its calls trace the model without logical rules, which drops every
-sharding constraint inside it. Here every call, the initialising one included, runs inside
-`sharding.logical_context(mesh, rules)`:
+sharding constraint inside it. Here every call, the initialising one included, runs with the
+logical rules in scope (`sharding.logical_context(rules=...)`), and takes the mesh from the
+caller, as NNX code does:
 
-  - with a mesh (given, or set by the caller with `jax.set_mesh(mesh)`): the parameters are
-    created sharded on it as `rules` map their names, and the activations keep their constraints;
+  - under a mesh (`jax.set_mesh(mesh)` or `sharding.logical_context(mesh)`, around the creation
+    or around the `nnx.jit` that creates): the parameters are created sharded on it as the rules
+    map their names, and the activations keep their constraints;
   - without one: the parameters are plain arrays (NNX's eager sharding is off for them), names
     still attached, to be sharded later.
 
@@ -38,20 +40,18 @@ from bertjax import sharding
 
 
 class ToNNX(nnx.bridge.ToNNX):
-  """`nnx.bridge.ToNNX` whose calls run inside `sharding.logical_context(mesh, rules)`."""
+  """`nnx.bridge.ToNNX` whose calls run inside `sharding.logical_context(rules=rules)`."""
 
   def __init__(self, module: nn.Module, rngs: nnx.Rngs | jax.Array | None = None, *,
-               mesh: jax.sharding.Mesh | None = None, rules: sharding.Rules | None = None):
+               rules: sharding.Rules | None = None):
     super().__init__(module, rngs)
-    sharding.check_auto_axes(mesh, "to_nnx's mesh")
     # Named like the bridge's own attributes: it takes every other attribute for a collection of
     # linen variables.
-    self.to_nnx__mesh = mesh
     self.to_nnx__rules = (sharding.DEFAULT_RULES if rules is None
                           else sharding.rules_from_config(rules))
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    with sharding.logical_context(self.to_nnx__mesh, self.to_nnx__rules):
+    with sharding.logical_context(rules=self.to_nnx__rules):
       # Create parameters sharded where a mesh is in scope, plain (names kept) where none is.
       with nnx.use_eager_sharding(not jax.sharding.get_abstract_mesh().empty):
         out = super().__call__(*args, **kwargs)
@@ -65,8 +65,7 @@ class ToNNX(nnx.bridge.ToNNX):
 
 
 def to_nnx(module: nn.Module, *example_args: Any, rngs: nnx.Rngs | jax.Array,
-           mesh: jax.sharding.Mesh | None = None, rules: sharding.Rules | None = None,
-           **example_kwargs: Any) -> ToNNX:
+           rules: sharding.Rules | None = None, **example_kwargs: Any) -> ToNNX:
   """`module` as an initialised NNX module: its parameters created by calling it on the example
-  inputs (as linen's `init`), on `mesh` or the one in scope (see the module docstring)."""
-  return ToNNX(module, rngs, mesh=mesh, rules=rules).lazy_init(*example_args, **example_kwargs)
+  inputs (as linen's `init`), on the mesh in scope if any (see the module docstring)."""
+  return ToNNX(module, rngs, rules=rules).lazy_init(*example_args, **example_kwargs)

@@ -18,7 +18,8 @@ under the name of its `BertModel` submodule. The arrays are
     each read from the checkpoint directly into its shards.
 
 `scan_layers` (default: as stored) restacks the layers: unrolled `encoder/layer_N` or one scanned
-`encoder/layers/layer` with a leading [num_layers] axis; the config returned says which.
+`encoder/layers/layer` with a leading [num_layers] axis; the config returned says which. The config
+is the source's, dropout and dtypes included: `dataclasses.replace` those for your training.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def _google():
     return None
 
 
-def load_pretrained(path: str, *, scan_layers: bool | None = None, mesh=None,
-                    rules: sharding.Rules | None = None,
+def load_pretrained(path: str, *, scan_layers: bool | None = None,
+                    mesh: jax.sharding.Mesh | None = None, rules: sharding.Rules | None = None,
                     boxed: bool = False) -> tuple[BertConfig, Any]:
   """(config, encoder parameters) from a workdir, a `convert.hf` folder or a Google folder.
 
@@ -109,21 +110,11 @@ def load_pretrained(path: str, *, scan_layers: bool | None = None, mesh=None,
   root = epath.Path(path)
   if not root.exists():
     raise FileNotFoundError(f"{path} does not exist")
-  google = None
   if (folder := _checkpoints_folder(root)) is not None:
     stored, read = _from_workdir(folder)
   elif (root / "bert_config.json").exists() and (root / "params").is_dir():
     stored, read = _from_converted(path)
   elif (google := _google()) is not None and google.is_google_folder(path):
-    stored, read = None, None
-  else:
-    raise FileNotFoundError(
-        f"{path} is not a pre-trained encoder bertjax reads: expected a bertjax workdir (with "
-        "checkpoints/), a folder written by `python -m bertjax.convert.hf import` (bert_config.json "
-        "and params/), or one of Google's released folders (bert_config.json and "
-        "bert_model.ckpt.index)")
-
-  if google is not None:
     config, params = google.load_folder(path, scan_layers=bool(scan_layers))
     params = params.get(ENCODER, params)
     placements = _placements(config, mesh, rules)
@@ -131,25 +122,38 @@ def load_pretrained(path: str, *, scan_layers: bool | None = None, mesh=None,
     checkpoint_lib.subtree_target({ENCODER: params}, ENCODER, _target(config, placements, rules),
                                   None, path)
     encoder = jax.device_put(jax.tree.map(jnp.asarray, params), placements)
+    return config, _boxed(encoder, config, rules) if boxed else encoder
   else:
-    config = stored if scan_layers is None else dataclasses.replace(
-        stored, scan_layers=bool(scan_layers))
-    elsewhere = (sharding.replicated(mesh) if mesh is not None
-                 else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
-    encoder = read(_target(stored, _placements(stored, mesh, rules), rules), elsewhere)
-    if config.scan_layers != stored.scan_layers:
-      encoder = jax.jit(lambda e: _restack(e, config.num_layers, config.scan_layers),
-                        out_shardings=_placements(config, mesh, rules))(encoder)
-  if boxed:
-    encoder = jax.tree.map(lambda box, x: box.replace_boxed(x), abstract_encoder(config, rules),
-                           encoder, is_leaf=_is_box)
-  return config, encoder
+    raise FileNotFoundError(
+        f"{path} is not a pre-trained encoder bertjax reads: expected a bertjax workdir (with "
+        "checkpoints/), a folder written by `python -m bertjax.convert.hf import` "
+        "(bert_config.json and params/), or one of Google's released folders (bert_config.json "
+        "and bert_model.ckpt.index)")
+
+  # Read in the stored layout, each array straight into its place; restacked after if asked.
+  elsewhere = (sharding.replicated(mesh) if mesh is not None
+               else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  encoder = read(_target(stored, _placements(stored, mesh, rules), rules), elsewhere)
+  config = stored if scan_layers is None else dataclasses.replace(
+      stored, scan_layers=bool(scan_layers))
+  if config.scan_layers != stored.scan_layers:
+    encoder = jax.jit(lambda e: _restack(e, config.num_layers, config.scan_layers),
+                      out_shardings=_placements(config, mesh, rules))(encoder)
+  return config, _boxed(encoder, config, rules) if boxed else encoder
+
+
+def _boxed(encoder, config: BertConfig, rules) -> Any:
+  """The arrays in the `nn.LogicallyPartitioned` boxes `init` would put them in."""
+  return jax.tree.map(lambda box, x: box.replace_boxed(x), abstract_encoder(config, rules),
+                      encoder, is_leaf=_is_box)
 
 
 def _from_workdir(folder: epath.Path):
   """(config, read) of the newest checkpoint of a run: the model record of its `meta` item."""
-  # Only `params` is read; the optimizer state and the heads stay on disk.
-  ckpt = checkpoint_lib.Checkpointer(os.fspath(folder), ("params",), save_every=1, keep=1)
+  # The items bertjax's loop saves (loop.ITEMS; loop imports TensorFlow): orbax warns of an item it
+  # has no handler for. Only the encoder of `params` is read; the rest stays on disk.
+  ckpt = checkpoint_lib.Checkpointer(os.fspath(folder), ("params", "opt_state"), save_every=1,
+                                     keep=1)
   steps = ckpt.all_steps()
   if not steps:
     ckpt.close()

@@ -170,8 +170,8 @@ def check_auto_axes(mesh: Mesh | AbstractMesh | None, where: str = "") -> None:
     n = len(mesh.axis_names)
     raise ValueError(
         f"{where or 'The mesh'} has Explicit axes {explicit} (mesh {dict(mesh.shape)}, axis types "
-        f"{tuple(t.name for t in mesh.axis_types)}); bertjax's modules shard by logical names, which "
-        "needs Auto axes. Build the mesh with bertjax.sharding.create_mesh(MeshConfig(...)), or "
+        f"{tuple(t.name for t in mesh.axis_types)}); bertjax's modules shard by logical names, "
+        "which needs Auto axes. Build the mesh with bertjax.sharding.create_mesh(MeshConfig(...)), or "
         f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * {n})")
 
 

@@ -4,7 +4,6 @@ from the logical rules, computing what one device computes (the README's example
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

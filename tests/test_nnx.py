@@ -44,6 +44,9 @@ def test_without_a_mesh_the_encoder_is_created_with_its_names():
   assert _names(nnx.state(encoder, nnx.Param)) == _names(boxed["params"])
   table = encoder.embeddings["word_embeddings"]["embedding"]
   assert table.get_metadata("sharding_rules") == sharding.DEFAULT_RULES
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(encoder, nnx.Param)))
+  assert specs["encoder"]["layer_0"]["mlp"]["intermediate"]["kernel"] == (
+      jax.sharding.PartitionSpec("fsdp", "tensor"))  # mesh axes, the rules being in the metadata
   # The weight-decay mask reads the NNX state's paths as it reads linen's.
   mask = optimizer.default_decay_mask(nnx.state(encoder, nnx.Param))
   assert nnx.to_pure_dict(mask) == optimizer.default_decay_mask(nn.unbox(boxed["params"]))
