@@ -190,7 +190,7 @@ class Dense(nn.Module):
   names: tuple[str | None, ...]  # logical axis names of the kernel
   axis: int | tuple[int, ...] = -1
   out_dtype: Any = None  # dtype of the result (and of the accumulation): the compute dtype if None
-  kernel_init: Any = None  # the kernel's initialiser (boxed with `names`); None: the config's normal
+  kernel_init: Any = None  # the kernel initialiser (boxed with `names`); None: the config's normal
 
   @nn.compact
   def __call__(self, x):

@@ -33,7 +33,7 @@ masks for every seed, NSP majority baseline 0.586 (seed 0 is `make pretrain` fro
 seeds 1-4 ran the same start and schedule with `--config.train.seed=S`):
   held-out MLM 0.269, 0.264, 0.325, 0.301, 0.321 (mean 0.296); NSP 0.712, 0.744, 0.678, 0.693,
   0.666. MLM now clears 0.25 on every seed; NSP does not clear baseline + 0.10 (0.686) on seeds 2
-  and 4, and it is lowest where MLM is highest (train NSP reaches 0.78-0.87 on the 659 training
+  and 4, and it is lowest where MLM is highest (train NSP reaches 0.78-0.90 on the 659 training
   documents: it memorises pairs), which is still open (issue 14).
 The figures below were measured with the independent start (the config before this one).
 Independent start, measured the same way:

@@ -195,7 +195,7 @@ def write_conll(path, sentences):
 
 
 def write_tiny_next(folder, n=24):
-  """A NEXT task of n identical pairs per split (labels alternate): enough to run, nothing to learn."""
+  """A NEXT task of n identical pairs per split (labels alternate): runs, nothing to learn."""
   os.makedirs(folder / "NEXT")
   for split in ("train", "dev"):
     rows = [f"{i}\tthe cat sat\ta dog ran\t{i % 2}" for i in range(n)]
