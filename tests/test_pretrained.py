@@ -122,12 +122,12 @@ def test_what_is_not_a_pretrained_encoder_is_named(tmp_path):
     load_pretrained(str(tmp_path), mesh=jax.make_mesh((8,), ("data",)))
 
 
-def test_loading_imports_no_tensorflow(sources):
+def _assert_loads_without_tensorflow(paths):
   # In a fresh interpreter: pytest's may hold TensorFlow already (other tests import it).
   script = textwrap.dedent(f"""
       import sys
       import bertjax.model, bertjax.heads, bertjax.sharding, bertjax.pretrained, bertjax.nnx
-      for path in {[str(sources[k][0]) for k in ("pretraining", "converted")]!r}:
+      for path in {[str(p) for p in paths]!r}:
         bertjax.pretrained.load_pretrained(path)
       print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
   """)
@@ -136,6 +136,10 @@ def test_loading_imports_no_tensorflow(sources):
                           env=env, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_loading_imports_no_tensorflow(sources):
+  _assert_loads_without_tensorflow([sources[k][0] for k in ("pretraining", "converted")])
 
 
 def test_a_google_folder_loads_without_tensorflow(tmp_path):
@@ -162,15 +166,4 @@ def test_a_google_folder_loads_without_tensorflow(tmp_path):
   _assert_same(placed, want)
   qkv = placed["encoder"]["layer_0"]["attention"]["query"]["kernel"]
   assert qkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None), qkv.sharding
-
-  script = textwrap.dedent(f"""
-      import sys
-      import bertjax.pretrained
-      bertjax.pretrained.load_pretrained({folder!r})
-      print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
-  """)
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=300, check=False)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip().splitlines()[-1] == "[]"
+  _assert_loads_without_tensorflow([folder])
