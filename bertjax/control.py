@@ -5,9 +5,9 @@
   Several: jax's preemption sync point, which the coordination service agrees on in the
   background, so asking costs no communication and is done at every step, to save inside a
   preemption's grace period.
-- `MetricsBuffer`: a step's metrics are read when the next step has been dispatched (the host never
-  waits for the step it just queued), summed over the log interval, and checked: a non-finite loss
-  or gradient norm raises before anything of that state can be saved.
+- `MetricsBuffer`: the steps' metrics are summed on the device and read once per log interval
+  (and at saves), so the host never waits for a step between logs; a non-finite loss or gradient
+  norm at any step raises at that read, before anything of that state can be saved.
 - `run_steps`: the steps themselves, in the one order both loops follow: step, check, log, save,
   stop, evaluate.
 """
@@ -15,11 +15,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import signal
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -138,43 +140,77 @@ class NonFiniteError(RuntimeError):
   """A loss or the gradient norm became NaN or Inf; nothing of that state was saved."""
 
 
-class MetricsBuffer:
-  """Step metrics ({name: (sum, denominator)}) read one step late, summed over an interval."""
+def _nonfinite(metrics: Mapping[str, Any]) -> jax.Array:
+  """Whether any guarded metric of one step is non-finite (a bool scalar, on the device)."""
+  leaves = [x for k, v in metrics.items() if _guarded(k) for x in jax.tree.leaves(v)]
+  return functools.reduce(jnp.logical_or, [~jnp.all(jnp.isfinite(x)) for x in leaves],
+                          jnp.zeros([], bool))
 
-  def __init__(self):
-    self._pending: tuple[int, Any] | None = None
-    self._total: dict | None = None
+
+@jax.jit
+def _start(metrics, step):
+  # float32 like the step's own sums; the host divides once per interval.
+  total = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), metrics)
+  return total, jnp.where(_nonfinite(metrics), step, -1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _add(carry, metrics, step):
+  total, first_bad = carry
+  total = jax.tree.map(lambda t, x: t + x.astype(jnp.float32), total, metrics)
+  first_bad = jnp.where((first_bad < 0) & _nonfinite(metrics), step, first_bad)
+  return total, first_bad
+
+
+class MetricsBuffer:
+  """Step metrics ({name: (sum, denominator)}) summed on the device over a log interval.
+
+  The host adds each step's metrics into a device-side total without reading them, so nothing
+  waits for a step to finish and the steps of a whole interval can be in flight at once. The one
+  read is `flush` (the loop calls it at log and save steps): it waits for the last pushed step,
+  and raises if any step since the interval began had a non-finite loss or gradient norm, naming
+  the first such step, before anything of that state can be saved.
+  """
+
+  def __init__(self, guard: bool = True):
+    self._guard = guard  # off for evaluation: its batches change no state
+    self._carry = None
     self._steps = 0
+    self._read: tuple[dict, int] | None = None  # (host totals, steps) of the last flush
 
   def push(self, step: int, device_metrics: Mapping[str, Any]) -> None:
-    """Queues `step`'s metrics after reading those of the step before (now complete)."""
-    self.flush()
-    self._pending = (step, device_metrics)
+    """Adds `step`'s metrics to the interval's device total; does not wait for the step."""
+    step = np.int32(step)
+    if self._carry is None:
+      self._carry = _start(dict(device_metrics), step)
+    else:
+      self._carry = _add(self._carry, dict(device_metrics), step)
+    self._steps += 1
+    self._read = None
 
   def flush(self) -> None:
-    """Reads the queued metrics (waits for their step) and checks them."""
-    if self._pending is None:
+    """Reads the interval's totals (waits for the last pushed step) and checks them."""
+    if self._carry is None or self._read is not None:
       return
-    step, device_metrics = self._pending
-    self._pending = None
-    host = jax.device_get(device_metrics)
-    scalars = {k: float(v[0]) / max(float(v[1]), 1e-9) for k, v in host.items()}
+    total, first_bad = jax.device_get(self._carry)
+    scalars = metrics_lib.reduce(total, self._steps)
     bad = {k: v for k, v in scalars.items() if _guarded(k) and not math.isfinite(v)}
-    if bad:
+    if self._guard and (int(first_bad) >= 0 or bad):
       raise NonFiniteError(
-          f"Non-finite {', '.join(sorted(bad))} at step {step}: {bad}. Training stopped; no "
+          f"Non-finite {', '.join(sorted(bad)) or 'metrics'} at step {int(first_bad)}: {bad} "
+          f"(averaged over the {self._steps} steps since the last log). Training stopped; no "
           "checkpoint of this state was written, the last good one is kept. Lower the learning "
           "rate, raise warmup, compute in float32, or check the data around this step.")
-    self._total = metrics_lib.accumulate(self._total, host)
-    self._steps += 1
+    self._read = (total, self._steps)
 
   def take(self) -> dict[str, float] | None:
     """The interval's averages (after `flush`), and a fresh interval; None if it was empty."""
-    if self._total is None:
+    if self._carry is None:
       return None
-    out = metrics_lib.reduce(self._total, self._steps)
-    self._total, self._steps = None, 0
-    return out
+    self.flush()
+    total, steps = self._read
+    self._carry, self._steps, self._read = None, 0, None
+    return metrics_lib.reduce(total, steps)
 
 
 def run_steps(step_fn: Callable, state: Any, batches: Iterator, start: int, schedule: Schedule,

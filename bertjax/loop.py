@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import time
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
@@ -218,11 +219,12 @@ def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.
   None when `stop` asks every host to stop before the end."""
   batch_size = training.train_config.batch_size
   max_batches = max(1, max_sequences // batch_size) if max_sequences else 0
-  total, count, not_next, pairs = None, 0, 0.0, 0
+  total, count, not_next, pairs = control.MetricsBuffer(guard=False), 0, 0.0, 0
   for batch in batches:
     if stop is not None and stop.during_evaluation():
       return None
-    total = metrics_lib.accumulate(total, training.eval_step(state, training.to_global(batch)))
+    # Summed on the device: the host reads the held-out figures once, not after every batch.
+    total.push(count, training.eval_step(state, training.to_global(batch)))
     if "next_sentence_labels" in batch:
       # The NSP figure means little without the share of the majority label in the same pairs.
       not_next += float(np.sum(batch["next_sentence_labels"]))
@@ -230,10 +232,10 @@ def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.
     count += 1
     if max_batches and count >= max_batches:
       break
-  if total is None:
+  scalars = total.take()
+  if scalars is None:
     raise ValueError("The held-out split yielded no batch: lower train.batch_size or hold out "
                      "more documents (data.eval_fraction)")
-  scalars = metrics_lib.reduce(total)
   if jax.process_count() > 1:
     # Counts as float32 (jax without x64 would narrow float64 anyway): exact below 2**24 pairs.
     gathered = multihost_utils.process_allgather(np.array([not_next, pairs], np.float32))
@@ -308,7 +310,9 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
               {**meta, "step": step}, force=True)
 
   def run_eval(step, state, stop):
+    began = time.perf_counter()
     scalars = job.evaluate(step, state, stop)
+    speed.exclude(time.perf_counter() - began)
     if scalars is not None:
       writer.write(step, scalars, prefix="eval/")
       say(f"eval at step {step}: " + " | ".join(
@@ -325,8 +329,15 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
 
   rng = train.rng_streams(tcfg.seed)[1]  # dropout; fold_in(rng, step) inside the step
 
+  first = [True]
+
   def step_fn(state, host_batch):
-    return training.train_step(state, training.to_global(host_batch), rng)
+    state, metrics = training.train_step(state, training.to_global(host_batch), rng)
+    if first[0]:  # it compiled the step: the one wait outside log intervals, to time it apart
+      first[0] = False
+      jax.block_until_ready(metrics)
+      speed.restart(start + 1)
+    return state, metrics
 
   # Every exit, an error's too, waits for the saves under way: a good checkpoint is never lost
   # because a later step failed.

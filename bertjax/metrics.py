@@ -14,23 +14,6 @@ import os
 import time
 from typing import Any, Mapping
 
-import jax
-import numpy as np
-
-
-
-def accumulate(total: dict | None, metrics: Mapping[str, Any]) -> dict:
-  """Adds a step's metrics ((sum, denominator) pairs or scalars) into a running total."""
-  metrics = jax.device_get(dict(metrics))
-  if total is None:
-    return {k: tuple(np.asarray(x, np.float64) for x in v) if isinstance(v, (tuple, list))
-            else np.asarray(v, np.float64) for k, v in metrics.items()}
-  for k, v in metrics.items():
-    if isinstance(v, (tuple, list)):
-      total[k] = (total[k][0] + v[0], total[k][1] + v[1])
-    else:
-      total[k] = total[k] + v
-  return total
 
 
 def reduce(total: Mapping[str, Any], steps: int = 1) -> dict[str, float]:
@@ -78,7 +61,11 @@ class Writer:
 
 
 class Throughput:
-  """Sequences/s, MFU and time left over the interval since the last call."""
+  """Sequences/s, MFU and time left over the interval since the last call.
+
+  Training time only: `restart` after the first (compiling) step and `exclude` around
+  evaluations keep compilation and held-out scoring out of the rates.
+  """
 
   def __init__(self, start_step: int, total_steps: int, seqs_per_step: int,
                flops_per_step: float | None = None, peak_flops: float | None = None):
@@ -87,6 +74,14 @@ class Throughput:
     self.flops_per_step = flops_per_step
     self.peak_flops = peak_flops
     self._step, self._time = start_step, time.perf_counter()
+
+  def restart(self, step: int) -> None:
+    """Counts from `step`, now: what came before (compilation) is not training speed."""
+    self._step, self._time = step, time.perf_counter()
+
+  def exclude(self, seconds: float) -> None:
+    """Leaves `seconds` (an evaluation) out of the current interval."""
+    self._time += seconds
 
   def update(self, step: int) -> dict[str, float]:
     now = time.perf_counter()

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import optimizer, sharding, train
+from bertjax import control, optimizer, sharding, train
 from bertjax.model import BertConfig
 from configs import base
 
@@ -141,3 +141,68 @@ def test_the_optimizer_count_follows_the_train_step():
   assert_trees_close(jax.device_get(got.params), jax.device_get(want.params), atol=0)
   assert float(got_metrics["learning_rate"][0]) == pytest.approx(3e-3 / 4)
   assert [int(c) for c in optimizer.step_counts(got.opt_state)] == [int(got.step)] == [4]
+
+
+def test_the_loop_reads_the_device_once_per_log_interval_and_still_guards_saves(monkeypatch):
+  """Steps between logs are never waited for: a step's metrics stay on the device, summed there,
+  and the host reads them at log and save steps only (implicit reads are refused outright)."""
+  cfg = train.TrainConfig(batch_size=B, learning_rate=1e-3, warmup_steps=0, num_train_steps=12)
+  t = train.build(TINY, cfg, mesh_config(), devices=jax.devices()[:1])
+  rng = jax.random.PRNGKey(0)
+  host_batches = [make_batch(seed=i) for i in range(12)]
+  reads, real_get = [], jax.device_get
+
+  def counted_get(x):
+    reads.append(x)
+    return real_get(x)
+
+  def run(schedule, saved, bad_step=None):
+    def step_fn(state, host_batch):
+      steps.append(0)
+      state, metrics = t.train_step(state, t.to_global(host_batch), rng)
+      if len(steps) == bad_step:
+        metrics = {**metrics, "grad_norm": (jnp.float32(jnp.inf), metrics["grad_norm"][1])}
+      return state, metrics
+
+    steps, logged = [], {}
+    reads.clear()
+    monkeypatch.setattr(jax, "device_get", counted_get)
+    try:
+      with jax.transfer_guard_device_to_host("disallow"):
+        control.run_steps(step_fn, t.init_state(rng),
+                          iter(host_batches), 0, schedule, _NoStop(),
+                          save=lambda step, state: saved.append(step),
+                          evaluate=lambda *a: {}, log=lambda step, s: logged.update({step: s}))
+    finally:
+      monkeypatch.setattr(jax, "device_get", real_get)
+    return logged
+
+  # Logs at 4, 8, 12; a save alone at 6: four reads for twelve steps, each read a whole interval.
+  saved = []
+  logged = run(control.Schedule(total_steps=12, log_every=4, save_every=6), saved)
+  assert saved == [6, 12] and sorted(logged) == [4, 8, 12]
+  assert len(reads) == 4
+
+  # The interval's figures are the mean of its steps' own: the sums were not lost on the device.
+  state = t.init_state(rng)
+  per_step = []
+  for host_batch in host_batches[:4]:
+    state, metrics = t.train_step(state, t.to_global(host_batch), rng)
+    per_step.append(real_get(metrics))
+  losses = [m["loss"][0] for m in per_step]
+  mlm = [m["mlm_loss"] for m in per_step]
+  np.testing.assert_allclose(logged[4]["loss"], np.mean(losses), rtol=1e-5)
+  np.testing.assert_allclose(logged[4]["mlm_loss"], sum(s for s, _ in mlm) / sum(d for _, d in mlm),
+                             rtol=1e-5)
+
+  # A bad step between reads (5, inside the interval 4-8, before the save at 6) is still named,
+  # and the save after it never happens.
+  saved = []
+  with pytest.raises(control.NonFiniteError, match="grad_norm at step 5"):
+    run(control.Schedule(total_steps=12, log_every=4, save_every=6), saved, bad_step=5)
+  assert saved == [] and len(reads) == 2  # read at the log (4) and before the save (6)
+
+
+class _NoStop:
+  def at_step(self, step):
+    return False
