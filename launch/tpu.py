@@ -34,7 +34,8 @@ from tpu_cloud import (FAILED, GOING, MISSING, PREEMPTED, READY, LaunchError, Ru
                        scp, ssh, state_path, wait_until)
 from tpu_plan import (MESH_AXES, PYTHON_REQUIREMENT, REPO, Accelerator, check_mesh,  # noqa: F401
                       config_overrides, from_setup_py, parse_accelerator, plan_run)
-from tpu_remote import (REMOTE_LOG, REMOTE_TARBALL, TRAINING_PROCESS, RunPlan,  # noqa: F401
+from tpu_remote import (REMOTE_LOG, REMOTE_TARBALL, TRAINING_PROCESS, VERSIONS,  # noqa: F401
+                        RunPlan,
                         check_script, collect_script, follow_script, kill_script, logs_dir,
                         parse_host_versions, parse_workers, preflight_script, run_script,
                         setup_script, stop_script, version_problems)
@@ -140,16 +141,22 @@ def check_versions(args, runner: Runner, text: str) -> None:
              + (f" and {args.aot_report}" if compiled else ""))
 
 
-def check_workers(args, runner: Runner, quiet: bool = False):
-  """Every worker's state, its log's last lines prefixed by its host printed when it is not
-  running (all of them unless quiet)."""
+def check_workers(args, runner: Runner, quiet: bool = False, every_tail: bool = False):
+  """Every worker's state, and the last lines of the log of each that is not running (of every
+  one with every_tail), prefixed by its host."""
   _, out, _ = runner.run(ssh(args, check_script(args.lines)), capture=True, quiet=quiet)
   workers = parse_workers(out)
   for w in workers.values():
-    print(f"worker {w.host}: {w.state}", flush=True)
-    if not quiet or not w.alive:
+    if every_tail or not (w.alive or w.finished):
+      print(f"worker {w.host}: {w.state}", flush=True)
       for line in w.tail:
         print(f"  {w.host}| {line}", flush=True)
+  counts = {}
+  for w in workers.values():
+    counts[w.state] = counts.get(w.state, 0) + 1
+  if workers:
+    print(f"{len(workers)} workers: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+          flush=True)
   return workers
 
 
@@ -163,7 +170,7 @@ def run(args, runner: Runner, plan: RunPlan | None = None) -> None:
     runner.say(f"pre-flight on {where}: stop what holds the TPU, remove a stale libtpu lock "
                "file, report the installed versions")
   _, out, _ = runner.run(ssh(args, preflight_script(clean=not args.skip_preflight)), capture=True)
-  sys.stdout.write(out)
+  sys.stdout.writelines(l for l in out.splitlines(keepends=True) if not l.startswith(VERSIONS))
   check_versions(args, runner, out)
   runner.say(f"run: on {where}, python -m bertjax.main in the background, log {REMOTE_LOG}"
              + (f", copied to {logs_dir(plan.workdir)}/HOSTNAME.log every "
@@ -188,14 +195,16 @@ def run(args, runner: Runner, plan: RunPlan | None = None) -> None:
             f"; {len(workers)} of {expected} workers answered" if expected else "")
         + ". Their last log lines are above (all of them: launch/tpu.py logs --worker=all). The "
         f"others wait for them: launch/tpu.py stop --kill --name={args.name}, fix, run again")
-  runner.say(f"all {len(workers)} workers running")
+  finished = sum(w.finished for w in workers.values())
+  runner.say(f"all {len(workers)} workers running" + (f" or finished ({finished} exited with "
+                                                       "status 0)" if finished else ""))
 
 
 def status(args, runner: Runner) -> None:
   state, message = describe(args, runner)
   print(f"{args.name}: {state}" + (f" ({message})" if message else ""), flush=True)
   if state == READY or runner.dry_run:
-    check_workers(args, runner)
+    check_workers(args, runner, every_tail=True)
 
 
 def logs(args, runner: Runner) -> None:

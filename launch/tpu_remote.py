@@ -222,22 +222,27 @@ def parse_host_versions(text: str) -> dict[str, dict[str, str]]:
   return out
 
 
+def _hosts(hosts: list[str]) -> str:
+  return ", ".join(hosts) if len(hosts) <= 3 else f"{len(hosts)} workers ({hosts[0]}, ...)"
+
+
 def version_problems(per_host: dict[str, dict[str, str]], lock: dict[str, str],
                      compiled: dict[str, str] | None = None) -> list[str]:
   """Why the workers may not start: they differ from each other, from the lock, or from what
-  bertjax.aot compiled with."""
+  bertjax.aot compiled with; one phrase per package, naming the hosts."""
   problems = []
-  seen = {}
-  for host, found in sorted(per_host.items()):
-    seen.setdefault(tuple(sorted(found.items())), []).append(host)
-  if len(seen) > 1:
-    groups = [f"{', '.join(hosts)}: " + " ".join(f"{k}=={v}" for k, v in versions)
-              for versions, hosts in seen.items()]
-    problems.append("the workers run different versions (" + "; ".join(groups) + ")")
-  for reference, want in (("the lock", lock), ("bertjax.aot's report", compiled or {})):
+  names = sorted(set().union(*per_host.values()) | set(lock) | set(compiled or {}))
+  for name in names:
+    by_version: dict[str, list[str]] = {}
     for host, found in sorted(per_host.items()):
-      wrong = [f"{name} {found.get(name, 'missing')} != {version}"
-               for name, version in sorted(want.items()) if found.get(name, "missing") != version]
-      if wrong:
-        problems.append(f"{host} differs from {reference}: {', '.join(wrong)}")
+      by_version.setdefault(found.get(name, "missing"), []).append(host)
+    if len(by_version) > 1:
+      problems.append(f"the workers run different {name}: " + ", ".join(
+          f"{version} on {_hosts(hosts)}" for version, hosts in by_version.items()))
+    for reference, want in (("the lock", lock), ("bertjax.aot's report", compiled or {})):
+      if name not in want:
+        continue
+      for version, hosts in by_version.items():
+        if version != want[name]:
+          problems.append(f"{name} {version} != {want[name]} of {reference} on {_hosts(hosts)}")
   return problems
