@@ -29,6 +29,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tpu_* modules beside this
 # pylint: disable=wrong-import-position
+# Some names are imported only to be found here (the tests read tpu.check_mesh, tpu.run_script...).
 from tpu_cloud import (FAILED, GOING, MISSING, PREEMPTED, READY, LaunchError, Runner, create_argv,
                        delete_argv, describe, events_path, fill_from_state, forget, save_state,
                        scp, ssh, state_path, wait_until)
