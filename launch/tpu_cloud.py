@@ -121,6 +121,8 @@ def fill_from_state(args, given: set[str]) -> dict:
   """Fills the flags left out from what was recorded for args.name; a flag given wins, except a
   different --num-slices, which would mean another resource."""
   record = load_state(args.name)
+  if {"spot", "reserved"} & given:  # one tier given replaces the one recorded
+    given = given | {"spot", "reserved"}
   for key in REMEMBERED:
     if key in record and key not in given:
       setattr(args, key, record[key])

@@ -302,6 +302,10 @@ def test_extra_create_flags_pass_through_verbatim(tmp_path):
   assert fake.state()["extra_create_flags"] == EXTRA_CREATE_VALUES
   dry = fake.launch("create", *SLICE, "--accelerator-type=v5p-8", *EXTRA_CREATE, "--dry-run")
   assert dry.returncode == 0 and "'--subnetwork=my subnet'" in dry.stdout
+  # Remembered: the flags come back without being given; a tier given replaces the recorded one.
+  dry = fake.launch("create", "--name=pod", "--spot", "--dry-run")
+  (printed,) = [l for l in dry.stdout.splitlines() if l.startswith("+ gcloud") and " create " in l]
+  assert shlex.split(printed[2:])[-len(PASSED) - 1:] == ["--spot", *PASSED], dry.stderr
 
 
 def test_delete_collects_the_logs_first(tmp_path):
