@@ -292,20 +292,20 @@ PASSED = ["--network=projects/p/global/networks/n", "--subnetwork=my subnet",
 
 def test_extra_create_flags_pass_through_verbatim(tmp_path):
   fake = Fake(tmp_path)
-  r = fake.launch("create", *SLICE, "--accelerator-type=v5p-8", "--reserved", *EXTRA_CREATE,
+  r = fake.launch("create", *SLICE, "--accelerator-type=v5p-8", "--spot", *EXTRA_CREATE,
                   *FAST)
   assert r.returncode == 0, r.stderr
   (create,) = [c for c in fake.calls if c[3] == "create"]
-  assert create[-len(PASSED) - 1:] == ["--reserved", *PASSED]  # what gcloud received
+  assert create[-len(PASSED) - 1:] == ["--spot", *PASSED]  # what gcloud received
   (printed,) = [l for l in r.stdout.splitlines() if l.startswith("+ gcloud") and " create " in l]
   assert shlex.split(printed[2:])[1:] == create  # the printed command is the one run
   assert fake.state()["extra_create_flags"] == EXTRA_CREATE_VALUES
   dry = fake.launch("create", *SLICE, "--accelerator-type=v5p-8", *EXTRA_CREATE, "--dry-run")
   assert dry.returncode == 0 and "'--subnetwork=my subnet'" in dry.stdout
   # Remembered: the flags come back without being given; a tier given replaces the recorded one.
-  dry = fake.launch("create", "--name=pod", "--spot", "--dry-run")
+  dry = fake.launch("create", "--name=pod", "--reserved", "--dry-run")
   (printed,) = [l for l in dry.stdout.splitlines() if l.startswith("+ gcloud") and " create " in l]
-  assert shlex.split(printed[2:])[-len(PASSED) - 1:] == ["--spot", *PASSED], dry.stderr
+  assert shlex.split(printed[2:])[-len(PASSED) - 1:] == ["--reserved", *PASSED], dry.stderr
 
 
 def test_delete_collects_the_logs_first(tmp_path):
