@@ -20,9 +20,15 @@ recomputing activations: a step near the limit can compile slowly and run slower
 suggest.)
 
 Slice names are Cloud TPU accelerator types. The number counts TensorCores on v4 and v5p (two per
-chip, one JAX device per chip: v5p-128 is 64 chips, 4x4x4) and chips on v5e and v6e (v5e-256 is
-256 chips, 16x16). With --num_slices=N the job spans N such slices joined by DCN; the config's
-mesh.dcn_* sizes split the mesh axes over them.
+chip, one JAX device per chip: v5p-128 is 64 chips, 4x4x4; v5p-384 is 4x4x12) and chips on v5e
+and v6e (v5e-256 is 256 chips, 16x16); bertjax.topologies lists every shape Cloud TPU documents.
+With --num_slices=N the job spans N such slices joined by DCN; the config's mesh.dcn_* sizes
+split the mesh axes over them.
+
+The report names the versions of jax, jaxlib, libtpu and the rest of launch/requirements-tpu.lock
+installed here (`versions`), and warns when they are not the lock's: the TPU VMs install the lock,
+and `launch/tpu.py run --aot-report=FILE.json` refuses to start a job whose workers differ from
+what was compiled here.
 """
 
 from __future__ import annotations
@@ -40,46 +46,19 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, flops, sharding, train
+from bertjax import cli, flops, sharding, topologies, train, versions
 
 GIB = 2**30
-
-# Slice shapes (chips along each ICI dimension) of the power-of-two slice sizes.
-_CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
-          "8x16x16", "16x16x16")
-_GRIDS = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-  """How one TPU generation's slice names read, and its chip's memory.
-
-  Peak FLOP/s come from bertjax.flops.PEAK_TFLOPS, by the devices' `device_kind`.
-  """
-
-  libtpu_name: str  # the prefix of libtpu's topology names ("v5" is v5p)
-  cores_per_chip: int  # what the number in an accelerator type counts per chip
-  chip_config: str  # libtpu's "megacore": both TensorCores of a chip are one JAX device
-  hbm_gib: float  # HBM per chip
-  shapes: tuple[str, ...]
-
-
-GENERATIONS = {
-    "v4": Generation("v4", 2, "megacore", 32.0, _CUBES),
-    "v5p": Generation("v5", 2, "megacore", 95.0, _CUBES),
-    "v5e": Generation("v5e", 1, "default", 16.0, _GRIDS),
-    "v6e": Generation("v6e", 1, "default", 32.0, _GRIDS),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """A slice (or `num_slices` identical slices) by accelerator type, e.g. "v5p-128"."""
 
-  name: str
-  generation: str
+  name: str  # as given, with v5e for v5litepod ("v5e-256")
+  generation: str  # v4, v5p, v5e, v6e
   shape: tuple[int, ...]  # chips along each ICI dimension of one slice
   num_slices: int = 1
+  slice_type: topologies.SliceType | None = None
 
   @property
   def chips_per_slice(self) -> int:
@@ -91,43 +70,37 @@ class Topology:
 
   @property
   def hbm_gib(self) -> float:
-    return GENERATIONS[self.generation].hbm_gib
+    return self.slice_type.generation.hbm_gib
 
   @property
   def libtpu_name(self) -> str:
-    return f"{GENERATIONS[self.generation].libtpu_name}:{'x'.join(map(str, self.shape))}"
+    return self.slice_type.libtpu_name
 
   def __str__(self) -> str:
     return self.name if self.num_slices == 1 else f"{self.num_slices} x {self.name}"
 
 
-def known_topologies() -> dict[str, tuple[int, ...]]:
-  """Accelerator type -> slice shape, for every generation and size known here."""
-  out = {}
-  for gen_name, gen in GENERATIONS.items():
-    for shape in gen.shapes:
-      dims = tuple(int(s) for s in shape.split("x"))
-      out[f"{gen_name}-{math.prod(dims) * gen.cores_per_chip}"] = dims
-  return out
-
-
 def parse_topology(name: str, num_slices: int = 1) -> Topology:
-  """"v5p-128" -> Topology(v5p, 4x4x4); "v5litepod-N" is v5e-N; an unknown name raises with the
-  list of known ones."""
-  known = known_topologies()
-  # Cloud TPU's accelerator type for v5e slices is "v5litepod-N" (what launch/tpu.py takes).
-  name = re.sub(r"^v5litepod-", "v5e-", name)
-  if name not in known:
-    raise ValueError(f"Unknown TPU topology {name!r}; known: {', '.join(known)}")
+  """"v5p-128" -> Topology(v5p, 4x4x4); "v5litepod-N" is v5e-N; an unknown name raises naming
+  the nearest known ones (bertjax.topologies holds the table, shared with launch/tpu.py)."""
+  try:
+    slice_type = topologies.parse(name)
+  except ValueError as e:
+    raise ValueError(str(e).replace("Unknown accelerator type", "Unknown TPU topology", 1)) from None
   if num_slices < 1:
     raise ValueError(f"num_slices={num_slices} must be >= 1")
-  return Topology(name, name.split("-")[0], known[name], num_slices)
+  gen = slice_type.generation
+  short_name = f"{gen.short}-{slice_type.cores}"
+  return Topology(short_name, gen.short, slice_type.shape, num_slices, slice_type)
 
 
 def topology_devices(topology: Topology) -> list:
   """Compile-only devices of the slice(s), from libtpu; with several slices each carries
   `slice_index`, which sharding.create_mesh uses to put the DCN mesh axes across slices."""
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies as jax_topologies  # pylint: disable=import-outside-toplevel
+  # The compile-only client opens no TPU, so it need not take /tmp/libtpu_lockfile, which another
+  # process on this machine (a CPU job with libtpu installed, a TPU VM's training) may hold.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   shape = topology.shape + (1,) * (3 - len(topology.shape))
   # Hosts of 2x2 chips (how these slices are cabled); it only sets the devices' process_index.
   host_bounds = tuple(min(2, s) for s in shape)
@@ -137,8 +110,8 @@ def topology_devices(topology: Topology) -> list:
   else:
     wrap = tuple(s == 16 for s in shape[:2]) + (False,)
   try:
-    desc = topologies.get_topology_desc(
-        topology.libtpu_name, "tpu", chip_config_name=GENERATIONS[topology.generation].chip_config,
+    desc = jax_topologies.get_topology_desc(
+        topology.libtpu_name, "tpu", chip_config_name=topology.slice_type.generation.chip_config,
         chips_per_host_bounds=host_bounds, num_slices=topology.num_slices, wrap=wrap)
   except RuntimeError as e:
     if "not installed" in str(e):
@@ -259,6 +232,7 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
   return {
       "topology": str(topology), "libtpu_topology": topology.libtpu_name,
       "device": f"{n} x {device_kind}", "libtpu": importlib.metadata.version("libtpu"),
+      "versions": versions.format_versions(compiled_with()),
       "mesh": dict(training.mesh.shape), "dcn_axes": list(dcn_axes(training.mesh)),
       "batch_size": tc.batch_size, "per_chip_batch": tc.batch_size / n,
       "seq_len": seq_len, "max_predictions": max_predictions,
@@ -282,6 +256,23 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "train_hours": _round(step_s * tc.num_train_steps / 3600),
       "chip_hours": _round(n * step_s * tc.num_train_steps / 3600),
   }
+
+
+def compiled_with() -> dict[str, str]:
+  """The installed versions of the lock's packages (what this compile used)."""
+  try:
+    names = versions.read_lock()
+  except OSError:  # installed without the project's launch/ folder: the packages that compile
+    names = ("jax", "jaxlib", "libtpu", "flax", "optax")
+  return versions.installed(names)
+
+
+def lock_mismatch() -> list[str]:
+  """How the versions here differ from launch/requirements-tpu.lock (empty without a lock)."""
+  try:
+    return versions.differences(versions.installed(versions.read_lock()), versions.read_lock())
+  except OSError:
+    return []
 
 
 FLAGS = flags.FLAGS
@@ -317,6 +308,11 @@ def main(argv):
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  mismatch = lock_mismatch()
+  if mismatch:
+    print(f"bertjax.aot: warning: the versions here are not {versions.LOCK}'s, which the TPU VMs "
+          f"install: {'; '.join(mismatch)}. `launch/tpu.py run --aot-report` will refuse this "
+          "compile's report; pip install -r launch/requirements-tpu.lock", file=sys.stderr)
   hbm_gib = FLAGS.hbm_gib or topology.hbm_gib
   seq_len, max_predictions = flops.sequence_shape(config)
   vocab = int(config.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE

@@ -1,320 +1,48 @@
 #!/usr/bin/env python3
-"""Pre-train on a Cloud TPU slice: create it, set it up, run, follow, stop, delete.
+"""Pre-train on a Cloud TPU slice: create it, set it up, run, check, follow, stop, delete.
 
-  python launch/tpu.py up --name=bert-large --zone=ZONE --accelerator-type=v5p-128 --spot \\
+  python launch/tpu.py up --name=bert-large --zone=ZONE --accelerator-type=v5p-128 --spot --watch \\
       --config=configs/bert_large.py --workdir=gs://BUCKET/large_p1 \\
       -- --config.data.cache_dir=gs://BUCKET/bertjax-cache
+  python launch/tpu.py status --name=bert-large     # later commands need only the name
 
-Subcommands: create (a queued resource, waits until ACTIVE), setup (project + venv + jax[tpu] on
-every worker), run (bertjax.main in the background on every worker, a log file per worker), logs
-(follow worker 0), stop (SIGTERM: the loop saves a checkpoint and exits), delete, and up (create +
-setup + run + logs). Every command is printed before it runs; --dry-run prints them and runs
-nothing (no subprocess at all). Flags after `--` go to `python -m bertjax.main` unchanged.
-The inputs are checked before anything is created: the accelerator type, a gs:// workdir and
-shared data for multi-host jobs, the config's mesh against the slice (ICI) and the slices (DCN).
-See launch/README.md for a worked example.
+Subcommands: create (a queued resource, waits until ACTIVE), setup (project + venv + the locked
+packages of launch/requirements-tpu.lock on every worker), run (pre-flight on every worker, then
+bertjax.main in the background with a log per worker copied to WORKDIR/logs, then a check of
+every worker after --check-after seconds), status, logs (--worker=N|all), stop (SIGTERM: the loop
+saves a checkpoint and exits), delete (collects the logs first), and up (create unless it exists
++ setup + run + logs; --watch recreates a preempted Spot slice and restarts the job). Every
+command is printed before it runs; --dry-run prints them and runs nothing (no subprocess at all).
+Flags after `--` go to `python -m bertjax.main` unchanged. The inputs are checked before anything
+is created: the accelerator type, a gs:// workdir and shared data for multi-host jobs, the
+config's mesh against the slice (ICI) and the slices (DCN). See launch/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib.util
-import inspect
-import math
+import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 import tempfile
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# On every TPU VM (each is its own machine, so one log file per worker).
-REMOTE_PROJECT = "$HOME/bertjax"
-REMOTE_VENV = "$HOME/bertjax-venv"
-REMOTE_LOGS = "$HOME/bertjax-logs"
-REMOTE_LOG = f"{REMOTE_LOGS}/train.log"
-REMOTE_TARBALL = "bertjax.tar.gz"  # relative to the remote home directory
-# Matches the training process's command line from its start (".../python -m bertjax.main ..."),
-# never the remote shell whose script text merely contains these words.
-TRAINING_PROCESS = "^[^ ]*python[^ ]* -m bertjax[.]main"
-REFUSE_IF_RUNNING = (f'if pgrep -f "{TRAINING_PROCESS}" >/dev/null; then echo "$(hostname): training '
-                     'is running; stop it first (launch/tpu.py stop)" >&2; exit 1; fi')
-FAILED_STATES = ("FAILED", "SUSPENDING", "SUSPENDED")
-MESH_AXES = ("data", "fsdp", "tensor")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tpu_* modules beside this
+# pylint: disable=wrong-import-position
+# Some names are imported only to be found here (the tests read tpu.check_mesh, tpu.run_script...).
+from tpu_cloud import (FAILED, GOING, MISSING, PREEMPTED, READY, LaunchError, Runner, create_argv,
+                       delete_argv, describe, events_path, fill_from_state, forget, save_state,
+                       scp, ssh, state_path, wait_until)
+from tpu_plan import (MESH_AXES, PYTHON_REQUIREMENT, REPO, Accelerator, check_mesh,  # noqa: F401
+                      config_overrides, from_setup_py, parse_accelerator, plan_run)
+from tpu_remote import (REMOTE_LOG, REMOTE_TARBALL, TRAINING_PROCESS, VERSIONS,  # noqa: F401
+                        RunPlan,
+                        check_script, collect_script, follow_script, kill_script, logs_dir,
+                        parse_host_versions, parse_workers, preflight_script, run_script,
+                        setup_script, stop_script, version_problems)
+from bertjax import topologies, versions  # noqa: E402  (REPO is on sys.path: tpu_plan)
 
-# Generation -> (default runtime version, what the number in the type counts). Runtime versions:
-# https://cloud.google.com/tpu/docs/runtimes ("v4 and earlier" use tpu-ubuntu2204-base).
-GENERATIONS = {
-    "v4": ("tpu-ubuntu2204-base", "cores"),
-    "v5p": ("v2-alpha-tpuv5", "cores"),
-    "v5litepod": ("v2-alpha-tpuv5-lite", "chips"),
-    "v6e": ("v2-alpha-tpuv6e", "chips"),
-}
-CHIP_SLICE_SIZES = (1, 4, 8, 16, 32, 64, 128, 256)  # v5e and v6e slices (chips)
-
-
-class LaunchError(Exception):
-  """Bad input or a failed command: printed as one clear line, exit status non-zero."""
-
-
-# --- The slice. --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Accelerator:
-  name: str
-  generation: str
-  chips: int
-  hosts: int | None  # None: several hosts, how many depends on the VM shape chosen by Cloud TPU
-
-  @property
-  def multi_host(self) -> bool:
-    return self.hosts is None or self.hosts > 1
-
-  @property
-  def runtime_version(self) -> str:
-    return GENERATIONS[self.generation][0]
-
-  def describe(self) -> str:
-    hosts = "several hosts" if self.hosts is None else (
-        f"{self.hosts} host{'s' if self.hosts > 1 else ''}")
-    return f"{self.name}: {self.chips} chips (JAX devices), {hosts}"
-
-
-def parse_accelerator(name: str) -> Accelerator:
-  """`v5p-128` -> 64 chips on 16 hosts. Raises LaunchError for a type this launcher does not know."""
-  known = ("v4-N and v5p-N (N TensorCores, a multiple of 8: v5p-128 = 64 chips on 16 hosts), "
-           f"v5litepod-N and v6e-N (N chips, one of {', '.join(map(str, CHIP_SLICE_SIZES))})")
-  m = re.fullmatch(r"(v4|v5p|v5litepod|v6e)-(\d+)", name or "")
-  if not m:
-    hint = (f" (Cloud TPU calls v5e slices v5litepod-N: --accelerator-type="
-            f"{name.replace('v5e-', 'v5litepod-')})" if (name or "").startswith("v5e-") else "")
-    raise LaunchError(f"Unknown accelerator type {name!r}{hint}; known: {known}")
-  generation, size = m.group(1), int(m.group(2))
-  if GENERATIONS[generation][1] == "cores":
-    if size < 8 or size % 8:
-      raise LaunchError(f"Unknown accelerator type {name!r}: {generation} sizes count TensorCores "
-                        f"(2 per chip, 4 chips per host), a multiple of 8; known: {known}")
-    chips = size // 2
-    return Accelerator(name, generation, chips, chips // 4)
-  if size not in CHIP_SLICE_SIZES:
-    raise LaunchError(f"Unknown accelerator type {name!r}: {generation} sizes count chips, one of "
-                      f"{CHIP_SLICE_SIZES}; known: {known}")
-  return Accelerator(name, generation, size, 1 if size <= 8 else None)
-
-
-# --- The config and its overrides (checked here so that a mismatch fails before paying). -------------
-
-
-def config_overrides(flags: list[str]) -> dict[str, str]:
-  """`--config.mesh.dcn_data=2` (or `--config.mesh.dcn_data 2`) -> {"mesh.dcn_data": "2"}."""
-  out = {}
-  for i, flag in enumerate(flags):
-    if not flag.startswith("--config."):
-      continue
-    key, sep, value = flag[len("--config."):].partition("=")
-    if not sep:
-      if i + 1 >= len(flags) or flags[i + 1].startswith("--"):
-        continue  # a boolean flag (--config.data.nsp): not one this launcher checks
-      value = flags[i + 1]
-    out[key] = value
-  return out
-
-
-def load_config(spec: str):
-  """The ConfigDict of `configs/x.py[:arg]` (its own get_config; configs/base.py imports
-  bertjax.sharding for its default rules, so jax is imported too)."""
-  path, _, arg = spec.partition(":")
-  module_path = os.path.join(REPO, path)
-  if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # configs/*.py import configs.base
-  module_spec = importlib.util.spec_from_file_location("_launch_config", module_path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  if arg:
-    return module.get_config(arg)
-  if inspect.signature(module.get_config).parameters:
-    return module.get_config(None)
-  return module.get_config()
-
-
-def relative_config(spec: str) -> str:
-  """The config as a path inside the project (the job runs from the project root on each VM)."""
-  path, sep, arg = spec.partition(":")
-  full = os.path.abspath(path) if os.path.isabs(path) or os.path.exists(path) else os.path.join(
-      REPO, path)
-  rel = os.path.relpath(full, REPO)
-  if rel.startswith(".."):
-    raise LaunchError(f"--config={spec}: the config must be inside the project ({REPO}); it is "
-                      "shipped to the TPU VMs with it")
-  if not os.path.isfile(full):
-    raise LaunchError(f"--config={spec}: no such file {full}")
-  return rel + sep + arg
-
-
-def fill(sizes: dict[str, int], total: int, group: str) -> str | None:
-  """None if `sizes` (one may be -1) can cover `total` devices or slices, else why not (as sharding.py)."""
-  named = ", ".join(f"{group}_{a}={s}" for a, s in sizes.items())
-  if sum(s == -1 for s in sizes.values()) > 1:
-    return f"at most one {group} size may be -1 ({named})"
-  if any(s == 0 or s < -1 for s in sizes.values()):
-    return f"{group} sizes must be positive or -1 ({named})"
-  known = math.prod(s for s in sizes.values() if s != -1)
-  if -1 in sizes.values():
-    return None if total % known == 0 else (
-        f"{named} needs a multiple of {known}, but there are {total}")
-  return None if known == total else f"{named} multiplies to {known}, but there are {total}"
-
-
-def check_mesh(values: dict[str, int], accel: Accelerator | None, num_slices: int) -> list[str]:
-  """Problems of the config's mesh on this slice (ICI: devices per slice) and slices (DCN)."""
-  problems = []
-  dcn = {a: values[f"dcn_{a}"] for a in MESH_AXES if f"dcn_{a}" in values}
-  if len(dcn) == len(MESH_AXES):
-    why = fill(dcn, num_slices, "dcn")
-    if why:
-      fix = (f"set --config.mesh.dcn_data={num_slices} (or -1) and the other dcn_* to 1"
-             if num_slices > 1 else "set every --config.mesh.dcn_* to 1 (or dcn_data to -1)")
-      problems.append(f"the mesh does not fit --num-slices={num_slices}: {why}; {fix}")
-  ici = {a: values[f"ici_{a}"] for a in MESH_AXES if f"ici_{a}" in values}
-  if accel is not None and len(ici) == len(MESH_AXES):
-    why = fill(ici, accel.chips, "ici")
-    if why:
-      problems.append(f"the mesh does not fit {accel.name} ({accel.chips} devices per slice): {why}")
-  return problems
-
-
-@dataclasses.dataclass
-class RunPlan:
-  config: str  # relative to the project root
-  workdir: str
-  flags: list[str]
-  warnings: list[str]
-
-
-def plan_run(config: str, workdir: str, flags: list[str], accel: Accelerator | None,
-             num_slices: int) -> RunPlan:
-  """Validates a run before anything is created or started; raises LaunchError with the fix."""
-  rel = relative_config(config)
-  multi_host = num_slices > 1 or accel is None or accel.multi_host
-  if accel is None:
-    hosts_text = "no --accelerator-type given, so taken as multi-host"
-  else:
-    hosts_text = (f"{num_slices} slices of " if num_slices > 1 else "") + accel.describe()
-  if multi_host and not workdir.startswith("gs://"):
-    raise LaunchError(
-        f"--workdir={workdir} is not on gs://. Every host of a multi-host job ({hosts_text}) writes "
-        "the same checkpoint directory; a local path would be a different folder on each VM, lost "
-        "when the slice is deleted. Use e.g. --workdir=gs://BUCKET/run1")
-  warnings = []
-  overrides = config_overrides(flags)
-  try:
-    cfg = load_config(rel)
-    mesh = {k: int(v) for k, v in cfg.mesh.items() if k != "logical_axis_rules"}
-    data = {k: cfg.data[k] for k in ("cache_dir", "prepared_dir", "vocab_path", "num_shards")}
-  except Exception as err:  # pylint: disable=broad-except
-    warnings.append(f"could not load {rel} here ({type(err).__name__}: {err}); only the "
-                    "--config.* flags given are checked")
-    mesh, data = {}, {}
-  for key, value in overrides.items():
-    group, _, name = key.partition(".")
-    if group == "mesh" and name != "logical_axis_rules":
-      try:
-        mesh[name] = int(value)
-      except ValueError:
-        raise LaunchError(f"--config.{key}={value} is not an integer") from None
-    elif group == "data" and name in ("cache_dir", "prepared_dir", "vocab_path"):
-      data[name] = value
-    elif group == "data" and name == "num_shards" and value.isdigit():
-      data[name] = int(value)
-  problems = check_mesh(mesh, accel, num_slices)
-  if problems:
-    raise LaunchError(f"{rel}: " + "; ".join(problems))
-  if not all(f"dcn_{a}" in mesh for a in MESH_AXES):
-    warnings.append("the config's dcn_* sizes are unknown here: not checked against --num-slices")
-  if multi_host:
-    shared = str(data.get("cache_dir", "")).startswith("gs://") or (
-        str(data.get("prepared_dir", "")).startswith("gs://") and data.get("vocab_path"))
-    if "cache_dir" in data and not shared:
-      raise LaunchError(
-          f"data.cache_dir={data['cache_dir']!r} is local to each VM, but in a multi-host job "
-          f"({hosts_text}) process 0 prepares the vocabulary and shards and every other host reads "
-          "them. Pass --config.data.cache_dir=gs://BUCKET/bertjax-cache (or "
-          "--config.data.prepared_dir=gs://... with --config.data.vocab_path=...)")
-    hosts = (accel.hosts or 0) * num_slices if accel else 0
-    if hosts and data.get("num_shards") and data["num_shards"] < hosts:
-      warnings.append(f"data.num_shards={data['num_shards']} < {hosts} hosts: every host reads "
-                      "every shard (works, slower); prepare at least one shard per host")
-  return RunPlan(rel, workdir, list(flags), warnings)
-
-
-def from_setup_py(pattern: str, default: str) -> str:
-  """A requirement as setup.py states it: jax's (shown), the lowest Python (the venv's)."""
-  try:
-    with open(os.path.join(REPO, "setup.py"), encoding="utf-8") as f:
-      m = re.search(pattern, f.read())
-  except OSError:
-    return default
-  return m.group(1) if m else default
-
-
-JAX_REQUIREMENT = r"""["'](jax[^\[\]"']*)["']"""  # "jax>=0.7,<0.11"
-PYTHON_REQUIREMENT = r"python_requires\s*=\s*[\"']>=\s*([0-9.]+)"  # ">=3.11" -> 3.11
-
-
-# --- Commands. -----------------------------------------------------------------------------------------
-
-
-class Runner:
-  """Prints each command (`+ ...`, copy-pasteable) and runs it unless this is a dry run."""
-
-  def __init__(self, dry_run: bool):
-    self.dry_run = dry_run
-
-  def say(self, text: str) -> None:
-    print(f"# {text}", flush=True)
-
-  def run(self, argv: list[str], capture: bool = False, quiet: bool = False) -> str:
-    if not quiet:
-      print("+ " + shlex.join(argv), flush=True)
-    if self.dry_run:
-      return ""
-    try:
-      done = subprocess.run(argv, check=False, text=True,
-                            stdout=subprocess.PIPE if capture else None)
-    except FileNotFoundError:
-      raise LaunchError(f"{argv[0]} not found on PATH" + (
-          ": install the Google Cloud CLI (https://cloud.google.com/sdk/docs/install)"
-          if argv[0] == "gcloud" else "")) from None
-    if done.returncode:
-      raise LaunchError(f"exit status {done.returncode}: {shlex.join(argv)}")
-    return done.stdout or ""
-
-
-def _location(args) -> list[str]:
-  return [f"--zone={args.zone}"] + ([f"--project={args.project}"] if args.project else [])
-
-
-def ssh(args, script: str, worker: str = "all") -> list[str]:
-  """gcloud ssh running `script` on the workers: of the slice, or of every slice (multi-slice)."""
-  if args.num_slices > 1:
-    head = ["gcloud", "compute", "tpus", "queued-resources", "ssh", args.name,
-            "--node=all" if worker == "all" else "--node=0"]
-  else:
-    head = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.name]
-  return head + [f"--worker={worker}"] + _location(args) + [f"--command={script}"]
-
-
-def scp(args, local: str, remote: str) -> list[str]:
-  if args.num_slices > 1:
-    head = ["gcloud", "compute", "tpus", "queued-resources", "scp", local, f"{args.name}:{remote}",
-            "--node=all"]
-  else:
-    head = ["gcloud", "compute", "tpus", "tpu-vm", "scp", local, f"{args.name}:{remote}"]
-  return head + ["--worker=all"] + _location(args)
+GENERATIONS = {g.name: g.runtime_version for g in topologies.GENERATIONS.values()}
 
 
 def create(args, runner: Runner) -> None:
@@ -323,73 +51,33 @@ def create(args, runner: Runner) -> None:
   slices = f"{args.num_slices} slices of " if args.num_slices > 1 else ""
   tier = "spot" if args.spot else "reserved" if args.reserved else "on-demand"
   runner.say(f"create: {slices}{accel.describe()}; runtime {runtime}; {tier}")
-  argv = ["gcloud", "compute", "tpus", "queued-resources", "create", args.name]
-  if args.num_slices > 1:
-    argv += [f"--node-count={args.num_slices}", f"--node-prefix={args.name}"]
+  save_state(args, runner)  # first: a create cut short still leaves what `delete` needs
+  runner.run(create_argv(args, accel, runtime))
+  wait_until(args, runner)
+
+
+def ensure_slice(args, runner: Runner) -> None:
+  """`up`: uses the resource if it is there (waiting for it if it is queued), recreates one that
+  Spot preemption suspended, creates one otherwise."""
+  parse_accelerator(args.accelerator_type)  # before any command
+  state, message = describe(args, runner, missing_in_dry_run=True)
+  if state == MISSING:
+    create(args, runner)
+    return
+  runner.say(f"{args.name} exists: {state}" + (f" ({message})" if message else ""))
+  save_state(args, runner)
+  if state == READY:
+    runner.say("up: skips create")
+  elif state in PREEMPTED or state in GOING:
+    if state in PREEMPTED:
+      runner.run(delete_argv(args))
+    wait_until(args, runner, until=(MISSING,), through=GOING)
+    create(args, runner)
+  elif state in FAILED:
+    raise LaunchError(f"queued resource {args.name} is {state}" + (f": {message}" if message else "")
+                      + "; delete it (launch/tpu.py delete) and run up again")
   else:
-    argv += [f"--node-id={args.name}"]
-  argv += [f"--accelerator-type={accel.name}", f"--runtime-version={runtime}"] + _location(args)
-  argv += ["--spot"] if args.spot else ["--reserved"] if args.reserved else []
-  runner.run(argv)
-  describe = (["gcloud", "compute", "tpus", "queued-resources", "describe", args.name]
-              + _location(args) + ["--format=value(state.state)"])
-  runner.say(f"wait until ACTIVE: repeated every {args.poll_seconds} s (printed once)")
-  last, waited = None, 0.0
-  while True:
-    state = runner.run(describe, capture=True, quiet=last is not None).strip() or "UNKNOWN"
-    if runner.dry_run:
-      return
-    if state != last:
-      runner.say(f"{args.name}: {state} after {waited / 60:.0f} min")
-      last = state
-    if state == "ACTIVE":
-      return
-    if state in FAILED_STATES:
-      raise LaunchError(f"queued resource {args.name} is {state}; see `gcloud compute tpus "
-                        f"queued-resources describe {args.name} {' '.join(_location(args))}`, then "
-                        "delete it (launch/tpu.py delete) and create again")
-    time.sleep(args.poll_seconds)
-    waited += args.poll_seconds
-
-
-def remote_quote(arg: str) -> str:
-  """Shell quoting for the remote script: double quotes where they suffice, so that the gcloud
-  command around it (single-quoted) stays readable; shlex.quote otherwise."""
-  if shlex.quote(arg) == arg:
-    return arg
-  if not any(c in arg for c in '$`"\\!'):
-    return f'"{arg}"'
-  return shlex.quote(arg)
-
-
-def setup_script(args, python_version: str) -> str:
-  """Project, venv and packages on one worker; safe to run again (reuses the venv)."""
-  uv = "$HOME/.local/bin/uv"
-  if args.repo:
-    fetch = [f"git clone --quiet {remote_quote(args.repo)} {REMOTE_PROJECT}"]
-    if args.ref:
-      fetch.append(f"git -C {REMOTE_PROJECT} checkout --quiet {remote_quote(args.ref)}")
-  else:
-    fetch = [f"mkdir -p {REMOTE_PROJECT}",
-             f"tar -xzf $HOME/{REMOTE_TARBALL} -C {REMOTE_PROJECT}"]
-  pip = f"{REMOTE_VENV}/bin/python -m pip install --quiet"
-  return "\n".join([
-      "set -eu",
-      REFUSE_IF_RUNNING,
-      f"rm -rf {REMOTE_PROJECT}",
-      *fetch,
-      # TPU VM images ship the Ubuntu 22.04 Python (3.10); uv brings the Python setup.py needs.
-      f"test -x {uv} || python3 -m pip install --user --quiet uv"
-      " || curl -LsSf https://astral.sh/uv/install.sh | sh",
-      f"test -x {REMOTE_VENV}/bin/python || {uv} venv --seed --python {python_version}"
-      f" {REMOTE_VENV}",
-      f"{pip} --upgrade pip",
-      f"{pip} -e {REMOTE_PROJECT}",
-      # libtpu comes with jax[tpu], pinned to the jax that setup.py's requirement resolved to.
-      f'JAX_VERSION=$({REMOTE_VENV}/bin/python -c "import jax; print(jax.__version__)")',
-      f'{pip} "jax[tpu]==$JAX_VERSION"',
-      f'echo "$(hostname): bertjax installed with jax[tpu]==$JAX_VERSION in {REMOTE_VENV}"',
-  ])
+    wait_until(args, runner)
 
 
 def setup(args, runner: Runner) -> None:
@@ -397,8 +85,8 @@ def setup(args, runner: Runner) -> None:
   source = f"git clone {args.repo}" + (f" @ {args.ref}" if args.ref else "") if args.repo else (
       f"git archive of {args.ref or 'HEAD'} (committed files only)")
   runner.say(f"setup: on every worker: project from {source}, venv with Python {python_version}, "
-             f"pip install -e . ({from_setup_py(JAX_REQUIREMENT, 'jax')}), then jax[tpu] of the "
-             "same version")
+             "pip install -r launch/requirements-tpu.lock -e .[tpu] (the exact versions)")
+  save_state(args, runner)
   if not args.repo:
     ref = args.ref or "HEAD"
     tarball = os.path.join(tempfile.gettempdir(), f"bertjax-{args.name}.tar.gz")
@@ -414,52 +102,118 @@ def setup(args, runner: Runner) -> None:
     runner.run(["git", "-C", os.path.relpath(REPO), "archive", "--format=tar.gz",
                 f"--output={tarball}", ref])
     runner.run(scp(args, tarball, REMOTE_TARBALL))
-  runner.run(ssh(args, setup_script(args, python_version)))
+  runner.run(ssh(args, setup_script(args.repo, args.ref, python_version)))
 
 
-def run_script(plan: RunPlan) -> str:
-  """Starts bertjax.main detached (setsid + nohup): a dropped ssh connection does not stop it."""
-  job = " ".join(remote_quote(a) for a in
-                 [f"--config={plan.config}", f"--workdir={plan.workdir}", *plan.flags])
-  return "\n".join([
-      "set -eu",
-      REFUSE_IF_RUNNING,
-      f"mkdir -p {REMOTE_LOGS}",
-      f"cd {REMOTE_PROJECT}",
-      f'echo "=== $(date -u +%FT%TZ) start" >> {REMOTE_LOG}',
-      f"setsid nohup {REMOTE_VENV}/bin/python -m bertjax.main {job} >> {REMOTE_LOG} 2>&1"
-      " < /dev/null &",
-      f'echo "$(hostname): started (pid $!), log {REMOTE_LOG}"',
-  ])
+def plan_from_args(args) -> RunPlan:
+  if not args.config or not args.workdir:
+    raise LaunchError(f"no job: give --config and --workdir (none recorded for {args.name} in "
+                      f"{state_path(args.name)})")
+  accel = parse_accelerator(args.accelerator_type) if args.accelerator_type else None
+  plan = plan_run(args.config, args.workdir, args.flags, accel, args.num_slices)
+  for warning in plan.warnings:
+    print(f"warning: {warning}", file=sys.stderr, flush=True)
+  return plan
+
+
+def check_versions(args, runner: Runner, text: str) -> None:
+  """Refuses a start on workers whose packages differ from each other, the lock, or the AOT
+  report given."""
+  if runner.dry_run:
+    runner.say("(dry run: the workers' versions are compared with the lock when this runs)")
+    return
+  per_host = parse_host_versions(text)
+  if not per_host:
+    raise LaunchError("no worker reported its versions (is it set up? launch/tpu.py setup)")
+  compiled = None
+  if args.aot_report:
+    with open(args.aot_report, encoding="utf-8") as f:
+      compiled = versions.parse_versions(json.load(f).get("versions", ""))
+    if not compiled:
+      raise LaunchError(f"{args.aot_report} names no versions: make it with this bertjax.aot")
+  problems = version_problems(per_host, versions.read_lock(), compiled)
+  if problems:
+    raise LaunchError("refusing to start: " + "; ".join(problems) + ". `launch/tpu.py setup` "
+                      "installs launch/requirements-tpu.lock on every worker" + (
+                          f"; compile again with the lock's versions (pip install -r "
+                          f"launch/requirements-tpu.lock) for a new {args.aot_report}"
+                          if compiled else ""))
+  runner.say(f"versions: {len(per_host)} workers, all as launch/requirements-tpu.lock"
+             + (f" and {args.aot_report}" if compiled else ""))
+
+
+def check_workers(args, runner: Runner, quiet: bool = False, every_tail: bool = False):
+  """Every worker's state, and the last lines of the log of each that is not running (of every
+  one with every_tail), prefixed by its host."""
+  _, out, _ = runner.run(ssh(args, check_script(args.lines)), capture=True, quiet=quiet)
+  workers = parse_workers(out)
+  for w in workers.values():
+    if every_tail or not (w.alive or w.finished):
+      print(f"worker {w.host}: {w.state}", flush=True)
+      for line in w.tail:
+        print(f"  {w.host}| {line}", flush=True)
+  counts = {}
+  for w in workers.values():
+    counts[w.state] = counts.get(w.state, 0) + 1
+  if workers:
+    print(f"{len(workers)} workers: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+          flush=True)
+  return workers
 
 
 def run(args, runner: Runner, plan: RunPlan | None = None) -> None:
   plan = plan or plan_from_args(args)
+  save_state(args, runner)
   where = f"every worker of {args.num_slices} slices" if args.num_slices > 1 else "every worker"
+  if args.skip_preflight:
+    runner.say(f"pre-flight on {where}: versions only (--skip-preflight: nothing stopped)")
+  else:
+    runner.say(f"pre-flight on {where}: stop what holds the TPU, remove a stale libtpu lock "
+               "file, report the installed versions")
+  _, out, _ = runner.run(ssh(args, preflight_script(clean=not args.skip_preflight)), capture=True)
+  sys.stdout.writelines(l for l in out.splitlines(keepends=True) if not l.startswith(VERSIONS))
+  check_versions(args, runner, out)
   runner.say(f"run: on {where}, python -m bertjax.main in the background, log {REMOTE_LOG}"
+             + (f", copied to {logs_dir(plan.workdir)}/HOSTNAME.log every "
+                f"{args.sync_logs_every:g} s" if args.sync_logs_every > 0 else "")
              + ("; the multi-slice coordinator and slice ids come from the queued resource's "
                 "TPU metadata (read by jax.distributed)" if args.num_slices > 1 else ""))
-  runner.run(ssh(args, run_script(plan)))
+  runner.run(ssh(args, run_script(plan, args.sync_logs_every)))
+  runner.say(f"check: every worker after {args.check_after:g} s (--check-after): a worker that "
+             "died (import error, out of memory, a busy TPU) fails the run here")
+  if not runner.dry_run:
+    runner.sleep(args.check_after)
+  workers = check_workers(args, runner)
+  if runner.dry_run:
+    return
+  dead = [w for w in workers.values() if not w.alive and not w.finished]
+  expected = parse_accelerator(args.accelerator_type).hosts if args.accelerator_type else None
+  expected = expected * args.num_slices if expected else None
+  if dead or not workers or (expected and len(workers) < expected):
+    named = ", ".join(f"{w.host} ({w.state})" for w in dead) or "none"
+    raise LaunchError(
+        f"not running after {args.check_after:g} s: {named}" + (
+            f"; {len(workers)} of {expected} workers answered" if expected else "")
+        + ". Their last log lines are above (all of them: launch/tpu.py logs --worker=all). The "
+        f"others wait for them: launch/tpu.py stop --kill --name={args.name}, fix, run again")
+  finished = sum(w.finished for w in workers.values())
+  runner.say(f"all {len(workers)} workers running" + (f" or finished ({finished} exited with "
+                                                       "status 0)" if finished else ""))
+
+
+def status(args, runner: Runner) -> None:
+  state, message = describe(args, runner)
+  print(f"{args.name}: {state}" + (f" ({message})" if message else ""), flush=True)
+  if state == READY or runner.dry_run:
+    check_workers(args, runner, every_tail=True)
 
 
 def logs(args, runner: Runner) -> None:
-  runner.say(f"logs: worker 0's {REMOTE_LOG} (Ctrl-C stops following; the job goes on)")
-  runner.run(ssh(args, f"tail -n 200 -F {REMOTE_LOG}", worker="0"))
-
-
-def stop_script(wait_seconds: int) -> str:
-  return "\n".join([
-      f'if pkill -TERM -f "{TRAINING_PROCESS}"; then',
-      f'  for i in $(seq {wait_seconds}); do pgrep -f "{TRAINING_PROCESS}" >/dev/null || '
-      '{ echo "$(hostname): saved and exited"; exit 0; }; sleep 1; done',
-      f'  echo "$(hostname): still running after {wait_seconds} s" >&2; exit 1',
-      'else echo "$(hostname): no training process"; fi',
-  ])
-
-
-def kill_script() -> str:
-  return (f'pkill -KILL -f "{TRAINING_PROCESS}" && echo "$(hostname): killed" || '
-          'echo "$(hostname): no training process"')
+  every = args.worker == "all"
+  who = "every worker's" if every else f"worker {args.worker}'s (slice {args.node})"
+  runner.say(f"logs: {who} {REMOTE_LOG} (Ctrl-C stops following; the job goes on)"
+             + (f"; copies in {logs_dir(args.workdir)}" if args.workdir else ""))
+  runner.run(ssh(args, follow_script(every), worker=args.worker, node="all" if every else args.node))
 
 
 def stop(args, runner: Runner) -> None:
@@ -472,36 +226,86 @@ def stop(args, runner: Runner) -> None:
   runner.run(ssh(args, stop_script(args.wait_seconds)))
 
 
-def delete_argv(args) -> list[str]:
-  return (["gcloud", "compute", "tpus", "queued-resources", "delete", args.name, "--force",
-           "--quiet"] + _location(args))
-
-
 def delete(args, runner: Runner) -> None:
-  runner.say(f"delete: the queued resource {args.name} and its TPU VMs (the gs:// workdir stays)")
+  if args.workdir and not args.no_collect_logs:
+    runner.say(f"delete: first each worker's log to {logs_dir(args.workdir)} (if they answer)")
+    rc, out, err = runner.run(ssh(args, collect_script(args.workdir)), capture=True, check=False)
+    sys.stdout.write(out)
+    if rc:
+      runner.say(f"warning: the logs were not all collected (exit status {rc}: "
+                 f"{(err.strip().splitlines() or [''])[-1]}); deleting anyway")
+  elif not args.no_collect_logs:
+    runner.say(f"delete: no workdir recorded for {args.name}: the logs are not collected")
+  runner.say(f"delete: the queued resource {args.name} and its TPU VMs (the workdir stays)")
   runner.run(delete_argv(args))
+  forget(args.name, runner)
 
 
-def plan_from_args(args) -> RunPlan:
-  accel = parse_accelerator(args.accelerator_type) if args.accelerator_type else None
-  plan = plan_run(args.config, args.workdir, args.flags, accel, args.num_slices)
-  for warning in plan.warnings:
-    print(f"warning: {warning}", file=sys.stderr, flush=True)
-  return plan
+def watch(args, runner: Runner, plan: RunPlan) -> None:
+  """Until the job ends: on Spot preemption, delete, recreate, set up and restart the same job,
+  which resumes from its checkpoint in the workdir; at most --max-restarts times."""
+  log = events_path(args.name)
+  runner.event(f"watch {args.name}: every {args.watch_seconds:g} s; on preemption recreate and "
+               f"restart (at most {args.max_restarts} times); events in {log}", log)
+  restarts = 0
+  while True:
+    if runner.dry_run:
+      describe(args, runner)
+      check_workers(args, runner)
+      return
+    runner.sleep(args.watch_seconds)
+    state, message = describe(args, runner, quiet=True)
+    if state == READY:
+      workers = check_workers(args, runner, quiet=True)
+      if workers and all(w.finished for w in workers.values()):
+        runner.event(f"{args.name}: the job finished on all {len(workers)} workers", log)
+        return
+      dead = [w for w in workers.values() if not w.alive and not w.finished]
+      if not dead:
+        continue
+      runner.event(f"{args.name}: not running: {', '.join(w.host + ' ' + w.state for w in dead)};"
+                   " preempted?", log)
+      runner.sleep(args.poll_seconds)  # a preempted slice leaves ACTIVE soon after its VMs go
+      state, message = describe(args, runner, quiet=True)
+      if state == READY:
+        runner.event(f"{args.name}: still ACTIVE: a failure of the job, not a preemption; "
+                     "watch ends", log)
+        raise LaunchError(f"workers died on an ACTIVE slice: {', '.join(w.host for w in dead)}; "
+                          f"launch/tpu.py logs --name={args.name} --worker=all")
+    if state in PREEMPTED:
+      restarts += 1
+      if restarts > args.max_restarts:
+        runner.event(f"{args.name}: {state} again; {args.max_restarts} restarts done, watch ends",
+                     log)
+        raise LaunchError(f"{args.name} preempted {restarts} times (--max-restarts="
+                          f"{args.max_restarts}); the workdir {args.workdir} keeps the checkpoints")
+      runner.event(f"{args.name}: {state}" + (f" ({message})" if message else "")
+                   + f": delete, recreate, set up, restart ({restarts}/{args.max_restarts})", log)
+      runner.run(delete_argv(args))
+      create(args, runner)
+      runner.event(f"{args.name}: ACTIVE again", log)
+      setup(args, runner)
+      run(args, runner, plan)
+      runner.event(f"{args.name}: restarted with the same flags", log)
+    elif state != READY:
+      runner.event(f"{args.name}: {state}" + (f" ({message})" if message else "") + "; watch ends",
+                   log)
+      raise LaunchError(f"queued resource {args.name} is {state}" + (
+          f": {message}" if message else "") + " (not a preemption: not recreated)")
 
 
 def up(args, runner: Runner) -> None:
   plan = plan_from_args(args)  # every input checked before a slice is paid for
-  create(args, runner)
+  ensure_slice(args, runner)
   setup(args, runner)
   run(args, runner, plan)
+  if args.watch:
+    watch(args, runner, plan)
+    return
   me = f"python {os.path.relpath(os.path.abspath(__file__))}"
-  common = f"--name={args.name} --zone={args.zone}" + (
-      f" --project={args.project}" if args.project else "") + (
-          f" --num-slices={args.num_slices}" if args.num_slices > 1 else "")
-  runner.say(f"later: `{me} logs {common}`; `{me} stop {common}` (saves a checkpoint); when "
-             f"finished or preempted, delete the slice (the gs:// workdir stays):")
-  print("  " + shlex.join(delete_argv(args)), flush=True)
+  runner.say(f"later: `{me} status --name={args.name}`; `{me} logs --name={args.name} "
+             f"--worker=all`; `{me} stop --name={args.name}` (saves a checkpoint); `{me} delete "
+             f"--name={args.name}` (collects the logs, deletes the slice; the workdir stays)")
   logs(args, runner)
 
 
@@ -511,29 +315,47 @@ def up(args, runner: Runner) -> None:
 def parser() -> argparse.ArgumentParser:
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--name", required=True, help="queued resource (and TPU node) name")
-  common.add_argument("--zone", required=True, help="e.g. us-east5-a (where the quota is)")
-  common.add_argument("--project", help="Google Cloud project (default: gcloud's)")
-  common.add_argument("--num-slices", type=int, default=1,
-                      help="slices of a multi-slice job (queued resource nodes; default 1)")
+  common.add_argument("--zone", help="e.g. us-east5-a (where the quota is); remembered")
+  common.add_argument("--project", help="Google Cloud project (default: gcloud's); remembered")
+  common.add_argument("--num-slices", type=int, help="slices of a multi-slice job (queued "
+                      "resource nodes; default 1); remembered")
   common.add_argument("--dry-run", action="store_true",
                       help="print every command, run none (no subprocess at all)")
+  common.add_argument("--poll-seconds", type=float, default=30, help="describe every N s while "
+                      "waiting")
+  common.add_argument("--max-wait", type=float, default=0, help="give up waiting for a state "
+                      "after N s (0: no limit; a queued Spot request can wait for hours)")
   slice_ = argparse.ArgumentParser(add_help=False)
-  slice_.add_argument("--accelerator-type", required=True, help="v5p-128, v5litepod-64, v6e-256, v4-32")
+  slice_.add_argument("--accelerator-type", help="v5p-128, v5p-384, v5litepod-64, v6e-256, v4-32")
   slice_.add_argument("--runtime-version", help="default: the one for the generation "
-                      f"({', '.join(f'{g}: {r}' for g, (r, _) in GENERATIONS.items())})")
+                      f"({', '.join(f'{g}: {r}' for g, r in GENERATIONS.items())})")
   tier = slice_.add_mutually_exclusive_group()
   tier.add_argument("--spot", action="store_true", help="Spot VMs: cheaper, preemptible")
   tier.add_argument("--reserved", action="store_true", help="the project's reserved capacity")
-  slice_.add_argument("--poll-seconds", type=int, default=30, help="describe every N s until ACTIVE")
+  slice_.add_argument("--extra-create-flags", action="append", metavar="FLAGS",
+                      help="more flags for `queued-resources create`, split as a shell would "
+                      "and passed verbatim, e.g. \"--network=N --subnetwork=S --internal-ips "
+                      "--service-account=SA --reservation=R\"; repeatable; remembered")
   project = argparse.ArgumentParser(add_help=False)
   project.add_argument("--repo", help="git URL cloned on each worker (default: a git archive of "
                        "this checkout, copied with scp)")
   project.add_argument("--ref", help="commit, branch or tag (default: HEAD / the default branch)")
   project.add_argument("--python", help="Python for the venv (default: setup.py's python_requires)")
   job = argparse.ArgumentParser(add_help=False)
-  job.add_argument("--config", required=True, help="e.g. configs/bert_large.py or ...:phase=2")
-  job.add_argument("--workdir", required=True,
-                   help="gs://BUCKET/RUN: checkpoints, logs, metrics; the same one resumes")
+  job.add_argument("--config", help="e.g. configs/bert_large.py or ...:phase=2 (with --workdir and "
+                   "the flags after --, remembered: a later `run` may leave all three out)")
+  job.add_argument("--workdir", help="gs://BUCKET/RUN: checkpoints, logs, metrics; the same one "
+                   "resumes")
+  job.add_argument("--check-after", type=float, default=120, help="seconds after the start to "
+                   "check that every worker still runs (default 120)")
+  job.add_argument("--skip-preflight", action="store_true", help="stop nothing that holds the TPU "
+                   "and keep /tmp/libtpu_lockfile (the versions are still compared)")
+  job.add_argument("--aot-report", help="the --json of `python -m bertjax.aot`: the workers' "
+                   "versions must also be the ones it compiled with")
+  job.add_argument("--sync-logs-every", type=float, default=60, help="copy each worker's log to "
+                   "WORKDIR/logs/HOSTNAME.log every N s and at the job's exit (0: never)")
+  lines = argparse.ArgumentParser(add_help=False)
+  lines.add_argument("--lines", type=int, default=20, help="log lines shown per worker")
 
   p = argparse.ArgumentParser(
       prog="launch/tpu.py", description=__doc__.split("\n\n")[0],
@@ -544,27 +366,57 @@ def parser() -> argparse.ArgumentParser:
     return sub.add_parser(name, parents=parents, help=text, description=text)
 
   add("create", [common, slice_], "request the slice (a queued resource) and wait until ACTIVE")
-  add("setup", [common, project], "project, venv, bertjax and jax[tpu] on every worker")
-  r = add("run", [common, job], "start python -m bertjax.main on every worker, in the background "
-          "(nohup: a dropped ssh does not stop it), with a log file on each worker")
-  r.add_argument("--accelerator-type", help="the slice's type, for the checks (without it the "
-                 "slice is taken as multi-host)")
-  add("logs", [common], "follow worker 0's log")
+  add("setup", [common, project], "project, venv, the locked packages on every worker")
+  r = add("run", [common, job, lines], "pre-flight, then python -m bertjax.main on every worker "
+          "in the background (nohup), a log on each copied to the workdir, then a check of every "
+          "worker")
+  r.add_argument("--accelerator-type", help="the slice's type, for the checks (remembered from "
+                 "create; without it the slice is taken as multi-host)")
+  add("status", [common, lines], "the resource's state and every worker's: running, "
+      "exited:STATUS, vanished, not-started; with its log's last lines")
+  g = add("logs", [common], "follow a worker's log, or every worker's (--worker=all)")
+  g.add_argument("--worker", default="0", help="N or all (default 0)")
+  g.add_argument("--node", default="0", help="the slice of --worker=N (multi-slice; default 0)")
   s = add("stop", [common], "SIGTERM to the job on every worker (pkill -f of bertjax.main): the "
           "loop saves a checkpoint at its next logging step and exits; `run` with the same "
           "--workdir resumes")
   s.add_argument("--wait-seconds", type=int, default=600, help="wait this long for the save")
   s.add_argument("--kill", action="store_true", help="SIGKILL instead, no checkpoint: for a job "
                  "that SIGTERM cannot stop (e.g. hosts blocked in a collective after one failed)")
-  add("delete", [common], "delete the queued resource and its TPU VMs (--force --quiet); the "
-      "gs:// workdir stays")
-  add("up", [common, slice_, project, job], "create + setup + run + logs; every input is checked "
-      "before anything is created")
+  d = add("delete", [common], "copy every worker's log to WORKDIR/logs, then delete the queued "
+          "resource and its TPU VMs (--force --quiet); the workdir stays")
+  d.add_argument("--no-collect-logs", action="store_true", help="delete without copying the logs")
+  u = add("up", [common, slice_, project, job, lines], "create (unless it exists) + setup + run + "
+          "logs; every input is checked before anything is created")
+  u.add_argument("--watch", action="store_true", help="instead of following the log, watch the "
+                 "slice: on Spot preemption delete, recreate, set up and restart the job (it "
+                 "resumes from its checkpoint); ends when the job does")
+  u.add_argument("--watch-seconds", type=float, default=300, help="with --watch: look every N s")
+  u.add_argument("--max-restarts", type=int, default=5, help="with --watch: recreate at most N "
+                 "times")
   return p
 
 
-COMMANDS = {"create": create, "setup": setup, "run": run, "logs": logs, "stop": stop,
-            "delete": delete, "up": up}
+COMMANDS = {"create": create, "setup": setup, "run": run, "status": status, "logs": logs,
+            "stop": stop, "delete": delete, "up": up}
+
+
+def complete(args, p: argparse.ArgumentParser) -> None:
+  """Fills what was left out from the resource's record, then the defaults; refuses what is
+  still missing."""
+  given = {k for k, v in vars(args).items() if v not in (None, False, [])}
+  job_given = bool({"config", "workdir"} & given or args.flags)
+  if job_given:  # a job is given whole, or taken whole from the record
+    given |= {"config", "workdir", "flags"}
+  fill_from_state(args, given)
+  args.num_slices = args.num_slices or 1
+  if args.num_slices < 1:
+    p.error(f"--num-slices={args.num_slices} must be at least 1")
+  if not args.zone:
+    raise LaunchError(f"--zone is needed: nothing is recorded for {args.name} "
+                      f"({state_path(args.name)})")
+  if args.command in ("create", "up") and not args.accelerator_type:
+    raise LaunchError("--accelerator-type is needed (e.g. v5p-128)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -577,13 +429,17 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   if flags and args.command not in ("run", "up"):
     p.error(f"flags after -- are for bertjax.main; `{args.command}` takes none")
-  if args.num_slices < 1:
-    p.error(f"--num-slices={args.num_slices} must be at least 1")
   args.flags = flags
+  for key in ("accelerator_type", "config", "workdir", "extra_create_flags", "repo", "ref",
+              "runtime_version", "spot", "reserved"):
+    setattr(args, key, getattr(args, key, None))
+  if args.command == "up":  # up follows every worker: one that dies is seen at once
+    args.worker, args.node = "all", "all"
   runner = Runner(args.dry_run)
   if args.dry_run:
     runner.say("dry run: the commands are printed, none is run")
   try:
+    complete(args, p)
     COMMANDS[args.command](args, runner)
   except LaunchError as err:
     print(f"launch/tpu.py {args.command}: error: {err}", file=sys.stderr)

@@ -6,12 +6,14 @@ and its exit status is part of what is tested. Each compile of the tiny config t
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
-from bertjax import aot
+from bertjax import aot, versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config=configs/tiny.py", "--config.model.vocab_size=8000"]
@@ -37,8 +39,41 @@ def test_topology_names_count_cores_on_v4_v5p_and_chips_on_v5e():
   assert aot.parse_topology("v5litepod-256").libtpu_name == "v5e:16x16"  # Cloud TPU's name
   two = aot.parse_topology("v5p-128", num_slices=2)
   assert (two.num_chips, two.libtpu_name, str(two)) == (128, "v5:4x4x4", "2 x v5p-128")
-  with pytest.raises(ValueError, match=r"Unknown TPU topology 'v5p-100'; known: .*v5p-128"):
+  with pytest.raises(ValueError, match=r"Unknown TPU topology 'v5p-100': .*nearest: v5p-64 "
+                     r"\(2x4x4\), v5p-128 \(4x4x4\)"):
     aot.parse_topology("v5p-100")
+
+
+def test_every_documented_shape_including_non_powers_of_two():
+  # Whole cubes that are not powers of two (Cloud TPU's AxBxC of multiples of 4), v5e's names.
+  for name, shape, libtpu in [("v5p-384", (4, 4, 12), "v5:4x4x12"), ("v5p-640", (4, 4, 20), None),
+                              ("v4-384", (4, 4, 12), "v4:4x4x12"), ("v5p-768", (4, 8, 12), None),
+                              ("v5p-12288", (16, 16, 24), None), ("v5p-2048", (8, 8, 16), None),
+                              ("v6e-256", (16, 16), "v6e:16x16"), ("v5e-1", (1, 1), None)]:
+    topology = aot.parse_topology(name)
+    assert topology.shape == shape, name
+    assert libtpu is None or topology.libtpu_name == libtpu
+  # Shapes that do not exist: named with the nearest that do.
+  for name, nearest in [("v5p-24", "v5p-16 (2x2x2), v5p-32 (2x2x4)"),
+                        ("v5p-12416", "v5p-12160 (4x20x76), v5p-12288 (16x16x24)"),
+                        ("v4-8320", "v4-8064 (12x12x28), v4-8192 (16x16x16)"), ("v6e-12", "v6e-8 (2x4), v6e-16 (4x4)")]:
+    with pytest.raises(ValueError, match=re.escape(f"nearest: {nearest}")):
+      aot.parse_topology(name)
+
+
+def test_a_slice_that_is_not_a_power_of_two_compiles(tmp_path):
+  # v5p-384: 192 chips, 4x4x12, one data-parallel row each (the tiny config at batch 192).
+  figures_path = tmp_path / "figures.json"
+  result = run_aot(*TINY, "--topology=v5p-384", "--config.train.batch_size=192",
+                   f"--json={figures_path}")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  figures = json.loads(figures_path.read_text())
+  assert (figures["libtpu_topology"], figures["device"]) == ("v5:4x4x12", "192 x TPU v5")
+  assert figures["mesh"] == {"data": 192, "fsdp": 1, "tensor": 1}
+  # What it compiled with, for launch/tpu.py run --aot-report to compare with the workers.
+  recorded = versions.parse_versions(figures["versions"])
+  assert recorded["jax"] == jax.__version__ and recorded["libtpu"] == figures["libtpu"]
+  assert set(recorded) == set(versions.read_lock())
 
 
 def test_xla_out_of_memory_reads_both_wordings():
@@ -109,8 +144,8 @@ def test_an_oversized_per_chip_batch_is_refused_with_the_shortfall():
   assert "RESOURCE_EXHAUSTED" in result.stderr
 
 
-def test_unknown_topology_is_refused_with_the_known_ones():
-  result = run_aot(*TINY, "--topology=v5p-100")
+def test_unknown_topology_is_refused_with_the_nearest_ones():
+  result = run_aot(*TINY, "--topology=v5p-24")
   assert result.returncode == 1
-  assert "Unknown TPU topology 'v5p-100'; known:" in result.stderr
-  assert "v5e-256" in result.stderr
+  assert "Unknown TPU topology 'v5p-24': v5p has no slice of 24 TensorCores" in result.stderr
+  assert "nearest: v5p-16 (2x2x2), v5p-32 (2x2x4)" in result.stderr

@@ -1,7 +1,9 @@
-"""launch/tpu.py: the commands a dry run prints, their quoting, and the inputs it refuses.
+"""launch/tpu.py: the commands a dry run prints, their quoting, the inputs it refuses, and its
+remote scripts run on this machine as on a worker.
 
 No gcloud is needed (nor run): --dry-run starts no subprocess, which one test checks with a PATH
-that has neither gcloud nor git, and another by making subprocess raise.
+that has neither gcloud nor git, and another by making subprocess raise. What the launcher does
+with gcloud's answers is tested in test_launch_tpu_ops.py, with a fake gcloud.
 """
 
 import importlib.util
@@ -22,6 +24,13 @@ JOB = ["--config=configs/bert_large.py", "--workdir=gs://bucket/run"]
 EXTRA = ["--config.data.cache_dir=gs://bucket/bertjax-cache",
          "--config.data.source=gs://bucket/text/wiki-*.txt.gz,gs://bucket/my books/*.txt",
          "--config.train.batch_size=4096", "--config.data.vocab_path=gs://bucket/$odd/vocab.txt"]
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path, monkeypatch):
+  """The launcher's memory of resources, here and in the launchers it starts: this test's own."""
+  monkeypatch.setenv("BERTJAX_TPU_STATE", str(tmp_path / "state"))
+  return tmp_path / "state"
 
 
 def load_launcher():
@@ -73,8 +82,9 @@ def remote_argv(script: str, marker: str) -> list[str]:
   """What the remote shell passes to the program on the script line containing `marker`."""
   (line,) = [l for l in script.splitlines() if marker in l]
   head, _, rest = line.partition(marker)
-  assert head.strip() == "setsid nohup $HOME/bertjax-venv/bin/python" or not head.strip()
-  args = rest.split(" >> ")[0]
+  assert head.startswith("setsid nohup bash -c ") and head.endswith(
+      " bertjax-job $HOME/bertjax-venv/bin/python ")
+  args = rest.split(" < /dev/null")[0]
   out = subprocess.run(["bash", "-c", f"printf '%s\\n' {args}"], capture_output=True, text=True,
                        check=True, env={"HOME": "/home/u", "PATH": os.environ["PATH"]})
   return out.stdout.splitlines()
@@ -91,37 +101,40 @@ def test_up_dry_run_multi_host_spot_prints_every_step():
                "--project=my-project"):
     assert flag in create
   assert not any(a.startswith("--node-count") for a in create)
-  (describe,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "describe")
-  assert "--format=value(state.state)" in describe
-  assert "v5p-128: 64 chips (JAX devices), 16 hosts" in r.stdout
+  # Whether it exists (up skips create for an ACTIVE one), then the wait until ACTIVE.
+  exists, describe = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "describe")
+  assert exists == describe and "--format=json(state)" in describe
+  assert "v5p-128: 64 chips (JAX devices) in 4x4x4, 16 hosts" in r.stdout
 
   (archive,) = find(cmds, "git", "-C", ".", "archive")  # the launcher ran from the project root
   tarball = [a for a in archive if a.startswith("--output=")][0][len("--output="):]
-  (copy,) = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "scp", tarball)
-  assert "--worker=all" in copy
-  setup, run = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "ssh", "bert-large", "--worker=all")
+  # One slice or several: every worker through queued-resources ssh/scp --node=all.
+  (copy,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "scp", tarball)
+  assert "--node=all" in copy and "--worker=all" in copy
+  setup, preflight, run, check, follow = find(cmds, "gcloud", "compute", "tpus", "queued-resources",
+                                              "ssh", "bert-large", "--node=all", "--worker=all")
   script = remote(setup)
-  assert "python -m pip install --quiet -e $HOME/bertjax" in script
-  assert 'pip install --quiet "jax[tpu]==$JAX_VERSION"' in script  # the version pip resolved
+  # The lock's exact versions, with the tpu extra (libtpu).
+  assert ('pip install --quiet -r $HOME/bertjax/launch/requirements-tpu.lock -e '
+          '"$HOME/bertjax[tpu]"') in script
   assert "venv --seed --python 3.11" in script  # setup.py's python_requires
+  assert "find /proc/[0-9]*/fd" in remote(preflight) and "rm -f /tmp/libtpu_lockfile" in remote(
+      preflight) and "bertjax.versions" in remote(preflight)
 
   # The job's argv on each worker, after the local shell and the remote shell have parsed it.
   script = remote(run)
-  assert "setsid nohup $HOME/bertjax-venv/bin/python -m bertjax.main --config=configs/bert_large.py" \
+  assert "bertjax-job $HOME/bertjax-venv/bin/python -m bertjax.main --config=configs/bert_large.py" \
          " --workdir=gs://bucket/run" in script
-  assert "< /dev/null &" in script and ">> $HOME/bertjax-logs/train.log 2>&1" in script
+  assert "< /dev/null > /dev/null 2>&1 &" in script and ">> $HOME/bertjax-logs/train.log 2>&1" in script
   assert remote_argv(script, "-m bertjax.main") == [
       "--config=configs/bert_large.py", "--workdir=gs://bucket/run", *EXTRA]
+  assert "launch/logsync.py" in script and '--dest=gs://bucket/run/logs/"$(hostname)".log' in script
+  assert "bertjax-worker" in remote(check) and "after 120 s" in r.stdout
 
-  (logs,) = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "ssh", "bert-large", "--worker=0")
-  assert remote(logs) == "tail -n 200 -F $HOME/bertjax-logs/train.log"
-  (delete_line,) = [l for l in r.stdout.splitlines() if "queued-resources delete" in l]
-  assert shlex.split(delete_line) == [
-      "gcloud", "compute", "tpus", "queued-resources", "delete", "bert-large", "--force", "--quiet",
-      "--zone=us-east5-a", "--project=my-project"]
-  # Order: create, wait, setup, run, then follow the log.
-  order = [cmds.index(c) for c in (create, describe, archive, copy, setup, run, logs)]
-  assert order == sorted(order)
+  assert remote(follow) == 'tail -n 50 -F $HOME/bertjax-logs/train.log | sed -u "s/^/$(hostname)| /"'
+  # Order: exists?, create, wait, setup, pre-flight, run, check, then follow every log.
+  order = [cmds.index(c) for c in (create, archive, copy, setup, preflight, run, check, follow)]
+  assert order == sorted(order) and cmds.index(exists) < cmds.index(create)
 
 
 def test_multi_slice_uses_node_count_and_every_node():
@@ -136,12 +149,10 @@ def test_multi_slice_uses_node_count_and_every_node():
   assert not any(a.startswith("--node-id") for a in create)
   (copy,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "scp")
   assert "--node=all" in copy and "--worker=all" in copy
-  setup, run = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "ssh", "bert-large",
-                    "--node=all", "--worker=all")
-  assert "jax[tpu]" in remote(setup)
+  setup, _, run, _, logs = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "ssh",
+                                "bert-large", "--node=all", "--worker=all")
+  assert "[tpu]" in remote(setup)
   assert "--config.mesh.dcn_data=2" in remote_argv(remote(run), "-m bertjax.main")
-  (logs,) = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "ssh", "bert-large",
-                 "--node=0", "--worker=0")
   assert "tail" in remote(logs)
   assert "32 hosts" in r.stderr  # 16 shards for 2 x 16 hosts: a warning, not an error
 
@@ -193,16 +204,24 @@ def test_refuses_data_cache_a_multi_host_job_cannot_share():
   assert ok.returncode == 0, ok.stderr
 
 
-@pytest.mark.parametrize("accel", ["v5p-12", "v5p-4", "v7-8", "tpu7x-8", "v5e-16", "v6e-12", "v5p"])
-def test_refuses_an_unknown_accelerator_type(accel):
+@pytest.mark.parametrize("accel, why", [
+    ("v5p-24", "v5p has no slice of 24 TensorCores (2 per chip); nearest: v5p-16 (2x2x2), "
+               "v5p-32 (2x2x4)"),
+    ("v5p-12", "nearest: v5p-8 (2x2x1), v5p-16 (2x2x2)"), ("v5p-4", "nearest: v5p-8"),
+    ("v7-8", "the generations known here are v4, v5p, v5litepod, v6e"), ("tpu7x-8", "v5p-128xN"),
+    ("v5e-16", "Cloud TPU calls it v5litepod-16"), ("v6e-12", "nearest: v6e-8 (2x4), v6e-16 (4x4)"),
+    ("v5p", "v4-8, v4-16")])
+def test_refuses_an_unknown_accelerator_type(accel, why):
   r = launch("create", *SLICE, f"--accelerator-type={accel}", "--dry-run")
   assert r.returncode != 0
-  assert f"Unknown accelerator type {accel!r}" in r.stderr and "v5p-N" in r.stderr
+  assert f"Unknown accelerator type {accel!r}" in r.stderr and why in r.stderr
   assert "+ gcloud" not in r.stdout
 
 
 def test_accelerator_types_and_runtime_versions():
   cases = {"v5p-8": (4, 1, "v2-alpha-tpuv5"), "v5p-128": (64, 16, "v2-alpha-tpuv5"),
+           "v5p-384": (192, 48, "v2-alpha-tpuv5"), "v5p-640": (320, 80, "v2-alpha-tpuv5"),
+           "v4-384": (192, 48, "tpu-ubuntu2204-base"),
            "v4-32": (16, 4, "tpu-ubuntu2204-base"), "v5litepod-8": (8, 1, "v2-alpha-tpuv5-lite"),
            "v5litepod-64": (64, None, "v2-alpha-tpuv5-lite"), "v6e-256": (256, None, "v2-alpha-tpuv6e")}
   for name, (chips, hosts, runtime) in cases.items():
@@ -218,7 +237,8 @@ def test_dry_run_needs_no_gcloud_nor_git(tmp_path):
              "--config.data.cache_dir=gs://b/c", env=env)
   assert r.returncode == 0, r.stderr
   assert "+ gcloud compute tpus queued-resources create" in r.stdout
-  for sub in (["setup"], ["logs"], ["stop"], ["delete"], ["setup", "--repo=https://x/y.git"]):
+  for sub in (["setup"], ["logs"], ["logs", "--worker=all"], ["status"], ["stop"], ["delete"],
+              ["setup", "--repo=https://x/y.git"]):
     r = launch(*sub, *SLICE, "--dry-run", env=env)
     assert r.returncode == 0, (sub, r.stderr)
     assert "+ gcloud" in r.stdout
@@ -233,9 +253,10 @@ def test_dry_run_starts_no_subprocess(monkeypatch, capsys):
   argv = ["up", *SLICE, "--accelerator-type=v5p-128", "--spot", *JOB, "--dry-run", "--",
           "--config.data.cache_dir=gs://b/c"]
   assert tpu.main(argv) == 0
-  for sub in ("setup", "logs", "stop", "delete"):
+  for sub in ("setup", "logs", "status", "stop", "delete"):
     assert tpu.main([sub, *SLICE, "--dry-run"]) == 0
-  assert "+ gcloud compute tpus tpu-vm ssh" in capsys.readouterr().out
+  assert tpu.main(["up", *SLICE, "--accelerator-type=v5p-8", "--watch", *JOB, "--dry-run"]) == 0
+  assert "+ gcloud compute tpus queued-resources ssh" in capsys.readouterr().out
 
 
 def test_stop_signals_only_the_training_process():
@@ -307,65 +328,116 @@ def test_failures_are_reported_with_the_command(tmp_path):
   env, _ = fake_gcloud(tmp_path, ["WAITING_FOR_RESOURCES", "FAILED"])
   r = launch("create", *SLICE, "--accelerator-type=v5p-8", "--poll-seconds=0", env=env)
   assert r.returncode != 0 and "is FAILED" in r.stderr and "delete" in r.stderr
-  env, _ = fake_gcloud(tmp_path / "again", fail_on="tpu-vm ssh")
+  env, _ = fake_gcloud(tmp_path / "again", fail_on="queued-resources ssh")
   r = launch("stop", *SLICE, env=env)
-  assert r.returncode != 0 and "exit status 3: gcloud compute tpus tpu-vm ssh bert-large" in r.stderr
+  assert r.returncode != 0
+  assert "exit status 3: gcloud compute tpus queued-resources ssh bert-large" in r.stderr
 
 
 def test_remote_scripts_are_valid_shell():
-  class Args:  # what setup_script reads
-    repo, ref = None, None
   plan = tpu.RunPlan("configs/bert_large.py", "gs://b/r", EXTRA, [])
-  git = type("A", (), {"repo": "https://x/y.git", "ref": "main"})
-  for script in (tpu.setup_script(Args, "3.11"), tpu.setup_script(git, "3.11"),
-                 tpu.run_script(plan), tpu.stop_script(60), tpu.kill_script()):
+  for script in (tpu.setup_script(None, None, "3.11"), tpu.setup_script("https://x/y.git", "main",
+                                                                        "3.11"),
+                 tpu.preflight_script(), tpu.preflight_script(clean=False), tpu.run_script(plan),
+                 tpu.run_script(plan, sync_every=0), tpu.check_script(), tpu.follow_script(True),
+                 tpu.follow_script(False), tpu.collect_script("gs://b/my run"),
+                 tpu.stop_script(60), tpu.kill_script()):
     subprocess.run(["bash", "-n", "-c", script], check=True)
 
 
-def test_run_then_stop_on_a_stand_in_worker(tmp_path):
-  """The run and stop scripts on this machine, with a stand-in for bertjax.main under a unique
-  module name (so that only this test's process can match): the job starts detached, a second
-  start is refused, stop delivers SIGTERM and waits for the exit."""
+def stand_in_worker(tmp_path, body: str):
+  """A worker's home with the project (this one's launch/ folder), a venv (this Python) and a
+  stand-in for bertjax.main under a unique module name, so that only this test's processes match
+  the scripts' patterns. Returns (home, env, mine: the scripts with the stand-in's name)."""
   module = f"bjtest{os.getpid()}x{abs(hash(str(tmp_path))) % 10**8}"
   home = tmp_path / "home"
   (home / "bertjax" / module).mkdir(parents=True)
+  (home / "bertjax" / "launch").symlink_to(REPO / "launch")
   (home / "bertjax" / module / "__init__.py").write_text("")
-  (home / "bertjax" / module / "main.py").write_text(
+  (home / "bertjax" / module / "main.py").write_text(body)
+  (home / "bertjax-venv" / "bin").mkdir(parents=True)
+  venv_python = home / "bertjax-venv" / "bin" / "python"
+  venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # a symlink would lose the venv
+  venv_python.chmod(0o755)
+  mine = lambda s: s.replace("bertjax.main", f"{module}.main").replace("bertjax[.]main",
+                                                                        f"{module}[.]main")
+  return home, {"HOME": str(home), "PATH": os.environ["PATH"]}, mine
+
+
+def bash(script, env, timeout=60):
+  return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                        timeout=timeout, check=False)
+
+
+def wait_for(predicate, seconds=30):
+  for _ in range(int(seconds * 10)):
+    if predicate():
+      return True
+    subprocess.run(["sleep", "0.1"], check=True)
+  return predicate()
+
+
+def kill_if_mine(module: str):
+  """This test's stand-in job and its wrapper, if still there: the only processes whose command
+  line holds the test's unique module name."""
+  for proc in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+      if module in (proc / "cmdline").read_text(errors="replace"):
+        os.kill(int(proc.name), 9)
+    except (OSError, ProcessLookupError):
+      pass
+
+
+def test_run_check_stop_on_a_stand_in_worker(tmp_path):
+  """The run, check and stop scripts on this machine: the job starts detached, a second start is
+  refused, the check sees it running, stop delivers SIGTERM and waits for the exit, the check
+  then reads its exit status; the log reaches WORKDIR/logs/HOST.log in a local folder standing
+  in for the bucket, during the run and at its end."""
+  home, env, mine = stand_in_worker(tmp_path, (
       "import signal, sys, time\n"
       "signal.signal(signal.SIGTERM, lambda *a: (print('SIGTERM: saved', flush=True), sys.exit(0)))\n"
       "print('args', sys.argv[1:], flush=True)\n"
-      "for _ in range(1200):\n  time.sleep(0.1)\n")
-  (home / "bertjax-venv" / "bin").mkdir(parents=True)
-  (home / "bertjax-venv" / "bin" / "python").symlink_to(sys.executable)
-  mine = lambda s: s.replace("bertjax.main", f"{module}.main").replace("bertjax[.]main",
-                                                                        f"{module}[.]main")
-  env = {"HOME": str(home), "PATH": os.environ["PATH"]}
-  plan = tpu.RunPlan("configs/bert_large.py", "gs://b/r", EXTRA, [])
-  start = subprocess.run(["bash", "-c", mine(tpu.run_script(plan))], env=env, capture_output=True,
-                         text=True, timeout=30, check=False)
+      "for _ in range(1200):\n  time.sleep(0.1)\n"))
+  bucket = tmp_path / "bucket" / "run"
+  plan = tpu.RunPlan("configs/bert_large.py", str(bucket), EXTRA, [])
+  start = bash(mine(tpu.run_script(plan, sync_every=0.2)), env)
   found = re.search(r"pid (\d+)", start.stdout)
+  module = mine("bertjax.main").split(".")[0]
+  copy = bucket / "logs" / f"{os.uname().nodename}.log"
   try:
     assert start.returncode == 0 and found, start.stderr
     log = home / "bertjax-logs" / "train.log"
-    for _ in range(100):
-      if "args" in log.read_text():
-        break
-      subprocess.run(["sleep", "0.1"], check=True)
-    assert f"args {['--config=configs/bert_large.py', '--workdir=gs://b/r', *EXTRA]}" in log.read_text()
-    again = subprocess.run(["bash", "-c", mine(tpu.run_script(plan))], env=env,
-                           capture_output=True, text=True, timeout=30, check=False)
+    assert wait_for(lambda: "args" in log.read_text())
+    assert f"args {['--config=configs/bert_large.py', f'--workdir={bucket}', *EXTRA]}" in log.read_text()
+    again = bash(mine(tpu.run_script(plan)), env)
     assert again.returncode != 0 and "training is running; stop it first" in again.stderr
-    stop = subprocess.run(["bash", "-c", mine(tpu.stop_script(30))], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
+    check = tpu.parse_workers(bash(mine(tpu.check_script()), env).stdout)
+    assert [(w.state, w.alive) for w in check.values()] == [("running", True)]
+    assert any("args" in line for line in list(check.values())[0].tail)
+    assert wait_for(lambda: copy.exists() and "args" in copy.read_text())  # while it runs
+    stop = bash(mine(tpu.stop_script(30)), env)
     assert stop.returncode == 0 and "saved and exited" in stop.stdout, stop.stderr
     assert "SIGTERM: saved" in log.read_text()
-    idle = subprocess.run(["bash", "-c", mine(tpu.stop_script(30))], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    assert wait_for(lambda: (home / "bertjax-logs" / "train.exit").exists())
+    (worker,) = tpu.parse_workers(bash(mine(tpu.check_script()), env).stdout).values()
+    assert worker.state == "exited:0" and worker.finished and not worker.alive
+    assert wait_for(lambda: copy.read_text() == log.read_text())  # the copy after the exit
+    idle = bash(mine(tpu.stop_script(30)), env)
     assert idle.returncode == 0 and "no training process" in idle.stdout
-  finally:  # only this test's stand-in, if it is still there
-    cmdline = pathlib.Path(f"/proc/{found.group(1)}/cmdline") if found else None
-    if cmdline and cmdline.exists() and module in cmdline.read_text(errors="replace"):
-      os.kill(int(found.group(1)), 9)
+  finally:
+    kill_if_mine(module)
+
+
+def test_check_reports_a_worker_that_died_on_a_stand_in_worker(tmp_path):
+  home, env, mine = stand_in_worker(tmp_path, "import sys\nsys.exit('ImportError: no flax here')\n")
+  plan = tpu.RunPlan("configs/tiny.py", str(tmp_path / "w"), [], [])
+  start = bash(mine(tpu.run_script(plan, sync_every=0)), env)
+  assert start.returncode == 0, start.stderr
+  assert wait_for(lambda: (home / "bertjax-logs" / "train.exit").exists())
+  (worker,) = tpu.parse_workers(bash(mine(tpu.check_script()), env).stdout).values()
+  assert worker.state == "exited:1" and not worker.alive and not worker.finished
+  assert worker.tail[-1] == "ImportError: no flax here"
+  assert not (tmp_path / "w" / "logs").exists()  # sync_every=0: no copier
 
 
 def test_readme_dry_run_output_is_the_launchers():
