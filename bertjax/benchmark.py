@@ -152,6 +152,8 @@ cli.define_config_flag()
 flags.DEFINE_integer("steps", 5, "timed steps (the median is reported)")
 flags.DEFINE_integer("warmup_steps", 1, "untimed steps after compiling")
 flags.DEFINE_string("json", "", "also write the figures to this file")
+flags.DEFINE_integer("profile_steps", 0, "also trace this many steps and print where the time goes "
+                     "by kind of operation (bertjax/opprofile.py)")
 
 
 def print_report(figures: dict, out=sys.stdout) -> None:
@@ -168,6 +170,11 @@ def main(argv):
   time_steps(runner.step, FLAGS.warmup_steps)
   figures = report(runner, time_steps(runner.step, FLAGS.steps))
   print_report(figures)
+  if FLAGS.profile_steps:
+    from bertjax import opprofile  # pylint: disable=import-outside-toplevel
+    result = opprofile.profile(runner.step, runner.compiled.as_text(), FLAGS.profile_steps)
+    opprofile.print_profile(result)
+    figures["profile"] = result
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(figures, f, indent=1)

@@ -93,3 +93,46 @@ def test_benchmark_imports_no_tensorflow_or_transformers():
   done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                         env={**os.environ, "PYTHONPATH": root}, timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_the_profile_puts_each_operation_in_its_kind(runner):
+  from bertjax import opprofile  # pylint: disable=import-outside-toplevel
+  hlo = """HloModule m
+
+%fused_dot (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_copy (p0: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  ROOT %t = f32[4,4]{0,1} transpose(%p0), dimensions={1,0}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[4,4], k: u32[4]) -> f32[4] {
+  %x = f32[4,4]{1,0} parameter(0)
+  %k = u32[4]{0} parameter(1)
+  %mm = f32[4,4]{1,0} fusion(%x, %x), kind=kCustom, calls=%fused_dot
+  %tr = f32[4,4]{0,1} fusion(%mm), kind=kLoop, calls=%fused_copy
+  %bits = u32[4]{0} xor(%k, %k)
+  %zero = f32[] constant(0)
+  %red = f32[4]{0} reduce(%tr, %zero), dimensions={1}, to_apply=%add
+  ROOT %out = f32[4]{0} exponential(%red)
+}
+"""
+  kinds = opprofile.classify(hlo)
+  assert [kinds[n] for n in ("mm", "tr", "bits", "red", "out")] == [
+      "matmul", "layout", "rng", "reduce", "elementwise"]
+
+  # The real step: every traced operation lands in a kind, and the matmuls are among them.
+  result = opprofile.profile(runner.step, runner.compiled.as_text(), steps=1)
+  assert set(result["ms_per_step"]) == set(opprofile.KINDS)
+  assert result["ms_per_step"]["matmul"] > 0
+  assert abs(sum(result["share"].values()) - 1) < 0.01

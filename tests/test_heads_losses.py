@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bertjax import losses
-from bertjax.heads import (BertForPreTraining, BertForSequenceClassification,
+from bertjax.heads import (BertForPreTraining, BertForSequenceClassification, tied_decoder,
                            BertForSpanExtraction, BertForTokenClassification)
 from bertjax.model import BertConfig
 
@@ -103,7 +103,8 @@ def test_nsp_metrics_and_total_loss():
   total, den = losses.nsp_loss(logits, labels)
   np.testing.assert_allclose(total, _reference_ce(logits, labels, np.ones(3))[0], rtol=1e-6)
   assert float(den) == 3
-  assert float(losses.nsp_accuracy(logits, labels)[0]) == 1.0  # argmax ties pick index 0
+  # the first row right, the second wrong, the third an exact tie (counted right)
+  assert float(losses.nsp_accuracy(logits, labels)[0]) == 2.0
   batch = {"masked_lm_ids": np.zeros((3, 1), np.int32),
            "masked_lm_weights": np.ones((3, 1), np.float32), "next_sentence_labels": labels}
   metrics = losses.pretraining_metrics(np.zeros((3, 1, 4), np.float32), logits, batch)
@@ -138,3 +139,36 @@ def test_losses_with_vocabulary_sharded_logits(spec):
   want = fn(logits, labels, weights)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
   np.testing.assert_allclose(got[0][0], _reference_ce(logits, labels, weights)[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_the_tied_decoder_s_written_gradient_is_the_automatic_one(dtype, tol):
+  """`tied_decoder` writes its backward pass out (for the layout of the logits' gradient): the
+  input's, the table's and the bias's gradients must be those of differentiating the plain
+  product, in float32 and with bfloat16 compute."""
+  k = jax.random.split(jax.random.PRNGKey(3), 4)
+  x, w = jax.random.normal(k[0], (3, 5, 16)), jax.random.normal(k[1], (50, 16)) * 0.3
+  bias, g = jax.random.normal(k[2], (50,)), jax.random.normal(k[3], (3, 5, 50))
+
+  def plain(x, w, b):
+    return jnp.einsum("bmd,vd->bmv", x.astype(dtype), w.astype(dtype),
+                      preferred_element_type=jnp.float32) + b.astype(jnp.float32)
+
+  def cotangent(fn):
+    out, vjp = jax.vjp(fn, x, w, bias)
+    return (out,) + vjp(g)
+
+  written = cotangent(lambda x, w, b: tied_decoder(x, w, b, dtype))
+  automatic = cotangent(plain)
+  for name, a, b in zip(("logits", "dx", "dw", "dbias"), written, automatic):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol,
+                               atol=tol * float(jnp.max(jnp.abs(b))), err_msg=name)
+
+
+def test_accuracy_counts_the_label_s_logit_being_the_largest():
+  logits = jnp.array([[[0.1, 2.0, -1.0], [3.0, 3.0, 0.0], [0.0, -1.0, -2.0]]])
+  labels = jnp.array([[1, 1, 2]])
+  # right; a tie with the largest (counted right); wrong.
+  correct, count = losses.weighted_accuracy(logits, labels, jnp.array([[1.0, 1.0, 0.5]]))
+  assert (float(correct), float(count)) == (2.0, 2.5)
