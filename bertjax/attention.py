@@ -4,10 +4,11 @@
   "xla"     jax.nn.dot_product_attention's XLA path (or attention_with_dropout while training with
             attention dropout): float32 [B, N, L, L] logits and probabilities in memory, any device;
   "cudnn"   cuDNN's fused (flash) attention through jax.nn.dot_product_attention;
-  "splash"  the Pallas splash attention kernel on TPU, on other backends its interpreter (slow:
-            tests only). Blockwise, never materialising [L, L].
+  "splash"  the Pallas splash attention kernel on TPU, its interpreter on CPU (slow: tests only);
+            no GPU branch (use "cudnn"). Blockwise, never materialising [L, L].
 Neither kernel has dropout on attention probabilities: BertConfig requires attention_dropout=0
-with them (a departure from the original's 0.1; see configs/base.py for its measured effect).
+with them (a departure from the original's 0.1; launch/README.md has its measured effect and the
+memory saved at L=512).
 
 Each implementation gets the padding and packing masks in the form its kernel reads
 (`attention_masks`). What the XLA path computes at padding query positions (attention over the
