@@ -238,6 +238,7 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "seq_len": seq_len, "max_predictions": max_predictions,
       "num_microbatches": tc.num_microbatches, "vocab_size": mc.vocab_size, "dtype": mc.dtype,
       "remat_policy": mc.remat_policy, "scan_layers": mc.scan_layers,
+      "attention_impl": mc.attention_impl, "attention_dropout": mc.attention_dropout,
       "compile_s": round(compile_s, 1),
       "memory_arguments_gib": gib(memory.arguments), "memory_outputs_gib": gib(memory.outputs),
       "memory_aliased_gib": gib(memory.aliased), "memory_temporaries_gib": gib(memory.temporaries),

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import sharding
+from bertjax import attention, sharding
 
 ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
@@ -42,7 +42,7 @@ REMAT_POLICIES = {
     "dots_all": jax.checkpoint_policies.checkpoint_dots,  # keep every matmul output
 }
 
-ATTENTION_IMPLS = ("xla", "cudnn")
+ATTENTION_IMPLS = attention.IMPLS
 POSITION_INITS = ("normal", "sinusoidal")
 QUERY_KEY_INITS = ("independent", "shared")
 
@@ -95,9 +95,10 @@ class BertConfig:
     for name in ("hidden_dropout", "attention_dropout"):
       if not 0.0 <= getattr(self, name) < 1.0:
         problems.append(f"{name}={getattr(self, name)} must be in [0, 1)")
-    if self.attention_impl == "cudnn" and self.attention_dropout > 0:
-      problems.append("attention_impl='cudnn' has no dropout on attention probabilities; "
-                      "set attention_dropout=0.0 or use attention_impl='xla'")
+    if self.attention_impl in ("cudnn", "splash") and self.attention_dropout > 0:
+      problems.append(f"attention_impl={self.attention_impl!r} has no dropout on attention "
+                      f"probabilities (attention_dropout={self.attention_dropout}); set "
+                      "attention_dropout=0.0 or use attention_impl='xla'")
     for name in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, name))
@@ -224,20 +225,6 @@ def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
   return idx_BxL - start_BxL
 
 
-def attention_mask(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None):
-  """Boolean mask [B, 1, Lq, Lk]: True where a query may attend to a key.
-
-  Only keys are masked, as in the original: padding queries are computed and ignored. With packed
-  rows (`sequence_ids`, 0 = padding, 1..n = the n-th sequence of the row) a token attends only
-  inside its own sequence.
-  """
-  key_ok_BxL = input_mask_BxL.astype(bool)
-  if sequence_ids_BxL is None:
-    return key_ok_BxL[:, None, None, :]
-  same_BxLxL = sequence_ids_BxL[:, :, None] == sequence_ids_BxL[:, None, :]
-  return (same_BxLxL & key_ok_BxL[:, None, :])[:, None, :, :]
-
-
 class Embeddings(nn.Module):
   """Word + position + segment embeddings, then LayerNorm and dropout."""
 
@@ -285,7 +272,7 @@ class SelfAttention(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, mask_Bx1xLxL, deterministic: bool):
+  def __call__(self, x_BxLxD, masks, deterministic: bool):
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
     names = ("embed", "heads", "kv")
@@ -300,14 +287,20 @@ class SelfAttention(nn.Module):
     v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value")(x_BxLxD)
     q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
                                                        "activation_heads", "activation_kv"))
-    dropout_active = not deterministic and cfg.attention_dropout > 0
-    if dropout_active:
+    # `masks`: attention.attention_masks(cfg.attention_impl, ...), built once for all layers.
+    if cfg.attention_impl == "splash":
+      # Init runs the kernel's XLA equivalent: the parameters do not depend on it, and callers
+      # initialise on dummy batches (length 8) that the kernel's blocks do not fit.
+      splash = (attention.splash_equivalent if self.is_initializing()
+                else attention.splash_attention)
+      out_BxLxNxK = splash(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["segment_ids"])
+    elif not deterministic and cfg.attention_dropout > 0:  # "xla" only (BertConfig checks)
       out_BxLxNxK = attention_with_dropout(
-          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, cfg.attention_dropout,
+          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["mask"], cfg.attention_dropout,
           self.make_rng("dropout"))
     else:
       out_BxLxNxK = jax.nn.dot_product_attention(
-          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL, implementation=cfg.attention_impl)
+          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, **masks, implementation=cfg.attention_impl)
     return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1))(
         out_BxLxNxK)
 
@@ -351,10 +344,10 @@ class EncoderLayer(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x_BxLxD, mask_Bx1xLxL):
+  def __call__(self, x_BxLxD, masks):
     cfg = self.config
     drop = nn.Dropout(cfg.hidden_dropout)
-    attn_BxLxD = SelfAttention(cfg, name="attention")(x_BxLxD, mask_Bx1xLxL, self.deterministic)
+    attn_BxLxD = SelfAttention(cfg, name="attention")(x_BxLxD, masks, self.deterministic)
     h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
         x_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
     mlp_BxLxD = Mlp(cfg, name="mlp")(h_BxLxD)
@@ -371,9 +364,9 @@ class _ScanBody(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x_BxLxD, mask_Bx1xLxL):
+  def __call__(self, x_BxLxD, masks):
     layer_cls = _maybe_remat(EncoderLayer, self.config, scanned=True)
-    return layer_cls(self.config, self.deterministic, name="layer")(x_BxLxD, mask_Bx1xLxL), None
+    return layer_cls(self.config, self.deterministic, name="layer")(x_BxLxD, masks), None
 
 
 def _maybe_remat(layer_cls, config: BertConfig, scanned: bool):
@@ -395,7 +388,7 @@ class Encoder(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, mask_Bx1xLxL, deterministic: bool):
+  def __call__(self, x_BxLxD, masks, deterministic: bool):
     cfg = self.config
     if cfg.scan_layers:
       scanned = nn.scan(
@@ -406,11 +399,11 @@ class Encoder(nn.Module):
           length=cfg.num_layers,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(x_BxLxD, mask_Bx1xLxL)
+      x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(x_BxLxD, masks)
       return x_BxLxD
     layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=False)
     for i in range(cfg.num_layers):
-      x_BxLxD = layer_cls(cfg, deterministic, name=f"layer_{i}")(x_BxLxD, mask_Bx1xLxL)
+      x_BxLxD = layer_cls(cfg, deterministic, name=f"layer_{i}")(x_BxLxD, masks)
     return x_BxLxD
 
 
@@ -464,12 +457,13 @@ class BertModel(nn.Module):
       position_ids_BxL = positions_from_sequence_ids(jnp.asarray(sequence_ids))
     else:
       position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    mask = attention_mask(input_mask_BxL,
-                          None if sequence_ids is None else jnp.asarray(sequence_ids))
+    masks = attention.attention_masks(
+        cfg.attention_impl, input_mask_BxL,
+        None if sequence_ids is None else jnp.asarray(sequence_ids))
     x_BxLxD = self.embeddings(input_ids_BxL, segment_ids_BxL, position_ids_BxL, deterministic)
     x_BxLxD = nn.with_logical_constraint(
         x_BxLxD, ("activation_batch", "activation_length", "activation_embed"))
-    x_BxLxD = self.encoder(x_BxLxD, mask, deterministic)
+    x_BxLxD = self.encoder(x_BxLxD, masks, deterministic)
     return x_BxLxD, self.pooler(x_BxLxD)
 
   def word_embedding_table(self) -> jax.Array:

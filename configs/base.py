@@ -24,7 +24,7 @@ def get_config():
   m.max_position_embeddings = 512  # longest sequence the position table covers
   m.type_vocab_size = 2  # segment (token type) ids: 0 = sentence A, 1 = sentence B
   m.hidden_dropout = 0.1  # dropout after embeddings and each sub-layer
-  m.attention_dropout = 0.1  # dropout on attention probabilities
+  m.attention_dropout = 0.1  # dropout on attention probabilities; "xla" only (0 for cudnn, splash)
   m.initializer_range = 0.02  # stddev of the truncated-normal weight init
   m.layer_norm_eps = 1e-12  # epsilon of every LayerNorm, as the original
   m.hidden_act = "gelu"  # "gelu" (exact erf, the 2018 checkpoints) or "gelu_tanh"
@@ -32,7 +32,7 @@ def get_config():
   m.param_dtype = "float32"  # storage dtype of parameters
   m.scan_layers = False  # stack layers with nn.scan: one compiled layer, faster compiles
   m.remat_policy = "none"  # "none", "full", "dots" (save matmuls without batch dims), "dots_all"
-  m.attention_impl = "xla"  # "xla" (any device) or "cudnn" (fused kernel, NVIDIA GPUs)
+  m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0)
   m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
   m.query_key_init = "independent"  # "independent" (original) or "shared": W_K starts as W_Q (small models)
 

@@ -125,6 +125,33 @@ def test_tiny_config_fits_a_v5p_8(tmp_path):
   assert figures["step_s"] > 0 and figures["chip_hours"] > 0
 
 
+def test_the_splash_kernel_compiles_into_the_train_step_for_v5p():
+  # The tiny config at length 128 (the kernel's block), its layers scanned (one compiled layer):
+  # the step's program holds the Pallas kernels themselves (Mosaic custom calls), forward and
+  # fused backward, not their CPU interpreter.
+  probe = """
+import json, os, re
+for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                    ("TPU_SKIP_MDS_QUERY", "1")):
+  os.environ.setdefault(name, value)
+from bertjax import aot, train
+from configs import tiny
+config = tiny.get_config()
+config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True)
+config.data.max_seq_length = 128
+devices = aot.topology_devices(aot.parse_topology("v5p-8"))
+text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
+print(json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
+                  "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text)))}))
+"""
+  result = run("-c", probe, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert out["kernels"] == ["splash_mha_dkv_segmented_no_residuals",
+                            "splash_mha_fwd_segmented_residuals"]
+  assert out["custom_calls"] >= 2
+
+
 def test_a_step_larger_than_hbm_is_refused_with_the_shortfall():
   # A per-chip HBM of 1 MiB: the same tiny compile as above, refused by bertjax's own check.
   result = run_aot(*TINY, "--topology=v5p-8", "--hbm_gib=0.001")

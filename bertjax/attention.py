@@ -1,0 +1,168 @@
+"""Fused attention kernels for the encoder: Pallas splash attention (TPU) and cuDNN (NVIDIA GPUs).
+
+`bertjax.model.SelfAttention` picks one by `BertConfig.attention_impl`:
+  "xla"     jax.nn.dot_product_attention's XLA path (or attention_with_dropout while training with
+            attention dropout): float32 [B, N, L, L] logits and probabilities in memory, any device;
+  "cudnn"   cuDNN's fused (flash) attention through jax.nn.dot_product_attention;
+  "splash"  the Pallas splash attention kernel on TPU, its interpreter on CPU (slow: tests only);
+            no GPU branch (use "cudnn"). Blockwise, never materialising [L, L].
+Neither kernel has dropout on attention probabilities: BertConfig requires attention_dropout=0
+with them (a departure from the original's 0.1; launch/README.md has its measured effect and the
+memory saved at L=512).
+
+Each implementation gets the padding and packing masks in the form its kernel reads
+(`attention_masks`). What the XLA path computes at padding query positions (attention over the
+real keys; with packing, uniform over all keys) differs between implementations, and no real token
+ever reads it: keys are masked for every real query, and the heads read real positions only. The
+outputs at real tokens, and so every loss and gradient, agree (tests/test_attention.py).
+
+Shape letters as in bertjax/model.py: B batch, L length, N heads, K head size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import PartitionSpec
+
+IMPLS = ("xla", "cudnn", "splash")
+# The splash kernel works on blocks of the sequence whose kv side must be a multiple of the TPU's
+# 128 lanes; larger blocks are fewer grid steps. The largest of these dividing L is used.
+SPLASH_BLOCKS = (512, 256, 128)
+# The segment id of padding tokens for splash: no real token carries it (sequence ids are >= 0),
+# so a real query never attends to padding, even when a caller numbers a real sequence 0.
+PADDING_SEGMENT = -1
+
+
+def attention_mask(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None):
+  """Boolean mask [B, 1, Lq, Lk]: True where a query may attend to a key.
+
+  Only keys are masked, as in the original: padding queries are computed and ignored. With packed
+  rows (`sequence_ids`, 0 = padding, 1..n = the n-th sequence of the row) a token attends only
+  inside its own sequence.
+  """
+  key_ok_BxL = input_mask_BxL.astype(bool)
+  if sequence_ids_BxL is None:
+    return key_ok_BxL[:, None, None, :]
+  same_BxLxL = sequence_ids_BxL[:, :, None] == sequence_ids_BxL[:, None, :]
+  return (same_BxLxL & key_ok_BxL[:, None, :])[:, None, :, :]
+
+
+def splash_segment_ids(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None):
+  """[B, L] int32 segment ids for splash: a token attends to the keys of its own id.
+
+  Real tokens carry their sequence id (1 without packing), padding PADDING_SEGMENT: so real
+  queries see exactly the keys attention_mask allows them, and padding queries see padding
+  (every query sees at least itself, which the kernel's softmax needs).
+  """
+  real_BxL = input_mask_BxL.astype(bool)
+  ids_BxL = (jnp.ones_like(input_mask_BxL, jnp.int32) if sequence_ids_BxL is None
+             else sequence_ids_BxL.astype(jnp.int32))
+  return jnp.where(real_BxL, ids_BxL, PADDING_SEGMENT)
+
+
+def cudnn_arguments(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None) -> dict:
+  """Keyword arguments of jax.nn.dot_product_attention that mask like attention_mask, for cuDNN.
+
+  Unpacked: key lengths (`key_value_seq_lengths`), cuDNN's padding mask, which skips the padded
+  blocks and reads no mask tensor; it assumes the padding at the end of each row, as the data
+  pipeline (and the original's) writes it. Packed: the public API has no segment ids for cuDNN
+  (jax 0.10 keeps its packed layout private), so the boolean [B, 1, L, L] mask goes in, which
+  cuDNN reads as an additive bias.
+  """
+  if sequence_ids_BxL is None:
+    lengths_B = jnp.sum(input_mask_BxL.astype(jnp.int32), axis=-1)
+    return {"key_value_seq_lengths": lengths_B}
+  return {"mask": attention_mask(input_mask_BxL, sequence_ids_BxL)}
+
+
+def attention_masks(impl: str, input_mask_BxL: jax.Array,
+                    sequence_ids_BxL: jax.Array | None = None) -> dict:
+  """What SelfAttention of `impl` masks with, built once per batch and shared by every layer."""
+  if impl == "splash":
+    return {"segment_ids": splash_segment_ids(input_mask_BxL, sequence_ids_BxL)}
+  if impl == "cudnn":
+    return cudnn_arguments(input_mask_BxL, sequence_ids_BxL)
+  return {"mask": attention_mask(input_mask_BxL, sequence_ids_BxL)}
+
+
+def splash_equivalent(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+  """What splash_attention computes, by the XLA path: any length, any device."""
+  same_Bx1xLxL = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+  return jax.nn.dot_product_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=same_Bx1xLxL)
+
+
+def splash_block_size(length: int) -> int:
+  """The kernel's block along the sequence; raises, naming the fix, when L does not fit."""
+  for block in SPLASH_BLOCKS:
+    if length % block == 0:
+      return block
+  raise ValueError(
+      f"attention_impl='splash' needs a sequence length that is a multiple of "
+      f"{SPLASH_BLOCKS[-1]} (the kernel's smallest block); got {length}. Set data.max_seq_length "
+      f"to a multiple of {SPLASH_BLOCKS[-1]} (e.g. {max(128, -(-length // 128) * 128)}), or use "
+      f"attention_impl='xla'")
+
+
+def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: bool):
+  """The kernel on the arrays one device holds: vmapped over the batch, all heads at once."""
+  _, length, heads, head_size = q_BxLxNxK.shape
+  block = splash_block_size(length)
+  # One backward kernel for dq, dk and dv: q k^T and the probabilities' gradient are computed once
+  # instead of once per gradient kernel (5 matmuls of the backward pass, not 7). Its dq comes in
+  # one partial per kv block, L / block of them (1 up to L = 512).
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                            block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                            use_fused_bwd_kernel=True)
+  # No static mask (every query may see every key); the segment ids carry padding and packing.
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([splash.FullMask((length, length))] * heads),
+                                  block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
+  # The kernel does not scale: BERT's 1/sqrt(K) goes on q, in float32, before the cast back.
+  scale = 1.0 / np.sqrt(head_size)
+  q_BxLxNxK = (q_BxLxNxK.astype(jnp.float32) * scale).astype(q_BxLxNxK.dtype)
+
+  def one(q_NxLxK, k_NxLxK, v_NxLxK, ids_L):
+    return kernel(q_NxLxK, k_NxLxK, v_NxLxK, splash.SegmentIds(q=ids_L, kv=ids_L))
+
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+  out_BxNxLxK = jax.vmap(one)(heads_first(q_BxLxNxK), heads_first(k_BxLxNxK),
+                              heads_first(v_BxLxNxK), segment_ids_BxL)
+  return heads_first(out_BxNxLxK)
+
+
+def _splash_any_platform(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+  # Chosen when the program is lowered, for the platform it is lowered for: a TPU program (also
+  # one compiled ahead of time on a CPU host, bertjax.aot) gets the Mosaic kernel, a CPU one the
+  # kernel's interpreter. GPUs have no branch: use attention_impl='cudnn' there.
+  return jax.lax.platform_dependent(
+      q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL,
+      tpu=functools.partial(_splash_local, interpret=False),
+      cpu=functools.partial(_splash_local, interpret=True))
+
+
+def splash_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+  """Softmax(q k^T / sqrt(K)) v within segments, by the splash kernel. [B, L, N, K] in and out.
+
+  A Pallas kernel is one device's program: under a mesh it runs in shard_map, each device on its
+  rows of the batch (data x fsdp) and its heads (tensor), as the logical-axis rules in scope lay
+  the activations out; the sequence stays whole.
+  """
+  splash_block_size(q_BxLxNxK.shape[1])  # the error, before anything is traced further
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return _splash_any_platform(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
+  batch, _, heads, _ = nn.logical_to_mesh_axes(
+      ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+  qkv_spec = PartitionSpec(batch, None, heads, None)
+  mapped = jax.shard_map(
+      _splash_any_platform, mesh=mesh, in_specs=(qkv_spec,) * 3 + (PartitionSpec(batch, None),),
+      out_specs=qkv_spec,
+      # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
+      check_vma=False)
+  return mapped(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)

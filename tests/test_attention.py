@@ -1,0 +1,132 @@
+"""Fused attention (bertjax/attention.py) against the XLA path: splash in its interpreter on CPU,
+cuDNN's arguments through the XLA implementation (no GPU here), padding and packing."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bertjax import attention, sharding
+from bertjax.model import BertConfig, BertModel
+
+# L = 128, the kernel's smallest block; K = 16.
+CFG = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                 max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
+                 scan_layers=True)
+LENGTH = 128
+
+
+def _batch():
+  """Two rows: three packed sequences then padding; two sequences then padding."""
+  rng = np.random.default_rng(0)
+  ids = rng.integers(5, 64, (2, LENGTH)).astype(np.int32)
+  seq = np.zeros((2, LENGTH), np.int32)
+  seq[0, :40], seq[0, 40:90], seq[0, 90:117] = 1, 2, 3
+  seq[1, :70], seq[1, 70:100] = 1, 2
+  mask = (seq > 0).astype(np.int32)
+  seg = np.zeros_like(ids)
+  seg[:, 20:] = 1
+  return ids, mask, seg, seq
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_splash_matches_the_xla_path_on_real_tokens(packed):
+  # Outputs at real queries, and the gradients of a loss on them (which reach padding keys and
+  # values in neither path), in the kernel's interpreter.
+  _, mask, _, seq = _batch()
+  mask, seq = jnp.asarray(mask), (jnp.asarray(seq) if packed else None)
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, LENGTH, 2, 16)), jnp.float32) for _ in range(3))
+  weights = jnp.asarray(rng.normal(size=(2, LENGTH, 2, 16)), jnp.float32)
+  real = mask.astype(bool)[:, :, None, None]
+  splash_masks = attention.attention_masks("splash", mask, seq)
+  xla_masks = attention.attention_masks("xla", mask, seq)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.where(real, fn(q, k, v), 0.0) * weights)
+
+  def run(fn):
+    out = jnp.where(real, jax.jit(fn)(q, k, v), 0.0)
+    return out, jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+
+  out_s, grads_s = run(lambda q, k, v: attention.splash_attention(q, k, v, splash_masks["segment_ids"]))
+  out_x, grads_x = run(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **xla_masks))
+  np.testing.assert_allclose(out_s, out_x, atol=1e-5)
+  for name, got, expected in zip("qkv", grads_s, grads_x):
+    np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"d loss / d {name}")
+
+
+def test_a_splash_model_under_a_mesh_matches_the_xla_path_with_packing():
+  # The whole encoder, two layers: from the second on, the hidden states at padding positions
+  # differ between the two paths (bertjax/attention.py); real tokens must not see them. Under a
+  # 2 x 2 x 2 mesh the kernel runs in shard_map: data x fsdp split the rows, tensor the heads.
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  ids, mask, seg, seq = (np.concatenate([x, x[::-1]]) for x in _batch())
+  params = nn.unbox(BertModel(CFG).init(jax.random.key(0), ids)["params"])
+  expected, pooled_x = BertModel(CFG).apply({"params": params}, ids, mask, seg, sequence_ids=seq)
+  cfg = dataclasses.replace(CFG, attention_impl="splash")
+
+  @jax.jit
+  @sharding.logical_context(mesh)
+  def forward(p, *batch):
+    return BertModel(cfg).apply({"params": p}, *batch[:3], sequence_ids=batch[3])
+
+  rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES))
+  batch = [jax.device_put(x, rows) for x in (ids, mask, seg, seq)]
+  # The kernel's program is one device's: 1 row and 1 head each.
+  text = forward.lower(params, *batch).as_text()
+  assert 'manual_axes={"data", "fsdp", "tensor"}' in text
+  assert "tensor<1x128x1x16xf32>" in text
+  got, pooled = forward(params, *batch)
+  real = mask.astype(bool)[:, :, None]
+  np.testing.assert_allclose(np.where(real, got, 0.0), np.where(real, expected, 0.0), atol=2e-5)
+  np.testing.assert_allclose(pooled, pooled_x, atol=2e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_cudnn_arguments_mask_like_the_xla_path(packed):
+  # What SelfAttention hands cuDNN, run by the XLA implementation (no GPU here), against the
+  # boolean mask of the XLA path, at every position (padding queries included).
+  _, mask, _, seq = _batch()
+  seq = jnp.asarray(seq) if packed else None
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, LENGTH, 2, 16)), jnp.float32) for _ in range(3))
+  args = attention.attention_masks("cudnn", jnp.asarray(mask), seq)
+  assert set(args) == ({"mask"} if packed else {"key_value_seq_lengths"})
+  got = jax.nn.dot_product_attention(q, k, v, **args, implementation="xla")
+  expected = jax.nn.dot_product_attention(
+      q, k, v, mask=attention.attention_mask(jnp.asarray(mask), seq), implementation="xla")
+  np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_splash_segment_ids_keep_real_tokens_off_padding():
+  mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 1, 1]])
+  seq = jnp.asarray([[1, 2, 2, 0], [0, 0, 1, 1]])  # row 1 numbers a real sequence 0
+  ids = attention.splash_segment_ids(mask, seq)
+  np.testing.assert_array_equal(ids, [[1, 2, 2, -1], [0, 0, 1, 1]])
+  allowed = np.asarray(ids[:, :, None] == ids[:, None, :])
+  expected = np.asarray(attention.attention_mask(mask, seq))[:, 0]
+  real = np.asarray(mask, bool)
+  np.testing.assert_array_equal(allowed[real], expected[real])  # every real query's row
+  np.testing.assert_array_equal(attention.splash_segment_ids(mask), [[1, 1, 1, -1], [1] * 4])
+
+
+def test_splash_refuses_lengths_off_its_blocks_and_attention_dropout():
+  cfg = dataclasses.replace(CFG, attention_impl="splash")
+  with pytest.raises(ValueError, match=r"multiple of 128 .*; got 96\. Set data.max_seq_length to "
+                                       r"a multiple of 128 \(e\.g\. 128\)"):
+    x = jnp.zeros((1, 96, 2, 16))
+    attention.splash_attention(x, x, x, jnp.ones((1, 96), jnp.int32))
+  assert [attention.splash_block_size(n) for n in (128, 256, 384, 512, 1024)] == [
+      128, 256, 128, 512, 512]
+  with pytest.raises(ValueError, match=r"attention_impl='splash' has no dropout on attention "
+                                       r"probabilities \(attention_dropout=0.1\); set "
+                                       r"attention_dropout=0.0 or use attention_impl='xla'"):
+    dataclasses.replace(cfg, attention_dropout=0.1)
+  with pytest.raises(ValueError, match=r"attention_impl='flash'; choose one of \('xla', 'cudnn', "
+                                       r"'splash'\)"):
+    BertConfig(attention_impl="flash")
