@@ -48,9 +48,11 @@ def _decode_fwd(x_BxMxD, w_VxD, bias_V, compute_dtype):
 
 def _decode_bwd(compute_dtype, residuals, g_BxMxV):
   x_BxMxD, w_VxD, bias_V = residuals
-  g_BxMxV = g_BxMxV.astype(compute_dtype)
-  dx_BxMxD = jnp.einsum("bmv,vd->bmd", g_BxMxV, w_VxD.astype(compute_dtype),
-                        preferred_element_type=jnp.float32)
+  # As automatic differentiation does: the float32 gradient of the logits against the operands
+  # in compute dtype (bfloat16 x bfloat16 -> float32 products are not supported everywhere).
+  contract_v = (((2,), (0,)), ((), ()))
+  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), contract_v,
+                                 preferred_element_type=jnp.float32)
   contract_bm = (((0, 1), (0, 1)), ((), ()))
   dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, contract_bm,
                                preferred_element_type=jnp.float32)

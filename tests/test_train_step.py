@@ -1,5 +1,7 @@
 """The jitted train step: sharded == one device, k microbatches == one batch, state handling."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,3 +208,16 @@ def test_the_loop_reads_the_device_once_per_log_interval_and_still_guards_saves(
 class _NoStop:
   def at_step(self, step):
     return False
+
+
+def test_a_bfloat16_step_runs_and_stays_near_float32():
+  """The accelerator configs' dtype through the whole step, including the MLM head's written-out
+  backward pass (a bfloat16 x bfloat16 -> float32 product there is not supported on CPU)."""
+  cfg = train.TrainConfig(batch_size=B, learning_rate=1e-3, warmup_steps=0, num_train_steps=10)
+  rng = jax.random.PRNGKey(0)
+  losses = []
+  for model in (TINY, dataclasses.replace(TINY, dtype="bfloat16")):
+    t = train.build(model, cfg, mesh_config(), devices=jax.devices()[:1])
+    _, metrics = t.train_step(t.init_state(rng), t.to_global(make_batch()), rng)
+    losses.append(float(jax.device_get(metrics["loss"][0])))
+  assert np.isfinite(losses[1]) and abs(losses[1] - losses[0]) < 0.05 * losses[0], losses
