@@ -63,6 +63,8 @@ def get_config():
   d.prepared_dir = ""  # where shards + manifest live ("" = cache_dir/<source>-L<len>-<settings hash>)
   d.cache_dir = ".cache/bertjax"  # root of the settings-named prepared-data folders
   d.shuffle_window = 16384  # sequences permuted together; shards are also reordered every epoch
+  d.packing = False  # True: several sequences per training row (best-fit in each shuffle window)
+  d.max_sequences_per_row = 3  # S: most sequences one packed row holds (MLM slots: S x M per row)
   d.prefetch_batches = 4  # batches tf.data prepares ahead of the training step
   d.max_replaced_char_share = 0.01  # a source file with more invalid UTF-8 (U+FFFD) is refused
   d.max_line_chars = 20_000  # a longer line is refused, naming file and line (0: no limit)
