@@ -177,7 +177,7 @@ class Pipeline:
                        f"more data or (for eval) a larger eval_fraction.")
     self.steps_per_epoch = first.steps
     dropped = n - first.steps * global_batch_size
-    if dropped and process_index == 0:
+    if dropped and process_index == 0 and not self.packing:  # packing reads every record
       # Per epoch, not for good: later epochs reorder the shards, so other sequences wait then.
       log = logging.warning if dropped > 0.01 * n else logging.info
       log("%s: %d of %d sequences (%.2f%%) per epoch do not fill a global batch of %d on %d "
