@@ -72,7 +72,7 @@ def get_config():
 
   # --- train: see bertjax/train.py and bertjax/optimizer.py. ---------------------------------------
   t = config.train = ml_collections.ConfigDict()
-  t.batch_size = 256  # global batch: sequences per optimizer update, summed over all hosts
+  t.batch_size = 256  # global batch: rows per update over all hosts (one sequence per row unless packing)
   t.num_microbatches = 1  # gradient accumulation: the batch is processed in this many slices
   t.num_train_steps = 1_000_000  # optimizer updates; the learning rate reaches 0 here
   t.seed = 0  # init, dropout (separate streams: train.rng_streams) and the order of training data
@@ -140,11 +140,16 @@ def set_phase(config, phase: str | int, total_steps: int) -> None:
 
   Phase 2 starts from phase 1's weights: pass `--config.checkpoint.init_from=PHASE1_WORKDIR`
   (the position table already has 512 rows in phase 1, so the parameters fit unchanged).
+  Both phases pack sequences into rows (`data.packing`): on the data benchmark's long documents
+  padding is 9% of unpacked rows at 128 and 22% at 512 (on short documents 20% and 49%), and
+  packing turns it into 1.09x and 1.23x the useful tokens per step (README, "Packing").
+  `train.batch_size` then counts rows of about 1.1 (phase 1) and 1.25 (phase 2) sequences.
   """
   phase = int(phase)
   if phase not in (1, 2):
     raise ValueError(f"phase={phase}; the recipe has phases 1 (length 128) and 2 (length 512)")
   d, t = config.data, config.train
+  d.packing = True
   if phase == 1:
     d.max_seq_length, d.max_predictions_per_seq = 128, 20
     t.num_train_steps = total_steps * 9 // 10

@@ -230,3 +230,20 @@ def test_packed_hosts_read_disjoint_records(cfg):
     ids = np.concatenate([h[step]["example_ids"] for h in hosts]).ravel()
     ids = ids[ids >= 0]
     assert len(ids) == len(set(ids)) > 10
+
+
+def test_data_benchmark_figures(cfg):
+  from bertjax.data import benchmark  # pylint: disable=import-outside-toplevel
+  c = cfg.copy_and_resolve_references()
+  figures = {}
+  for on in (False, True):
+    c.packing = on
+    figures[on] = benchmark.measure_pipeline(c, 16, seconds=0.5)
+  assert figures[False]["sequences_per_row"] == 1 and 0.6 < figures[False]["fill"] < 0.75
+  assert figures[True]["fill"] > 0.9 and figures[True]["sequences_per_row"] > 1.25
+  for f in figures.values():
+    assert f["tokens_per_s"] == pytest.approx(f["fill"] * L * f["rows_per_s"], rel=1e-6)
+  table = benchmark.format_table([("test", L, "on", figures[True], 1.3)])
+  assert "| test | 64 | on | 9" in table and "1.30x" in table
+  docs = benchmark.long_documents(200)
+  assert len(docs[0]) == 200 and len(docs) > 10

@@ -78,13 +78,16 @@ def pack(block: dict, *, max_per_row: int, rng: np.random.Generator | None = Non
   order_R = rng.permutation(rows) if rng is not None else np.arange(rows)
   row_N = np.argsort(order_R)[row_N]  # the row each sequence lands in after the permutation
 
-  tok_NxL = np.arange(length)[None, :] < lengths_N[:, None]
-  dest = (row_N[:, None] * length + offset_N[:, None] + np.arange(length)[None, :])[tok_NxL]
+  # Every token moves by the same amount as its sequence: flat indices of the real tokens only
+  # (each sequence is a prefix of its unpacked row), never an [N, L] index array.
+  src = np.flatnonzero(block["input_mask"])
+  dest = src + np.repeat(row_N * length + offset_N - np.arange(n) * length, lengths_N)
   out = {}
-  for name, value_NxL in (("input_ids", ids_NxL), ("segment_ids", block["segment_ids"]),
-                          ("sequence_ids", np.broadcast_to(slot_N[:, None] + 1, (n, length)))):
+  for name, values in (("input_ids", ids_NxL.reshape(-1)[src]),
+                       ("segment_ids", np.asarray(block["segment_ids"]).reshape(-1)[src]),
+                       ("sequence_ids", np.repeat(slot_N + 1, lengths_N))):
     flat = np.zeros(rows * length, np.int32)
-    flat[dest] = value_NxL[tok_NxL]
+    flat[dest] = values
     out[name] = flat.reshape(rows, length)
   out["input_mask"] = (out["sequence_ids"] > 0).astype(np.int32)
 
