@@ -208,14 +208,17 @@ class Pipeline:
       try:
         yield from ds.as_numpy_iterator()
       except tf.errors.DataLossError as e:
-        bad = _first_damaged(plan.files) or f"A {self.split} shard in {self.manifest['dir']}"
-        raise ValueError(f"{bad} is corrupt or truncated ({e.message.splitlines()[0]}). Delete it, "
-                         f"its .json and {self.manifest['dir']}/manifest.json, then prepare again "
-                         f"(only that shard is redone).") from None
+        raise self._damaged(plan, e) from None
       if not self.shuffle:
         return
       epoch, skip = epoch + 1, 0
       plan = self.plan(epoch)
+
+  def _damaged(self, plan: EpochPlan, e: tf.errors.DataLossError) -> ValueError:
+    bad = _first_damaged(plan.files) or f"A {self.split} shard in {self.manifest['dir']}"
+    return ValueError(f"{bad} is corrupt or truncated ({e.message.splitlines()[0]}). Delete it, "
+                      f"its .json and {self.manifest['dir']}/manifest.json, then prepare again "
+                      f"(only that shard is redone).")
 
   # --- packing (module docstring) -----------------------------------------------------------------
 
@@ -244,9 +247,14 @@ class Pipeline:
                   seed=self.seed, epoch=epoch)
     ds = ds.map(lambda ids, recs: fn(ids, recs, tf.constant(epoch, tf.int64)),
                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
-    for block in ds.as_numpy_iterator():
-      if left <= 0:
+    blocks = ds.as_numpy_iterator()
+    while left > 0:
+      try:
+        block = next(blocks)
+      except StopIteration:
         return
+      except tf.errors.DataLossError as e:
+        raise self._damaged(plan, e) from None
       n = len(block["example_ids"])
       if n == 0:
         continue
@@ -292,6 +300,9 @@ class Pipeline:
                             rng=np.random.default_rng([self.seed, epoch, key, 0xBAC]))
         n_rows = len(rows["input_ids"])
         stats.add(len(block["example_ids"]), n_rows, int(block["input_mask"].sum()))
+        if self.fill.rows == 0 and stats.rows == n_rows and self.process_index == 0:
+          # Soon after the start, not only at the end of an epoch (hours on a large corpus).
+          logging.info("packing, first window: %s", stats.describe(self.L))
         if skip_rows:  # the restart's first window: rows of steps already taken
           rows = {k: v[skip_rows:] for k, v in rows.items()}
           n_rows, skip_rows = n_rows - skip_rows, 0
