@@ -245,8 +245,9 @@ class Pipeline:
     left = self._budget(plan) - records_before
     ds = _windows(plan, max(plan.skip, start), window=self.window, shuffle=self.shuffle,
                   seed=self.seed, epoch=epoch)
-    ds = ds.map(lambda ids, recs: fn(ids, recs, tf.constant(epoch, tf.int64)),
-                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
+    call = tf.autograph.experimental.do_not_convert(
+        lambda ids, recs: fn(ids, recs, tf.constant(epoch, tf.int64)))
+    ds = ds.map(call, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
     blocks = ds.as_numpy_iterator()
     while left > 0:
       try:
@@ -358,9 +359,11 @@ def _make_parse_and_mask(spec: masking.MaskingSpec, L: int, seed: int, include_i
             "next_sentence_labels": tf.io.FixedLenFeature([], tf.int64)}
 
   # Traced once (fixed signature) and called from every epoch's dataset; tracing the masking graph
-  # anew per epoch would cost about a second each time.
+  # anew per epoch would cost about a second each time. No autograph (no tensor-dependent Python
+  # control flow here): its cache of converted functions once handed this function the closure
+  # of `_make_lengths`' one (a KeyError on 'num_a', once, in tests/test_loop.py).
   @tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.string),
-                                tf.TensorSpec([], tf.int64)])
+                                tf.TensorSpec([], tf.int64)], autograph=False)
   def parse_and_mask(ids_B, records_B, epoch):
     ex = tf.io.parse_example(records_B, schema)
     # Shorter sequences are zero-filled, and zero is [PAD]: padding comes for free.
@@ -389,7 +392,7 @@ def _make_lengths(L: int, id_dtype: str):
   schema = {"input_ids": tf.io.FixedLenFeature([], tf.string)}
 
   @tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.string),
-                                tf.TensorSpec([], tf.int64)])
+                                tf.TensorSpec([], tf.int64)], autograph=False)
   def lengths(ids_B, records_B, epoch):
     del epoch
     ids_BxL = tf.io.decode_raw(tf.io.parse_example(records_B, schema)["input_ids"], raw_dtype,
