@@ -116,8 +116,8 @@ def test_packed_batch_equals_the_same_sequences_unpacked():
   packed = packing.pack(unpacked, max_per_row=S, rng=np.random.default_rng(1))
   rows = len(packed["input_ids"])
   assert rows < 20 and packed["masked_lm_positions"].shape == (rows, S * M)
-  params = BertForPreTraining(CFG).init(jax.random.key(0), **train.model_inputs(unpacked))
-  params = params["params"]
+  params = jax.jit(lambda batch: BertForPreTraining(CFG).init(
+      jax.random.key(0), **train.model_inputs(batch))["params"])(_model_inputs(unpacked))
   logits_u, loss_u, grads_u = _forward_and_grads(params, _model_inputs(unpacked))
   logits_p, loss_p, grads_p = _forward_and_grads(params, _model_inputs(packed))
   want = _per_sequence_losses(unpacked, logits_u)
