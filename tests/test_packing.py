@@ -189,6 +189,9 @@ def test_packed_rows_hold_the_unpacked_sequences_and_masks(cfg):
     np.testing.assert_array_equal(s["masked_lm_positions"], u["masked_lm_positions"][:k])
     np.testing.assert_array_equal(s["masked_lm_ids"], u["masked_lm_ids"][:k])
     assert s["next_sentence_labels"] == u["next_sentence_labels"]
+  # 15% of each sequence's maskable tokens, over the packed rows as a whole too.
+  maskable = ((first["input_mask"] == 1) & (first["input_ids"] != 2) & (first["input_ids"] != 3))
+  assert abs(first["masked_lm_weights"].sum() / maskable.sum() - 0.15) < 0.01
   tokens = first["input_mask"].sum()
   # 94% of the positions hold tokens, against 70% with the same sequences one per row.
   assert tokens / first["input_mask"].size > 0.9 and tokens / (n * L) < 0.75
