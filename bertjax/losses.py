@@ -44,18 +44,20 @@ def mlm_accuracy(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM) -> 
   return weighted_accuracy(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM)
 
 
+def _flat_pairs(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B):
+  weights = None if nsp_weights_B is None else jnp.reshape(nsp_weights_B, (-1,))
+  return nsp_logits_Bx2.reshape(-1, 2), jnp.reshape(next_sentence_labels_B, (-1,)), weights
+
+
 def nsp_loss(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B=None) -> Metric:
   """One term per pair: labels [B] of rows, or [B, S] of packed sequences with their weights
   (0 for the empty slots of a row)."""
-  return weighted_cross_entropy(nsp_logits_Bx2.reshape(-1, 2),
-                                jnp.reshape(next_sentence_labels_B, (-1,)),
-                                None if nsp_weights_B is None else jnp.reshape(nsp_weights_B, (-1,)))
+  return weighted_cross_entropy(*_flat_pairs(nsp_logits_Bx2, next_sentence_labels_B,
+                                             nsp_weights_B))
 
 
 def nsp_accuracy(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B=None) -> Metric:
-  return weighted_accuracy(nsp_logits_Bx2.reshape(-1, 2),
-                           jnp.reshape(next_sentence_labels_B, (-1,)),
-                           None if nsp_weights_B is None else jnp.reshape(nsp_weights_B, (-1,)))
+  return weighted_accuracy(*_flat_pairs(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B))
 
 
 def pretraining_metrics(mlm_logits_BxMxV, nsp_logits_Bx2,

@@ -13,8 +13,8 @@ functions whose shardings are explicit:
 Every metric is a (sum, denominator) pair of float32 scalars: mlm_loss, mlm_accuracy, nsp_loss,
 nsp_accuracy, and in training also loss (the objective), grad_norm (before clipping) and
 learning_rate (the rate of this update), each with denominator 1; with packed rows (a batch with
-`sequence_ids`) also sequences_per_step and tokens_per_step (real sequences and tokens). Add sums and denominators over
-steps or hosts, divide once.
+`sequence_ids`) also sequences_per_step and tokens_per_step (real sequences and tokens). Add sums
+and denominators over steps or hosts, divide once.
 
 Gradient accumulation: with `num_microbatches` k the step splits the batch into k microbatches and
 `lax.scan`s over them, so activations of one microbatch are live at a time. The loss is a mean

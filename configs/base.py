@@ -72,7 +72,7 @@ def get_config():
 
   # --- train: see bertjax/train.py and bertjax/optimizer.py. ---------------------------------------
   t = config.train = ml_collections.ConfigDict()
-  t.batch_size = 256  # global batch: rows per update over all hosts (one sequence per row unless packing)
+  t.batch_size = 256  # global batch: rows per update, all hosts (a row = a sequence unless packing)
   t.num_microbatches = 1  # gradient accumulation: the batch is processed in this many slices
   t.num_train_steps = 1_000_000  # optimizer updates; the learning rate reaches 0 here
   t.seed = 0  # init, dropout (separate streams: train.rng_streams) and the order of training data

@@ -45,7 +45,7 @@ def test_bad_packing_settings_are_refused(tmp_path):
     packing.settings(ml_collections.ConfigDict({"packing": "on", "max_sequences_per_row": 2}))
 
 
-# --- packed == unpacked training (the model side) ---------------------------------------------------
+# --- packed == unpacked training (the model side) ------------------------------------------------
 
 CFG = BertConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                  max_position_embeddings=L, hidden_dropout=0.0, attention_dropout=0.0)
@@ -91,7 +91,8 @@ def _forward(params, batch):
 def _forward_and_grads(params, batch):
   """The model's logits, and the objective as training computes it with its gradients."""
   dens = train._pretraining_denominators(batch)  # pylint: disable=protected-access
-  (loss, _), grads = jax.value_and_grad(train._loss_fn, has_aux=True)(  # pylint: disable=protected-access
+  loss_fn = train._loss_fn  # pylint: disable=protected-access
+  (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, BertForPreTraining(CFG), batch, jax.random.key(0), dens)
   return _forward(params, batch), loss, grads
 
@@ -141,7 +142,7 @@ def test_packed_batch_equals_the_same_sequences_unpacked():
     assert max(abs(bad[i][0] - want[i][0]) for i in want) > 1e-2
 
 
-# --- the pipeline's packed rows --------------------------------------------------------------------
+# --- the pipeline's packed rows -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
