@@ -85,7 +85,7 @@ class MlmHead(nn.Module):
 
 
 class NspHead(nn.Module):
-  """Next-sentence logits [B, 2] from the pooled output (0 = IsNext, 1 = NotNext)."""
+  """Next-sentence logits [..., 2] from pooled outputs [..., D] (0 = IsNext, 1 = NotNext)."""
 
   config: BertConfig
 
@@ -99,6 +99,9 @@ class BertForPreTraining(nn.Module):
 
   `masked_lm_positions` [B, M] selects where MLM logits are computed; None computes them at every
   position (for inference such as fill-in-the-blank), which builds the full [B, L, V] tensor.
+  Packed rows (bertjax/data/packing.py) pass `sequence_ids` and `nsp_positions` [B, S], the
+  [CLS] of each sequence: the pooler and the NSP head then run at each, and nsp_logits are
+  [B, S, 2].
   """
 
   config: BertConfig
@@ -109,13 +112,21 @@ class BertForPreTraining(nn.Module):
     self.nsp = NspHead(self.config)
 
   def __call__(self, input_ids, input_mask=None, segment_ids=None, masked_lm_positions=None,
-               deterministic: bool = True, position_ids=None, sequence_ids=None):
+               deterministic: bool = True, position_ids=None, sequence_ids=None,
+               nsp_positions=None):
     seq_BxLxD, pooled_BxD = self.bert(input_ids, input_mask, segment_ids, position_ids,
                                       sequence_ids, deterministic)
     x_BxMxD = (seq_BxLxD if masked_lm_positions is None
                else gather_positions(seq_BxLxD, jnp.asarray(masked_lm_positions)))
     mlm_logits_BxMxV = self.mlm(x_BxMxD, self.bert.word_embedding_table())
-    return mlm_logits_BxMxV, self.nsp(pooled_BxD)
+    if nsp_positions is None:
+      return mlm_logits_BxMxV, self.nsp(pooled_BxD)
+    # The same pooler at every [CLS]: each gathered state becomes a length-1 row of its own (the
+    # pooler reads position 0), so packed and unpacked sequences share one code path.
+    cls_BxSxD = gather_positions(seq_BxLxD, jnp.asarray(nsp_positions))
+    b, s, d = cls_BxSxD.shape
+    pooled_BxSxD = self.bert.pooler(cls_BxSxD.reshape(b * s, 1, d)).reshape(b, s, d)
+    return mlm_logits_BxMxV, self.nsp(pooled_BxSxD)
 
 
 class BertForSequenceClassification(nn.Module):

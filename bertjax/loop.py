@@ -32,7 +32,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
-from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
+from bertjax.data import packing, pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.model import BertConfig
 
 ITEMS = ("params", "opt_state")
@@ -251,8 +251,15 @@ def _batches(pipe: Iterator[dict], nsp: bool) -> Iterator[dict[str, np.ndarray]]
   neither the loss nor the metrics contain a next-sentence term."""
   for batch in pipe:
     if not nsp:
-      batch.pop("next_sentence_labels", None)
+      for name in ("next_sentence_labels", "nsp_positions", "nsp_weights"):
+        batch.pop(name, None)
     yield batch
+
+
+def _predictions_per_row(data) -> int:
+  """MLM slots of a training row: M, or S x M when packing puts up to S sequences in a row."""
+  on, per_row = packing.settings(data)
+  return data.max_predictions_per_seq * (per_row if on else 1)
 
 
 def _write_config(config, workdir: str) -> None:
@@ -324,6 +331,9 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
 
   def log(step, scalars):
     rates = speed.update(step)
+    if "sequences_per_step" in scalars:  # packed rows: real sequences and tokens, not rows
+      rates["seqs_per_sec"] = scalars["sequences_per_step"] * rates["steps_per_sec"]
+      rates["tokens_per_sec"] = scalars["tokens_per_step"] * rates["steps_per_sec"]
     writer.write(step, {**scalars, **rates}, prefix="train/")
     say(metrics_lib.progress_line(step, tcfg.num_train_steps, scalars, rates), prefix=False)
 
@@ -444,9 +454,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
           data, split="train", seed=tcfg.seed, start_step=start, **per_host), data.nsp),
       evaluate=lambda step, state, stop: evaluate(training, state, eval_batches(),
                                                   loop.eval_sequences, stop),
-      seqs_per_step=tcfg.batch_size,
+      seqs_per_step=tcfg.batch_size,  # rows; packed batches report their sequences (log)
       flops_per_step=flops.train_flops(training.model_config, tcfg.batch_size,
-                                       data.max_seq_length, data.max_predictions_per_seq),
+                                       data.max_seq_length, _predictions_per_row(data)),
       init=init,
       on_accepted=lambda start: keep_vocabulary(
           tokenizer_lib.vocab_path_of(data), data.tokenizer, fingerprint, workdir,

@@ -56,12 +56,20 @@ def mlm_accuracy(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM) -> 
   return weighted_accuracy(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM)
 
 
-def nsp_loss(nsp_logits_Bx2, next_sentence_labels_B) -> Metric:
-  return weighted_cross_entropy(nsp_logits_Bx2, jnp.reshape(next_sentence_labels_B, (-1,)))
+def _flat_pairs(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B):
+  weights = None if nsp_weights_B is None else jnp.reshape(nsp_weights_B, (-1,))
+  return nsp_logits_Bx2.reshape(-1, 2), jnp.reshape(next_sentence_labels_B, (-1,)), weights
 
 
-def nsp_accuracy(nsp_logits_Bx2, next_sentence_labels_B) -> Metric:
-  return weighted_accuracy(nsp_logits_Bx2, jnp.reshape(next_sentence_labels_B, (-1,)))
+def nsp_loss(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B=None) -> Metric:
+  """One term per pair: labels [B] of rows, or [B, S] of packed sequences with their weights
+  (0 for the empty slots of a row)."""
+  return weighted_cross_entropy(*_flat_pairs(nsp_logits_Bx2, next_sentence_labels_B,
+                                             nsp_weights_B))
+
+
+def nsp_accuracy(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B=None) -> Metric:
+  return weighted_accuracy(*_flat_pairs(nsp_logits_Bx2, next_sentence_labels_B, nsp_weights_B))
 
 
 def pretraining_metrics(mlm_logits_BxMxV, nsp_logits_Bx2,
@@ -73,8 +81,9 @@ def pretraining_metrics(mlm_logits_BxMxV, nsp_logits_Bx2,
                                    batch["masked_lm_weights"]),
   }
   if nsp_logits_Bx2 is not None and "next_sentence_labels" in batch:
-    metrics["nsp_loss"] = nsp_loss(nsp_logits_Bx2, batch["next_sentence_labels"])
-    metrics["nsp_accuracy"] = nsp_accuracy(nsp_logits_Bx2, batch["next_sentence_labels"])
+    weights = batch.get("nsp_weights")  # packed rows: [B, S], one per sequence
+    metrics["nsp_loss"] = nsp_loss(nsp_logits_Bx2, batch["next_sentence_labels"], weights)
+    metrics["nsp_accuracy"] = nsp_accuracy(nsp_logits_Bx2, batch["next_sentence_labels"], weights)
   return metrics
 
 

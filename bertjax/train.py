@@ -12,8 +12,9 @@ functions whose shardings are explicit:
 
 Every metric is a (sum, denominator) pair of float32 scalars: mlm_loss, mlm_accuracy, nsp_loss,
 nsp_accuracy, and in training also loss (the objective), grad_norm (before clipping) and
-learning_rate (the rate of this update), each with denominator 1. Add sums and denominators over
-steps or hosts, divide once.
+learning_rate (the rate of this update), each with denominator 1; with packed rows (a batch with
+`sequence_ids`) also sequences_per_step and tokens_per_step (real sequences and tokens). Add sums
+and denominators over steps or hosts, divide once.
 
 Gradient accumulation: with `num_microbatches` k the step splits the batch into k microbatches and
 `lax.scan`s over them, so activations of one microbatch are live at a time. The loss is a mean
@@ -52,7 +53,7 @@ Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
 # Features the model reads; the optional ones enable packed rows when the data provides them.
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")
-OPTIONAL_MODEL_INPUTS = ("position_ids", "sequence_ids")
+OPTIONAL_MODEL_INPUTS = ("position_ids", "sequence_ids", "nsp_positions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,8 @@ def _pretraining_denominators(batch: Batch) -> dict[str, jax.Array]:
   # The (sum, denominator) denominators of losses.pretraining_metrics, over the whole batch.
   den = {"mlm_loss": jnp.sum(batch["masked_lm_weights"].astype(jnp.float32))}
   if "next_sentence_labels" in batch:
-    den["nsp_loss"] = jnp.asarray(batch["next_sentence_labels"].size, jnp.float32)
+    den["nsp_loss"] = (jnp.sum(batch["nsp_weights"].astype(jnp.float32)) if "nsp_weights" in batch
+                       else jnp.asarray(batch["next_sentence_labels"].size, jnp.float32))
   return den
 
 
@@ -264,6 +266,11 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
   metrics["loss"] = (loss, one)
   metrics["grad_norm"] = (grad_norm, one)
   metrics["learning_rate"] = (jnp.asarray(schedule(state.step), jnp.float32), one)
+  if "sequence_ids" in batch:
+    # Packed rows hold a varying number of sequences: what sequences/s and tokens/s count.
+    metrics["sequences_per_step"] = (
+        jnp.sum(jnp.max(batch["sequence_ids"], axis=1)).astype(jnp.float32), one)
+    metrics["tokens_per_step"] = (jnp.sum(batch["input_mask"]).astype(jnp.float32), one)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

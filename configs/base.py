@@ -63,6 +63,8 @@ def get_config():
   d.prepared_dir = ""  # where shards + manifest live ("" = cache_dir/<source>-L<len>-<settings hash>)
   d.cache_dir = ".cache/bertjax"  # root of the settings-named prepared-data folders
   d.shuffle_window = 16384  # sequences permuted together; shards are also reordered every epoch
+  d.packing = False  # True: several sequences per training row (best-fit in each shuffle window)
+  d.max_sequences_per_row = 3  # S: most sequences one packed row holds (MLM slots: S x M per row)
   d.prefetch_batches = 4  # batches tf.data prepares ahead of the training step
   d.max_replaced_char_share = 0.01  # a source file with more invalid UTF-8 (U+FFFD) is refused
   d.max_line_chars = 20_000  # a longer line is refused, naming file and line (0: no limit)
@@ -70,7 +72,7 @@ def get_config():
 
   # --- train: see bertjax/train.py and bertjax/optimizer.py. ---------------------------------------
   t = config.train = ml_collections.ConfigDict()
-  t.batch_size = 256  # global batch: sequences per optimizer update, summed over all hosts
+  t.batch_size = 256  # global batch: rows per update, all hosts (a row = a sequence unless packing)
   t.num_microbatches = 1  # gradient accumulation: the batch is processed in this many slices
   t.num_train_steps = 1_000_000  # optimizer updates; the learning rate reaches 0 here
   t.seed = 0  # init, dropout (separate streams: train.rng_streams) and the order of training data
@@ -138,11 +140,16 @@ def set_phase(config, phase: str | int, total_steps: int) -> None:
 
   Phase 2 starts from phase 1's weights: pass `--config.checkpoint.init_from=PHASE1_WORKDIR`
   (the position table already has 512 rows in phase 1, so the parameters fit unchanged).
+  Both phases pack sequences into rows (`data.packing`): on the data benchmark's long documents
+  padding is 9% of unpacked rows at 128 and 22% at 512 (on short documents 20% and 49%), and
+  packing turns it into 1.09x and 1.23x the useful tokens per step (README, "Packing").
+  `train.batch_size` then counts rows of about 1.1 (phase 1) and 1.25 (phase 2) sequences.
   """
   phase = int(phase)
   if phase not in (1, 2):
     raise ValueError(f"phase={phase}; the recipe has phases 1 (length 128) and 2 (length 512)")
   d, t = config.data, config.train
+  d.packing = True
   if phase == 1:
     d.max_seq_length, d.max_predictions_per_seq = 128, 20
     t.num_train_steps = total_steps * 9 // 10

@@ -10,6 +10,8 @@ batch 256 x 512 tokens with Adam lr 1e-4 (90% of steps at length 128, 10% at 512
 Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm statistics, logits and
 losses stay float32) and scanned layers (one compiled layer: compile time does not grow with
 depth). On a CPU, `--config.model.dtype=float32`.
+Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
+train.batch_size counts rows.
 """
 
 from configs import base

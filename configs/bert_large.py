@@ -8,6 +8,8 @@ Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,
 pre-training heads. Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm
 statistics, logits and losses stay float32) and scanned layers (one compiled layer: compile time
 does not grow with depth). On a CPU, `--config.model.dtype=float32`.
+Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
+train.batch_size counts rows.
 MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.
 """
 

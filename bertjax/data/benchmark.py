@@ -1,13 +1,20 @@
-"""Throughput of the data side: preparation (MB of text/s) and the online pipeline (sequences/s).
+"""Throughput of the data side: preparation (MB of text/s), the online pipeline (sequences/s), and
+what packing gains (fill, useful tokens/s).
 
   python -m bertjax.data.benchmark [--seq_lengths=128,512] [--batch_size=256] [--seconds=20]
 
-Uses the default SentencePiece vocabulary (trained into .cache if absent) and, as text, the built-in
-corpus written out `--copies` times as a text file in the original format. Preparation runs fresh
-into a temporary folder; its rate is given end to end (reading, process start-up, both stages) and
-per process for stage 2 (tokenize, draw pairs, write). The pipeline figure is what one host's
-tf.data produces (read, shuffle, parse, dynamic masking, batching) with the training step doing
-nothing.
+Uses the default SentencePiece vocabulary (trained into .cache if absent) and two texts in the
+original format, each written `--copies` times: the built-in corpus (its documents as they are:
+Python's docstrings and help topics, mostly short) and a corpus of long documents made from the
+same sentences (`--long_document_sentences` consecutive sentences of the built-in corpus per
+document, as an encyclopedia's articles are long). Preparation runs fresh into a temporary
+folder; its rate is given end to end (reading, process start-up, both stages) and per process
+for stage 2 (tokenize, draw pairs, write). The pipeline figures are what one host's tf.data
+produces (read, shuffle, parse, dynamic masking, packing, batching) with the training step doing
+nothing, with packing off and on: fill (the share of row positions that hold a token), sequences
+per row, sequences/s and useful (non-padding) tokens/s. A training step costs the same whatever
+its rows hold, so on an accelerator that the host keeps fed, packing multiplies the useful tokens
+of every step by the ratio of the two fills (the `gain` column).
 """
 
 import argparse
@@ -37,50 +44,99 @@ def _config(seq_length: int, prepared_dir: str, workers: int, source: str):
   return c
 
 
-def measure_pipeline(c, batch_size: int, seconds: float) -> float:
+def measure_pipeline(c, batch_size: int, seconds: float) -> dict:
+  """What the pipeline yields in `seconds` after a warm-up: rows, sequences and tokens per second,
+  and the fill of its rows."""
   p = pipeline.make_pipeline(c, split="train", global_batch_size=batch_size)
-  for _ in range(5):  # warm up: graph tracing, file opening, prefetch fill
+  for _ in range(5):  # warm up: graph tracing, file opening, prefetch fill, the first window
     next(p)
-  n, t0 = 0, time.perf_counter()
+  rows = sequences = tokens = 0
+  t0 = time.perf_counter()
   while time.perf_counter() - t0 < seconds:
-    n += len(next(p)["input_ids"])
-  return n / (time.perf_counter() - t0)
+    b = next(p)
+    rows += len(b["input_ids"])
+    sequences += int(b["sequence_ids"].max(axis=1).sum()) if "sequence_ids" in b else len(
+        b["input_ids"])
+    tokens += int(b["input_mask"].sum())
+  dt = time.perf_counter() - t0
+  return {"rows_per_s": rows / dt, "sequences_per_s": sequences / dt, "tokens_per_s": tokens / dt,
+          "fill": tokens / (rows * c.max_seq_length), "sequences_per_row": sequences / rows}
+
+
+def long_documents(sentences_per_document: int) -> list[list[str]]:
+  """The built-in corpus's sentences, in order, regrouped into documents of this many."""
+  sentences = [s for d in corpus.builtin_documents() for s in d]
+  return [sentences[i:i + sentences_per_document]
+          for i in range(0, len(sentences), sentences_per_document)]
+
+
+def _write(path: str, docs, copies: int) -> str:
+  text = "".join("\n".join(d) + "\n\n" for d in docs)
+  with open(path, "w", encoding="utf-8") as f:
+    for _ in range(copies):
+      f.write(text)
+  return path
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m bertjax.data.benchmark")
   ap.add_argument("--seq_lengths", default="128,512")
   ap.add_argument("--batch_size", type=int, default=256)
-  ap.add_argument("--seconds", type=float, default=20.0, help="pipeline measurement per length")
+  ap.add_argument("--seconds", type=float, default=20.0, help="pipeline measurement per row")
   ap.add_argument("--workers", type=int, default=0, help="preparation processes (0 = one per CPU)")
-  ap.add_argument("--copies", type=int, default=4, help="times the built-in corpus is repeated")
+  ap.add_argument("--copies", type=int, default=4, help="times each corpus is repeated")
+  ap.add_argument("--long_document_sentences", type=int, default=500,
+                  help="sentences per document of the long-document corpus")
+  ap.add_argument("--max_sequences_per_row", type=int, default=3)
   args = ap.parse_args(argv)
   logging.basicConfig(level=logging.WARNING)
   lengths = [int(x) for x in args.seq_lengths.split(",")]
+  table = []
   with tempfile.TemporaryDirectory() as tmp:
     first = _config(lengths[0], "", args.workers, "builtin")
     vocab = tokenizer_lib.ensure_sentencepiece(first)
-    text = "".join("\n".join(d) + "\n\n" for d in corpus.builtin_documents())
-    source = os.path.join(tmp, "corpus.txt")
-    with open(source, "w", encoding="utf-8") as f:
-      for _ in range(args.copies):
-        f.write(text)
-    print(f"vocabulary {vocab}; {os.cpu_count()} CPU(s); batch {args.batch_size}; "
-          f"text {args.copies} x the built-in corpus")
-    for L in lengths:
-      c = _config(L, os.path.join(tmp, f"L{L}"), args.workers, source)
-      t0 = time.perf_counter()
-      m = prepare.ensure_prepared(c)
-      wall = time.perf_counter() - t0
-      mb = m["corpus"]["bytes"] / 1e6
-      sp = m["splits"]
-      per_process = (sp["train"]["text_bytes"] + sp["eval"]["text_bytes"]) / 1e6 / (
-          sp["train"]["shard_seconds"] + sp["eval"]["shard_seconds"])
-      print(f"prepare  L={L}: {mb:.2f} MB of text -> {sp['train']['instances']} train + "
-            f"{sp['eval']['instances']} eval sequences in {wall:.1f} s = {mb / wall:.2f} MB/s end "
-            f"to end; stage 2 {per_process:.2f} MB/s per process (dupe_factor {c.dupe_factor})")
-      rate = measure_pipeline(c, args.batch_size, args.seconds)
-      print(f"pipeline L={L}: {rate:,.0f} sequences/s")
+    sources = {
+        "built-in": _write(os.path.join(tmp, "builtin.txt"), corpus.builtin_documents(),
+                           args.copies),
+        "long documents": _write(os.path.join(tmp, "long.txt"),
+                                 long_documents(args.long_document_sentences), args.copies)}
+    print(f"vocabulary {vocab}; {os.cpu_count()} CPU(s); batch {args.batch_size}; each text "
+          f"{args.copies} x; long documents of {args.long_document_sentences} sentences; "
+          f"packing up to {args.max_sequences_per_row} sequences per row")
+    for name, source in sources.items():
+      for L in lengths:
+        c = _config(L, os.path.join(tmp, f"{name[:4]}-L{L}"), args.workers, source)
+        c.max_sequences_per_row = args.max_sequences_per_row
+        t0 = time.perf_counter()
+        m = prepare.ensure_prepared(c)
+        wall = time.perf_counter() - t0
+        mb = m["corpus"]["bytes"] / 1e6
+        sp = m["splits"]
+        per_process = (sp["train"]["text_bytes"] + sp["eval"]["text_bytes"]) / 1e6 / (
+            sp["train"]["shard_seconds"] + sp["eval"]["shard_seconds"])
+        print(f"prepare  {name} L={L}: {mb:.2f} MB of text -> {sp['train']['instances']} train + "
+              f"{sp['eval']['instances']} eval sequences in {wall:.1f} s = {mb / wall:.2f} MB/s "
+              f"end to end; stage 2 {per_process:.2f} MB/s per process (dupe_factor "
+              f"{c.dupe_factor})", flush=True)
+        figures = {}
+        for on in (False, True):
+          c.packing = on
+          figures[on] = measure_pipeline(c, args.batch_size, args.seconds)
+          table.append((name, L, "on" if on else "off", figures[on],
+                        figures[on]["fill"] / figures[False]["fill"]))
+          print(f"pipeline {name} L={L} packing {'on ' if on else 'off'}: "
+                f"{figures[on]['sequences_per_s']:,.0f} sequences/s", flush=True)
+  print()
+  print(format_table(table))
+
+
+def format_table(table) -> str:
+  lines = ["| corpus | L | packing | fill | sequences/row | sequences/s | useful tokens/s | gain |",
+           "|---|---|---|---|---|---|---|---|"]
+  for name, L, on, f, gain in table:
+    lines.append(f"| {name} | {L} | {on} | {100 * f['fill']:.1f}% | {f['sequences_per_row']:.2f} "
+                 f"| {f['sequences_per_s']:,.0f} | {f['tokens_per_s']:,.0f} | {gain:.2f}x |")
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

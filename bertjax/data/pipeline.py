@@ -11,6 +11,15 @@ equal ranges that may start or end inside a file, so at most about one global ba
 left for a later epoch, whatever the shard sizes. With fewer files than processes, every process
 reads the whole stream and keeps its rows of each global batch (complete, but each host reads
 everything).
+
+Packing (`data.packing`, training only; bertjax/data/packing.py has the row layout): each window
+of sequences is masked as above, then packed into rows by best-fit decreasing and the rows
+permuted; the rows of consecutive windows and epochs form one stream that is cut into batches. A
+host reads every record of its range (files) or of the epoch (rows mode), so nothing waits for a
+later epoch, and hosts no longer share epoch boundaries (their ranges pack into different numbers
+of rows). A restart at step N must know how many rows the earlier windows made: it reads the
+lengths of the records before it (no masking; a pass over this host's share of each earlier
+epoch) and packs them again, then starts at the window that holds row N x batch.
 """
 
 import dataclasses
@@ -21,7 +30,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from bertjax.data import masking, prepare
+from bertjax.data import masking, packing, prepare
 from bertjax.data import tokenizer as tokenizer_lib
 
 FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
@@ -149,9 +158,16 @@ class Pipeline:
     self.window = data_config.shuffle_window
     self.prefetch = data_config.prefetch_batches
     self.L = data_config.max_seq_length
+    on, self.max_per_row = packing.settings(data_config)
+    # Evaluation stays one sequence per row: the same fixed held-out batches, packed run or not.
+    self.packing = on and self.shuffle
+    self.include_example_ids = include_example_ids
+    self.fill = packing.FillStats()  # what packing has produced so far (benchmark, logs)
     spec = masking.spec_from_tokenizer(tok, data_config)
-    self._parse_and_mask = _make_parse_and_mask(spec, self.L, seed, include_example_ids,
-                                                self.manifest["settings"]["id_dtype"])
+    id_dtype = self.manifest["settings"]["id_dtype"]
+    self._parse_and_mask = _make_parse_and_mask(spec, self.L, seed,
+                                                include_example_ids or self.packing, id_dtype)
+    self._lengths = _make_lengths(self.L, id_dtype)
     n = self.manifest["splits"][split]["instances"]
     first = self.plan(0)
     if first.steps == 0:
@@ -161,13 +177,13 @@ class Pipeline:
                        f"more data or (for eval) a larger eval_fraction.")
     self.steps_per_epoch = first.steps
     dropped = n - first.steps * global_batch_size
-    if dropped and process_index == 0:
+    if dropped and process_index == 0 and not self.packing:  # packing reads every record
       # Per epoch, not for good: later epochs reorder the shards, so other sequences wait then.
       log = logging.warning if dropped > 0.01 * n else logging.info
       log("%s: %d of %d sequences (%.2f%%) per epoch do not fill a global batch of %d on %d "
           "host(s) and wait for a later epoch.", split, dropped, n, 100 * dropped / n,
           global_batch_size, process_count)
-    self._iter = self._batches()
+    self._iter = self._packed_batches() if self.packing else self._batches()
 
   def plan(self, epoch: int) -> EpochPlan:
     return epoch_plan(self.manifest, self.split, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
@@ -192,14 +208,129 @@ class Pipeline:
       try:
         yield from ds.as_numpy_iterator()
       except tf.errors.DataLossError as e:
-        bad = _first_damaged(plan.files) or f"A {self.split} shard in {self.manifest['dir']}"
-        raise ValueError(f"{bad} is corrupt or truncated ({e.message.splitlines()[0]}). Delete it, "
-                         f"its .json and {self.manifest['dir']}/manifest.json, then prepare again "
-                         f"(only that shard is redone).") from None
+        raise self._damaged(plan, e) from None
       if not self.shuffle:
         return
       epoch, skip = epoch + 1, 0
       plan = self.plan(epoch)
+
+  def _damaged(self, plan: EpochPlan, e: tf.errors.DataLossError) -> ValueError:
+    bad = _first_damaged(plan.files) or f"A {self.split} shard in {self.manifest['dir']}"
+    return ValueError(f"{bad} is corrupt or truncated ({e.message.splitlines()[0]}). Delete it, "
+                      f"its .json and {self.manifest['dir']}/manifest.json, then prepare again "
+                      f"(only that shard is redone).")
+
+  # --- packing (module docstring) -----------------------------------------------------------------
+
+  def _budget(self, plan: EpochPlan) -> int:
+    """Records this host packs per epoch: its range (the shortest host's length, so that ranges
+    stay disjoint) or, in rows mode, every record."""
+    total = self.manifest["splits"][self.split]["instances"]
+    return total if plan.rows_mode else total // self.process_count
+
+  def _window_of(self, plan: EpochPlan, example_id: int) -> tuple[int, int]:
+    """(offset in the epoch's stream of records, global id) of the start of the window that holds
+    record `example_id`: windows are aligned to file starts."""
+    stream = 0
+    for base, count in zip(plan.bases, plan.counts):
+      if base <= example_id < base + count:
+        inside = (example_id - base) // self.window * self.window
+        return stream + inside, base + inside
+      stream += count
+    raise AssertionError(f"record {example_id} is in none of the epoch's files")
+
+  def _epoch_blocks(self, plan: EpochPlan, epoch: int, fn, start: int, records_before: int):
+    """(window offset, window key, block) of this host's windows of one epoch, from the window at
+    stream offset `start`, after `records_before` records of the epoch's budget were used."""
+    left = self._budget(plan) - records_before
+    ds = _windows(plan, max(plan.skip, start), window=self.window, shuffle=self.shuffle,
+                  seed=self.seed, epoch=epoch)
+    call = tf.autograph.experimental.do_not_convert(
+        lambda ids, recs: fn(ids, recs, tf.constant(epoch, tf.int64)))
+    ds = ds.map(call, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
+    blocks = ds.as_numpy_iterator()
+    while left > 0:
+      try:
+        block = next(blocks)
+      except StopIteration:
+        return
+      except tf.errors.DataLossError as e:
+        raise self._damaged(plan, e) from None
+      n = len(block["example_ids"])
+      if n == 0:
+        continue
+      if n > left:  # the end of this host's range: the next host takes the rest of the window
+        block = {k: v[:left] for k, v in block.items()}
+      left -= len(block["example_ids"])
+      yield self._window_of(plan, int(block["example_ids"][0])) + (block,)
+
+  def epoch_rows(self, epoch: int) -> list[tuple[int, int, int]]:
+    """(window offset, records, rows) of each window this host packs in `epoch`, from the lengths
+    alone: what a restart counts to find its first window."""
+    out = []
+    for offset, _, block in self._epoch_blocks(self.plan(epoch), epoch, self._lengths, 0, 0):
+      lengths = block["lengths"]
+      out.append((offset, len(lengths),
+                  packing.best_fit_decreasing(lengths, self.L, self.max_per_row)[3]))
+    return out
+
+  def _packed_batches(self):
+    rows_mode = self.plan(0).rows_mode
+    per_step = self.global_batch_size if rows_mode else self.host_batch
+    skip_rows, epoch, start, records_before = self.start_step * per_step, 0, 0, 0
+    while skip_rows:  # whole epochs, then whole windows, counted from lengths
+      windows = self.epoch_rows(epoch)
+      total = sum(rows for _, _, rows in windows)
+      if skip_rows >= total:
+        skip_rows, epoch = skip_rows - total, epoch + 1
+        continue
+      for offset, records, rows in windows:
+        if skip_rows < rows:
+          start = offset
+          break
+        skip_rows -= rows
+        records_before += records
+      break
+    pending, pos = [], 0  # packed row blocks not yet batched; rows of pending[0] already used
+    available = 0
+    while True:
+      plan, stats = self.plan(epoch), packing.FillStats()
+      for _, key, block in self._epoch_blocks(plan, epoch, self._parse_and_mask, start,
+                                               records_before):
+        rows = packing.pack(block, max_per_row=self.max_per_row,
+                            rng=np.random.default_rng([self.seed, epoch, key, 0xBAC]))
+        n_rows = len(rows["input_ids"])
+        stats.add(len(block["example_ids"]), n_rows, int(block["input_mask"].sum()))
+        if self.fill.rows == 0 and stats.rows == n_rows and self.process_index == 0:
+          # Soon after the start, not only at the end of an epoch (hours on a large corpus).
+          logging.info("packing, first window: %s", stats.describe(self.L))
+        if skip_rows:  # the restart's first window: rows of steps already taken
+          rows = {k: v[skip_rows:] for k, v in rows.items()}
+          n_rows, skip_rows = n_rows - skip_rows, 0
+        if not self.include_example_ids:
+          rows.pop("example_ids")
+        pending.append(rows)
+        available += n_rows
+        while available >= per_step:
+          parts, need = [], per_step
+          while need:
+            take = min(need, len(pending[0]["input_ids"]) - pos)
+            parts.append({k: v[pos:pos + take] for k, v in pending[0].items()})
+            pos, need = pos + take, need - take
+            if pos == len(pending[0]["input_ids"]):
+              pending.pop(0)
+              pos = 0
+          available -= per_step
+          batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+          if rows_mode:
+            lo = self.process_index * self.host_batch
+            batch = {k: v[lo:lo + self.host_batch] for k, v in batch.items()}
+          yield batch
+      self.fill.add(stats.sequences, stats.rows, stats.tokens)
+      if self.process_index == 0:
+        logging.info("packing, epoch %d%s: %s", epoch, " (from a restart)" if start else "",
+                     stats.describe(self.L))
+      epoch, start, records_before = epoch + 1, 0, 0
 
   def __iter__(self):
     return self
@@ -228,9 +359,11 @@ def _make_parse_and_mask(spec: masking.MaskingSpec, L: int, seed: int, include_i
             "next_sentence_labels": tf.io.FixedLenFeature([], tf.int64)}
 
   # Traced once (fixed signature) and called from every epoch's dataset; tracing the masking graph
-  # anew per epoch would cost about a second each time.
+  # anew per epoch would cost about a second each time. No autograph (no tensor-dependent Python
+  # control flow here): its cache of converted functions once handed this function the closure
+  # of `_make_lengths`' one (a KeyError on 'num_a', once, in tests/test_loop.py).
   @tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.string),
-                                tf.TensorSpec([], tf.int64)])
+                                tf.TensorSpec([], tf.int64)], autograph=False)
   def parse_and_mask(ids_B, records_B, epoch):
     ex = tf.io.parse_example(records_B, schema)
     # Shorter sequences are zero-filled, and zero is [PAD]: padding comes for free.
@@ -251,6 +384,24 @@ def _make_parse_and_mask(spec: masking.MaskingSpec, L: int, seed: int, include_i
     return out
 
   return parse_and_mask
+
+
+@functools.lru_cache(maxsize=8)
+def _make_lengths(L: int, id_dtype: str):
+  raw_dtype = tf.uint16 if id_dtype == "uint16" else tf.int32
+  schema = {"input_ids": tf.io.FixedLenFeature([], tf.string)}
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.string),
+                                tf.TensorSpec([], tf.int64)], autograph=False)
+  def lengths(ids_B, records_B, epoch):
+    del epoch
+    ids_BxL = tf.io.decode_raw(tf.io.parse_example(records_B, schema)["input_ids"], raw_dtype,
+                               little_endian=True, fixed_length=L * raw_dtype.size)
+    # Counted as the masking counts input_mask (non-zero ids), so both passes pack alike.
+    return {"example_ids": ids_B,
+            "lengths": tf.math.count_nonzero(ids_BxL, axis=1, dtype=tf.int64)}
+
+  return lengths
 
 
 def make_pipeline(data_config, *, split: str, global_batch_size: int, process_index: int = 0,

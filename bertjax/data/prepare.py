@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from bertjax.data import corpus, instances, processes, storage
+from bertjax.data import corpus, instances, packing, processes, storage
 from bertjax.data import tokenizer as tokenizer_lib
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
@@ -382,6 +382,7 @@ def check_config(data_config, model_config=None):
     raise ValueError(f"config.data.max_predictions_per_seq={M} must be within 1 and "
                      f"max_seq_length={L}: it is the number of masked slots per sequence. Use "
                      f"about 0.15 x max_seq_length (20 at 128, 76 at 512).")
+  packing.settings(data_config)  # its keys are refused here too, before anything is prepared
   if model_config is not None and L > model_config.max_position_embeddings:
     raise ValueError(f"config.data.max_seq_length={L} exceeds config.model."
                      f"max_position_embeddings={model_config.max_position_embeddings}: the model "
