@@ -131,22 +131,24 @@ def dcn_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
                if (np.diff(slices, axis=i) != 0).any())
 
 
-def abstract_batch(training: train.Training, seq_len: int,
-                   max_predictions: int) -> dict[str, jax.ShapeDtypeStruct]:
-  """The global batch as shapes with the step's sharding (nothing is allocated)."""
+def abstract_batch(training: train.Training, seq_len: int, max_predictions: int,
+                   sequences_per_row: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch as shapes with the step's sharding (nothing is allocated); packed rows
+  (`sequences_per_row` > 0) as the pipeline makes them with `data.packing`."""
   rows = training.train_config.batch_size
-  one = train.dummy_batch(1, seq_len, max_predictions)
+  one = train.dummy_batch(1, seq_len, max_predictions, sequences_per_row)
   return {name: jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype,
                                      sharding=training.batch_sharding)
           for name, x in one.items()}
 
 
-def compile_train_step(training: train.Training, seq_len: int, max_predictions: int):
+def compile_train_step(training: train.Training, seq_len: int, max_predictions: int,
+                       sequences_per_row: int = 0):
   """`training.train_step` lowered on abstract state, batch and key, then compiled."""
   key = jax.eval_shape(jax.random.PRNGKey, 0)
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(training.mesh))
-  lowered = training.train_step.lower(training.abstract_state,
-                                      abstract_batch(training, seq_len, max_predictions), key)
+  batch = abstract_batch(training, seq_len, max_predictions, sequences_per_row)
+  lowered = training.train_step.lower(training.abstract_state, batch, key)
   return lowered.compile()
 
 
@@ -315,7 +317,8 @@ def main(argv):
           f"install: {'; '.join(mismatch)}. `launch/tpu.py run --aot-report` will refuse this "
           "compile's report; pip install -r launch/requirements-tpu.lock", file=sys.stderr)
   hbm_gib = FLAGS.hbm_gib or topology.hbm_gib
-  seq_len, max_predictions = flops.sequence_shape(config)
+  # Packed rows (data.packing) compile with S x M masked slots and S next-sentence pairs per row.
+  seq_len, max_predictions, per_row = flops.rows_shape(config)
   vocab = int(config.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE
   if not config.model.vocab_size:
     print(f"bertjax.aot: model.vocab_size is 0 (the tokenizer's); assuming {vocab} "
@@ -328,7 +331,7 @@ def main(argv):
         f"{topology.num_chips} chips), mesh {dict(training.mesh.shape)}", flush=True)
   start = time.perf_counter()
   try:
-    compiled = compile_train_step(training, seq_len, max_predictions)
+    compiled = compile_train_step(training, seq_len, max_predictions, per_row)
   except jax.errors.JaxRuntimeError as e:
     oom = xla_out_of_memory(e)
     if oom is None:
@@ -341,6 +344,7 @@ def main(argv):
   memory = Memory.of(compiled)
   figures = report(topology, training, compiled, memory, compile_s, seq_len, max_predictions,
                    FLAGS.mfu, hbm_gib)
+  figures["sequences_per_row"] = per_row or 1  # max_predictions above is per row (S x M)
   width = max(len(k) for k in figures)
   for key, value in figures.items():
     print(f"{key:<{width}}  {value}")

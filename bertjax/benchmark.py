@@ -35,8 +35,14 @@ from bertjax import cli, flops, train
 from bertjax.flops import peak_tflops, train_flops
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
-                    seed: int = 0) -> dict[str, np.ndarray]:
-  """Full-length rows (no padding), M distinct masked positions per row, random NSP labels."""
+                    seed: int = 0, sequences_per_row: int = 0) -> dict[str, np.ndarray]:
+  """Full-length rows (no padding), M distinct masked positions per row, random NSP labels.
+
+  `sequences_per_row` S > 0: packed rows of S sequences of L // S tokens each, with
+  `max_predictions` / S masked positions in each, as `data.packing` feeds the step."""
+  if sequences_per_row:
+    return _packed_synthetic_batch(batch_size, seq_len, max_predictions, vocab_size, seed,
+                                   sequences_per_row)
   rng = np.random.default_rng(seed)
   positions = np.argsort(rng.random((batch_size, seq_len - 1)), axis=1)[:, :max_predictions] + 1
   return {
@@ -49,6 +55,28 @@ def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_s
       "masked_lm_weights": np.ones((batch_size, max_predictions), np.float32),
       "next_sentence_labels": rng.integers(0, 2, (batch_size,), dtype=np.int32),
   }
+
+
+def _packed_synthetic_batch(batch_size, seq_len, max_predictions, vocab_size, seed, s):
+  length, m = seq_len // s, max_predictions // s
+  if m < 1 or length <= m:
+    raise ValueError(f"{s} sequences per row do not fit {seq_len} tokens and {max_predictions} "
+                     "masked slots; lower data.max_sequences_per_row")
+  parts = [synthetic_batch(batch_size, length, m, vocab_size, seed * s + k) for k in range(s)]
+  batch = {name: np.concatenate([p[name] for p in parts], axis=1)
+           for name in ("input_ids", "input_mask", "segment_ids", "masked_lm_ids",
+                        "masked_lm_weights")}
+  batch["masked_lm_positions"] = np.concatenate(
+      [p["masked_lm_positions"] + k * length for k, p in enumerate(parts)], axis=1)
+  batch["next_sentence_labels"] = np.stack([p["next_sentence_labels"] for p in parts], axis=1)
+  batch["sequence_ids"] = np.repeat(np.arange(1, s + 1, dtype=np.int32), length)[None].repeat(
+      batch_size, 0)
+  batch["nsp_positions"] = (np.arange(s, dtype=np.int32) * length)[None].repeat(batch_size, 0)
+  batch["nsp_weights"] = np.ones((batch_size, s), np.float32)
+  pad = seq_len - s * length  # a remainder of L // S stays padding
+  for name in ("input_ids", "input_mask", "segment_ids", "sequence_ids"):
+    batch[name] = np.pad(batch[name], ((0, 0), (0, pad)))
+  return batch
 
 
 def xla_flops(compiled) -> float | None:
@@ -89,15 +117,18 @@ def time_steps(run_one, steps: int) -> list[float]:
 class StepRunner:
   """Compiles bertjax's train step for one synthetic batch and runs it, keeping the state."""
 
-  def __init__(self, config, seq_len: int, max_predictions: int, devices=None):
+  def __init__(self, config, seq_len: int, max_predictions: int, devices=None,
+               sequences_per_row: int = 0):
     # vocab_size 0 means "the tokenizer's"; there is none here, so take the released English one.
     vocab = int(config.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE
     self.training = train.from_config(config, devices=devices, vocab_size=vocab)
     self.cfg = self.training.model_config
     tc = self.training.train_config
     self.batch_size, self.seq_len, self.max_predictions = tc.batch_size, seq_len, max_predictions
+    self.sequences_per_row = sequences_per_row
     host = synthetic_batch(tc.batch_size // jax.process_count(), seq_len, max_predictions,
-                           self.cfg.vocab_size, seed=jax.process_index())
+                           self.cfg.vocab_size, seed=jax.process_index(),
+                           sequences_per_row=sequences_per_row)
     self.batch = self.training.to_global(host)
     init_rng, self.rng = train.rng_streams(tc.seed)  # self.rng: the dropout stream
     self.state = self.training.init_state(init_rng)
@@ -135,7 +166,8 @@ def report(runner: StepRunner, times: list[float]) -> dict:
       "num_microbatches": runner.training.train_config.num_microbatches,
       "compile_s": round(runner.compile_seconds, 2),
       "step_s": round(step_s, 4), "step_s_min": round(min(times), 4),
-      "sequences_per_s": round(runner.batch_size / step_s, 2),
+      "sequences_per_row": runner.sequences_per_row or 1,
+      "sequences_per_s": round(runner.batch_size * (runner.sequences_per_row or 1) / step_s, 2),
       "tokens_per_s": round(runner.batch_size * runner.seq_len / step_s, 1),
       "model_tflop_per_step": _significant(flops / 1e12),
       "xla_tflop_per_step_per_device": None if xla is None else _significant(xla / 1e12),
@@ -165,8 +197,8 @@ def print_report(figures: dict, out=sys.stdout) -> None:
 def main(argv):
   del argv
   config = FLAGS.config
-  seq_len, max_predictions = flops.sequence_shape(config)
-  runner = StepRunner(config, seq_len, max_predictions)
+  seq_len, max_predictions, per_row = flops.rows_shape(config)
+  runner = StepRunner(config, seq_len, max_predictions, sequences_per_row=per_row)
   time_steps(runner.step, FLAGS.warmup_steps)
   figures = report(runner, time_steps(runner.step, FLAGS.steps))
   print_report(figures)

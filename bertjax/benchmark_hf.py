@@ -95,6 +95,7 @@ class HfStepRunner:
 def main(argv):
   del argv
   config = FLAGS.config
+  # One sequence per row for both, packing or not: Hugging Face's model cannot read packed rows.
   seq_len, max_predictions = flops.sequence_shape(config)
   devices = jax.local_devices()[:1]
   ours = benchmark.StepRunner(config, seq_len, max_predictions, devices=devices)

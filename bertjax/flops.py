@@ -37,6 +37,16 @@ def sequence_shape(config) -> tuple[int, int]:
   return seq_len, int(data.get("max_predictions_per_seq", max(1, round(0.15 * seq_len))))
 
 
+def rows_shape(config) -> tuple[int, int, int]:
+  """(L, masked-LM slots per row, sequences per row) of the training batches: with
+  `data.packing` a row holds up to S = max_sequences_per_row sequences and S x M slots; without,
+  M slots and S = 0 (unpacked rows, one NSP label each)."""
+  seq_len, max_predictions = sequence_shape(config)
+  data = config.get("data", {})
+  per_row = int(data.get("max_sequences_per_row", 1)) if data.get("packing", False) else 0
+  return seq_len, max_predictions * max(per_row, 1), per_row
+
+
 def peak_tflops(device_kind: str) -> float | None:
   """Peak bf16 TFLOP/s of one device, or None when unknown (CPUs)."""
   for name, peak in PEAK_TFLOPS:

@@ -144,15 +144,24 @@ def model_inputs(batch: Batch) -> dict[str, jax.Array]:
   return inputs
 
 
-def dummy_batch(batch_size: int, seq_len: int = 8, max_predictions: int = 1) -> dict:
-  """Zeros of the right dtypes: for init and shape inference."""
+def dummy_batch(batch_size: int, seq_len: int = 8, max_predictions: int = 1,
+                sequences_per_row: int = 0) -> dict:
+  """Zeros of the right dtypes: for init and shape inference. `sequences_per_row` S > 0 gives
+  packed rows (bertjax/data/packing.py): `max_predictions` slots (S x M), `sequence_ids`, and the
+  [B, S] next-sentence features."""
   ints = lambda *s: np.zeros(s, np.int32)
-  return {"input_ids": ints(batch_size, seq_len), "input_mask": ints(batch_size, seq_len),
-          "segment_ids": ints(batch_size, seq_len),
-          "masked_lm_positions": ints(batch_size, max_predictions),
-          "masked_lm_ids": ints(batch_size, max_predictions),
-          "masked_lm_weights": np.zeros((batch_size, max_predictions), np.float32),
-          "next_sentence_labels": ints(batch_size)}
+  batch = {"input_ids": ints(batch_size, seq_len), "input_mask": ints(batch_size, seq_len),
+           "segment_ids": ints(batch_size, seq_len),
+           "masked_lm_positions": ints(batch_size, max_predictions),
+           "masked_lm_ids": ints(batch_size, max_predictions),
+           "masked_lm_weights": np.zeros((batch_size, max_predictions), np.float32),
+           "next_sentence_labels": ints(batch_size)}
+  if sequences_per_row:
+    batch.update(sequence_ids=ints(batch_size, seq_len),
+                 next_sentence_labels=ints(batch_size, sequences_per_row),
+                 nsp_positions=ints(batch_size, sequences_per_row),
+                 nsp_weights=np.zeros((batch_size, sequences_per_row), np.float32))
+  return batch
 
 
 def _pretraining_denominators(batch: Batch) -> dict[str, jax.Array]:

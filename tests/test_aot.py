@@ -176,3 +176,22 @@ def test_unknown_topology_is_refused_with_the_nearest_ones():
   assert result.returncode == 1
   assert "Unknown TPU topology 'v5p-24': v5p has no slice of 24 TensorCores" in result.stderr
   assert "nearest: v5p-16 (2x2x2), v5p-32 (2x2x4)" in result.stderr
+
+
+def test_a_packing_config_compiles_the_rows_the_pipeline_feeds():
+  """With data.packing the step reads S x M masked slots, sequence ids and [B, S] next-sentence
+  features: the compile check must lower that program, not the unpacked one."""
+  from bertjax import flops, train  # pylint: disable=import-outside-toplevel
+  from configs import tiny  # pylint: disable=import-outside-toplevel
+  config = tiny.get_config()
+  config.data.packing, config.data.max_sequences_per_row = True, 3
+  seq_len, slots, per_row = flops.rows_shape(config)
+  assert (seq_len, slots, per_row) == (64, 30, 3)
+  training = train.from_config(config, devices=jax.devices()[:1], vocab_size=1000)
+  batch = aot.abstract_batch(training, seq_len, slots, per_row)
+  assert batch["masked_lm_positions"].shape == (8, 30) and batch["sequence_ids"].shape == (8, 64)
+  assert batch["nsp_positions"].shape == batch["next_sentence_labels"].shape == (8, 3)
+  compiled = aot.compile_train_step(training, seq_len, slots, per_row)
+  (_, compiled_batch, _), _ = compiled.args_info  # what the program was compiled for
+  assert compiled_batch["nsp_positions"].shape == (8, 3)
+  assert compiled_batch["masked_lm_positions"].shape == (8, 30)

@@ -136,3 +136,18 @@ ENTRY %main (x: f32[4,4], k: u32[4]) -> f32[4] {
   assert set(result["ms_per_step"]) == set(opprofile.KINDS)
   assert result["ms_per_step"]["matmul"] > 0
   assert abs(sum(result["share"].values()) - 1) < 0.01
+
+
+def test_a_packed_benchmark_counts_the_sequences_of_its_rows():
+  config = base.get_config()
+  config.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      vocab_size=100, max_position_embeddings=L)
+  config.train.batch_size = 2
+  packed = benchmark.StepRunner(config, L, 3 * M, devices=jax.devices()[:1], sequences_per_row=3)
+  host = benchmark.synthetic_batch(2, L, 3 * M, 100, sequences_per_row=3)
+  assert list(host["nsp_positions"][0]) == [0, L // 3, 2 * (L // 3)]
+  assert list(host["sequence_ids"][0, [0, L // 3, L - 1]]) == [1, 2, 0]  # the remainder pads
+  metrics = packed.step()
+  assert float(metrics["nsp_loss"][1]) == 6  # three pairs a row, each with its own label
+  figures = benchmark.report(packed, [1.0])
+  assert figures["sequences_per_row"] == 3 and figures["sequences_per_s"] == 6.0
