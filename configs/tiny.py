@@ -28,15 +28,20 @@ Three departures from BERT-Base's recipe, all about the start (the architecture 
   0.161 -> 0.206, seed 1 0.147 -> 0.200 (seed 2, shared: 0.212); seed 1 reaches 0.246 at 10,000
   steps, where the independent start had 0.162 at 9,500 (train interval averages, same schedule).
 
-Held-out figures of this config (shared start), seeds 0-4, all 3,272 held-out sequences, the same
-masks for every seed, NSP majority baseline 0.586 (seed 0 is `make pretrain` from a fresh clone;
-seeds 1-4 ran the same start and schedule with `--config.train.seed=S`):
-  held-out MLM 0.269, 0.264, 0.325, 0.301, 0.321 (mean 0.296); NSP 0.712, 0.744, 0.678, 0.693,
-  0.666. MLM now clears 0.25 on every seed; NSP does not clear baseline + 0.10 (0.686) on seeds 2
-  and 4, and it is lowest where MLM is highest (train NSP reaches 0.78-0.90 on the 659 training
-  documents: it memorises pairs), which is still open (issue 14).
-The figures below were measured with the independent start (the config before this one).
-Independent start, measured the same way:
+Held-out figures of this config, seeds 0-4, all 3,272 held-out sequences, the same masks for every
+seed, NSP majority baseline 0.586 (seed 0 is `make pretrain` from a fresh clone; seeds 1-4 ran the
+same config with `--config.train.seed=S`):
+  held-out MLM 0.291, 0.259, 0.308, 0.261, 0.307 (mean 0.285); NSP 0.725, 0.737, 0.742, 0.748,
+  0.745.
+- NSP and the number of pairings (`data.dupe_factor`, the pairs drawn per training document).
+  With 5 (39,817 training pairs, each trained about 3.6 times) NSP memorised the pairs: train NSP
+  reached 0.78-0.90 while held-out NSP was 0.666-0.744, and it was lowest where MLM was highest
+  (MLM 0.269, 0.264, 0.325, 0.301, 0.321; NSP 0.712, 0.744, 0.678, 0.693, 0.666).
+- With 20 (160,998 pairs, each trained less than once) NSP was learned from the start (train NSP
+  0.72 at 3,000 steps against 0.59), but MLM climbed later. Seeds 2 and 4: MLM 0.296 and 0.243,
+  NSP 0.753 and 0.756.
+- 10 (80,718 pairs, the original's default) keeps both.
+With independent W_Q and W_K (and 5 pairings), measured the same way:
   held-out MLM 0.245, 0.229, 0.247, 0.249, 0.248 (mean 0.244); NSP 0.715, 0.717, 0.716, 0.732,
   0.710. On the text before the sentence splitter learned titles (3,392 held-out sequences,
   baseline 0.605) seeds 0-2 gave MLM 0.240, 0.233, 0.251.
@@ -48,10 +53,11 @@ steps): 4 heads (train MLM 0.153-0.160 at 7,500 steps, as 2 heads); peak learnin
 (0.10-0.12 at 5,000 steps against 0.14, NSP falling to 0.54); a 4,000-piece vocabulary (left the
 plateau no sooner); two emulated devices with batch 16 (the same sequences/s on an idle machine: one
 process already uses both cores).
-From a fresh clone `make pretrain` took 9 min 14 s on a 2-core machine (pip's cache warm), at
-298-338 sequences/s after the first interval (304 on average); an earlier fresh clone on the same
-machine, busier, took 10 min 24 s at 203-332 (263 on average). At 200 sequences/s the 18,000 steps
-take 12 minutes.
+From a fresh clone `make pretrain` took 9 min 14 s on an idle 2-core machine (pip's cache warm, 5
+pairings), at 298-338 sequences/s after the first interval (304 on average). With 10 pairings,
+sharing the 2 cores with two other runs of this config for 15,500 of its steps, it took 19 min 30 s
+(133-146 sequences/s while shared, 320-357 once alone; 12 min 26 s of user CPU); preparing the
+pairs took 14 s there. At 200 sequences/s the 18,000 steps take 12 minutes.
 """
 
 from configs import base
@@ -74,7 +80,7 @@ def get_config():
   d = config.data
   d.max_seq_length = 64
   d.max_predictions_per_seq = 10  # 15% of 64, rounded up
-  d.dupe_factor = 10  # the original's: 80,718 pairings, each trained ~1.8 times (docstring)
+  d.dupe_factor = 10  # the original's: 80,718 pairs, each trained ~1.8 times; 5 memorised NSP
 
   t = config.train
   t.batch_size = 8
