@@ -195,9 +195,9 @@ class MetricsBuffer:
     total, first_bad = jax.device_get(self._carry)
     scalars = metrics_lib.reduce(total, self._steps)
     bad = {k: v for k, v in scalars.items() if _guarded(k) and not math.isfinite(v)}
-    if self._guard and (int(first_bad) >= 0 or bad):
+    if self._guard and int(first_bad) >= 0:  # a non-finite step leaves its sums non-finite
       raise NonFiniteError(
-          f"Non-finite {', '.join(sorted(bad)) or 'metrics'} at step {int(first_bad)}: {bad} "
+          f"Non-finite {', '.join(sorted(bad))} at step {int(first_bad)}: {bad} "
           f"(averaged over the {self._steps} steps since the last log). Training stopped; no "
           "checkpoint of this state was written, the last good one is kept. Lower the learning "
           "rate, raise warmup, compute in float32, or check the data around this step.")

@@ -32,7 +32,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
-from bertjax.data import packing, pipeline, prepare, storage, tokenizer as tokenizer_lib
+from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.model import BertConfig
 
 ITEMS = ("params", "opt_state")
@@ -256,12 +256,6 @@ def _batches(pipe: Iterator[dict], nsp: bool) -> Iterator[dict[str, np.ndarray]]
     yield batch
 
 
-def _predictions_per_row(data) -> int:
-  """MLM slots of a training row: M, or S x M when packing puts up to S sequences in a row."""
-  on, per_row = packing.settings(data)
-  return data.max_predictions_per_seq * (per_row if on else 1)
-
-
 def _write_config(config, workdir: str) -> None:
   """What this run was asked to do, beside its results; written once the run is accepted, so a
   refused command leaves the workdir's record of its real run untouched."""
@@ -455,8 +449,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
       evaluate=lambda step, state, stop: evaluate(training, state, eval_batches(),
                                                   loop.eval_sequences, stop),
       seqs_per_step=tcfg.batch_size,  # rows; packed batches report their sequences (log)
+      # packed rows (data.packing) hold S x M masked slots, as flops.rows_shape counts them
       flops_per_step=flops.train_flops(training.model_config, tcfg.batch_size,
-                                       data.max_seq_length, _predictions_per_row(data)),
+                                       data.max_seq_length, flops.rows_shape(config)[1]),
       init=init,
       on_accepted=lambda start: keep_vocabulary(
           tokenizer_lib.vocab_path_of(data), data.tokenizer, fingerprint, workdir,
