@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bertjax import dropout
 from bertjax.model import (ACTIVATIONS, EMBED_TO_EMBED, BertConfig, BertModel, _zeros, dense,
                            layer_norm)
 
@@ -139,7 +140,8 @@ class BertForSequenceClassification(nn.Module):
   def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
     _, pooled_BxD = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    pooled_BxD = nn.Dropout(self.config.hidden_dropout)(pooled_BxD, deterministic=deterministic)
+    pooled_BxD = dropout.Dropout(self.config.hidden_dropout)(pooled_BxD,
+                                                            deterministic=deterministic)
     return dense(self.config, self.num_labels, ("embed", None), "classifier",
                  out_dtype=jnp.float32)(pooled_BxD)
 
@@ -154,7 +156,8 @@ class BertForTokenClassification(nn.Module):
   def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
     seq_BxLxD, _ = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    seq_BxLxD = nn.Dropout(self.config.hidden_dropout)(seq_BxLxD, deterministic=deterministic)
+    seq_BxLxD = dropout.Dropout(self.config.hidden_dropout)(seq_BxLxD,
+                                                           deterministic=deterministic)
     return dense(self.config, self.num_labels, ("embed", None), "classifier",
                  out_dtype=jnp.float32)(seq_BxLxD)
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import attention, sharding
+from bertjax import attention, dropout, sharding
 
 ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
@@ -244,7 +244,7 @@ class Embeddings(nn.Module):
         cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
         param_dtype=cfg.storage_dtype, embedding_init=_kernel_init(cfg, (None, "embed")))
     self.layer_norm = layer_norm(cfg, "layer_norm")
-    self.dropout = nn.Dropout(cfg.hidden_dropout)
+    self.dropout = dropout.Dropout(cfg.hidden_dropout)
 
   def __call__(self, input_ids_BxL, segment_ids_BxL, position_ids_BxL, deterministic: bool):
     x_BxLxD = (self.word_embeddings(input_ids_BxL)
@@ -317,8 +317,7 @@ def attention_with_dropout(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate: 
   big_negative = 0.7 * float(jnp.finfo(jnp.float32).min)
   logits_BxNxLxL = jnp.where(mask_Bx1xLxL, logits_BxNxLxL, big_negative)
   probs_BxNxLxL = jax.nn.softmax(logits_BxNxLxL, axis=-1)
-  keep_BxNxLxL = jax.random.bernoulli(rng, 1.0 - rate, probs_BxNxLxL.shape)
-  probs_BxNxLxL = jnp.where(keep_BxNxLxL, probs_BxNxLxL / (1.0 - rate), 0.0)
+  probs_BxNxLxL = dropout.apply(probs_BxNxLxL, rng, rate)
   return jnp.einsum("bnqs,bsnk->bqnk", probs_BxNxLxL.astype(v_BxLxNxK.dtype), v_BxLxNxK)
 
 
@@ -346,7 +345,7 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD, masks):
     cfg = self.config
-    drop = nn.Dropout(cfg.hidden_dropout)
+    drop = dropout.Dropout(cfg.hidden_dropout)
     attn_BxLxD = SelfAttention(cfg, name="attention")(x_BxLxD, masks, self.deterministic)
     h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
         x_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
