@@ -66,10 +66,15 @@ def keep_mask(rng, shape, rate: float) -> jax.Array:
   for axis, stride in enumerate(np.cumprod((1,) + inner[::-1])[::-1][1:], start=1):
     x2 = x2 + jax.lax.broadcasted_iota(jnp.uint32, counter_shape, axis) * jnp.uint32(stride)
   y1, y2 = jex_random.threefry2x32_p.bind(words[0], words[1], x1, x2)
-  low = jnp.uint32(_LEVELS - 1)
-  shift = jnp.uint32(BITS)
-  pieces = [y1 & low, y1 >> shift, y2 & low, y2 >> shift]
-  bits = jnp.concatenate(pieces, axis=-1)[..., :shape[-1]]
+  # Element (..., p * groups + g) takes the p-th 16-bit piece of group g's two words: pieces 0
+  # and 1 from y1, 2 and 3 from y2, low half first. Written as a selection over the words
+  # broadcast to [..., 4, groups] (then a free reshape) rather than a concatenation, which XLA on
+  # CPU materialises apart from the fusion that uses the mask.
+  split_shape = shape[:-1] + (_PER_EVALUATION, groups)
+  piece = jax.lax.broadcasted_iota(jnp.uint32, split_shape, len(shape) - 1)
+  word = jnp.where(piece < _PER_WORD, jnp.expand_dims(y1, -2), jnp.expand_dims(y2, -2))
+  bits = (word >> (jnp.uint32(BITS) * (piece % _PER_WORD))) & jnp.uint32(_LEVELS - 1)
+  bits = bits.reshape(shape[:-1] + (_PER_EVALUATION * groups,))[..., :shape[-1]]
   return bits >= jnp.uint32(round(rate * _LEVELS))
 
 

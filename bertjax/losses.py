@@ -2,12 +2,12 @@
 
 Sums are divided only after they are summed over the global batch, because the number of real
 masked tokens differs between rows and hosts. Everything is computed in float32. The label logit
-is picked with a one-hot product rather than a gather, so logits sharded over the vocabulary axis
-need only reductions (logsumexp, sum, max) that XLA partitions without gathering the vocabulary.
+is a gather forward and a one-hot product backward (`_picked`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import jax
@@ -44,8 +44,36 @@ def weighted_accuracy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
 
 
 def _label_logit(logits_BxMxV, labels_BxM):
-  one_hot_BxMxV = jax.nn.one_hot(labels_BxM, logits_BxMxV.shape[-1], dtype=jnp.float32)
-  return jnp.sum(logits_BxMxV * one_hot_BxMxV, axis=-1)
+  return _picked(logits_BxMxV.shape[-1], logits_BxMxV, labels_BxM)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _picked(vocab_size, logits_BxMxV, labels_BxM):
+  """logits[..., label]: a gather forward, a one-hot product backward.
+
+  As a one-hot product both ways, the forward pass is one more pass over [B, M, V]: XLA on CPU
+  hands reductions to its YNNPACK library, which cannot take the product fused in, so the whole
+  product is written out first and read back (a fortieth of a small model's step). The gather
+  reads B*M values. Its automatic gradient would scatter into a zero [B, M, V] tensor; the
+  one-hot form of the gradient instead fuses into the softmax gradient that it is added to.
+  Both are exact, and a gather over a vocabulary split between devices is partitioned by XLA
+  (each device picks the labels in its slice, the picks are summed).
+  """
+  del vocab_size
+  index_BxMx1 = labels_BxM[..., None].astype(jnp.int32)
+  return jnp.take_along_axis(logits_BxMxV, index_BxMx1, axis=-1)[..., 0]
+
+
+def _picked_fwd(vocab_size, logits_BxMxV, labels_BxM):
+  return _picked(vocab_size, logits_BxMxV, labels_BxM), labels_BxM
+
+
+def _picked_bwd(vocab_size, labels_BxM, g_BxM):
+  one_hot_BxMxV = jax.nn.one_hot(labels_BxM, vocab_size, dtype=g_BxM.dtype)
+  return g_BxM[..., None] * one_hot_BxMxV, None
+
+
+_picked.defvjp(_picked_fwd, _picked_bwd)
 
 
 def mlm_loss(mlm_logits_BxMxV, masked_lm_ids_BxM, masked_lm_weights_BxM) -> Metric:

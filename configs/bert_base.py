@@ -9,7 +9,9 @@ pre-training heads (decoder tied to the word embeddings). The paper trained it f
 batch 256 x 512 tokens with Adam lr 1e-4 (90% of steps at length 128, 10% at 512).
 Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm statistics, logits and
 losses stay float32) and scanned layers (one compiled layer: compile time does not grow with
-depth). On a CPU, `--config.model.dtype=float32`.
+depth). On a CPU, `--config.model.dtype=float32 --config.model.scan_layers=False`: there the
+scanned loop's copies of each layer's weights and gradients in and out of the stacked arrays cost
+about 9% of a step (README, "Throughput").
 Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
 train.batch_size counts rows.
 """

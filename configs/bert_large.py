@@ -7,7 +7,8 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
 pre-training heads. Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm
 statistics, logits and losses stay float32) and scanned layers (one compiled layer: compile time
-does not grow with depth). On a CPU, `--config.model.dtype=float32`.
+does not grow with depth). On a CPU, `--config.model.dtype=float32
+--config.model.scan_layers=False` (configs/bert_base.py says why).
 Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
 train.batch_size counts rows.
 MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.

@@ -97,6 +97,20 @@ def test_mlm_loss_and_accuracy_against_numpy():
   np.testing.assert_allclose(losses.mlm_loss(logits, labels_b, weights)[0], total, rtol=1e-6)
 
 
+def test_the_loss_gradient_is_softmax_minus_one_hot():
+  """The label logit is a gather with a written one-hot backward pass (losses._picked): the
+  gradient of the weighted cross-entropy over the logits must be w * (softmax - one_hot)."""
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(3, 4, 13)).astype(np.float32) * 2
+  labels = rng.integers(0, 13, (3, 4)).astype(np.int32)
+  weights = (rng.random((3, 4)) > 0.3).astype(np.float32)
+  grad = jax.grad(lambda lg: losses.mlm_loss(lg, labels, weights)[0])(jnp.asarray(logits))
+  softmax = np.exp(logits - logits.max(-1, keepdims=True))
+  softmax /= softmax.sum(-1, keepdims=True)
+  one_hot = np.eye(13, dtype=np.float32)[labels]
+  np.testing.assert_allclose(grad, weights[..., None] * (softmax - one_hot), atol=1e-6)
+
+
 def test_nsp_metrics_and_total_loss():
   logits = np.array([[2.0, -1.0], [0.0, 1.0], [0.5, 0.5]], np.float32)
   labels = np.array([0, 0, 1], np.int32)
