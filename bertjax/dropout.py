@@ -23,7 +23,6 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import random as jex_random
 
 BITS = 16  # per keep/drop decision
@@ -32,9 +31,14 @@ _PER_WORD = 32 // BITS
 _PER_EVALUATION = 2 * _PER_WORD  # threefry-2x32 returns two 32-bit words per evaluation
 
 
+def _threshold(rate: float) -> int:
+  """16-bit values below it are dropped."""
+  return round(rate * _LEVELS)
+
+
 def quantised_rate(rate: float) -> float:
   """The drop probability `keep_mask` realises for `rate`: the nearest multiple of 1/65536."""
-  return round(rate * _LEVELS) / _LEVELS
+  return _threshold(rate) / _LEVELS
 
 
 def _threefry_key_words(rng):
@@ -62,9 +66,8 @@ def keep_mask(rng, shape, rate: float) -> jax.Array:
   if math.prod(inner) >= 2 ** 32:
     raise ValueError(f"dropout over shape {shape}: more than 2**32 elements past the first axis")
   x1 = jax.lax.broadcasted_iota(jnp.uint32, counter_shape, 0)
-  x2 = jnp.zeros(counter_shape, jnp.uint32)
-  for axis, stride in enumerate(np.cumprod((1,) + inner[::-1])[::-1][1:], start=1):
-    x2 = x2 + jax.lax.broadcasted_iota(jnp.uint32, counter_shape, axis) * jnp.uint32(stride)
+  x2 = jnp.broadcast_to(jnp.arange(math.prod(inner), dtype=jnp.uint32).reshape(inner),
+                        counter_shape)
   y1, y2 = jex_random.threefry2x32_p.bind(words[0], words[1], x1, x2)
   # Element (..., p * groups + g) takes the p-th 16-bit piece of group g's two words: pieces 0
   # and 1 from y1, 2 and 3 from y2, low half first. Written as a selection over the words
@@ -75,7 +78,7 @@ def keep_mask(rng, shape, rate: float) -> jax.Array:
   word = jnp.where(piece < _PER_WORD, jnp.expand_dims(y1, -2), jnp.expand_dims(y2, -2))
   bits = (word >> (jnp.uint32(BITS) * (piece % _PER_WORD))) & jnp.uint32(_LEVELS - 1)
   bits = bits.reshape(shape[:-1] + (_PER_EVALUATION * groups,))[..., :shape[-1]]
-  return bits >= jnp.uint32(round(rate * _LEVELS))
+  return bits >= jnp.uint32(_threshold(rate))
 
 
 def apply(x, rng, rate: float):
@@ -98,6 +101,6 @@ class Dropout(nn.Module):
   @nn.compact
   def __call__(self, x, deterministic: bool | None = None):
     deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-    if deterministic or self.rate <= 0.0:
+    if deterministic or self.rate <= 0.0:  # no key drawn: a rate of 0 needs no "dropout" rng
       return x
     return apply(x, self.make_rng("dropout"), self.rate)

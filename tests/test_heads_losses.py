@@ -111,6 +111,20 @@ def test_the_loss_gradient_is_softmax_minus_one_hot():
   np.testing.assert_allclose(grad, weights[..., None] * (softmax - one_hot), atol=1e-6)
 
 
+def test_the_label_logit_of_logits_split_over_the_vocabulary_needs_no_gather_of_them():
+  """losses._picked gathers the label's logit: over a vocabulary split between devices XLA must
+  pick within each slice (no all-gather of the logits), and loss and gradient stay the same."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
+  logits = jax.random.normal(jax.random.PRNGKey(0), (8, 5, 512))
+  labels = jax.random.randint(jax.random.PRNGKey(1), (8, 5), 0, 512)
+  weights = jnp.ones((8, 5))
+  fn = jax.jit(jax.value_and_grad(lambda lg: losses.mlm_loss(lg, labels, weights)[0]))
+  split = jax.device_put(logits, NamedSharding(mesh, P("data", None, "tensor")))
+  assert "all-gather" not in fn.lower(split).compile().as_text()
+  for got, want in zip(fn(split), fn(logits)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_nsp_metrics_and_total_loss():
   logits = np.array([[2.0, -1.0], [0.0, 1.0], [0.5, 0.5]], np.float32)
   labels = np.array([0, 0, 1], np.int32)
