@@ -67,6 +67,20 @@ def test_initialisation_follows_the_original():
       assert np.all(np.asarray(value) == 1.0), name
 
 
+def test_gelu_is_the_exact_erf_form_with_its_derivative():
+  """Against x·Φ(x) and its derivative Φ(x) + x·φ(x) in float64, over the range a layer sees."""
+  import math  # pylint: disable=import-outside-toplevel
+  from bertjax.model import gelu  # pylint: disable=import-outside-toplevel
+  xs = np.linspace(-8, 8, 1601)
+  phi = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in xs])
+  density = np.exp(-xs ** 2 / 2) / math.sqrt(2 * math.pi)
+  x = jnp.asarray(xs, jnp.float32)
+  np.testing.assert_allclose(gelu(x), xs * phi, atol=2e-6, rtol=1e-6)
+  np.testing.assert_allclose(jax.vmap(jax.grad(gelu))(x), phi + xs * density, atol=2e-6, rtol=1e-6)
+  # The tanh form is an option of its own, not what "gelu" computes: they differ by ~1e-3 near 2.
+  assert float(jnp.max(jnp.abs(gelu(x) - jax.nn.gelu(x, approximate=True)))) > 1e-4
+
+
 def test_a_sinusoidal_start_makes_each_offset_one_linear_map_of_the_table():
   # 64 positions of width 16: the fit below is over-determined, so it can fail.
   normal = dataclasses.replace(SMALL, hidden_size=16, num_heads=2, intermediate_size=32,
