@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from absl import app, flags
 
-from bertjax import benchmark, flops, optimizer as optimizer_lib
+from bertjax import benchmark, flops, hostmem, optimizer as optimizer_lib
 from bertjax.model import BertConfig
 
 FLAGS = flags.FLAGS
@@ -123,5 +123,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  hostmem.restart_with_huge_pages()
   flags.mark_flag_as_required("config")
   app.run(main)

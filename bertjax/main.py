@@ -11,7 +11,7 @@ import os
 
 from absl import app, flags
 
-from bertjax import cli
+from bertjax import cli, hostmem
 
 cli.define_config_flag()
 flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard logs and metrics go here "
@@ -55,4 +55,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  hostmem.restart_with_huge_pages()
   app.run(main)

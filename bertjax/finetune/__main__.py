@@ -9,7 +9,7 @@ config.mesh. See bertjax/finetune/run.py for what the workdir holds.
 
 from absl import app
 
-from bertjax import cli, main as main_lib
+from bertjax import cli, hostmem, main as main_lib
 
 FLAGS = main_lib.FLAGS
 
@@ -21,4 +21,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  hostmem.restart_with_huge_pages()
   app.run(main)

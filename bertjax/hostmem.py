@@ -1,0 +1,86 @@
+"""Host memory for steps that run on the CPU: XLA's large buffers on transparent huge pages.
+
+XLA's CPU runtime allocates each step's scratch buffer with malloc (795 MB for the 4-layer,
+256-wide model at batch 32 and length 128), and glibc serves an allocation that large with a fresh
+anonymous mapping, unmapped again when the step ends. The kernel then fills the mapping one 4 KiB
+page at a time: about 208,000 page faults per step there, each zeroing its page. glibc's tunable
+`glibc.malloc.hugetlb=1` makes malloc advise the kernel to back areas of 2 MiB and more with huge
+pages, which matters where transparent huge pages are in "madvise" mode (a common default). The
+step then faults a few hundred times instead, its peak memory unchanged.
+
+glibc reads its tunables once, when the process starts. So an entry point calls
+`restart_with_huge_pages()` first: where the tunable would change something and is not set yet,
+the process re-executes itself (the same interpreter and command line) with it added to
+GLIBC_TUNABLES. BERTJAX_HUGE_PAGES=0 keeps the process as it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import sys
+
+ENV_SWITCH = "BERTJAX_HUGE_PAGES"
+TUNABLE = "glibc.malloc.hugetlb"
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+_MIN_GLIBC = (2, 35)  # the first glibc with glibc.malloc.hugetlb
+
+
+def thp_mode(path: str = THP_MODE_FILE) -> str | None:
+  """The kernel's transparent huge page mode ("always", "madvise", "never"), None if unknown."""
+  try:
+    with open(path, encoding="ascii") as f:
+      found = re.search(r"\[(\w+)\]", f.read())
+  except OSError:
+    return None
+  return found.group(1) if found else None
+
+
+def _glibc_has_tunable() -> bool:
+  name, version = platform.libc_ver()
+  if name != "glibc":
+    return False
+  try:
+    return tuple(int(v) for v in version.split(".")[:2]) >= _MIN_GLIBC
+  except ValueError:
+    return False
+
+
+def tunables_with_huge_pages(current: str) -> str | None:
+  """GLIBC_TUNABLES with huge pages added; None where `current` already says (either way)."""
+  if any(item.split("=", 1)[0] == TUNABLE for item in current.split(":") if item):
+    return None
+  return f"{current}:{TUNABLE}=1" if current else f"{TUNABLE}=1"
+
+
+def huge_pages_in_use() -> bool:
+  """Whether this process runs with glibc's huge page advice (for benchmark tables)."""
+  return f"{TUNABLE}=1" in os.environ.get("GLIBC_TUNABLES", "").split(":")
+
+
+def restart_with_huge_pages(mode_file: str = THP_MODE_FILE) -> None:
+  """Re-executes this process with glibc's huge page advice, where that changes anything.
+
+  Returns (doing nothing) when BERTJAX_HUGE_PAGES=0, off Linux or glibc older than 2.35, when the
+  kernel's mode is not "madvise" ("always" needs no advice, "never" takes none), and when
+  GLIBC_TUNABLES already names the tunable, which is also what stops the restarted process from
+  restarting again. Call it before the process starts work it would lose: it does not return when
+  it restarts.
+  """
+  if os.environ.get(ENV_SWITCH, "1") == "0":
+    return
+  if not sys.platform.startswith("linux") or not _glibc_has_tunable():
+    return
+  if thp_mode(mode_file) != "madvise":
+    return
+  tunables = tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES", ""))
+  if tunables is None:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  try:
+    os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+  except OSError as error:
+    logging.warning("Could not restart with %s=1 (%s); running on 4 KiB pages.", TUNABLE, error)

@@ -1,0 +1,97 @@
+"""Host memory on huge pages: the GLIBC_TUNABLES edit, the restart, and its effect on page faults."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from bertjax import hostmem
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_glibc = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and hostmem._glibc_has_tunable()),  # pylint: disable=protected-access
+    reason="glibc.malloc.hugetlb needs Linux with glibc 2.35 or newer")
+
+
+def test_the_tunable_is_added_once_and_a_users_choice_is_kept():
+  assert hostmem.tunables_with_huge_pages("") == "glibc.malloc.hugetlb=1"
+  assert (hostmem.tunables_with_huge_pages("glibc.malloc.arena_max=2")
+          == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
+  assert hostmem.tunables_with_huge_pages("glibc.malloc.hugetlb=1") is None
+  assert hostmem.tunables_with_huge_pages("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0") is None
+  # A longer name that starts with the tunable's is another tunable.
+  assert hostmem.tunables_with_huge_pages("glibc.malloc.hugetlbx=1").endswith(":glibc.malloc.hugetlb=1")
+
+
+def test_the_kernels_mode_is_read_from_its_brackets(tmp_path):
+  mode = tmp_path / "enabled"
+  mode.write_text("always [madvise] never\n")
+  assert hostmem.thp_mode(str(mode)) == "madvise"
+  mode.write_text("[always] madvise never\n")
+  assert hostmem.thp_mode(str(mode)) == "always"
+  assert hostmem.thp_mode(str(tmp_path / "absent")) is None
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+  environment = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  environment.update(env, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environment,
+                        capture_output=True, text=True, timeout=300, check=True)
+
+
+RESTART = """
+    import os
+    from bertjax import hostmem
+    with open({log!r}, "a") as f:
+      f.write(os.environ.get("GLIBC_TUNABLES", "-") + "\\n")
+    hostmem.restart_with_huge_pages({mode!r})
+    print("tunables:", os.environ.get("GLIBC_TUNABLES"))
+"""
+
+
+@needs_glibc
+@pytest.mark.parametrize("kernel_mode, switch, runs", [
+    ("madvise", "1", ["-", "glibc.malloc.hugetlb=1"]),  # restarted once, with the tunable
+    ("madvise", "0", ["-"]),  # BERTJAX_HUGE_PAGES=0: left as started
+    ("never", "1", ["-"]),  # a kernel that takes no advice: nothing to gain
+    ("always", "1", ["-"]),  # a kernel that needs none
+])
+def test_the_process_restarts_itself_only_where_the_advice_changes_something(
+    tmp_path, kernel_mode, switch, runs):
+  mode, log = tmp_path / "enabled", tmp_path / "runs"
+  mode.write_text(f"{' '.join(f'[{m}]' if m == kernel_mode else m for m in ('always', 'madvise', 'never'))}\n")
+  out = _run(RESTART.format(log=str(log), mode=str(mode)), BERTJAX_HUGE_PAGES=switch)
+  assert log.read_text().split() == runs
+  assert out.stdout.strip() == f"tunables: {runs[-1] if runs[-1] != '-' else None}"
+
+
+FAULTS = """
+    import resource, jax, jax.numpy as jnp
+    from bertjax import hostmem
+    hostmem.restart_with_huge_pages()
+
+    @jax.jit
+    def f(x, w):
+      h = jnp.dot(x, w)  # a 64 MiB temporary buffer, allocated anew by every call
+      return jnp.max(h) + jnp.sum(h)
+
+    x, w = jnp.ones((4096, 512)), jnp.ones((512, 4096))
+    f(x, w).block_until_ready()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+      f(x, w).block_until_ready()
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+"""
+
+
+@needs_glibc
+@pytest.mark.skipif(hostmem.thp_mode() != "madvise",
+                    reason="the kernel's transparent huge pages are not in madvise mode")
+def test_a_steps_scratch_memory_faults_in_by_huge_pages():
+  """A 64 MiB scratch buffer faults 16,384 times on 4 KiB pages; on 2 MiB pages about 32."""
+  small = float(_run(FAULTS, BERTJAX_HUGE_PAGES="0").stdout)
+  huge = float(_run(FAULTS, BERTJAX_HUGE_PAGES="1").stdout)
+  assert small > 16000, small
+  assert huge < small / 10, (huge, small)
