@@ -81,6 +81,7 @@ def restart_with_huge_pages(mode_file: str = THP_MODE_FILE) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   try:
-    os.execve(sys.executable, sys.orig_argv, {**os.environ, "GLIBC_TUNABLES": tunables})
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+              {**os.environ, "GLIBC_TUNABLES": tunables})
   except OSError as error:
     logging.warning("Could not restart with %s=1 (%s); running on 4 KiB pages.", TUNABLE, error)
