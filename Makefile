@@ -22,9 +22,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 
 # The whole suite on an emulated 8-device CPU mesh (tests/conftest.py also sets it,
-# before jax is imported, for runs of pytest by hand).
+# before jax is imported, for runs of pytest by hand), with XLA's scratch memory on huge pages
+# as the entry points ask for it (bertjax/hostmem.py; a glibc older than 2.35 ignores it).
 test: $(VENV)/.installed-test
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+	  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
 	  $(PY) -m pytest -n 2 --dist loadfile -q tests
 
 # The main job on the built-in corpus: trains a vocabulary and prepares the data the first time
