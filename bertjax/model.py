@@ -28,14 +28,14 @@ import numpy as np
 from bertjax import attention, dropout, sharding
 
 
-
 def gelu(x):
   """Exact GELU, x·Φ(x), in the original release's words: 0.5·x·(1 + erf(x/√2)).
 
   `jax.nn.gelu(approximate=False)` writes Φ through erfc, which XLA's CPU backend lowers to a
   longer polynomial with an exp: on [4096, 1024] float32 its forward takes 2.6 ms against 1.1 ms
-  for this form, and forward plus backward 2.7 against 2.1 ms. The two agree within 1e-6; erf's
-  form loses relative precision only below x = -5, where GELU is smaller than 2e-6.
+  for this form, its jitted VJP 2.7 against 2.1 ms, and the 4-layer, 256-wide train step is
+  10-12% faster (median) with this form. The two agree within 1e-6; erf's form loses relative
+  precision only below x = -5, where GELU is smaller than 2e-6.
   """
   return 0.5 * x * (1.0 + jax.lax.erf(x * np.asarray(1 / np.sqrt(2), x.dtype)))
 

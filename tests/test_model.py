@@ -68,7 +68,7 @@ def test_initialisation_follows_the_original():
 
 
 def test_gelu_is_the_exact_erf_form_with_its_derivative():
-  """Against x·Φ(x) and its derivative Φ(x) + x·φ(x) in float64, over the range a layer sees."""
+  """Against x·Φ(x) and its derivative Φ(x) + x·φ(x) in float64, over the range layers see."""
   import math  # pylint: disable=import-outside-toplevel
   from bertjax.model import gelu  # pylint: disable=import-outside-toplevel
   xs = np.linspace(-8, 8, 1601)
