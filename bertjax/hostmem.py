@@ -23,6 +23,8 @@ import re
 import sys
 
 ENV_SWITCH = "BERTJAX_HUGE_PAGES"
+# Set in the restarted process: it never restarts twice, whatever GLIBC_TUNABLES then reads.
+ENV_RESTARTED = "BERTJAX_HUGE_PAGES_RESTARTED"
 TUNABLE = "glibc.malloc.hugetlb"
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _MIN_GLIBC = (2, 35)  # the first glibc with glibc.malloc.hugetlb
@@ -73,12 +75,11 @@ def restart_with_huge_pages(mode_file: str = THP_MODE_FILE) -> None:
   """Re-executes this process with glibc's huge page advice, where that changes anything.
 
   Returns (doing nothing) when BERTJAX_HUGE_PAGES=0, off Linux or glibc older than 2.35, when the
-  kernel's mode is not "madvise" ("always" needs no advice, "never" takes none), and when
-  GLIBC_TUNABLES already names the tunable, which is also what stops the restarted process from
-  restarting again. Call it before the process starts work it would lose: it does not return when
-  it restarts.
+  kernel's mode is not "madvise" ("always" needs no advice, "never" takes none), when
+  GLIBC_TUNABLES already names the tunable, and in the restarted process. Call it before the
+  process starts work it would lose: it does not return when it restarts.
   """
-  if os.environ.get(ENV_SWITCH, "1") == "0":
+  if os.environ.get(ENV_SWITCH, "1") == "0" or ENV_RESTARTED in os.environ:
     return
   if not sys.platform.startswith("linux") or not _glibc_has_tunable():
     return
@@ -91,6 +92,6 @@ def restart_with_huge_pages(mode_file: str = THP_MODE_FILE) -> None:
   sys.stderr.flush()
   try:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-              {**os.environ, "GLIBC_TUNABLES": tunables})
+              {**os.environ, "GLIBC_TUNABLES": tunables, ENV_RESTARTED: "1"})
   except OSError as error:
     logging.warning("Could not restart with %s=1 (%s); running on 4 KiB pages.", TUNABLE, error)

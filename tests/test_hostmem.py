@@ -36,11 +36,12 @@ def test_the_kernels_mode_is_read_from_its_brackets(tmp_path):
   assert hostmem.thp_mode(str(tmp_path / "absent")) is None
 
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-  environment = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+def _run(code: str, timeout: int = 300, **env) -> subprocess.CompletedProcess:
+  environment = {k: v for k, v in os.environ.items()
+                 if k not in ("GLIBC_TUNABLES", hostmem.ENV_RESTARTED)}
   environment.update(env, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environment,
-                        capture_output=True, text=True, timeout=300, check=True)
+                        capture_output=True, text=True, timeout=timeout, check=True)
 
 
 RESTART = """
@@ -68,6 +69,17 @@ def test_the_process_restarts_itself_only_where_the_advice_changes_something(
   out = _run(RESTART.format(log=str(log), mode=str(mode)), BERTJAX_HUGE_PAGES=switch)
   assert log.read_text().split() == runs
   assert out.stdout.strip() == f"tunables: {runs[-1] if runs[-1] != '-' else None}"
+
+
+@needs_glibc
+def test_a_restarted_process_never_restarts_again(tmp_path):
+  """Even where the tunables it was given read as unset (a glibc that spells them otherwise)."""
+  mode, log = tmp_path / "enabled", tmp_path / "runs"
+  mode.write_text("always [madvise] never\n")
+  code = RESTART.replace("from bertjax import hostmem", "from bertjax import hostmem\n"
+                         "    hostmem.tunables_with_huge_pages = lambda current: 'x=1'")
+  _run(code.format(log=str(log), mode=str(mode)), timeout=60)
+  assert log.read_text().split() == ["-", "x=1"]
 
 
 FAULTS = """
