@@ -6,14 +6,16 @@
   background, so asking costs no communication and is done at every step, to save inside a
   preemption's grace period.
 - `MetricsBuffer`: the steps' metrics are summed on the device and read once per log interval
-  (and at saves), so the host never waits for a step between logs; a non-finite loss or gradient
-  norm at any step raises at that read, before anything of that state can be saved.
+  (and at saves); between reads the host runs at most `MAX_STEPS_IN_FLIGHT` steps ahead of the
+  devices (see there why); a non-finite loss or gradient norm at any step raises at that read,
+  before anything of that state can be saved.
 - `run_steps`: the steps themselves, in the one order both loops follow: step, check, log, save,
   stop, evaluate.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -162,24 +164,42 @@ def _add(carry, metrics, step):
   return total, first_bad
 
 
+# How many pushed steps may still be running when the host dispatches the next one. A few keep the
+# device queue full (dispatch latency hidden); an unbounded queue deadlocks XLA's CPU client with
+# several devices (jaxlib 0.10): each device admits 32 programs in flight, and a sharded program's
+# launch on a device whose 32 are taken blocks a thread of the client's pool (one thread per
+# device) while the other devices' threads wait for it in the program's all-reduce, so the
+# programs queued on that device never get a thread to finish on. XLA aborts after 40 s
+# ("Expected 8 threads to join the rendezvous"). Each step is two programs (the step and `_add`).
+MAX_STEPS_IN_FLIGHT = 4
+
+
 class MetricsBuffer:
   """Step metrics ({name: (sum, denominator)}) summed on the device over a log interval.
 
-  The host adds each step's metrics into a device-side total without reading them, so nothing
-  waits for a step to finish and the steps of a whole interval can be in flight at once. The one
-  read is `flush` (the loop calls it at log and save steps): it waits for the last pushed step,
-  and raises if any step since the interval began had a non-finite loss or gradient norm, naming
-  the first such step, before anything of that state can be saved.
+  The host adds each step's metrics into a device-side total without reading them, so it never
+  waits for a step's result between logs; it only waits, at a push, for the step
+  `MAX_STEPS_IN_FLIGHT` pushes back to have finished. The one read is `flush` (the loop calls it
+  at log and save steps): it waits for the last pushed step, and raises if any step since the
+  interval began had a non-finite loss or gradient norm, naming the first such step, before
+  anything of that state can be saved.
   """
 
-  def __init__(self, guard: bool = True):
+  def __init__(self, guard: bool = True, max_in_flight: int = MAX_STEPS_IN_FLIGHT):
     self._guard = guard  # off for evaluation: its batches change no state
     self._carry = None
     self._steps = 0
     self._read: tuple[dict, int] | None = None  # (host totals, steps) of the last flush
+    # The metrics of the latest steps (outputs of their programs; the carry is donated, so it
+    # cannot be waited on later): waiting for one waits for its step.
+    self._in_flight = collections.deque(maxlen=max(1, max_in_flight))
 
   def push(self, step: int, device_metrics: Mapping[str, Any]) -> None:
-    """Adds `step`'s metrics to the interval's device total; does not wait for the step."""
+    """Adds `step`'s metrics to the interval's device total. Waits only for the step
+    `max_in_flight` pushes back (MAX_STEPS_IN_FLIGHT says why), never for this one."""
+    if len(self._in_flight) == self._in_flight.maxlen:
+      jax.block_until_ready(self._in_flight[0])
+    self._in_flight.append(device_metrics)
     step = np.int32(step)
     if self._carry is None:
       self._carry = _start(dict(device_metrics), step)
