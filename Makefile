@@ -43,13 +43,14 @@ pretrain: $(VENV)/.installed
 FT_DATA := .cache/bertjax/finetune
 SEED ?= 0
 FT := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bertjax.finetune \
-  --config=configs/finetune.py:next --config.init_from=$(WORKDIR) --config.data_dir=$(FT_DATA) \
+  --config=configs/finetune.py:next --config.checkpoint.init_from=$(WORKDIR) \
+  --config.data.data_dir=$(FT_DATA) \
   --config.train.seed=$(SEED)
 finetune: $(VENV)/.installed
 	test -d $(WORKDIR)/checkpoints || $(MAKE) pretrain
 	$(PY) -m bertjax.finetune.builtin write --data_dir=$(FT_DATA)
 	$(FT) --workdir=workdirs/next-pretrained-s$(SEED) $(ARGS)
-	$(FT) --workdir=workdirs/next-random-s$(SEED) --config.random_init=True $(ARGS)
+	$(FT) --workdir=workdirs/next-random-s$(SEED) --config.checkpoint.random_init=True $(ARGS)
 	$(PY) -m bertjax.finetune.builtin compare workdirs/next-pretrained-s$(SEED) \
 	  workdirs/next-random-s$(SEED)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from typing import Any, Mapping
 
@@ -39,6 +40,9 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "interme
 OPTIMIZER_FIELDS = ("optimizer", "max_grad_norm", "num_microbatches", "bias_correction")
 
 META = "meta"
+# The items of a training run's checkpoint (the loop's state); a reader of another run's weights
+# asks for "params" alone.
+TRAIN_ITEMS = ("params", "opt_state")
 # Messages of known damage: tensorstore's status codes for missing or cut-short files, orbax's for a
 # missing item. Anything else (a shape or sharding error) is not skipped.
 _DAMAGE_MARKERS = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "No such file", "was not found in "
@@ -52,6 +56,10 @@ def _abspath(path: str) -> str:
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint was written by another model, optimizer or vocabulary than the config's."""
+
+
+class CheckpointDamagedError(ValueError):
+  """A checkpoint's files are missing, cut short or unparsable (said with the step and the fix)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +122,28 @@ def is_damage(err: BaseException) -> bool:
   return any(marker in text for marker in _DAMAGE_MARKERS)
 
 
+def damage_summary(err: BaseException) -> str:
+  """What is damaged, in one short line: the file tensorstore could not read and its status code
+  when the error names them (which array failed first varies from run to run; the file does
+  not), else the error's first line."""
+  text = str(err)
+  for cause in _causes(err):
+    found = re.findall(r'local file "([^"]+)"', str(cause))
+    if found:
+      code = re.match(r"([A-Z_]+):", str(cause))
+      return f"{code.group(1) + ': ' if code else ''}{found[-1]} is missing or cut short"
+  return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _causes(err: BaseException):
+  """The error and the ones it was raised from (orbax wraps tensorstore's)."""
+  seen = set()
+  while err is not None and id(err) not in seen:
+    seen.add(id(err))
+    yield err
+    err = err.__cause__ or err.__context__
+
+
 def _agree(value: int) -> int:
   """Process 0's value on every process (one host's listing of shared storage decides)."""
   if jax.process_count() == 1:
@@ -131,16 +161,28 @@ class Checkpointer:
   """Orbax CheckpointManager over named pytree items and a JSON meta item."""
 
   def __init__(self, directory: str, items: tuple[str, ...], *, save_every: int, keep: int,
-               async_save: bool = True):
+               async_save: bool = True, read_only: bool = False):
     self.directory = _abspath(directory)
     self.items = tuple(items)
+    # A reader of another run's checkpoints creates nothing and removes nothing there: that run
+    # may be saving (its unfinished saves are temporary folders a writer would clean up).
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_every, max_to_keep=keep, create=True,
-        enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
+        save_interval_steps=save_every, max_to_keep=keep, create=not read_only,
+        enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
+        read_only=read_only)
     handlers = {name: ocp.StandardCheckpointHandler() for name in self.items}
     handlers[META] = ocp.JsonCheckpointHandler()
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=handlers)
+
+  @classmethod
+  def reader(cls, directory: str) -> "Checkpointer":
+    """Reads the parameters and records of a run's checkpoints, touching nothing there."""
+    return cls(directory, ("params",), save_every=1, keep=1, async_save=False, read_only=True)
+
+  def item_metadata(self, step: int, item: str) -> Any:
+    """The stored tree of one item (shapes and dtypes, no arrays)."""
+    return self._manager.item_metadata(step)[item]
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -171,8 +213,8 @@ class Checkpointer:
     the same structure as the stored subtree); the rest of the item is read onto `elsewhere` (a
     sharding) and dropped. For taking a pre-trained encoder out of a run with other heads."""
     stored = self._manager.item_metadata(step)[item]
-    abstract = subtree_target(stored, key, target, elsewhere,
-                              f"{self.directory} step {step}", item)
+    abstract = subtrees_target(stored, {key: target}, elsewhere,
+                               f"{self.directory} step {step}", item)
     items, _ = self.restore(step, {item: abstract})
     return items[item][key]
 
@@ -267,31 +309,40 @@ def abstract_like(tree: Any) -> Any:
 
 def put_like(values: Any, abstract: Any) -> Any:
   """Host arrays (numpy, the same on every process) placed as `abstract` (ShapeDtypeStructs with
-  shardings, the same tree) says: each device takes its own slice."""
+  shardings, the same tree) says: each device takes its own slice. Every array of another shape
+  is named in one CheckpointMismatchError."""
+  problems = [f"{jax.tree_util.keystr(path)}: {np.shape(value)}, model {tuple(like.shape)}"
+              for (path, value), like in zip(jax.tree_util.tree_leaves_with_path(values),
+                                             jax.tree.leaves(abstract))
+              if tuple(np.shape(value)) != tuple(like.shape)]
+  if problems:
+    raise CheckpointMismatchError(f"{len(problems)} array(s) do not fit the model: "
+                                  + "; ".join(problems[:10]))
+
   def put(value, like):
     value = np.asarray(value, like.dtype)
-    if value.shape != tuple(like.shape):
-      raise CheckpointMismatchError(f"an array of shape {value.shape} for a parameter of shape "
-                                    f"{tuple(like.shape)}")
     if like.sharding is None:
       return jax.device_put(value)
     return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
   return jax.tree.map(put, values, abstract)
 
 
-def subtree_target(stored: Any, key: str, target: Any, elsewhere, where: str,
-                   item: str = "params") -> Any:
-  """A restore target for a stored tree (orbax metadata, or anything with shapes) whose `key`
-  subtree goes where `target` says (ShapeDtypeStructs with shardings) and the rest onto
-  `elsewhere`. Raises CheckpointMismatchError listing every leaf of `key` that does not fit."""
-  if key not in stored:
-    raise ValueError(f"{where} holds no {item}[{key!r}] (it holds {sorted(stored)}).")
-  wanted = dict(jax.tree_util.tree_flatten_with_path(target)[0])
+def subtrees_target(stored: Any, targets: Mapping[str, Any], elsewhere, where: str,
+                    item: str = "params") -> Any:
+  """A restore target for a stored tree (orbax metadata, or anything with shapes) whose subtrees
+  named in `targets` go where those say (ShapeDtypeStructs with shardings) and the rest onto
+  `elsewhere` (a sharding) in its stored shapes. Raises CheckpointMismatchError listing every
+  leaf that does not fit."""
+  lacking = sorted(set(targets) - set(stored))
+  if lacking:
+    raise CheckpointMismatchError(f"{where} holds no {item}{lacking} (it holds {sorted(stored)}).")
+  wanted = {(jax.tree_util.DictKey(key),) + path: leaf for key, target in targets.items()
+            for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
   problems = []
 
   def place(path, leaf):
-    if path[:1] == (jax.tree_util.DictKey(key),):
-      like = wanted.pop(path[1:], None)
+    if path[:1] and path[0] in {jax.tree_util.DictKey(k) for k in targets}:
+      like = wanted.pop(path, None)
       if like is None:
         problems.append(f"unexpected {jax.tree_util.keystr(path)}")
       elif tuple(like.shape) != tuple(leaf.shape):
@@ -302,10 +353,10 @@ def subtree_target(stored: Any, key: str, target: Any, elsewhere, where: str,
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=elsewhere)
 
   abstract = jax.tree_util.tree_map_with_path(place, stored)
-  problems += [f"missing {key}{jax.tree_util.keystr(path)}" for path in wanted]
+  problems += [f"missing {jax.tree_util.keystr(path)}" for path in wanted]
   if problems:
     raise CheckpointMismatchError(
-        f"{where}: its {key} does not fit this model: "
+        f"{where}: its {', '.join(targets)} do not fit this model: "
         + "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)"
                                       if len(problems) > 10 else ""))
   return abstract

@@ -41,6 +41,20 @@ def make_config_folder_importable(argv: Sequence[str], name: str = "config") -> 
   return root
 
 
+def refuse_moved_keys(argv: Sequence[str], moved: dict[str, str], name: str = "config") -> None:
+  """Ends the command naming the new path of every `--config.OLD=...` in argv whose key moved
+  (absl would only say that the old key does not exist)."""
+  found = []
+  for arg in argv:
+    if arg.startswith(f"--{name}."):
+      key = arg[len(name) + 3:].split("=", 1)[0]
+      if key in moved:
+        found.append(f"--{name}.{key} is now --{name}.{moved[key]}")
+  if found:
+    sys.exit("bertjax: ValueError: config keys moved: " + "; ".join(found) + " (the paths "
+             "pre-training uses for the same settings).")
+
+
 def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", name: str = "config"):
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
   make_config_folder_importable(sys.argv, name)
@@ -67,13 +81,13 @@ def quiet_third_party_logs() -> bool:
   return True
 
 
-def explained(run, *args):
-  """Runs `run(*args)`; a refusal of the input (a bad config value, a missing or malformed file, a
+def explained(run, *args, **kwargs):
+  """Runs `run(*args, **kwargs)`; a refusal of the input (a bad config value, a missing or malformed file, a
   checkpoint of another run, a non-finite loss) ends the command with its message alone and exit
   status 1, as `bertjax.aot` does: the message names the problem and the fix, and a traceback
   would only bury it. Other errors keep their traceback."""
   from bertjax import control  # pylint: disable=import-outside-toplevel
   try:
-    return run(*args)
+    return run(*args, **kwargs)
   except (ValueError, FileNotFoundError, PermissionError, control.NonFiniteError) as err:
     sys.exit(f"bertjax: {type(err).__name__}: {err}")

@@ -26,17 +26,14 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
+from bertjax import files, weights
 from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.model import BertConfig
-
-ITEMS = ("params", "opt_state")
-
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
@@ -132,83 +129,38 @@ class Initialiser:
   load: Callable[[Any], Any]  # freshly initialised params -> the params to start from
 
 
-def load_init_params(path: str, abstract_params: Any, config: BertConfig,
-                     tokenizer_fingerprint: str | None = None, do_lower_case: bool = True) -> Any:
-  """Parameters of another run (its workdir or checkpoints folder), of a folder written by
-  `convert.hf import` or `convert.google import`, or of a Google folder (bert_config.json +
-  bert_model.ckpt.*, read without TensorFlow).
+def init_from_source(source: weights.Weights, training: train.Training, data, fingerprint: str,
+                     allow_other_vocab: bool) -> Initialiser:
+  """Pre-training's start from `source` (bertjax/weights.py reads every kind): its encoder and
+  whichever pre-training heads it holds (a fine-tuning run's has none: they start fresh). A
+  source of another shape or vocabulary is refused here, before anything compiles."""
+  weights.check_model(source, training.model_config)
+  weights.check_vocabulary(source, fingerprint, bool(data.do_lower_case),
+                           vocab_file=tokenizer_lib.vocab_path_of(data),
+                           allow_other=allow_other_vocab)
 
-  With `tokenizer_fingerprint`, a source whose vocabulary differs is refused (its embedding rows
-  would index other pieces); a folder's vocab.txt is fingerprinted with `do_lower_case`, the run's.
-  """
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
-  if not tf.io.gfile.exists(path):
-    raise FileNotFoundError(f"init_from={path} does not exist")
-  if google.is_google_folder(path):
-    saved = dataclasses.replace(google.read_google_config(path), scan_layers=config.scan_layers)
-    checkpoint_lib.check_model_matches(dataclasses.asdict(saved), config, path)
-    _check_folder_vocabulary(path, tokenizer_fingerprint, do_lower_case)
-    _, params = google.load_folder(path, scan_layers=config.scan_layers)
-    return checkpoint_lib.put_like(params, abstract_params)
-  if tf.io.gfile.exists(os.path.join(path, "bert_config.json")):  # written by convert.* import
-    from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
-    checkpoint_lib.check_model_matches(dataclasses.asdict(hf.read_config(path)), config, path)
-    _check_folder_vocabulary(path, tokenizer_fingerprint, do_lower_case)
-    return hf.load_params(path, abstract_params)[1]
-  folder = path if not tf.io.gfile.exists(os.path.join(path, "checkpoints")) else os.path.join(
-      path, "checkpoints")
-  ckpt = checkpoint_lib.Checkpointer(folder, ITEMS, save_every=1, keep=1)
-  steps = ckpt.all_steps()
-  if not steps:
-    raise FileNotFoundError(f"init_from={path} holds no checkpoint")
-  meta = ckpt.read_meta(steps[-1])
-  where = f"init_from={folder} step {steps[-1]}"
-  checkpoint_lib.Expected(model=config, tokenizer_fingerprint=tokenizer_fingerprint).check(
-      meta, where + " (set checkpoint.init_from_other_vocab=True to take it anyway)")
-  items, _ = ckpt.restore(steps[-1], {"params": abstract_params})
-  ckpt.close()
-  return items["params"]
+  def load(fresh):
+    kept = {k: v for k, v in fresh.items() if k in source.subtrees}
+    return {**fresh, **weights.read(source, like=checkpoint_lib.abstract_like(kept))}
+
+  return Initialiser(f"parameters from checkpoint.init_from={source.describe()}: "
+                     f"{weights.describe_heads(source, training.abstract_state.params)}, "
+                     "optimizer fresh", load)
 
 
-def _check_folder_vocabulary(path: str, fingerprint: str | None, do_lower_case: bool) -> None:
-  """Refuses a converted or Google folder whose vocab.txt is not the run's vocabulary. The casing
-  is the run's: a folder's is only what its name or record says, and differing is warned about
-  when the run takes the vocabulary (`_init_vocabulary`)."""
-  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
-  vocab, _, _ = google.vocabulary_of(path)
-  if fingerprint is None or vocab is None:
-    return
-  folder_fp = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
-      {"vocab_path": vocab, "tokenizer": "wordpiece", "do_lower_case": do_lower_case})).fingerprint
-  if folder_fp != fingerprint:
-    raise checkpoint_lib.CheckpointMismatchError(
-        f"init_from={path} was trained with its {vocab} (fingerprint {folder_fp}), not with this "
-        f"run's vocabulary (fingerprint {fingerprint}): its embedding rows would index other "
-        "pieces. Leave config.data.vocab_path empty to take init_from's, or set "
-        "checkpoint.init_from_other_vocab=True to take the weights anyway.")
-
-
-def _init_vocabulary(config, init_from: str):
-  """`config` with the vocabulary of init_from when it is a Google folder or a converted folder
-  with a vocab.txt and the config names none: WordPiece, cased as the folder says. The original
-  pairs each checkpoint with its vocab.txt; another vocabulary would scramble the embeddings."""
-  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
-  vocab, lower, why = google.vocabulary_of(init_from)
+def _init_vocabulary(config, source: weights.Weights):
+  """`config` with the vocabulary of init_from when it is a folder with a vocabulary (converted,
+  Google or Hugging Face) and the config names none: its tokenizer, cased as the folder says.
+  The original pairs each checkpoint with its vocab.txt; another vocabulary would scramble the
+  embeddings. A workdir's vocabulary is the one its data config makes, checked by fingerprint."""
   data = config.data
-  if vocab is None:
-    return config
-  if data.vocab_path:
-    if lower is not None and data.tokenizer == "wordpiece" and bool(data.do_lower_case) != lower:
-      logging.warning("config.data.do_lower_case=%s, but init_from=%s is %s (%s).",
-                      data.do_lower_case, init_from, "uncased" if lower else "cased", why)
-    return config
+  if source.kind == "workdir" or source.vocab_file is None or data.vocab_path:
+    return config  # a vocabulary the config names is checked against the source's (weights)
   config = copy.deepcopy(config)
-  config.data.tokenizer, config.data.vocab_path = "wordpiece", vocab
-  if lower is not None:
-    config.data.do_lower_case = lower
-  say(f"vocabulary from init_from: {vocab} (WordPiece, do_lower_case="
-      f"{config.data.do_lower_case}" + (f": {why})" if why else ")"))
+  config.data.tokenizer, config.data.vocab_path = source.tokenizer_kind, source.vocab_file
+  config.data.do_lower_case = source.lower
+  say(f"vocabulary from checkpoint.init_from: {source.vocab_file} ({source.tokenizer_kind}, "
+      f"do_lower_case={source.lower}: {source.casing_why})")
   return config
 
 
@@ -260,9 +212,7 @@ def _write_config(config, workdir: str) -> None:
   """What this run was asked to do, beside its results; written once the run is accepted, so a
   refused command leaves the workdir's record of its real run untouched."""
   if jax.process_index() == 0:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    files.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +241,8 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
   the metrics are {} when a stop signal ended the run early."""
   training, loop, schedule = job.training, job.loop, job.loop.schedule
   tcfg = training.train_config
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), ITEMS,
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                     checkpoint_lib.TRAIN_ITEMS,
                                      save_every=schedule.save_every, keep=loop.keep,
                                      async_save=loop.async_save)
   state, origin = _restore_or_init(training, ckpt, job.expected, tcfg.seed, job.init)
@@ -411,11 +362,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   eval metrics ({} when a stop signal ended the run early)."""
   loop = LoopConfig.from_config(config)
   check_workdir(workdir)
+  source = None
   if loop.init_from:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    if not tf.io.gfile.exists(loop.init_from):
-      raise FileNotFoundError(f"checkpoint.init_from={loop.init_from} does not exist")
-    config = _init_vocabulary(config, loop.init_from)
+    source = weights.inspect(loop.init_from, what="checkpoint.init_from")
+    config = _init_vocabulary(config, source)
   manifest = prepare_data(config)
   vocab_size = resolve_vocab_size(config.model.vocab_size, manifest["vocab_size"])
   training = train.from_config(config, vocab_size=vocab_size)
@@ -434,14 +384,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   expected = checkpoint_lib.Expected(model=training.model_config,
                                      optimizer=checkpoint_lib.optimizer_fields(tcfg),
                                      tokenizer_fingerprint=fingerprint)
-  init = None
-  if loop.init_from:
-    vocab_check = None if loop.init_from_other_vocab else fingerprint
-    init = Initialiser(
-        f"parameters from init_from={loop.init_from}, optimizer fresh",
-        lambda fresh: load_init_params(loop.init_from, checkpoint_lib.abstract_like(fresh),
-                                       training.model_config, tokenizer_fingerprint=vocab_check,
-                                       do_lower_case=data.do_lower_case))
+  init = None if source is None else init_from_source(source, training, data, fingerprint,
+                                                      loop.init_from_other_vocab)
   job = Job(
       training=training, loop=loop, expected=expected, meta={"data_source": data.source},
       batches=lambda start: _batches(pipeline.make_pipeline(

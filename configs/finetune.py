@@ -1,5 +1,6 @@
 """Fine-tuning: `python -m bertjax.finetune --config=configs/finetune.py:TASK --workdir=DIR
---config.init_from=PATH [--config.data_dir=... | --config.train_file=... --config.dev_file=...]`
+--config.checkpoint.init_from=PATH [--config.data.data_dir=... | --config.data.train_file=...
+--config.data.dev_file=...]`
 
 TASK: cola, sst-2, mrpc, sts-b, qqp, mnli (also predicts AX), qnli, rte, wnli; squad_v1.1,
 squad_v2.0; conll2003; next (the built-in task of `make finetune`). Any key below can be overridden.
@@ -28,25 +29,28 @@ SQUAD = ("squad_v1.1", "squad_v2.0")
 def get_config(task: str = "next"):
   config = ml_collections.ConfigDict()
   config.task = task  # see the module docstring; checked when the run starts
-  config.source = "files"  # "files" (the task's original files) or "tfds" (built under tfds_data_dir)
-  config.data_dir = ""  # GLUE: the folder of GLUE's download (CoLA/train.tsv, MNLI/..., ...)
-  config.train_file = ""  # SQuAD: train-v1.1.json ...; CoNLL-2003: eng.train
-  config.dev_file = ""  # SQuAD: dev-v1.1.json ...; CoNLL-2003: eng.testa
-  config.test_file = ""  # CoNLL-2003: eng.testb (scored and written); "" = none
-  config.tfds_data_dir = ""  # where TFDS datasets are built (nothing is ever downloaded)
-  config.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder or a Google folder;
-  #                        "" = random init
-  config.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
-  config.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary
-  config.vocab_path = ""  # "" = init_from's vocabulary (the one it was trained with)
-  config.do_lower_case = True  # for a WordPiece vocab_path given here
-  config.max_seq_length = 128  # [CLS] A [SEP] B [SEP]; longest-first truncation
-  # SQuAD only.
-  config.doc_stride = 128
-  config.max_query_length = 64
-  config.n_best_size = 20
-  config.max_answer_length = 30
-  config.null_score_diff_threshold = 0.0  # v2.0: answer "" when null - best > this
+
+  # What is read, with the key paths pre-training uses for the same things (configs/base.py).
+  d = config.data = ml_collections.ConfigDict()
+  d.source = "files"  # "files" (the task's original files) or "tfds" (built under tfds_data_dir)
+  d.data_dir = ""  # GLUE: the folder of GLUE's download (CoLA/train.tsv, MNLI/..., ...)
+  d.train_file = ""  # SQuAD: train-v1.1.json ...; CoNLL-2003: eng.train
+  d.dev_file = ""  # SQuAD: dev-v1.1.json ...; CoNLL-2003: eng.testa
+  d.test_file = ""  # CoNLL-2003: eng.testb (scored and written); "" = none
+  d.tfds_data_dir = ""  # where TFDS datasets are built (nothing is ever downloaded)
+  d.vocab_path = ""  # "" = init_from's vocabulary (the one it was trained with)
+  # None = init_from's casing (True without init_from); set, it is used and a difference from
+  # init_from's is warned about.
+  d.do_lower_case = ml_collections.FieldReference(None, field_type=bool)
+  d.max_seq_length = 128  # [CLS] A [SEP] B [SEP]; longest-first truncation
+  d.doc_stride = 128  # SQuAD: tokens between the starts of a long context's windows
+  d.max_query_length = 64  # SQuAD: question tokens kept
+
+  # How predictions are decoded (SQuAD).
+  e = config.eval = ml_collections.ConfigDict()
+  e.n_best_size = 20
+  e.max_answer_length = 30
+  e.null_score_diff_threshold = 0.0  # v2.0: answer "" when null - best > this
 
   # The encoder: 0 / "" takes init_from's value (shape keys must then match it).
   m = config.model = ml_collections.ConfigDict()
@@ -83,6 +87,10 @@ def get_config(task: str = "next"):
   t.log_every_steps = 50
 
   c = config.checkpoint = ml_collections.ConfigDict()
+  c.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder, a Google folder or a
+  #                   Hugging Face BERT folder (bertjax/weights.py); "" = random init
+  c.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
+  c.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary
   c.save_every_steps = 0  # 0 = at the end of every epoch (also on SIGTERM and at the end)
   c.keep = 2  # latest checkpoints kept; the best one is kept apart in best/
   c.async_save = True
@@ -91,12 +99,12 @@ def get_config(task: str = "next"):
 
   key = task.strip().lower()
   if key in SQUAD or key.startswith("squad"):
-    config.max_seq_length = 384
+    d.max_seq_length = 384
     t.num_epochs = 2.0
     t.learning_rate = 3e-5
   elif key == "next":
-    config.data_dir = ".cache/bertjax/finetune"  # written by `make finetune`
-    config.init_from = "workdirs/tiny"
-    config.max_seq_length = 64
+    d.data_dir = ".cache/bertjax/finetune"  # written by `make finetune`
+    c.init_from = "workdirs/tiny"
+    d.max_seq_length = 64
     t.learning_rate = 3e-4  # chosen on dev (module docstring)
   return config

@@ -57,9 +57,9 @@ def pretrain(root: str, steps: int = 30) -> str:
 def ft_config(task: str, init_from: str, **train_overrides):
   """configs/finetune.py for `task` at the size of these tests (batch 16, 3 epochs, 1e-3)."""
   config = finetune_config.get_config(task)
-  config.init_from = init_from
-  config.max_seq_length = SEQ
-  config.doc_stride, config.max_query_length = 16, 8
+  config.checkpoint.init_from = init_from
+  config.data.max_seq_length = SEQ
+  config.data.doc_stride, config.data.max_query_length = 16, 8
   t = config.train
   t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 16, 3, 1e-3, 1000
   for k, v in train_overrides.items():
@@ -207,8 +207,8 @@ def frozen_next_config(init_from, data_dir):
   """NEXT at length 16, one epoch of batch 8, learning rate 0 and no dropout: the encoder that
   init_from gave stays as loaded, so a test can compare it."""
   config = finetune_config.get_config("next")
-  config.init_from, config.data_dir = init_from, data_dir
-  config.max_seq_length = 16
+  config.checkpoint.init_from, config.data.data_dir = init_from, data_dir
+  config.data.max_seq_length = 16
   t = config.train
   t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 0.0, 1
   config.model.hidden_dropout = config.model.attention_dropout = 0.0

@@ -16,8 +16,8 @@ import tensorflow as tf
 import transformers  # the `test` extra pins 4.57, the last release with Flax BERT
 from flax.traverse_util import unflatten_dict
 
+from bertjax import weights
 from bertjax.convert import google, hf, tf_bundle
-from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertModel
 from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save, shapes, slots
@@ -272,7 +272,7 @@ def test_do_lower_case_from_the_name_and_the_warning(tmp_path, caplog):
                       ("chinese_L-12_H-768_A-12", True), ("cased_L-12_H-768_A-12", False),
                       ("wwm_cased_L-24_H-1024_A-16", False), ("multi_cased_L-12_H-768_A-12", False),
                       ("/models/cased_L-24_H-1024_A-16/", False), ("my_bert", None)):
-    assert google.lower_case_from_name(name) == lower, name
+    assert weights.lower_case_from_name(name) == lower, name
   small = dict(GOOGLE_CONFIG, hidden_size=8, intermediate_size=8, num_hidden_layers=1)
   cased = google_folder(tmp_path, small, "multi_cased_L-12_H-768_A-12")
   assert google.resolve_do_lower_case(cased, None) == (
@@ -293,9 +293,7 @@ def test_do_lower_case_from_the_name_and_the_warning(tmp_path, caplog):
   record = json.load(open(tmp_path / "out" / "tokenizer.json"))
   assert (record["file"], record["kind"], record["do_lower_case"]) == (
       "vocab.txt", "wordpiece", False)
-  assert google.vocabulary_of(str(tmp_path / "out"))[:2] == (
-      str(tmp_path / "out" / "vocab.txt"), False)
-  source = run.inspect_source(str(tmp_path / "out"))  # fine-tuning's view of init_from
+  source = weights.inspect(str(tmp_path / "out"))  # every init_from's view of the folder
   assert (source.kind, source.vocab_file, source.do_lower_case) == (
       "converted", str(tmp_path / "out" / "vocab.txt"), False)
 
@@ -330,7 +328,7 @@ def test_command_line_import_then_export(folder, tmp_path):
       (["import", f"--ckpt_dir={path}", f"--output={tmp_path / 'x'}", "--do_lower_case=maybe"],
        "--do_lower_case='maybe': use true or false"),
       (["export", f"--params={tmp_path}", f"--output={tmp_path / 'x'}"],
-       "is neither a folder of `convert.google import`")):
+       "holds no weights bertjax reads: expected a bertjax workdir")):
     with pytest.raises(SystemExit) as exited:  # exit status 1 with the message on stderr
       google.main(args)
     assert isinstance(exited.value.code, str) and text in exited.value.code, exited.value.code
@@ -341,7 +339,8 @@ def test_reading_imports_no_tensorflow(folder):
   code = ("import sys\nfrom bertjax.convert import google\n"
           f"values = google.read_checkpoint({path!r})\n"
           f"config, params = google.load_folder({path!r}, scan_layers=True)\n"
-          f"assert google.is_google_folder({path!r})\n"
+          "from bertjax import weights\n"
+          f"assert weights.inspect({path!r}).kind == 'google'\n"
           f"assert len(values) == {3 * len(shapes(GOOGLE_CONFIG)) + 1}\n"
           "assert config.num_layers == 2\n"
           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))\n")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax import checkpoint as checkpoint_lib, loop, train
+from bertjax import checkpoint as checkpoint_lib, loop, train, weights
 from bertjax.convert import google
 from bertjax.finetune import run
 from configs import tiny
@@ -36,7 +36,7 @@ def _one_device(monkeypatch):
 
 def _saved_variables(workdir, params_key=None):
   """The last checkpoint's parameters of `workdir`, under Google's names."""
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), loop.ITEMS,
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), checkpoint_lib.TRAIN_ITEMS,
                                      save_every=1, keep=1)
   params = ckpt.restore_stored(ckpt.all_steps()[-1], "params")
   ckpt.close()
@@ -64,9 +64,9 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
   config.checkpoint.init_from = folder
   loop.train_and_evaluate(config, str(tmp_path / "run"))
   out = capsys.readouterr().out
-  assert (f"vocabulary from init_from: {folder}/vocab.txt (WordPiece, do_lower_case=True: the "
-          "name uncased_L-1_H-32_A-2 says uncased)") in out
-  assert f"parameters from init_from={folder}" in out
+  assert (f"vocabulary from checkpoint.init_from: {folder}/vocab.txt (wordpiece, "
+          "do_lower_case=True: the name uncased_L-1_H-32_A-2 says uncased)") in out
+  assert f"parameters from checkpoint.init_from={folder} (google): encoder + mlm + nsp," in out
   # Learning rate 0: the checkpoint holds the Google folder's weights, bit for bit.
   saved = google.params_to_google(_saved_variables(tmp_path / "run"),
                                   google.config_from_google(SMALL))
@@ -90,17 +90,17 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
 
   # Another model size is refused, naming the sizes; so is another vocabulary, unless asked for
   # (both checked where the run takes init_from's parameters).
+  source = weights.inspect(folder)
   bigger = google.config_from_google(dict(SMALL, hidden_size=64, intermediate_size=128))
   with pytest.raises(checkpoint_lib.CheckpointMismatchError,
                      match="hidden_size: checkpoint 32 vs config 64; model.intermediate_size: "
                      "checkpoint 64 vs config 128"):
-    loop.load_init_params(folder, None, bigger)
-  same = google.config_from_google(SMALL)
+    weights.check_model(source, bigger)
   with pytest.raises(checkpoint_lib.CheckpointMismatchError,
-                     match=r"was trained with its .*vocab.txt \(fingerprint wordpiece-410-\w+\), "
-                     r"not with this run's vocabulary \(fingerprint wordpiece-410-0123\).* set "
+                     match=r"was trained with another vocabulary \(fingerprint wordpiece-410-\w+\) "
+                     r"than this run's \(fingerprint wordpiece-410-0123\).* set "
                      "checkpoint.init_from_other_vocab=True"):
-    loop.load_init_params(folder, None, same, tokenizer_fingerprint="wordpiece-410-0123")
+    weights.check_vocabulary(source, "wordpiece-410-0123", True)
 
 
 def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
@@ -128,15 +128,15 @@ def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
   # Another model size is refused, naming the sizes.
   config = frozen_next_config(folder, str(tmp_path / "task"))
   config.model.hidden_size = 64
-  with pytest.raises(ValueError, match=f"config.model.hidden_size=64 but init_from={folder} has "
-                     "32"):
+  with pytest.raises(ValueError, match=f"config.model.hidden_size=64 but checkpoint.init_from="
+                     f"{folder} has 32"):
     run.finetune(config, str(tmp_path / "ft2"))
   # Another vocabulary than the folder's is refused, naming both fingerprints.
   pieces = open(os.path.join(folder, "vocab.txt")).read().split("\n")
   other = tmp_path / "other_vocab.txt"
   other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
   config = frozen_next_config(folder, str(tmp_path / "task"))
-  config.vocab_path, config.do_lower_case = str(other), False
+  config.data.vocab_path, config.data.do_lower_case = str(other), False
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
     run.finetune(config, str(tmp_path / "ft3"))
   assert str(err.value).count("wordpiece-") == 2

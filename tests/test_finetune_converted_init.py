@@ -44,7 +44,7 @@ def test_encoder_and_vocabulary_come_from_a_converted_folder(tmp_path, monkeypat
   results = run.finetune(config, str(tmp_path / "ft"))
   assert results["evaluations"]
   # Learning rate 0: the saved encoder is the converted one, leaf for leaf.
-  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ft" / "checkpoints"), loop.ITEMS,
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ft" / "checkpoints"), checkpoint_lib.TRAIN_ITEMS,
                                      save_every=1, keep=1)
   step = ckpt.all_steps()[-1]
   saved = ckpt._manager.restore(step)["params"]  # pylint: disable=protected-access
@@ -63,7 +63,7 @@ def test_encoder_and_vocabulary_come_from_a_converted_folder(tmp_path, monkeypat
   other = tmp_path / "other_vocab.txt"  # the same pieces, two of them swapped
   other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
   config = frozen_next_config(folder, str(tmp_path / "task"))
-  config.vocab_path = str(other)
+  config.data.vocab_path = str(other)
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
     run.finetune(config, str(tmp_path / "ft2"))
   assert str(err.value).count("wordpiece-") == 2

@@ -63,7 +63,7 @@ def rte_dir(tmp_path_factory):
 
 def rte_config(pretrained, data_dir):
   config = fx.ft_config("rte", pretrained, batch_size=BATCH, num_epochs=EPOCHS)
-  config.data_dir = data_dir
+  config.data.data_dir = data_dir
   return config
 
 
@@ -112,7 +112,7 @@ def finetune(config, workdir, monkeypatch, **build_options) -> Run:
   return Run(str(workdir), run.finetune(config, str(workdir)), builds)
 
 
-def saved_params(folder, step=None, items=loop.ITEMS):
+def saved_params(folder, step=None, items=checkpoint_lib.TRAIN_ITEMS):
   """A checkpoint's params as numpy (the newest step unless `step`)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   ckpt = checkpoint_lib.Checkpointer(str(folder), items, save_every=1, keep=1)
@@ -196,7 +196,7 @@ def test_pair_classification_learns_and_writes_glue_submission(rte_run, rte_dir)
 def test_regression_learns_and_writes_stsb_submission(pretrained, tmp_path, monkeypatch):
   test_rows = fx.write_stsb(str(tmp_path / "glue"), n_train=N_TRAIN, n_dev=N_DEV)
   config = fx.ft_config("sts-b", pretrained, batch_size=BATCH, num_epochs=EPOCHS)
-  config.data_dir = str(tmp_path / "glue")
+  config.data.data_dir = str(tmp_path / "glue")
   done = finetune(config, tmp_path / "run", monkeypatch)
   best = check_workdir_files(done.workdir, done.results, "STS-B", "pearson_and_spearman",
                              ["STS-B.tsv"])
@@ -228,24 +228,24 @@ def test_span_learns_and_writes_squad_predictions(pretrained, tmp_path, monkeypa
   for paragraphs in (train_paragraphs, dev_paragraphs):
     paragraphs[3]["qas"][0]["answers"][0]["answer_start"] += 2
   config = fx.ft_config("squad_v1.1", pretrained, batch_size=BATCH, num_epochs=EPOCHS)
-  config.train_file = fx.write_squad(str(tmp_path / "train-v1.1.json"), train_paragraphs)
-  config.dev_file = fx.write_squad(str(tmp_path / "dev-v1.1.json"), dev_paragraphs)
+  config.data.train_file = fx.write_squad(str(tmp_path / "train-v1.1.json"), train_paragraphs)
+  config.data.dev_file = fx.write_squad(str(tmp_path / "dev-v1.1.json"), dev_paragraphs)
   done = finetune(config, tmp_path / "run", monkeypatch)
   results = done.results
   # Contexts of up to 41 words take two windows at times; the steps count features, not questions.
   n_features = len(tasks.model_features(squad.make_features(
-      squad.read_squad_json(config.train_file, is_training=True).examples,
+      squad.read_squad_json(config.data.train_file, is_training=True).examples,
       tokenizer_lib.load_tokenizer(os.path.join(pretrained, "vocab.txt")),
       max_seq_length=fx.SEQ, doc_stride=16, max_query_length=8))["input_ids"])
   assert n_features > N_TRAIN - 1
   best = check_workdir_files(done.workdir, results, "squad_v1.1", "f1",
                              ["predictions.json", "nbest_predictions.json"],
                              per_epoch=n_features // BATCH)
-  baseline = _constant_answer_f1(config.dev_file)
+  baseline = _constant_answer_f1(config.data.dev_file)
   assert best["scores"]["f1"] > max(80.0, 3 * baseline), (best, baseline)
   assert results["notes"] == [
-      f"{config.train_file}: skipped 1 question(s) whose answer does not match its offset",
-      f"{config.dev_file}: kept without a target 1 question(s) whose answer does not match its "
+      f"{config.data.train_file}: skipped 1 question(s) whose answer does not match its offset",
+      f"{config.data.dev_file}: kept without a target 1 question(s) whose answer does not match its "
       "offset"]
   predictions = read_json(os.path.join(done.workdir, "predictions", "predictions.json"))
   assert sorted(predictions) == sorted(f"dev{i}" for i in range(N_DEV))
@@ -258,11 +258,11 @@ def test_span_learns_and_writes_squad_predictions(pretrained, tmp_path, monkeypa
 
 def test_tagging_learns_and_writes_conll_predictions(pretrained, tmp_path, monkeypatch):
   config = fx.ft_config("conll2003", pretrained, batch_size=BATCH, num_epochs=EPOCHS)
-  config.train_file = fx.write_conll(str(tmp_path / "eng.train"), fx.conll_sentences(N_TRAIN, 0))
+  config.data.train_file = fx.write_conll(str(tmp_path / "eng.train"), fx.conll_sentences(N_TRAIN, 0))
   dev = fx.conll_sentences(N_DEV, 1)
   test = fx.conll_sentences(24, 2)
-  config.dev_file = fx.write_conll(str(tmp_path / "eng.testa"), dev)
-  config.test_file = fx.write_conll(str(tmp_path / "eng.testb"), test)
+  config.data.dev_file = fx.write_conll(str(tmp_path / "eng.testa"), dev)
+  config.data.test_file = fx.write_conll(str(tmp_path / "eng.testb"), test)
   done = finetune(config, tmp_path / "run", monkeypatch)
   best = check_workdir_files(done.workdir, done.results, "conll2003", "f1",
                              ["dev_predictions.txt", "test_predictions.txt"])
@@ -339,7 +339,7 @@ def test_encoder_starts_as_init_from_and_the_head_is_new(rte_run, pretrained):
 def test_random_init_keeps_the_shape_and_vocabulary_with_fresh_weights(
     rte_run, pretrained, rte_dir, tmp_path, monkeypatch):
   config = rte_config(pretrained, rte_dir[0])
-  config.random_init = True
+  config.checkpoint.random_init = True
   builds = Builds(monkeypatch, abort_at_first_step=True)
   with pytest.raises(_Abort):
     run.finetune(config, str(tmp_path / "random"))
@@ -366,22 +366,23 @@ def test_init_from_refuses_another_vocabulary_or_shape(pretrained, rte_dir, tmp_
   other = tmp_path / "other_vocab.txt"
   other.write_text("\n".join(words[:5] + words[5:-1][::-1] + [""]))
   config = rte_config(pretrained, rte_dir[0])
-  config.vocab_path = str(other)
+  config.data.vocab_path = str(other)
   have = read_json(os.path.join(pretrained, "tokenizer.json"))["fingerprint"]
   given = tokenizer_lib.load_tokenizer(str(other)).fingerprint
   assert have != given
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match=re.escape(
-      f"{other} (fingerprint {given}) is not the one init_from={pretrained} was trained with "
-      f"(fingerprint {have})")):
+      f"checkpoint.init_from={pretrained} (workdir step ") + r"\d+\) " + re.escape(
+          f"was trained with another vocabulary (fingerprint {have}) than this run's "
+          f"(fingerprint {given})")):
     run.finetune(config, str(tmp_path / "vocab"))
   for key, value in (("hidden_size", 64), ("num_layers", 3), ("vocab_size", 1000)):
     config = rte_config(pretrained, rte_dir[0])
     config.model[key] = value
-    with pytest.raises(ValueError, match=re.escape(f"config.model.{key}={value} but init_from=")):
+    with pytest.raises(ValueError, match=re.escape(f"config.model.{key}={value} but checkpoint.init_from=")):
       run.finetune(config, str(tmp_path / key))
   config = rte_config("", rte_dir[0])
-  config.random_init = True
-  with pytest.raises(ValueError, match="random_init=True .* set config.init_from too"):
+  config.checkpoint.random_init = True
+  with pytest.raises(ValueError, match="random_init=True .* set config.checkpoint.init_from too"):
     run.finetune(config, str(tmp_path / "random"))
   assert not builds.trainings  # each refused before anything was compiled
   assert not any(os.path.exists(tmp_path / d / "checkpoints")
@@ -391,7 +392,7 @@ def test_init_from_refuses_another_vocabulary_or_shape(pretrained, rte_dir, tmp_
 def test_a_workdir_of_another_task_is_refused(rte_run, pretrained, tmp_path, monkeypatch):
   fx.write_stsb(str(tmp_path / "glue"), n_train=32, n_dev=8)
   config = fx.ft_config("sts-b", pretrained)
-  config.data_dir = str(tmp_path / "glue")
+  config.data.data_dir = str(tmp_path / "glue")
   before = {name: os.path.getmtime(os.path.join(rte_run.workdir, name))
             for name in ("results.json", "config.json", "evaluations.json")}
   Builds(monkeypatch)
@@ -525,16 +526,16 @@ def _glue_case(tmp_path, train=RTE_HEAD + GOOD_ROWS, dev=RTE_HEAD + GOOD_ROWS):
   for split, rows in (("train", train), ("dev", dev)):
     fx.write_file(str(tmp_path / "glue" / "RTE" / f"{split}.tsv"), rows)
   config = fx.ft_config("rte", "")
-  config.data_dir = str(tmp_path / "glue")
+  config.data.data_dir = str(tmp_path / "glue")
   return config
 
 
 def _conll_case(tmp_path, dev_line):
   sentences = fx.conll_sentences(4, 0)
   config = fx.ft_config("conll2003", "")
-  config.train_file = fx.write_conll(str(tmp_path / "eng.train"), sentences)
-  config.dev_file = fx.write_conll(str(tmp_path / "eng.testa"), sentences)
-  with open(config.dev_file, "a") as f:
+  config.data.train_file = fx.write_conll(str(tmp_path / "eng.train"), sentences)
+  config.data.dev_file = fx.write_conll(str(tmp_path / "eng.testa"), sentences)
+  with open(config.data.dev_file, "a") as f:
     f.write(dev_line)
   return config
 
@@ -577,7 +578,7 @@ def test_bad_input_is_refused_before_compiling(case, tmp_path, monkeypatch):
   make, message = BAD_INPUT[case]
   config = make(tmp_path)
   # No init_from: the model's shape and vocabulary from the config.
-  config.vocab_path = write_vocab(str(tmp_path / "vocab.txt"))
+  config.data.vocab_path = write_vocab(str(tmp_path / "vocab.txt"))
   m = config.model
   m.vocab_size, m.hidden_size, m.num_layers, m.num_heads = 512, 32, 2, 2
   m.intermediate_size, m.max_position_embeddings, m.type_vocab_size = 64, 64, 2

@@ -30,12 +30,12 @@ def test_finetuning_pod_scores_as_one_process(tmp_path, runs):
   data = data_config(tmp_path / "data", n_docs=0)
   _pair_task(tmp_path / "task")
   vocab_size = sum(1 for _ in open(data.vocab_path, encoding="utf-8"))
-  flags = ["--config=configs/finetune.py:next", "--config.init_from=",
-           f"--config.vocab_path={data.vocab_path}", f"--config.data_dir={tmp_path / 'task'}",
+  flags = ["--config=configs/finetune.py:next", "--config.checkpoint.init_from=",
+           f"--config.data.vocab_path={data.vocab_path}", f"--config.data.data_dir={tmp_path / 'task'}",
            f"--config.model.vocab_size={vocab_size}", "--config.model.hidden_size=32",
            "--config.model.num_layers=1", "--config.model.num_heads=2",
            "--config.model.intermediate_size=64", "--config.model.max_position_embeddings=64",
-           "--config.model.type_vocab_size=2", "--config.max_seq_length=32",
+           "--config.model.type_vocab_size=2", "--config.data.max_seq_length=32",
            "--config.train.batch_size=8", "--config.train.num_epochs=2",
            "--config.train.log_every_steps=4",
            # Dropout off: which device holds which row differs between the two layouts, and with

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from bertjax import control, loop, train
-from bertjax.checkpoint import Checkpointer, CheckpointMismatchError
+from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer, CheckpointMismatchError
 from bertjax.data import pipeline
 from configs import tiny
 from test_data_fixtures import data_config, write_corpus
@@ -43,7 +43,7 @@ def _config(tmp_path, **train_overrides):
 
 
 def _final_params(workdir, step):
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), loop.ITEMS, save_every=1, keep=1)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), TRAIN_ITEMS, save_every=1, keep=1)
   assert ckpt.latest_step() == step
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   restored = ckpt._manager.restore(step, args=ocp.args.Composite(  # pylint: disable=protected-access
@@ -185,7 +185,7 @@ def test_refusals_name_the_difference_and_keep_the_workdir(tmp_path, capsys):
   other_vocab.checkpoint.init_from_other_vocab = True
   other_vocab.train.num_train_steps = 1
   loop.train_and_evaluate(other_vocab, str(tmp_path / "new"))
-  assert "parameters from init_from" in capsys.readouterr().out
+  assert "parameters from checkpoint.init_from" in capsys.readouterr().out
 
   # The refused commands left the run as it was: its record of what it was asked, its steps.
   assert (tmp_path / "run" / "config.json").read_text() == recorded
@@ -218,7 +218,7 @@ def test_a_nonfinite_gradient_stops_the_run_before_its_state_is_saved(tmp_path, 
   _inject_nonfinite_at(monkeypatch, 4)  # a save step, with a finite loss
   with pytest.raises(control.NonFiniteError, match="Non-finite grad_norm at step 4"):
     loop.train_and_evaluate(config, str(tmp_path / "run"))
-  ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), loop.ITEMS, save_every=1, keep=1)
+  ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), TRAIN_ITEMS, save_every=1, keep=1)
   assert ckpt.all_steps() == [2]
   ckpt.close()
   assert all(np.all(np.isfinite(x)) for x in _leaves(_final_params(tmp_path / "run", 2)))
@@ -319,6 +319,6 @@ def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
       os.listdir(os.path.join(ROOT, "bertjax", "data")))
   info_files = re.findall(r"^I\d{4} \S+ +\d+ ([\w.]+):\d+\]", "".join(lines) + out, re.M)
   assert info_files and set(info_files) <= own, set(info_files) - own
-  saved = Checkpointer(str(tmp_path / "run" / "checkpoints"), loop.ITEMS, save_every=1, keep=1)
+  saved = Checkpointer(str(tmp_path / "run" / "checkpoints"), TRAIN_ITEMS, save_every=1, keep=1)
   assert saved.latest_step() >= 3
   saved.close()

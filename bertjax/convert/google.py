@@ -33,6 +33,7 @@ import sys
 import numpy as np
 from absl import logging
 
+from bertjax import files, weights
 from bertjax.convert import hf, tf_bundle
 from bertjax.model import ACTIVATIONS, BertConfig
 
@@ -43,7 +44,6 @@ read_checkpoint = tf_bundle.read_checkpoint
 CONFIG_FILE = "bert_config.json"
 VOCAB_FILE = "vocab.txt"
 CHECKPOINT_NAME = "bert_model.ckpt"
-TOKENIZER_RECORD = "tokenizer.json"  # = bertjax.data.tokenizer.WORKDIR_RECORD (kept TF-free here)
 
 # bert_config.json keys are Hugging Face's (its config was copied from this one), less
 # layer_norm_eps: the original hard-codes 1e-12.
@@ -101,11 +101,10 @@ def config_to_google(config: BertConfig) -> dict:
 def read_google_config(folder: str, **overrides) -> BertConfig:
   """The BertConfig of a Google folder's bert_config.json."""
   path = os.path.join(folder, CONFIG_FILE)
-  if not tf_bundle.exists(path):
+  if not files.exists(path):
     raise FileNotFoundError(f"{path} not found: a Google BERT folder holds bert_config.json, "
                             "bert_model.ckpt.* and vocab.txt (unzip the release into one folder)")
-  with tf_bundle.open_file(path, "r") as f:
-    return config_from_google(json.load(f), **overrides)
+  return config_from_google(files.read_json(path, "Google's model config"), **overrides)
 
 
 # Names -----------------------------------------------------------------------------------------
@@ -132,27 +131,48 @@ def _google_name(hf_name: str) -> tuple[str, bool]:
   return name.replace(".", "/"), transposed
 
 
-def _table(config: BertConfig) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
-  """Google name -> (Hugging Face name, transposed, Google shape) of every model variable."""
+# Google's prefixes of the pre-training heads' variables.
+_HEAD_PREFIXES = {"mlm": "cls/predictions/", "nsp": "cls/seq_relationship/"}
+
+
+def heads_in(names) -> tuple[str, ...]:
+  """The pre-training heads whose variables appear among `names` (Google names)."""
+  return tuple(head for head, prefix in _HEAD_PREFIXES.items()
+               if any(str(n).startswith(prefix) for n in names))
+
+
+def _table(config: BertConfig, heads=tuple(_HEAD_PREFIXES)
+           ) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
+  """Google name -> (Hugging Face name, transposed, Google shape) of every variable of the
+  encoder and of `heads`."""
   out = {}
-  for hf_name, shape in hf._expected_shapes(config).items():  # pylint: disable=protected-access
+  for hf_name, shape in hf._expected_shapes(config, heads).items():  # pylint: disable=protected-access
     name, transposed = _google_name(hf_name)
     out[name] = (hf_name, transposed, tuple(reversed(shape)) if transposed else tuple(shape))
   return out
 
 
 def ignored_variables(names) -> dict[str, int]:
-  """How many of `names` are optimizer slots (by kind) or the step counter."""
+  """How many of `names` are optimizer slots (by kind), the step counter, or variables of a task
+  head ("task head": run_classifier.py's output_weights, run_squad.py's cls/squad/*)."""
   counts = {}
   for name in names:
     kind = name.rsplit("/", 1)[-1]
     if kind in _SLOT_SUFFIXES or name == _STEP:
       counts[kind] = counts.get(kind, 0) + 1
+    elif _is_task_head(name):
+      counts["task head"] = counts.get("task head", 0) + 1
   return counts
 
 
+def _is_task_head(name: str) -> bool:
+  """A variable of a fine-tuning head of the original's scripts: neither the encoder's nor a
+  pre-training head's (run_classifier.py writes output_weights/output_bias at the top level)."""
+  return not name.startswith("bert/") and not name.startswith(tuple(_HEAD_PREFIXES.values()))
+
+
 def _is_ignored(name: str) -> bool:
-  return name == _STEP or name.rsplit("/", 1)[-1] in _SLOT_SUFFIXES
+  return (name == _STEP or name.rsplit("/", 1)[-1] in _SLOT_SUFFIXES) or _is_task_head(name)
 
 
 def _access(source):
@@ -165,19 +185,25 @@ def _access(source):
   return {k: tuple(np.shape(v)) for k, v in source.items()}, lambda k: np.asarray(source[k])
 
 
-def params_from_google(source, config: BertConfig, *, scan_layers: bool | None = None) -> dict:
-  """`BertForPreTraining` parameters (nested dict of numpy arrays) from Google's variables.
+def params_from_google(source, config: BertConfig, *, scan_layers: bool | None = None,
+                       heads=None) -> dict:
+  """`BertForPreTraining` parameters (nested dict of numpy arrays) from Google's variables: the
+  encoder (`bert`) and the pre-training `heads` ("mlm", "nsp"; None: those the checkpoint holds).
 
   `source`: {name: array}, a `CheckpointReader` (only the model's variables are read) or
   `tf.train.load_checkpoint(...)`. `scan_layers` (default: the config's) stacks the layers.
-  Optimizer slots and global_step are ignored (see `ignored_variables`); every missing,
-  unexpected or mis-shaped variable is listed in one ValueError.
+  Optimizer slots, global_step and a fine-tuning script's task head are ignored (see
+  `ignored_variables`); every missing, unexpected or mis-shaped variable is listed in one
+  ValueError.
   """
   if scan_layers is not None:
     config = dataclasses.replace(config, scan_layers=scan_layers)
   shapes, get = _access(source)
-  table = _table(config)
-  present = {name: shape for name, shape in shapes.items() if not _is_ignored(name)}
+  heads = heads_in(shapes) if heads is None else tuple(heads)
+  table = _table(config, heads)
+  unread = tuple(prefix for head, prefix in _HEAD_PREFIXES.items() if head not in heads)
+  present = {name: shape for name, shape in shapes.items()
+             if not _is_ignored(name) and not (unread and name.startswith(unread))}
   missing = sorted(set(table) - set(present))
   unexpected = sorted(set(present) - set(table))
   misshaped = sorted(f"{name}: {present[name]} (expected {table[name][2]})"
@@ -198,7 +224,7 @@ def params_from_google(source, config: BertConfig, *, scan_layers: bool | None =
   for name, (hf_name, transposed, _) in table.items():
     value = np.asarray(get(name))
     state_dict[hf_name] = value.T if transposed else value
-  return hf.params_from_hf(state_dict, config)
+  return hf.params_from_hf(state_dict, config, heads)
 
 
 def params_to_google(params: dict, config: BertConfig) -> dict[str, np.ndarray]:
@@ -206,26 +232,10 @@ def params_to_google(params: dict, config: BertConfig) -> dict[str, np.ndarray]:
   parameters."""
   state_dict = hf.params_to_hf(params, config)
   return {name: np.ascontiguousarray(state_dict[hf_name].T if transposed else state_dict[hf_name])
-          for name, (hf_name, transposed, _) in _table(config).items()}
+          for name, (hf_name, transposed, _) in _table(config).items() if hf_name in state_dict}
 
 
 # Folders and casing ----------------------------------------------------------------------------
-
-def is_google_folder(path: str) -> bool:
-  """Whether `path` is a folder with a TensorFlow checkpoint and a bert_config.json in Google's
-  keys (a converted folder's bert_config.json has bertjax's)."""
-  try:
-    names = tf_bundle.listdir(path)
-  except Exception:  # pylint: disable=broad-except
-    return False  # not a folder, or none at all (TensorFlow's errors for URLs are not OSErrors)
-  if CONFIG_FILE not in names or not any(name.endswith(".index") for name in names):
-    return False
-  try:
-    with tf_bundle.open_file(os.path.join(path, CONFIG_FILE), "r") as f:
-      return "num_hidden_layers" in json.load(f)
-  except (OSError, ValueError):
-    return False
-
 
 def load_folder(path: str, *, scan_layers: bool = False) -> tuple[BertConfig, dict]:
   """(config, `BertForPreTraining` params as numpy) of a Google folder, without TensorFlow."""
@@ -233,58 +243,14 @@ def load_folder(path: str, *, scan_layers: bool = False) -> tuple[BertConfig, di
   return config, params_from_google(CheckpointReader(path), config)
 
 
-def lower_case_from_name(name: str) -> bool | None:
-  """The casing a release's folder name says, as the original's check reads it; None if it says
-  nothing. Also covers the names it predates (wwm_*, the small BERTs, TF Hub's bert_en_*)."""
-  if "://" not in name:
-    name = os.path.abspath(name)  # "." names the folder it is
-  name = os.path.basename(name.rstrip("/")).lower()
-  if "uncased" in name or "multilingual_l" in name or "chinese" in name or "bert_zh" in name:
-    return True
-  if "cased" in name:
-    return False
-  return None
-
-
-def _read_record(folder: str) -> dict | None:
-  path = os.path.join(folder, TOKENIZER_RECORD)
-  if not tf_bundle.exists(path):
-    return None
-  with tf_bundle.open_file(path, "r") as f:
-    return json.load(f)
-
-
-def vocabulary_of(folder: str) -> tuple[str | None, bool | None, str]:
-  """(vocab.txt or None, do_lower_case or None when unknown, why) of a Google folder or a
-  converted one (None for anything else): the casing its tokenizer.json records (written by this
-  module), else for a Google folder what its name says, else lower-cased as the original's flag
-  defaults."""
-  if not tf_bundle.exists(os.path.join(folder, CONFIG_FILE)):  # a workdir: its own vocabulary
-    return None, None, ""
-  record = _read_record(folder)
-  if record is not None and record.get("kind", "wordpiece") == "wordpiece":
-    vocab = os.path.join(folder, record.get("file", VOCAB_FILE))
-    return (vocab if tf_bundle.exists(vocab) else None, bool(record.get("do_lower_case", True)),
-            f"recorded in {os.path.join(folder, TOKENIZER_RECORD)}")
-  vocab = os.path.join(folder, VOCAB_FILE)
-  vocab = vocab if tf_bundle.exists(vocab) else None
-  if not is_google_folder(folder):
-    return vocab, None, ""
-  by_name = lower_case_from_name(folder)
-  if by_name is not None:
-    return vocab, by_name, f"the name {os.path.basename(folder.rstrip('/'))} says " + (
-        "uncased" if by_name else "cased")
-  return vocab, True, (f"the name {os.path.basename(folder.rstrip('/'))} does not say; lower-cased "
-                       "as the original's default (rename the folder or set do_lower_case)")
-
-
 def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, str]:
   """The casing for a Google folder's vocabulary: `requested` if given (warned when the name
-  says otherwise, as the original's check would refuse it), else what the folder says."""
-  _, inferred, why = vocabulary_of(folder)
+  says otherwise, as the original's check would refuse it), else what the folder says
+  (bertjax/weights.py: its record, else its name, else lower-cased as the original's default)."""
   if requested is None:
-    return bool(inferred), why
-  by_name = lower_case_from_name(folder)
+    source = weights.inspect(folder, what="--ckpt_dir")
+    return source.lower, source.casing_why
+  by_name = weights.lower_case_from_name(folder)
   if by_name is not None and by_name != requested:
     logging.warning(
         "do_lower_case=%s, but %s seems to be a%s model: its pieces were made from %s text, so "
@@ -304,11 +270,11 @@ def import_folder(ckpt_dir: str, output: str, *, do_lower_case: bool | None = No
   config = read_google_config(ckpt_dir, scan_layers=scan_layers)
   reader = CheckpointReader(ckpt_dir)
   vocab = os.path.join(ckpt_dir, VOCAB_FILE)
-  if not tf_bundle.exists(vocab):
+  if not files.exists(vocab):
     raise FileNotFoundError(f"{vocab} not found: the vocabulary the checkpoint's embedding rows "
                             "index is part of a Google folder (vocab.txt of the same release)")
   lower, why = resolve_do_lower_case(ckpt_dir, do_lower_case)
-  tokenizer = tokenizer_lib.load_tokenizer(_wordpiece(vocab, lower))
+  tokenizer = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower)
   if tokenizer.vocab_size > config.vocab_size:
     raise ValueError(f"{vocab} has {tokenizer.vocab_size} pieces, more than the model's "
                      f"{config.vocab_size} embedding rows: it is not this checkpoint's vocabulary")
@@ -322,87 +288,44 @@ def import_folder(ckpt_dir: str, output: str, *, do_lower_case: bool | None = No
           f"ignored optimizer slots and step: {slots})")
 
 
-def _wordpiece(vocab: str, lower: bool):
-  import ml_collections  # pylint: disable=import-outside-toplevel
-  return ml_collections.ConfigDict({"vocab_path": vocab, "tokenizer": "wordpiece",
-                                    "do_lower_case": lower})
-
-
 def _write_vocabulary(vocab: str, fingerprint: str, output: str, lower: bool) -> None:
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  record = os.path.join(output, TOKENIZER_RECORD)
-  if tf.io.gfile.exists(record):  # copy_to_workdir keeps a record it finds: this one is replaced
-    tf.io.gfile.remove(record)
-  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower)
-
-
-def _read_params(path: str) -> tuple[BertConfig, dict, str | None, bool | None]:
-  """(config, params, vocab.txt, do_lower_case) of a converted folder, a pre-training workdir or
-  a Google folder."""
-  if is_google_folder(path):
-    config, params = load_folder(path)
-    vocab, lower, _ = vocabulary_of(path)
-    return config, params, vocab, lower
-  if tf_bundle.exists(os.path.join(path, CONFIG_FILE)):
-    config, params = hf.load_params(path)
-    vocab, lower, _ = vocabulary_of(path)
-    return config, params, vocab, lower
-  workdir = os.path.dirname(path.rstrip("/")) if os.path.basename(
-      path.rstrip("/")) == "checkpoints" else path
-  folder = os.path.join(workdir, "checkpoints")
-  if not tf_bundle.exists(folder):
-    raise FileNotFoundError(f"--params={path} is neither a folder of `convert.google import` or "
-                            "`convert.hf import` (no bert_config.json) nor a bertjax workdir (no "
-                            "checkpoints/)")
-  from bertjax import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
-  ckpt = checkpoint_lib.Checkpointer(folder, ("params", "opt_state"), save_every=1, keep=1)
-  try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise FileNotFoundError(f"{folder} holds no checkpoint")
-    meta = ckpt.read_meta(steps[-1])
-    params = ckpt.restore_stored(steps[-1], "params")
-  finally:
-    ckpt.close()
-  config = BertConfig.from_dict(meta["model"])
-  record = _read_record(workdir) or {}
-  vocab = os.path.join(workdir, record["file"]) if "file" in record else None
-  if record.get("kind", "wordpiece") != "wordpiece":
-    logging.warning("%s's vocabulary is %s, which Google's tokenization.py cannot read: no "
-                    "vocab.txt is written.", workdir, record.get("kind"))
-    vocab = None
-  return config, params, vocab, record.get("do_lower_case")
+  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
 
 
 def export_folder(params_path: str, output: str) -> str:
-  """Writes a Google folder (bert_model.ckpt.*, bert_config.json, vocab.txt) from a converted
-  folder or a pre-training workdir; returns a line saying what was done. Uses TensorFlow's own
-  writer."""
-  config, params, vocab, lower = _read_params(params_path)
-  lacking = sorted({"bert", "mlm", "nsp"} - set(params))
+  """Writes a Google folder (bert_model.ckpt.*, bert_config.json, vocab.txt) from any folder
+  bertjax/weights.py reads that holds the pre-training heads; returns a line saying what was
+  done. Uses TensorFlow's own writer."""
+  source = weights.inspect(params_path, what="--params")
+  lacking = sorted({"bert", "mlm", "nsp"} - set(source.subtrees))
   if lacking:
-    raise ValueError(f"{params_path} holds parameters {sorted(params)}, without {lacking}: a "
-                     "fine-tuning run keeps no MLM and NSP heads; export a pre-training workdir "
-                     "or a converted folder")
-  variables = params_to_google(params, config)
+    raise ValueError(f"--params={params_path} holds parameters {list(source.subtrees)}, without "
+                     f"{lacking}: a fine-tuning run keeps no MLM and NSP heads; export a "
+                     "pre-training workdir or a converted folder (or a fine-tuning run to Hugging "
+                     "Face: python -m bertjax.convert.hf export)")
+  vocab = source.vocab_file
+  if vocab is not None and source.tokenizer_kind != "wordpiece":
+    logging.warning("%s's vocabulary is %s, which Google's tokenization.py cannot read: no "
+                    "vocab.txt is written.", params_path, source.tokenizer_kind)
+    vocab = None
+  config = source.config
+  variables = params_to_google(weights.read(source), config)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   tf.io.gfile.makedirs(output)
   names = sorted(variables)
   tf.raw_ops.SaveV2(prefix=os.path.join(output, CHECKPOINT_NAME), tensor_names=names,
                     shape_and_slices=[""] * len(names),
                     tensors=[tf.constant(variables[name]) for name in names])
-  with tf.io.gfile.GFile(os.path.join(output, CONFIG_FILE), "w") as f:
-    json.dump(config_to_google(config), f, indent=2)
+  files.write_json(os.path.join(output, CONFIG_FILE), config_to_google(config))
   said = "no vocabulary"
   if vocab is not None:
     from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-    lower = True if lower is None else lower
-    fingerprint = tokenizer_lib.load_tokenizer(_wordpiece(vocab, lower)).fingerprint
-    _write_vocabulary(vocab, fingerprint, output, lower)
-    said = f"vocab.txt (do_lower_case={lower})"
-  return (f"Exported {params_path} -> {os.path.join(output, CHECKPOINT_NAME)} ({len(names)} "
-          f"variables), {CONFIG_FILE}, {said}")
+    fingerprint = tokenizer_lib.load_vocabulary(vocab, "wordpiece", source.lower).fingerprint
+    _write_vocabulary(vocab, fingerprint, output, source.lower)
+    said = f"vocab.txt (do_lower_case={source.lower})"
+  return (f"Exported {source.describe()} -> {os.path.join(output, CHECKPOINT_NAME)} "
+          f"({len(names)} variables), {CONFIG_FILE}, {said}")
 
 
 # Command line ----------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ Command line:
   python -m bertjax.convert.hf import --hf_dir=DIR_WITH_config.json_AND_model.safetensors --output=OUT
   python -m bertjax.convert.hf export --params=OUT --output=HF_DIR
 `import` writes an orbax checkpoint of the parameters plus `bert_config.json` (see `save_params`),
-and copies the folder's `vocab.txt` if it has one: the form a run's `init_from` (pre-training or
-`python -m bertjax.finetune`) reads; `export` writes `config.json` and `model.safetensors` back.
+and copies the folder's `vocab.txt` with its casing (tokenizer_config.json's do_lower_case) recorded
+in `tokenizer.json`; a Hugging Face folder is also read as it is by every `init_from`. `export`
+writes `config.json`, `model.safetensors` and the tokenizer's files from any bertjax weights folder
+(a workdir included).
 """
 
 from __future__ import annotations
@@ -162,7 +164,18 @@ def _root_entries() -> list[_Entry]:
   return entries
 
 
-def _expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
+# Heads a state dict may hold beside the encoder ("bert"), by the prefix of their tensors.
+HEAD_PREFIXES = {"mlm": "cls.predictions.", "nsp": "cls.seq_relationship."}
+
+
+def heads_in(names) -> tuple[str, ...]:
+  """The pre-training heads whose tensors appear among `names` (Hugging Face names)."""
+  return tuple(head for head, prefix in HEAD_PREFIXES.items()
+               if any(str(n).startswith(prefix) for n in names))
+
+
+def _expected_shapes(config: BertConfig, heads=tuple(HEAD_PREFIXES)) -> dict[str, tuple[int, ...]]:
+  """Every tensor of the encoder and of `heads`, with its Hugging Face shape."""
   c = config
   d, f = c.hidden_size, c.intermediate_size
   shapes = {
@@ -187,7 +200,8 @@ def _expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
   for i in range(c.num_layers):
     for name, shape in layer.items():
       shapes[f"bert.encoder.layer.{i}.{name}"] = shape
-  return shapes
+  dropped = tuple(HEAD_PREFIXES[h] for h in HEAD_PREFIXES if h not in heads)
+  return {k: v for k, v in shapes.items() if not (dropped and k.startswith(dropped))}
 
 
 def _normalise_names(state_dict: dict) -> dict:
@@ -202,8 +216,11 @@ def _normalise_names(state_dict: dict) -> dict:
   return out
 
 
-def _check(state_dict: dict, config: BertConfig) -> None:
-  expected = _expected_shapes(config)
+def _check(state_dict: dict, config: BertConfig, heads) -> None:
+  expected = _expected_shapes(config, heads)
+  unread = tuple(HEAD_PREFIXES[h] for h in HEAD_PREFIXES if h not in heads)
+  if unread:  # the heads not asked for are not read, so not checked either
+    state_dict = {k: v for k, v in state_dict.items() if not k.startswith(unread)}
   missing = sorted(set(expected) - set(state_dict))
   unexpected = sorted(set(state_dict) - set(expected) - set(_TIED_KEYS) - set(_IGNORED_KEYS))
   misshaped = sorted(f"{k}: {tuple(state_dict[k].shape)} (expected {expected[k]})"
@@ -248,16 +265,20 @@ def _layer_root(config: BertConfig, i: int) -> tuple[str, ...]:
       "bert", "encoder", f"layer_{i}")
 
 
-def params_from_hf(state_dict: dict, config: BertConfig) -> dict:
-  """`BertForPreTraining` parameters (nested dict of numpy arrays) from a Hugging Face state dict.
+def params_from_hf(state_dict: dict, config: BertConfig, heads=None) -> dict:
+  """`BertForPreTraining` parameters (nested dict of numpy arrays) from a Hugging Face state dict:
+  the encoder (`bert`) and the pre-training `heads` ("mlm", "nsp"; None: those it holds).
 
   Raises ValueError listing every missing, unexpected and mis-shaped key at once.
   """
   sd = _normalise_names(state_dict)
-  _check(sd, config)
+  heads = heads_in(sd) if heads is None else tuple(heads)
+  _check(sd, config, heads)
   dtype = np.dtype(config.param_dtype)
   params: dict = {}
   for entry in _root_entries():
+    if entry.path[0] != "bert" and entry.path[0] not in heads:
+      continue
     _set(params, entry.path, entry.to_ours(sd[entry.hf_name], config).astype(dtype))
   for entry in _layer_entries():
     per_layer = [entry.to_ours(sd[f"bert.encoder.layer.{i}.{entry.hf_name}"], config).astype(dtype)
@@ -271,14 +292,16 @@ def params_from_hf(state_dict: dict, config: BertConfig) -> dict:
 
 
 def params_to_hf(params: dict, config: BertConfig) -> dict[str, np.ndarray]:
-  """The Hugging Face state dict (float32 numpy) of `BertForPreTraining` parameters.
+  """The Hugging Face state dict (float32 numpy) of `BertForPreTraining` parameters: the encoder
+  and whichever pre-training heads `params` holds.
 
   The tied decoder weight is not written, as Hugging Face's own safetensors files omit it.
   """
   def get(path):
     return np.asarray(_get(params, path), dtype=np.float32)
 
-  sd = {entry.hf_name: entry.to_hf(get(entry.path), config) for entry in _root_entries()}
+  sd = {entry.hf_name: entry.to_hf(get(entry.path), config) for entry in _root_entries()
+        if entry.path[0] in params}
   for entry in _layer_entries():
     if config.scan_layers:
       stacked = get(_layer_root(config, 0) + entry.path)
@@ -288,6 +311,18 @@ def params_to_hf(params: dict, config: BertConfig) -> dict[str, np.ndarray]:
     for i, value in enumerate(per_layer):
       sd[f"bert.encoder.layer.{i}.{entry.hf_name}"] = entry.to_hf(value, config)
   return sd
+
+
+def safetensors_names(path: str) -> list[str]:
+  """The tensor names of a safetensors file (its header only)."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  with safe_open(path, "np") as f:
+    return list(f.keys())
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  return load_file(path)
 
 
 def load_hf_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
@@ -345,6 +380,54 @@ def load_params(directory: str, abstract_params=None) -> tuple[BertConfig, dict]
   return config, params
 
 
+def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
+  """Writes a converted folder (bert_config.json + params/, and the vocabulary with its casing
+  recorded) from a Hugging Face BERT folder; returns a line saying what was done."""
+  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  source = weights.inspect(hf_dir, what="--hf_dir")
+  if source.kind != "huggingface":
+    raise ValueError(f"--hf_dir={hf_dir} is a {source.kind} folder, not a Hugging Face one "
+                     "(config.json + model.safetensors); bertjax reads it as it is")
+  config, params = load_hf_dir(hf_dir, scan_layers=scan_layers)
+  save_params(output, params, config)
+  said = "no vocab.txt"
+  if source.vocab_file is not None:  # the vocabulary travels with the weights it indexes
+    _write_vocabulary(source.vocab_file, output, source.lower)
+    said = f"vocab.txt (do_lower_case={source.lower}: {source.casing_why})"
+  return (f"Imported {hf_dir} -> {output} ({config.num_layers} layers, hidden "
+          f"{config.hidden_size}, vocab {config.vocab_size}; {said})")
+
+
+def _write_vocabulary(vocab: str, output: str, lower: bool) -> None:
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  fingerprint = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower).fingerprint
+  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
+
+
+def export_folder(params_path: str, output: str) -> str:
+  """Writes a Hugging Face folder (config.json, model.safetensors, the tokenizer's files) from any
+  folder bertjax/weights.py reads; returns a line saying what was done."""
+  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  source = weights.inspect(params_path, what="--params")
+  save_hf_dir(output, weights.read(source), source.config)
+  said = write_tokenizer_files(source, output, source.config)
+  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors{said})"
+
+
+def write_tokenizer_files(source, output: str, config: BertConfig) -> str:
+  """The vocabulary beside exported weights, as transformers' BertTokenizer reads it (vocab.txt
+  and tokenizer_config.json with the casing); returns what was written, for the console."""
+  if source.vocab_file is None:
+    return ""
+  if source.tokenizer_kind != "wordpiece":
+    return f"; no tokenizer: {source.tokenizer_kind} vocabularies are not written yet"
+  shutil.copyfile(source.vocab_file, os.path.join(output, "vocab.txt"))
+  with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": source.lower,
+               "model_max_length": config.max_position_embeddings}, f, indent=2)
+  return f", vocab.txt, tokenizer_config.json (do_lower_case={source.lower})"
+
+
 def main(argv: list[str]) -> None:
   import argparse  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(prog="python -m bertjax.convert.hf", description=__doc__,
@@ -355,21 +438,15 @@ def main(argv: list[str]) -> None:
   imp.add_argument("--output", required=True)
   imp.add_argument("--scan_layers", action="store_true", help="store layers stacked for nn.scan")
   exp = sub.add_parser("export", help="bertjax parameters -> Hugging Face folder")
-  exp.add_argument("--params", required=True, help="a folder written by `import` or save_params")
+  exp.add_argument("--params", required=True,
+                   help="a bertjax workdir, or a folder of `import` or convert.google import")
   exp.add_argument("--output", required=True)
   args = parser.parse_args(argv)
+  from bertjax import cli  # pylint: disable=import-outside-toplevel
   if args.command == "import":
-    config, params = load_hf_dir(args.hf_dir, scan_layers=args.scan_layers)
-    save_params(args.output, params, config)
-    vocab = os.path.join(args.hf_dir, "vocab.txt")
-    if os.path.exists(vocab):  # the WordPiece vocabulary travels with the weights it indexes
-      shutil.copyfile(vocab, os.path.join(args.output, "vocab.txt"))
-    print(f"Imported {args.hf_dir} -> {args.output} ({config.num_layers} layers, "
-          f"hidden {config.hidden_size}, vocab {config.vocab_size})")
+    print(cli.explained(import_folder, args.hf_dir, args.output, scan_layers=args.scan_layers))
   else:
-    config, params = load_params(args.params)
-    save_hf_dir(args.output, params, config)
-    print(f"Exported {args.params} -> {args.output}/model.safetensors")
+    print(cli.explained(export_folder, args.params, args.output))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ buffers: under the key "" a BundleHeaderProto (number of shards, endianness, for
 under each tensor's name a BundleEntryProto (dtype, shape, shard, offset, size, masked CRC32C of
 the tensor's bytes). Block and tensor checksums are verified.
 
-Local paths are read with `open`; a URL (gs://...) goes through `tf.io.gfile`, imported then only.
+Local paths are read with `open`; a URL (gs://...) goes through `tf.io.gfile`, imported then only
+(bertjax/files.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import os
 import struct
 
 import numpy as np
+
+from bertjax import files
 
 _MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
@@ -38,27 +41,6 @@ class BundleError(ValueError):
 
 # Files -----------------------------------------------------------------------------------------
 
-def open_file(path: str, mode: str = "rb"):
-  if "://" in path:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    return tf.io.gfile.GFile(path, mode)
-  return open(path, mode)  # pylint: disable=unspecified-encoding
-
-
-def exists(path: str) -> bool:
-  if "://" in path:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    return tf.io.gfile.exists(path)
-  return os.path.exists(path)
-
-
-def listdir(path: str) -> list[str]:
-  if "://" in path:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    return [name.rstrip("/") for name in tf.io.gfile.listdir(path)]
-  return os.listdir(path)
-
-
 def resolve_prefix(prefix_or_dir: str) -> str:
   """The checkpoint prefix (`DIR/bert_model.ckpt`) of a prefix, its .index or data file, or a folder.
 
@@ -70,12 +52,12 @@ def resolve_prefix(prefix_or_dir: str) -> str:
     path = path[:-len(".index")]
   elif ".data-" in os.path.basename(path):
     path = path[:path.rindex(".data-")]
-  if exists(path + ".index"):
+  if files.exists(path + ".index"):
     return path
-  if not exists(path):
+  if not files.exists(path):
     raise FileNotFoundError(f"{prefix_or_dir} does not exist (give the folder of a TensorFlow "
                             "checkpoint or its prefix, e.g. DIR/bert_model.ckpt)")
-  prefixes = sorted(name[:-len(".index")] for name in listdir(path) if name.endswith(".index"))
+  prefixes = sorted(name[:-len(".index")] for name in files.listdir(path) if name.endswith(".index"))
   if len(prefixes) == 1:
     return os.path.join(path, prefixes[0])
   if not prefixes:
@@ -91,9 +73,9 @@ def resolve_prefix(prefix_or_dir: str) -> str:
 
 def _latest_named(folder: str) -> str | None:
   path = os.path.join(folder, "checkpoint")
-  if not exists(path):
+  if not files.exists(path):
     return None
-  with open_file(path, "r") as f:
+  with files.open_file(path, "r") as f:
     for line in f:
       key, _, value = line.partition(":")
       if key.strip() == "model_checkpoint_path":
@@ -348,7 +330,7 @@ class CheckpointReader:
     self.prefix = resolve_prefix(prefix_or_dir)
     self.verify = verify
     index = self.prefix + ".index"
-    with open_file(index) as f:
+    with files.open_file(index) as f:
       table = f.read()
     header, self.entries = None, {}
     for key, value in read_table(table, index):
@@ -383,10 +365,10 @@ class CheckpointReader:
     """The tensor `name` as a numpy array (strings as an object array of bytes)."""
     entry = self.entries[name]
     path = self.shard_path(entry.shard)
-    if not exists(path):
+    if not files.exists(path):
       raise FileNotFoundError(f"{path} (shard {entry.shard} of the checkpoint, holding {name}) "
                               "is missing")
-    with open_file(path) as f:
+    with files.open_file(path) as f:
       f.seek(entry.offset)
       data = f.read(entry.size)
     if len(data) != entry.size:

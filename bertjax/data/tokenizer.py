@@ -22,6 +22,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from bertjax import files
+
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
 # The original WordPiece gives up on longer words (one [UNK]).
@@ -79,8 +81,7 @@ class Tokenizer:
 
 def _load_sentencepiece(path: str) -> Tokenizer:
   import sentencepiece as spm
-  import tensorflow as tf
-  with tf.io.gfile.GFile(path, "rb") as f:
+  with files.open_file(path, "rb") as f:
     proto = f.read()
   sp = spm.SentencePieceProcessor(model_proto=proto)
   pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
@@ -213,8 +214,7 @@ def normalize_with_source(text: str, do_lower_case: bool) -> tuple[str, np.ndarr
 def read_wordpiece_vocab(path: str) -> list[str]:
   """The lines of a vocab.txt as the original reads them: split on "\n" only (not on the other
   line breaks `str.splitlines` knows), each stripped; a blank line is an (unused) entry."""
-  import tensorflow as tf
-  with tf.io.gfile.GFile(path, "rb") as f:
+  with files.open_file(path, "rb") as f:
     text = f.read().decode("utf-8", errors="ignore")
   lines = text.split("\n")
   if lines and lines[-1] == "":
@@ -290,23 +290,30 @@ def vocab_path_of(data_config) -> str:
 def load_tokenizer(path_or_config) -> Tokenizer:
   """A `.model` path (SentencePiece), a `vocab.txt` path (WordPiece, uncased), or `config.data`."""
   if isinstance(path_or_config, (str, os.PathLike)):
-    path, kind, lower = os.fspath(path_or_config), None, True
-  else:
-    cfg = path_or_config
-    path, kind, lower = vocab_path_of(cfg), cfg.tokenizer, cfg.do_lower_case
+    return load_vocabulary(os.fspath(path_or_config))
+  cfg = path_or_config
+  return load_vocabulary(vocab_path_of(cfg), cfg.tokenizer, cfg.do_lower_case)
+
+
+def kind_of(path: str) -> str:
+  """The tokenizer a vocabulary file is for, by its name: .model is SentencePiece's."""
+  return "sentencepiece" if path.endswith(".model") else "wordpiece"
+
+
+def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = True) -> Tokenizer:
+  """The tokenizer of a vocabulary file; `kind` None goes by the file's name (`kind_of`);
+  `do_lower_case` is WordPiece's (a SentencePiece model carries its own normalization)."""
   if not path:
     raise ValueError("No vocabulary: set config.data.vocab_path (a SentencePiece .model or a "
                      "WordPiece vocab.txt).")
-  import tensorflow as tf
-  if not tf.io.gfile.exists(path):
+  if not files.exists(path):
     raise FileNotFoundError(f"Vocabulary file {path} does not exist (train one with "
                             f"`python -m bertjax.data.tokenizer train ...`).")
-  if kind is None:
-    kind = "sentencepiece" if path.endswith(".model") else "wordpiece"
+  kind = kind or kind_of(path)
   if kind == "sentencepiece":
     return _load_sentencepiece(path)
   if kind == "wordpiece":
-    return _load_wordpiece(path, lower)
+    return _load_wordpiece(path, do_lower_case)
   raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
 
 
@@ -316,21 +323,23 @@ WORKDIR_RECORD = "tokenizer.json"
 
 
 def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
-                    do_lower_case: bool = True) -> str:
+                    do_lower_case: bool = True, replace: bool = False) -> str:
   """Copies the vocabulary into `workdir` (vocab.model or vocab.txt) with tokenizer.json naming
-  it, its kind, casing and fingerprint; returns the copy's path. Written once: a later run in the
-  same workdir finds its fingerprint already checked against the checkpoints."""
+  it, its kind, casing and fingerprint; returns the copy's path. Written once (unless `replace`,
+  for a converter's output): a later run in the same workdir finds its fingerprint already
+  checked against the checkpoints."""
   import tensorflow as tf
   name = "vocab.model" if kind == "sentencepiece" else "vocab.txt"
   target = os.path.join(workdir, name)
   record = os.path.join(workdir, WORKDIR_RECORD)
-  if tf.io.gfile.exists(record):
+  if files.exists(record) and not replace:
     return target
-  tf.io.gfile.copy(vocab_file, target + ".tmp", overwrite=True)
-  tf.io.gfile.rename(target + ".tmp", target, overwrite=True)
-  with tf.io.gfile.GFile(record, "w") as f:
-    json.dump({"file": name, "kind": kind, "do_lower_case": bool(do_lower_case),
-               "fingerprint": fingerprint, "copied_from": vocab_file}, f, indent=2)
+  files.makedirs(workdir)
+  if os.path.abspath(vocab_file) != os.path.abspath(target):
+    tf.io.gfile.copy(vocab_file, target + ".tmp", overwrite=True)
+    tf.io.gfile.rename(target + ".tmp", target, overwrite=True)
+  files.write_json(record, {"file": name, "kind": kind, "do_lower_case": bool(do_lower_case),
+                            "fingerprint": fingerprint, "copied_from": vocab_file})
   return target
 
 

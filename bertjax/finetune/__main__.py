@@ -1,4 +1,5 @@
-"""`python -m bertjax.finetune --config=configs/finetune.py:TASK --workdir=DIR --config.init_from=PATH`
+"""`python -m bertjax.finetune --config=configs/finetune.py:TASK --workdir=DIR
+--config.checkpoint.init_from=PATH`
 
 Fine-tunes init_from's encoder on TASK (GLUE's names, squad_v1.1, squad_v2.0, conll2003, next)
 with the same conventions as `python -m bertjax.main`: dotted overrides of a locked config,
@@ -6,6 +7,8 @@ config.json in the workdir, console progress, TensorBoard + metrics.jsonl, orbax
 resume (run the same command again), a save on SIGTERM, several processes, the mesh from
 config.mesh. See bertjax/finetune/run.py for what the workdir holds.
 """
+
+import sys
 
 from absl import app
 
@@ -22,4 +25,6 @@ def main(argv):
 
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
+  from bertjax.finetune import run as run_lib  # pylint: disable=ungrouped-imports
+  cli.refuse_moved_keys(sys.argv, run_lib.MOVED_KEYS)
   app.run(main)

@@ -97,7 +97,9 @@ def compare(pretrained_workdir: str, random_workdir: str) -> str:
 
 def _dev_size(workdir: str) -> int:
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-    data_dir = json.load(f)["data_dir"]
+    recorded = json.load(f)
+  # config.json of a run from before data.data_dir held the key: data_dir at the top
+  data_dir = recorded["data"]["data_dir"] if "data" in recorded else recorded["data_dir"]
   with open(os.path.join(data_dir, NAME, "dev.tsv"), encoding="utf-8") as f:
     return sum(1 for _ in f) - 1
 

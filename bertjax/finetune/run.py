@@ -3,10 +3,10 @@
 It runs through the pre-training loop's own machinery (`loop.execute`: restore or initialise,
 checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what fine-tuning adds:
 
-- the encoder of `init_from` (a pre-training workdir, a fine-tuning workdir, a folder written by
-  `python -m bertjax.convert.hf import` or `convert.google import`, or a Google folder as released:
-  bert_config.json, bert_model.ckpt.*, vocab.txt), task heads new; or `random_init=True` for the same
-  architecture and vocabulary with fresh weights (the comparison `make finetune` prints);
+- the encoder of `checkpoint.init_from` (any folder bertjax/weights.py reads: a pre-training or
+  fine-tuning workdir, a `convert.hf|google import` folder, a Google or Hugging Face folder), task
+  heads new; or `checkpoint.random_init=True` for the same architecture and vocabulary with fresh
+  weights (the comparison `make finetune` prints);
 - the task's features in memory, shuffled per epoch by (seed, epoch), so a resumed run sees the
   batches an uninterrupted one would;
 - an evaluation of the dev set(s) after every epoch with the task's metrics, the best checkpoint by
@@ -21,21 +21,17 @@ predictions/, results.json, vocab file (copied from init_from).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Iterator, Mapping
 
 import jax
-import ml_collections
 import numpy as np
-from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, control, loop, sharding
-from bertjax import train
+from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
+from bertjax import train, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import tasks
-from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig
 
 # Model keys a fine-tuning config may leave at 0 / "" to take init_from's value.
@@ -44,170 +40,74 @@ INHERITED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermedia
              "hidden_act", "dtype", "param_dtype", "remat_policy", "attention_impl",
              "position_init", "query_key_init")
 
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """What init_from holds: its model, its vocabulary file and fingerprint, how to read its encoder."""
-
-  path: str
-  # "workdir" (a bertjax run: pre-training or fine-tuning), "converted" (convert.hf or
-  # convert.google import) or "google" (a Google folder: bert_config.json + bert_model.ckpt.*)
-  kind: str
-  model: dict
-  vocab_file: str | None
-  tokenizer_fingerprint: str | None
-  do_lower_case: bool
+# Keys of the fine-tuning config before data, eval and checkpoint held them (the paths
+# pre-training uses for the same things): each old spelling is refused, naming its new path.
+MOVED_KEYS = {
+    "init_from": "checkpoint.init_from", "random_init": "checkpoint.random_init",
+    "init_from_other_vocab": "checkpoint.init_from_other_vocab",
+    **{key: f"data.{key}" for key in (
+        "source", "data_dir", "train_file", "dev_file", "test_file", "tfds_data_dir",
+        "vocab_path", "do_lower_case", "max_seq_length", "doc_stride", "max_query_length")},
+    **{key: f"eval.{key}" for key in (
+        "n_best_size", "max_answer_length", "null_score_diff_threshold")},
+}
 
 
-def _read_json(path: str) -> dict:
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  with tf.io.gfile.GFile(path) as f:
-    return json.load(f)
-
-
-def inspect_source(path: str) -> Source:
-  """Reads init_from's model, vocabulary and fingerprint; nothing of its weights yet."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  if not tf.io.gfile.exists(path):
-    raise FileNotFoundError(f"init_from={path} does not exist.")
-  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
-  if google.is_google_folder(path):
-    model = dataclasses.asdict(google.read_google_config(path))
-    del model["scan_layers"]  # a layout of ours, chosen by the task's config
-    vocab, lower, _ = google.vocabulary_of(path)
-    return Source(path, "google", model, vocab, None, lower)
-  if tf.io.gfile.exists(os.path.join(path, "bert_config.json")):
-    vocab, lower, _ = google.vocabulary_of(path)  # the casing `convert.google import` recorded
-    return Source(path, "converted", _read_json(os.path.join(path, "bert_config.json")), vocab,
-                  None, True if lower is None else lower)
-  workdir = os.path.dirname(path.rstrip("/")) if os.path.basename(
-      path.rstrip("/")) == "checkpoints" else path
-  folder = os.path.join(workdir, "checkpoints")
-  if not tf.io.gfile.exists(folder):
-    raise FileNotFoundError(
-        f"init_from={path} is neither a bertjax workdir (no checkpoints/) nor a folder written by "
-        "`python -m bertjax.convert.hf import` or `convert.google import`, nor a Google folder "
-        "(no bert_config.json).")
-  ckpt = checkpoint_lib.Checkpointer(folder, loop.ITEMS, save_every=1, keep=1)
-  try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise FileNotFoundError(f"init_from={path} holds no checkpoint.")
-    meta = ckpt.read_meta(steps[-1])
-  finally:
-    ckpt.close()
-  vocab_file, lower = _workdir_vocabulary(workdir)
-  return Source(workdir, "workdir", meta["model"], vocab_file, meta.get("tokenizer_fingerprint"),
-                lower)
-
-
-def _workdir_vocabulary(workdir: str) -> tuple[str | None, bool]:
-  """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
-  names (runs from before the copy; relative cache paths resolve from the current directory)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  record = os.path.join(workdir, tokenizer_lib.WORKDIR_RECORD)
-  if tf.io.gfile.exists(record):
-    info = _read_json(record)
-    return os.path.join(workdir, info["file"]), bool(info.get("do_lower_case", True))
-  config_path = os.path.join(workdir, "config.json")
-  if not tf.io.gfile.exists(config_path):
-    return None, True
-  config = _read_json(config_path)
-  data = config.get("data") or {}
-  if not data:  # a fine-tuning workdir records its vocabulary in tokenizer.json only
-    return None, True
-  try:
-    return tokenizer_lib.vocab_path_of(ml_collections.ConfigDict(data)), bool(
-        data.get("do_lower_case", True))
-  except ValueError:
-    return None, True
-
-
-def resolve_model(config, source: Source | None) -> BertConfig:
+def resolve_model(config, source: weights.Weights | None) -> BertConfig:
   """init_from's model with the config's overrides (dropout, dtype, ...); without init_from the
   config's model keys must say the shape."""
   wanted = dict(config.model)
-  base = dict(source.model) if source is not None else {}
+  base = dataclasses.asdict(source.config) if source is not None else {}
+  base.pop("scan_layers", None)  # a layout of ours, chosen by the task's config
   if source is None:
     unset = [k for k in checkpoint_lib.SHAPE_FIELDS if k != "scan_layers" and not wanted.get(k)]
     if unset:
       raise ValueError("Without init_from the model's shape must be given: set "
                        + ", ".join(f"config.model.{k}" for k in unset)
-                       + " (or init_from, to copy a run's model).")
+                       + " (or checkpoint.init_from, to copy a run's model).")
   merged = dict(base)
   for key, value in wanted.items():
     if key in INHERITED and value in (0, 0.0, ""):
       continue
     if source is not None and key in checkpoint_lib.SHAPE_FIELDS and key in base and (
         base[key] != value):
-      raise ValueError(f"config.model.{key}={value!r} but init_from={source.path} has "
-                       f"{base[key]!r}; leave it at 0 to take init_from's.")
+      raise ValueError(f"config.model.{key}={value!r} but checkpoint.init_from={source.path} "
+                       f"has {base[key]!r}; leave it at 0 to take init_from's.")
     merged[key] = value
   known = {f.name for f in dataclasses.fields(BertConfig)}
   return BertConfig(**{k: v for k, v in merged.items() if k in known})
 
 
-def resolve_tokenizer(config, source: Source | None):
-  """The task's tokenizer: config.vocab_path, else init_from's. A vocabulary other than the one
-  init_from was trained with is refused, naming both fingerprints."""
-  path = config.vocab_path or (source.vocab_file if source is not None else None)
+def resolve_tokenizer(config, source: weights.Weights | None):
+  """The task's tokenizer: data.vocab_path, else init_from's, cased as data.do_lower_case says,
+  else as init_from is. A vocabulary other than the one init_from was trained with is refused,
+  naming both fingerprints (weights.check_vocabulary)."""
+  data = config.data
+  path = data.vocab_path or (source.vocab_file if source is not None else None)
   if not path:
-    where = (f"init_from={source.path} records none" if source is not None
-             else "there is no init_from")
-    raise ValueError(f"No vocabulary for the task: {where}. Set config.vocab_path (a SentencePiece "
-                     ".model or a WordPiece vocab.txt).")
-  lower = config.do_lower_case if config.vocab_path or source is None else source.do_lower_case
-  kind = "sentencepiece" if path.endswith(".model") else "wordpiece"
-  tokenizer = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
-      {"vocab_path": path, "tokenizer": kind, "do_lower_case": lower}))
-  have = source.tokenizer_fingerprint if source is not None else None
-  if (have is None and source is not None and source.vocab_file and config.vocab_path
-      and source.vocab_file != config.vocab_path):
-    # A converted or Google folder records no fingerprint, but the vocabulary beside it has one;
-    # under the task's casing, so that only other pieces are refused (a folder's casing is what
-    # its name or import said, and a task may override it).
-    have = tokenizer_lib.load_tokenizer(ml_collections.ConfigDict(
-        {"vocab_path": source.vocab_file, "tokenizer": "wordpiece",
-         "do_lower_case": lower})).fingerprint
-  if source is not None and source.kind != "workdir" and kind == "wordpiece":
-    from bertjax.convert import google  # pylint: disable=import-outside-toplevel
-    _, known, why = google.vocabulary_of(source.path)
-    if known is not None and known != lower:
-      logging.warning("do_lower_case=%s, but init_from=%s is %s (%s).", lower, source.path,
-                      "uncased" if known else "cased", why)
-  if have is not None and have != tokenizer.fingerprint and not config.init_from_other_vocab:
-    raise checkpoint_lib.CheckpointMismatchError(
-        f"The task's vocabulary {path} (fingerprint {tokenizer.fingerprint}) is not the one "
-        f"init_from={source.path} was trained with (fingerprint {have}): its embedding rows would "
-        "index other pieces. Leave config.vocab_path empty to use init_from's, or set "
-        "config.init_from_other_vocab=True to take the weights anyway.")
+    where = (f"checkpoint.init_from={source.path} records none" if source is not None
+             else "there is no checkpoint.init_from")
+    raise ValueError(f"No vocabulary for the task: {where}. Set config.data.vocab_path (a "
+                     "SentencePiece .model or a WordPiece vocab.txt).")
+  if data.do_lower_case is not None:
+    lower = bool(data.do_lower_case)
+  else:
+    lower = source.lower if source is not None else True
+  kind = (source.tokenizer_kind if source is not None and path == source.vocab_file
+          and source.tokenizer_kind else tokenizer_lib.kind_of(path))
+  tokenizer = tokenizer_lib.load_vocabulary(path, kind, lower)
+  if source is not None:
+    weights.check_vocabulary(source, tokenizer.fingerprint, lower,
+                             vocab_file=None if data.vocab_path else path,
+                             allow_other=config.checkpoint.init_from_other_vocab)
   return tokenizer, path, lower
 
 
-def _encoder_loader(source: Source, training: train.Training):
+def _encoder_loader(source: weights.Weights):
   """fresh params -> the same params with `bert` (the encoder) read from init_from."""
   def load(fresh):
-    target = checkpoint_lib.abstract_like(fresh["bert"])
-    if source.kind == "google":
-      from bertjax.convert import google  # pylint: disable=import-outside-toplevel
-      _, params = google.load_folder(source.path,
-                                     scan_layers=training.model_config.scan_layers)
-      encoder = checkpoint_lib.put_like(params["bert"], target)
-    elif source.kind == "converted":
-      from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
-      full = train.abstract_params(BertForPreTraining(training.model_config), training.mesh,
-                                   training.rules)
-      full["bert"] = target
-      encoder = hf.load_params(source.path, full)[1]["bert"]
-    else:
-      ckpt = checkpoint_lib.Checkpointer(os.path.join(source.path, "checkpoints"), loop.ITEMS,
-                                         save_every=1, keep=1)
-      try:
-        encoder = ckpt.restore_subtree(ckpt.all_steps()[-1], "params", "bert", target,
-                                       sharding.replicated(training.mesh))
-      finally:
-        ckpt.close()
-    return {**fresh, "bert": encoder}
+    like = {weights.ENCODER: checkpoint_lib.abstract_like(fresh[weights.ENCODER])}
+    return {**fresh, **weights.read(source, like=like)}
   return load
 
 
@@ -338,9 +238,9 @@ class Evaluations:
     """Takes the scores of earlier runs in the workdir up to `start`, the step this run restored:
     later ones (and a best checkpoint of such a step, after a crash between an evaluation and the
     next checkpoint) belong to a timeline the run no longer has; it evaluates those steps again."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    if tf.io.gfile.exists(self.path):
-      self.records = [r for r in _read_json(self.path) if r["step"] <= start]
+    if files.exists(self.path):
+      self.records = [r for r in files.read_json(self.path, "the run's evaluations")
+                      if r["step"] <= start]
     for step in self.best.all_steps():
       if step > start:
         self.best.delete(step)
@@ -361,10 +261,7 @@ class Evaluations:
                                                 "scores": dict(scores)}, force=True)
       self.best.wait()
     if jax.process_index() == 0:
-      import tensorflow as tf  # pylint: disable=import-outside-toplevel
-      with tf.io.gfile.GFile(self.path + ".tmp", "w") as f:
-        json.dump(self.records, f, indent=2)
-      tf.io.gfile.rename(self.path + ".tmp", self.path, overwrite=True)
+      files.write_json(self.path, self.records)
 
   def close(self) -> None:
     self.best.close()
@@ -376,17 +273,18 @@ def finetune(config, workdir: str) -> dict:
   ft = FinetuneConfig.from_config(config)
   task_name = tasks.canonical(config.task)
   loop.check_workdir(workdir)
-  if config.random_init and not config.init_from:
-    raise ValueError("random_init=True copies init_from's architecture and vocabulary with fresh "
-                     "weights: set config.init_from too.")
-  source = inspect_source(config.init_from) if config.init_from else None
+  init_from = config.checkpoint.init_from
+  if config.checkpoint.random_init and not init_from:
+    raise ValueError("checkpoint.random_init=True copies init_from's architecture and vocabulary "
+                     "with fresh weights: set config.checkpoint.init_from too.")
+  source = weights.inspect(init_from, what="checkpoint.init_from") if init_from else None
   tokenizer, vocab_file, lower = resolve_tokenizer(config, source)
   model_config = resolve_model(config, source)
   if model_config.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"The model's {model_config.vocab_size} embedding rows are fewer than the "
                      f"vocabulary's {tokenizer.vocab_size} pieces ({vocab_file}).")
-  if config.max_seq_length > model_config.max_position_embeddings:
-    raise ValueError(f"max_seq_length={config.max_seq_length} exceeds the model's "
+  if config.data.max_seq_length > model_config.max_position_embeddings:
+    raise ValueError(f"data.max_seq_length={config.data.max_seq_length} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}.")
   data = tasks.load(config, tokenizer)
   for note in data.notes:
@@ -404,17 +302,18 @@ def finetune(config, workdir: str) -> dict:
                               save_every=ft.save_every_steps or per_epoch, eval_every=per_epoch)
   loop_config = loop.LoopConfig(schedule=schedule, eval_sequences=0, profile_start_step=-1,
                                 profile_num_steps=1, keep=ft.keep, async_save=ft.async_save,
-                                init_from=config.init_from, init_from_other_vocab=False)
+                                init_from=init_from, init_from_other_vocab=False)
   expected = checkpoint_lib.Expected(model=model_config,
                                      optimizer=checkpoint_lib.optimizer_fields(tcfg),
                                      tokenizer_fingerprint=tokenizer.fingerprint)
   _check_task(workdir, task_name)
   init = None
-  origin = "random initialisation (random_init=True)" if config.random_init else "scratch"
-  if source is not None and not config.random_init:
-    origin = f"the encoder of init_from={source.path}"
-    init = loop.Initialiser(f"encoder from init_from={source.path}, {task_name} head new",
-                            _encoder_loader(source, training))
+  origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
+            else "scratch")
+  if source is not None and not config.checkpoint.random_init:
+    origin = f"the encoder of checkpoint.init_from={source.describe()}"
+    init = loop.Initialiser(f"encoder from checkpoint.init_from={source.describe()}, "
+                            f"{task_name} head new", _encoder_loader(source))
   meta = {"task": task_name, "init": origin}
   evaluations = Evaluations(workdir, meta)
   processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
@@ -459,12 +358,11 @@ def finetune(config, workdir: str) -> dict:
 
 def _check_task(workdir: str, task_name: str) -> None:
   """A workdir holds one task: resuming another task's run would put a new head on its state."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   path = os.path.join(workdir, "results.json")
   config_path = os.path.join(workdir, "config.json")
   for p in (path, config_path):
-    if tf.io.gfile.exists(p):
-      recorded = _read_json(p).get("task")
+    if files.exists(p):
+      recorded = files.read_json(p).get("task")
       if recorded and tasks.canonical(recorded) != task_name:
         raise ValueError(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
                          "needs its own workdir.")
@@ -485,21 +383,19 @@ def _finish(config, workdir, training, data: tasks.TaskData, evaluations: Evalua
       data.notes.append(f"the best epoch's checkpoint (step {best['step']}) is gone; "
                         "predictions come from the last step")
       loop.say(data.notes[-1])
-  files = []
+  written = []
   out_dir = os.path.join(workdir, "predictions")
   for predict_set in data.predicts:
     outputs = predict(training, params_state, predict_set.features, ft.eval_batch_size)
     if jax.process_index() == 0:
-      files += predict_set.write(outputs, out_dir)
+      written += predict_set.write(outputs, out_dir)
   final = evaluations.records[-1]["scores"] if evaluations.records else {}
   results = {"task": task_name, "init": origin, "main_metric": data.main_metric,
              "best": best, "final": final, "evaluations": evaluations.records,
-             "predictions": files, "notes": data.notes}
+             "predictions": written, "notes": data.notes}
   if jax.process_index() == 0:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    with tf.io.gfile.GFile(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(results, f, indent=2)
-    where = f" | predictions in {out_dir}" if files else ""
+    files.write_json(os.path.join(workdir, "results.json"), results)
+    where = f" | predictions in {out_dir}" if written else ""
     if best is not None:
       print(f"{task_name}: best dev {data.main_metric} {best['scores']['main']:.4f} at epoch "
             f"{best['epoch']:g} (step {best['step']}); last {final.get('main', float('nan')):.4f}"

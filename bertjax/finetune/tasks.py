@@ -84,30 +84,30 @@ def load(config, tokenizer) -> TaskData:
 
 
 def _tfds_dir(config) -> str | None:
-  return config.tfds_data_dir or None
+  return config.data.tfds_data_dir or None
 
 
 def _check_source(config) -> None:
-  if config.source not in ("files", "tfds"):
-    raise ValueError(f"config.source={config.source!r}: use 'files' (the task's original files) "
+  if config.data.source not in ("files", "tfds"):
+    raise ValueError(f"config.data.source={config.data.source!r}: use 'files' (the task's original files) "
                      "or 'tfds' (a TFDS dataset already built under tfds_data_dir).")
 
 
 # GLUE ------------------------------------------------------------------------------------------
 
 def _glue_split(name: str, config, split: str):
-  if config.source == "tfds":
+  if config.data.source == "tfds":
     return glue.read_glue_tfds(_tfds_dir(config), name, split)
-  if not config.data_dir:
-    raise ValueError(f"{name} from files needs config.data_dir: the folder of GLUE's download "
+  if not config.data.data_dir:
+    raise ValueError(f"{name} from files needs config.data.data_dir: the folder of GLUE's download "
                      f"(holding {glue.get_task(name).splits[split].file}).")
-  return glue.read_glue_tsv(config.data_dir, name, split)
+  return glue.read_glue_tsv(config.data.data_dir, name, split)
 
 
 def _glue_available(name: str, config, split: str) -> bool:
-  if config.source == "tfds":
+  if config.data.source == "tfds":
     return True
-  return os.path.exists(os.path.join(config.data_dir, glue.get_task(name).splits[split].file))
+  return os.path.exists(os.path.join(config.data.data_dir, glue.get_task(name).splits[split].file))
 
 
 def _glue(name: str, config, tokenizer) -> TaskData:
@@ -120,7 +120,7 @@ def _glue(name: str, config, tokenizer) -> TaskData:
     if got.skipped:
       notes.append(f"{task_name} {split}: left out {len(got.skipped)} malformed row(s), e.g. "
                    f"{got.skipped[0]}")
-    return glue.glue_features(task_name, got.examples, tokenizer, config.max_seq_length)
+    return glue.glue_features(task_name, got.examples, tokenizer, config.data.max_seq_length)
 
   train_features = features(name, "train")
   objective = (objectives.regression() if task.is_regression
@@ -163,13 +163,13 @@ def _glue(name: str, config, tokenizer) -> TaskData:
 # SQuAD -----------------------------------------------------------------------------------------
 
 def _squad_set(name: str, config, split: str, is_training: bool) -> squad.SquadSet:
-  if config.source == "tfds":
+  if config.data.source == "tfds":
     tfds_split = "train" if split == "train" else "validation"
     return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(config),
                                  is_training=is_training)
-  path = config.train_file if split == "train" else config.dev_file
+  path = config.data.train_file if split == "train" else config.data.dev_file
   if not path:
-    raise ValueError(f"{name} from files needs config.{'train' if split == 'train' else 'dev'}"
+    raise ValueError(f"{name} from files needs config.data.{'train' if split == 'train' else 'dev'}"
                      f"_file: the SQuAD JSON ({'train' if split == 'train' else 'dev'}-"
                      f"{name.split('_v')[1]}.json).")
   return squad.read_squad_json(path, is_training=is_training)
@@ -178,8 +178,8 @@ def _squad_set(name: str, config, split: str, is_training: bool) -> squad.SquadS
 def _squad(name: str, config, tokenizer) -> TaskData:
   _check_source(config)
   version_2 = name == "squad_v2.0"
-  sizes = dict(max_seq_length=config.max_seq_length, doc_stride=config.doc_stride,
-               max_query_length=config.max_query_length)
+  sizes = dict(max_seq_length=config.data.max_seq_length, doc_stride=config.data.doc_stride,
+               max_query_length=config.data.max_query_length)
   train_set = _squad_set(name, config, "train", True)
   train_features = squad.make_features(train_set.examples, tokenizer, **sizes)
   dev_set = _squad_set(name, config, "dev", False)
@@ -192,9 +192,9 @@ def _squad(name: str, config, tokenizer) -> TaskData:
   def predict(outputs):
     return squad_postprocess.postprocess(
         dev_set.examples, dev_features, outputs["start_logits"], outputs["end_logits"],
-        n_best_size=config.n_best_size, max_answer_length=config.max_answer_length,
+        n_best_size=config.eval.n_best_size, max_answer_length=config.eval.max_answer_length,
         version_2_with_negative=version_2,
-        null_score_diff_threshold=config.null_score_diff_threshold)
+        null_score_diff_threshold=config.eval.null_score_diff_threshold)
 
   def score(outputs):
     result = predict(outputs)
@@ -215,11 +215,11 @@ def _squad(name: str, config, tokenizer) -> TaskData:
 # CoNLL-2003 ------------------------------------------------------------------------------------
 
 def _ner_split(config, split: str) -> list[ner.Sentence]:
-  if config.source == "tfds":
+  if config.data.source == "tfds":
     return ner.read_conll_tfds(_tfds_dir(config), {"dev": "validation"}.get(split, split))
-  path = {"train": config.train_file, "dev": config.dev_file, "test": config.test_file}[split]
+  path = {"train": config.data.train_file, "dev": config.data.dev_file, "test": config.data.test_file}[split]
   if not path:
-    raise ValueError(f"conll2003 from files needs config.{split}_file (eng.train, eng.testa, "
+    raise ValueError(f"conll2003 from files needs config.data.{split}_file (eng.train, eng.testa, "
                      f"eng.testb in the original release).")
   return ner.read_conll(path)
 
@@ -229,7 +229,7 @@ def _ner(name: str, config, tokenizer) -> TaskData:
   labels = ner.CONLL2003_LABELS
 
   def features(sentences):
-    return ner.ner_features(sentences, tokenizer, config.max_seq_length, labels)
+    return ner.ner_features(sentences, tokenizer, config.data.max_seq_length, labels)
 
   def scorer(sentences, f):
     gold = [list(s.tags) for s in sentences]
@@ -256,7 +256,7 @@ def _ner(name: str, config, tokenizer) -> TaskData:
   train_features = features(_ner_split(config, "train"))
   evals, predicts = [], []
   for split in ("dev", "test"):
-    if split == "test" and config.source == "files" and not config.test_file:
+    if split == "test" and config.data.source == "files" and not config.data.test_file:
       continue
     sentences = _ner_split(config, split)
     f = features(sentences)

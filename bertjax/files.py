@@ -1,0 +1,92 @@
+"""Files of a run, local or remote: read without TensorFlow where it is not needed, written so a
+kill never leaves half a file.
+
+Local paths go through `os` and `open`; a URL (gs://...) through `tf.io.gfile`, the one reader of
+such URLs bertjax installs, imported then only (TensorFlow takes seconds to import, and reading a
+weights folder or a JSON record should not cost that).
+
+`read_json` names the file and the fix when it is cut short or not JSON: a bare JSONDecodeError
+says neither. `write_text` / `write_json` write a temporary file beside the target and rename it
+over the target, so a reader sees the old file or the new one, never a part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def _is_url(path: str) -> bool:
+  return "://" in path
+
+
+def _gfile():
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return tf.io.gfile
+
+
+def open_file(path: str, mode: str = "rb"):
+  if _is_url(path):
+    return _gfile().GFile(path, mode)
+  return open(path, mode)  # pylint: disable=unspecified-encoding
+
+
+def exists(path: str) -> bool:
+  return _gfile().exists(path) if _is_url(path) else os.path.exists(path)
+
+
+def isdir(path: str) -> bool:
+  return _gfile().isdir(path) if _is_url(path) else os.path.isdir(path)
+
+
+def listdir(path: str) -> list[str]:
+  if _is_url(path):
+    return [name.rstrip("/") for name in _gfile().listdir(path)]
+  return os.listdir(path)
+
+
+def makedirs(path: str) -> None:
+  if _is_url(path):
+    _gfile().makedirs(path)
+  else:
+    os.makedirs(path, exist_ok=True)
+
+
+class DamagedFileError(ValueError):
+  """A file bertjax wrote is cut short or not what it should hold (said with the file's path)."""
+
+
+def read_json(path: str, what: str = "") -> Any:
+  """The JSON in `path`; a file cut short or not JSON raises DamagedFileError naming it (`what`
+  says what the file is, for the message)."""
+  with open_file(path, "r") as f:
+    text = f.read()
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as err:
+    kind = f" ({what})" if what else ""
+    raise DamagedFileError(
+        f"{path}{kind} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}; "
+        f"{len(text)} characters): it was cut short or overwritten. Restore it from a copy, or "
+        "move it away if it can be rebuilt (a run rewrites its own records).") from None
+
+
+def write_text(path: str, text: str) -> None:
+  """Writes `text` to `path` atomically: a temporary file beside it, then a rename."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  if _is_url(path):
+    gfile = _gfile()
+    with gfile.GFile(tmp, "w") as f:
+      f.write(text)
+    gfile.rename(tmp, path, overwrite=True)
+    return
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def write_json(path: str, value: Any) -> None:
+  write_text(path, json.dumps(value, indent=2) + "\n")

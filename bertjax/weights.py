@@ -1,0 +1,446 @@
+"""The one reader of weights: what a path holds (`inspect`) and its parameters (`read`).
+
+Every caller that takes weights from a path goes through here: pre-training's and fine-tuning's
+`checkpoint.init_from`, `pretrained.load_pretrained`, the exporters of `bertjax.convert` and
+`bertjax.predict`. A path is one of four kinds, tested in this order (the first that fits decides):
+
+  workdir      a bertjax run (pre-training or fine-tuning), or its checkpoints/ folder: the
+               newest checkpoint (or the step asked for) and the model recorded beside it; the
+               vocabulary the run copied in (tokenizer.json), or for a run older than that copy,
+               the one its config.json names
+  converted    written by `convert.hf import` or `convert.google import`: bert_config.json in
+               bertjax's keys (num_layers) and params/ (orbax); vocab.txt and tokenizer.json (its
+               casing and fingerprint) when the import had a vocabulary
+  google       a folder of Google's release: bert_config.json in Google's keys
+               (num_hidden_layers) and bert_model.ckpt.index + data (read by convert.tf_bundle)
+  huggingface  a Hugging Face BERT folder: config.json (model_type "bert") and model.safetensors;
+               vocab.txt, its casing from tokenizer_config.json
+
+Casing of a folder's vocabulary, in this order: what a tokenizer.json record says, what
+tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
+`validate_case_matches_checkpoint` reading: uncased_*, cased_*, ...), else unknown (a run then
+lower-cases, as the original's flag defaults). Local paths are read without TensorFlow
+(bertjax/files.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from absl import logging
+
+from bertjax import checkpoint as checkpoint_lib, files
+from bertjax.model import BertConfig
+
+KINDS = ("workdir", "converted", "google", "huggingface")
+ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
+TOKENIZER_RECORD = "tokenizer.json"  # written beside a vocabulary copy (data.tokenizer)
+CONFIG_FILE = "bert_config.json"  # converted and Google folders
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+  """What `inspect` found at a path; nothing of its arrays is read yet."""
+
+  path: str  # the folder: a run's workdir (not its checkpoints/), or the folder itself
+  kind: str  # one of KINDS
+  config: BertConfig  # the stored model, its layer layout (scan_layers) included
+  subtrees: tuple[str, ...]  # top-level parameter trees stored: "bert", "mlm", "nsp", a task head
+  vocab_file: str | None = None
+  tokenizer_kind: str | None = None  # "wordpiece" or "sentencepiece"
+  do_lower_case: bool | None = None  # None: the source does not say
+  casing_why: str = ""
+  fingerprint: str | None = None  # of the vocabulary, when recorded with the weights
+  checkpoints: str | None = None  # workdir: the checkpoints folder read
+  step: int | None = None  # workdir: the checkpoint step read
+  meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # workdir: its record
+
+  @property
+  def lower(self) -> bool:
+    """The casing to use: the source's, else lower-cased as the original's flag defaults."""
+    return True if self.do_lower_case is None else self.do_lower_case
+
+  def describe(self) -> str:
+    where = f" step {self.step}" if self.step is not None else ""
+    return f"{self.path} ({self.kind}{where})"
+
+
+class NotWeightsError(FileNotFoundError):
+  """The path is none of the kinds of weights folder bertjax reads."""
+
+
+def _is_google_config(path: str) -> bool:
+  try:
+    return "num_hidden_layers" in files.read_json(path)
+  except (OSError, ValueError):
+    return False
+
+
+def _kind(path: str, checkpoints: str) -> tuple[str, str] | None:
+  """(kind, folder) of `path` under the one order of the module docstring, None if none fits."""
+  base = os.path.basename(path.rstrip("/"))
+  if base == checkpoints and files.isdir(path):
+    return "workdir", os.path.dirname(path.rstrip("/")) or "."
+  if files.isdir(os.path.join(path, checkpoints)):
+    return "workdir", path
+  if not files.isdir(path):
+    return None
+  names = set(files.listdir(path))
+  if CONFIG_FILE in names and "params" in names and not _is_google_config(
+      os.path.join(path, CONFIG_FILE)):
+    return "converted", path
+  if CONFIG_FILE in names and any(n.endswith(".index") for n in names):
+    return "google", path
+  if "config.json" in names and "model.safetensors" in names:
+    return "huggingface", path
+  return None
+
+
+def inspect(path: str, *, what: str = "path", checkpoints: str = "checkpoints",
+            step: int | None = None) -> Weights:
+  """What `path` holds: its kind, stored model, parameter subtrees, vocabulary and casing.
+
+  `what` names the path in messages (the config key or flag it came from); `checkpoints` is the
+  folder of a workdir to read ("best" for a fine-tuning run's best epoch); `step` a checkpoint
+  step other than the newest.
+  """
+  if not files.exists(path):
+    raise FileNotFoundError(f"{what}={path} does not exist")
+  found = _kind(path, checkpoints)
+  if found is None:
+    raise NotWeightsError(
+        f"{what}={path} holds no weights bertjax reads: expected a bertjax workdir (with "
+        f"{checkpoints}/), a folder written by `python -m bertjax.convert.hf import` or "
+        "`convert.google import` (bert_config.json and params/), one of Google's released "
+        "folders (bert_config.json and bert_model.ckpt.index) or a Hugging Face BERT folder "
+        "(config.json and model.safetensors)")
+  kind, folder = found
+  reader = {"workdir": _inspect_workdir, "converted": _inspect_converted,
+            "google": _inspect_google, "huggingface": _inspect_huggingface}[kind]
+  if kind == "workdir":
+    return reader(folder, os.path.join(folder, checkpoints), step, what)
+  return reader(folder, what)
+
+
+# Vocabulary and casing -------------------------------------------------------------------------
+
+def _record(folder: str) -> dict | None:
+  path = os.path.join(folder, TOKENIZER_RECORD)
+  if not files.exists(path):
+    return None
+  return files.read_json(path, "the vocabulary's record")
+
+
+def lower_case_from_name(name: str) -> bool | None:
+  """The casing a release's folder name says, as the original's check reads it; None if it says
+  nothing. Also covers the names it predates (wwm_*, the small BERTs, TF Hub's bert_en_*)."""
+  if "://" not in name:
+    name = os.path.abspath(name)  # "." names the folder it is
+  name = os.path.basename(name.rstrip("/")).lower()
+  if "uncased" in name or "multilingual_l" in name or "chinese" in name or "bert_zh" in name:
+    return True
+  if "cased" in name:
+    return False
+  return None
+
+
+def _vocabulary(folder: str, hf_config: dict | None = None) -> dict:
+  """Weights fields of a folder's vocabulary: its record, else vocab.txt with the casing of a
+  Hugging Face tokenizer_config.json or of the folder's name."""
+  record = _record(folder)
+  if record is not None:
+    vocab = os.path.join(folder, record.get("file", "vocab.txt"))
+    return dict(vocab_file=vocab if files.exists(vocab) else None,
+                tokenizer_kind=record.get("kind", "wordpiece"),
+                do_lower_case=bool(record.get("do_lower_case", True)),
+                casing_why=f"recorded in {os.path.join(folder, TOKENIZER_RECORD)}",
+                fingerprint=record.get("fingerprint"))
+  vocab = os.path.join(folder, "vocab.txt")
+  out = dict(vocab_file=vocab if files.exists(vocab) else None,
+             tokenizer_kind="wordpiece" if files.exists(vocab) else None)
+  if hf_config is not None and "do_lower_case" in hf_config:
+    return {**out, "do_lower_case": bool(hf_config["do_lower_case"]),
+            "casing_why": f"{os.path.join(folder, HF_TOKENIZER_CONFIG)} says so"}
+  by_name = lower_case_from_name(folder)
+  name = os.path.basename(os.path.abspath(folder).rstrip("/"))
+  if by_name is not None:
+    return {**out, "do_lower_case": by_name,
+            "casing_why": f"the name {name} says {'uncased' if by_name else 'cased'}"}
+  return {**out, "casing_why": f"the name {name} does not say; lower-cased as the original's "
+                               "default (rename the folder or set data.do_lower_case)"}
+
+
+def fingerprint_of(source: Weights, do_lower_case: bool) -> str | None:
+  """The vocabulary's fingerprint: as recorded with the weights, else computed from its file
+  under `do_lower_case` (the casing is part of a WordPiece fingerprint)."""
+  if source.fingerprint is not None:
+    return source.fingerprint
+  if source.vocab_file is None:
+    return None
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  return tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind,
+                                       do_lower_case).fingerprint
+
+
+def check_vocabulary(source: Weights, fingerprint: str, do_lower_case: bool, *,
+                     vocab_file: str | None = None, allow_other: bool = False) -> None:
+  """Refuses a source whose vocabulary is not the run's (`fingerprint`, from `vocab_file` under
+  `do_lower_case`): its embedding rows would index other pieces. The run's own copy of the
+  source's file passes without a second read. Differing casing alone is warned about."""
+  warn_casing(source, do_lower_case)
+  if allow_other or (vocab_file is not None and vocab_file == source.vocab_file):
+    return
+  have = fingerprint_of(source, do_lower_case)
+  if have is not None and have != fingerprint:
+    raise checkpoint_lib.CheckpointMismatchError(
+        f"checkpoint.init_from={source.describe()} was trained with another vocabulary "
+        f"(fingerprint {have}) than this run's (fingerprint {fingerprint}): its embedding rows "
+        "would index other pieces. Leave data.vocab_path empty to take init_from's, or set "
+        "checkpoint.init_from_other_vocab=True to take the weights anyway.")
+
+
+def warn_casing(source: Weights, do_lower_case: bool) -> None:
+  if source.do_lower_case is not None and source.do_lower_case != do_lower_case:
+    logging.warning("data.do_lower_case=%s, but init_from=%s is %s (%s).", do_lower_case,
+                    source.path, "uncased" if source.do_lower_case else "cased",
+                    source.casing_why)
+
+
+def check_model(source: Weights, config: BertConfig, what: str = "checkpoint.init_from") -> None:
+  """Refuses a source whose model differs from `config` in a shape-defining field."""
+  stored = dataclasses.asdict(dataclasses.replace(source.config, scan_layers=config.scan_layers))
+  checkpoint_lib.check_model_matches(stored, config, f"{what}={source.describe()}")
+
+
+# The kinds -------------------------------------------------------------------------------------
+
+def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> Weights:
+  ckpt = checkpoint_lib.Checkpointer.reader(folder)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"{what}={folder} holds no checkpoint (the run saved none yet)")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise FileNotFoundError(f"{what}={folder} has no step {step} (it has {steps})")
+    try:
+      meta = ckpt.read_meta(step)
+      stored = ckpt.item_metadata(step, "params")
+    except Exception as err:  # pylint: disable=broad-except
+      if not checkpoint_lib.is_damage(err):
+        raise
+      older = [s for s in steps if s < step]
+      raise checkpoint_lib.CheckpointDamagedError(
+          f"{what}={folder}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). "
+          + (f"Step {older[-1]} is the newest before it: move {os.path.join(folder, str(step))} "
+             f"away to use it." if older else "It holds no older step.")) from None
+  finally:
+    ckpt.close()
+  if "model" not in meta:
+    raise ValueError(f"{what}={folder} step {step} records no model shape (its record has "
+                     f"{sorted(meta)}); it was not written by bertjax's training loop")
+  vocab = _workdir_vocabulary(workdir)
+  if vocab.get("fingerprint") is None:
+    vocab["fingerprint"] = meta.get("tokenizer_fingerprint")
+  return Weights(workdir, "workdir", BertConfig.from_dict(meta["model"]), tuple(sorted(stored)),
+                 checkpoints=folder, step=step, meta=meta, **vocab)
+
+
+def _workdir_vocabulary(workdir: str) -> dict:
+  """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
+  names (pre-training runs from before the copy; relative cache paths resolve from here)."""
+  found = _vocabulary(workdir)
+  if found["vocab_file"] is not None or _record(workdir) is not None:
+    return found
+  config_path = os.path.join(workdir, "config.json")
+  data = files.read_json(config_path, "the run's config").get("data") if files.exists(
+      config_path) else None
+  if not data or "spm_vocab_size" not in data:  # not a pre-training config
+    return {}
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  try:
+    vocab = tokenizer_lib.vocab_path_of(ml_collections.ConfigDict(data))
+  except ValueError:
+    return {}
+  return dict(vocab_file=vocab if files.exists(vocab) else None,
+              tokenizer_kind=data.get("tokenizer"), do_lower_case=bool(data["do_lower_case"]),
+              casing_why=f"data.do_lower_case in {config_path}")
+
+
+def _inspect_converted(folder: str, what: str) -> Weights:
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  config = BertConfig.from_dict(files.read_json(os.path.join(folder, CONFIG_FILE),
+                                                "bertjax's model config"))
+  with ocp.StandardCheckpointer() as checkpointer:
+    try:
+      stored = checkpointer.metadata(_params_dir(folder)).item_metadata
+    except Exception as err:  # pylint: disable=broad-except
+      raise checkpoint_lib.CheckpointDamagedError(
+          f"{what}={folder}: its params/ cannot be read ({checkpoint_lib.damage_summary(err)}); "
+          "import the weights again") from None
+  return Weights(folder, "converted", config, tuple(sorted(stored)), **_vocabulary(folder))
+
+
+def _inspect_google(folder: str, what: str) -> Weights:
+  del what
+  from bertjax.convert import google, tf_bundle  # pylint: disable=import-outside-toplevel
+  config = google.read_google_config(folder)
+  names = tf_bundle.CheckpointReader(folder).keys()
+  return Weights(folder, "google", config, (ENCODER,) + google.heads_in(names),
+                 **_vocabulary(folder))
+
+
+def _inspect_huggingface(folder: str, what: str) -> Weights:
+  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+  hf_config = files.read_json(os.path.join(folder, "config.json"), "the Hugging Face config")
+  if hf_config.get("model_type", "bert") != "bert":
+    raise NotWeightsError(f"{what}={folder} is a Hugging Face {hf_config['model_type']!r} model; "
+                          "this reader takes model_type 'bert'")
+  config = hf.config_from_hf(hf_config)
+  weights_file = os.path.join(folder, "model.safetensors")
+  try:
+    names = hf.safetensors_names(weights_file)
+  except Exception as err:  # pylint: disable=broad-except  (safetensors' own error type)
+    raise checkpoint_lib.CheckpointDamagedError(
+        f"{what}={folder}: {weights_file} cannot be read ({err}); it is cut short or not a "
+        "safetensors file: save the model again (save_pretrained(..., safe_serialization=True))"
+    ) from None
+  tokenizer_config = os.path.join(folder, HF_TOKENIZER_CONFIG)
+  casing = files.read_json(tokenizer_config, "the tokenizer's config") if files.exists(
+      tokenizer_config) else {}
+  return Weights(folder, "huggingface", config, (ENCODER,) + hf.heads_in(names),
+                 **_vocabulary(folder, casing))
+
+
+def _params_dir(folder: str) -> str:
+  return os.path.join(folder if "://" in folder else os.path.abspath(folder), "params")
+
+
+# Reading ---------------------------------------------------------------------------------------
+
+def is_scanned(encoder: Mapping[str, Any]) -> bool:
+  """Whether an encoder tree stacks its layers (`encoder/layers/layer`) for nn.scan."""
+  return "layers" in encoder["encoder"]
+
+
+def restack(encoder: Mapping[str, Any], num_layers: int, scan: bool) -> dict:
+  """Unrolled `encoder/layer_N` <-> scanned `encoder/layers/layer` (leading layer axis), numpy."""
+  layers = dict(encoder["encoder"])
+  if scan:
+    per_layer = [layers[f"layer_{i}"] for i in range(num_layers)]
+    stacked = {"layers": {"layer": jax.tree.map(lambda *xs: np.stack(xs), *per_layer)}}
+  else:
+    stacked = {f"layer_{i}": jax.tree.map(lambda x, i=i: np.asarray(x)[i],
+                                          layers["layers"]["layer"])
+               for i in range(num_layers)}
+  return {**encoder, "encoder": stacked}
+
+
+def read(source: Weights, like: Mapping[str, Any] | None = None) -> dict:
+  """Parameters of `source`.
+
+  `like` None: every stored subtree as numpy, in the stored layer layout. Else a dict of subtrees
+  (`{"bert": ...}`, the heads) of arrays or ShapeDtypeStructs, each with a sharding or None: those
+  subtrees of the source, in `like`'s layer layout, each array placed as its counterpart (read
+  straight into its shards where the layouts agree). A subtree the source lacks, or an array
+  whose shape differs, is refused naming every one.
+  """
+  if like is not None:
+    lacking = sorted(set(like) - set(source.subtrees))
+    if lacking:
+      raise checkpoint_lib.CheckpointMismatchError(
+          f"{source.describe()} holds the parameters {list(source.subtrees)}, not {lacking}")
+  want = tuple(like) if like is not None else source.subtrees
+  scan = (is_scanned(like[ENCODER]) if like is not None and ENCODER in like
+          else source.config.scan_layers)
+  if like is not None and source.kind in ("workdir", "converted") and (
+      scan == source.config.scan_layers or ENCODER not in like):
+    return _read_orbax(source, checkpoint_lib.abstract_like(like))
+  host = _read_host(source, want, scan)
+  if like is None:
+    return host
+  return checkpoint_lib.put_like(host, checkpoint_lib.abstract_like(dict(like)))
+
+
+def _read_host(source: Weights, want: tuple[str, ...], scan: bool) -> dict:
+  """The subtrees `want` as numpy, in the layer layout `scan`."""
+  config = dataclasses.replace(source.config, scan_layers=scan)
+  if source.kind == "google":
+    from bertjax.convert import google, tf_bundle  # pylint: disable=import-outside-toplevel
+    heads = tuple(h for h in want if h != ENCODER)
+    params = google.params_from_google(tf_bundle.CheckpointReader(source.path), config,
+                                       heads=heads)
+  elif source.kind == "huggingface":
+    from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+    params = hf.params_from_hf(hf.read_safetensors(os.path.join(source.path,
+                                                                "model.safetensors")),
+                               config, heads=tuple(h for h in want if h != ENCODER))
+  else:
+    params = jax.device_get(_read_orbax(source, None, want))
+    if ENCODER in params and scan != source.config.scan_layers:
+      params[ENCODER] = restack(params[ENCODER], config.num_layers, scan)
+  return {k: params[k] for k in want}
+
+
+def _read_orbax(source: Weights, target: Mapping[str, Any] | None,
+                want: tuple[str, ...] = ()) -> dict:
+  """Subtrees of an orbax `params` item: placed as `target` (ShapeDtypeStructs), or, with
+  `target` None, the subtrees `want` as stored on one local device. The rest of the item is read
+  onto one device and dropped (orbax restores whole items)."""
+  one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  if target is None:
+    targets, elsewhere = None, one
+  else:
+    targets = jax.tree.map(lambda x: x if x.sharding is not None else jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=one), dict(target))
+    elsewhere = _replicated_like(targets) or one
+  where = source.describe()
+  if source.kind == "workdir":
+    ckpt = checkpoint_lib.Checkpointer.reader(source.checkpoints)
+    try:
+      stored = ckpt.item_metadata(source.step, "params")
+      abstract = checkpoint_lib.subtrees_target(stored, targets or {}, elsewhere, where)
+      items, _ = ckpt.restore(source.step, {"params": abstract})
+    except checkpoint_lib.CheckpointMismatchError:
+      raise
+    except Exception as err:  # pylint: disable=broad-except
+      if not checkpoint_lib.is_damage(err):
+        raise
+      raise checkpoint_lib.CheckpointDamagedError(
+          f"{where}: its parameters cannot be read ({checkpoint_lib.damage_summary(err)})") from None
+    finally:
+      ckpt.close()
+    params = items["params"]
+  else:
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    with ocp.StandardCheckpointer() as checkpointer:
+      stored = checkpointer.metadata(_params_dir(source.path)).item_metadata
+      abstract = checkpoint_lib.subtrees_target(stored, targets or {}, elsewhere, where)
+      params = checkpointer.restore(_params_dir(source.path), abstract)
+  keys = tuple(target) if target is not None else want
+  return {k: params[k] for k in keys}
+
+
+def _replicated_like(tree) -> jax.sharding.Sharding | None:
+  """Replication over the mesh of the first NamedSharding in `tree`, if any."""
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf.sharding, jax.sharding.NamedSharding):
+      return jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+  return None
+
+
+def describe_heads(source: Weights, wanted) -> str:
+  """Which of `wanted` (a model's heads) the source gives, for the console."""
+  given = [h for h in wanted if h != ENCODER and h in source.subtrees]
+  fresh = [h for h in wanted if h != ENCODER and h not in source.subtrees]
+  parts = ["encoder"] + given
+  return " + ".join(parts) + (f" (heads {', '.join(fresh)} new: the source has none)"
+                              if fresh else "")
+
