@@ -1,0 +1,94 @@
+"""What a fine-tuned model does with text, beside its weights: the `TaskSpec` of a fine-tuning run.
+
+Prediction (`bertjax.predict`) and export (`convert.hf export`) read a fine-tuning workdir through
+it: the head's family, the label names by id, the input columns, the sequence length and how
+spans or tags are decoded. A run writes it to `WORKDIR/task.json` before its first step and into
+the record of every checkpoint it saves (the key "task_spec"), so the weights never travel
+without their label map.
+
+Families and their heads (bertjax/heads.py, parameter subtree beside "bert"):
+  classification  BertForSequenceClassification(num_labels=len(labels))  "classifier"
+  regression      BertForSequenceClassification(num_labels=1)            "classifier"
+  tagging         BertForTokenClassification(num_labels=len(labels))     "classifier"
+  span            BertForSpanExtraction                                  "span"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from bertjax import files
+
+FILE = "task.json"
+META_KEY = "task_spec"  # in the record saved beside every checkpoint
+FAMILIES = ("classification", "regression", "tagging", "span")
+TAG_SCHEMES = ("IO", "BIO", "IOB1", "IOBES")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  task: str  # the run's task: "classification", ..., or a benchmark's name ("MRPC", "conll2003")
+  family: str  # one of FAMILIES
+  labels: tuple[str, ...] = ()  # classification: class names by id; tagging: tag names by id
+  max_seq_length: int = 128
+  # Input columns `predict` reads (CSV/TSV header names or JSON Lines keys).
+  text_a: str = "text_a"
+  text_b: str = ""  # "" = one text per example
+  label: str = "label"
+  tokens: str = "tokens"  # tagging: a JSON list of words ...
+  tags: str = "tags"  # ... and of their tags
+  tag_scheme: str = ""  # tagging: one of TAG_SCHEMES
+  # span (SQuAD's layout): windows over long contexts, and how answers are decoded
+  version_2_with_negative: bool = False
+  doc_stride: int = 128
+  max_query_length: int = 64
+  n_best_size: int = 20
+  max_answer_length: int = 30
+  null_score_diff_threshold: float = 0.0
+
+  def __post_init__(self):
+    problems = []
+    if self.family not in FAMILIES:
+      problems.append(f"family={self.family!r} is not one of {FAMILIES}")
+    if self.family in ("classification", "tagging") and len(self.labels) < 2:
+      problems.append(f"a {self.family} task needs at least 2 labels, not {list(self.labels)}")
+    if self.tag_scheme and self.tag_scheme not in TAG_SCHEMES:
+      problems.append(f"tag_scheme={self.tag_scheme!r} is not one of {TAG_SCHEMES}")
+    if problems:
+      raise ValueError("Invalid task spec: " + "; ".join(problems))
+
+  @property
+  def num_outputs(self) -> int:
+    """Width of the head: one score per label, 1 for regression, 2 (start, end) for spans."""
+    return {"regression": 1, "span": 2}.get(self.family, len(self.labels))
+
+  @property
+  def head(self) -> str:
+    """The head's parameter subtree beside the encoder's ("bert")."""
+    return "span" if self.family == "span" else "classifier"
+
+  def to_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    out["labels"] = list(self.labels)
+    return out
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "TaskSpec":
+    known = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in values.items() if k in known}
+    values["labels"] = tuple(values.get("labels", ()))
+    return cls(**values)
+
+
+def write(spec: TaskSpec, workdir: str) -> None:
+  files.write_json(os.path.join(workdir, FILE), spec.to_dict())
+
+
+def read(workdir: str) -> TaskSpec | None:
+  """The spec of a fine-tuning workdir; None where it has none (a pre-training run)."""
+  path = os.path.join(workdir, FILE)
+  if not files.exists(path):
+    return None
+  return TaskSpec.from_dict(files.read_json(path, "the fine-tuned task's spec"))
