@@ -21,12 +21,14 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
+# XLA's CPU scratch memory on huge pages (bertjax/hostmem.py: ~20% faster steps where the kernel's
+# transparent huge pages are in madvise mode; a glibc older than 2.35 ignores it).
+HUGE_PAGES := GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+
 # The whole suite on an emulated 8-device CPU mesh (tests/conftest.py also sets it,
-# before jax is imported, for runs of pytest by hand), with XLA's scratch memory on huge pages
-# as the entry points ask for it (bertjax/hostmem.py; a glibc older than 2.35 ignores it).
+# before jax is imported, for runs of pytest by hand), with XLA's scratch memory on huge pages.
 test: $(VENV)/.installed-test
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-	  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(HUGE_PAGES) \
 	  $(PY) -m pytest -n 2 --dist loadfile -q tests
 
 # The main job on the built-in corpus: trains a vocabulary and prepares the data the first time
@@ -34,7 +36,7 @@ test: $(VENV)/.installed-test
 # Running it again resumes, or reports that the run is complete.
 WORKDIR ?= workdirs/tiny
 pretrain: $(VENV)/.installed
-	JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bertjax.main --config=configs/tiny.py \
+	JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(HUGE_PAGES) $(PY) -m bertjax.main --config=configs/tiny.py \
 	  --workdir=$(WORKDIR) $(ARGS)
 
 # Fine-tunes the encoder of $(WORKDIR) (pre-training it first if it has no checkpoint) on the
@@ -42,7 +44,7 @@ pretrain: $(VENV)/.installed
 # SEED varies the head's init, dropout and example order.
 FT_DATA := .cache/bertjax/finetune
 SEED ?= 0
-FT := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m bertjax.finetune \
+FT := JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(HUGE_PAGES) $(PY) -m bertjax.finetune \
   --config=configs/finetune.py:next --config.checkpoint.init_from=$(WORKDIR) \
   --config.data.data_dir=$(FT_DATA) \
   --config.train.seed=$(SEED)

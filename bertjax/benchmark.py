@@ -6,7 +6,8 @@
 Prints compile time, step time, sequences/s, tokens/s, model TFLOP/s (total and per device), MFU
 against the device's peak (TPU v4/v5e/v5p/v6e, NVIDIA A100/H100/H200; none on CPU), XLA's own
 FLOP count, peak device memory (or XLA's estimate where the device reports none), and whether
-host memory came on huge pages (`bertjax.hostmem`: the command restarts itself to ask for them).
+host memory came on huge pages (`bertjax.hostmem`: start it with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1, or BERTJAX_HUGE_PAGES=restart).
 
 It imports jax, flax, optax and ml_collections only (no TensorFlow, no transformers), so it runs
 on any machine that can train. `bertjax.benchmark_hf` compares against Hugging Face.

@@ -60,9 +60,10 @@ class Schedule:
     return bool(self.eval_every) and step % self.eval_every == 0 and step != self.total_steps
 
 
-def _sync_manager():
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
-  return distributed.global_state.preemption_sync_manager
+def _has_sync_service() -> bool:
+  """Whether jax.distributed.initialize started the preemption sync service (it does when this
+  flag is on, its default), which `multihost_utils.reached_preemption_sync_point` asks."""
+  return bool(jax.config.jax_enable_preemption_service)
 
 
 class StopSignal:
@@ -79,12 +80,12 @@ class StopSignal:
     self.received: str | None = None
     self._previous = {}
     self._multi = jax.process_count() > 1
-    self._manager = _sync_manager() if self._multi else None
+    self._synced = self._multi and _has_sync_service()
 
   def __enter__(self):
     # With the sync manager, jax's own SIGTERM notifier must keep the signal: a Python handler
     # would replace it and the other hosts would never hear of the notice.
-    signals = (signal.SIGINT,) if self._manager is not None else (signal.SIGTERM, signal.SIGINT)
+    signals = (signal.SIGINT,) if self._synced else (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
@@ -95,7 +96,7 @@ class StopSignal:
   def _handle(self, signum, frame):
     del frame
     self.received = signal.Signals(signum).name
-    if self._manager is not None:
+    if self._synced:
       # Ctrl-C on one host becomes a notice every host hears, through jax's notifier.
       signal.raise_signal(signal.SIGTERM)
 
@@ -107,8 +108,8 @@ class StopSignal:
     """Whether every host stops after `step`; called once per step, with increasing steps."""
     if not self._multi:
       return self.received is not None
-    if self._manager is not None:
-      if self._manager.reached_sync_point(step):
+    if self._synced:
+      if multihost_utils.reached_preemption_sync_point(step):
         self.received = self.received or "a preemption notice"
         return True
       return False
@@ -118,7 +119,7 @@ class StopSignal:
     """Whether to abandon an evaluation now (every host alike; see the class docstring)."""
     if not self._multi:
       return self.received is not None
-    return False if self._manager is not None else self._gathered()
+    return False if self._synced else self._gathered()
 
   def _gathered(self) -> bool:
     # No preemption service (jax_enable_preemption_service off): one tiny all-gather per check.

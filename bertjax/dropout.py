@@ -12,6 +12,15 @@ scaled by the exact inverse of the keep probability, so every element's expectat
 The counters are laid out like the array (one per group of four elements along the last axis),
 as jax's own partitionable counters are, so under a mesh each device hashes its own shard.
 
+What a mask depends on: the key (the run's dropout stream folded with the step and the module's
+name) and each element's index in the global array — its row in the global batch, its position,
+its feature. Not the mesh, the device count, the process count or the sharding: a step gives the
+same masks on one device, on 8, and on 2 processes x 2 devices (tests/test_train_step.py,
+tests/test_launch_local_finetune.py), as long as every example lands on the same row of the global
+batch. The inputs guarantee that: fine-tuning orders each global batch before hosts take their
+rows; pre-training's hosts read shards of their own, so its batches (not its masks) change with
+the number of processes.
+
 Keys that are not threefry (an `rbg` or `unsafe_rbg` default implementation) fall back to
 `jax.random.bernoulli`.
 """

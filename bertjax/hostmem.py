@@ -8,10 +8,13 @@ page at a time: about 208,000 page faults per step there, each zeroing its page.
 pages, which matters where transparent huge pages are in "madvise" mode (a common default). The
 step then faults under a thousand times instead, its peak memory unchanged.
 
-glibc reads its tunables once, when the process starts. So an entry point calls
-`restart_with_huge_pages()` first: where the tunable would change something and is not set yet,
-the process re-executes itself (the same interpreter and command line) with it added to
-GLIBC_TUNABLES. BERTJAX_HUGE_PAGES=0 keeps the process as it started.
+glibc reads its tunables once, when the process starts, so the setting belongs to whoever starts
+it: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m bertjax.main ...` (the Makefile's targets and
+launch/local.sh set it). Nothing restarts a process behind its user's back: an entry point only
+says once, on a CPU run where the setting would help and is missing, how to set it
+(`hint_line`). `BERTJAX_HUGE_PAGES=restart` opts into the old convenience: the entry point then
+re-executes itself (same interpreter, same command line, same PID) with the tunable added
+(`restart_with_huge_pages`).
 """
 
 from __future__ import annotations
@@ -71,21 +74,36 @@ def huge_pages_in_use() -> bool:
   return _setting(os.environ.get("GLIBC_TUNABLES", "")) == "1"
 
 
-def restart_with_huge_pages(mode_file: str = THP_MODE_FILE) -> None:
-  """Re-executes this process with glibc's huge page advice, where that changes anything.
-
-  Returns (doing nothing) when BERTJAX_HUGE_PAGES=0, off Linux or glibc older than 2.35, when the
-  kernel's mode is not "madvise" ("always" needs no advice, "never" takes none), when
-  GLIBC_TUNABLES already names the tunable, and in the restarted process. Call it before the
-  process starts work it would lose: it does not return when it restarts.
-  """
-  if os.environ.get(ENV_SWITCH, "1") == "0" or ENV_RESTARTED in os.environ:
-    return
+def _would_help(mode_file: str) -> str | None:
+  """GLIBC_TUNABLES with the advice added, where it would change something: Linux with glibc 2.35
+  or newer, the kernel in "madvise" mode ("always" needs no advice, "never" takes none), and the
+  tunable not named yet. None elsewhere."""
   if not sys.platform.startswith("linux") or not _glibc_has_tunable():
-    return
+    return None
   if thp_mode(mode_file) != "madvise":
+    return None
+  return tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES", ""))
+
+
+def hint_line(mode_file: str = THP_MODE_FILE) -> str | None:
+  """One line telling how to put XLA's CPU scratch on huge pages, where it would help; None
+  where it is in effect, would change nothing, or BERTJAX_HUGE_PAGES=0 asks for silence."""
+  if os.environ.get(ENV_SWITCH) == "0" or _would_help(mode_file) is None:
+    return None
+  return (f"host memory on 4 KiB pages: XLA's CPU steps run ~20% faster with huge pages; start "
+          f"the command with GLIBC_TUNABLES={TUNABLE}=1 (as the Makefile does), or set "
+          f"{ENV_SWITCH}=restart to have it restart itself so, or {ENV_SWITCH}=0 to silence this")
+
+
+def restart_with_huge_pages(mode_file: str = THP_MODE_FILE) -> None:
+  """With BERTJAX_HUGE_PAGES=restart (opt-in), re-executes this process with glibc's huge page
+  advice where that changes anything (`_would_help`); otherwise, and in the restarted process,
+  returns doing nothing. Call it before the process starts work it would lose: it does not
+  return when it restarts.
+  """
+  if os.environ.get(ENV_SWITCH) != "restart" or ENV_RESTARTED in os.environ:
     return
-  tunables = tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES", ""))
+  tunables = _would_help(mode_file)
   if tunables is None:
     return
   sys.stdout.flush()

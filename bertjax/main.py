@@ -46,6 +46,10 @@ def start(argv) -> None:
   hide_accelerators_from_tensorflow()
   from bertjax import distributed  # pylint: disable=import-outside-toplevel
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() == "cpu" and jax.process_index() == 0 and (
+      hint := hostmem.hint_line()):
+    print(f"bertjax: {hint}", flush=True)
 
 
 def main(argv):

@@ -171,7 +171,9 @@ for ((i = 0; i < num_processes; i++)); do
   # Job control on: each process gets a process group of its own, away from the terminal's, so a
   # Ctrl-C reaches it once (forwarded) and the group can be killed with all it started.
   set -m
+  # XLA's CPU scratch memory on huge pages unless the caller chose otherwise (bertjax/hostmem.py).
   JAX_PLATFORMS=cpu XLA_FLAGS=$xla_flags PYTHONUNBUFFERED=1 \
+    GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1} \
     PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" \
     "$python" -m "$module" "$@" ${distributed[@]+"${distributed[@]}"} \
     ${ids[@]+"${ids[@]}"} <"/dev/null" >"$fifos/$i" 2>&1 3>&- &

@@ -1,4 +1,4 @@
-"""Host memory on huge pages: the GLIBC_TUNABLES edit, the restart, and its effect on faults."""
+"""Host memory on huge pages: the GLIBC_TUNABLES edit, the hint, the opt-in restart, and the\neffect on faults."""
 
 import os
 import subprocess
@@ -56,19 +56,41 @@ RESTART = """
 
 @needs_glibc
 @pytest.mark.parametrize("kernel_mode, switch, runs", [
-    ("madvise", "1", ["-", "glibc.malloc.hugetlb=1"]),  # restarted once, with the tunable
-    ("madvise", "0", ["-"]),  # BERTJAX_HUGE_PAGES=0: left as started
-    ("never", "1", ["-"]),  # a kernel that takes no advice: nothing to gain
-    ("always", "1", ["-"]),  # a kernel that needs none
+    ("madvise", "restart", ["-", "glibc.malloc.hugetlb=1"]),  # asked: restarted once, with it
+    ("madvise", None, ["-"]),  # by default nothing restarts behind the user's back
+    ("madvise", "0", ["-"]),
+    ("never", "restart", ["-"]),  # a kernel that takes no advice: nothing to gain
+    ("always", "restart", ["-"]),  # a kernel that needs none
 ])
-def test_the_process_restarts_itself_only_where_the_advice_changes_something(
+def test_the_process_restarts_itself_only_when_asked_and_where_the_advice_changes_something(
     tmp_path, kernel_mode, switch, runs):
   mode, log = tmp_path / "enabled", tmp_path / "runs"
   modes = ("always", "madvise", "never")
   mode.write_text(" ".join(f"[{m}]" if m == kernel_mode else m for m in modes) + "\n")
-  out = _run(RESTART.format(log=str(log), mode=str(mode)), BERTJAX_HUGE_PAGES=switch)
+  env = {} if switch is None else {"BERTJAX_HUGE_PAGES": switch}
+  out = _run(RESTART.format(log=str(log), mode=str(mode)), **env)
   assert log.read_text().split() == runs
   assert out.stdout.strip() == f"tunables: {runs[-1] if runs[-1] != '-' else None}"
+
+
+def test_the_hint_says_how_to_set_it_where_it_would_help(tmp_path, monkeypatch):
+  mode = tmp_path / "enabled"
+  mode.write_text("always [madvise] never\n")
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  monkeypatch.delenv("BERTJAX_HUGE_PAGES", raising=False)
+  hint = hostmem.hint_line(str(mode))
+  if HAS_TUNABLE:
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in hint
+  else:
+    assert hint is None
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+  assert hostmem.hint_line(str(mode)) is None  # in effect already
+  monkeypatch.delenv("GLIBC_TUNABLES")
+  monkeypatch.setenv("BERTJAX_HUGE_PAGES", "0")
+  assert hostmem.hint_line(str(mode)) is None
+  mode.write_text("[always] madvise never\n")
+  monkeypatch.delenv("BERTJAX_HUGE_PAGES")
+  assert hostmem.hint_line(str(mode)) is None  # the kernel needs no advice
 
 
 @needs_glibc
@@ -78,7 +100,7 @@ def test_a_restarted_process_never_restarts_again(tmp_path):
   mode.write_text("always [madvise] never\n")
   code = RESTART.replace("from bertjax import hostmem", "from bertjax import hostmem\n"
                          "    hostmem.tunables_with_huge_pages = lambda current: 'x=1'")
-  _run(code.format(log=str(log), mode=str(mode)), timeout=60)
+  _run(code.format(log=str(log), mode=str(mode)), timeout=60, BERTJAX_HUGE_PAGES="restart")
   assert log.read_text().split() == ["-", "x=1"]
 
 
@@ -107,7 +129,7 @@ FAULTS = """
 def test_a_steps_scratch_memory_faults_in_by_huge_pages():
   """A 64 MiB scratch buffer faults 16,384 times per call on 4 KiB pages; on 2 MiB pages 32 for
   it, a few hundred in all (174 measured here)."""
-  small = float(_run(FAULTS, BERTJAX_HUGE_PAGES="0").stdout)
-  huge = float(_run(FAULTS, BERTJAX_HUGE_PAGES="1").stdout)
+  small = float(_run(FAULTS).stdout)
+  huge = float(_run(FAULTS, BERTJAX_HUGE_PAGES="restart").stdout)
   assert small > 16000, small
   assert huge < small / 10, (huge, small)

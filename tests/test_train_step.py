@@ -78,6 +78,26 @@ def test_sharded_step_equals_single_device(single_device, sizes):
     check_state_handling(run)
 
 
+def test_a_sharded_step_with_dropout_equals_one_device():
+  """Each device draws its own shard of every dropout mask, and the shards make the mask one
+  device draws (dropout.py): the step is the same on 1 device and on three 8-device meshes."""
+  def step(sizes, devices=None):
+    cfg = train.TrainConfig(batch_size=B, learning_rate=1e-3, warmup_steps=0, num_train_steps=10)
+    model = dataclasses.replace(TINY, hidden_dropout=0.1, attention_dropout=0.1)
+    t = train.build(model, cfg, mesh_config(**sizes), devices=devices)
+    rng = jax.random.PRNGKey(0)
+    state, metrics = t.train_step(t.init_state(rng), t.to_global(make_batch()), rng)
+    return jax.device_get((state.params, metrics))
+
+  want = step({}, jax.devices()[:1])
+  no_dropout = one_step({}, devices=jax.devices()[:1])[0]
+  assert abs(float(want[1]["loss"][0]) - float(no_dropout[1]["loss"][0])) > 1e-3  # dropout acts
+  for sizes in ({"ici_data": 8}, {"ici_data": 2, "ici_fsdp": 2, "ici_tensor": 2}):
+    got = step(sizes)
+    assert_trees_close(got[0], want[0])
+    assert_trees_close(got[1], want[1])
+
+
 def test_microbatches_equal_one_large_batch(single_device):
   # 4 microbatches of 4 rows on a (data 2, fsdp 2) mesh == the 16-row batch on one device.
   want_params, want_metrics = single_device

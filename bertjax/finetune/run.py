@@ -135,8 +135,11 @@ def train_batches(features: Mapping[str, np.ndarray], batch_size: int, seed: int
     if step // per_epoch != epoch:
       epoch = step // per_epoch
       order = np.random.default_rng([seed, epoch]).permutation(n)
-    at = (step % per_epoch) * batch_size + process_index * rows
-    index = np.sort(order[at:at + rows])
+    # Sorted over the whole global batch before each host takes its rows, so an example's row
+    # in the global batch (which its dropout masks depend on: bertjax/dropout.py) is the same
+    # whatever the number of processes.
+    at = (step % per_epoch) * batch_size
+    index = np.sort(order[at:at + batch_size])[process_index * rows:(process_index + 1) * rows]
     batch = {k: v[index] for k, v in features.items()}
     batch["weight"] = np.ones(rows, np.float32)
     yield batch
