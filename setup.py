@@ -32,6 +32,10 @@ setuptools.setup(
             "pytest-xdist>=3.5,<4",
             # The reference implementation for parity tests: the last release with Flax BERT.
             "transformers==4.57.*",
+            # PyTorch for transformers' classes in parity tests and the prediction benchmark. An
+            # exact pin: on these machines it installs the kept CPU build; a range or a bare
+            # `torch` pulls a CUDA build of several GB.
+            "torch==2.13.0",
         ],
         # libtpu for jax on Cloud TPU, and for `python -m bertjax.aot` anywhere: its compile-only
         # client compiles for a TPU slice on a CPU machine. The version jax 0.10.2's jax[tpu] pins;
