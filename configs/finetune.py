@@ -3,7 +3,9 @@
 --config.data.dev_file=...]`
 
 TASK: cola, sst-2, mrpc, sts-b, qqp, mnli (also predicts AX), qnli, rte, wnli; squad_v1.1,
-squad_v2.0; conll2003; next (the built-in task of `make finetune`). Any key below can be overridden.
+squad_v2.0; conll2003; next (the built-in task of `make finetune`); or one's own task from files:
+classification, regression, tagging, span (bertjax/finetune/custom.py; docs/your-own-task.md).
+Any key below can be overridden.
 
 The original recipe (google-research/bert run_classifier.py / run_squad.py and the paper's
 appendix A.3) is the default: AdamW (weight decay 0.01, no bias correction), 10% linear warmup then
@@ -45,12 +47,27 @@ def get_config(task: str = "next"):
   d.max_seq_length = 128  # [CLS] A [SEP] B [SEP]; longest-first truncation
   d.doc_stride = 128  # SQuAD: tokens between the starts of a long context's windows
   d.max_query_length = 64  # SQuAD: question tokens kept
+  # One's own task (classification, regression, tagging, span): its files' layout.
+  d.format = ""  # "" = from the extension (.csv, .tsv, .jsonl; tagging also .conll); or csv, tsv,
+  #                jsonl, conll
+  d.text_a = "text"  # the column of the text (the first one of a pair)
+  d.text_b = ""  # the column of a pair's second text; "" = one text per example
+  d.label = "label"  # the column of the label name (classification) or number (regression)
+  d.tokens = "tokens"  # tagging: the column of the words (a JSON list or space-separated) ...
+  d.tags = "tags"  # ... and of their tags
+  d.tag_scheme = ""  # tagging: IO, BIO, IOB1 or IOBES; "" = detected from the training file
+  d.labels = ""  # "a,b,c": the label map in this order; "" = the training file's labels, sorted
+  # span: v2.0-style (unanswerable questions) or not; None = v2.0 if the training file has any
+  d.version_2_with_negative = ml_collections.FieldReference(None, field_type=bool)
 
   # How predictions are decoded (SQuAD).
   e = config.eval = ml_collections.ConfigDict()
   e.n_best_size = 20
   e.max_answer_length = 30
   e.null_score_diff_threshold = 0.0  # v2.0: answer "" when null - best > this
+  # One's own task: the dev score that picks the best checkpoint ("" = accuracy for classification,
+  # pearson for regression, f1 for tagging and span; see finetune/metrics.py MAIN_METRICS).
+  e.main_metric = ""
 
   # The encoder: 0 / "" takes init_from's value (shape keys must then match it).
   m = config.model = ml_collections.ConfigDict()
@@ -85,6 +102,9 @@ def get_config(task: str = "next"):
   t.max_grad_norm = 1.0
   t.num_microbatches = 1
   t.log_every_steps = 50
+  # Classification: "" (none), "balanced" (each class weighs as much as any other in the loss) or
+  # "label=weight,..." (others 1).
+  t.class_weights = ""
 
   c = config.checkpoint = ml_collections.ConfigDict()
   c.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder, a Google folder or a

@@ -305,24 +305,23 @@ def truncate_pair(ids_a: list[int], ids_b: list[int], max_tokens: int) -> tuple[
   return ids_a[:len_a], ids_b[:len_b]
 
 
-def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
-                  max_seq_length: int) -> dict[str, np.ndarray]:
-  """input_ids, input_mask, segment_ids [N, L] int32; label [N] (int32 ids, or float32 scores for
-  STS-B; -1 or nan where the split has none); index [N] int64 (for submissions)."""
-  task = task if isinstance(task, GlueTask) else get_task(task)
-  pair = any(e.text_b is not None for e in examples)
+def encode_pairs(texts_a: Sequence[str], texts_b: Sequence[str] | None, tokenizer,
+                 max_seq_length: int) -> tuple[dict[str, np.ndarray], int]:
+  """`[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]` rows: input_ids, input_mask, segment_ids [N, L]
+  int32, and how many were truncated (the longer text loses its last token first, B on a tie)."""
+  pair = texts_b is not None
   if max_seq_length < (3 if pair else 2) + 1:
     raise ValueError(f"max_seq_length {max_seq_length} leaves no room for text beside [CLS] and "
                      f"[SEP]; use at least {(3 if pair else 2) + 1} (128 is the usual).")
-  n, length = len(examples), max_seq_length
-  ids_a = tokenizer.encode_batch([e.text_a for e in examples])
-  ids_b = tokenizer.encode_batch([e.text_b or "" for e in examples]) if pair else [[]] * n
+  n, length = len(texts_a), max_seq_length
+  ids_a = tokenizer.encode_batch(list(texts_a))
+  ids_b = tokenizer.encode_batch([t or "" for t in texts_b]) if pair else None
   input_ids_NxL = np.full((n, length), tokenizer.pad_id, np.int32)
   input_mask_NxL = np.zeros((n, length), np.int32)
   segment_ids_NxL = np.zeros((n, length), np.int32)
   truncated = 0
-  for i, e in enumerate(examples):
-    if e.text_b is None:
+  for i in range(n):
+    if not pair or texts_b[i] is None:
       a, b = ids_a[i][:length - 2], None
       truncated += len(ids_a[i]) > length - 2
     else:
@@ -335,6 +334,20 @@ def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
     input_ids_NxL[i, :len(row)] = row
     input_mask_NxL[i, :len(row)] = 1
     segment_ids_NxL[i, segment_start:len(row)] = 1
+  return ({"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
+           "segment_ids": segment_ids_NxL}, truncated)
+
+
+def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
+                  max_seq_length: int) -> dict[str, np.ndarray]:
+  """input_ids, input_mask, segment_ids [N, L] int32; label [N] (int32 ids, or float32 scores for
+  STS-B; -1 or nan where the split has none); index [N] int64 (for submissions)."""
+  task = task if isinstance(task, GlueTask) else get_task(task)
+  pair = any(e.text_b is not None for e in examples)
+  n = len(examples)
+  inputs, truncated = encode_pairs([e.text_a for e in examples],
+                                   [e.text_b for e in examples] if pair else None, tokenizer,
+                                   max_seq_length)
   if truncated:
     logging.info("%s: %d of %d example(s) truncated to max_seq_length %d.", task.name, truncated,
                  n, max_seq_length)
@@ -347,9 +360,7 @@ def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
       raise ValueError(f"{bad.guid}: label {bad.label!r} is not one of {task.name}'s labels "
                        f"{list(task.labels)}.")
     label_N = np.array([-1 if e.label is None else label_id[e.label] for e in examples], np.int32)
-  return {"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
-          "segment_ids": segment_ids_NxL, "label": label_N,
-          "index": np.array([e.index for e in examples], np.int64)}
+  return {**inputs, "label": label_N, "index": np.array([e.index for e in examples], np.int64)}
 
 
 def write_submission(output_dir: str, task: str | GlueTask, split: str, indices: Sequence[int],

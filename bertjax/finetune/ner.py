@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from bertjax import files
 from bertjax.data import corpus
 
 CONLL2003_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
@@ -114,40 +115,30 @@ def _check_tags(tags: Sequence[str], kinds: set[str], where_of, labels) -> None:
                        f"pass labels=... for another tag set.")
 
 
-def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
-               labels: Sequence[str] = CONLL2003_LABELS) -> list[Sentence]:
-  """Sentences of a CoNLL column file: one word per line (`word POS chunk NER` in CoNLL-2003),
-  a blank line between sentences, `-DOCSTART-` lines between documents. Tags become IOB2.
+def read_columns(path: str, word_column: int = 0, tag_column: int = -1
+                 ) -> list[tuple[int, list[str], list[str]]]:
+  """(first line, words, tags as written) of each sentence of a CoNLL column file: one word per
+  line (`word POS chunk NER` in CoNLL-2003), a blank line between sentences, `-DOCSTART-` lines
+  between documents.
 
   Every word line must have as many columns as the first; a line that does not is an error naming
   the file and line (a shifted column would silently read a POS tag as an entity).
   """
-  import tensorflow as tf
-  if not tf.io.gfile.exists(path):
+  if not files.exists(path):
     raise FileNotFoundError(f"No CoNLL file {path}.")
-  with tf.io.gfile.GFile(path, "rb") as f:
+  with files.open_file(path, "rb") as f:
     try:
-      lines = f.read().decode("utf-8").split("\n")
+      lines = f.read().decode("utf-8-sig").splitlines()
     except UnicodeDecodeError as err:
       raise ValueError(f"{path}: not UTF-8 at byte {err.start} (the original CoNLL-2003 English "
                        f"files are ASCII; convert Latin-1 files with iconv).") from None
-  kinds = {_split_tag(t)[1] for t in labels} - {""}
   sentences, words, tags, first_line, width = [], [], [], 0, None
-  converted = 0
-
-  def close():
-    nonlocal words, tags, converted
-    if words:
-      _check_tags(tags, kinds, lambda i: f"{path}:{first_line + i}", labels)
-      iob2 = to_iob2(tags)
-      converted += sum(a != b for a, b in zip(tags, iob2))
-      sentences.append(Sentence(f"{path}:{first_line}", tuple(words), tuple(iob2)))
-    words, tags = [], []
-
   for number, line in enumerate(lines, start=1):
     fields = line.split()
     if not fields or fields[0] == DOCSTART:
-      close()
+      if words:
+        sentences.append((first_line, words, tags))
+      words, tags = [], []
       continue
     if width is None:
       width = len(fields)
@@ -161,13 +152,89 @@ def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
       first_line = number
     words.append(fields[word_column])
     tags.append(fields[tag_column])
-  close()
+  if words:
+    sentences.append((first_line, words, tags))
   if not sentences:
     raise ValueError(f"{path}: no sentences (the file is empty or holds only {DOCSTART} and blank "
                      f"lines).")
+  return sentences
+
+
+def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
+               labels: Sequence[str] = CONLL2003_LABELS) -> list[Sentence]:
+  """Sentences of a CoNLL column file (`read_columns`) with tags of `labels` (IOB1 or IOB2), as
+  IOB2."""
+  kinds = {_split_tag(t)[1] for t in labels} - {""}
+  sentences, converted = [], 0
+  for first_line, words, tags in read_columns(path, word_column, tag_column):
+    _check_tags(tags, kinds, lambda i, at=first_line: f"{path}:{at + i}", labels)
+    iob2 = to_iob2(tags)
+    converted += sum(a != b for a, b in zip(tags, iob2))
+    sentences.append(Sentence(f"{path}:{first_line}", tuple(words), tuple(iob2)))
   if converted:
     logging.info("%s: %d IOB1 tag(s) rewritten to IOB2.", path, converted)
   return sentences
+
+
+# Tag schemes of one's own data ------------------------------------------------------------------
+#   IO     I-TYPE (or a bare TYPE) inside an entity, O outside; adjacent entities of one type merge
+#   BIO    (IOB2) B-TYPE starts every entity, I-TYPE continues it
+#   IOB1   I-TYPE starts an entity; B-TYPE only where one follows another of the same type
+#   IOBES  B- begins, I- continues, E- ends a multi-word entity; S- is a one-word entity
+# All read to IOB2 (what the classifier learns, see the module docstring): each names the same
+# entities in IOB2 as in its own scheme.
+_PREFIXES = {"IO": {"I"}, "BIO": {"B", "I"}, "IOB1": {"B", "I"}, "IOBES": {"B", "I", "E", "S"}}
+
+
+def _scheme_tag(tag: str) -> tuple[str, str]:
+  """(prefix, type): "O" -> ("O", ""); "B-PER" -> ("B", "PER"); a bare "PER" -> ("", "PER")."""
+  if tag == "O":
+    return "O", ""
+  prefix, dash, kind = tag.partition("-")
+  if dash and kind and prefix in ("B", "I", "E", "S"):
+    return prefix, kind
+  return "", tag
+
+
+def detect_scheme(tag_lists: Iterable[Sequence[str]]) -> str:
+  """The scheme the tags are written in: IOBES if any E-/S-; IO if no B- (bare types included);
+  BIO if every entity starts with B-; else IOB1."""
+  prefixes, iob1 = set(), False
+  for tags in tag_lists:
+    prev = ""
+    for tag in tags:
+      prefix, kind = _scheme_tag(tag)
+      prefixes.add(prefix)
+      if prefix == "I" and prev != kind:
+        iob1 = True
+      prev = kind if prefix not in ("O", "E", "S") else ""
+  if prefixes & {"E", "S"}:
+    return "IOBES"
+  if "B" not in prefixes:
+    return "IO"
+  return "IOB1" if iob1 else "BIO"
+
+
+def scheme_to_iob2(tags: Sequence[str], scheme: str, where: str) -> list[str]:
+  """Tags of `scheme` as IOB2; a tag the scheme does not have is an error naming `where`."""
+  allowed = _PREFIXES[scheme]
+  out = []
+  for i, tag in enumerate(tags):
+    prefix, kind = _scheme_tag(tag)
+    if prefix == "" and scheme != "IO":
+      raise ValueError(f"{where} word {i + 1}: tag {tag!r} has no B-/I- prefix; in {scheme} every "
+                       "entity tag has one (set config.data.tag_scheme='IO' for bare types).")
+    if prefix not in allowed | {"O", ""}:
+      raise ValueError(f"{where} word {i + 1}: tag {tag!r} is not {scheme} (its prefixes: "
+                       f"{sorted(allowed)}, and O); set config.data.tag_scheme to the file's "
+                       "scheme, or leave it '' to detect it.")
+    out.append("O" if prefix == "O" else f"{'B' if prefix in ('B', 'S') else 'I'}-{kind}")
+  return to_iob2(out)
+
+
+def tag_labels(kinds: Iterable[str]) -> tuple[str, ...]:
+  """The IOB2 label set of entity types: O, then B-/I- of each type in sorted order."""
+  return ("O",) + tuple(f"{p}-{k}" for k in sorted(set(kinds)) for p in ("B", "I"))
 
 
 def sentences_from_tfds(rows: Iterable[Mapping], tag_names: Sequence[str], where: str,

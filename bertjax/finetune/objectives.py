@@ -45,24 +45,35 @@ def _count(batch):
   return jnp.sum(_weight(batch))
 
 
-def _labelled(name: str, model, term: str, label_key: str, weights, dummy, outputs
-              ) -> train.Objective:
-  """Cross-entropy of `batch[label_key]` under `weights(batch)`, and the accuracy beside it."""
-  def metrics(logits, batch):
+def _labelled(name: str, model, term: str, label_key: str, weights, dummy, outputs,
+              class_weights=None) -> train.Objective:
+  """Cross-entropy of `batch[label_key]` under `weights(batch)`, and the accuracy beside it.
+
+  class_weights [C]: each example's loss also weighs by its label's weight, and the loss is the
+  weighted mean (so a weight of 2 counts an example twice); accuracy stays unweighted."""
+  def loss_weights(batch):
     w = weights(batch)
-    return {term: losses.weighted_cross_entropy(logits, batch[label_key], w),
-            "accuracy": losses.weighted_accuracy(logits, batch[label_key], w)}
+    if class_weights is None:
+      return w
+    return w * jnp.asarray(class_weights, jnp.float32)[batch[label_key]]
+
+  def metrics(logits, batch):
+    return {term: losses.weighted_cross_entropy(logits, batch[label_key], loss_weights(batch)),
+            "accuracy": losses.weighted_accuracy(logits, batch[label_key], weights(batch))}
 
   return train.Objective(name, model, _inputs, metrics,
-                         lambda batch: {term: jnp.sum(weights(batch))}, dummy, outputs)
+                         lambda batch: {term: jnp.sum(loss_weights(batch))}, dummy, outputs)
 
 
-def classification(num_labels: int) -> train.Objective:
+def classification(num_labels: int, class_weights=None) -> train.Objective:
+  """class_weights: None, or one weight per label id (config.train.class_weights)."""
+  tag = "" if class_weights is None else "_weighted"
   return _labelled(
-      f"classification_{num_labels}",
+      f"classification_{num_labels}{tag}",
       functools.partial(heads.BertForSequenceClassification, num_labels=num_labels), "cls_loss",
       "label", _weight, functools.partial(_dummy, label=((), np.int32)),
-      lambda logits: {"logits": logits})
+      lambda logits: {"logits": logits},
+      None if class_weights is None else tuple(float(w) for w in class_weights))
 
 
 def regression() -> train.Objective:

@@ -14,13 +14,15 @@ checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what 
 - at the end, predictions of the test splits (and SQuAD's dev predictions) from the best
   checkpoint in `predictions/`, `results.json`, and a one-line summary.
 
-Workdir: config.json, checkpoints/, best/, evaluations.json, metrics.jsonl, tensorboard/,
+Workdir: config.json, task.json (bertjax/finetune/spec.py: the label map and the rest of what
+prediction and export need), checkpoints/, best/, evaluations.json, metrics.jsonl, tensorboard/,
 predictions/, results.json, vocab file (copied from init_from).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Any, Iterator, Mapping
@@ -31,7 +33,7 @@ import numpy as np
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import train, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import tasks
+from bertjax.finetune import spec as spec_lib, tasks
 from bertjax.model import BertConfig
 
 # Model keys a fine-tuning config may leave at 0 / "" to take init_from's value.
@@ -309,7 +311,7 @@ def finetune(config, workdir: str) -> dict:
   expected = checkpoint_lib.Expected(model=model_config,
                                      optimizer=checkpoint_lib.optimizer_fields(tcfg),
                                      tokenizer_fingerprint=tokenizer.fingerprint)
-  _check_task(workdir, task_name)
+  _check_task(workdir, task_name, data.spec)
   init = None
   origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
             else "scratch")
@@ -317,8 +319,10 @@ def finetune(config, workdir: str) -> dict:
     origin = f"the encoder of checkpoint.init_from={source.describe()}"
     init = loop.Initialiser(f"encoder from checkpoint.init_from={source.describe()}, "
                             f"{task_name} head new", _encoder_loader(source))
-  meta = {"task": task_name, "init": origin}
-  evaluations = Evaluations(workdir, meta)
+  meta = {"task": task_name, "init": origin, spec_lib.META_KEY: data.spec.to_dict()}
+  # best/ records what the loop's checkpoints do (the model and vocabulary it was trained with),
+  # so every reader of weights takes it alone (bertjax.predict's default, convert.hf export).
+  evaluations = Evaluations(workdir, {**expected.meta(), **meta})
   processes = dict(process_index=jax.process_index(), process_count=jax.process_count())
 
   def evaluate(step, state, stop):
@@ -330,7 +334,7 @@ def finetune(config, workdir: str) -> dict:
       got = eval_set.score(outputs)
       prefix = "" if len(data.evals) == 1 else f"{eval_set.name}/"
       scores.update({prefix + name: float(v) for name, v in got.items()
-                     if name != "main" and isinstance(v, (int, float))})
+                     if name != "main" and isinstance(v, (int, float)) and not isinstance(v, bool)})
       if k == 0:
         scores["main"] = float(got["main"])
     evaluations.add(step, step / per_epoch, scores, state.params)
@@ -339,6 +343,8 @@ def finetune(config, workdir: str) -> dict:
   def accepted(start):
     evaluations.begin(start)
     loop.keep_vocabulary(vocab_file, tokenizer.kind, tokenizer.fingerprint, workdir, lower)
+    if jax.process_index() == 0:
+      spec_lib.write(data.spec, workdir)
 
   job = loop.Job(
       training=training, loop=loop_config, expected=expected, meta=meta,
@@ -359,8 +365,20 @@ def finetune(config, workdir: str) -> dict:
     evaluations.close()
 
 
-def _check_task(workdir: str, task_name: str) -> None:
-  """A workdir holds one task: resuming another task's run would put a new head on its state."""
+def _plain(report: Mapping[str, Any]) -> dict:
+  """A report as JSON holds it (numpy numbers to Python's; "main" dropped: it is in `best`)."""
+  return json.loads(json.dumps({k: v for k, v in report.items() if k != "main"},
+                               default=lambda x: x.item() if hasattr(x, "item") else str(x)))
+
+
+def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec) -> None:
+  """A workdir holds one task: resuming another task's run would put a new head on its state (or
+  give its label ids other names)."""
+  recorded_spec = spec_lib.read(workdir)
+  if recorded_spec is not None and recorded_spec.labels != spec.labels:
+    raise ValueError(f"--workdir={workdir} holds a run with the labels {list(recorded_spec.labels)}"
+                     f"; these files give {list(spec.labels)}. Fine-tune them in a workdir of "
+                     "their own (or set config.data.labels to the run's).")
   path = os.path.join(workdir, "results.json")
   config_path = os.path.join(workdir, "config.json")
   for p in (path, config_path):
@@ -386,16 +404,23 @@ def _finish(config, workdir, training, data: tasks.TaskData, evaluations: Evalua
       data.notes.append(f"the best epoch's checkpoint (step {best['step']}) is gone; "
                         "predictions come from the last step")
       loop.say(data.notes[-1])
-  written = []
+  written, reports = [], {}
   out_dir = os.path.join(workdir, "predictions")
+  for eval_set in data.evals:
+    if eval_set.report is not None:
+      outputs = predict(training, params_state, eval_set.features, ft.eval_batch_size)
+      reports[f"{eval_set.name}_report"] = _plain(eval_set.report(outputs))
   for predict_set in data.predicts:
     outputs = predict(training, params_state, predict_set.features, ft.eval_batch_size)
+    if predict_set.report is not None:
+      reports[f"{predict_set.name}_report"] = _plain(predict_set.report(outputs))
     if jax.process_index() == 0:
       written += predict_set.write(outputs, out_dir)
   final = evaluations.records[-1]["scores"] if evaluations.records else {}
   results = {"task": task_name, "init": origin, "main_metric": data.main_metric,
-             "best": best, "final": final, "evaluations": evaluations.records,
-             "predictions": written, "notes": data.notes}
+             "labels": list(data.spec.labels), "best": best, "final": final,
+             **reports, "evaluations": evaluations.records, "predictions": written,
+             "notes": data.notes}
   if jax.process_index() == 0:
     files.write_json(os.path.join(workdir, "results.json"), results)
     where = f" | predictions in {out_dir}" if written else ""

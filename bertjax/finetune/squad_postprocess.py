@@ -29,6 +29,10 @@ class SquadPredictions:
   predictions: dict[str, str]
   nbest: dict[str, list[dict]]
   null_odds: dict[str, float] | None
+  # id -> where the answer starts in the context (characters; -1 for no answer), and its n-best
+  # probability: what `bertjax.predict` reports beside the text.
+  answer_starts: dict[str, int] = dataclasses.field(default_factory=dict)
+  scores: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _softmax(scores: Sequence[float]) -> list[float]:
@@ -99,9 +103,11 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
   null_F = start_FxL[:, 0].astype(np.float64) + end_FxL[:, 0].astype(np.float64)
 
   predictions, nbest_all, null_odds = {}, {}, {} if version_2_with_negative else None
+  answer_starts, scores = {}, {}
   for ex_i, ex in enumerate(examples):
     lo, hi = cand_bounds[ex_i], cand_bounds[ex_i + 1]
     entries, seen = [], set()  # entries: (text, start_logit, end_logit)
+    starts = {}  # text -> its first character in the context
     if version_2_with_negative:
       f_null = bounds[ex_i] + int(np.argmin(null_F[bounds[ex_i]:bounds[ex_i + 1]]))
       null = ("", float(start_FxL[f_null, 0]), float(end_FxL[f_null, 0]))
@@ -122,6 +128,7 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
       # A SentencePiece word-start piece alone covers no character: no answer text to give.
       if text and text not in seen:
         seen.add(text)
+        starts[text] = int(char_start_C[c])
         entries.append((text, float(start_C[c]), float(end_C[c])))
       c += 1
     if not any(t for t, _, _ in entries):
@@ -131,14 +138,19 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
     probs = _softmax([a + b for _, a, b in entries])
     nbest_all[ex.qas_id] = [{"text": t, "probability": float(p), "start_logit": a, "end_logit": b}
                             for (t, a, b), p in zip(entries, probs)]
-    best = next(e for e in entries if e[0])
+    best_i = next(i for i, e in enumerate(entries) if e[0])
+    best = entries[best_i]
     if version_2_with_negative:
       diff = score_null - best[1] - best[2]
       null_odds[ex.qas_id] = diff
       predictions[ex.qas_id] = "" if diff > null_score_diff_threshold else best[0]
     else:
       predictions[ex.qas_id] = best[0]
-  return SquadPredictions(predictions, nbest_all, null_odds)
+    answered = predictions[ex.qas_id]
+    answer_starts[ex.qas_id] = starts.get(answered, -1) if answered else -1
+    scores[ex.qas_id] = float(probs[best_i] if answered else
+                              next(p for (t, _, _), p in zip(entries, probs) if not t))
+  return SquadPredictions(predictions, nbest_all, null_odds, answer_starts, scores)
 
 
 def write_predictions(result: SquadPredictions, output_dir: str) -> list[str]:

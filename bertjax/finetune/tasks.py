@@ -9,6 +9,10 @@ after every epoch, and the sets only predicted (test splits) with what is writte
       nbest_predictions.json (and null_odds.json) written for it.
   CoNLL-2003: dev ("testa") scored with conlleval's entity F1, test ("testb") scored and written
       as `word gold predicted` columns, the input conlleval reads.
+  One's own task (classification, regression, tagging, span): bertjax/finetune/custom.py.
+
+Every task also says what its model does with text (`spec.TaskSpec`: family, label names by id,
+input columns, decoding), which the run keeps beside its weights for prediction and export.
 
 `load(config, tokenizer)` reads everything before the first step, so a bad file fails at once.
 """
@@ -22,13 +26,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from bertjax import train
-from bertjax.finetune import glue, metrics as ft_metrics, ner, objectives, squad, squad_metrics
-from bertjax.finetune import squad_postprocess
+from bertjax.finetune import custom, glue, metrics as ft_metrics, ner, objectives, squad
+from bertjax.finetune import spec as spec_lib, squad_metrics, squad_postprocess
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
 # What --config=configs/finetune.py:TASK accepts, besides GLUE's names in any spelling.
-NAMES = tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
+CUSTOM = ("classification", "regression", "tagging", "span")  # one's own task, from files
+NAMES = (tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
+         + CUSTOM)
 
 
 @dataclasses.dataclass
@@ -39,6 +45,8 @@ class EvalSet:
   features: dict[str, np.ndarray]
   score: Callable[[Mapping[str, np.ndarray]], dict[str, float]] | None
   write: Callable[[Mapping[str, np.ndarray], str], list[str]] | None = None
+  # The full report of the best checkpoint for results.json (per-class scores, confusion, ...).
+  report: Callable[[Mapping[str, np.ndarray]], dict] | None = None
 
 
 @dataclasses.dataclass
@@ -50,11 +58,12 @@ class TaskData:
   predicts: list[EvalSet]  # once, at the end, with the best checkpoint
   main_metric: str  # the name of "main" in the first eval set (said in results)
   notes: list[str] = dataclasses.field(default_factory=list)  # counted repairs, skipped rows
+  spec: spec_lib.TaskSpec | None = None  # what the model does with text (task.json)
 
 
 def canonical(name: str) -> str:
   key = name.strip().lower()
-  if key in SQUAD_TASKS or key in NER_TASKS:
+  if key in SQUAD_TASKS or key in NER_TASKS or key in CUSTOM:
     return key
   if key in ("squad1", "squad_v1", "squad"):
     return "squad_v1.1"
@@ -74,11 +83,15 @@ def canonical(name: str) -> str:
 
 def family(name: str) -> str:
   name = canonical(name)
+  if name in CUSTOM:
+    return "squad" if name == "span" else "custom"
   return "squad" if name in SQUAD_TASKS else "ner" if name in NER_TASKS else "glue"
 
 
 def load(config, tokenizer) -> TaskData:
   name = canonical(config.task)
+  if family(name) == "custom":
+    return custom.load(name, config, tokenizer, TaskData, EvalSet)
   loader = {"glue": _glue, "squad": _squad, "ner": _ner}[family(name)]
   return loader(name, config, tokenizer)
 
@@ -157,12 +170,19 @@ def _glue(name: str, config, tokenizer) -> TaskData:
     predicts.append(EvalSet(f"{task_name}_{split}" if task_name != name else split, f, None,
                             submission(task_name, split, f["index"])))
   main = ft_metrics.GLUE_METRICS[name].main
-  return TaskData(name, objective, train_features, evals, predicts, main, notes)
+  pair = any(layout.text_b is not None for layout in task.splits.values())
+  spec = spec_lib.TaskSpec(name, "regression" if task.is_regression else "classification",
+                           task.labels, config.data.max_seq_length,
+                           text_b="text_b" if pair else "")
+  return TaskData(name, objective, train_features, evals, predicts, main, notes, spec=spec)
 
 
 # SQuAD -----------------------------------------------------------------------------------------
 
 def _squad_set(name: str, config, split: str, is_training: bool) -> squad.SquadSet:
+  if name == "span" and not (config.data.train_file and config.data.dev_file):
+    raise ValueError("A span task from one's own files needs config.data.train_file and "
+                     "config.data.dev_file, each in SQuAD's JSON layout.")
   if config.data.source == "tfds":
     tfds_split = "train" if split == "train" else "validation"
     return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(config),
@@ -177,10 +197,16 @@ def _squad_set(name: str, config, split: str, is_training: bool) -> squad.SquadS
 
 def _squad(name: str, config, tokenizer) -> TaskData:
   _check_source(config)
-  version_2 = name == "squad_v2.0"
   sizes = dict(max_seq_length=config.data.max_seq_length, doc_stride=config.data.doc_stride,
                max_query_length=config.data.max_query_length)
   train_set = _squad_set(name, config, "train", True)
+  version_2 = name == "squad_v2.0"
+  main = "f1"
+  if name == "span":  # one's own QA files: v2.0 style where said, or where any is unanswerable
+    said = config.data.version_2_with_negative
+    version_2 = bool(said) if said is not None else any(
+        e.is_impossible for e in train_set.examples)
+    main = custom.main_metric(config, "span")
   train_features = squad.make_features(train_set.examples, tokenizer, **sizes)
   dev_set = _squad_set(name, config, "dev", False)
   dev_features = squad.make_features(dev_set.examples, tokenizer, **sizes)
@@ -200,16 +226,23 @@ def _squad(name: str, config, tokenizer) -> TaskData:
     result = predict(outputs)
     if not version_2:
       out = squad_metrics.evaluate_v1(gold, result.predictions)
-      return {**out, "main": out["f1"]}
+      return {**out, "main": out[main]}
     out = squad_metrics.evaluate_v2(gold, result.predictions, result.null_odds)
-    return {**{k: float(v) for k, v in out.items()}, "main": float(out["f1"])}
+    return {**{k: float(v) for k, v in out.items()}, "main": float(out[main])}
 
   def write(outputs, output_dir):
     return squad_postprocess.write_predictions(predict(outputs), output_dir)
 
   dev = EvalSet("dev", dev_features, score)
   written = EvalSet("dev", dev_features, None, write)
-  return TaskData(name, objectives.span(), train_features, [dev], [written], "f1", notes)
+  d, e = config.data, config.eval
+  spec = spec_lib.TaskSpec(
+      name, "span", (), d.max_seq_length, text_a="question", text_b="context",
+      version_2_with_negative=version_2, doc_stride=d.doc_stride,
+      max_query_length=d.max_query_length, n_best_size=e.n_best_size,
+      max_answer_length=e.max_answer_length, null_score_diff_threshold=e.null_score_diff_threshold)
+  return TaskData(name, objectives.span(), train_features, [dev], [written], main, notes,
+                  spec=spec)
 
 
 # CoNLL-2003 ------------------------------------------------------------------------------------
@@ -263,7 +296,9 @@ def _ner(name: str, config, tokenizer) -> TaskData:
     if split == "dev":
       evals.append(EvalSet("dev", f, scorer(sentences, f)))
     predicts.append(EvalSet(split, f, scorer(sentences, f), writer(sentences, f, split)))
-  return TaskData(name, objectives.tagging(len(labels)), train_features, evals, predicts, "f1")
+  spec = spec_lib.TaskSpec(name, "tagging", labels, config.data.max_seq_length, tag_scheme="BIO")
+  return TaskData(name, objectives.tagging(len(labels)), train_features, evals, predicts, "f1",
+                  spec=spec)
 
 
 def model_features(features: Mapping[str, np.ndarray]) -> dict[str, Any]:

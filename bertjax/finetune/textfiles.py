@@ -1,0 +1,179 @@
+"""A user's own example files: CSV, TSV and JSON Lines rows with named columns.
+
+The format follows the file's name (`.csv`, `.tsv`, `.jsonl` / `.json`) unless config.data.format
+says it. Rows come with the line they start on, so every error can name `file:line`:
+
+- CSV is read by Python's `csv` module: a quoted field may hold commas, quotes ("") and newlines,
+  and a row spanning several lines is one example.
+- TSV fields are split on tabs, with no quoting (GLUE's files and most exports hold quote
+  characters as text); a field cannot hold a tab or a newline.
+- JSON Lines: one object per line; a value may be a string, a number or (tagging) a list.
+
+A UTF-8 byte-order mark and CRLF line endings are accepted in every format. The first row of a CSV
+or TSV file names the columns. `iter_rows` streams (prediction reads files of any size through it);
+`read_rows` checks the columns a task needs and returns them all.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from typing import Any, Iterator, Sequence
+
+from bertjax import files
+
+FORMATS = ("csv", "tsv", "jsonl")
+_EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl",
+               ".ndjson": "jsonl"}
+
+
+class Row(dict):
+  """One example's columns, and where it starts (`file:line`)."""
+
+  where: str = ""
+
+
+def format_of(path: str, fmt: str = "") -> str:
+  if fmt:
+    if fmt not in FORMATS:
+      raise ValueError(f"config.data.format={fmt!r}: use one of {FORMATS} or '' (from the file's "
+                       "extension).")
+    return fmt
+  ext = os.path.splitext(path.lower().removesuffix(".gz"))[1]
+  if ext not in _EXTENSIONS:
+    raise ValueError(f"{path}: cannot tell the format from the extension {ext or '(none)'!r}; "
+                     f"name it .csv, .tsv or .jsonl, or set config.data.format to one of "
+                     f"{FORMATS}.")
+  return _EXTENSIONS[ext]
+
+
+def _text_stream(path: str):
+  if not files.exists(path):
+    raise FileNotFoundError(f"No file {path}.")
+  raw = files.open_file(path, "rb")
+  # utf-8-sig drops a byte-order mark; newline="" hands CRLF to csv, which treats it as one end.
+  return io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+
+
+def _header(path: str, fields: Sequence[str]) -> list[str]:
+  names = [f.strip() for f in fields]
+  if not any(names):
+    raise ValueError(f"{path}:1: the first row names no columns; a {format_of(path)} file's first "
+                     "row is its header (e.g. text,label).")
+  dupes = sorted({n for n in names if names.count(n) > 1 and n})
+  if dupes:
+    raise ValueError(f"{path}:1: the header names the column(s) {dupes} more than once.")
+  return names
+
+
+def _decode_error(path: str, line: int, err: UnicodeDecodeError) -> ValueError:
+  return ValueError(f"{path}:{line}: not UTF-8 ({err.reason} at byte {err.start} of the line); "
+                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8).")
+
+
+def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
+  with _text_stream(path) as stream:
+    quoting = csv.QUOTE_MINIMAL if delimiter == "," else csv.QUOTE_NONE
+    reader = csv.reader(stream, delimiter=delimiter, quoting=quoting, strict=True)
+    names, start = None, 1
+    try:
+      for fields in reader:
+        line, start = start, reader.line_num + 1
+        if names is None:
+          names = _header(path, fields)
+          continue
+        if not fields or (len(fields) == 1 and not fields[0].strip()):
+          continue  # a blank line
+        if len(fields) != len(names):
+          raise ValueError(f"{path}:{line}: {len(fields)} field(s) where the header has "
+                           f"{len(names)} ({names}); "
+                           + ("quote a field holding a comma or a newline (\"...\")"
+                              if delimiter == "," else "a field holding a tab?"))
+        row = Row(zip(names, fields))
+        row.where = f"{path}:{line}"
+        yield row
+    except csv.Error as err:
+      raise ValueError(f"{path}:{reader.line_num}: {err} (a quote opened and not closed?)"
+                       ) from None
+    except UnicodeDecodeError as err:
+      raise _decode_error(path, start, err) from None
+  if names is None:
+    raise ValueError(f"{path}: the file is empty; its first row names the columns.")
+
+
+def _jsonl_rows(path: str) -> Iterator[Row]:
+  with _text_stream(path) as stream:
+    line = 0
+    try:
+      for line, text in enumerate(stream, start=1):
+        if not text.strip():
+          continue
+        try:
+          value = json.loads(text)
+        except json.JSONDecodeError as err:
+          raise ValueError(f"{path}:{line}: not JSON ({err.msg} at column {err.colno}); JSON Lines "
+                           "holds one object per line.") from None
+        if not isinstance(value, dict):
+          raise ValueError(f"{path}:{line}: a {type(value).__name__}, not an object; JSON Lines "
+                           'holds one object per line ({"text": ..., "label": ...}).')
+        row = Row(value)
+        row.where = f"{path}:{line}"
+        yield row
+    except UnicodeDecodeError as err:
+      raise _decode_error(path, line + 1, err) from None
+
+
+def iter_rows(path: str, fmt: str = "") -> Iterator[Row]:
+  """Every row of the file, in order, streamed."""
+  fmt = format_of(path, fmt)
+  if fmt == "jsonl":
+    return _jsonl_rows(path)
+  return _csv_rows(path, "," if fmt == "csv" else "\t")
+
+
+def require(row: Row, columns: Sequence[str], what: str = "config.data") -> None:
+  """Every one of `columns` is in `row`, or an error listing the columns found."""
+  missing = [c for c in columns if c not in row]
+  if missing:
+    raise ValueError(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}. Name "
+                     f"the columns with {what}.text_a / text_b / label (tagging: tokens / tags).")
+
+
+def read_rows(path: str, columns: Sequence[str], fmt: str = "") -> list[Row]:
+  """Every row, each checked to hold `columns`; an empty file is an error."""
+  rows = []
+  for row in iter_rows(path, fmt):
+    require(row, columns)
+    rows.append(row)
+  if not rows:
+    raise ValueError(f"{path}: no examples (only a header, or blank lines).")
+  return rows
+
+
+def text_of(row: Row, column: str) -> str:
+  value = row[column]
+  if value is None:
+    return ""
+  if isinstance(value, (list, dict)):
+    raise ValueError(f"{row.where}: column {column!r} holds a {type(value).__name__}, not text.")
+  return str(value)
+
+
+def list_of(row: Row, column: str) -> list[str]:
+  """A tagging column: a JSON list, or (CSV/TSV) a string holding one, or space-separated words."""
+  value: Any = row[column]
+  if isinstance(value, str):
+    text = value.strip()
+    if text.startswith("["):
+      try:
+        value = json.loads(text)
+      except json.JSONDecodeError as err:
+        raise ValueError(f"{row.where}: column {column!r} is not a JSON list ({err.msg}); write "
+                         'it as ["w1", "w2", ...] or as words separated by spaces.') from None
+    else:
+      value = text.split()
+  if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+    raise ValueError(f"{row.where}: column {column!r} is not a list of words or tags.")
+  return [str(v) for v in value]

@@ -1,0 +1,427 @@
+"""A fine-tuned model on new text: `python -m bertjax.predict --workdir=FT_WORKDIR --input=FILE
+--output=OUT.jsonl`, or sentence vectors with `--mode=embed --output=OUT.npy`.
+
+The input is CSV, TSV or JSON Lines (bertjax/finetune/textfiles.py) with the columns the model was
+trained with (its task.json: text_a / text_b, tagging's tokens; span: question and context, an `id`
+column is carried over where present); `--text_a=...` etc. name others. The output has one JSON line
+per input row, in order:
+
+  classification  {"label": ..., "probabilities": {label: p, ...}}
+  regression      {"value": ...}
+  tagging         {"text": ..., "entities": [{"type", "start", "end", "text"}], "tags": [IOB2]}:
+                  character offsets into "text" (the input text, or the words joined by spaces)
+  span            {"answer": ..., "start": character offset in the context (-1: no answer),
+                  "score": the answer's n-best probability}; "" is v2.0's null answer
+
+The weights are the best checkpoint's (best/) unless --checkpoint=latest or a step says otherwise.
+Batches are spread over every local device (data-parallel) and the file is read in chunks, so
+memory stays flat whatever its size; each example is padded only to its length's bucket (16, 32,
+64, ... up to max_seq_length) and batched with examples of that bucket, so short texts do not pay
+for the longest. Each device takes --rows_per_device rows per call, so an example is computed in
+the same shapes whatever the number of devices: the output file is the same bits on 1 or 8.
+
+`--mode=embed` writes an [N, hidden] float32 .npy of the pooled [CLS] vector (`--pooling=cls`) or
+the mean of the last layer over real tokens (`--pooling=mean`) for each row's text_a (and text_b)
+from any folder `init_from` takes: a pre-training or fine-tuning workdir, a converted, Google or
+Hugging Face folder.
+
+In Python: `Predictor.from_workdir(path)(["a text", ...])` gives the same records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from bertjax import files, weights
+from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.finetune import custom, glue, ner, objectives, squad, squad_postprocess
+from bertjax.finetune import spec as spec_lib, textfiles
+from bertjax.model import BertConfig, BertModel
+
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CHUNK_BATCHES = 16  # batches read, sorted by length and run together
+POOLINGS = ("cls", "mean")
+
+
+def _bucket(length: int, cap: int) -> int:
+  return min(next((b for b in BUCKETS if b >= length), length), cap)
+
+
+def _objective(spec: spec_lib.TaskSpec):
+  return {"classification": lambda: objectives.classification(len(spec.labels)),
+          "regression": objectives.regression,
+          "tagging": lambda: objectives.tagging(len(spec.labels)),
+          "span": objectives.span}[spec.family]()
+
+
+class Predictor:
+  """A fine-tuned model (or, for `embed`, any encoder) with its tokenizer, on every local device."""
+
+  def __init__(self, config: BertConfig, params, tokenizer: tokenizer_lib.Tokenizer,
+               spec: spec_lib.TaskSpec | None, *, rows_per_device: int = 32, devices=None,
+               source: str = ""):
+    self.config, self.tokenizer, self.spec, self.source = config, tokenizer, spec, source
+    devices = list(jax.local_devices() if devices is None else devices)
+    if rows_per_device < 1:
+      raise ValueError(f"rows_per_device={rows_per_device} must be >= 1.")
+    self.batch_size = rows_per_device * len(devices)  # rows per call, over all devices
+    self.mesh = Mesh(np.array(devices), ("data",))
+    self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
+    self._rows = NamedSharding(self.mesh, P("data"))
+    self._forward = {}  # kind -> jitted function
+    self.sequences = 0  # run so far (for the progress line)
+
+  # Construction ---------------------------------------------------------------------------------
+
+  @classmethod
+  def from_workdir(cls, path: str, *, checkpoint: str = "best", rows_per_device: int = 32,
+                   devices=None, embed: bool = False) -> "Predictor":
+    """From a fine-tuning workdir (its best checkpoint by default; "latest" or a step number), or,
+    with embed=True, any weights folder bertjax reads (bertjax/weights.py)."""
+    source = _inspect(path, checkpoint)
+    spec = _spec(source)
+    if spec is None and not embed:
+      raise ValueError(
+          f"{path} is a {'pre-training run' if source.kind == 'workdir' else source.kind + ' folder'}"
+          f" with no task head (no {spec_lib.FILE}, no task in its checkpoint's record): predict "
+          "needs a fine-tuning workdir (python -m bertjax.finetune); for sentence vectors use "
+          "--mode=embed.")
+    if source.vocab_file is None:
+      raise ValueError(f"{path} records no vocabulary; predict needs the one the model was "
+                       "trained with (a workdir copies it in when its run starts).")
+    tokenizer = tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind,
+                                              source.lower)
+    if embed:
+      params = weights.read(source, like=None)[weights.ENCODER]
+      spec = None
+    else:
+      params = weights.read(source)
+      if spec.head not in params:
+        raise ValueError(f"{source.describe()} holds no {spec.head!r} head for its {spec.family} "
+                         f"task (subtrees: {sorted(params)}).")
+    return cls(source.config, params, tokenizer, spec, rows_per_device=rows_per_device,
+               devices=devices, source=source.describe())
+
+  # The forward pass -----------------------------------------------------------------------------
+
+  def _function(self, kind: str):
+    if kind not in self._forward:
+      if kind in POOLINGS:
+        model = BertModel(self.config)
+
+        def fn(params, ids, mask, segments):
+          seq_BxLxD, pooled_BxD = model.apply({"params": params}, ids, mask, segments,
+                                              deterministic=True)
+          if kind == "cls":
+            return {"vector": pooled_BxD.astype(jnp.float32)}
+          m_BxLx1 = mask[..., None].astype(jnp.float32)
+          total_BxD = jnp.sum(seq_BxLxD.astype(jnp.float32) * m_BxLx1, axis=1)
+          return {"vector": total_BxD / jnp.maximum(jnp.sum(m_BxLx1, axis=1), 1.0)}
+      else:
+        objective = _objective(self.spec)
+        model = objective.make_model(self.config)
+
+        def fn(params, ids, mask, segments):
+          out = model.apply({"params": params}, ids, mask, segments, deterministic=True)
+          return objective.outputs(out)
+      self._forward[kind] = jax.jit(fn, in_shardings=(NamedSharding(self.mesh, P()),
+                                                      self._rows, self._rows, self._rows))
+    return self._forward[kind]
+
+  def run(self, features: dict[str, np.ndarray], kind: str = "head") -> dict[str, np.ndarray]:
+    """The outputs for every row of `features` (input_ids, input_mask, segment_ids [N, L]), in
+    order. Each row is padded to its own length's bucket and batched with rows of that bucket, and
+    every device takes `rows_per_device` rows per call: so a row is computed in the same shapes,
+    and to the same bits, whatever the number of devices and whatever else the file holds."""
+    ids_NxL = features["input_ids"]
+    n, max_len = ids_NxL.shape
+    if n == 0:
+      return {}
+    width_N = np.array([_bucket(int(k), max_len) for k in features["input_mask"].sum(1)])
+    order = np.lexsort((np.arange(n), width_N))  # by bucket, then as given
+    fn, parts, batch = self._function(kind), {}, self.batch_size
+    starts = [at for width in np.unique(width_N)
+              for at in range(int(np.searchsorted(width_N[order], width)),
+                              int(np.searchsorted(width_N[order], width, side="right")), batch)]
+    for at in starts:
+      width = int(width_N[order[at]])
+      rows = order[at:at + batch]
+      rows = rows[width_N[rows] == width]
+      pad = batch - len(rows)
+      arrays = [np.pad(features[k][rows, :width], ((0, pad), (0, 0)))
+                for k in ("input_ids", "input_mask", "segment_ids")]
+      out = jax.device_get(fn(self.params, *(jax.device_put(a, self._rows) for a in arrays)))
+      for k, v in out.items():
+        v = np.asarray(v)[:len(rows)]
+        if v.ndim == 2 and k not in ("logits", "vector"):  # per token: back to [B, max_len]
+          fill = -1e9 if v.dtype.kind == "f" else 0
+          v = np.pad(v, ((0, 0), (0, max_len - width)), constant_values=fill)
+        parts.setdefault(k, []).append(v)
+      self.sequences += len(rows)
+    restore = np.empty(n, np.int64)
+    restore[order] = np.arange(n)
+    return {k: np.concatenate(v)[restore] for k, v in parts.items()}
+
+  # Rows -> records ------------------------------------------------------------------------------
+
+  def predict_rows(self, rows: Iterable[textfiles.Row], columns: dict | None = None
+                   ) -> Iterator[dict]:
+    """One record per row (the module docstring), streamed a chunk at a time."""
+    spec = dataclasses.replace(self.spec, **(columns or {}))
+    chunk: list[textfiles.Row] = []
+    for row in rows:
+      if not chunk:
+        _check_columns(row, spec, self.source)
+      chunk.append(row)
+      if len(chunk) >= self.batch_size * CHUNK_BATCHES:
+        yield from self._records(chunk, spec)
+        chunk = []
+    if chunk:
+      yield from self._records(chunk, spec)
+
+  def __call__(self, inputs: Sequence[Any]) -> list[dict]:
+    """Records for texts in memory: strings, (text_a, text_b) pairs, word lists (tagging), or
+    dicts with the model's columns (span: {"question": ..., "context": ...})."""
+    return list(self.predict_rows([_as_row(x, self.spec, k) for k, x in enumerate(inputs)]))
+
+  def _records(self, rows: list[textfiles.Row], spec: spec_lib.TaskSpec) -> list[dict]:
+    family = spec.family
+    ids = [{"id": r["id"]} if "id" in r else {} for r in rows]
+    if family in ("classification", "regression"):
+      texts_a = [textfiles.text_of(r, spec.text_a) for r in rows]
+      texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
+      features, _ = glue.encode_pairs(texts_a, texts_b, self.tokenizer, spec.max_seq_length)
+      records = custom.decode_pairs(spec, self.run(features))
+    elif family == "tagging":
+      sentences, texts, starts = [], [], []
+      for r in rows:
+        text, words, word_starts = _words_of(r, spec)
+        texts.append(text)
+        starts.append(word_starts)
+        sentences.append(ner.Sentence(r.where, tuple(words), ("O",) * len(words)))
+      features = ner.ner_features(sentences, self.tokenizer, spec.max_seq_length, spec.labels)
+      tags = ner.tags_from_predictions(features, self.run(features)["predicted"], sentences,
+                                       spec.labels)
+      records = [{"text": text, "entities": custom.entities(text, s.words, at, t), "tags": t}
+                 for text, s, at, t in zip(texts, sentences, starts, tags)]
+    else:
+      records = self._answers(rows, spec)
+    return [{**i, **r} for i, r in zip(ids, records)]
+
+  def _answers(self, rows, spec) -> list[dict]:
+    examples = [squad.SquadExample(str(k), textfiles.text_of(r, spec.text_a),
+                                   textfiles.text_of(r, spec.text_b), (), ())
+                for k, r in enumerate(rows)]
+    features = squad.make_features(examples, self.tokenizer, max_seq_length=spec.max_seq_length,
+                                   doc_stride=spec.doc_stride,
+                                   max_query_length=spec.max_query_length)
+    out = self.run(features)
+    result = squad_postprocess.postprocess(
+        examples, features, out["start_logits"], out["end_logits"], n_best_size=spec.n_best_size,
+        max_answer_length=spec.max_answer_length,
+        version_2_with_negative=spec.version_2_with_negative,
+        null_score_diff_threshold=spec.null_score_diff_threshold)
+    return [{"answer": result.predictions[e.qas_id], "start": result.answer_starts[e.qas_id],
+             "score": round(result.scores[e.qas_id], 6)} for e in examples]
+
+  # Embeddings -----------------------------------------------------------------------------------
+
+  def embed(self, rows: Iterable[textfiles.Row | str], pooling: str = "cls",
+            text_a: str = "text", text_b: str = "", max_seq_length: int = 128
+            ) -> Iterator[np.ndarray]:
+    """[n, hidden] float32 vectors, a chunk at a time, for strings or rows' text_a (and text_b)."""
+    if pooling not in POOLINGS:
+      raise ValueError(f"pooling={pooling!r}: use one of {POOLINGS}.")
+    max_seq_length = min(max_seq_length, self.config.max_position_embeddings)
+    chunk = []
+
+    def flush():
+      a = [r if isinstance(r, str) else textfiles.text_of(r, text_a) for r in chunk]
+      b = [textfiles.text_of(r, text_b) for r in chunk] if text_b else None
+      features, _ = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      return self.run(features, pooling)["vector"]
+
+    for row in rows:
+      if not chunk and not isinstance(row, str):
+        textfiles.require(row, [text_a] + ([text_b] if text_b else []), "--")
+      chunk.append(row)
+      if len(chunk) >= self.batch_size * CHUNK_BATCHES:
+        yield flush()
+        chunk = []
+    if chunk:
+      yield flush()
+
+
+def _inspect(path: str, checkpoint: str) -> weights.Weights:
+  step = None
+  if checkpoint not in ("best", "latest"):
+    try:
+      step = int(checkpoint)
+    except ValueError:
+      raise ValueError(f"--checkpoint={checkpoint!r}: use best, latest or a step number."
+                       ) from None
+  if checkpoint == "best" and files.isdir(os.path.join(path, "best")):
+    return weights.inspect(path, what="--workdir", checkpoints="best")
+  return weights.inspect(path, what="--workdir", step=step)
+
+
+def _spec(source: weights.Weights) -> spec_lib.TaskSpec | None:
+  recorded = (source.meta or {}).get(spec_lib.META_KEY)
+  if recorded:
+    return spec_lib.TaskSpec.from_dict(recorded)
+  return spec_lib.read(source.path) if source.kind == "workdir" else None
+
+
+def _needed(spec: spec_lib.TaskSpec) -> list[str]:
+  if spec.family == "tagging":
+    return [spec.tokens]
+  return custom.text_columns(spec)
+
+
+def _check_columns(row: textfiles.Row, spec: spec_lib.TaskSpec, source: str) -> None:
+  needed = _needed(spec)
+  if spec.family == "tagging" and spec.tokens not in row and spec.text_a in row:
+    return  # raw text: split into words on whitespace
+  missing = [c for c in needed if c not in row]
+  if missing:
+    raise ValueError(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}, the model "
+                     f"({source}) reads {needed} as it was trained. Rename the columns, or name "
+                     "them with --text_a / --text_b / --tokens.")
+
+
+def _as_row(x, spec: spec_lib.TaskSpec, k: int) -> textfiles.Row:
+  if isinstance(x, dict):
+    row = textfiles.Row(x)
+  elif isinstance(x, str):
+    row = textfiles.Row({spec.text_a: x})
+  elif spec.family == "tagging":
+    row = textfiles.Row({spec.tokens: list(x)})
+  else:
+    a, b = x
+    row = textfiles.Row({spec.text_a: a, spec.text_b or "text_b": b})
+  row.where = f"input #{k}"
+  return row
+
+
+def _words_of(row: textfiles.Row, spec) -> tuple[str, list[str], list[int]]:
+  """The text, its words and where each starts: a tokens column joined by spaces, or a text
+  column split on whitespace (offsets then point into the text as given)."""
+  if spec.tokens in row:
+    words = textfiles.list_of(row, spec.tokens)
+    text, starts = custom.word_starts(words)
+    return text, words, starts
+  text = textfiles.text_of(row, spec.text_a)
+  found = list(re.finditer(r"\S+", text))
+  return text, [m.group() for m in found], [m.start() for m in found]
+
+
+class _Progress:
+  """One line on stderr: rows done and sequences per second (rewritten in place on a terminal)."""
+
+  def __init__(self, predictor: Predictor, every: float = 2.0):
+    self.predictor, self.every, self.start = predictor, every, time.perf_counter()
+    self.last, self.tty = self.start, sys.stderr.isatty()
+
+  def update(self, rows: int, final: bool = False) -> None:
+    now = time.perf_counter()
+    if not final and now - self.last < (self.every if self.tty else 30.0):
+      return
+    self.last = now
+    rate = self.predictor.sequences / max(now - self.start, 1e-9)
+    line = f"predict: {rows:,} rows, {self.predictor.sequences:,} sequences, {rate:,.0f} seq/s"
+    end = "\n" if final or not self.tty else ""
+    sys.stderr.write(("\r" if self.tty else "") + line + end)
+    sys.stderr.flush()
+
+
+def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: str = "",
+                 columns: dict | None = None) -> int:
+  """Writes one JSON line per input row; returns the number of rows. The output appears whole
+  (written beside, then renamed) so a reader never takes a part for the result."""
+  import json  # pylint: disable=import-outside-toplevel
+  progress = _Progress(predictor)
+  tmp = output_path + ".part"
+  files.makedirs(os.path.dirname(output_path) or ".")
+  n = 0
+  with files.open_file(tmp, "w") as out:
+    for record in predictor.predict_rows(textfiles.iter_rows(input_path, fmt), columns):
+      out.write(json.dumps(record, ensure_ascii=False) + "\n")
+      n += 1
+      progress.update(n)
+  if n == 0:
+    raise ValueError(f"{input_path}: no rows to predict (only a header, or blank lines).")
+  os.replace(tmp, output_path)
+  progress.update(n, final=True)
+  return n
+
+
+def embed_file(predictor: Predictor, input_path: str, output_path: str, *, pooling: str,
+               text_a: str, text_b: str, max_seq_length: int, fmt: str = "") -> int:
+  """Writes an [N, hidden] float32 .npy, filled a chunk at a time (N counted first)."""
+  n = sum(1 for _ in textfiles.iter_rows(input_path, fmt))
+  if n == 0:
+    raise ValueError(f"{input_path}: no rows to embed.")
+  out = np.lib.format.open_memmap(output_path + ".part", mode="w+", dtype=np.float32,
+                                  shape=(n, predictor.config.hidden_size))
+  progress, at = _Progress(predictor), 0
+  for vectors in predictor.embed(textfiles.iter_rows(input_path, fmt), pooling, text_a, text_b,
+                                 max_seq_length):
+    out[at:at + len(vectors)] = vectors
+    at += len(vectors)
+    progress.update(at)
+  out.flush()
+  del out
+  os.replace(output_path + ".part", output_path)
+  progress.update(at, final=True)
+  return n
+
+
+def main(argv=None) -> None:
+  import argparse  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(prog="python -m bertjax.predict", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", required=True,
+                      help="a fine-tuning workdir (embed: any weights folder)")
+  parser.add_argument("--input", required=True, help="CSV, TSV or JSON Lines")
+  parser.add_argument("--output", required=True, help="predict: .jsonl; embed: .npy")
+  parser.add_argument("--mode", choices=("predict", "embed"), default="predict")
+  parser.add_argument("--checkpoint", default="best", help="best, latest or a step")
+  parser.add_argument("--rows_per_device", type=int, default=32,
+                      help="rows each device takes per call (a call takes this x devices)")
+  parser.add_argument("--format", default="", help="csv, tsv or jsonl ('' = from the extension)")
+  parser.add_argument("--pooling", choices=POOLINGS, default="cls", help="embed: the vector")
+  parser.add_argument("--max_seq_length", type=int, default=128, help="embed: tokens kept")
+  for column in ("text_a", "text_b", "tokens"):
+    parser.add_argument(f"--{column}", default=None,
+                        help=f"the input's column for the model's {column} (default: as trained)")
+  args = parser.parse_args(argv)
+  from bertjax import cli  # pylint: disable=import-outside-toplevel
+  if args.rows_per_device < 1:
+    parser.error(f"--rows_per_device={args.rows_per_device} must be >= 1")
+  embed = args.mode == "embed"
+  predictor = cli.explained(Predictor.from_workdir, args.workdir, checkpoint=args.checkpoint,
+                            rows_per_device=args.rows_per_device, embed=embed)
+  if embed:
+    n = cli.explained(embed_file, predictor, args.input, args.output, pooling=args.pooling,
+                      text_a=args.text_a or "text", text_b=args.text_b or "",
+                      max_seq_length=args.max_seq_length, fmt=args.format)
+  else:
+    columns = {k: getattr(args, k) for k in ("text_a", "text_b", "tokens")
+               if getattr(args, k) is not None}
+    n = cli.explained(predict_file, predictor, args.input, args.output, args.format, columns)
+  print(f"{args.mode}: {n:,} rows of {args.input} -> {args.output} ({predictor.source})",
+        flush=True)
+
+
+if __name__ == "__main__":
+  main()

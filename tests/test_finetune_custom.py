@@ -1,0 +1,351 @@
+"""One's own task end to end (bertjax/finetune/custom.py, bertjax/predict.py): each family trains on
+small files in its formats to a score only a working path reaches, scores itself, writes its label
+map, and predicts new text line by line as the run's own test predictions say; 1 and 8 devices
+write the same prediction file; the readers take what real files hold (quotes with newlines, BOM,
+CRLF) and refuse what they should, naming the file, line and fix.
+
+The tasks are rules a 2-layer, 32-wide encoder learns in a few epochs (finetune_fixtures):
+classification: which of four key words a text holds (plus a pair column it must ignore);
+regression: how many counted words a text holds; tagging: names and places as entities.
+"""
+
+import csv
+import json
+import os
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from bertjax import predict as predict_lib
+from bertjax.finetune import custom, metrics as ft_metrics, ner, run, spec as spec_lib, tasks
+from bertjax.finetune import textfiles
+import finetune_fixtures as fx
+
+ROUTES = ("billing", "delivery", "login", "refund")  # the label names
+KEY = dict(zip(ROUTES, fx.KEYS + fx.COUNTED[:1]))  # each route's key word
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes")
+  saved = {k: getattr(jax.config, k) for k in keys}
+  for k, v in zip(keys, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, -1)):
+    jax.config.update(k, v)
+  cc.reset_cache()
+  yield
+  for k, v in saved.items():
+    jax.config.update(k, v)
+  cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  return fx.pretrain(str(tmp_path_factory.mktemp("pretrain")))
+
+
+def route_rows(n, seed):
+  rng = random.Random(seed)
+  rows = []
+  for i in range(n):
+    label = ROUTES[i % len(ROUTES)]
+    words = fx._words(rng, 3, 9)  # pylint: disable=protected-access
+    fx._insert(rng, words, KEY[label])  # pylint: disable=protected-access
+    rows.append({"id": f"r{seed}-{i}", "text": " ".join(words), "label": label})
+  rng.shuffle(rows)
+  return rows
+
+
+def write_csv(path, rows, columns=("id", "text", "label")):
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    w = csv.DictWriter(f, columns, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+  return str(path)
+
+
+def custom_config(task, init_from, train_file, dev_file, test_file="", **data):
+  config = fx.ft_config(task, init_from, batch_size=16, num_epochs=4)
+  d = config.data
+  d.train_file, d.dev_file, d.test_file = str(train_file), str(dev_file), str(test_file)
+  for k, v in data.items():
+    d[k] = v
+  return config
+
+
+def read_jsonl(path):
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+# Classification: CSV to a score, a label map, predictions, the same on 1 and 8 devices ----------
+
+@pytest.fixture(scope="module")
+def routing(pretrained, tmp_path_factory):
+  root = tmp_path_factory.mktemp("routing")
+  train = write_csv(root / "train.csv", route_rows(384, 0))
+  dev = write_csv(root / "dev.csv", route_rows(64, 1))
+  test_rows = route_rows(40, 2)
+  test = write_csv(root / "test.csv", test_rows, ("id", "text"))  # no labels: predicted only
+  workdir = str(root / "run")
+  config = custom_config("classification", pretrained, train, dev, test)
+  config.train.class_weights = "balanced"
+  results = run.finetune(config, workdir)
+  return workdir, results, test, test_rows
+
+
+def test_classification_learns_and_reports(routing):
+  workdir, results, _, test_rows = routing
+  assert results["labels"] == sorted(ROUTES)
+  best = results["best"]["scores"]
+  assert best["accuracy"] >= 0.9, best  # chance is 0.25
+  report = results["dev_report"]
+  # The report's figures agree with its own confusion matrix.
+  m = np.array(report["confusion"]["matrix"])
+  assert m.sum() == 64 and report["confusion"]["labels"] == sorted(ROUTES)
+  assert report["accuracy"] == pytest.approx(np.trace(m) / m.sum())
+  for k, name in enumerate(sorted(ROUTES)):
+    c = report["per_class"][name]
+    assert c["support"] == m[k].sum() == 16
+    assert c["recall"] == pytest.approx(m[k, k] / m[k].sum())
+  spec = spec_lib.read(workdir)
+  assert spec.family == "classification" and spec.labels == tuple(sorted(ROUTES))
+  # Test rows predicted with the best checkpoint, in the file's order, with their ids.
+  written = read_jsonl(os.path.join(workdir, "predictions", "test.jsonl"))
+  assert [r["id"] for r in written] == [r["id"] for r in test_rows]
+  right = np.mean([w["label"] == r["label"] for w, r in zip(written, test_rows)])
+  assert right >= 0.9
+  for w in written:
+    assert set(w["probabilities"]) == set(ROUTES)
+    assert w["label"] == max(w["probabilities"], key=w["probabilities"].get)
+
+
+def test_predict_command_matches_the_run_and_the_api(routing, tmp_path, capsys):
+  workdir, _, test, test_rows = routing
+  out = str(tmp_path / "out.jsonl")
+  predict_lib.main(["--workdir", workdir, "--input", test, "--output", out])
+  assert "40 rows" in capsys.readouterr().out
+  # What the run wrote for its test split, line by line (the same best checkpoint; the run
+  # pads every row to max_seq_length, so the probabilities agree to rounding).
+  got, ran = read_jsonl(out), read_jsonl(os.path.join(workdir, "predictions", "test.jsonl"))
+  assert [(g["id"], g["label"]) for g in got] == [(r["id"], r["label"]) for r in ran]
+  for g, r in zip(got, ran):
+    for name, p in g["probabilities"].items():
+      assert p == pytest.approx(r["probabilities"][name], abs=1e-5)
+  api = predict_lib.Predictor.from_workdir(workdir)([r["text"] for r in test_rows[:5]])
+  assert [a["label"] for a in api] == [r["label"] for r in read_jsonl(out)[:5]]
+
+
+def test_predict_on_one_and_eight_devices_writes_the_same_file(routing, tmp_path):
+  workdir, _, test, _ = routing
+  outs = []
+  for devices in (jax.devices()[:1], jax.devices()):
+    p = predict_lib.Predictor.from_workdir(workdir, rows_per_device=2, devices=devices)
+    assert p.mesh.devices.size == len(devices)
+    outs.append(str(tmp_path / f"{len(devices)}.jsonl"))
+    predict_lib.predict_file(p, test, outs[-1])
+  with open(outs[0], "rb") as a, open(outs[1], "rb") as b:
+    assert a.read() == b.read()
+
+
+def test_embed_writes_one_vector_per_row(routing, pretrained, tmp_path):
+  workdir, _, test, _ = routing
+  for source, pooling in ((workdir, "mean"), (pretrained, "cls")):
+    out = str(tmp_path / f"{pooling}.npy")
+    predict_lib.main(["--workdir", source, "--mode", "embed", "--pooling", pooling,
+                      "--input", test, "--output", out])
+    vectors = np.load(out)
+    assert vectors.shape == (40, 32) and np.isfinite(vectors).all()
+    assert np.std(vectors, axis=0).max() > 0  # rows differ
+
+
+def test_predict_refuses_a_pretraining_run_and_other_columns(routing, pretrained, tmp_path):
+  workdir, _, _, _ = routing
+  with pytest.raises(ValueError, match="no task head.*--mode=embed"):
+    predict_lib.Predictor.from_workdir(pretrained)
+  other = write_csv(tmp_path / "other.csv", [{"body": "x", "label": "y"}], ("body", "label"))
+  p = predict_lib.Predictor.from_workdir(workdir)
+  with pytest.raises(ValueError, match=r"other.csv:2: no column 'text'; the file has "
+                     r"\['body', 'label'\].*--text_a"):
+    predict_lib.predict_file(p, other, str(tmp_path / "o.jsonl"))
+  assert not os.path.exists(tmp_path / "o.jsonl")
+  # Named by a flag, the same file is read.
+  assert len(p([{"text": "x"}])) == 1
+  predict_lib.predict_file(p, other, str(tmp_path / "o.jsonl"), columns={"text_a": "body"})
+  assert len(read_jsonl(tmp_path / "o.jsonl")) == 1
+
+
+# Regression (TSV) and tagging (CoNLL columns in IOBES) -------------------------------------------
+
+def test_regression_from_tsv(pretrained, tmp_path):
+  def rows(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+      words, k = fx._words(rng, 3, 8), rng.randint(0, 3)  # pylint: disable=protected-access
+      for _ in range(k):
+        fx._insert(rng, words, rng.choice(fx.COUNTED))  # pylint: disable=protected-access
+      out.append(f"{' '.join(words)}\t{k}\n")
+    return "sentence\tscore\n" + "".join(out)
+  for name, n, seed in (("train", 384, 0), ("dev", 64, 1)):
+    fx.write_file(str(tmp_path / f"{name}.tsv"), rows(n, seed))
+  config = custom_config("regression", pretrained, tmp_path / "train.tsv", tmp_path / "dev.tsv",
+                         text_a="sentence", label="score")
+  config.eval.main_metric = "mse"
+  results = run.finetune(config, str(tmp_path / "run"))
+  report = results["dev_report"]
+  assert report["pearson"] > 0.8 and report["spearman"] > 0.8, report  # 0 by chance
+  assert results["best"]["scores"]["main"] == pytest.approx(-results["best"]["scores"]["mse"])
+  out = predict_lib.Predictor.from_workdir(str(tmp_path / "run"))(["x y z"])
+  assert set(out[0]) == {"value"}
+
+
+def iobes(words_tags):
+  """IOB1 fixture sentences rewritten in IOBES (an entity's last word E-, a one-word one S-)."""
+  out = []
+  for sentence in words_tags:
+    iob2 = ner.to_iob2([t for _, t in sentence])
+    tags = []
+    for i, t in enumerate(iob2):
+      last = i + 1 == len(iob2) or not iob2[i + 1].startswith("I-")
+      if t == "O":
+        tags.append(t)
+      elif t.startswith("B-"):
+        tags.append(("S-" if last else "B-") + t[2:])
+      else:
+        tags.append(("E-" if last else "I-") + t[2:])
+    out.append([(w, t) for (w, _), t in zip(sentence, tags)])
+  return out
+
+
+def test_tagging_from_conll_columns_in_iobes(pretrained, tmp_path):
+  for name, n, seed in (("train", 384, 0), ("dev", 64, 1), ("test", 16, 2)):
+    sentences = iobes(fx.conll_sentences(n, seed))
+    fx.write_file(str(tmp_path / f"{name}.conll"),
+                  "".join("".join(f"{w} {t}\n" for w, t in s) + "\n" for s in sentences))
+  config = custom_config("tagging", pretrained, tmp_path / "train.conll", tmp_path / "dev.conll",
+                         tmp_path / "test.conll")
+  results = run.finetune(config, str(tmp_path / "run"))
+  assert "tags read as IOBES (detected)" in " ".join(results["notes"])
+  assert results["labels"] == ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
+  report = results["dev_report"]
+  assert report["f1"] >= 0.9 and set(report["per_type"]) == {"LOC", "PER"}, report
+  written = read_jsonl(tmp_path / "run" / "predictions" / "test.jsonl")
+  gold = iobes(fx.conll_sentences(16, 2))
+  for record, sentence in zip(written, gold):
+    assert record["text"] == " ".join(w for w, _ in sentence)
+    for e in record["entities"]:
+      assert record["text"][e["start"]:e["end"]] == e["text"]
+  # predict on raw text: offsets into the text as given (two spaces kept).
+  p = predict_lib.Predictor.from_workdir(str(tmp_path / "run"))
+  words = [w for w, _ in gold[0]]
+  text = "  ".join(words)
+  got = p([{"text": text}])[0]
+  assert [e["text"] for e in got["entities"]] == [e["text"].replace(" ", "  ")
+                                                  for e in written[0]["entities"]]
+  for e in got["entities"]:
+    assert text[e["start"]:e["end"]] == e["text"]
+
+
+# Readers and refusals (no training) -------------------------------------------------------------
+
+def test_csv_reader_takes_quotes_newlines_bom_and_crlf(tmp_path):
+  path = tmp_path / "a.csv"
+  path.write_bytes("\ufeffid,text,label\r\n1,\"a, \"\"quoted\"\"\r\nsecond line\",x\r\n\r\n"
+                   "2,plain,y\r\n".encode("utf-8"))
+  rows = textfiles.read_rows(str(path), ["text", "label"])
+  assert [r["text"] for r in rows] == ['a, "quoted"\r\nsecond line', "plain"]
+  assert [r.where for r in rows] == [f"{path}:2", f"{path}:5"]
+  # The same rows as TSV and as JSON Lines read alike.
+  (tmp_path / "a.tsv").write_text("id\ttext\tlabel\n1\tplain\ty\n")
+  (tmp_path / "a.jsonl").write_text('{"id": 1, "text": "plain", "label": "y"}\n\n')
+  for name in ("a.tsv", "a.jsonl"):
+    (row,) = textfiles.read_rows(str(tmp_path / name), ["text", "label"])
+    assert (textfiles.text_of(row, "text"), str(row["label"])) == ("plain", "y")
+
+
+@pytest.mark.parametrize("body, message", [
+    ("id,body,label\n1,a,x\n", r"a.csv:2: no column 'text'; the file has \['body', 'id', 'label'\]"),
+    ("text,label\na,x\nb,\n", r"a.csv:3: empty label in column 'label'"),
+    ("text,label\na,x\nb,y,z\n", r"a.csv:3: 3 field\(s\) where the header has 2"),
+    ("text,label\n\"a,x\n", r"a.csv:\d: .*quote"),
+    ("", r"a.csv: the file is empty"),
+    ("text,label\n", r"a.csv: no examples"),
+])
+def test_bad_csv_named_by_file_and_line(tmp_path, body, message):
+  path = tmp_path / "a.csv"
+  path.write_text(body)
+  probe = spec_lib.TaskSpec("classification", "classification", ("a", "b"), text_a="text")
+  with pytest.raises(ValueError, match=message):
+    custom.Rows(str(path), probe, "", need_labels=True)
+
+
+def test_dev_label_outside_the_map_is_refused(pretrained, tmp_path):
+  write_csv(tmp_path / "train.csv", route_rows(16, 0))
+  rows = route_rows(8, 1)
+  rows[5]["label"] = "sales"
+  write_csv(tmp_path / "dev.csv", rows)
+  config = custom_config("classification", pretrained, tmp_path / "train.csv",
+                         tmp_path / "dev.csv")
+  with pytest.raises(ValueError, match=r"dev.csv:7: label 'sales' is not in the label map"):
+    run.finetune(config, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_tagging_rows_with_mismatched_lengths_and_schemes(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_text('{"tokens": ["a", "b"], "tags": ["O"]}\n')
+  probe = spec_lib.TaskSpec("tagging", "tagging", ("O", "B-X"))
+  with pytest.raises(ValueError, match=r"t.jsonl:1: 2 word\(s\) in 'tokens' but 1 tag"):
+    custom.read_tagged(str(path), probe, "")
+  assert ner.detect_scheme([["B-PER", "I-PER", "O", "B-LOC"]]) == "BIO"
+  assert ner.detect_scheme([["I-PER", "I-PER", "O", "B-PER"]]) == "IOB1"
+  assert ner.detect_scheme([["PER", "O", "LOC"]]) == "IO"
+  assert ner.detect_scheme([["B-PER", "E-PER", "S-LOC"]]) == "IOBES"
+  # One entity list, whatever the scheme it is written in.
+  same = {"BIO": ["B-PER", "I-PER", "B-PER", "O", "B-LOC"],
+          "IOB1": ["I-PER", "I-PER", "B-PER", "O", "I-LOC"],
+          "IOBES": ["B-PER", "E-PER", "S-PER", "O", "S-LOC"]}
+  for scheme, tags in same.items():
+    assert ner.chunks(ner.scheme_to_iob2(tags, scheme, "x")) == [("PER", 0, 2), ("PER", 2, 3),
+                                                                 ("LOC", 4, 5)], scheme
+  with pytest.raises(ValueError, match=r"x word 2: tag 'E-PER' is not BIO"):
+    ner.scheme_to_iob2(["B-PER", "E-PER"], "BIO", "x")
+
+
+def test_classification_report_known_answers():
+  # true: a a a b b c; predicted: a a b b c c
+  r = ft_metrics.classification_report([0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, 2], ("a", "b", "c"))
+  assert r["confusion"]["matrix"] == [[2, 1, 0], [0, 1, 1], [0, 0, 1]]
+  assert r["per_class"]["a"] == {"precision": 1.0, "recall": 2 / 3, "f1": 0.8, "support": 3}
+  assert r["per_class"]["b"]["precision"] == 0.5 and r["per_class"]["c"]["recall"] == 1.0
+  assert r["macro_f1"] == pytest.approx((0.8 + 0.5 + 2 / 3) / 3)
+  assert r["accuracy"] == r["micro_f1"] == pytest.approx(4 / 6)
+
+
+def test_class_weights(tmp_path):
+  config = fx.ft_config("classification", "")
+  labels = ("a", "b", "c")
+  ids = np.array([0, 0, 0, 0, 1, 1, 2, 2])
+  config.train.class_weights = "balanced"
+  assert custom.class_weights(config, labels, ids) == pytest.approx([8 / 12, 8 / 6, 8 / 6])
+  config.train.class_weights = "c=3"
+  assert custom.class_weights(config, labels, ids) == [1.0, 1.0, 3.0]
+  config.train.class_weights = "d=3"
+  with pytest.raises(ValueError, match=r"'d=3' is not label=weight with a label of"):
+    custom.class_weights(config, labels, ids)
+  # The weighted loss is the weighted mean of the examples' losses.
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  obj = __import__("bertjax.finetune.objectives", fromlist=["x"]).classification(3, [1.0, 1.0, 3.0])
+  logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+  batch = {"label": jnp.array([0, 1]), "weight": jnp.ones(2)}
+  loss, den = obj.metrics(logits, batch)["cls_loss"]
+  nll = -jax.nn.log_softmax(logits)[jnp.arange(2), batch["label"]]
+  assert float(den) == 2.0 and float(loss) == pytest.approx(float(nll.sum()))
+  batch["label"] = jnp.array([0, 2])
+  loss, den = obj.metrics(logits, batch)["cls_loss"]
+  nll = -jax.nn.log_softmax(logits)[jnp.arange(2), batch["label"]]
+  assert float(den) == 4.0 and float(loss) == pytest.approx(float(nll[0] + 3 * nll[1]))
