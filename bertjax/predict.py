@@ -279,7 +279,7 @@ def _spec(source: weights.Weights) -> spec_lib.TaskSpec | None:
   recorded = (source.meta or {}).get(spec_lib.META_KEY)
   if recorded:
     return spec_lib.TaskSpec.from_dict(recorded)
-  return spec_lib.read(source.path) if source.kind == "workdir" else None
+  return spec_lib.read(source.path)
 
 
 def _needed(spec: spec_lib.TaskSpec) -> list[str]:

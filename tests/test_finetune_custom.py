@@ -349,3 +349,55 @@ def test_class_weights(tmp_path):
   loss, den = obj.metrics(logits, batch)["cls_loss"]
   nll = -jax.nn.log_softmax(logits)[jnp.arange(2), batch["label"]]
   assert float(den) == 4.0 and float(loss) == pytest.approx(float(nll[0] + 3 * nll[1]))
+
+
+def test_a_workdir_with_another_label_map_is_refused(routing, pretrained, tmp_path):
+  workdir, _, _, _ = routing
+  rows = route_rows(16, 0)
+  for r in rows:
+    r["label"] = r["label"].upper()
+  train = write_csv(tmp_path / "train.csv", rows)
+  config = custom_config("classification", pretrained, train, train)
+  before = os.path.getmtime(os.path.join(workdir, "task.json"))
+  with pytest.raises(ValueError, match=r"holds a run with the labels \['billing', .*these files "
+                     r"give \['BILLING'"):
+    run.finetune(config, workdir)
+  assert os.path.getmtime(os.path.join(workdir, "task.json")) == before
+
+
+def test_span_from_own_files_detects_v2_and_predicts_offsets(pretrained, tmp_path):
+  """Own QA files in SQuAD's layout, a quarter of the questions unanswerable (their context lacks
+  every answer word): read as v2.0 without being told; predictions on new contexts give the
+  answer's exact characters, and "" with -1 where there is none."""
+  def paragraphs(n, seed, prefix):
+    out = fx.squad_paragraphs(n, seed, prefix, length=(6, 14))
+    for k, p in enumerate(out):
+      if k % 4 == 3:
+        q = p["qas"][0]
+        answer = q["answers"][0]
+        p["context"] = p["context"].replace(answer["text"], "zz")
+        q["answers"], q["is_impossible"] = [], True
+    return out
+  train = fx.write_squad(str(tmp_path / "train.json"), paragraphs(384, 0, "t"))
+  dev = fx.write_squad(str(tmp_path / "dev.json"), paragraphs(64, 1, "d"))
+  config = custom_config("span", pretrained, train, dev)
+  config.data.max_seq_length = 32
+  config.train.num_epochs = 6
+  results = run.finetune(config, str(tmp_path / "run"))
+  spec = spec_lib.read(str(tmp_path / "run"))
+  assert spec.family == "span" and spec.version_2_with_negative
+  assert "HasAns_f1" in results["best"]["scores"] and results["best"]["scores"]["main"] > 60
+  new = paragraphs(24, 7, "n")
+  rows = [{"id": p["qas"][0]["id"], "question": p["qas"][0]["question"], "context": p["context"]}
+          for p in new]
+  got = predict_lib.Predictor.from_workdir(str(tmp_path / "run"))(rows)
+  right = 0
+  for record, row, p in zip(got, rows, new):
+    assert record["id"] == row["id"]
+    if record["answer"]:
+      assert row["context"][record["start"]:].startswith(record["answer"])
+    else:
+      assert record["start"] == -1
+    gold = p["qas"][0]["answers"]
+    right += record["answer"] == (gold[0]["text"] if gold else "")
+  assert right >= 16, got  # of 24

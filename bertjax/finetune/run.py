@@ -374,11 +374,6 @@ def _plain(report: Mapping[str, Any]) -> dict:
 def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec) -> None:
   """A workdir holds one task: resuming another task's run would put a new head on its state (or
   give its label ids other names)."""
-  recorded_spec = spec_lib.read(workdir)
-  if recorded_spec is not None and recorded_spec.labels != spec.labels:
-    raise ValueError(f"--workdir={workdir} holds a run with the labels {list(recorded_spec.labels)}"
-                     f"; these files give {list(spec.labels)}. Fine-tune them in a workdir of "
-                     "their own (or set config.data.labels to the run's).")
   path = os.path.join(workdir, "results.json")
   config_path = os.path.join(workdir, "config.json")
   for p in (path, config_path):
@@ -387,6 +382,11 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec) -> None:
       if recorded and tasks.canonical(recorded) != task_name:
         raise ValueError(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
                          "needs its own workdir.")
+  recorded_spec = spec_lib.read(workdir)
+  if recorded_spec is not None and recorded_spec.labels != spec.labels:
+    raise ValueError(f"--workdir={workdir} holds a run with the labels {list(recorded_spec.labels)}"
+                     f"; these files give {list(spec.labels)}. Fine-tune them in a workdir of "
+                     "their own (or set config.data.labels to the run's).")
 
 
 def _finish(config, workdir, training, data: tasks.TaskData, evaluations: Evaluations, state, ft,

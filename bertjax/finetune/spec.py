@@ -34,7 +34,7 @@ class TaskSpec:
   labels: tuple[str, ...] = ()  # classification: class names by id; tagging: tag names by id
   max_seq_length: int = 128
   # Input columns `predict` reads (CSV/TSV header names or JSON Lines keys).
-  text_a: str = "text_a"
+  text_a: str = "text"
   text_b: str = ""  # "" = one text per example
   label: str = "label"
   tokens: str = "tokens"  # tagging: a JSON list of words ...

@@ -173,7 +173,7 @@ def _glue(name: str, config, tokenizer) -> TaskData:
   pair = any(layout.text_b is not None for layout in task.splits.values())
   spec = spec_lib.TaskSpec(name, "regression" if task.is_regression else "classification",
                            task.labels, config.data.max_seq_length,
-                           text_b="text_b" if pair else "")
+                           text_a="text_a" if pair else "text", text_b="text_b" if pair else "")
   return TaskData(name, objective, train_features, evals, predicts, main, notes, spec=spec)
 
 

@@ -1,0 +1,207 @@
+"""bertjax.predict side by side with what a user would otherwise run: transformers' PyTorch
+`BertForSequenceClassification` under `torch.inference_mode()`, same shape, same texts.
+
+    python -m bertjax.benchmark_predict --shape=small --rounds=5     # 4 layers x 256
+    python -m bertjax.benchmark_predict --shape=base --rounds=3      # BERT-Base
+    python -m bertjax.benchmark_predict --rss --lines=10000,1000000  # memory while streaming
+
+Inputs: N sequences of real lengths (log-normal around 24 tokens, 4 to max_seq_length 128, the
+spread of short support messages and reviews), 8 labels, batch 64 on each side. PyTorch pads each
+batch to its longest sequence (transformers' DataCollatorWithPadding: the usual way); bertjax pads
+each sequence to its length's bucket (bertjax/predict.py). Both run with every core of the
+machine (torch's intra-op threads = the cores, XLA's CPU client alike), weights random (speed does
+not depend on them), one warm-up pass each, then rounds interleaved so background load hits both
+alike. Printed: sequences/s of each per round, the ratio's range, and the FLOP/s achieved (the
+matmul FLOPs of the lengths computed, bertjax/flops.py) against a large jitted float32 matmul's on
+this machine, the practical ceiling.
+
+`--rss` runs `python -m bertjax.predict` in a subprocess per line count on a 2-layer model and
+prints its peak resident memory: flat in the number of lines if the input streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax import flops
+from bertjax.model import BertConfig
+
+SHAPES = {"small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
+          "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)}
+VOCAB, LABELS, MAX_LEN = 30522, 8, 128
+
+
+def lengths(n: int, seed: int = 0) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  return np.clip(np.round(rng.lognormal(np.log(24), 0.6, n)), 4, MAX_LEN).astype(int)
+
+
+def features(lengths_N: np.ndarray, seed: int = 0) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  n = len(lengths_N)
+  ids = rng.integers(5, VOCAB, (n, MAX_LEN)).astype(np.int32)
+  mask = (np.arange(MAX_LEN)[None, :] < lengths_N[:, None]).astype(np.int32)
+  return {"input_ids": ids * mask, "input_mask": mask, "segment_ids": np.zeros_like(ids)}
+
+
+def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
+  a = jnp.ones((size, size), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  start = time.perf_counter()
+  for _ in range(reps):
+    f(a).block_until_ready()
+  return 2 * size ** 3 * reps / (time.perf_counter() - start) / 1e9
+
+
+def bertjax_predictor(cfg: BertConfig):
+  from bertjax import predict  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import objectives, spec as spec_lib  # pylint: disable=import-outside-toplevel
+  spec = spec_lib.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
+                           MAX_LEN)
+  model = objectives.classification(LABELS).make_model(cfg)
+  dummy = {k: jnp.zeros((1, 8), jnp.int32) for k in ("input_ids", "input_mask", "segment_ids")}
+  params = jax.jit(lambda: model.init(jax.random.PRNGKey(0), dummy["input_ids"],
+                                      dummy["input_mask"], dummy["segment_ids"])["params"])()
+  params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
+                        is_leaf=lambda x: hasattr(x, "unbox"))
+  return predict.Predictor(cfg, params, None, spec, rows_per_device=64 // len(jax.local_devices()))
+
+
+def torch_model(cfg: BertConfig):
+  import torch  # pylint: disable=import-outside-toplevel
+  from transformers import BertConfig as HfConfig, BertForSequenceClassification
+  torch.set_num_threads(os.cpu_count())
+  hf = HfConfig(vocab_size=VOCAB, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
+                max_position_embeddings=512, num_labels=LABELS, attn_implementation="sdpa")
+  return BertForSequenceClassification(hf).eval()
+
+
+def torch_pass(model, f: dict[str, np.ndarray], lengths_N: np.ndarray, batch: int = 64) -> None:
+  import torch  # pylint: disable=import-outside-toplevel
+  with torch.inference_mode():
+    for at in range(0, len(lengths_N), batch):
+      width = int(lengths_N[at:at + batch].max())
+      sl = slice(at, at + batch)
+      model(input_ids=torch.from_numpy(f["input_ids"][sl, :width]).long(),
+            attention_mask=torch.from_numpy(f["input_mask"][sl, :width]).long(),
+            token_type_ids=torch.from_numpy(f["segment_ids"][sl, :width]).long())
+
+
+def computed_flops(cfg: BertConfig, widths) -> float:
+  return sum(flops.forward_flops_per_sequence(cfg, int(w), 0) for w in widths)
+
+
+def speed(args) -> None:
+  cfg = BertConfig(vocab_size=VOCAB, max_position_embeddings=512, hidden_dropout=0.0,
+                   attention_dropout=0.0, **SHAPES[args.shape])
+  lengths_N = lengths(args.n)
+  f = features(lengths_N)
+  ours, theirs = bertjax_predictor(cfg), torch_model(cfg)
+  from bertjax import predict  # pylint: disable=import-outside-toplevel
+  ours_widths = [predict._bucket(int(k), MAX_LEN) for k in lengths_N]  # pylint: disable=protected-access
+  theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, args.n, 64)
+                   for _ in lengths_N[at:at + 64]]
+  ours.run(f)  # warm-up: compiles every bucket
+  torch_pass(theirs, f, lengths_N)
+  rates = {"bertjax": [], "torch": []}
+  for _ in range(args.rounds):
+    for name, fn in (("bertjax", lambda: ours.run(f)),
+                     ("torch", lambda: torch_pass(theirs, f, lengths_N))):
+      start = time.perf_counter()
+      fn()
+      rates[name].append(args.n / (time.perf_counter() - start))
+  peak = matmul_gflops()
+  print(f"{args.shape}: {cfg.num_layers} layers x {cfg.hidden_size}, {args.n} sequences "
+        f"(lengths {int(lengths_N.min())}-{int(lengths_N.max())}, median "
+        f"{int(np.median(lengths_N))}), batch 64, {os.cpu_count()} cores")
+  for name, widths in (("bertjax", ours_widths), ("torch", theirs_widths)):
+    r = rates[name]
+    gf = computed_flops(cfg, widths) * statistics.median(r) / args.n / 1e9
+    print(f"  {name:8s} {min(r):8.1f}-{max(r):8.1f} seq/s (median {statistics.median(r):.1f}); "
+          f"padded positions {sum(widths) / lengths_N.sum():.2f}x the real ones; "
+          f"{gf:.1f} GFLOP/s computed")
+  ratios = [a / b for a, b in zip(rates["bertjax"], rates["torch"])]
+  print(f"  bertjax / torch: {min(ratios):.2f}-{max(ratios):.2f}x over {args.rounds} rounds; "
+        f"a jitted 2048^2 float32 matmul: {peak:.1f} GFLOP/s")
+
+
+def rss(args) -> None:
+  """Peak RSS of `python -m bertjax.predict` over files of each line count (a 2-layer model)."""
+  from bertjax.finetune import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as tmp:
+    workdir = _tiny_workdir(tmp, spec_lib)
+    for count in (int(x) for x in args.lines.split(",")):
+      path = os.path.join(tmp, f"in-{count}.csv")
+      rng = np.random.default_rng(0)
+      words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+      with open(path, "w") as out:
+        out.write("text\n")
+        for _ in range(count):
+          out.write(" ".join(rng.choice(words, rng.integers(3, 30))) + "\n")
+      start = time.perf_counter()
+      proc = subprocess.run(
+          [sys.executable, "-c", "import resource, sys; from bertjax import predict; "
+           "predict.main(sys.argv[1:]); "
+           "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+           "--workdir", workdir, "--input", path, "--output", path + ".jsonl"],
+          capture_output=True, text=True, check=False)
+      if proc.returncode:
+        sys.exit(f"predict failed on {count} lines:\n{proc.stderr[-2000:]}")
+      peak = next(line.split()[1] for line in proc.stdout.splitlines()
+                  if line.startswith("maxrss_kb"))
+      print(f"{count:>9,} lines: peak RSS {int(peak) / 1024:.0f} MiB, "
+            f"{time.perf_counter() - start:.0f} s")
+
+
+def _tiny_workdir(root: str, spec_lib) -> str:
+  """A fine-tuning-shaped folder for the RSS run: a converted 2-layer model with a head, its
+  vocabulary and task.json (no training: memory does not depend on the weights)."""
+  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  vocab = os.path.join(root, "vocab.txt")
+  with open(vocab, "w") as f:
+    f.write("\n".join(list(tokenizer_lib.SPECIAL_TOKENS) + ["alpha", "beta", "gamma", "delta",
+                                                            "epsilon", "zeta", "eta", "theta"]))
+  cfg = BertConfig(vocab_size=13, hidden_size=32, num_layers=2, num_heads=2,
+                   intermediate_size=64, max_position_embeddings=128)
+  from bertjax.finetune import objectives  # pylint: disable=import-outside-toplevel
+  model = objectives.classification(2).make_model(cfg)
+  z = jnp.zeros((1, 8), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
+  params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
+                        is_leaf=lambda x: hasattr(x, "unbox"))
+  folder = os.path.join(root, "model")
+  hf.save_params(folder, params, cfg)
+  lower = True
+  fingerprint = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower).fingerprint
+  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, folder, lower)
+  spec_lib.write(spec_lib.TaskSpec("bench", "classification", ("a", "b"), 128), folder)
+  return folder
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m bertjax.benchmark_predict", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+  parser.add_argument("--n", type=int, default=1024, help="sequences per round")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--rss", action="store_true", help="measure memory while streaming")
+  parser.add_argument("--lines", default="10000,1000000")
+  args = parser.parse_args(argv)
+  rss(args) if args.rss else speed(args)  # pylint: disable=expression-not-assigned
+
+
+if __name__ == "__main__":
+  main()
