@@ -221,12 +221,16 @@ def iobes(words_tags):
   return out
 
 
-def test_tagging_from_conll_columns_in_iobes(pretrained, tmp_path):
+def test_tagging_from_conll_columns_and_json_lines_in_iobes(pretrained, tmp_path):
   for name, n, seed in (("train", 384, 0), ("dev", 64, 1), ("test", 16, 2)):
     sentences = iobes(fx.conll_sentences(n, seed))
     fx.write_file(str(tmp_path / f"{name}.conll"),
                   "".join("".join(f"{w} {t}\n" for w, t in s) + "\n" for s in sentences))
-  config = custom_config("tagging", pretrained, tmp_path / "train.conll", tmp_path / "dev.conll",
+    # The same sentences as JSON Lines (the dev file is read from these).
+    fx.write_file(str(tmp_path / f"{name}.jsonl"), "".join(
+        json.dumps({"tokens": [w for w, _ in s], "tags": [t for _, t in s]}) + "\n"
+        for s in sentences))
+  config = custom_config("tagging", pretrained, tmp_path / "train.conll", tmp_path / "dev.jsonl",
                          tmp_path / "test.conll")
   results = run.finetune(config, str(tmp_path / "run"))
   assert "tags read as IOBES (detected)" in " ".join(results["notes"])

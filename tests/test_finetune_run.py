@@ -22,7 +22,7 @@ import pytest
 
 from bertjax import checkpoint as checkpoint_lib, loop, train
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import run, squad, squad_metrics, tasks
+from bertjax.finetune import run, spec as spec_lib, squad, squad_metrics, tasks
 import finetune_fixtures as fx
 from test_data_fixtures import write_vocab
 
@@ -158,6 +158,16 @@ def check_workdir_files(workdir, results, task, main_metric, prediction_files,
   assert steps_in(os.path.join(workdir, "checkpoints"))[-1] == EPOCHS * per_epoch
   record = read_json(os.path.join(workdir, "tokenizer.json"))
   assert os.path.exists(os.path.join(workdir, record["file"]))
+  # What prediction and export read: the task, its family and label names, in the workdir and in
+  # the best checkpoint's record alike.
+  spec = spec_lib.read(workdir)
+  family = {"RTE": "classification", "STS-B": "regression", "squad_v1.1": "span",
+            "conll2003": "tagging"}[task]
+  assert (spec.task, spec.family) == (task, family) and list(spec.labels) == results["labels"]
+  reader = checkpoint_lib.Checkpointer.reader(os.path.join(workdir, "best"))
+  best_meta = reader.read_meta(best["step"])
+  reader.close()
+  assert spec_lib.TaskSpec.from_dict(best_meta[spec_lib.META_KEY]) == spec
   predictions = os.path.join(workdir, "predictions")
   assert sorted(results["predictions"]) == sorted(os.path.join(predictions, f)
                                                   for f in prediction_files)
