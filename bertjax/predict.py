@@ -270,8 +270,12 @@ def _inspect(path: str, checkpoint: str) -> weights.Weights:
     except ValueError:
       raise ValueError(f"--checkpoint={checkpoint!r}: use best, latest or a step number."
                        ) from None
-  if checkpoint == "best" and files.isdir(os.path.join(path, "best")):
+  best = os.path.join(path, "best")
+  if checkpoint == "best" and files.isdir(best) and any(
+      name.isdigit() for name in files.listdir(best)):
     return weights.inspect(path, what="--workdir", checkpoints="best")
+  # No best epoch yet (a run stopped before its first evaluation), or not a fine-tuning run: the
+  # newest checkpoint.
   return weights.inspect(path, what="--workdir", step=step)
 
 

@@ -31,6 +31,23 @@ FILLER = WORDS[40:]
 SEQ = 32  # max_seq_length of every fine-tuning run here
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+  """Compiled programs of the module that imports it in a persistent cache of its own, reset
+  afterwards: a rerun of an identical program (resume, random_init, prediction) loads it."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes")
+  saved = {k: getattr(jax.config, k) for k in keys}
+  for k, v in zip(keys, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, -1)):
+    jax.config.update(k, v)
+  cc.reset_cache()
+  yield
+  for k, v in saved.items():
+    jax.config.update(k, v)
+  cc.reset_cache()
+
+
 def pretrain(root: str, steps: int = 30) -> str:
   """A tiny pre-training run (hidden 32, 2 layers) on a synthetic corpus; returns its workdir.
 

@@ -33,20 +33,7 @@ TOTAL = EPOCHS * PER_EPOCH
 
 # Fixtures and helpers ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """Compiled programs of this module in a persistent cache of its own, reset afterwards."""
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes")
-  saved = {k: getattr(jax.config, k) for k in keys}
-  for k, v in zip(keys, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, -1)):
-    jax.config.update(k, v)
-  cc.reset_cache()
-  yield
-  for k, v in saved.items():
-    jax.config.update(k, v)
-  cc.reset_cache()
+compile_cache = fx.compile_cache  # every compile of the module in a cache of its own
 
 
 @pytest.fixture(scope="module")
