@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging as logging_std
 import os
 import re
 import time
@@ -30,6 +31,22 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from bertjax.model import BertConfig
+
+
+class _ReaderNoiseFilter(logging_std.Filter):
+  """Drops orbax's warnings about what a reader of weights does on purpose: it restores `params`
+  alone (the optimizer state is for resuming) from a manager opened read-only. Printed several
+  times per read, they read like faults to a user exporting or predicting."""
+
+  EXPECTED = ("was found in the checkpoint, but could not be restored",
+              "CheckpointManagerOptions.read_only=True", "Given directory is read only")
+
+  def filter(self, record) -> bool:
+    message = record.getMessage()
+    return not any(fragment in message for fragment in self.EXPECTED)
+
+
+logging_std.getLogger("absl").addFilter(_ReaderNoiseFilter())
 
 # BertConfig fields that change the shape or layout of the parameters: a checkpoint that differs
 # in any of them cannot be resumed by this model.

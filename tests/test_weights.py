@@ -190,3 +190,12 @@ def test_a_path_of_no_kind_names_every_kind(tmp_path):
     weights.inspect(str(tmp_path))
   with pytest.raises(FileNotFoundError, match="checkpoint.init_from=.*nowhere does not exist"):
     weights.inspect(str(tmp_path / "nowhere"), what="checkpoint.init_from")
+
+
+def test_reading_a_workdir_says_nothing_of_what_it_skips_on_purpose(folders, caplog):
+  """Only params are read, from a manager opened read-only: orbax's warnings about both (several
+  per read) are dropped, so an export or a prediction prints its own lines alone."""
+  import logging  # pylint: disable=import-outside-toplevel
+  caplog.set_level(logging.WARNING)
+  weights.read(weights.inspect(folders[0]["workdir"]))
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
