@@ -71,6 +71,11 @@ class Predictor:
                spec: spec_lib.TaskSpec | None, *, rows_per_device: int = 32, devices=None,
                source: str = ""):
     self.config, self.tokenizer, self.spec, self.source = config, tokenizer, spec, source
+    if jax.process_count() > 1:
+      # Each process would read and write the whole file: one process, all its local devices.
+      raise ValueError("bertjax.predict runs in one process (all of its local devices); this "
+                       f"is process {jax.process_index()} of {jax.process_count()}. Run it on one "
+                       "host, or split the input file across hosts.")
     devices = list(jax.local_devices() if devices is None else devices)
     if rows_per_device < 1:
       raise ValueError(f"rows_per_device={rows_per_device} must be >= 1.")
