@@ -93,8 +93,8 @@ class Predictor:
                    devices=None, embed: bool = False) -> "Predictor":
     """From a fine-tuning workdir (its best checkpoint by default; "latest" or a step number), or,
     with embed=True, any weights folder bertjax reads (bertjax/weights.py)."""
-    source = _inspect(path, checkpoint)
-    spec = _spec(source)
+    source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
+    spec = spec_lib.of(source)
     if spec is None and not embed:
       raise ValueError(
           f"{path} is a {'pre-training run' if source.kind == 'workdir' else source.kind + ' folder'}"
@@ -265,30 +265,6 @@ class Predictor:
         chunk = []
     if chunk:
       yield flush()
-
-
-def _inspect(path: str, checkpoint: str) -> weights.Weights:
-  step = None
-  if checkpoint not in ("best", "latest"):
-    try:
-      step = int(checkpoint)
-    except ValueError:
-      raise ValueError(f"--checkpoint={checkpoint!r}: use best, latest or a step number."
-                       ) from None
-  best = os.path.join(path, "best")
-  if checkpoint == "best" and files.isdir(best) and any(
-      name.isdigit() for name in files.listdir(best)):
-    return weights.inspect(path, what="--workdir", checkpoints="best")
-  # No best epoch yet (a run stopped before its first evaluation), or not a fine-tuning run: the
-  # newest checkpoint.
-  return weights.inspect(path, what="--workdir", step=step)
-
-
-def _spec(source: weights.Weights) -> spec_lib.TaskSpec | None:
-  recorded = (source.meta or {}).get(spec_lib.META_KEY)
-  if recorded:
-    return spec_lib.TaskSpec.from_dict(recorded)
-  return spec_lib.read(source.path)
 
 
 def _needed(spec: spec_lib.TaskSpec) -> list[str]:

@@ -127,6 +127,25 @@ def inspect(path: str, *, what: str = "path", checkpoints: str = "checkpoints",
   return reader(folder, what)
 
 
+def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") -> Weights:
+  """`inspect` for a model to use as it is (prediction, export): a fine-tuning workdir's best
+  epoch (best/) where it has one, else the newest checkpoint; `checkpoint` is "best", "latest"
+  or a step number. Other kinds of folder are read as `inspect` reads them."""
+  step = None
+  if checkpoint not in ("best", "latest"):
+    try:
+      step = int(checkpoint)
+    except ValueError:
+      raise ValueError(f"checkpoint={checkpoint!r}: use best, latest or a step number.") from None
+  best = os.path.join(path, "best")
+  if checkpoint == "best" and files.isdir(best) and any(
+      name.isdigit() for name in files.listdir(best)):
+    return inspect(path, what=what, checkpoints="best")
+  # No best epoch (a pre-training run, or a fine-tuning run stopped before its first
+  # evaluation): the newest checkpoint.
+  return inspect(path, what=what, step=step)
+
+
 # Vocabulary and casing -------------------------------------------------------------------------
 
 def _record(folder: str) -> dict | None:

@@ -142,3 +142,32 @@ def test_command_line_import_then_export(reference, tmp_path):
   assert hf.config_from_hf(exported) == hf.config_from_hf(HF_CONFIG)
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     hf.load_hf_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_a_sentencepiece_vocabulary_exports_as_a_fast_tokenizer_with_the_same_ids(tmp_path, lower):
+  """tokenizer.json written from a SentencePiece model (what configs/tiny.py trains) encodes as
+  bertjax does: single texts and pairs, with [CLS]/[SEP] and segment ids, over prose with
+  accents, full-width forms, runs of spaces, tabs, digits and CJK."""
+  import random  # pylint: disable=import-outside-toplevel
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  rng = random.Random(0)
+  words = ["the", "Parcel", "ARRIVED", "late", "naïve", "café", "Straße", "ＡＢＣ", "½", "2026",
+           "refund", "invoice", "東京", "über", "e-mail", "don't", "Ölfeld", "x²"]
+  sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+               for _ in range(400)]
+  model = tokenizer_lib.train_sentencepiece(sentences, vocab_size=120, do_lower_case=lower,
+                                            output=str(tmp_path / "spm"))
+  ours = tokenizer_lib.load_vocabulary(model, "sentencepiece")
+  hf.sentencepiece_to_tokenizer_json(model, str(tmp_path / "tokenizer.json"))
+  theirs = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+  probes = sentences[:100] + ["  two  spaces\tand a tab ", "UPPER lower MiXeD", "ﬁ ligature",
+                              "１２３ full-width digits", "unseen qzj words"]
+  cls, sep = ours.cls_id, ours.sep_id
+  for a, b in zip(probes, probes[1:] + probes[:1]):
+    assert theirs(a)["input_ids"] == [cls, *ours.encode(a), sep], a
+    pair = theirs(a, b)
+    ids_a, ids_b = ours.encode(a), ours.encode(b)
+    assert pair["input_ids"] == [cls, *ids_a, sep, *ids_b, sep]
+    assert pair["token_type_ids"] == [0] * (len(ids_a) + 2) + [1] * (len(ids_b) + 1)

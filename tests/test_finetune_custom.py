@@ -189,6 +189,10 @@ def test_regression_from_tsv(pretrained, tmp_path):
   assert results["best"]["scores"]["main"] == pytest.approx(-results["best"]["scores"]["mse"])
   out = predict_lib.Predictor.from_workdir(str(tmp_path / "run"))(["x y z"])
   assert set(out[0]) == {"value"}
+  _export(str(tmp_path / "run"), tmp_path / "hf")
+  model = _same_outputs(str(tmp_path / "run"), tmp_path / "hf", "BertForSequenceClassification",
+                        ["a b c", fx.COUNTED[0] + " x " + fx.COUNTED[1]])
+  assert model.config.problem_type == "regression" and model.config.num_labels == 1
 
 
 def iobes(words_tags):
@@ -240,6 +244,10 @@ def test_tagging_from_conll_columns_and_json_lines_in_iobes(pretrained, tmp_path
                                                   for e in written[0]["entities"]]
   for e in got["entities"]:
     assert text[e["start"]:e["end"]] == e["text"]
+  _export(str(tmp_path / "run"), tmp_path / "hf")
+  model = _same_outputs(str(tmp_path / "run"), tmp_path / "hf", "BertForTokenClassification",
+                        [" ".join(w for w, _ in s) for s in gold[:4]])
+  assert model.config.id2label == dict(enumerate(results["labels"]))
 
 
 # Readers and refusals (no training) -------------------------------------------------------------
@@ -393,3 +401,95 @@ def test_span_from_own_files_detects_v2_and_predicts_offsets(pretrained, tmp_pat
     gold = p["qas"][0]["answers"]
     right += record["answer"] == (gold[0]["text"] if gold else "")
   assert right >= 16, got  # of 24
+  _export(str(tmp_path / "run"), tmp_path / "hf")
+  _same_outputs(str(tmp_path / "run"), tmp_path / "hf", "BertForQuestionAnswering",
+                [r["question"] for r in rows[:4]], [r["context"] for r in rows[:4]])
+
+
+# Export to Hugging Face: each head in its transformers class, same logits, its labels --------------
+
+def _export(workdir, out):
+  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+  return hf.export_folder(workdir, str(out))
+
+
+def _loaded(folder, cls_name):
+  """The exported folder in its transformers class, and what transformers logged loading it."""
+  import logging  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  records = []
+  handler = logging.Handler()
+  handler.emit = records.append
+  logger = transformers.logging.get_logger()
+  logger.addHandler(handler)
+  try:
+    model = getattr(transformers, cls_name).from_pretrained(str(folder)).eval()
+  finally:
+    logger.removeHandler(handler)
+  return model, [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def _same_outputs(workdir, folder, cls_name, texts, pair=None):
+  """transformers' outputs of the export against bertjax's head on the same ids, within 1e-4."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  model, warned = _loaded(folder, cls_name)
+  assert not warned, warned  # no missing or unused weights, nothing else
+  p = predict_lib.Predictor.from_workdir(workdir)
+  from bertjax.finetune import glue  # pylint: disable=import-outside-toplevel
+  f, _ = glue.encode_pairs(texts, pair, p.tokenizer, 32)
+  head = predict_lib._objective(p.spec).make_model(p.config)  # pylint: disable=protected-access
+  params = weights.read(weights.inspect_trained(workdir))
+  ours = head.apply({"params": params}, f["input_ids"], f["input_mask"], f["segment_ids"])
+  with torch.inference_mode():
+    out = model(input_ids=torch.from_numpy(f["input_ids"]).long(),
+                attention_mask=torch.from_numpy(f["input_mask"]).long(),
+                token_type_ids=torch.from_numpy(f["segment_ids"]).long())
+  if cls_name == "BertForQuestionAnswering":
+    theirs, ours = np.stack([out.start_logits, out.end_logits]), np.stack(ours)
+  else:
+    theirs = out.logits.numpy()
+  mask = f["input_mask"].astype(bool)
+  if theirs.ndim == 3 and cls_name == "BertForTokenClassification":
+    theirs, ours = theirs[mask], np.asarray(ours)[mask]  # padding positions mean nothing
+  elif cls_name == "BertForQuestionAnswering":
+    theirs, ours = theirs[:, mask], np.asarray(ours)[:, mask]
+  np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
+  return model
+
+
+def test_classification_exports_with_its_labels(routing, tmp_path):
+  workdir, _, _, test_rows = routing
+  said = _export(workdir, tmp_path / "hf")
+  assert "BertForSequenceClassification, 4 labels" in said
+  model = _same_outputs(workdir, tmp_path / "hf", "BertForSequenceClassification",
+                        [r["text"] for r in test_rows[:8]])
+  assert model.config.id2label == dict(enumerate(sorted(ROUTES)))
+  assert model.config.problem_type == "single_label_classification"
+  # The vocabulary and casing travel too: transformers' tokenizer gives bertjax's ids.
+  import transformers  # pylint: disable=import-outside-toplevel
+  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  p = predict_lib.Predictor.from_workdir(workdir)
+  for r in test_rows[:8]:
+    text = r["text"].upper()
+    assert tok(text)["input_ids"] == [p.tokenizer.cls_id, *p.tokenizer.encode(text),
+                                      p.tokenizer.sep_id]
+
+
+def test_a_fine_tuned_workdir_without_its_label_map_is_not_exported(routing, tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / "copy")
+  shutil.copytree(routing[0], workdir)
+  os.remove(os.path.join(workdir, "task.json"))
+  for folder in ("best", "checkpoints"):
+    for step in os.listdir(os.path.join(workdir, folder)):
+      path = os.path.join(workdir, folder, step, "meta", "metadata")
+      if os.path.exists(path):
+        with open(path) as f:
+          meta = json.load(f)
+        meta.pop(spec_lib.META_KEY, None)
+        with open(path, "w") as f:
+          json.dump(meta, f)
+  with pytest.raises(ValueError, match=r"holds a fine-tuned head \(classifier\) but no label map"):
+    _export(workdir, tmp_path / "hf")
+  assert not os.path.exists(tmp_path / "hf")

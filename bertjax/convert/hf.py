@@ -12,7 +12,12 @@ Command line:
 and copies the folder's `vocab.txt` with its casing (tokenizer_config.json's do_lower_case) recorded
 in `tokenizer.json`; a Hugging Face folder is also read as it is by every `init_from`. `export`
 writes `config.json`, `model.safetensors` and the tokenizer's files from any bertjax weights folder
-(a workdir included).
+(a workdir included): a pre-training run as `BertForPreTraining`; a fine-tuning workdir (its best
+epoch; `--checkpoint=latest` or a step for another) as `BertForSequenceClassification` (with
+`problem_type` regression where it is one), `BertForTokenClassification` or
+`BertForQuestionAnswering`, its labels as `id2label` / `label2id`. WordPiece vocabularies go as
+vocab.txt, SentencePiece ones as a fast tokenizer's tokenizer.json giving the same ids (a literal
+"[CLS]" in a text is the one difference: transformers reads it as the special token).
 """
 
 from __future__ import annotations
@@ -404,28 +409,140 @@ def _write_vocabulary(vocab: str, output: str, lower: bool) -> None:
   tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
 
 
-def export_folder(params_path: str, output: str) -> str:
+# A fine-tuned model's transformers class by its task family (bertjax/finetune/spec.py), and the
+# name of its head there. Token classification and QA build no pooler: its weights are left out,
+# or transformers would warn of unused weights.
+TASK_CLASSES = {"classification": "BertForSequenceClassification",
+                "regression": "BertForSequenceClassification",
+                "tagging": "BertForTokenClassification", "span": "BertForQuestionAnswering"}
+_TASK_HEADS = {"classification": "classifier", "regression": "classifier",
+               "tagging": "classifier", "span": "qa_outputs"}
+_POOLED = ("classification", "regression")
+
+
+def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.ndarray], dict]:
+  """The state dict and the config.json entries of a fine-tuned model in its transformers class:
+  the encoder, the head (bertjax's "classifier" or "span" dense, [D, C] kernel, as a [C, D]
+  Linear; span's two outputs are start then end, as transformers splits qa_outputs), and the
+  labels by id."""
+  sd = params_to_hf({"bert": params["bert"]}, config)
+  if spec.family not in _POOLED:
+    sd = {k: v for k, v in sd.items() if not k.startswith("bert.pooler.")}
+  head = params[spec.head]["dense"] if "dense" in params[spec.head] else params[spec.head]
+  name = _TASK_HEADS[spec.family]
+  sd[f"{name}.weight"] = np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T)
+  sd[f"{name}.bias"] = np.asarray(head["bias"], np.float32)
+  extra = {"architectures": [TASK_CLASSES[spec.family]]}
+  if spec.family == "regression":
+    extra.update(num_labels=1, problem_type="regression")
+  elif spec.family == "span":
+    extra.update(num_labels=2)
+  else:
+    extra.update(num_labels=len(spec.labels),
+                 id2label={str(i): name for i, name in enumerate(spec.labels)},
+                 label2id={name: i for i, name in enumerate(spec.labels)})
+    if spec.family == "classification":
+      extra["problem_type"] = "single_label_classification"
+  return sd, extra
+
+
+def _write_hf(output: str, state_dict: dict, hf_config: dict) -> None:
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  os.makedirs(output, exist_ok=True)
+  with open(os.path.join(output, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  save_file(state_dict, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+
+
+def export_folder(params_path: str, output: str, checkpoint: str = "best") -> str:
   """Writes a Hugging Face folder (config.json, model.safetensors, the tokenizer's files) from any
-  folder bertjax/weights.py reads; returns a line saying what was done."""
+  folder bertjax/weights.py reads; a fine-tuning workdir (its best epoch by default) as its task's
+  transformers class with its labels. Returns a line saying what was done."""
   from bertjax import weights  # pylint: disable=import-outside-toplevel
-  source = weights.inspect(params_path, what="--params")
-  save_hf_dir(output, weights.read(source), source.config)
+  from bertjax.finetune import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
+  spec = spec_lib.of(source)
+  task_heads = sorted(set(source.subtrees) - {weights.ENCODER, *HEAD_PREFIXES})
+  if task_heads and spec is None:
+    raise ValueError(
+        f"--params={params_path} holds a fine-tuned head ({', '.join(task_heads)}) but no label "
+        f"map: neither {spec_lib.FILE} nor a task in its checkpoint's record. Without it the "
+        "outputs have no names; put the run's task.json back (rerunning its fine-tuning command "
+        "in the workdir writes it), or export the encoder alone from a pre-training run.")
+  params = weights.read(source)
+  if spec is None:
+    _write_hf(output, params_to_hf(params, source.config), config_to_hf(source.config))
+    what = "BertForPreTraining"
+  else:
+    sd, extra = task_to_hf(params, source.config, spec)
+    _write_hf(output, sd, {**config_to_hf(source.config), **extra})
+    what = TASK_CLASSES[spec.family] + (f", {len(spec.labels)} labels" if spec.labels else "")
   said = write_tokenizer_files(source, output, source.config)
-  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors{said})"
+  return f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors{said})"
 
 
 def write_tokenizer_files(source, output: str, config: BertConfig) -> str:
-  """The vocabulary beside exported weights, as transformers' BertTokenizer reads it (vocab.txt
-  and tokenizer_config.json with the casing); returns what was written, for the console."""
+  """The vocabulary beside exported weights, as transformers reads it: vocab.txt (BertTokenizer)
+  for WordPiece, tokenizer.json (a fast tokenizer) for SentencePiece, with the casing and the
+  special tokens; returns what was written, for the console."""
   if source.vocab_file is None:
     return ""
-  if source.tokenizer_kind != "wordpiece":
-    return f"; no tokenizer: {source.tokenizer_kind} vocabularies are not written yet"
+  specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+              "cls_token": "[CLS]", "mask_token": "[MASK]"}
+  with open(os.path.join(output, "special_tokens_map.json"), "w") as f:
+    json.dump(specials, f, indent=2)
+  if source.tokenizer_kind == "sentencepiece":
+    sentencepiece_to_tokenizer_json(source.vocab_file, os.path.join(output, "tokenizer.json"))
+    with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+      json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                 "model_max_length": config.max_position_embeddings}, f, indent=2)
+    return ", tokenizer.json (the SentencePiece model as a fast tokenizer), tokenizer_config.json"
   shutil.copyfile(source.vocab_file, os.path.join(output, "vocab.txt"))
   with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": source.lower,
+    json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": source.lower, **specials,
                "model_max_length": config.max_position_embeddings}, f, indent=2)
   return f", vocab.txt, tokenizer_config.json (do_lower_case={source.lower})"
+
+
+def sentencepiece_to_tokenizer_json(model_path: str, output: str) -> None:
+  """A `tokenizers` file that encodes as the SentencePiece model does, with BERT's [CLS]/[SEP]
+  layout and segment ids: the model's own normalization table (its precompiled character map:
+  NFKC, and case folding for a lower-cased vocabulary), its whitespace rules (runs of spaces to
+  one, none at either end, "\u2581" before every word) and its unigram pieces with their scores.
+  Written with the `tokenizers` library's public API; tests compare its ids with bertjax's."""
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
+  from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+  from tokenizers import processors  # pylint: disable=import-outside-toplevel
+  from bertjax import files  # pylint: disable=import-outside-toplevel
+  with files.open_file(model_path, "rb") as f:
+    proto = sentencepiece_model_pb2.ModelProto.FromString(f.read())
+  model_types = sentencepiece_model_pb2.TrainerSpec.ModelType
+  if proto.trainer_spec.model_type != model_types.UNIGRAM:
+    raise ValueError(f"{model_path}: a {model_types.Name(proto.trainer_spec.model_type)} "
+                     "SentencePiece model; the export writes unigram models (bertjax trains "
+                     "those) as tokenizer.json.")
+  spec = proto.normalizer_spec
+  pieces = [(p.piece, p.score) for p in proto.pieces]
+  ids = {p: i for i, (p, _) in enumerate(pieces)}
+  tok = Tokenizer(models.Unigram(pieces, unk_id=ids["[UNK]"], byte_fallback=False))
+  steps = []
+  if spec.precompiled_charsmap:
+    steps.append(normalizers.Precompiled(spec.precompiled_charsmap))
+  if spec.remove_extra_whitespaces:
+    steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+  tok.normalizer = normalizers.Sequence(steps)
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(
+      replacement="\u2581", prepend_scheme="always" if spec.add_dummy_prefix else "never")
+  tok.decoder = decoders.Metaspace(replacement="\u2581",
+                                   prepend_scheme="always" if spec.add_dummy_prefix else "never")
+  cls, sep = ids["[CLS]"], ids["[SEP]"]
+  tok.post_processor = processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+      special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+  from tokenizers import AddedToken  # pylint: disable=import-outside-toplevel
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                          for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")])
+  tok.save(output)
 
 
 def main(argv: list[str]) -> None:
@@ -441,12 +558,14 @@ def main(argv: list[str]) -> None:
   exp.add_argument("--params", required=True,
                    help="a bertjax workdir, or a folder of `import` or convert.google import")
   exp.add_argument("--output", required=True)
+  exp.add_argument("--checkpoint", default="best",
+                   help="of a fine-tuning workdir: best (its best epoch), latest or a step")
   args = parser.parse_args(argv)
   from bertjax import cli  # pylint: disable=import-outside-toplevel
   if args.command == "import":
     print(cli.explained(import_folder, args.hf_dir, args.output, scan_layers=args.scan_layers))
   else:
-    print(cli.explained(export_folder, args.params, args.output))
+    print(cli.explained(export_folder, args.params, args.output, args.checkpoint))
 
 
 if __name__ == "__main__":

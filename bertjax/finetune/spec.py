@@ -92,3 +92,12 @@ def read(workdir: str) -> TaskSpec | None:
   if not files.exists(path):
     return None
   return TaskSpec.from_dict(files.read_json(path, "the fine-tuned task's spec"))
+
+
+def of(source) -> TaskSpec | None:
+  """The spec of a weights folder (a `weights.Weights`): the one recorded with its checkpoint,
+  else its task.json; None for a model with no task (a pre-training run, an imported encoder)."""
+  recorded = (source.meta or {}).get(META_KEY)
+  if recorded:
+    return TaskSpec.from_dict(recorded)
+  return read(source.path)
