@@ -25,7 +25,6 @@ A ModernBERT folder is also read as it is by every `init_from` (bertjax/weights.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -87,8 +86,20 @@ _FIXED = dict(norm_position="pre", norm_type="layernorm", mlp_type="gated",
               position_embedding="rope", type_vocab_size=0, pooler=False, embedding_norm=True)
 
 
-def config_to_modernbert(config: BertConfig) -> dict:
-  """The ModernBERT `config.json` dict of a BertConfig; refuses one ModernBERT cannot express."""
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")
+# ModernBERT's own special tokens (its tokenizer's ids), where the vocabulary holds them.
+_DEFAULT_TOKEN_IDS = dict(pad_token_id=50283, bos_token_id=50281, eos_token_id=50282,
+                          cls_token_id=50281, sep_token_id=50282)
+
+
+def config_to_modernbert(config: BertConfig, token_ids: dict | None = None) -> dict:
+  """The ModernBERT `config.json` dict of a BertConfig; refuses one ModernBERT cannot express.
+
+  `token_ids`: the special tokens' ids (TOKEN_ID_KEYS) of the model's tokenizer. Without them,
+  ModernBERT's where they fit the vocabulary, else BERT's order ([PAD] 0, [CLS] 1, [SEP] 2);
+  transformers refuses a pad id beyond the vocabulary, and reads the ids for nothing else a
+  forward pass computes (padding_idx only keeps the [PAD] row's gradient at zero in training).
+  """
   wrong = [f"{k}={getattr(config, k)!r} (ModernBERT needs {v!r})" for k, v in _FIXED.items()
            if getattr(config, k) != v]
   for key in ("hidden_act", "head_act"):
@@ -99,7 +110,12 @@ def config_to_modernbert(config: BertConfig) -> dict:
     raise ValueError("This model has no ModernBERT form: " + "; ".join(wrong)
                      + ". Export it with `python -m bertjax.convert.hf export` if it is BERT's")
   every = config.global_every
+  if token_ids is None:
+    token_ids = (_DEFAULT_TOKEN_IDS if config.vocab_size > max(_DEFAULT_TOKEN_IDS.values())
+                 else dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                           sep_token_id=2))
   return dict(
+      **{k: token_ids[k] for k in TOKEN_ID_KEYS if k in token_ids},
       model_type=MODEL_TYPE, architectures=["ModernBertForMaskedLM"],
       vocab_size=config.vocab_size, hidden_size=config.hidden_size,
       num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
@@ -338,13 +354,14 @@ def load_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
       hf.read_safetensors(os.path.join(hf_dir, "model.safetensors")), config)
 
 
-def save_dir(hf_dir: str, params: dict, config: BertConfig) -> None:
+def save_dir(hf_dir: str, params: dict, config: BertConfig,
+             token_ids: dict | None = None) -> None:
   """Writes config.json and model.safetensors that transformers' ModernBertForMaskedLM loads."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   state_dict = params_to_modernbert(params, config)
   os.makedirs(hf_dir, exist_ok=True)
   with open(os.path.join(hf_dir, "config.json"), "w") as f:
-    json.dump(config_to_modernbert(config), f, indent=2)
+    json.dump(config_to_modernbert(config, token_ids), f, indent=2)
   save_file(state_dict, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -365,7 +382,11 @@ def export_folder(params_path: str, output: str) -> str:
   """Writes a ModernBERT folder from any folder bertjax/weights.py reads."""
   from bertjax import weights  # pylint: disable=import-outside-toplevel
   source = weights.inspect(params_path, what="--params")
-  save_dir(output, weights.read(source), dataclasses.replace(source.config))
+  token_ids = None
+  if source.kind == MODEL_TYPE:  # a round trip keeps the tokenizer's ids
+    with open(os.path.join(source.path, "config.json")) as f:
+      token_ids = {k: v for k, v in json.load(f).items() if k in TOKEN_ID_KEYS}
+  save_dir(output, weights.read(source), source.config, token_ids)
   return f"Exported {source.describe()} -> {output} (config.json, model.safetensors)"
 
 
