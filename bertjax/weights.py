@@ -363,16 +363,28 @@ def is_scanned(encoder: Mapping[str, Any]) -> bool:
   return "layers" in encoder["encoder"]
 
 
-def restack(encoder: Mapping[str, Any], num_layers: int, scan: bool) -> dict:
-  """Unrolled `encoder/layer_N` <-> scanned `encoder/layers/layer` (leading layer axis), numpy."""
+def restack(encoder: Mapping[str, Any], num_layers: int, scan: bool,
+            first_norm_bypassed: bool = False) -> dict:
+  """Unrolled `encoder/layer_N` <-> scanned `encoder/layers/layer` (leading layer axis), numpy.
+
+  `first_norm_bypassed` (BertConfig.skips_first_attention_norm): unrolled, layer 0 has no
+  attention norm; scanned layers share one structure, so layer 0 carries an identity one that it
+  bypasses, added here when stacking and dropped when unstacking.
+  """
   layers = dict(encoder["encoder"])
+  norm = "attention_layer_norm"
   if scan:
-    per_layer = [layers[f"layer_{i}"] for i in range(num_layers)]
+    per_layer = [dict(layers[f"layer_{i}"]) for i in range(num_layers)]
+    if first_norm_bypassed and norm not in per_layer[0]:
+      per_layer[0][norm] = {k: (np.ones_like(v) if k == "scale" else np.zeros_like(v))
+                            for k, v in per_layer[0]["output_layer_norm"].items()}
     stacked = {"layers": {"layer": jax.tree.map(lambda *xs: np.stack(xs), *per_layer)}}
   else:
     stacked = {f"layer_{i}": jax.tree.map(lambda x, i=i: np.asarray(x)[i],
                                           layers["layers"]["layer"])
                for i in range(num_layers)}
+    if first_norm_bypassed:
+      stacked["layer_0"] = {k: v for k, v in stacked["layer_0"].items() if k != norm}
   return {**encoder, "encoder": stacked}
 
 
@@ -423,7 +435,8 @@ def _read_host(source: Weights, want: tuple[str, ...], scan: bool) -> dict:
   else:
     params = jax.device_get(_read_orbax(source, None, want))
     if ENCODER in params and scan != source.config.scan_layers:
-      params[ENCODER] = restack(params[ENCODER], config.num_layers, scan)
+      params[ENCODER] = restack(params[ENCODER], config.num_layers, scan,
+                                config.skips_first_attention_norm)
   return {k: params[k] for k in want}
 
 
