@@ -98,6 +98,8 @@ def get_config():
   t.optimizer = "adamw"  # "adamw" (the original, no bias correction) or "lamb" (large batches)
   t.learning_rate = 1e-4  # peak learning rate, reached at the end of warmup
   t.warmup_steps = 10_000  # linear warmup from 0; then linear decay to 0 at num_train_steps
+  t.schedule = "linear"  # "linear" (the original) or "wsd": warmup, hold, then 1-sqrt decay to 0
+  t.decay_steps = 0  # wsd: the last steps that decay (the rest after warmup hold the peak)
   t.weight_decay = 0.01  # decoupled weight decay; never on LayerNorm parameters or biases
   t.adam_b1 = 0.9  # first-moment decay
   t.adam_b2 = 0.999  # second-moment decay

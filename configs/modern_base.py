@@ -14,9 +14,9 @@ published 149M), 149,655,232 with the MLM head (tests/test_modern.py counts both
 transformers' classes). Data: no NSP, 30% masking, packed rows; the published run read 2T
 tokens of its own BPE tokenizer, which bertjax's data pipeline does not read yet (the table is
 padded past the tokenizer's size: model.vocab_size).
-Not ModernBERT's: its StableAdamW and warmup-stable-decay schedule (here AdamW with bias
-correction and the linear schedule), its unpadded batches (here packing does that job), the
-batch-size ramp.
+The schedule is warmup-stable-decay with a 1-sqrt decay (train.schedule="wsd"), as ModernBERT's.
+Not ModernBERT's: its StableAdamW (here AdamW with bias correction), its unpadded batches (here
+packing does that job), the batch-size ramp.
 """
 
 from configs import base
@@ -66,6 +66,8 @@ def get_config(arg=None):
   t.num_train_steps = 350_000 if phase == 1 else 50_000
   t.learning_rate = 8e-4 if phase == 1 else 3e-4
   t.warmup_steps = 3_000 if phase == 1 else 500
+  t.schedule = "wsd"
+  t.decay_steps = 10_000  # ~3% of phase 1's steps, 20% of phase 2's
   t.weight_decay = 1e-5
   t.adam_b2 = 0.98
   t.bias_correction = True
