@@ -231,3 +231,15 @@ def test_modern_base_has_modernbert_base_parameter_count():
   assert encoder == sum(p.numel() for p in theirs.model.parameters()) == 149_014_272
   assert encoder + count(shapes["mlm"]) == sum(p.numel() for p in theirs.parameters())
   assert round(encoder / 1e6) == 149
+
+
+def test_flop_model_counts_the_gate_and_the_windows():
+  from bertjax import flops  # pylint: disable=import-outside-toplevel
+  length, per_seq = 64, lambda cfg: flops.forward_flops_per_sequence(cfg, length, 10)
+  d, f = MODERN.hidden_size, MODERN.intermediate_size
+  dense = dataclasses.replace(MODERN, mlp_type="dense")
+  assert per_seq(MODERN) - per_seq(dense) == MODERN.num_layers * length * 2 * d * f
+  # One local layer (of 3) reads 9 keys per query instead of 64; a window over all is global.
+  wide = dataclasses.replace(MODERN, local_window=2 * length)
+  assert per_seq(wide) - per_seq(MODERN) == length * 4 * (length - 9) * d
+  assert per_seq(wide) == per_seq(dataclasses.replace(MODERN, global_every=1, local_window=0))
