@@ -243,3 +243,36 @@ def test_flop_model_counts_the_gate_and_the_windows():
   wide = dataclasses.replace(MODERN, local_window=2 * length)
   assert per_seq(wide) - per_seq(MODERN) == length * 4 * (length - 9) * d
   assert per_seq(wide) == per_seq(dataclasses.replace(MODERN, global_every=1, local_window=0))
+
+
+def test_a_sharded_scanned_remat_step_equals_one_device():
+  """The new weights' logical axes under a data x fsdp x tensor mesh, with nn.scan and remat
+  over global and local layers: one train step as on one device."""
+  from bertjax import sharding, train  # pylint: disable=import-outside-toplevel
+  from configs import base  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses.replace(MODERN, scan_layers=True, remat_policy="full",
+                            tie_word_embeddings=False)
+  rng = np.random.default_rng(6)
+  b, length, m = 8, 16, 3
+  mask = (np.arange(length)[None] < rng.integers(8, length + 1, (b, 1))).astype(np.int32)
+  batch = {"input_ids": (rng.integers(1, 64, (b, length)) * mask).astype(np.int32),
+           "input_mask": mask, "segment_ids": np.zeros((b, length), np.int32),
+           "masked_lm_positions": rng.integers(1, 8, (b, m)).astype(np.int32),
+           "masked_lm_ids": rng.integers(0, 64, (b, m)).astype(np.int32),
+           "masked_lm_weights": np.ones((b, m), np.float32),
+           "next_sentence_labels": np.zeros(b, np.int32)}
+  train_cfg = train.TrainConfig(batch_size=b, learning_rate=1e-3, warmup_steps=0,
+                                num_train_steps=10)
+
+  def step(sizes, devices=None):
+    mesh = sharding.MeshConfig.from_dict({**base.get_config().mesh, **sizes})
+    t = train.build(cfg, train_cfg, mesh, devices=devices)
+    key = jax.random.PRNGKey(0)
+    state, metrics = t.train_step(t.init_state(key), t.to_global(batch), key)
+    return jax.device_get((state.params, metrics))
+
+  (one, one_m), (many, many_m) = step({}, jax.devices()[:1]), step(
+      {"ici_data": 2, "ici_fsdp": 2, "ici_tensor": 2})
+  assert float(one_m["grad_norm"][0]) > 0
+  for x, y in zip(jax.tree.leaves((one, one_m)), jax.tree.leaves((many, many_m))):
+    np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
