@@ -347,9 +347,12 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
         f"{what}={folder}: {weights_file} cannot be read ({err}); it is cut short or not a "
         "safetensors file: save the model again (save_pretrained(..., safe_serialization=True))"
     ) from None
-  # The tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads yet.
+  # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
+  # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.
+  vocabulary = _vocabulary(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
+      casing_why="a ModernBERT folder's BPE tokenizer is not read by bertjax")
   return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
-                 casing_why="a ModernBERT folder's tokenizer is cased BPE, not read by bertjax")
+                 **vocabulary)
 
 
 def _params_dir(folder: str) -> str:
