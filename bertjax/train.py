@@ -83,7 +83,8 @@ class TrainConfig:
     elif self.schedule == "wsd" and not (
         1 <= self.decay_steps <= self.num_train_steps - self.warmup_steps):
       problems.append(f"schedule='wsd' needs 1 <= decay_steps ({self.decay_steps}) <= "
-                      f"num_train_steps - warmup_steps ({self.num_train_steps - self.warmup_steps})")
+                      "num_train_steps - warmup_steps "
+                      f"({self.num_train_steps - self.warmup_steps})")
     for name in ("batch_size", "num_microbatches", "num_train_steps"):
       if int(getattr(self, name)) < 1:
         problems.append(f"{name}={getattr(self, name)} must be >= 1")

@@ -150,7 +150,8 @@ def test_fine_tuning_starts_from_a_modernbert_folder(tmp_path, monkeypatch):
   from bertjax import checkpoint as checkpoint_lib, train  # pylint: disable=import-outside-toplevel
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
-  from finetune_fixtures import frozen_next_config, write_tiny_next  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from finetune_fixtures import frozen_next_config, write_tiny_next
   from test_data_fixtures import write_vocab  # pylint: disable=import-outside-toplevel
   folder = tmp_path / "modernbert"
   os.makedirs(folder)

@@ -300,7 +300,8 @@ def params_to_modernbert(params: dict, config: BertConfig) -> dict[str, np.ndarr
   p32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
   bert = p32["bert"]
   d = c.hidden_size
-  sd = {"model.embeddings.tok_embeddings.weight": bert["embeddings"]["word_embeddings"]["embedding"]}
+  table_VxD = bert["embeddings"]["word_embeddings"]["embedding"]
+  sd = {"model.embeddings.tok_embeddings.weight": table_VxD}
 
   def norm(prefix, tree):
     sd[f"{prefix}.weight"] = tree["scale"]
