@@ -63,6 +63,12 @@ def local_band(length: int, window: int) -> np.ndarray:
   return np.abs(idx[:, None] - idx[None, :]) <= window // 2
 
 
+def cudnn_window(window: int):
+  """jax.nn.dot_product_attention's `local_window_size` for local_band's window: keys at most
+  window // 2 before and after the query (cuDNN's sliding window; None: global)."""
+  return (window // 2, window // 2) if window else None
+
+
 def splash_segment_ids(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None):
   """[B, L] int32 segment ids for splash: a token attends to the keys of its own id.
 

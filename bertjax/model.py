@@ -440,8 +440,7 @@ class SelfAttention(nn.Module):
                             masks["segment_ids"])
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: jax.nn.dot_product_attention(
-          q, k, v, **m, implementation="cudnn",
-          local_window_size=(w // 2, w // 2) if w else None)
+          q, k, v, **m, implementation="cudnn", local_window_size=attention.cudnn_window(w))
       out_BxLxNxK = _choose(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK, v_BxLxNxK,
                             masks)
     else:
