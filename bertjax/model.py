@@ -184,6 +184,20 @@ class BertConfig:
     """Whether layer `layer_id` (an int, or a traced index under nn.scan) attends locally."""
     return (layer_id % self.global_every) != 0 if self.global_every > 1 else False
 
+  def modern_options(self) -> list[str]:
+    """The settings that depart from the paper's architecture ("norm_position='pre'", ...): what
+    the exporters to BERT's formats (Hugging Face BertForPreTraining, Google's) cannot write."""
+    paper = BertConfig()
+    out = [f"{k}={getattr(self, k)!r}" for k in (
+        "norm_position", "norm_type", "norm_bias", "attention_bias", "mlp_bias", "mlp_type",
+        "position_embedding", "global_every", "embedding_norm", "pooler", "head_bias",
+        "decoder_bias", "tie_word_embeddings") if getattr(self, k) != getattr(paper, k)]
+    if self.type_vocab_size < 1:
+      out.append(f"type_vocab_size={self.type_vocab_size}")
+    if self.head_act not in ("", self.hidden_act):
+      out.append(f"head_act={self.head_act!r}")
+    return out
+
   @property
   def skips_first_attention_norm(self) -> bool:
     # Pre-LN right after the embedding norm would normalise twice in a row: layer 0 reads the

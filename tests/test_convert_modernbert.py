@@ -15,7 +15,7 @@ import transformers
 from bertjax import weights
 from bertjax.convert import modernbert
 from bertjax.heads import MlmHead
-from bertjax.model import BertModel
+from bertjax.model import BertConfig, BertModel
 
 # 3 layers, a global one every 2nd: layers 0 and 2 global, layer 1 local with a window of 8
 # (|i - j| <= 4) over 24 tokens, so the window cuts.
@@ -125,7 +125,6 @@ def test_unsupported_config_is_refused_by_name(tmp_path):
   with pytest.raises(ValueError, match="hidden_activation='relu'"):
     modernbert.config_from_modernbert({**BASE, "hidden_activation": "relu"})
   config = modernbert.config_from_modernbert(BASE)
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="norm_position='post'"):
     modernbert.config_to_modernbert(BertConfig())
   # A state dict that does not fit its config names the tensors.
@@ -176,3 +175,14 @@ def test_fine_tuning_starts_from_a_modernbert_folder(tmp_path, monkeypatch):
   assert len(want) == len(got) > 10
   for path, value in want:
     np.testing.assert_array_equal(np.asarray(got[path]), value, err_msg=str(path))
+
+
+def test_the_bert_exporter_refuses_a_modern_model_naming_the_other():
+  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+  config = modernbert.config_from_modernbert(BASE)
+  with pytest.raises(ValueError, match=r"norm_position='pre'.*convert\.modernbert export"):
+    hf.config_to_hf(config)
+  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r"mlp_type='gated'.*convert\.modernbert export"):
+    google.config_to_google(config)
+  assert not BertConfig().modern_options()
