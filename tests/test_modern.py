@@ -296,3 +296,23 @@ def test_cudnn_window_arguments_match_the_explicit_reference(packed):
   ref = _reference_attention(q, k, v, _explicit_allowed(mask, seq if packed else None, window))
   real = mask.astype(bool)
   np.testing.assert_allclose(np.asarray(got)[real], ref[real], atol=2e-5)
+
+
+def test_swiglu_and_rmsnorm_compute_their_definitions():
+  """mlp_type="gated" with silu is SwiGLU, silu(x W) * (x G) W_o; RMSNorm is
+  x / sqrt(mean(x^2) + eps) * scale, with no centring and no bias."""
+  from bertjax.model import Mlp, layer_norm  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses.replace(MODERN, hidden_act="silu", norm_type="rmsnorm")
+  x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 5, 32)) + 0.5, jnp.float32)
+  mlp = Mlp(cfg)
+  p = nn.unbox(mlp.init(jax.random.key(1), x)["params"])
+  h = np.asarray(x) @ np.asarray(p["intermediate"]["kernel"])
+  g = np.asarray(x) @ np.asarray(p["gate"]["kernel"])
+  want = (h / (1 + np.exp(-h)) * g) @ np.asarray(p["output"]["kernel"])
+  np.testing.assert_allclose(mlp.apply({"params": p}, x), want, atol=1e-4, rtol=1e-4)
+  norm = layer_norm(cfg, "norm")
+  scale = np.random.default_rng(9).normal(size=32).astype(np.float32)
+  got = norm.apply({"params": {"scale": scale}}, x)
+  xs = np.asarray(x, np.float64)
+  want = xs / np.sqrt((xs ** 2).mean(-1, keepdims=True) + cfg.layer_norm_eps) * scale
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
