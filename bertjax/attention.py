@@ -53,6 +53,22 @@ def attention_mask(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None
   return (same_BxLxL & key_ok_BxL[:, None, :])[:, None, :, :]
 
 
+def local_band(length: int, window: int) -> np.ndarray:
+  """[L, L] bool: True where |i - j| <= window // 2, ModernBERT's sliding window.
+
+  Positions are row indices: a packed row holds each sequence contiguously, so within a sequence
+  the row distance is the token distance, and the sequence mask removes the rest.
+  """
+  idx = np.arange(length)
+  return np.abs(idx[:, None] - idx[None, :]) <= window // 2
+
+
+def cudnn_window(window: int):
+  """jax.nn.dot_product_attention's `local_window_size` for local_band's window: keys at most
+  window // 2 before and after the query (cuDNN's sliding window; None: global)."""
+  return (window // 2, window // 2) if window else None
+
+
 def splash_segment_ids(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None):
   """[B, L] int32 segment ids for splash: a token attends to the keys of its own id.
 
@@ -91,9 +107,11 @@ def attention_masks(impl: str, input_mask_BxL: jax.Array,
   return {"mask": attention_mask(input_mask_BxL, sequence_ids_BxL)}
 
 
-def splash_equivalent(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+def splash_equivalent(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, local_window: int = 0):
   """What splash_attention computes, by the XLA path: any length, any device."""
   same_Bx1xLxL = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+  if local_window:
+    same_Bx1xLxL = same_Bx1xLxL & local_band(q_BxLxNxK.shape[1], local_window)[None, None]
   return jax.nn.dot_product_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=same_Bx1xLxL)
 
 
@@ -109,7 +127,8 @@ def splash_block_size(length: int) -> int:
       f"attention_impl='xla'")
 
 
-def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: bool):
+def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: bool,
+                  local_window: int = 0):
   """The kernel on the arrays one device holds: vmapped over the batch, all heads at once."""
   _, length, heads, head_size = q_BxLxNxK.shape
   block = splash_block_size(length)
@@ -119,8 +138,14 @@ def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: b
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                             block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                             use_fused_bwd_kernel=True)
-  # No static mask (every query may see every key); the segment ids carry padding and packing.
-  kernel = splash.make_splash_mha(splash.MultiHeadMask([splash.FullMask((length, length))] * heads),
+  # The static mask: everything, or the sliding window (whose blocks beyond it the kernel
+  # skips); the segment ids carry padding and packing.
+  if local_window:
+    half = local_window // 2
+    static = splash.LocalMask((length, length), window_size=(half, half), offset=0)
+  else:
+    static = splash.FullMask((length, length))
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([static] * heads),
                                   block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                   interpret=interpret)
   # The kernel does not scale: BERT's 1/sqrt(K) goes on q, in float32, before the cast back.
@@ -136,32 +161,35 @@ def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: b
   return heads_first(out_BxNxLxK)
 
 
-def _splash_any_platform(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+def _splash_any_platform(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL,
+                         local_window: int = 0):
   # Chosen when the program is lowered, for the platform it is lowered for: a TPU program (also
   # one compiled ahead of time on a CPU host, bertjax.aot) gets the Mosaic kernel, a CPU one the
   # kernel's interpreter. GPUs have no branch: use attention_impl='cudnn' there.
   return jax.lax.platform_dependent(
       q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL,
-      tpu=functools.partial(_splash_local, interpret=False),
-      cpu=functools.partial(_splash_local, interpret=True))
+      tpu=functools.partial(_splash_local, interpret=False, local_window=local_window),
+      cpu=functools.partial(_splash_local, interpret=True, local_window=local_window))
 
 
-def splash_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL):
+def splash_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, local_window: int = 0):
   """Softmax(q k^T / sqrt(K)) v within segments, by the splash kernel. [B, L, N, K] in and out.
+  `local_window` > 0: only keys with |i - j| <= local_window // 2 (attention.local_band).
 
   A Pallas kernel is one device's program: under a mesh it runs in shard_map, each device on its
   rows of the batch (data x fsdp) and its heads (tensor), as the logical-axis rules in scope lay
   the activations out; the sequence stays whole.
   """
   splash_block_size(q_BxLxNxK.shape[1])  # the error, before anything is traced further
+  run = functools.partial(_splash_any_platform, local_window=local_window)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return _splash_any_platform(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
+    return run(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
   batch, _, heads, _ = nn.logical_to_mesh_axes(
       ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
   qkv_spec = PartitionSpec(batch, None, heads, None)
   mapped = jax.shard_map(
-      _splash_any_platform, mesh=mesh, in_specs=(qkv_spec,) * 3 + (PartitionSpec(batch, None),),
+      run, mesh=mesh, in_specs=(qkv_spec,) * 3 + (PartitionSpec(batch, None),),
       out_specs=qkv_spec,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)

@@ -52,6 +52,12 @@ logging_std.getLogger("absl").addFilter(_ReaderNoiseFilter())
 # in any of them cannot be resumed by this model.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                 "max_position_embeddings", "type_vocab_size", "scan_layers")
+# The modern options that add, drop or reorder parameters, or change what the stored ones mean
+# (pre- vs post-LN, RoPE vs a table): compared like SHAPE_FIELDS, but a fine-tuning config need
+# not spell them out (their defaults are the paper's model; init_from's values are taken).
+ARCHITECTURE_FIELDS = ("norm_position", "norm_type", "norm_bias", "attention_bias", "mlp_bias",
+                       "mlp_type", "position_embedding", "embedding_norm", "pooler", "head_bias",
+                       "decoder_bias", "tie_word_embeddings")
 # Train keys that shape the optimizer state or what one step means; resuming under other values
 # would continue another run's moments (or its data position) silently.
 OPTIMIZER_FIELDS = ("optimizer", "max_grad_norm", "num_microbatches", "bias_correction")
@@ -105,7 +111,8 @@ class Expected:
     if self.model is not None:
       current, have = dataclasses.asdict(self.model), saved.get("model", {})
       diffs += [f"model.{k}: checkpoint {have[k]!r} vs config {current[k]!r}"
-                for k in SHAPE_FIELDS if k in have and have[k] != current[k]]
+                for k in SHAPE_FIELDS + ARCHITECTURE_FIELDS
+                if k in have and have[k] != current[k]]
     if self.optimizer is not None:
       have = saved.get("optimizer", {})
       diffs += [f"train.{k}: checkpoint {have[k]!r} vs config {v!r}"

@@ -10,7 +10,9 @@ from bertjax.model import BertConfig
 
 # Model FLOPs count matmuls only, 2 per multiply-add, training = 3 x forward. Per sequence, forward:
 #   encoder  num_layers * L * (8 D^2 + 4 D F + 4 L D)   (Q, K, V, output; MLP; QK^T and PV)
-#   pooler + NSP        2 D^2 + 4 D
+#            a gated MLP: 6 D F (its gate is a third F-wide matmul); a local layer's query reads
+#            min(L, local_window + 1) keys, not L (the work a windowed kernel does)
+#   pooler + NSP        2 D^2 + 4 D  (NSP's 4 D alone without the pooler)
 #   MLM head        M * (2 D^2 + 2 D V)                  (only the M masked positions)
 # Rematerialisation is not useful work and is not counted, so MFU compares across remat policies.
 # Dense bfloat16 peak TFLOP/s per chip (per GPU), from the vendors' data sheets. Matched against
@@ -58,8 +60,13 @@ def peak_tflops(device_kind: str) -> float | None:
 def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, max_predictions: int) -> float:
   """Matmul FLOPs of one sequence's forward pass (see the module docstring)."""
   d, f, v, length = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_len
-  encoder = cfg.num_layers * length * (8 * d * d + 4 * d * f + 4 * length * d)
-  pooler_nsp = 2 * d * d + 4 * d
+  mlp = (6 if cfg.mlp_type == "gated" else 4) * d * f
+  local_layers = sum(bool(cfg.is_local(i)) for i in range(cfg.num_layers))
+  keys_local = min(length, cfg.local_window + 1)
+  encoder = (cfg.num_layers * length * (8 * d * d + mlp)
+             + (cfg.num_layers - local_layers) * length * 4 * length * d
+             + local_layers * length * 4 * keys_local * d)
+  pooler_nsp = (2 * d * d if cfg.pooler else 0) + 4 * d
   mlm = max_predictions * (2 * d * d + 2 * d * v)
   return float(encoder + pooler_nsp + mlm)
 

@@ -68,18 +68,32 @@ tied_decoder.defvjp(_decode_fwd, _decode_bwd)
 
 
 class MlmHead(nn.Module):
-  """dense(D) -> activation -> LayerNorm -> logits against the tied word embeddings + bias."""
+  """dense(D) -> activation -> LayerNorm -> logits against the tied word embeddings + bias.
+
+  ModernBERT's options: no transform bias (head_bias), its own activation (head_act), no output
+  bias (decoder_bias), an untied decoder matrix `decoder` [V, D] (tie_word_embeddings=False).
+  """
 
   config: BertConfig
 
   @nn.compact
   def __call__(self, x_BxMxD, word_embeddings_VxD):
     cfg = self.config
-    h_BxMxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform")(x_BxMxD)
-    h_BxMxD = ACTIVATIONS[cfg.hidden_act](h_BxMxD)
+    h_BxMxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(
+        x_BxMxD)
+    h_BxMxD = ACTIVATIONS[cfg.head_act or cfg.hidden_act](h_BxMxD)
     h_BxMxD = layer_norm(cfg, "transform_layer_norm")(h_BxMxD)
-    bias_V = self.param("output_bias", _zeros(("vocab",)), (cfg.vocab_size,),
-                        cfg.storage_dtype)
+    if not cfg.tie_word_embeddings:
+      word_embeddings_VxD = self.param(
+          "decoder", nn.with_logical_partitioning(
+              nn.initializers.truncated_normal(stddev=cfg.initializer_range), ("vocab", "embed")),
+          (cfg.vocab_size, cfg.hidden_size), cfg.storage_dtype)
+    if cfg.decoder_bias:
+      bias_V = self.param("output_bias", _zeros(("vocab",)), (cfg.vocab_size,),
+                          cfg.storage_dtype)
+    else:
+      # A constant zero: its gradient from tied_decoder is computed and dropped.
+      bias_V = jnp.zeros((cfg.vocab_size,), cfg.storage_dtype)
     logits_BxMxV = tied_decoder(h_BxMxD, word_embeddings_VxD, bias_V, cfg.compute_dtype)
     return nn.with_logical_constraint(
         logits_BxMxV, ("activation_batch", "activation_length", "activation_vocab"))
@@ -126,7 +140,7 @@ class BertForPreTraining(nn.Module):
     # pooler reads position 0), so packed and unpacked sequences share one code path.
     cls_BxSxD = gather_positions(seq_BxLxD, jnp.asarray(nsp_positions))
     b, s, d = cls_BxSxD.shape
-    pooled_BxSxD = self.bert.pooler(cls_BxSxD.reshape(b * s, 1, d)).reshape(b, s, d)
+    pooled_BxSxD = self.bert.pool(cls_BxSxD.reshape(b * s, 1, d)).reshape(b, s, d)
     return mlm_logits_BxMxV, self.nsp(pooled_BxSxD)
 
 

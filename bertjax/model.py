@@ -43,6 +43,7 @@ def gelu(x):
 ACTIVATIONS = {
     "gelu": gelu,
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "silu": jax.nn.silu,  # with mlp_type="gated": SwiGLU
 }
 
 # What nn.remat may keep from the forward pass instead of recomputing it.
@@ -58,6 +59,10 @@ REMAT_POLICIES = {
 ATTENTION_IMPLS = attention.IMPLS
 POSITION_INITS = ("normal", "sinusoidal")
 QUERY_KEY_INITS = ("independent", "shared")
+NORM_POSITIONS = ("post", "pre")
+NORM_TYPES = ("layernorm", "rmsnorm")
+MLP_TYPES = ("dense", "gated")
+POSITION_EMBEDDINGS = ("learned", "rope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +88,52 @@ class BertConfig:
   attention_impl: str = "xla"
   position_init: str = "normal"  # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
   query_key_init: str = "independent"  # or "shared": see SelfAttention
+  # Options of the encoders that came after the paper (ModernBERT, NeoBERT, Cramming); each is
+  # independent, and the defaults are the paper's model.
+  norm_position: str = "post"  # "post" (the paper) or "pre": norms before sub-layers + final norm
+  norm_type: str = "layernorm"  # or "rmsnorm" (a scale, no bias, no centring)
+  norm_bias: bool = True  # the LayerNorms' bias (ModernBERT: off)
+  attention_bias: bool = True  # biases of the q, k, v and output projections
+  mlp_bias: bool = True  # biases of the feed-forward projections
+  mlp_type: str = "dense"  # or "gated": act(x W) * (x G) -> W_o; GeGLU with gelu, SwiGLU with silu
+  position_embedding: str = "learned"  # or "rope": rotary q and k, no position table
+  rope_theta: float = 10000.0  # RoPE base of the global layers
+  local_rope_theta: float = 0.0  # RoPE base of the local layers; 0 = rope_theta
+  global_every: int = 1  # layer i attends globally when i % global_every == 0, locally otherwise
+  local_window: int = 0  # local layers see keys with |i - j| <= local_window // 2 (ModernBERT's)
+  embedding_norm: bool = True  # a norm after the embeddings
+  pooler: bool = True  # the tanh pooler; False: the pooled output is the [CLS] state itself
+  head_act: str = ""  # activation of the MLM transform; "" = hidden_act
+  head_bias: bool = True  # bias of the MLM transform's dense layer
+  decoder_bias: bool = True  # the MLM output bias over the vocabulary
+  tie_word_embeddings: bool = True  # decoder = word-embedding table; False: its own [V, D] matrix
 
   def __post_init__(self):
     problems = []
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                 "max_position_embeddings", "type_vocab_size"):
+                 "max_position_embeddings", "global_every"):
       if int(getattr(self, name)) < 1:
         problems.append(f"{name}={getattr(self, name)} must be a positive integer")
+    if int(self.type_vocab_size) < 0:
+      problems.append(f"type_vocab_size={self.type_vocab_size} must be >= 0 (0: no segment table)")
+    for name, allowed in (("norm_position", NORM_POSITIONS), ("norm_type", NORM_TYPES),
+                          ("mlp_type", MLP_TYPES), ("position_embedding", POSITION_EMBEDDINGS)):
+      if getattr(self, name) not in allowed:
+        problems.append(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
+    if self.head_act and self.head_act not in ACTIVATIONS:
+      problems.append(f"head_act={self.head_act!r}; choose one of {sorted(ACTIVATIONS)} or ''")
+    if self.global_every > 1 and self.local_window < 2:
+      problems.append(f"global_every={self.global_every} makes local layers but local_window="
+                      f"{self.local_window}; set local_window (e.g. 128) or global_every=1")
+    if self.global_every == 1 and self.local_window:
+      problems.append(f"local_window={self.local_window} has no local layer to act in "
+                      "(global_every=1); set global_every > 1 or local_window=0")
+    if self.position_embedding == "rope" and self.num_heads >= 1 and self.head_size % 2:
+      problems.append(f"position_embedding='rope' rotates pairs of head dimensions; head size "
+                      f"{self.head_size} is odd")
+    for name in ("rope_theta", "local_rope_theta"):
+      if getattr(self, name) < 0 or (name == "rope_theta" and not self.rope_theta):
+        problems.append(f"{name}={getattr(self, name)} must be positive")
     if self.num_heads >= 1 and self.hidden_size % self.num_heads:
       problems.append(
           f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
@@ -131,6 +175,34 @@ class BertConfig:
   @property
   def storage_dtype(self):
     return jnp.dtype(self.param_dtype)
+
+  @property
+  def has_local_layers(self) -> bool:
+    return self.global_every > 1 and self.num_layers > 1
+
+  def is_local(self, layer_id):
+    """Whether layer `layer_id` (an int, or a traced index under nn.scan) attends locally."""
+    return (layer_id % self.global_every) != 0 if self.global_every > 1 else False
+
+  def modern_options(self) -> list[str]:
+    """The settings that depart from the paper's architecture ("norm_position='pre'", ...): what
+    the exporters to BERT's formats (Hugging Face BertForPreTraining, Google's) cannot write."""
+    paper = BertConfig()
+    out = [f"{k}={getattr(self, k)!r}" for k in (
+        "norm_position", "norm_type", "norm_bias", "attention_bias", "mlp_bias", "mlp_type",
+        "position_embedding", "global_every", "embedding_norm", "pooler", "head_bias",
+        "decoder_bias", "tie_word_embeddings") if getattr(self, k) != getattr(paper, k)]
+    if self.type_vocab_size < 1:
+      out.append(f"type_vocab_size={self.type_vocab_size}")
+    if self.head_act not in ("", self.hidden_act):
+      out.append(f"head_act={self.head_act!r}")
+    return out
+
+  @property
+  def skips_first_attention_norm(self) -> bool:
+    # Pre-LN right after the embedding norm would normalise twice in a row: layer 0 reads the
+    # embedding norm's output as it is (ModernBERT's layer 0 has no attention norm).
+    return self.norm_position == "pre" and self.embedding_norm
 
   @classmethod
   def from_dict(cls, values: dict[str, Any], **overrides) -> "BertConfig":
@@ -177,12 +249,19 @@ def _ones(names):
   return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
 
 
-def layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
+def layer_norm(config: BertConfig, name: str) -> nn.Module:
+  """The config's norm (LayerNorm or RMSNorm). Names keep "layer_norm" so that the optimizer's
+  decay mask (bertjax/optimizer.py) excludes them whatever the type."""
   # Statistics in float32 whatever the compute dtype (said explicitly: the dtype policy must not
   # hang on a library default); the output goes back to the compute dtype.
+  if config.norm_type == "rmsnorm":
+    return nn.RMSNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
+                      param_dtype=config.storage_dtype, scale_init=_ones(("embed",)),
+                      force_float32_reductions=True, name=name)
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
                       param_dtype=config.storage_dtype, scale_init=_ones(("embed",)),
-                      bias_init=_zeros(("embed",)), force_float32_reductions=True, name=name)
+                      use_bias=config.norm_bias, bias_init=_zeros(("embed",)),
+                      force_float32_reductions=True, name=name)
 
 
 # Logical names of a D -> D kernel (pooler, MLM transform). Only one dimension may be "embed" (a
@@ -205,6 +284,7 @@ class Dense(nn.Module):
   axis: int | tuple[int, ...] = -1
   out_dtype: Any = None  # dtype of the result (and of the accumulation): the compute dtype if None
   kernel_init: Any = None  # the kernel initialiser (boxed with `names`); None: the config's normal
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, x):
@@ -215,17 +295,19 @@ class Dense(nn.Module):
             else nn.with_logical_partitioning(self.kernel_init, self.names))
     kernel = self.param("kernel", init,
                         tuple(x.shape[a] for a in axes) + features, cfg.storage_dtype)
-    bias = self.param("bias", _zeros(self.names[len(axes):]), features, cfg.storage_dtype)
     out_dtype = cfg.compute_dtype if self.out_dtype is None else jnp.dtype(self.out_dtype)
     y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
                             ((axes, tuple(range(len(axes)))), ((), ())),
                             preferred_element_type=out_dtype)
+    if not self.use_bias:
+      return y
+    bias = self.param("bias", _zeros(self.names[len(axes):]), features, cfg.storage_dtype)
     return y + bias.astype(out_dtype)
 
 
 def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None,
-          kernel_init=None) -> Dense:
-  return Dense(config, features, tuple(names), axis, out_dtype, kernel_init, name=name)
+          kernel_init=None, use_bias: bool = True) -> Dense:
+  return Dense(config, features, tuple(names), axis, out_dtype, kernel_init, use_bias, name=name)
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
@@ -239,7 +321,11 @@ def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
 
 
 class Embeddings(nn.Module):
-  """Word + position + segment embeddings, then LayerNorm and dropout."""
+  """Word + position + segment embeddings, then LayerNorm and dropout.
+
+  With RoPE there is no position table (positions rotate q and k in every layer instead), with
+  type_vocab_size=0 no segment table, and embedding_norm=False drops the norm.
+  """
 
   config: BertConfig
 
@@ -248,27 +334,71 @@ class Embeddings(nn.Module):
     self.word_embeddings = nn.Embed(
         cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
         embedding_init=_kernel_init(cfg, ("vocab", "embed")))
-    self.position_embeddings = nn.Embed(
-        cfg.max_position_embeddings, cfg.hidden_size, dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype,
-        embedding_init=(sinusoidal_init(cfg) if cfg.position_init == "sinusoidal"
-                        else _kernel_init(cfg, (None, "embed"))))
-    self.token_type_embeddings = nn.Embed(
-        cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype, embedding_init=_kernel_init(cfg, (None, "embed")))
-    self.layer_norm = layer_norm(cfg, "layer_norm")
+    if cfg.position_embedding == "learned":
+      self.position_embeddings = nn.Embed(
+          cfg.max_position_embeddings, cfg.hidden_size, dtype=cfg.compute_dtype,
+          param_dtype=cfg.storage_dtype,
+          embedding_init=(sinusoidal_init(cfg) if cfg.position_init == "sinusoidal"
+                          else _kernel_init(cfg, (None, "embed"))))
+    if cfg.type_vocab_size:
+      self.token_type_embeddings = nn.Embed(
+          cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
+          param_dtype=cfg.storage_dtype, embedding_init=_kernel_init(cfg, (None, "embed")))
+    if cfg.embedding_norm:
+      self.layer_norm = layer_norm(cfg, "layer_norm")
     self.dropout = dropout.Dropout(cfg.hidden_dropout)
 
   def __call__(self, input_ids_BxL, segment_ids_BxL, position_ids_BxL, deterministic: bool):
-    x_BxLxD = (self.word_embeddings(input_ids_BxL)
-               + self.position_embeddings(position_ids_BxL)
-               + self.token_type_embeddings(segment_ids_BxL))
-    x_BxLxD = self.layer_norm(x_BxLxD)
+    cfg = self.config
+    x_BxLxD = self.word_embeddings(input_ids_BxL)
+    if cfg.position_embedding == "learned":
+      x_BxLxD = x_BxLxD + self.position_embeddings(position_ids_BxL)
+    if cfg.type_vocab_size:
+      x_BxLxD = x_BxLxD + self.token_type_embeddings(segment_ids_BxL)
+    if cfg.embedding_norm:
+      x_BxLxD = self.layer_norm(x_BxLxD)
     return self.dropout(x_BxLxD, deterministic=deterministic)
 
   def word_embedding_table(self) -> jax.Array:
     """The [V, D] table, for the MLM decoder tied to it."""
     return self.word_embeddings.embedding
+
+
+def rope_tables(position_ids_BxL: jax.Array, head_size: int, theta: float):
+  """(cos, sin) [B, L, K] float32 of rotary embeddings for the given positions.
+
+  Dimension i of the first half pairs with dimension i + K/2 (the "rotate half" layout of
+  GPT-NeoX and Hugging Face's ModernBERT, so that imported q/k weights need no permutation),
+  turning at frequency theta^(-2i/K).
+  """
+  inv_freq_H = 1.0 / theta ** (np.arange(0, head_size, 2, dtype=np.float64) / head_size)
+  angle_BxLxH = position_ids_BxL.astype(jnp.float32)[..., None] * inv_freq_H.astype(np.float32)
+  angle_BxLxK = jnp.concatenate([angle_BxLxH, angle_BxLxH], axis=-1)
+  return jnp.cos(angle_BxLxK), jnp.sin(angle_BxLxK)
+
+
+def apply_rope(x_BxLxNxK: jax.Array, cos_BxLxK: jax.Array, sin_BxLxK: jax.Array) -> jax.Array:
+  """x rotated by its positions' angles, in float32 and back to x's dtype."""
+  x = x_BxLxNxK.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  out = x * cos_BxLxK[:, :, None, :] + rotated * sin_BxLxK[:, :, None, :]
+  return out.astype(x_BxLxNxK.dtype)
+
+
+def _select(is_local, local_value, global_value):
+  """jnp.where for a traced choice; the value itself for a static one (no broadcast to both)."""
+  if isinstance(is_local, (bool, np.bool_)):
+    return local_value if is_local else global_value
+  return jnp.where(is_local, local_value, global_value)
+
+
+def _choose(is_local, local_fn, global_fn, *args):
+  """local_fn(*args) or global_fn(*args): decided now for an unrolled layer, by lax.cond for a
+  scanned one (whose index is traced)."""
+  if isinstance(is_local, (bool, np.bool_)):
+    return (local_fn if is_local else global_fn)(*args)
+  return jax.lax.cond(is_local, local_fn, global_fn, *args)
 
 
 class SelfAttention(nn.Module):
@@ -280,42 +410,68 @@ class SelfAttention(nn.Module):
   representation is close to its own, which with a sinusoidal position table means its
   neighbours. With independent random W_Q, W_K the scores carry no such order and a small model
   must first find one, on a plateau whose length varies from run to run (configs/tiny.py).
+
+  `layer_id` (an int, or a traced index under nn.scan) picks global or local attention and the
+  RoPE table; `rope` holds the tables BertModel built once per batch.
   """
 
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, masks, deterministic: bool):
+  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, layer_id=0):
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
     names = ("embed", "heads", "kv")
-    query = dense(cfg, shape, names, "query")
+    bias = cfg.attention_bias
+    query = dense(cfg, shape, names, "query", use_bias=bias)
     q_BxLxNxK = query(x_BxLxD)
     key_init = None
     if cfg.query_key_init == "shared" and self.is_initializing():
       # A copy (not the same array): the train step donates every buffer of the state once.
       w_DxNxK = nn.meta.unbox(query.variables["params"]["kernel"])
       key_init = lambda rng, shape, dtype: jnp.array(w_DxNxK, dtype=dtype, copy=True)
-    k_BxLxNxK = dense(cfg, shape, names, "key", kernel_init=key_init)(x_BxLxD)
-    v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value")(x_BxLxD)
+    k_BxLxNxK = dense(cfg, shape, names, "key", kernel_init=key_init, use_bias=bias)(x_BxLxD)
+    v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value", use_bias=bias)(x_BxLxD)
+    is_local = cfg.is_local(layer_id)
+    if rope is not None:
+      cos_BxLxK, sin_BxLxK = rope["global"]
+      if cfg.has_local_layers and "local" in rope:
+        cos_BxLxK, sin_BxLxK = (_select(is_local, rope["local"][0], cos_BxLxK),
+                                _select(is_local, rope["local"][1], sin_BxLxK))
+      q_BxLxNxK = apply_rope(q_BxLxNxK, cos_BxLxK, sin_BxLxK)
+      k_BxLxNxK = apply_rope(k_BxLxNxK, cos_BxLxK, sin_BxLxK)
     q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
                                                        "activation_heads", "activation_kv"))
     # `masks`: attention.attention_masks(cfg.attention_impl, ...), built once for all layers.
+    window = cfg.local_window if cfg.has_local_layers else 0
     if cfg.attention_impl == "splash":
       # Init runs the kernel's XLA equivalent: the parameters do not depend on it, and callers
       # initialise on dummy batches (length 8) that the kernel's blocks do not fit.
       splash = (attention.splash_equivalent if self.is_initializing()
                 else attention.splash_attention)
-      out_BxLxNxK = splash(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["segment_ids"])
-    elif not deterministic and cfg.attention_dropout > 0:  # "xla" only (BertConfig checks)
-      out_BxLxNxK = attention_with_dropout(
-          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["mask"], cfg.attention_dropout,
-          self.make_rng("dropout"))
+      run = lambda w: lambda q, k, v, ids: splash(q, k, v, ids, local_window=w)
+      out_BxLxNxK = _choose(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK, v_BxLxNxK,
+                            masks["segment_ids"])
+    elif cfg.attention_impl == "cudnn":
+      run = lambda w: lambda q, k, v, m: jax.nn.dot_product_attention(
+          q, k, v, **m, implementation="cudnn", local_window_size=attention.cudnn_window(w))
+      out_BxLxNxK = _choose(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK, v_BxLxNxK,
+                            masks)
     else:
-      out_BxLxNxK = jax.nn.dot_product_attention(
-          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, **masks, implementation=cfg.attention_impl)
-    return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1))(
-        out_BxLxNxK)
+      mask_Bx1xLxL = masks["mask"]
+      if window:
+        # A [B, 1, 1, L] key mask broadcasts up to [B, 1, L, L] here, for local layers only.
+        band_1x1xLxL = attention.local_band(x_BxLxD.shape[1], window)[None, None]
+        mask_Bx1xLxL = _select(is_local, mask_Bx1xLxL & band_1x1xLxL, mask_Bx1xLxL)
+      if not deterministic and cfg.attention_dropout > 0:
+        out_BxLxNxK = attention_with_dropout(
+            q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, cfg.attention_dropout,
+            self.make_rng("dropout"))
+      else:
+        out_BxLxNxK = jax.nn.dot_product_attention(
+            q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL, implementation="xla")
+    return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
+                 use_bias=bias)(out_BxLxNxK)
 
 
 def attention_with_dropout(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate: float, rng):
@@ -335,50 +491,85 @@ def attention_with_dropout(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate: 
 
 
 class Mlp(nn.Module):
-  """dense(F) -> activation -> dense(D)."""
+  """dense(F) -> activation -> dense(D); gated: act(dense(F)) * dense_gate(F) -> dense(D).
+
+  The gated form keeps its two F-wide projections as two kernels (not one [D, 2F]) so that each
+  is split over the `tensor` axis alike and the product needs no communication.
+  """
 
   config: BertConfig
 
   @nn.compact
   def __call__(self, x_BxLxD):
     cfg = self.config
-    h_BxLxF = dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate")(x_BxLxD)
-    h_BxLxF = nn.with_logical_constraint(
-        h_BxLxF, ("activation_batch", "activation_length", "activation_mlp"))
+    bias = cfg.mlp_bias
+    constrain = lambda h: nn.with_logical_constraint(
+        h, ("activation_batch", "activation_length", "activation_mlp"))
+    h_BxLxF = constrain(
+        dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate", use_bias=bias)(
+            x_BxLxD))
     h_BxLxF = ACTIVATIONS[cfg.hidden_act](h_BxLxF)
-    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output")(h_BxLxF)
+    if cfg.mlp_type == "gated":
+      g_BxLxF = constrain(
+          dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "gate", use_bias=bias)(x_BxLxD))
+      h_BxLxF = h_BxLxF * g_BxLxF
+    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", use_bias=bias)(h_BxLxF)
 
 
 class EncoderLayer(nn.Module):
-  """Post-LN: h = LN(x + drop(attn(x))); out = LN(h + drop(mlp(h)))."""
+  """Post-LN: h = LN(x + drop(attn(x))); out = LN(h + drop(mlp(h))).
+
+  Pre-LN (norm_position="pre"): h = x + drop(attn(LN(x))); out = h + drop(mlp(LN(h))), with
+  BertModel's final norm after the last layer.
+  """
 
   config: BertConfig
   deterministic: bool = True
+  layer_id: int | None = None  # set when unrolled; None under nn.scan (the index comes traced)
 
   @nn.compact
-  def __call__(self, x_BxLxD, masks):
+  def __call__(self, x_BxLxD, masks, rope=None, layer_id=None):
     cfg = self.config
+    layer_id = self.layer_id if layer_id is None else layer_id
     drop = dropout.Dropout(cfg.hidden_dropout)
-    attn_BxLxD = SelfAttention(cfg, name="attention")(x_BxLxD, masks, self.deterministic)
-    h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
-        x_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
-    mlp_BxLxD = Mlp(cfg, name="mlp")(h_BxLxD)
-    out_BxLxD = layer_norm(cfg, "output_layer_norm")(
-        h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic))
+    attention_fn = SelfAttention(cfg, name="attention")
+    if cfg.norm_position == "pre":
+      if cfg.skips_first_attention_norm and isinstance(layer_id, int):
+        in_BxLxD = (x_BxLxD if layer_id == 0
+                    else layer_norm(cfg, "attention_layer_norm")(x_BxLxD))
+      elif cfg.skips_first_attention_norm:
+        # Scanned layers share one structure: layer 0 has the norm's parameters but bypasses it.
+        in_BxLxD = jnp.where(layer_id == 0, x_BxLxD,
+                             layer_norm(cfg, "attention_layer_norm")(x_BxLxD))
+      else:
+        in_BxLxD = layer_norm(cfg, "attention_layer_norm")(x_BxLxD)
+      attn_BxLxD = attention_fn(in_BxLxD, masks, self.deterministic, rope, layer_id)
+      h_BxLxD = x_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic)
+      mlp_BxLxD = Mlp(cfg, name="mlp")(layer_norm(cfg, "output_layer_norm")(h_BxLxD))
+      out_BxLxD = h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic)
+    else:
+      attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id)
+      h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
+          x_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
+      mlp_BxLxD = Mlp(cfg, name="mlp")(h_BxLxD)
+      out_BxLxD = layer_norm(cfg, "output_layer_norm")(
+          h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic))
     return nn.with_logical_constraint(
         out_BxLxD, ("activation_batch", "activation_length", "activation_embed"))
 
 
 class _ScanBody(nn.Module):
-  """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs."""
+  """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs; x is the layer's index."""
 
   config: BertConfig
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x_BxLxD, masks):
+  def __call__(self, x_BxLxD, masks, rope, layer_id):
     layer_cls = _maybe_remat(EncoderLayer, self.config, scanned=True)
-    return layer_cls(self.config, self.deterministic, name="layer")(x_BxLxD, masks), None
+    out_BxLxD = layer_cls(self.config, self.deterministic, name="layer")(
+        x_BxLxD, masks, rope, layer_id)
+    return out_BxLxD, None
 
 
 def _maybe_remat(layer_cls, config: BertConfig, scanned: bool):
@@ -400,22 +591,23 @@ class Encoder(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, masks, deterministic: bool):
+  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None):
     cfg = self.config
     if cfg.scan_layers:
       scanned = nn.scan(
           _ScanBody,
           variable_axes={"params": 0},
           split_rngs={"params": True, "dropout": True},
-          in_axes=nn.broadcast,
+          in_axes=(nn.broadcast, nn.broadcast, 0),
           length=cfg.num_layers,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(x_BxLxD, masks)
+      x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(
+          x_BxLxD, masks, rope, jnp.arange(cfg.num_layers))
       return x_BxLxD
     layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=False)
     for i in range(cfg.num_layers):
-      x_BxLxD = layer_cls(cfg, deterministic, name=f"layer_{i}")(x_BxLxD, masks)
+      x_BxLxD = layer_cls(cfg, deterministic, i, name=f"layer_{i}")(x_BxLxD, masks, rope)
     return x_BxLxD
 
 
@@ -435,7 +627,7 @@ class BertModel(nn.Module):
 
   Inputs use the original feature names. `sequence_ids` (optional) packs several sequences into a
   row: tokens attend only within their sequence id and, unless `position_ids` are given, positions
-  restart at 0 at each new id.
+  restart at 0 at each new id (for learned positions and RoPE alike).
   """
 
   config: BertConfig
@@ -443,7 +635,14 @@ class BertModel(nn.Module):
   def setup(self):
     self.embeddings = Embeddings(self.config)
     self.encoder = Encoder(self.config)
-    self.pooler = Pooler(self.config)
+    if self.config.norm_position == "pre":
+      self.final_layer_norm = layer_norm(self.config, "final_layer_norm")
+    if self.config.pooler:
+      self.pooler = Pooler(self.config)
+
+  def pool(self, x_BxLxD):
+    """The pooled output of rows whose [CLS] is at position 0."""
+    return self.pooler(x_BxLxD) if self.config.pooler else x_BxLxD[:, 0]
 
   def __call__(self, input_ids, input_mask=None, segment_ids=None, position_ids=None,
                sequence_ids=None, deterministic: bool = True):
@@ -472,11 +671,19 @@ class BertModel(nn.Module):
     masks = attention.attention_masks(
         cfg.attention_impl, input_mask_BxL,
         None if sequence_ids is None else jnp.asarray(sequence_ids))
+    rope = None
+    if cfg.position_embedding == "rope":
+      rope = {"global": rope_tables(position_ids_BxL, cfg.head_size, cfg.rope_theta)}
+      local_theta = cfg.local_rope_theta or cfg.rope_theta
+      if cfg.has_local_layers and local_theta != cfg.rope_theta:
+        rope["local"] = rope_tables(position_ids_BxL, cfg.head_size, local_theta)
     x_BxLxD = self.embeddings(input_ids_BxL, segment_ids_BxL, position_ids_BxL, deterministic)
     x_BxLxD = nn.with_logical_constraint(
         x_BxLxD, ("activation_batch", "activation_length", "activation_embed"))
-    x_BxLxD = self.encoder(x_BxLxD, masks, deterministic)
-    return x_BxLxD, self.pooler(x_BxLxD)
+    x_BxLxD = self.encoder(x_BxLxD, masks, deterministic, rope)
+    if cfg.norm_position == "pre":
+      x_BxLxD = self.final_layer_norm(x_BxLxD)
+    return x_BxLxD, self.pool(x_BxLxD)
 
   def word_embedding_table(self) -> jax.Array:
     return self.embeddings.word_embedding_table()

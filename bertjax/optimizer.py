@@ -19,6 +19,10 @@ Learning rate (the original's `create_optimizer`): linear warmup from 0 over `wa
 peak, exactly as the original. `step` counts the updates already applied (the first update uses
 lr 0 when there is warmup, as the original).
 
+`schedule="wsd"` (warmup-stable-decay, ModernBERT's): the same warmup, the peak held, then the
+last `decay_steps` take it to 0 as peak * (1 - sqrt(progress)) (the 1-sqrt shape ModernBERT
+used). A stable phase can be resumed and extended; only the decay depends on the end.
+
 The chain: global-norm clipping (1.0), then AdamW or LAMB with the schedule.
 """
 
@@ -195,6 +199,27 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> 
   return schedule
 
 
+def wsd_schedule(peak: float, warmup_steps: int, decay_steps: int,
+                 total_steps: int) -> optax.Schedule:
+  """Warmup to `peak` (linear), hold, then 1 - sqrt decay to 0 over the last `decay_steps`."""
+  if not (decay_steps >= 1 and warmup_steps >= 0 and warmup_steps + decay_steps <= total_steps):
+    raise ValueError(f"schedule='wsd' needs decay_steps >= 1 and warmup_steps ({warmup_steps}) + "
+                     f"decay_steps ({decay_steps}) <= num_train_steps ({total_steps}); set "
+                     "train.decay_steps (ModernBERT's decay was about 3% of its steps)")
+  decay_start = total_steps - decay_steps
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32)
+    progress = jnp.clip((step - decay_start) / decay_steps, 0.0, 1.0)
+    lr = peak * (1.0 - jnp.sqrt(progress))
+    if warmup_steps == 0:
+      return lr
+    return jnp.where(step < warmup_steps, peak * step / warmup_steps, lr)
+
+  return schedule
+
+
+SCHEDULES = ("linear", "wsd")
 OPTIMIZERS = {"adamw": adamw, "lamb": lamb}
 
 
@@ -206,7 +231,10 @@ def create_optimizer(train_config) -> tuple[optax.GradientTransformation, optax.
   c = train_config
   if c.optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer={c.optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
-  schedule = learning_rate_schedule(c.learning_rate, c.warmup_steps, c.num_train_steps)
+  if getattr(c, "schedule", "linear") == "wsd":
+    schedule = wsd_schedule(c.learning_rate, c.warmup_steps, c.decay_steps, c.num_train_steps)
+  else:
+    schedule = learning_rate_schedule(c.learning_rate, c.warmup_steps, c.num_train_steps)
   main = OPTIMIZERS[c.optimizer](schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
                                  weight_decay=c.weight_decay, bias_correction=c.bias_correction)
   parts = [main]

@@ -73,9 +73,18 @@ class TrainConfig:
   adam_eps: float = 1e-6
   bias_correction: bool = False
   max_grad_norm: float = 1.0
+  schedule: str = "linear"
+  decay_steps: int = 0
 
   def __post_init__(self):
     problems = []
+    if self.schedule not in optimizer_lib.SCHEDULES:
+      problems.append(f"schedule={self.schedule!r}; choose one of {optimizer_lib.SCHEDULES}")
+    elif self.schedule == "wsd" and not (
+        1 <= self.decay_steps <= self.num_train_steps - self.warmup_steps):
+      problems.append(f"schedule='wsd' needs 1 <= decay_steps ({self.decay_steps}) <= "
+                      "num_train_steps - warmup_steps "
+                      f"({self.num_train_steps - self.warmup_steps})")
     for name in ("batch_size", "num_microbatches", "num_train_steps"):
       if int(getattr(self, name)) < 1:
         problems.append(f"{name}={getattr(self, name)} must be >= 1")

@@ -15,6 +15,8 @@ Every caller that takes weights from a path goes through here: pre-training's an
                (num_hidden_layers) and bert_model.ckpt.index + data (read by convert.tf_bundle)
   huggingface  a Hugging Face BERT folder: config.json (model_type "bert") and model.safetensors;
                vocab.txt, its casing from tokenizer_config.json
+  modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
+               model.safetensors (bertjax/convert/modernbert.py); its BPE tokenizer is not read
 
 Casing of a folder's vocabulary, in this order: what a tokenizer.json record says, what
 tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
@@ -36,7 +38,7 @@ from absl import logging
 from bertjax import checkpoint as checkpoint_lib, files
 from bertjax.model import BertConfig
 
-KINDS = ("workdir", "converted", "google", "huggingface")
+KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
 TOKENIZER_RECORD = "tokenizer.json"  # written beside a vocabulary copy (data.tokenizer)
 CONFIG_FILE = "bert_config.json"  # converted and Google folders
@@ -97,8 +99,18 @@ def _kind(path: str, checkpoints: str) -> tuple[str, str] | None:
   if CONFIG_FILE in names and any(n.endswith(".index") for n in names):
     return "google", path
   if "config.json" in names and "model.safetensors" in names:
-    return "huggingface", path
+    return _hf_model_type(os.path.join(path, "config.json")), path
   return None
+
+
+def _hf_model_type(config_json: str) -> str:
+  """The kind of a Hugging Face folder: ModernBERT by its model_type, else BERT (whose reader
+  refuses other types by name)."""
+  try:
+    model_type = files.read_json(config_json).get("model_type")
+  except (OSError, ValueError):
+    return "huggingface"  # its reader names the damage
+  return "modernbert" if model_type == "modernbert" else "huggingface"
 
 
 def inspect(path: str, *, what: str = "path", checkpoints: str = "checkpoints",
@@ -121,7 +133,8 @@ def inspect(path: str, *, what: str = "path", checkpoints: str = "checkpoints",
         "(config.json and model.safetensors)")
   kind, folder = found
   reader = {"workdir": _inspect_workdir, "converted": _inspect_converted,
-            "google": _inspect_google, "huggingface": _inspect_huggingface}[kind]
+            "google": _inspect_google, "huggingface": _inspect_huggingface,
+            "modernbert": _inspect_modernbert}[kind]
   if kind == "workdir":
     return reader(folder, os.path.join(folder, checkpoints), step, what)
   return reader(folder, what)
@@ -338,6 +351,29 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
                  **_vocabulary(folder, casing))
 
 
+def _inspect_modernbert(folder: str, what: str) -> Weights:
+  from bertjax.convert import hf, modernbert  # pylint: disable=import-outside-toplevel
+  try:
+    config = modernbert.config_from_modernbert(
+        files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config"))
+  except ValueError as err:
+    raise ValueError(f"{what}={folder}: {err}") from None
+  weights_file = os.path.join(folder, "model.safetensors")
+  try:
+    names = hf.safetensors_names(weights_file)
+  except Exception as err:  # pylint: disable=broad-except  (safetensors' own error type)
+    raise checkpoint_lib.CheckpointDamagedError(
+        f"{what}={folder}: {weights_file} cannot be read ({err}); it is cut short or not a "
+        "safetensors file: save the model again (save_pretrained(..., safe_serialization=True))"
+    ) from None
+  # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
+  # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.
+  vocabulary = _vocabulary(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
+      casing_why="a ModernBERT folder's BPE tokenizer is not read by bertjax")
+  return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
+                 **vocabulary)
+
+
 def _params_dir(folder: str) -> str:
   return os.path.join(folder if "://" in folder else os.path.abspath(folder), "params")
 
@@ -349,16 +385,28 @@ def is_scanned(encoder: Mapping[str, Any]) -> bool:
   return "layers" in encoder["encoder"]
 
 
-def restack(encoder: Mapping[str, Any], num_layers: int, scan: bool) -> dict:
-  """Unrolled `encoder/layer_N` <-> scanned `encoder/layers/layer` (leading layer axis), numpy."""
+def restack(encoder: Mapping[str, Any], num_layers: int, scan: bool,
+            first_norm_bypassed: bool = False) -> dict:
+  """Unrolled `encoder/layer_N` <-> scanned `encoder/layers/layer` (leading layer axis), numpy.
+
+  `first_norm_bypassed` (BertConfig.skips_first_attention_norm): unrolled, layer 0 has no
+  attention norm; scanned layers share one structure, so layer 0 carries an identity one that it
+  bypasses, added here when stacking and dropped when unstacking.
+  """
   layers = dict(encoder["encoder"])
+  norm = "attention_layer_norm"
   if scan:
-    per_layer = [layers[f"layer_{i}"] for i in range(num_layers)]
+    per_layer = [dict(layers[f"layer_{i}"]) for i in range(num_layers)]
+    if first_norm_bypassed and norm not in per_layer[0]:
+      per_layer[0][norm] = {k: (np.ones_like(v) if k == "scale" else np.zeros_like(v))
+                            for k, v in per_layer[0]["output_layer_norm"].items()}
     stacked = {"layers": {"layer": jax.tree.map(lambda *xs: np.stack(xs), *per_layer)}}
   else:
     stacked = {f"layer_{i}": jax.tree.map(lambda x, i=i: np.asarray(x)[i],
                                           layers["layers"]["layer"])
                for i in range(num_layers)}
+    if first_norm_bypassed:
+      stacked["layer_0"] = {k: v for k, v in stacked["layer_0"].items() if k != norm}
   return {**encoder, "encoder": stacked}
 
 
@@ -401,10 +449,16 @@ def _read_host(source: Weights, want: tuple[str, ...], scan: bool) -> dict:
     params = hf.params_from_hf(hf.read_safetensors(os.path.join(source.path,
                                                                 "model.safetensors")),
                                config, heads=tuple(h for h in want if h != ENCODER))
+  elif source.kind == "modernbert":
+    from bertjax.convert import hf, modernbert  # pylint: disable=import-outside-toplevel
+    params = modernbert.params_from_modernbert(
+        hf.read_safetensors(os.path.join(source.path, "model.safetensors")), config,
+        heads=tuple(h for h in want if h != ENCODER))
   else:
     params = jax.device_get(_read_orbax(source, None, want))
     if ENCODER in params and scan != source.config.scan_layers:
-      params[ENCODER] = restack(params[ENCODER], config.num_layers, scan)
+      params[ENCODER] = restack(params[ENCODER], config.num_layers, scan,
+                                config.skips_first_attention_norm)
   return {k: params[k] for k in want}
 
 

@@ -35,6 +35,25 @@ def get_config():
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0)
   m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
   m.query_key_init = "independent"  # "independent" (original) or "shared": W_K starts as W_Q (small models)
+  # Encoders after the paper (ModernBERT, NeoBERT, Cramming; configs/modern_base.py). Each key is
+  # independent; these defaults are the paper's model.
+  m.norm_position = "post"  # "post" (the paper) or "pre" (norm before each sub-layer + final norm)
+  m.norm_type = "layernorm"  # "layernorm" or "rmsnorm"
+  m.norm_bias = True  # LayerNorm biases (ModernBERT: False)
+  m.attention_bias = True  # q, k, v and output projection biases
+  m.mlp_bias = True  # feed-forward biases
+  m.mlp_type = "dense"  # "dense" or "gated" (GeGLU with hidden_act gelu, SwiGLU with silu)
+  m.position_embedding = "learned"  # "learned" (a table) or "rope" (rotary q and k, no table)
+  m.rope_theta = 10000.0  # RoPE base of global layers
+  m.local_rope_theta = 0.0  # RoPE base of local layers (0: rope_theta)
+  m.global_every = 1  # layer i attends globally when i % global_every == 0, else in a window
+  m.local_window = 0  # window of local layers: keys with |i - j| <= local_window // 2
+  m.embedding_norm = True  # a norm after the embeddings
+  m.pooler = True  # the tanh pooler on [CLS] (False: pooled output = the [CLS] state)
+  m.head_act = ""  # activation of the MLM transform ("" = hidden_act)
+  m.head_bias = True  # bias of the MLM transform
+  m.decoder_bias = True  # the MLM output bias
+  m.tie_word_embeddings = True  # MLM decoder = the word-embedding table
 
   # --- data: see bertjax/data. ---------------------------------------------------------------------
   d = config.data = ml_collections.ConfigDict()
@@ -79,6 +98,8 @@ def get_config():
   t.optimizer = "adamw"  # "adamw" (the original, no bias correction) or "lamb" (large batches)
   t.learning_rate = 1e-4  # peak learning rate, reached at the end of warmup
   t.warmup_steps = 10_000  # linear warmup from 0; then linear decay to 0 at num_train_steps
+  t.schedule = "linear"  # "linear" (the original) or "wsd": warmup, hold, then 1-sqrt decay to 0
+  t.decay_steps = 0  # wsd: the last steps that decay (the rest after warmup hold the peak)
   t.weight_decay = 0.01  # decoupled weight decay; never on LayerNorm parameters or biases
   t.adam_b1 = 0.9  # first-moment decay
   t.adam_b2 = 0.999  # second-moment decay

@@ -224,3 +224,21 @@ def test_masks_on_the_real_scanned_model():
   assert not any(jax.tree.leaves(enc["attention_layer_norm"]))
   assert decay["bert"]["embeddings"]["word_embeddings"]["embedding"]
   assert not decay["mlm"]["output_bias"]
+
+
+def test_warmup_stable_decay_schedule_shape():
+  """Linear warmup, the peak held, then peak * (1 - sqrt(progress)) to 0 over decay_steps."""
+  lr = optimizer.wsd_schedule(2.0, warmup_steps=10, decay_steps=40, total_steps=100)
+  at = lambda step: float(lr(step))
+  assert at(0) == 0.0 and at(5) == pytest.approx(1.0) and at(10) == pytest.approx(2.0)
+  assert all(at(s) == pytest.approx(2.0) for s in (11, 35, 60))  # stable until the decay
+  assert at(70) == pytest.approx(2.0 * (1 - np.sqrt(0.25)))  # 1-sqrt, not linear (1.5)
+  assert at(100) == 0.0 and at(150) == 0.0
+  values = [at(s) for s in range(10, 101)]
+  assert all(a >= b for a, b in zip(values, values[1:]))
+  with pytest.raises(ValueError, match="decay_steps"):
+    TrainConfig(num_train_steps=100, warmup_steps=10, schedule="wsd", decay_steps=95)
+  _, schedule = optimizer.create_optimizer(
+      TrainConfig(num_train_steps=100, warmup_steps=10, schedule="wsd", decay_steps=40,
+                        learning_rate=2.0))
+  assert float(schedule(70)) == pytest.approx(1.0)

@@ -86,6 +86,10 @@ def config_from_google(google_config: dict, **overrides) -> BertConfig:
 
 def config_to_google(config: BertConfig) -> dict:
   """The `bert_config.json` dict of a BertConfig, in Google's keys."""
+  if config.modern_options():
+    raise ValueError(f"Google's BERT format has no form for {', '.join(config.modern_options())}"
+                     " (the paper's model has none of them); a ModernBERT-shaped model exports "
+                     "with `python -m bertjax.convert.modernbert export`")
   if config.hidden_act != "gelu":
     logging.warning("hidden_act=%r is written as 'gelu', the only GELU name of Google's format "
                     "(which its later code computes as the tanh form); imported back, it reads "
@@ -310,6 +314,7 @@ def export_folder(params_path: str, output: str) -> str:
                     "vocab.txt is written.", params_path, source.tokenizer_kind)
     vocab = None
   config = source.config
+  google_config = config_to_google(config)  # refuses a modern model before any write
   variables = params_to_google(weights.read(source), config)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   tf.io.gfile.makedirs(output)
@@ -317,7 +322,7 @@ def export_folder(params_path: str, output: str) -> str:
   tf.raw_ops.SaveV2(prefix=os.path.join(output, CHECKPOINT_NAME), tensor_names=names,
                     shape_and_slices=[""] * len(names),
                     tensors=[tf.constant(variables[name]) for name in names])
-  files.write_json(os.path.join(output, CONFIG_FILE), config_to_google(config))
+  files.write_json(os.path.join(output, CONFIG_FILE), google_config)
   said = "no vocabulary"
   if vocab is not None:
     from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel

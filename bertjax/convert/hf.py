@@ -75,7 +75,13 @@ def config_from_hf(hf_config: dict, **overrides) -> BertConfig:
 
 
 def config_to_hf(config: BertConfig) -> dict:
-  """The Hugging Face `config.json` dict of a BertConfig."""
+  """The Hugging Face `config.json` dict of a BertConfig; refuses a model with modern options,
+  which Hugging Face's BERT cannot express."""
+  modern = config.modern_options()
+  if modern:
+    raise ValueError(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
+                     "model has none of them); a ModernBERT-shaped model exports with "
+                     "`python -m bertjax.convert.modernbert export`")
   out = {theirs: getattr(config, ours) for theirs, ours in _HF_CONFIG_KEYS.items()}
   out.update(model_type="bert", architectures=["BertForPreTraining"],
              hidden_act={"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[config.hidden_act],
@@ -348,9 +354,10 @@ def load_hf_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
 def save_hf_dir(hf_dir: str, params: dict, config: BertConfig) -> None:
   """Writes config.json and model.safetensors that transformers' BertForPreTraining loads."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  hf_config = config_to_hf(config)  # refuses a model BERT cannot express before any write
   os.makedirs(hf_dir, exist_ok=True)
   with open(os.path.join(hf_dir, "config.json"), "w") as f:
-    json.dump(config_to_hf(config), f, indent=2)
+    json.dump(hf_config, f, indent=2)
   save_file(params_to_hf(params, config), os.path.join(hf_dir, "model.safetensors"),
             metadata={"format": "pt"})
 

@@ -71,7 +71,8 @@ def resolve_model(config, source: weights.Weights | None) -> BertConfig:
   for key, value in wanted.items():
     if key in INHERITED and value in (0, 0.0, ""):
       continue
-    if source is not None and key in checkpoint_lib.SHAPE_FIELDS and key in base and (
+    fixed = checkpoint_lib.SHAPE_FIELDS + checkpoint_lib.ARCHITECTURE_FIELDS
+    if source is not None and key in fixed and key in base and (
         base[key] != value):
       raise ValueError(f"config.model.{key}={value!r} but checkpoint.init_from={source.path} "
                        f"has {base[key]!r}; leave it at 0 to take init_from's.")

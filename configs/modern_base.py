@@ -1,0 +1,78 @@
+"""ModernBERT-base's shape and recipe (Warner et al., 2024) in bertjax: an encoder that
+`python -m bertjax.convert.modernbert export` writes as transformers' ModernBertForMaskedLM.
+
+Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
+  python -m bertjax.main --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
+  python -m bertjax.main --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
+      --config.checkpoint.init_from=gs://BUCKET/modern_p1
+Compile check without a TPU (as set, 4608 rows of 1024 need 1,423 GiB a chip on a v5p-8's 4 chips;
+with 8 microbatches and full remat 40 of 95 GiB in both phases, 4,600 and 7,094 model TFLOP a
+step, 5.6 and 8.6 s at 45% MFU):
+  python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8 \
+      --config.train.num_microbatches=8 --config.model.remat_policy=full
+Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152, pre-LN with a final norm, no biases but the
+decoder's, RoPE (base 160,000 in global layers, 10,000 in local ones), a global layer every third
+(0, 3, ..., 21) and 128-token sliding windows in the others, no position or segment table, no
+pooler, vocabulary table 50,368 rows: 149,014,272 parameters in the encoder (ModernBERT-base's
+published 149M), 149,655,232 with the MLM head (tests/test_modern.py counts both against
+transformers' classes). Data: no NSP, 30% masking, packed rows; the published run read 2T
+tokens of its own BPE tokenizer, which bertjax's data pipeline does not read yet (the table is
+padded past the tokenizer's size: model.vocab_size).
+The schedule is warmup-stable-decay with a 1-sqrt decay (train.schedule="wsd"), as ModernBERT's.
+Not ModernBERT's: its StableAdamW (here AdamW with bias correction), its unpadded batches (here
+packing does that job), the batch-size ramp.
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+  config = base.get_config()
+  phase = int(base.parse_arg(arg).get("phase", 1))
+  if phase not in (1, 2):
+    raise ValueError(f"phase={phase}; the recipe has phases 1 (length 1024) and 2 (length 8192)")
+  m = config.model
+  m.vocab_size = 50368  # ModernBERT's table (its tokenizer's 50,280 pieces padded to 64s)
+  m.hidden_size = 768
+  m.num_layers = 22
+  m.num_heads = 12
+  m.intermediate_size = 1152  # per half of the GeGLU: Wi is [768, 2 x 1152] in ModernBERT
+  m.max_position_embeddings = 8192  # no table with RoPE: only the longest sequence allowed
+  m.type_vocab_size = 0
+  m.hidden_dropout = 0.0
+  m.attention_dropout = 0.0
+  m.layer_norm_eps = 1e-5
+  m.norm_position = "pre"
+  m.norm_bias = False
+  m.attention_bias = False
+  m.mlp_bias = False
+  m.mlp_type = "gated"  # with hidden_act "gelu": GeGLU
+  m.position_embedding = "rope"
+  m.rope_theta = 160_000.0
+  m.local_rope_theta = 10_000.0
+  m.global_every = 3
+  m.local_window = 128
+  m.pooler = False
+  m.head_bias = False
+  m.dtype = "bfloat16"
+  m.scan_layers = True
+  m.attention_impl = "splash"
+
+  d = config.data
+  d.nsp = False
+  d.masked_lm_prob = 0.3
+  d.packing = True
+  d.max_seq_length = 1024 if phase == 1 else 8192
+  d.max_predictions_per_seq = 320 if phase == 1 else 2560  # 30% of L, rounded up to 64s
+
+  t = config.train
+  t.batch_size = 4608 if phase == 1 else 576  # rows of 1024 (ModernBERT's final batch) / 8192
+  t.num_train_steps = 350_000 if phase == 1 else 50_000
+  t.learning_rate = 8e-4 if phase == 1 else 3e-4
+  t.warmup_steps = 3_000 if phase == 1 else 500
+  t.schedule = "wsd"
+  t.decay_steps = 10_000  # ~3% of phase 1's steps, 20% of phase 2's
+  t.weight_decay = 1e-5
+  t.adam_b2 = 0.98
+  t.bias_correction = True
+  return config

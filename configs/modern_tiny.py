@@ -1,0 +1,38 @@
+"""configs/tiny.py's size and data with ModernBERT's architecture, for a CPU.
+
+Run: python -m bertjax.main --config=configs/modern_tiny.py --workdir=workdirs/modern_tiny
+Model: 2 layers (global attention in layer 0, a 16-token window in layer 1), hidden 128,
+2 heads, GeGLU 344 (the dense 512 FFN's parameters), pre-LN with a final norm, no biases but the
+decoder's, RoPE (10,000 global, 10,000 local: at length 64 a larger global base changes little),
+no position or segment table, no pooler. Data as configs/tiny.py's, without NSP and with 30% of
+the tokens masked. Its MLM accuracy against configs/tiny.py at equal wall-clock has not been
+measured yet (issue 28).
+"""
+
+from configs import tiny
+
+
+def get_config():
+  config = tiny.get_config()
+  m = config.model
+  m.intermediate_size = 344
+  m.type_vocab_size = 0
+  m.layer_norm_eps = 1e-5
+  m.norm_position = "pre"
+  m.norm_bias = False
+  m.attention_bias = False
+  m.mlp_bias = False
+  m.mlp_type = "gated"
+  m.position_embedding = "rope"
+  m.global_every = 2
+  m.local_window = 16
+  m.pooler = False
+  m.head_bias = False
+  m.position_init = "normal"  # no position table to start
+
+  d = config.data
+  d.nsp = False
+  d.masked_lm_prob = 0.3
+  d.max_predictions_per_seq = 20  # 30% of 64, rounded up
+  d.packing = True
+  return config
