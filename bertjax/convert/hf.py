@@ -476,13 +476,14 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
         f"map: neither {spec_lib.FILE} nor a task in its checkpoint's record. Without it the "
         "outputs have no names; put the run's task.json back (rerunning its fine-tuning command "
         "in the workdir writes it), or export the encoder alone from a pre-training run.")
+  hf_config = config_to_hf(source.config)  # refuses a model BERT cannot express, before reading
   params = weights.read(source)
   if spec is None:
-    _write_hf(output, params_to_hf(params, source.config), config_to_hf(source.config))
+    _write_hf(output, params_to_hf(params, source.config), hf_config)
     what = "BertForPreTraining"
   else:
     sd, extra = task_to_hf(params, source.config, spec)
-    _write_hf(output, sd, {**config_to_hf(source.config), **extra})
+    _write_hf(output, sd, {**hf_config, **extra})
     what = TASK_CLASSES[spec.family] + (f", {len(spec.labels)} labels" if spec.labels else "")
   said = write_tokenizer_files(source, output, source.config)
   return f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors{said})"
