@@ -493,3 +493,19 @@ def test_a_fine_tuned_workdir_without_its_label_map_is_not_exported(routing, tmp
   with pytest.raises(ValueError, match=r"holds a fine-tuned head \(classifier\) but no label map"):
     _export(workdir, tmp_path / "hf")
   assert not os.path.exists(tmp_path / "hf")
+
+
+def test_evaluate_mlm_scores_a_run_as_its_final_evaluation(pretrained):
+  """bertjax.evaluate_mlm (runs of different recipes on one held-out set) gives a run, on its own
+  data section, the figure of its final evaluation: the same sequences, the same masks."""
+  from bertjax import evaluate_mlm  # pylint: disable=import-outside-toplevel
+  from test_data_fixtures import data_config  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(pretrained, "metrics.jsonl")) as f:
+    final = [json.loads(line) for line in f if "eval/mlm_accuracy" in line][-1]
+  # fx.pretrain's data section, rebuilt over the same files (the prepared data is reused).
+  data = data_config(os.path.join(os.path.dirname(pretrained), "data"), n_docs=30,
+                     sents_per_doc=12)
+  got = evaluate_mlm.score(pretrained, data, sequences=8)  # as fx.pretrain's eval_sequences
+  assert got["step"] == final["step"]
+  assert abs(got["mlm_accuracy"] - final["eval/mlm_accuracy"]) < 1e-6
+  assert abs(got["mlm_loss"] - final["eval/mlm_loss"]) < 1e-4

@@ -1,0 +1,70 @@
+"""Held-out MLM accuracy of pre-training runs on one common held-out set:
+`python -m bertjax.evaluate_mlm --data_config=configs/tiny.py WORKDIR [WORKDIR ...]`.
+
+Runs of different recipes (configs/tiny.py against configs/modern_tiny.py: another masking rate,
+packing, no NSP) each score themselves on their own held-out batches; to compare them, each
+workdir's model (its newest checkpoint, the shape recorded beside it) is scored here on the
+held-out split of `--data_config`'s data section, masked with its preparation seed, so every
+model sees the same sequences with the same masks (configs/tiny.py: 3,272 unpacked sequences,
+15% masked). The vocabulary must be the same (the fingerprints are compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+
+import jax
+import numpy as np
+
+from bertjax import checkpoint as checkpoint_lib, loop, train, weights
+
+
+def _config(path: str):
+  module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+  return module.get_config()
+
+
+def score(workdir: str, data_config, sequences: int = 0) -> dict:
+  """MLM accuracy and loss of the workdir's newest checkpoint on the first `sequences` (0: all) of
+  data_config's held-out split, in batches of configs/tiny.py's 8."""
+  source = weights.inspect(workdir, what="workdir")
+  config = _config("configs/tiny.py")
+  config.data = data_config
+  manifest = loop.prepare_data(config)
+  if source.fingerprint and source.fingerprint != manifest["settings"]["tokenizer_fingerprint"]:
+    raise ValueError(f"{workdir} was trained with another vocabulary than --data_config's.")
+  for key, value in dataclasses.asdict(source.config).items():
+    if key in config.model:
+      config.model[key] = value
+  training = train.from_config(config, devices=jax.devices()[:1])
+  like = checkpoint_lib.abstract_like(training.abstract_state.params)
+  params = weights.read(source, like={k: like[k] for k in like if k in source.subtrees})
+  state = training.init_state(jax.random.key(0))
+  state = state.replace(params={**state.params, **params})
+  data = config.data
+  batches = loop._batches(  # pylint: disable=protected-access
+      loop.pipeline.make_pipeline(data, split="eval", seed=data.prepare_seed,
+                                  global_batch_size=training.train_config.batch_size),
+      data.nsp)
+  out = loop.evaluate(training, state, batches, sequences)
+  return {"workdir": workdir, "step": source.step, "mlm_accuracy": float(out["mlm_accuracy"]),
+          "mlm_loss": float(out["mlm_loss"]), "sequences": int(out.get("num_sequences", 0))}
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m bertjax.evaluate_mlm", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--data_config", default="configs/tiny.py")
+  parser.add_argument("--sequences", type=int, default=0, help="held-out sequences (0: all)")
+  parser.add_argument("workdirs", nargs="+")
+  args = parser.parse_args(argv)
+  data = _config(args.data_config).data
+  for workdir in args.workdirs:
+    print(json.dumps(score(workdir, data, args.sequences)), flush=True)
+
+
+if __name__ == "__main__":
+  main()
