@@ -224,3 +224,14 @@ def test_wordpiece_vocab_lines_as_the_original_reads_them(tmp_path):
   tok = tokenizer_lib.load_tokenizer(str(path))
   assert tok.pieces == SPECIALS + ["x\u0085y", "dup", "", "z\u2028q", "dup", "w"]
   assert tok.encode("dup w") == [9, 10]
+
+
+def test_a_vocabulary_is_built_once_per_process_and_never_stale(tmp_path):
+  pieces = ["[PAD]"] + ORIGINAL_VOCAB + ["[MASK]"]
+  first = _wordpiece(tmp_path, pieces)
+  assert _wordpiece(tmp_path, pieces) is first  # the same file again: the same tokenizer
+  cased = _wordpiece(tmp_path, pieces, lower=False)
+  assert cased is not first and cased.tokenize("Want") != first.tokenize("Want")
+  # Rewritten at the same path (same size, so neither name nor size tells them apart).
+  changed = _wordpiece(tmp_path, pieces[:-2] + ["[MASK]", "lowesT"])
+  assert changed is not first and changed.fingerprint != first.fingerprint

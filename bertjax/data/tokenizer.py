@@ -310,11 +310,24 @@ def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = Tr
     raise FileNotFoundError(f"Vocabulary file {path} does not exist (train one with "
                             f"`python -m bertjax.data.tokenizer train ...`).")
   kind = kind or kind_of(path)
-  if kind == "sentencepiece":
-    return _load_sentencepiece(path)
-  if kind == "wordpiece":
-    return _load_wordpiece(path, do_lower_case)
-  raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+  if kind not in ("sentencepiece", "wordpiece"):
+    raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+  # Once per process: preparation, the pipeline, init_from and the converters each ask for the
+  # run's vocabulary, and building one (a 30k-piece WordPiece, a SentencePiece model) costs far
+  # more than reading its file. Keyed by the file's bytes, not its name or time, so a vocabulary
+  # rewritten at the same path is never served stale.
+  with files.open_file(path, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+  key = (path, kind, kind == "wordpiece" and bool(do_lower_case), digest)
+  if key not in _LOADED:
+    _LOADED[key] = (_load_sentencepiece(path) if kind == "sentencepiece"
+                    else _load_wordpiece(path, do_lower_case))
+    while len(_LOADED) > 8:  # a long test session loads many; a run, one or two
+      _LOADED.pop(next(iter(_LOADED)))
+  return _LOADED[key]
+
+
+_LOADED: dict[tuple, Tokenizer] = {}
 
 
 # A run's vocabulary is copied into its workdir, named here, so the workdir alone can be
