@@ -6,8 +6,6 @@ import re
 
 ROOT = pathlib.Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", ROOT / "launch" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Written on another branch (the predict command's); drop this once both are merged.
-PENDING = {ROOT / "docs" / "your-own-task.md"}
 
 
 def _slug(heading):
@@ -24,8 +22,6 @@ def _broken(source, target):
   """Why `target` (a link written in `source`) does not resolve, or None."""
   path, _, anchor = target.partition("#")
   resolved = (source.parent / path).resolve() if path else source
-  if resolved in PENDING:
-    return None
   if not resolved.exists():
     return f"{source.relative_to(ROOT)}: {target}: no such file"
   if anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
