@@ -58,3 +58,15 @@ def test_readme_is_a_map_and_config_docstrings_are_short():
     doc = re.match(r'"""(.*?)"""', path.read_text(), re.S)
     if doc:  # the command and the figures; the lab notes live in docs/lab-notes.md
       assert len(doc.group(1).strip().splitlines()) <= 15, path.name
+
+
+def test_tests_named_in_the_docs_exist():
+  # docs/reliability.md names the test holding each guarantee; a renamed test must not rot there.
+  named = []
+  for page in PAGES:
+    for path, name in re.findall(r"tests/(\w+\.py)(?:::(\w+))?", page.read_text()):
+      test_file = ROOT / "tests" / path
+      named.append((path, name))
+      assert test_file.exists(), path
+      assert not name or f"def {name}(" in test_file.read_text(), f"{path}::{name}"
+  assert len(named) >= 5, named
