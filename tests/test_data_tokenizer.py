@@ -1,6 +1,8 @@
 """Tokenizers: WordPiece against the original's documented cases; SentencePiece training."""
 
 import os
+import subprocess
+import sys
 import unicodedata
 
 import pytest
@@ -106,8 +108,12 @@ def test_sentencepiece_cli(tmp_path):
   from test_data_fixtures import random_documents, write_corpus
   corpus = write_corpus(os.path.join(str(tmp_path), "c.txt"), random_documents(30, 20))
   out = os.path.join(str(tmp_path), "cli")
-  tokenizer_lib.main(["train", f"--corpus={corpus}", "--vocab_size=200", f"--output={out}"])
+  # The documented command lines (absl flags, the command named as an argument).
+  run = lambda *args: subprocess.run([sys.executable, "-m", "bertjax.data.tokenizer", *args],
+                                     capture_output=True, text=True, check=True, timeout=300).stdout
+  assert "wrote " in run("train", f"--corpus={corpus}", "--vocab_size=200", f"--output={out}")
   assert tokenizer_lib.load_tokenizer(out + ".model").vocab_size <= 200
+  assert run("encode", f"--vocab={out}.model", "hello world").split()
 
 
 def test_sentencepiece_vocab_per_source_in_cache(tmp_path):
