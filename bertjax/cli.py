@@ -1,5 +1,5 @@
-"""What the commands (main, aot, benchmark, data.prepare, convert) share: the `--config` flag,
-quiet logs, refusals reported without a traceback.
+"""What the commands (main, finetune, aot, benchmark, data.prepare, convert) share: the `--config`
+flag, a run's flags and start-up, quiet logs, refusals reported without a traceback.
 
 Config files live in a `configs/` folder and import `configs.base`. So that this works whatever the
 working directory, the folder holding `configs/` (the config file's grandparent) is put on
@@ -59,6 +59,53 @@ def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", n
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
   make_config_folder_importable(sys.argv, name)
   return config_flags.DEFINE_config_file(name, None, help_text, lock_config=True)
+
+
+def define_run_flags() -> None:
+  """The flags of a training run (`bertjax.main`, `bertjax.finetune`): the locked config, the
+  workdir and the multi-process join; `start` reads them."""
+  if "workdir" in flags.FLAGS:  # both entry points imported in one process: one set of flags
+    return
+  define_config_flag()
+  flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard logs and metrics go here "
+                      "(local path or gs://). Running again with the same workdir resumes.")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process "
+                      "CPU/GPU).")
+  flags.DEFINE_integer("num_processes", None, "Processes in the job (multi-process CPU/GPU).")
+  flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+  flags.mark_flags_as_required(["config", "workdir"])
+
+
+def hide_accelerators_from_tensorflow() -> None:
+  """tf.data runs on the host CPU; TensorFlow must not take GPU/TPU memory JAX needs."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  for kind in ("GPU", "TPU"):
+    try:
+      tf.config.set_visible_devices([], kind)
+    except (RuntimeError, ValueError):
+      pass
+
+
+def start(argv) -> None:
+  """What a run's process does before any work: quiet logs, TensorFlow off the accelerators, and
+  the multi-process join (`define_run_flags`' flags, parsed)."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  from bertjax import hostmem  # pylint: disable=import-outside-toplevel
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # TensorFlow only runs the integer input pipeline here, which oneDNN does not speed up; off, it
+  # also drops the INFO banner TensorFlow's C++ logging prints past TF_CPP_MIN_LOG_LEVEL.
+  os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+  quiet_third_party_logs()
+  hide_accelerators_from_tensorflow()
+  from bertjax import distributed  # pylint: disable=import-outside-toplevel
+  flag = flags.FLAGS
+  distributed.initialize(flag.coordinator_address, flag.num_processes, flag.process_id)
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() == "cpu" and jax.process_index() == 0 and (
+      hint := hostmem.hint_line()):
+    print(f"bertjax: {hint}", flush=True)
 
 
 class _OwnInfoOnly(logging.Filter):

@@ -4,7 +4,7 @@
 jax's partitionable threefry (the default, needed so a sharded mask is drawn shard by shard) every
 element is one whole threefry-2x32 evaluation: 20 rounds of 32-bit adds, rotations and xors that
 produce 64 bits, of which one 32-bit word survives, and a keep/drop decision needs far fewer. On a
-CPU these bits were a tenth of a small model's training step (README, "Throughput").
+CPU these bits were a tenth of a small model's training step (docs/performance.md#throughput).
 
 `keep_mask` takes 16 bits per decision, so one evaluation serves four elements: the rate is
 quantised to a multiple of 1/65536 (0.1 becomes 6554/65536 = 0.1000061), and the kept values are

@@ -34,9 +34,9 @@ DEFAULT_VOCAB_SIZE = 30522
 
 def sequence_shape(config) -> tuple[int, int]:
   """(L, M) from the data section: max_seq_length and max_predictions_per_seq."""
-  data = config.get("data", {})
-  seq_len = int(data.get("max_seq_length", 128))
-  return seq_len, int(data.get("max_predictions_per_seq", max(1, round(0.15 * seq_len))))
+  # Read, not defaulted: configs/base.py holds every key, and a default here would price a config
+  # that lacks one at a shape it never runs (issue 27: no `.get` defaults outside base.py).
+  return int(config.data.max_seq_length), int(config.data.max_predictions_per_seq)
 
 
 def rows_shape(config) -> tuple[int, int, int]:
@@ -44,8 +44,8 @@ def rows_shape(config) -> tuple[int, int, int]:
   `data.packing` a row holds up to S = max_sequences_per_row sequences and S x M slots; without,
   M slots and S = 0 (unpacked rows, one NSP label each)."""
   seq_len, max_predictions = sequence_shape(config)
-  data = config.get("data", {})
-  per_row = int(data.get("max_sequences_per_row", 1)) if data.get("packing", False) else 0
+  data = config.data
+  per_row = int(data.max_sequences_per_row) if data.packing else 0
   return seq_len, max_predictions * max(per_row, 1), per_row
 
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from bertjax import dropout
-from bertjax.model import (ACTIVATIONS, EMBED_TO_EMBED, BertConfig, BertModel, _zeros, dense,
-                           layer_norm)
+from bertjax.model import (ACTIVATIONS, EMBED_TO_EMBED, BertConfig, BertModel, dense,
+                           layer_norm, zeros)
 
 
 def gather_positions(x_BxLxD: jax.Array, positions_BxM: jax.Array) -> jax.Array:
@@ -89,7 +89,7 @@ class MlmHead(nn.Module):
               nn.initializers.truncated_normal(stddev=cfg.initializer_range), ("vocab", "embed")),
           (cfg.vocab_size, cfg.hidden_size), cfg.storage_dtype)
     if cfg.decoder_bias:
-      bias_V = self.param("output_bias", _zeros(("vocab",)), (cfg.vocab_size,),
+      bias_V = self.param("output_bias", zeros(("vocab",)), (cfg.vocab_size,),
                           cfg.storage_dtype)
     else:
       # A constant zero: its gradient from tied_decoder is computed and dropped.

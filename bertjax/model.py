@@ -241,7 +241,8 @@ def sinusoidal_init(config: BertConfig):
   return nn.with_logical_partitioning(init, (None, "embed"))
 
 
-def _zeros(names):
+def zeros(names):
+  """Zero init carrying logical axis names (public: the heads use it too)."""
   return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
 
 
@@ -260,7 +261,7 @@ def layer_norm(config: BertConfig, name: str) -> nn.Module:
                       force_float32_reductions=True, name=name)
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
                       param_dtype=config.storage_dtype, scale_init=_ones(("embed",)),
-                      use_bias=config.norm_bias, bias_init=_zeros(("embed",)),
+                      use_bias=config.norm_bias, bias_init=zeros(("embed",)),
                       force_float32_reductions=True, name=name)
 
 
@@ -301,7 +302,7 @@ class Dense(nn.Module):
                             preferred_element_type=out_dtype)
     if not self.use_bias:
       return y
-    bias = self.param("bias", _zeros(self.names[len(axes):]), features, cfg.storage_dtype)
+    bias = self.param("bias", zeros(self.names[len(axes):]), features, cfg.storage_dtype)
     return y + bias.astype(out_dtype)
 
 

@@ -163,7 +163,7 @@ def set_phase(config, phase: str | int, total_steps: int) -> None:
   (the position table already has 512 rows in phase 1, so the parameters fit unchanged).
   Both phases pack sequences into rows (`data.packing`): on the data benchmark's long documents
   padding is 9% of unpacked rows at 128 and 22% at 512 (on short documents 20% and 49%), and
-  packing turns it into 1.09x and 1.23x the useful tokens per step (README, "Packing").
+  packing turns it into 1.09x and 1.23x the useful tokens per step (docs/data.md#packing).
   `train.batch_size` then counts rows of about 1.1 (phase 1) and 1.25 (phase 2) sequences.
   """
   phase = int(phase)

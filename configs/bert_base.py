@@ -11,9 +11,8 @@ Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm statis
 losses stay float32) and scanned layers (one compiled layer: compile time does not grow with
 depth). On a CPU, `--config.model.dtype=float32 --config.model.scan_layers=False`: there the
 scanned loop's copies of each layer's weights and gradients in and out of the stacked arrays cost
-about 9% of a step (README, "Throughput").
-Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
-train.batch_size counts rows.
+about 9% of a step (docs/performance.md#throughput).
+Both phases pack sequences into rows (`data.packing`; base.py `set_phase`): batch_size counts rows.
 """
 
 from configs import base

@@ -5,20 +5,14 @@
 TASK: cola, sst-2, mrpc, sts-b, qqp, mnli (also predicts AX), qnli, rte, wnli; squad_v1.1,
 squad_v2.0; conll2003; next (the built-in task of `make finetune`); or one's own task from files:
 classification, regression, tagging, span (bertjax/finetune/custom.py; docs/your-own-task.md).
-Any key below can be overridden.
-
-The original recipe (google-research/bert run_classifier.py / run_squad.py and the paper's
-appendix A.3) is the default: AdamW (weight decay 0.01, no bias correction), 10% linear warmup then
-linear decay to 0, batch 32, dropout 0.1, max_seq_length 128; GLUE and CoNLL 3 epochs at 2e-5
-(the paper searched 5e-5, 3e-5, 2e-5 on dev); SQuAD 2 epochs at 3e-5, max_seq_length 384, doc_stride
-128, max_query_length 64, n-best 20, max_answer_length 30. The dev set is scored after every epoch
-and the best checkpoint kept.
-
-NEXT (the built-in task) fine-tunes the tiny model of configs/tiny.py: max_seq_length 64 (its
-pre-training length), 3e-4, 3 epochs of 8,000 pairs. The rate was chosen on NEXT's dev split (seed
-0, the pre-trained encoder of `make pretrain`): best dev accuracy 0.609 at 3e-5, 0.616 at 1e-4,
-0.629 at 3e-4 (random init: 0.544, 0.532, 0.535). A 128-wide model takes a larger rate than
-BERT-Base's 2e-5.
+Any key below can be overridden. The original recipe (google-research/bert run_classifier.py /
+run_squad.py and the paper's appendix A.3) is the default: AdamW (weight decay 0.01, no bias
+correction), 10% linear warmup then linear decay to 0, batch 32, dropout 0.1, max_seq_length 128;
+GLUE and CoNLL 3 epochs at 2e-5 (the paper searched 5e-5, 3e-5, 2e-5 on dev); SQuAD 2 epochs at
+3e-5, max_seq_length 384, doc_stride 128, max_query_length 64, n-best 20, max_answer_length 30. The
+dev set is scored after every epoch and the best checkpoint kept.
+NEXT (the built-in task) fine-tunes the tiny model of configs/tiny.py: max_seq_length 64, 3e-4
+(chosen on dev: docs/lab-notes.md#configsfinetunepy), 3 epochs of 8,000 pairs.
 """
 
 import ml_collections

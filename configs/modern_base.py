@@ -10,17 +10,9 @@ with 8 microbatches and full remat 40 of 95 GiB in both phases, 4,600 and 7,094 
 step, 5.6 and 8.6 s at 45% MFU):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8 \
       --config.train.num_microbatches=8 --config.model.remat_policy=full
-Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152, pre-LN with a final norm, no biases but the
-decoder's, RoPE (base 160,000 in global layers, 10,000 in local ones), a global layer every third
-(0, 3, ..., 21) and 128-token sliding windows in the others, no position or segment table, no
-pooler, vocabulary table 50,368 rows: 149,014,272 parameters in the encoder (ModernBERT-base's
-published 149M), 149,655,232 with the MLM head (tests/test_modern.py counts both against
-transformers' classes). Data: no NSP, 30% masking, packed rows; the published run read 2T
-tokens of its own BPE tokenizer, which bertjax's data pipeline does not read yet (the table is
-padded past the tokenizer's size: model.vocab_size).
-The schedule is warmup-stable-decay with a 1-sqrt decay (train.schedule="wsd"), as ModernBERT's.
-Not ModernBERT's: its StableAdamW (here AdamW with bias correction), its unpadded batches (here
-packing does that job), the batch-size ramp.
+Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152: 149,014,272 parameters in the encoder;
+no NSP, 30% masking, packed rows, warmup-stable-decay. The rest of the shape and what differs
+from ModernBERT's run: docs/lab-notes.md#configsmodern_basepy.
 """
 
 from configs import base

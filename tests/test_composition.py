@@ -1,6 +1,6 @@
 """A user's own linen model with BertModel inside: a pre-trained encoder loaded into its subtree,
 its own head, trained (encoder frozen or not) under jax.jit on an 8-device mesh with shardings
-from the logical rules, computing what one device computes (the README's example, checked)."""
+from the logical rules, computing what one device computes (docs/using-the-modules.md, checked)."""
 
 import flax.linen as nn
 import jax

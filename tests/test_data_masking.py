@@ -179,10 +179,10 @@ def test_whole_word_masking_matches_the_original_selection():
   assert abs(counts.mean() - 0.15 * sum(word_lens)) < 0.1, counts.mean()
 
 
-def test_readme_lists_the_deviations_from_the_original_masking():
+def test_docs_list_the_deviations_from_the_original_masking():
   import pathlib
-  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-  section = readme[readme.index("**Deliberate deviations from the original"):]
+  page = (pathlib.Path(__file__).parent.parent / "docs" / "data.md").read_text()
+  section = page[page.index("**Deliberate deviations from the original"):]
   section = " ".join(section[:section.index("###")].split())
   for fact in ("15% of the *non-special* tokens", "A random replacement (the 10% case) is drawn "
                "from the non-special tokens", "Masks are drawn anew every epoch",

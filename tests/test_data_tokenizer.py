@@ -1,6 +1,8 @@
 """Tokenizers: WordPiece against the original's documented cases; SentencePiece training."""
 
 import os
+import subprocess
+import sys
 import unicodedata
 
 import pytest
@@ -106,8 +108,12 @@ def test_sentencepiece_cli(tmp_path):
   from test_data_fixtures import random_documents, write_corpus
   corpus = write_corpus(os.path.join(str(tmp_path), "c.txt"), random_documents(30, 20))
   out = os.path.join(str(tmp_path), "cli")
-  tokenizer_lib.main(["train", f"--corpus={corpus}", "--vocab_size=200", f"--output={out}"])
+  # The documented command lines (absl flags, the command named as an argument).
+  run = lambda *args: subprocess.run([sys.executable, "-m", "bertjax.data.tokenizer", *args],
+                                     capture_output=True, text=True, check=True, timeout=300).stdout
+  assert "wrote " in run("train", f"--corpus={corpus}", "--vocab_size=200", f"--output={out}")
   assert tokenizer_lib.load_tokenizer(out + ".model").vocab_size <= 200
+  assert run("encode", f"--vocab={out}.model", "hello world").split()
 
 
 def test_sentencepiece_vocab_per_source_in_cache(tmp_path):
@@ -224,3 +230,14 @@ def test_wordpiece_vocab_lines_as_the_original_reads_them(tmp_path):
   tok = tokenizer_lib.load_tokenizer(str(path))
   assert tok.pieces == SPECIALS + ["x\u0085y", "dup", "", "z\u2028q", "dup", "w"]
   assert tok.encode("dup w") == [9, 10]
+
+
+def test_a_vocabulary_is_built_once_per_process_and_never_stale(tmp_path):
+  pieces = ["[PAD]"] + ORIGINAL_VOCAB + ["[MASK]"]
+  first = _wordpiece(tmp_path, pieces)
+  assert _wordpiece(tmp_path, pieces) is first  # the same file again: the same tokenizer
+  cased = _wordpiece(tmp_path, pieces, lower=False)
+  assert cased is not first and cased.tokenize("Want") != first.tokenize("Want")
+  # Rewritten at the same path (same size, so neither name nor size tells them apart).
+  changed = _wordpiece(tmp_path, pieces[:-2] + ["[MASK]", "lowesT"])
+  assert changed is not first and changed.fingerprint != first.fingerprint

@@ -1,6 +1,10 @@
 """The built-in task NEXT of `make finetune`: its labels come from the text, and nothing it scores
 was seen in pre-training."""
 
+import json
+import subprocess
+import sys
+
 from bertjax.data import corpus
 from bertjax.finetune import builtin, glue
 
@@ -41,3 +45,19 @@ def test_next_labels_follow_the_text_and_scored_pairs_come_from_heldout_document
     assert by_chance <= 0.02 * len(negatives)
   # Nothing scored comes from a document pre-training trained on.
   assert not any(e.text_a in train_only or e.text_b in train_only for e in dev + test)
+
+
+def test_compare_prints_both_runs_from_the_makefiles_command_line(tmp_path):
+  # `make finetune` ends with `python -m bertjax.finetune.builtin compare PRETRAINED RANDOM`.
+  (tmp_path / "data" / builtin.NAME).mkdir(parents=True)
+  (tmp_path / "data" / builtin.NAME / "dev.tsv").write_text("header\n" + "row\n" * 4)
+  for name, score in (("pre", 0.75), ("rand", 0.5)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(
+        json.dumps({"data": {"data_dir": str(tmp_path / "data")}}))
+    (tmp_path / name / "results.json").write_text(json.dumps(
+        {"best": {"scores": {"main": score}, "epoch": 2}, "final": {"main": score}}))
+  out = subprocess.run([sys.executable, "-m", "bertjax.finetune.builtin", "compare",
+                        str(tmp_path / "pre"), str(tmp_path / "rand")], capture_output=True,
+                       text=True, check=True, timeout=300).stdout
+  assert "(held-out documents, 4 pairs)" in out and "pre-training adds +0.2500" in out

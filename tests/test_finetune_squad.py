@@ -429,10 +429,12 @@ def test_v2_metrics_by_hand():
     metrics.evaluate_v2(gold, {k: v for k, v in preds.items() if k != "d"})
 
 
-def test_benchmark_runs_small(capsys):
-  from bertjax.finetune import benchmark
-  benchmark.main(["squad", "--train_questions", "60", "--train_contexts", "12",
-                  "--dev_questions", "30", "--dev_contexts", "6", "--whole_words", "500"])
-  out = capsys.readouterr().out
+def test_benchmark_runs_small():
+  # Its documented command line (absl flags, the benchmark named as an argument).
+  import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  out = subprocess.run([sys.executable, "-m", "bertjax.finetune.benchmark", "squad",
+                        "--train_questions", "60", "--train_contexts=12", "--dev_questions=30",
+                        "--dev_contexts=6", "--whole_words=500"], capture_output=True, text=True,
+                       check=True, timeout=300).stdout
   assert "train features: 60 questions" in out and "questions/s" in out
   assert "post-processing v2.0: 30 questions" in out

@@ -413,7 +413,7 @@ def test_two_phase_recipe_in_the_configs():
   assert two.data.max_predictions_per_seq == 76
   assert one.train.num_train_steps + two.train.num_train_steps == 1_000_000
   assert one.model == two.model  # phase 2 loads phase 1's parameters unchanged
-  assert one.data.packing and two.data.packing  # README "Packing": 1.09x and 1.23x the tokens
+  assert one.data.packing and two.data.packing  # docs/data.md#packing: 1.09x and 1.23x the tokens
   from configs import tiny  # pylint: disable=import-outside-toplevel
   assert not tiny.get_config().data.packing  # `make pretrain` as measured
   with pytest.raises(ValueError, match="phase=3"):

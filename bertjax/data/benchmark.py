@@ -17,12 +17,13 @@ its rows hold, so on an accelerator that the host keeps fed, packing multiplies 
 of every step by the ratio of the two fills (the `gain` column).
 """
 
-import argparse
 import logging
 import os
 import sys
 import tempfile
 import time
+
+from absl import app, flags
 
 from bertjax.data import corpus, pipeline, prepare
 from bertjax.data import tokenizer as tokenizer_lib
@@ -78,17 +79,26 @@ def _write(path: str, docs, copies: int) -> str:
   return path
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m bertjax.data.benchmark")
-  ap.add_argument("--seq_lengths", default="128,512")
-  ap.add_argument("--batch_size", type=int, default=256)
-  ap.add_argument("--seconds", type=float, default=20.0, help="pipeline measurement per row")
-  ap.add_argument("--workers", type=int, default=0, help="preparation processes (0 = one per CPU)")
-  ap.add_argument("--copies", type=int, default=4, help="times each corpus is repeated")
-  ap.add_argument("--long_document_sentences", type=int, default=500,
-                  help="sentences per document of the long-document corpus")
-  ap.add_argument("--max_sequences_per_row", type=int, default=3)
-  args = ap.parse_args(argv)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command's flags; defined only when run as a command (bertjax.aot's pattern), so that
+  importing this module beside another command's in one test process does not collide."""
+  flags.DEFINE_string("seq_lengths", "128,512", "Sequence lengths, comma-separated.")
+  flags.DEFINE_integer("batch_size", 256, "Rows per batch of the pipeline.")
+  flags.DEFINE_float("seconds", 20.0, "Pipeline measurement per row of the table.")
+  flags.DEFINE_integer("workers", 0, "Preparation processes (0 = one per CPU).")
+  flags.DEFINE_integer("copies", 4, "Times each corpus is repeated.")
+  flags.DEFINE_integer("long_document_sentences", 500,
+                       "Sentences per document of the long-document corpus.")
+  flags.DEFINE_integer("max_sequences_per_row", 3, "S: most sequences a packed row holds.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  args = FLAGS
   logging.basicConfig(level=logging.WARNING)
   lengths = [int(x) for x in args.seq_lengths.split(",")]
   table = []
@@ -140,4 +150,5 @@ def format_table(table) -> str:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  define_flags()
+  app.run(main)

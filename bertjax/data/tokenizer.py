@@ -8,14 +8,12 @@ Train a SentencePiece vocabulary:
   python -m bertjax.data.tokenizer train --corpus=builtin --vocab_size=8000 --output=/tmp/spm
 """
 
-import argparse
 import functools
 import hashlib
 import json
 import logging
 import os
 import re
-import sys
 import tempfile
 import unicodedata
 from typing import Iterable, Sequence
@@ -310,11 +308,24 @@ def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = Tr
     raise FileNotFoundError(f"Vocabulary file {path} does not exist (train one with "
                             f"`python -m bertjax.data.tokenizer train ...`).")
   kind = kind or kind_of(path)
-  if kind == "sentencepiece":
-    return _load_sentencepiece(path)
-  if kind == "wordpiece":
-    return _load_wordpiece(path, do_lower_case)
-  raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+  if kind not in ("sentencepiece", "wordpiece"):
+    raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+  # Once per process: preparation, the pipeline, init_from and the converters each ask for the
+  # run's vocabulary, and building one (a 30k-piece WordPiece, a SentencePiece model) costs far
+  # more than reading its file. Keyed by the file's bytes, not its name or time, so a vocabulary
+  # rewritten at the same path is never served stale.
+  with files.open_file(path, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+  key = (path, kind, kind == "wordpiece" and bool(do_lower_case), digest)
+  if key not in _LOADED:
+    _LOADED[key] = (_load_sentencepiece(path) if kind == "sentencepiece"
+                    else _load_wordpiece(path, do_lower_case))
+    while len(_LOADED) > 8:  # a long test session loads many; a run, one or two
+      _LOADED.pop(next(iter(_LOADED)))
+  return _LOADED[key]
+
+
+_LOADED: dict[tuple, Tokenizer] = {}
 
 
 # A run's vocabulary is copied into its workdir, named here, so the workdir alone can be
@@ -432,32 +443,44 @@ def ensure_sentencepiece(data_config) -> str:
   return path
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m bertjax.data.tokenizer")
-  sub = parser.add_subparsers(dest="command", required=True)
-  t = sub.add_parser("train", help="train a SentencePiece vocabulary with the BERT special tokens")
-  t.add_argument("--corpus", default="builtin",
-                 help="'builtin', text file glob(s) (comma-separated), or tfds:name/config:feature")
-  t.add_argument("--vocab_size", type=int, default=8000)
-  t.add_argument("--output", required=True, help="output prefix; writes PREFIX.model and PREFIX.vocab")
-  t.add_argument("--cased", action="store_true", help="keep case (default: case-folded)")
-  t.add_argument("--eval_fraction", type=float, default=0.1,
-                 help="held-out documents excluded from training (same split as prepare)")
-  e = sub.add_parser("encode", help="print the pieces of a text")
-  e.add_argument("--vocab", required=True)
-  e.add_argument("text")
-  args = parser.parse_args(argv)
-  if args.command == "train":
-    from bertjax.data import corpus
+def define_flags() -> None:
+  """The command's flags; defined only when run as a command (bertjax.aot's pattern), so that
+  importing this module beside another command's in one process does not collide."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.DEFINE_string("corpus", "builtin", "train: 'builtin', text file glob(s) "
+                      "(comma-separated), or tfds:name/config:feature.")
+  flags.DEFINE_integer("vocab_size", 8000, "train: pieces of the vocabulary.")
+  flags.DEFINE_string("output", None, "train: output prefix; writes PREFIX.model and PREFIX.vocab.")
+  flags.DEFINE_bool("cased", False, "train: keep case (default: case-folded).")
+  flags.DEFINE_float("eval_fraction", 0.1, "train: held-out documents excluded from training "
+                     "(the same split as prepare).")
+  flags.DEFINE_string("vocab", None, "encode: the vocabulary file.")
+
+
+def main(argv):
+  """`train` a SentencePiece vocabulary with the BERT special tokens, or `encode TEXT` (print its
+  pieces)."""
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  args = flags.FLAGS
+  command, rest = (argv[1], argv[2:]) if len(argv) > 1 else (None, [])
+  if command == "train" and not rest:
+    if not args.output:
+      raise app.UsageError("train needs --output=PREFIX.")
+    from bertjax.data import corpus  # pylint: disable=import-outside-toplevel
     docs = corpus.split_documents(corpus.documents_from_source(args.corpus), "train",
                                   args.eval_fraction)
     path = train_sentencepiece((s for d in docs for s in d), vocab_size=args.vocab_size,
                                output=args.output, do_lower_case=not args.cased)
     tok = load_tokenizer(path)
     print(f"wrote {path}: {tok.vocab_size} pieces, fingerprint {tok.fingerprint}")
+  elif command == "encode" and len(rest) == 1 and args.vocab:
+    print(" ".join(load_tokenizer(args.vocab).tokenize(rest[0])))
   else:
-    print(" ".join(load_tokenizer(args.vocab).tokenize(args.text)))
+    raise app.UsageError("Usage: train --output=PREFIX [--corpus=... --vocab_size=N --cased], "
+                         f"or encode --vocab=FILE TEXT (got {argv[1:]}).")
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  from absl import app as absl_app  # pylint: disable=ungrouped-imports
+  define_flags()
+  absl_app.run(main)

@@ -10,15 +10,16 @@ config.mesh. See bertjax/finetune/run.py for what the workdir holds.
 
 import sys
 
-from absl import app
+from absl import app, flags
 
-from bertjax import cli, hostmem, main as main_lib
+from bertjax import cli, hostmem
 
-FLAGS = main_lib.FLAGS
+cli.define_run_flags()
+FLAGS = flags.FLAGS
 
 
 def main(argv):
-  main_lib.start(argv)
+  cli.start(argv)
   from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
   cli.explained(run.finetune, FLAGS.config, FLAGS.workdir)
 

@@ -8,15 +8,14 @@ vocabulary written here; prints questions/s of reading + feature creation and th
 post-processing (n-best 20) of random logits. Targets: 2,000 questions/s, 30 s.
 """
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from typing import Sequence
 
 import numpy as np
+from absl import app, flags
 
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import squad, squad_metrics, squad_postprocess
@@ -126,21 +125,27 @@ def bench_squad(args) -> None:
             f"evaluation {t3 - t2:.1f} s (target 30 s)", flush=True)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m bertjax.finetune.benchmark")
-  sub = parser.add_subparsers(dest="task", required=True)
-  s = sub.add_parser("squad", help="SQuAD feature creation and post-processing")
-  s.add_argument("--train_questions", type=int, default=87_599)
-  s.add_argument("--train_contexts", type=int, default=18_896)
-  s.add_argument("--dev_questions", type=int, default=10_570)
-  s.add_argument("--dev_contexts", type=int, default=2_067)
-  s.add_argument("--whole_words", type=int, default=20_000,
-                 help="lexicon words in the vocabulary whole (the rest split into syllables)")
-  s.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
-  if args.task == "squad":
-    bench_squad(args)
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command's flags; defined only when run as a command (bertjax.aot's pattern), so that
+  importing this module beside another command's in one test process does not collide."""
+  flags.DEFINE_integer("train_questions", 87_599, "Questions of the training file.")
+  flags.DEFINE_integer("train_contexts", 18_896, "Contexts of the training file.")
+  flags.DEFINE_integer("dev_questions", 10_570, "Questions of the dev file.")
+  flags.DEFINE_integer("dev_contexts", 2_067, "Contexts of the dev file.")
+  flags.DEFINE_integer("whole_words", 20_000,
+                       "Lexicon words in the vocabulary whole (the rest split into syllables).")
+  flags.DEFINE_integer("seed", 0, "Seed of the synthetic data.")
+
+
+def main(argv):
+  if argv[1:] != ["squad"]:  # the one benchmark so far, named so that others can join it
+    raise app.UsageError(f"Say which benchmark: squad (got {argv[1:]}).")
+  bench_squad(FLAGS)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  define_flags()
+  app.run(main)

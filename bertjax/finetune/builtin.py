@@ -104,26 +104,33 @@ def _dev_size(workdir: str) -> int:
     return sum(1 for _ in f) - 1
 
 
-def main(argv=None) -> None:
-  import argparse  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m bertjax.finetune.builtin", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="command", required=True)
-  write = sub.add_parser("write", help="write the NEXT task's TSV files")
-  write.add_argument("--data_dir", required=True)
-  write.add_argument("--eval_fraction", type=float, default=0.1,
-                     help="pre-training's data.eval_fraction (the held-out documents)")
-  both = sub.add_parser("compare", help="print two NEXT runs' scores side by side")
-  both.add_argument("pretrained_workdir")
-  both.add_argument("random_workdir")
-  args = parser.parse_args(argv)
-  if args.command == "write":
+def define_flags() -> None:
+  """The command's flags; defined only when run as a command (bertjax.aot's pattern), so that
+  importing this module beside another command's in one process does not collide."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.DEFINE_string("data_dir", None, "write: where the NEXT task's TSV files go.")
+  flags.DEFINE_float("eval_fraction", 0.1, "write: pre-training's data.eval_fraction (the "
+                     "held-out documents).")
+
+
+def main(argv) -> None:
+  """`write --data_dir=DIR` the NEXT task's TSV files, or `compare PRETRAINED_WORKDIR
+  RANDOM_WORKDIR`: print two NEXT runs' scores side by side."""
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  args = flags.FLAGS
+  command, rest = (argv[1], argv[2:]) if len(argv) > 1 else (None, [])
+  if command == "write" and not rest and args.data_dir:
     counts = write_task(args.data_dir, eval_fraction=args.eval_fraction)
     print(f"{NAME} task in {os.path.join(args.data_dir, NAME)}: "
           + ", ".join(f"{k} {v} pairs" for k, v in counts.items()))
+  elif command == "compare" and len(rest) == 2:
+    print(compare(*rest))
   else:
-    print(compare(args.pretrained_workdir, args.random_workdir))
+    raise app.UsageError("Usage: write --data_dir=DIR [--eval_fraction=F], or compare "
+                         f"PRETRAINED_WORKDIR RANDOM_WORKDIR (got {argv[1:]}).")
 
 
 if __name__ == "__main__":
-  main()
+  from absl import app as absl_app  # pylint: disable=ungrouped-imports
+  define_flags()
+  absl_app.run(main)
