@@ -433,6 +433,12 @@ def read(source: Weights, like: Mapping[str, Any] | None = None) -> dict:
   host = _read_host(source, want, scan)
   if like is None:
     return host
+  if ENCODER in like and "pooler" in like[ENCODER] and "pooler" not in host[ENCODER]:
+    raise checkpoint_lib.CheckpointMismatchError(
+        f"{source.describe()} has no pooler (a transformers BertForTokenClassification or "
+        "BertForQuestionAnswering builds none), and this model has one: take init_from from the "
+        "folder or workdir the fine-tuned model started from, or a BertForSequenceClassification "
+        "or BertForPreTraining folder")
   return checkpoint_lib.put_like(host, checkpoint_lib.abstract_like(dict(like)))
 
 

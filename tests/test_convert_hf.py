@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import transformers  # the `test` extra pins 4.57, the last release with Flax BERT
@@ -171,3 +172,44 @@ def test_a_sentencepiece_vocabulary_exports_as_a_fast_tokenizer_with_the_same_id
     ids_a, ids_b = ours.encode(a), ours.encode(b)
     assert pair["input_ids"] == [cls, *ids_a, sep, *ids_b, sep]
     assert pair["token_type_ids"] == [0] * (len(ids_a) + 2) + [1] * (len(ids_b) + 1)
+
+
+@pytest.mark.parametrize("family", ["classification", "regression", "tagging", "span"])
+def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_path):
+  """A task class's folder (as `export` writes it) is a weights folder too: every reader takes its
+  encoder, tensor for tensor; its task head is read past, and where the class has no pooler
+  (token classification, question answering) neither has the encoder read."""
+  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  config = reference["config"]
+  params = hf.params_from_hf(reference["state_dict"], config, heads=())
+  spec = spec_lib.TaskSpec("t", family, () if family in ("regression", "span") else ("a", "b", "c"))
+  rng = np.random.default_rng(1)
+  params[spec.head] = {
+      "kernel": rng.normal(size=(config.hidden_size, spec.num_outputs)).astype(np.float32),
+      "bias": rng.normal(size=(spec.num_outputs,)).astype(np.float32)}
+  sd, extra = hf.task_to_hf(params, config, spec)
+  # pylint: disable-next=protected-access
+  hf._write_hf(str(tmp_path), sd, {**hf.config_to_hf(config), **extra})
+  source = weights.inspect(str(tmp_path))
+  back = weights.read(source)
+  assert source.kind == "huggingface" and source.subtrees == ("bert",) and list(back) == ["bert"]
+
+  def flat(tree):
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  before, after = flat(params["bert"]), flat(back["bert"])
+  pooler = {k for k in before if k.startswith("['pooler']")}
+  assert set(before) - set(after) == (set() if family in ("classification", "regression")
+                                      else pooler)
+  for key, value in after.items():
+    np.testing.assert_array_equal(value, before[key], err_msg=key)
+  # As init_from reads it, into an encoder with a pooler: taken where the class has one, else
+  # refused by name (not a pytree error deep in the placement).
+  like = {"bert": jax.device_put(params["bert"])}
+  if family in ("classification", "regression"):
+    placed = flat(weights.read(source, like=like)["bert"])
+    assert all(np.array_equal(placed[k], v) for k, v in before.items())
+  else:
+    with pytest.raises(ValueError, match="has no pooler .* take init_from from the folder"):
+      weights.read(source, like=like)

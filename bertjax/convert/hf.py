@@ -227,8 +227,23 @@ def _normalise_names(state_dict: dict) -> dict:
   return out
 
 
+# Heads of transformers' task classes (fine-tuned exports): not pre-training heads, so read past.
+TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
+_POOLER = "bert.pooler."
+
+
+def _without_pooler(state_dict: dict) -> bool:
+  """Whether the state dict is one of a task class built without a pooler (token classification,
+  question answering): a task head, and no pooler tensor at all."""
+  return (any(k.startswith(TASK_HEAD_PREFIXES) for k in state_dict)
+          and not any(k.startswith(_POOLER) for k in state_dict))
+
+
 def _check(state_dict: dict, config: BertConfig, heads) -> None:
   expected = _expected_shapes(config, heads)
+  if _without_pooler(state_dict):
+    expected = {k: v for k, v in expected.items() if not k.startswith(_POOLER)}
+  state_dict = {k: v for k, v in state_dict.items() if not k.startswith(TASK_HEAD_PREFIXES)}
   unread = tuple(HEAD_PREFIXES[h] for h in HEAD_PREFIXES if h not in heads)
   if unread:  # the heads not asked for are not read, so not checked either
     state_dict = {k: v for k, v in state_dict.items() if not k.startswith(unread)}
@@ -278,7 +293,10 @@ def _layer_root(config: BertConfig, i: int) -> tuple[str, ...]:
 
 def params_from_hf(state_dict: dict, config: BertConfig, heads=None) -> dict:
   """`BertForPreTraining` parameters (nested dict of numpy arrays) from a Hugging Face state dict:
-  the encoder (`bert`) and the pre-training `heads` ("mlm", "nsp"; None: those it holds).
+  the encoder (`bert`) and the pre-training `heads` ("mlm", "nsp"; None: those it holds). The
+  head of a transformers task class (classifier, qa_outputs: what `export` writes for a
+  fine-tuned model) is read past; where that class has no pooler (token classification, question
+  answering), neither has the encoder returned.
 
   Raises ValueError listing every missing, unexpected and mis-shaped key at once.
   """
@@ -287,9 +305,12 @@ def params_from_hf(state_dict: dict, config: BertConfig, heads=None) -> dict:
   _check(sd, config, heads)
   dtype = np.dtype(config.param_dtype)
   params: dict = {}
+  no_pooler = _without_pooler(sd)
   for entry in _root_entries():
     if entry.path[0] != "bert" and entry.path[0] not in heads:
       continue
+    if no_pooler and entry.hf_name.startswith(_POOLER):
+      continue  # the encoder then has no "pooler" subtree: the exported class had none
     _set(params, entry.path, entry.to_ours(sd[entry.hf_name], config).astype(dtype))
   for entry in _layer_entries():
     per_layer = [entry.to_ours(sd[f"bert.encoder.layer.{i}.{entry.hf_name}"], config).astype(dtype)
