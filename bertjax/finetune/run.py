@@ -241,12 +241,29 @@ class Evaluations:
     """Takes the scores of earlier runs in the workdir up to `start`, the step this run restored:
     later ones (and a best checkpoint of such a step, after a crash between an evaluation and the
     next checkpoint) belong to a timeline the run no longer has; it evaluates those steps again."""
-    if files.exists(self.path):
-      self.records = [r for r in files.read_json(self.path, "the run's evaluations")
-                      if r["step"] <= start]
+    self.records = [r for r in self._read() if r["step"] <= start]
+    recorded = {r["step"] for r in self.records}
     for step in self.best.all_steps():
-      if step > start:
+      # A best step without a record is a kill between best/'s save and the record's write: the
+      # step is evaluated again, which saves it again (left here, that save would collide).
+      if step > start or step not in recorded:
         self.best.delete(step)
+
+  def _read(self) -> list[dict]:
+    """evaluations.json's records; a damaged file (written atomically, so only by an older bertjax
+    or a disk fault) is said and rebuilt from best/'s record, which is all a rerun can recover."""
+    if not files.exists(self.path):
+      return []
+    try:
+      return files.read_json(self.path, "the run's evaluations")
+    except files.DamagedFileError as err:
+      rebuilt = []
+      for step in self.best.all_steps():
+        meta = self.best.read_meta(step)
+        rebuilt.append({"step": meta["step"], "epoch": meta["epoch"], "scores": meta["scores"]})
+      loop.say(f"{str(err).split(': it was')[0]}; rebuilt from best/ (steps "
+               f"{[r['step'] for r in rebuilt]}), the other epochs' scores are lost.")
+      return rebuilt
 
   def done(self, step: int) -> bool:
     return any(r["step"] == step for r in self.records)
@@ -365,7 +382,13 @@ def _check_task(workdir: str, task_name: str) -> None:
   config_path = os.path.join(workdir, "config.json")
   for p in (path, config_path):
     if files.exists(p):
-      recorded = files.read_json(p).get("task")
+      try:
+        recorded = files.read_json(p).get("task")
+      except files.DamagedFileError as err:
+        # Both are rewritten by this run (config.json at its start, results.json at its end): one
+        # cut short by a kill is rebuilt, not trusted.
+        loop.say(f"{str(err).split(': it was')[0]}; it is rewritten by this run.")
+        continue
       if recorded and tasks.canonical(recorded) != task_name:
         raise ValueError(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
                          "needs its own workdir.")

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bertjax import files
 from bertjax.finetune.squad import SquadExample
 
 N_BEST_SIZE, MAX_ANSWER_LENGTH = 20, 30
@@ -144,15 +145,14 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
 def write_predictions(result: SquadPredictions, output_dir: str) -> list[str]:
   """Writes predictions.json, nbest_predictions.json and (v2.0) null_odds.json; returns their
   paths."""
-  import tensorflow as tf
-  tf.io.gfile.makedirs(output_dir)
-  files = {"predictions.json": result.predictions, "nbest_predictions.json": result.nbest}
+  files.makedirs(output_dir)
+  written = {"predictions.json": result.predictions, "nbest_predictions.json": result.nbest}
   if result.null_odds is not None:
-    files["null_odds.json"] = result.null_odds
+    written["null_odds.json"] = result.null_odds
   paths = []
-  for name, value in files.items():
+  for name, value in written.items():
     path = os.path.join(output_dir, name)
-    with tf.io.gfile.GFile(path, "w") as f:
-      f.write(json.dumps(value, indent=4) + "\n")
+    # Atomic: a kill mid-write leaves the previous file whole, never half of one.
+    files.write_text(path, json.dumps(value, indent=4) + "\n")
     paths.append(path)
   return paths

@@ -243,13 +243,14 @@ def _ner(name: str, config, tokenizer) -> TaskData:
 
   def writer(sentences, f, split):
     def write(outputs, output_dir):
-      import tensorflow as tf  # pylint: disable=import-outside-toplevel
+      from bertjax import files  # pylint: disable=import-outside-toplevel
       predicted = ner.tags_from_predictions(f, outputs["predicted"], sentences, labels)
-      tf.io.gfile.makedirs(output_dir)
+      files.makedirs(output_dir)
       path = os.path.join(output_dir, f"{split}_predictions.txt")
-      with tf.io.gfile.GFile(path, "w") as out:
-        for s, tags in zip(sentences, predicted):
-          out.write("".join(f"{w} {g} {p}\n" for w, g, p in zip(s.words, s.tags, tags)) + "\n")
+      # Atomic (temp file + rename): a kill mid-write never leaves half a predictions file.
+      files.write_text(path, "".join(
+          "".join(f"{w} {g} {p}\n" for w, g, p in zip(s.words, s.tags, tags)) + "\n"
+          for s, tags in zip(sentences, predicted)))
       return [path]
     return write
 
