@@ -8,12 +8,16 @@ a config check), so the whole file takes seconds.
 """
 
 
+import dataclasses
 import os
+import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from bertjax import files
+from bertjax import checkpoint as checkpoint_lib, files, weights
+from bertjax.model import BertConfig
 from bertjax.finetune import run
 
 
@@ -90,3 +94,77 @@ def test_prediction_files_are_written_atomically(tmp_path, monkeypatch):
   assert written == paths and len(paths) == 3
   assert sorted(os.listdir(tmp_path / "predictions")) == [
       "nbest_predictions.json", "null_odds.json", "predictions.json"]
+
+
+# 2. A damaged newest checkpoint ----------------------------------------------------------------
+
+def _two_steps(directory):
+  """A run's checkpoints of steps 1 and 2 (params with an encoder subtree, a model record)."""
+  ckpt = checkpoint_lib.Checkpointer(str(directory), ("params",), save_every=1, keep=3,
+                                     async_save=False)
+  meta = {"model": dataclasses.asdict(BertConfig(vocab_size=64, hidden_size=8, num_layers=1,
+                                                 num_heads=1, intermediate_size=8))}
+  for step in (1, 2):
+    ckpt.save(step, {"params": {"bert": {"w": jnp.arange(4096.0) * step}}}, meta)
+  ckpt.wait()
+  return ckpt
+
+
+def _damage(step_dir, how):
+  if how == "meta":
+    record = step_dir / "meta" / "metadata"
+    record.write_text(record.read_text()[:10])
+    return
+  biggest = max((p for p in (step_dir / "params").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  if how == "cut":
+    biggest.write_bytes(biggest.read_bytes()[:biggest.stat().st_size // 2])
+  else:
+    biggest.unlink()
+
+
+DAMAGE = {"cut": "OUT_OF_RANGE: .*/2/params/ is missing or cut short",
+          "deleted": "FAILED_PRECONDITION: .*/2/params/ is missing or cut short",
+          "meta": r"/2/meta/metadata \(step 2's record\) is not valid JSON"}
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, how, capsys):
+  ckpt = _two_steps(tmp_path / "checkpoints")
+  _damage(tmp_path / "checkpoints" / "2", how)
+  like = {"params": {"bert": {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}}}
+  step, items, _ = ckpt.restore_latest(like)
+  ckpt.close()
+  assert step == 1 and float(items["params"]["bert"]["w"][1]) == 1.0
+  out = capsys.readouterr().out
+  assert re.search(f"skipping checkpoint step 2, damaged \\(.*{DAMAGE[how]}.*\\); trying step 1",
+                   out), out
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_a_reader_of_another_run_names_the_damaged_step_and_the_older_one(tmp_path, how):
+  _two_steps(tmp_path / "checkpoints").close()
+  _damage(tmp_path / "checkpoints" / "2", how)
+  with pytest.raises(checkpoint_lib.CheckpointDamagedError) as err:
+    weights.read(weights.inspect(str(tmp_path), what="checkpoint.init_from"))
+  message = str(err.value)
+  assert "\n" not in message and re.search(
+      f"step 2 is damaged \\(.*{DAMAGE[how]}.*\\)\\. Step 1 is the newest before it: move "
+      f"{tmp_path}/checkpoints/2 away to use it", message), message
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "bert_config.json"])
+def test_a_truncated_record_is_named_in_one_line(tmp_path, name):
+  # A run's vocabulary record, a converted folder's model config: cut short by a kill or a full
+  # disk, they are named (not a bare JSONDecodeError).
+  from bertjax.convert import hf
+  if name == "tokenizer.json":
+    _two_steps(tmp_path / "checkpoints").close()
+    read = lambda: weights.inspect(str(tmp_path))
+  else:
+    hf.save_params(str(tmp_path), {"bert": {"w": jnp.ones(3)}}, BertConfig(vocab_size=64))
+    read = lambda: hf.read_config(str(tmp_path))
+  (tmp_path / name).write_text('{"file": "vo')
+  with pytest.raises(files.DamagedFileError) as err:
+    read()
+  assert str(err.value).startswith(f"{tmp_path / name} (") and "\n" not in str(err.value)
