@@ -8,6 +8,7 @@ join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordi
 """
 
 import os
+import sys
 
 from absl import app, flags
 
@@ -47,6 +48,16 @@ def start(argv) -> None:
   from bertjax import distributed  # pylint: disable=import-outside-toplevel
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   import jax  # pylint: disable=import-outside-toplevel
+  if FLAGS.workdir and jax.process_index() == 0:
+    # One lock per run, taken by its process 0: the processes of one run share the workdir (on one
+    # machine under launch/local.sh, or on shared storage), two runs must not.
+    from bertjax import files  # pylint: disable=import-outside-toplevel
+    try:
+      note = files.lock_workdir(FLAGS.workdir)
+    except files.WorkdirBusyError as err:
+      sys.exit(f"bertjax: {err}")
+    if note:
+      print(f"bertjax: {note}", flush=True)
   if jax.default_backend() == "cpu" and jax.process_index() == 0 and (
       hint := hostmem.hint_line()):
     print(f"bertjax: {hint}", flush=True)

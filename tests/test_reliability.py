@@ -11,6 +11,8 @@ a config check), so the whole file takes seconds.
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +170,37 @@ def test_a_truncated_record_is_named_in_one_line(tmp_path, name):
   with pytest.raises(files.DamagedFileError) as err:
     read()
   assert str(err.value).startswith(f"{tmp_path / name} (") and "\n" not in str(err.value)
+
+
+# 2b. One run per workdir -----------------------------------------------------------------------
+
+HOLD = ("import sys, time\nfrom bertjax import files\nfiles.lock_workdir(sys.argv[1])\n"
+        "print('held', flush=True)\ntime.sleep(60)\n")
+
+
+def _holder(workdir):
+  proc = subprocess.Popen([sys.executable, "-c", HOLD, str(workdir)], stdout=subprocess.PIPE,
+                          text=True)
+  assert proc.stdout.readline() == "held\n"
+  return proc
+
+
+def test_a_second_run_is_refused_and_a_dead_holders_lock_taken_over(tmp_path):
+  holder = _holder(tmp_path)
+  try:
+    # The command itself, refused in one line before any work.
+    done = subprocess.run([sys.executable, "-m", "bertjax.main", "--config=configs/tiny.py",
+                           f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == done.stderr.strip(), done.stderr
+    assert re.fullmatch(f"bertjax: --workdir={tmp_path} is in use by pid {holder.pid} on .*: one "
+                        "run per workdir. .*another --workdir.\n", done.stderr), done.stderr
+  finally:
+    holder.kill()  # SIGKILL: no clean exit, the lock file still names it
+    holder.wait()
+  note = files.lock_workdir(str(tmp_path))
+  assert note is not None and re.fullmatch(
+      f"took over {tmp_path}/.lock of pid {holder.pid} on .*: that process is no longer running",
+      note), note
+  assert files.lock_workdir(str(tmp_path)) is None  # the same process again: its own lock
