@@ -8,6 +8,7 @@ working directory, the folder holding `configs/` (the config file's grandparent)
 
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -59,6 +60,27 @@ def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", n
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
   make_config_folder_importable(sys.argv, name)
   return config_flags.DEFINE_config_file(name, None, help_text, lock_config=True)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl's flag parsing (app.run's `flags_parser`), with a misspelled config key said in one line
+  naming the flag and ml_collections' suggestion: ml_collections raises it mid-parse as an
+  AttributeError, which absl would print as three chained tracebacks."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as err:
+    # str() of the KeyError ml_collections wraps: the quoted key, then its suggestion.
+    text = str(err.args[0] if err.args else err)
+    key = re.match(r"[\\'\"]*([^\\'\"]*)", text).group(1)
+    flag = next((a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")
+                 and re.search(rf"[.]{re.escape(key)}(=|$|[.])", a.split("=", 1)[0])), None)
+    if flag is None:
+      raise
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    sys.exit(f"bertjax: {flag}: the config has no key {key!r}"
+             + (f"; did you mean {hint.group(1)!r}?" if hint else "")
+             + " (every key and its meaning: configs/base.py).")
 
 
 class _OwnInfoOnly(logging.Filter):

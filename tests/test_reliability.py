@@ -204,3 +204,51 @@ def test_a_second_run_is_refused_and_a_dead_holders_lock_taken_over(tmp_path):
       f"took over {tmp_path}/.lock of pid {holder.pid} on .*: that process is no longer running",
       note), note
   assert files.lock_workdir(str(tmp_path)) is None  # the same process again: its own lock
+
+
+# 3 and 4. Bad input refused before any work, in one line --------------------------------------
+
+BAD_NUMBERS = {
+    "learning_rate_zero": ("rte", {"train.learning_rate": 0.0},
+                           r"train.learning_rate=0.0 must be > 0"),
+    "learning_rate_negative": ("rte", {"train.learning_rate": -1e-5},
+                               r"train.learning_rate=-1e-05 must be > 0"),
+    "seq_length": ("rte", {"data.max_seq_length": 0}, r"data.max_seq_length=0 must be >= 8"),
+    "stride": ("squad_v1.1", {"data.doc_stride": 0}, r"data.doc_stride=0 must be >= 1"),
+    "query_longer_than_window": ("squad_v1.1", {"data.max_query_length": 40},
+                                 r"data.max_query_length=40 must be in \[1, data.max_seq_length"
+                                 r" - 4 = 28\]"),
+    "n_best": ("squad_v2.0", {"eval.n_best_size": 0}, r"eval.n_best_size=0 must be >= 1"),
+    "answer_length": ("squad_v1.1", {"eval.max_answer_length": -3},
+                      r"eval.max_answer_length=-3 must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_NUMBERS))
+def test_bad_fine_tuning_numbers_are_refused(case):
+  import finetune_fixtures as fx
+  task, values, message = BAD_NUMBERS[case]
+  config = fx.ft_config(task, "")
+  for key, value in values.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  with pytest.raises(ValueError, match="^Invalid config: " + message):
+    run.FinetuneConfig.from_config(config)
+
+
+def test_good_fine_tuning_numbers_pass():
+  import finetune_fixtures as fx
+  for task in ("rte", "squad_v1.1", "conll2003"):
+    run.FinetuneConfig.from_config(fx.ft_config(task, ""))
+
+
+def test_a_misspelled_fine_tuning_key_is_named_in_one_line(tmp_path):
+  done = subprocess.run(
+      [sys.executable, "-m", "bertjax.finetune", "--config=configs/finetune.py:rte",
+       f"--workdir={tmp_path}", "--config.train.learning_rat=1e-5"],
+      capture_output=True, text=True, timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1] == (
+      "bertjax: --config.train.learning_rat: the config has no key 'learning_rat'; did you mean "
+      "'learning_rate'? (every key and its meaning: configs/base.py)."), done.stderr
+  assert "Traceback" not in done.stderr

@@ -193,8 +193,10 @@ class FinetuneConfig:
 
   @classmethod
   def from_config(cls, config) -> "FinetuneConfig":
-    t, c = config.train, config.checkpoint
+    t, c, d, e = config.train, config.checkpoint, config.data, config.eval
+    seq, query = d.get("max_seq_length", 128), d.get("max_query_length", 1)
     problems = [f"{k}={v} must be {why}" for k, v, ok, why in (
+        ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
         ("train.batch_size", t.batch_size, t.batch_size >= 1, ">= 1"),
         ("train.eval_batch_size", t.eval_batch_size, t.eval_batch_size >= 0,
          ">= 0 (0: train.batch_size)"),
@@ -204,7 +206,17 @@ class FinetuneConfig:
         ("train.log_every_steps", t.log_every_steps, t.log_every_steps >= 1, ">= 1"),
         ("checkpoint.save_every_steps", c.save_every_steps, c.save_every_steps >= 0,
          ">= 0 (0: every epoch)"),
-        ("checkpoint.keep", c.keep, c.keep >= 1, ">= 1")) if not ok]
+        ("checkpoint.keep", c.keep, c.keep >= 1, ">= 1"),
+        # The lengths and SQuAD's numbers (every task's config holds them): 0 or less would
+        # build no window, no answer or an endless loop over a context.
+        ("data.max_seq_length", seq, seq >= 8, ">= 8"),
+        ("data.doc_stride", d.get("doc_stride", 1), d.get("doc_stride", 1) >= 1, ">= 1"),
+        ("data.max_query_length", query,
+         1 <= query <= seq - 4 or not str(config.get("task", "")).startswith("squad"),
+         f"in [1, data.max_seq_length - 4 = {seq - 4}] ([CLS] q [SEP] context [SEP])"),
+        ("eval.n_best_size", e.get("n_best_size", 1), e.get("n_best_size", 1) >= 1, ">= 1"),
+        ("eval.max_answer_length", e.get("max_answer_length", 1),
+         e.get("max_answer_length", 1) >= 1, ">= 1")) if not ok]
     if problems:
       raise ValueError("Invalid config: " + "; ".join(problems))
     return cls(t.batch_size, t.eval_batch_size or t.batch_size, float(t.num_epochs),
