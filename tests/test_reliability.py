@@ -252,3 +252,24 @@ def test_a_misspelled_fine_tuning_key_is_named_in_one_line(tmp_path):
       "bertjax: --config.train.learning_rat: the config has no key 'learning_rat'; did you mean "
       "'learning_rate'? (every key and its meaning: configs/base.py)."), done.stderr
   assert "Traceback" not in done.stderr
+
+
+def test_squad_v1_given_a_v2_file_is_refused_before_any_step(tmp_path):
+  import finetune_fixtures as fx
+  from bertjax.data import tokenizer as tokenizer_lib
+  from bertjax.finetune import tasks
+  from test_data_fixtures import write_vocab
+  paragraphs = fx.squad_paragraphs(4, 0, "q")
+  paragraphs[2]["qas"].append({"id": "no-answer", "question": fx.QUESTION, "answers": [],
+                               "is_impossible": True})
+  config = fx.ft_config("squad_v1.1", "")
+  config.data.train_file = fx.write_squad(str(tmp_path / "train-v2.0.json"), paragraphs)
+  config.data.dev_file = fx.write_squad(str(tmp_path / "dev-v2.0.json"), paragraphs)
+  tokenizer = tokenizer_lib.load_vocabulary(write_vocab(str(tmp_path / "vocab.txt")),
+                                            "wordpiece", True)
+  with pytest.raises(ValueError, match=r"train-v2.0.json: 1 question\(s\) marked is_impossible "
+                     r"\(e.g. id 'no-answer'\): a SQuAD v2.0 file. Fine-tune it with "
+                     r"configs/finetune.py:squad_v2.0"):
+    tasks.load(config, tokenizer)
+  config.task = "squad_v2.0"
+  assert len(tasks.load(config, tokenizer).evals) == 1  # the same file is v2.0's
