@@ -273,3 +273,57 @@ def test_squad_v1_given_a_v2_file_is_refused_before_any_step(tmp_path):
     tasks.load(config, tokenizer)
   config.task = "squad_v2.0"
   assert len(tasks.load(config, tokenizer).evals) == 1  # the same file is v2.0's
+
+
+def test_a_batch_larger_than_the_training_set_is_said():
+  assert run.small_training_set(32, 32) is None
+  assert run.small_training_set(32, 10) == (
+      "train.batch_size=32 is larger than the 10 training examples: each batch repeats them (up "
+      "to 4 times) and an epoch is one step; lower train.batch_size to see each example once per "
+      "step")
+
+
+def test_a_conll_file_without_blank_lines_is_warned_about(tmp_path, caplog):
+  import finetune_fixtures as fx
+  from bertjax.finetune import ner
+  sentences = fx.conll_sentences(200, 0)
+  path = fx.write_conll(str(tmp_path / "eng.train"), sentences)
+  with open(path) as f:
+    run_together = "".join(line for line in f if line.strip())  # every blank line gone
+  (tmp_path / "eng.run").write_text(run_together)
+  with caplog.at_level("WARNING"):
+    ner.read_conll(str(tmp_path / "eng.train"))
+    assert not caplog.records
+    assert len(ner.read_conll(str(tmp_path / "eng.run"))) == 1
+  assert re.search(r"eng.run: a sentence of \d+ words \(at .*eng.run:2\): are the blank lines "
+                   r"between sentences missing\? A CoNLL file holds one word per line and a blank "
+                   r"line after each sentence.", caplog.text), caplog.text
+
+
+def test_gelu_new_is_gelu_tanh():
+  from bertjax.convert import google
+  config = {"vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+            "intermediate_size": 8}
+  assert google.config_from_google({**config, "hidden_act": "gelu_new"}).hidden_act == "gelu_tanh"
+  with pytest.raises(ValueError, match="'gelu_new' and 'gelu_pytorch_tanh' its 'gelu_tanh'"):
+    google.config_from_google({**config, "hidden_act": "relu"})
+
+
+LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
+                        "tpu.py")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-slices=0"], "--num-slices=0 must be at least 1"),
+    (["--", "--config.train.batch_sise=256"],
+     "--config.train.batch_sise: the config has no key 'batch_sise'; did you mean 'batch_size'?"),
+])
+def test_the_tpu_launcher_refuses_before_creating_anything(tmp_path, args, message):
+  done = subprocess.run(
+      [sys.executable, LAUNCHER, "up", "--name=bert", "--zone=us-east5-a", "--project=p",
+       "--accelerator-type=v5litepod-8", "--config=configs/tiny.py", "--workdir=gs://b/run",
+       "--dry-run", *args], capture_output=True, text=True, timeout=60,
+      env={**os.environ, "BERTJAX_TPU_STATE": str(tmp_path / "state"), "JAX_PLATFORMS": "cpu"},
+      cwd=os.path.dirname(os.path.dirname(LAUNCHER)))
+  assert done.returncode != 0 and message in done.stderr, done.stderr
+  assert "gcloud" not in done.stdout  # nothing created, not even in the dry run's plan

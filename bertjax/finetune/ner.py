@@ -114,6 +114,9 @@ def _check_tags(tags: Sequence[str], kinds: set[str], where_of, labels) -> None:
                        f"pass labels=... for another tag set.")
 
 
+LONG_SENTENCE = 250  # words: past this a "sentence" is taken for a file without blank lines
+
+
 def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
                labels: Sequence[str] = CONLL2003_LABELS) -> list[Sentence]:
   """Sentences of a CoNLL column file: one word per line (`word POS chunk NER` in CoNLL-2003),
@@ -167,6 +170,12 @@ def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
                      f"lines).")
   if converted:
     logging.info("%s: %d IOB1 tag(s) rewritten to IOB2.", path, converted)
+  longest = max(sentences, key=lambda s: len(s.words))
+  if len(longest.words) > LONG_SENTENCE:
+    # CoNLL-2003's longest sentence has 124 words: far more means sentences run together.
+    logging.warning("%s: a sentence of %d words (at %s): are the blank lines between sentences "
+                    "missing? A CoNLL file holds one word per line and a blank line after each "
+                    "sentence.", path, len(longest.words), longest.where)
   return sentences
 
 

@@ -119,6 +119,15 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   return max(1, num_examples // batch_size)
 
 
+def small_training_set(batch_size: int, num_examples: int) -> str | None:
+  """What a batch larger than the training set does (said, not done silently)."""
+  if batch_size <= num_examples:
+    return None
+  return (f"train.batch_size={batch_size} is larger than the {num_examples} training examples: "
+          f"each batch repeats them (up to {-(-batch_size // num_examples)} times) and an epoch is "
+          "one step; lower train.batch_size to see each example once per step")
+
+
 def train_batches(features: Mapping[str, np.ndarray], batch_size: int, seed: int, start_step: int,
                   process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
   """This host's rows of each global batch from `start_step` on; the order of epoch e is a
@@ -319,6 +328,8 @@ def finetune(config, workdir: str) -> dict:
     raise ValueError(f"data.max_seq_length={config.data.max_seq_length} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}.")
   data = tasks.load(config, tokenizer)
+  if note := small_training_set(ft.batch_size, len(data.train["input_ids"])):
+    data.notes.append(note)
   for note in data.notes:
     loop.say(note)
   train_features = tasks.model_features(data.train)
