@@ -9,6 +9,7 @@ working directory, the folder holding `configs/` (the config file's grandparent)
 import logging
 import os
 import re
+import signal
 import sys
 from typing import Sequence
 
@@ -109,7 +110,13 @@ def explained(run, *args, **kwargs):
   status 1, as `bertjax.aot` does: the message names the problem and the fix, and a traceback
   would only bury it. Other errors keep their traceback."""
   from bertjax import control  # pylint: disable=import-outside-toplevel
+  from bertjax.data import processes  # pylint: disable=import-outside-toplevel
   try:
     return run(*args, **kwargs)
+  except processes.PreparationStopped as err:
+    # SIGTERM while preparing data: said, and the status a shell reports for SIGTERM (as
+    # `bertjax.data.prepare` exits), so a script does not go on as if the run had ended.
+    print(f"bertjax: {err}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGTERM)
   except (ValueError, FileNotFoundError, PermissionError, control.NonFiniteError) as err:
     sys.exit(f"bertjax: {type(err).__name__}: {err}")

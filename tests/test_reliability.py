@@ -327,3 +327,19 @@ def test_the_tpu_launcher_refuses_before_creating_anything(tmp_path, args, messa
       cwd=os.path.dirname(os.path.dirname(LAUNCHER)))
   assert done.returncode != 0 and message in done.stderr, done.stderr
   assert "gcloud" not in done.stdout  # nothing created, not even in the dry run's plan
+
+
+def test_sigterm_during_data_preparation_exits_143(capsys):
+  # What bertjax.main does when ensure_prepared raises on SIGTERM: the README's 143 and the
+  # preparation's own line, no traceback.
+  from bertjax import cli
+  from bertjax.data import processes
+
+  def preparing():
+    raise processes.PreparationStopped("Preparation in D stopped by SIGTERM, ... run the same "
+                                       "command again to resume")
+  with pytest.raises(SystemExit) as done:
+    cli.explained(preparing)
+  assert done.value.code == 143
+  assert capsys.readouterr().err == ("bertjax: Preparation in D stopped by SIGTERM, ... run the "
+                                     "same command again to resume\n")
