@@ -343,3 +343,23 @@ def test_sigterm_during_data_preparation_exits_143(capsys):
   assert done.value.code == 143
   assert capsys.readouterr().err == ("bertjax: Preparation in D stopped by SIGTERM, ... run the "
                                      "same command again to resume\n")
+
+
+def test_fine_tuning_keeps_the_casing_a_hugging_face_folder_records(tmp_path):
+  # tokenizer_config.json's do_lower_case=false becomes the source's casing (tests/test_weights);
+  # fine-tuning from it must not lower-case (data.do_lower_case left unset), and says it when set.
+  import finetune_fixtures as fx
+  from test_data_fixtures import write_vocab
+  vocab = write_vocab(str(tmp_path / "vocab.txt"))
+  source = weights.Weights(str(tmp_path), "huggingface", BertConfig(vocab_size=512), ("bert",),
+                           vocab_file=vocab, tokenizer_kind="wordpiece", do_lower_case=False,
+                           casing_why="tokenizer_config.json")
+  config = fx.ft_config("rte", str(tmp_path))
+  assert config.data.do_lower_case is None
+  tokenizer, path, lower = run.resolve_tokenizer(config, source)
+  assert (path, lower) == (vocab, False)
+  word = next(w for w in open(vocab).read().split()
+              if w.isalpha() and w.islower() and len(w) > 2)  # a whole lower-case word
+  assert tokenizer.tokenize(word.upper()) != tokenizer.tokenize(word)
+  config.data.do_lower_case = True  # the user's choice wins
+  assert run.resolve_tokenizer(config, source)[2] is True
