@@ -363,3 +363,39 @@ def test_fine_tuning_keeps_the_casing_a_hugging_face_folder_records(tmp_path):
   assert tokenizer.tokenize(word.upper()) != tokenizer.tokenize(word)
   config.data.do_lower_case = True  # the user's choice wins
   assert run.resolve_tokenizer(config, source)[2] is True
+
+
+# 3. SQuAD answers are text of their contexts, whatever the script -------------------------------
+
+UNICODE_PIECES = ["東京", "대한민국", "😀", "🇫🇷", "e\u0301", "Café", "Ἀθῆναι", "שָׁלוֹם", "\u00a0", "  ",
+                  "ß", "İ", "ﬁ", "Ⅻ", "\u200b", "a\u0308\u0301", "\t", "x"]
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_every_squad_answer_is_an_exact_substring_of_its_context(tmp_path, lower):
+  # A property over random contexts of CJK, Hangul, emoji, combining marks, Greek, Hebrew, odd
+  # spaces and vocabulary words, with random logits: every n-best text (and so every prediction)
+  # is a substring of the context, without surrounding whitespace. The original's nonce "empty"
+  # (no candidate among the top n-best, frequent on short contexts) was none.
+  import random
+  import numpy as np
+  from bertjax.data import tokenizer as tokenizer_lib
+  from bertjax.finetune import squad, squad_postprocess
+  from test_data_fixtures import write_vocab
+  vocab = write_vocab(str(tmp_path / "vocab.txt"))
+  pool = UNICODE_PIECES + [w for w in open(vocab).read().split() if w.isalpha()][:40]
+  tokenizer = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower)
+  rng = random.Random(0)
+  for trial in range(150):
+    context = "".join(rng.choice(pool) + rng.choice([" ", "", ",", "\u00a0"])
+                      for _ in range(rng.randint(1, 30)))
+    example = squad.SquadExample(f"q{trial}", "what", context, (), (), False, None)
+    features = squad.make_features([example], tokenizer, max_seq_length=32, doc_stride=8,
+                                   max_query_length=4)
+    logits = np.random.default_rng(trial).normal(size=(2, *features["input_ids"].shape))
+    for version_2 in (False, True):
+      result = squad_postprocess.postprocess([example], features, *logits,
+                                             version_2_with_negative=version_2)
+      for entry in result.nbest[example.qas_id]:
+        text = entry["text"]
+        assert text in context and text == text.strip(), (context, text)
