@@ -119,13 +119,19 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   return max(1, num_examples // batch_size)
 
 
-def small_training_set(batch_size: int, num_examples: int) -> str | None:
-  """What a batch larger than the training set does (said, not done silently)."""
-  if batch_size <= num_examples:
-    return None
-  return (f"train.batch_size={batch_size} is larger than the {num_examples} training examples: "
-          f"each batch repeats them (up to {-(-batch_size // num_examples)} times) and an epoch is "
-          "one step; lower train.batch_size to see each example once per step")
+def run_notes(batch_size: int, num_examples: int, learning_rate: float) -> list[str]:
+  """What a legal but unusual setting does, said rather than done silently."""
+  notes = []
+  if batch_size > num_examples:
+    notes.append(f"train.batch_size={batch_size} is larger than the {num_examples} training "
+                 f"examples: each batch repeats them (up to {-(-batch_size // num_examples)} "
+                 "times) and an epoch is one step; lower train.batch_size to see each example "
+                 "once per step")
+  if learning_rate == 0:
+    # Kept legal (a check that init_from's weights arrive unchanged), but never silent.
+    notes.append("train.learning_rate=0: no step changes the weights (the encoder stays as "
+                 "loaded, the head as initialised)")
+  return notes
 
 
 def train_batches(features: Mapping[str, np.ndarray], batch_size: int, seed: int, start_step: int,
@@ -205,7 +211,8 @@ class FinetuneConfig:
     t, c, d, e = config.train, config.checkpoint, config.data, config.eval
     seq, query = d.get("max_seq_length", 128), d.get("max_query_length", 1)
     problems = [f"{k}={v} must be {why}" for k, v, ok, why in (
-        ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
+        ("train.learning_rate", t.learning_rate, t.learning_rate >= 0,
+         ">= 0 (0 trains nothing, said in the run)"),
         ("train.batch_size", t.batch_size, t.batch_size >= 1, ">= 1"),
         ("train.eval_batch_size", t.eval_batch_size, t.eval_batch_size >= 0,
          ">= 0 (0: train.batch_size)"),
@@ -328,8 +335,7 @@ def finetune(config, workdir: str) -> dict:
     raise ValueError(f"data.max_seq_length={config.data.max_seq_length} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}.")
   data = tasks.load(config, tokenizer)
-  if note := small_training_set(ft.batch_size, len(data.train["input_ids"])):
-    data.notes.append(note)
+  data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]), config.train.learning_rate)
   for note in data.notes:
     loop.say(note)
   train_features = tasks.model_features(data.train)
