@@ -413,3 +413,19 @@ def test_a_google_folder_of_several_checkpoints_names_the_newest_and_a_fix_that_
       "(the newest; or name another), or move the others away")
   (tmp_path / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-1000"\n')
   assert tf_bundle.resolve_prefix(str(tmp_path)) == str(tmp_path / "model.ckpt-1000")
+
+
+def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path, capsys):
+  from configs import tiny
+  from bertjax import loop
+  source = weights.Weights(str(tmp_path), "google", BertConfig(vocab_size=512), ("bert",),
+                           vocab_file=str(tmp_path / "vocab.txt"), tokenizer_kind="wordpiece",
+                           do_lower_case=False, casing_why="the name cased_L-2 says cased")
+  config = tiny.get_config()
+  config.data.vocab_path, config.data.do_lower_case = "", True
+  assert loop._init_vocabulary(config, source).data.do_lower_case is False
+  assert ("config.data.do_lower_case=True is replaced by init_from's casing (False); to use "
+          "another, set config.data.vocab_path too") in capsys.readouterr().out
+  config.data.do_lower_case = False
+  loop._init_vocabulary(config, source)
+  assert "is replaced" not in capsys.readouterr().out
