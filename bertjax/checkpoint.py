@@ -30,6 +30,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from bertjax import files
 from bertjax.model import BertConfig
 
 
@@ -68,8 +69,11 @@ META = "meta"
 TRAIN_ITEMS = ("params", "opt_state")
 # Messages of known damage: tensorstore's status codes for missing or cut-short files, orbax's for a
 # missing item. Anything else (a shape or sharding error) is not skipped.
+# A data file cut short reads as OUT_OF_RANGE, a deleted one (OCDBT reads it as empty) as
+# FAILED_PRECONDITION "Truncated ... stream"; both sit in the __cause__ of orbax's error.
 _DAMAGE_MARKERS = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "No such file", "was not found in "
-                   "the checkpoint", "Unexpected end", "truncated")
+                   "the checkpoint", "Unexpected end", "truncated", "Truncated",
+                   "FAILED_PRECONDITION: Error reading")
 
 
 def _abspath(path: str) -> str:
@@ -140,10 +144,14 @@ def check_model_matches(saved: Mapping[str, Any], config: BertConfig, where: str
 
 def is_damage(err: BaseException) -> bool:
   """Whether a restore failed on damaged files (skippable) rather than on a real error."""
-  if isinstance(err, (FileNotFoundError, EOFError, json.JSONDecodeError)):
-    return True
-  text = f"{type(err).__name__}: {err}"
-  return any(marker in text for marker in _DAMAGE_MARKERS)
+  for cause in _causes(err):
+    if isinstance(cause, (FileNotFoundError, EOFError, json.JSONDecodeError,
+                          files.DamagedFileError)):
+      return True
+    text = f"{type(cause).__name__}: {cause}"
+    if any(marker in text for marker in _DAMAGE_MARKERS):
+      return True
+  return False
 
 
 def damage_summary(err: BaseException) -> str:
@@ -152,6 +160,8 @@ def damage_summary(err: BaseException) -> str:
   not), else the error's first line."""
   text = str(err)
   for cause in _causes(err):
+    if isinstance(cause, files.DamagedFileError):
+      return str(cause).split(": it was")[0]
     found = re.findall(r'local file "([^"]+)"', str(cause))
     if found:
       code = re.match(r"([A-Z_]+):", str(cause))
@@ -253,8 +263,15 @@ class Checkpointer:
     self._manager.delete(step)
 
   def read_meta(self, step: int) -> dict:
-    return dict(self._manager.restore(step, args=ocp.args.Composite(
-        **{META: ocp.args.JsonRestore()}))[META])
+    try:
+      return dict(self._manager.restore(step, args=ocp.args.Composite(
+          **{META: ocp.args.JsonRestore()}))[META])
+    except json.JSONDecodeError as err:
+      # Orbax's error names no file: name the record (the layout orbax writes it in).
+      path = os.path.join(self.directory, str(step), META, "metadata")
+      raise files.DamagedFileError(
+          f"{path} (step {step}'s record) is not valid JSON ({err.msg} at line {err.lineno}, "
+          f"column {err.colno}): it was cut short") from err
 
   def restore_latest(self, abstract_items: Mapping[str, Any], expected: Expected | None = None
                      ) -> tuple[int, dict, dict] | None:
@@ -283,16 +300,19 @@ class Checkpointer:
               f"Checkpoint {where} could not be restored ({type(err).__name__}: {err}). This is "
               "not a known kind of damage, so it is not skipped: fix the cause (the config, the "
               "mesh, the installed versions) and run again.") from err
-        error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        error = damage_summary(err)
       if _all_true(error is None):
         for bad_step, reason in damaged:
           self._set_aside(bad_step, reason)
         return step, items, meta
       damaged.append((step, error or "damaged on another host"))
-      logging.warning("Checkpoint %s is damaged (%s); trying the one before.", where,
-                      damaged[-1][1])
       older = [s for s in steps if s < step]
       candidate = _agree(older[-1] if older else -1)
+      logging.warning("Checkpoint %s is damaged (%s); trying the one before.", where,
+                      damaged[-1][1])
+      if jax.process_index() == 0:
+        print(f"bertjax: skipping checkpoint step {step}, damaged ({damaged[-1][1]}); "
+              + (f"trying step {candidate}" if candidate >= 0 else "no older step"), flush=True)
     if damaged:
       raise RuntimeError(
           f"None of the {len(damaged)} checkpoint(s) in {self.directory} restores: "

@@ -8,6 +8,8 @@ working directory, the folder holding `configs/` (the config file's grandparent)
 
 import logging
 import os
+import re
+import signal
 import sys
 from typing import Sequence
 
@@ -103,9 +105,40 @@ def start(argv) -> None:
   flag = flags.FLAGS
   distributed.initialize(flag.coordinator_address, flag.num_processes, flag.process_id)
   import jax  # pylint: disable=import-outside-toplevel
+  if flag.workdir and jax.process_index() == 0:
+    # One lock per run, taken by its process 0: the processes of one run share the workdir (on one
+    # machine under launch/local.sh, or on shared storage), two runs must not.
+    from bertjax import files  # pylint: disable=import-outside-toplevel
+    try:
+      note = files.lock_workdir(flag.workdir)
+    except files.WorkdirBusyError as err:
+      sys.exit(f"bertjax: {err}")
+    if note:
+      print(f"bertjax: {note}", flush=True)
   if jax.default_backend() == "cpu" and jax.process_index() == 0 and (
       hint := hostmem.hint_line()):
     print(f"bertjax: {hint}", flush=True)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl's flag parsing (app.run's `flags_parser`), with a misspelled config key said in one line
+  naming the flag and ml_collections' suggestion: ml_collections raises it mid-parse as an
+  AttributeError, which absl would print as three chained tracebacks."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as err:
+    # str() of the KeyError ml_collections wraps: the quoted key, then its suggestion.
+    text = str(err.args[0] if err.args else err)
+    key = re.match(r"[\\'\"]*([^\\'\"]*)", text).group(1)
+    flag = next((a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")
+                 and re.search(rf"[.]{re.escape(key)}(=|$|[.])", a.split("=", 1)[0])), None)
+    if flag is None:
+      raise
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    sys.exit(f"bertjax: {flag}: the config has no key {key!r}"
+             + (f"; did you mean {hint.group(1)!r}?" if hint else "")
+             + " (every key and its meaning: configs/base.py).")
 
 
 class _OwnInfoOnly(logging.Filter):
@@ -134,7 +167,13 @@ def explained(run, *args, **kwargs):
   status 1, as `bertjax.aot` does: the message names the problem and the fix, and a traceback
   would only bury it. Other errors keep their traceback."""
   from bertjax import control  # pylint: disable=import-outside-toplevel
+  from bertjax.data import processes  # pylint: disable=import-outside-toplevel
   try:
     return run(*args, **kwargs)
+  except processes.PreparationStopped as err:
+    # SIGTERM while preparing data: said, and the status a shell reports for SIGTERM (as
+    # `bertjax.data.prepare` exits), so a script does not go on as if the run had ended.
+    print(f"bertjax: {err}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGTERM)
   except (ValueError, FileNotFoundError, PermissionError, control.NonFiniteError) as err:
     sys.exit(f"bertjax: {type(err).__name__}: {err}")

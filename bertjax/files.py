@@ -90,3 +90,60 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, value: Any) -> None:
   write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+# One run per workdir ----------------------------------------------------------------------------
+
+LOCK_FILE = ".lock"
+_held: dict[str, int] = {}  # lock path -> the open descriptor that holds it (this process's)
+
+
+class WorkdirBusyError(RuntimeError):
+  """Another live process runs in the workdir (said with its pid, host and start)."""
+
+
+def lock_workdir(workdir: str) -> str | None:
+  """Takes `workdir`'s lock for this process's lifetime; returns a note when it takes over the
+  lock of a process that died holding it, else None. Raises WorkdirBusyError while a live process
+  holds it.
+
+  An advisory `flock` on `<workdir>/.lock`: the kernel drops it when its process dies however it
+  dies, so a stale lock can never block a rerun; the file names the holder for the messages and is
+  emptied on a clean exit (left filled, it tells the next run a holder died). Local (and NFS)
+  folders only: object stores (gs://) offer no lock, and are left unlocked. The descriptor is not
+  inherited by subprocesses (Python's default), so only the run's own process holds it.
+  """
+  if _is_url(workdir):
+    return None
+  import atexit  # pylint: disable=import-outside-toplevel
+  import fcntl  # pylint: disable=import-outside-toplevel
+  import socket  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
+  if path in _held:
+    return None
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "another process"
+    os.close(fd)
+    raise WorkdirBusyError(
+        f"--workdir={workdir} is in use by {holder} ({path}): one run per workdir. Wait for that "
+        "run to end (or stop it), or choose another --workdir.") from None
+  left = os.read(fd, 4096).decode("utf-8", "replace").strip()
+  os.lseek(fd, 0, os.SEEK_SET)
+  os.ftruncate(fd, 0)
+  os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n".encode())
+  _held[path] = fd
+
+  def release():
+    os.ftruncate(fd, 0)  # a clean end: the next run has nothing to take over
+    os.close(fd)
+    _held.pop(path, None)
+  atexit.register(release)
+  if left:
+    return f"took over {path} of {left}: that process is no longer running"
+  return None

@@ -156,6 +156,12 @@ def _init_vocabulary(config, source: weights.Weights):
   data = config.data
   if source.kind == "workdir" or source.vocab_file is None or data.vocab_path:
     return config  # a vocabulary the config names is checked against the source's (weights)
+  if bool(data.do_lower_case) != source.lower:
+    # The config's casing (often base.py's default) gives way to the vocabulary's: said, since
+    # a --config.data.do_lower_case given on purpose would otherwise be dropped silently.
+    say(f"config.data.do_lower_case={bool(data.do_lower_case)} is replaced by init_from's "
+        f"casing ({source.lower}); to use another, set config.data.vocab_path too (it is checked "
+        "against init_from's vocabulary)")
   config = copy.deepcopy(config)
   config.data.tokenizer, config.data.vocab_path = source.tokenizer_kind, source.vocab_file
   config.data.do_lower_case = source.lower

@@ -23,4 +23,4 @@ def main(argv):
 
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -267,11 +267,7 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
     except Exception as err:  # pylint: disable=broad-except
       if not checkpoint_lib.is_damage(err):
         raise
-      older = [s for s in steps if s < step]
-      raise checkpoint_lib.CheckpointDamagedError(
-          f"{what}={folder}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). "
-          + (f"Step {older[-1]} is the newest before it: move {os.path.join(folder, str(step))} "
-             f"away to use it." if older else "It holds no older step.")) from None
+      raise _damaged(f"{what}={folder}", folder, step, steps, err) from None
   finally:
     ckpt.close()
   if "model" not in meta:
@@ -282,6 +278,16 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
     vocab["fingerprint"] = meta.get("tokenizer_fingerprint")
   return Weights(workdir, "workdir", BertConfig.from_dict(meta["model"]), tuple(sorted(stored)),
                  checkpoints=folder, step=step, meta=meta, **vocab)
+
+
+def _damaged(where: str, folder: str, step: int, steps, err: BaseException
+             ) -> checkpoint_lib.CheckpointDamagedError:
+  """The one message of a damaged step of another run: which step, what, and the older one."""
+  older = [s for s in steps if s < step]
+  return checkpoint_lib.CheckpointDamagedError(
+      f"{where}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). "
+      + (f"Step {older[-1]} is the newest before it: move {os.path.join(folder, str(step))} "
+         "away to use it." if older else "It holds no older step."))
 
 
 def _workdir_vocabulary(workdir: str) -> dict:
@@ -492,8 +498,7 @@ def _read_orbax(source: Weights, target: Mapping[str, Any] | None,
     except Exception as err:  # pylint: disable=broad-except
       if not checkpoint_lib.is_damage(err):
         raise
-      raise checkpoint_lib.CheckpointDamagedError(
-          f"{where}: its parameters cannot be read ({checkpoint_lib.damage_summary(err)})") from None
+      raise _damaged(where, source.checkpoints, source.step, ckpt.all_steps(), err) from None
     finally:
       ckpt.close()
     params = items["params"]

@@ -409,7 +409,8 @@ def complete(args, p: argparse.ArgumentParser) -> None:
   if job_given:  # a job is given whole, or taken whole from the record
     given |= {"config", "workdir", "flags"}
   fill_from_state(args, given)
-  args.num_slices = args.num_slices or 1
+  if args.num_slices is None:  # not `or 1`: a --num-slices=0 given is refused, not made 1
+    args.num_slices = 1
   if args.num_slices < 1:
     p.error(f"--num-slices={args.num_slices} must be at least 1")
   if not args.zone:

@@ -151,6 +151,20 @@ def check_mesh(values: dict[str, int], accel: Accelerator | None, num_slices: in
   return problems
 
 
+def unknown_key(cfg, key: str) -> str | None:
+  """Why the dotted `key` names nothing in `cfg` (a ConfigDict), with the nearest name; None if
+  it does."""
+  import difflib  # pylint: disable=import-outside-toplevel
+  node = cfg
+  for part in key.split("."):
+    if not hasattr(node, "keys") or part not in node.keys():
+      known = list(node.keys()) if hasattr(node, "keys") else []
+      near = difflib.get_close_matches(part, known, n=1)
+      return f"the config has no key {part!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+    node = node[part]
+  return None
+
+
 def plan_run(config: str, workdir: str, flags: list[str], accel: Accelerator | None,
              num_slices: int) -> RunPlan:
   """Validates a run before anything is created or started; raises LaunchError with the fix."""
@@ -174,7 +188,13 @@ def plan_run(config: str, workdir: str, flags: list[str], accel: Accelerator | N
   except Exception as err:  # pylint: disable=broad-except
     warnings.append(f"could not load {rel} here ({type(err).__name__}: {err}); only the "
                     "--config.* flags given are checked")
-    mesh, data = {}, {}
+    cfg, mesh, data = None, {}, {}
+  if cfg is not None:
+    # A misspelled key would pass here and fail on every worker after the slice is created.
+    for key in overrides:
+      problem = unknown_key(cfg, key)
+      if problem:
+        raise LaunchError(f"--config.{key}: {problem} ({rel}; every key: configs/base.py)")
   for key, value in overrides.items():
     group, _, name = key.partition(".")
     if group == "mesh" and name != "logical_axis_rules":

@@ -255,7 +255,10 @@ def test_config_mapping():
           config.layer_norm_eps) == (2, 2, 512, "gelu", 1e-12)
   assert google.config_to_google(config) == GOOGLE_CONFIG
   assert google.config_from_google({**GOOGLE_CONFIG, "hidden_act": "GELU"}).hidden_act == "gelu"
-  for act in ("relu", "tanh", "linear", "gelu_new"):
+  # Hugging Face's name of the tanh GELU is bertjax's gelu_tanh (as convert.hf reads it).
+  assert google.config_from_google({**GOOGLE_CONFIG, "hidden_act": "gelu_new"}).hidden_act == (
+      "gelu_tanh")
+  for act in ("relu", "tanh", "linear"):
     with pytest.raises(ValueError, match=f"hidden_act='{act}' has no bertjax equivalent"):
       google.config_from_google({**GOOGLE_CONFIG, "hidden_act": act})
   # The original's defaults for what a config leaves out: type_vocab_size 16 in its code.

@@ -513,6 +513,32 @@ def test_a_crash_after_an_evaluation_reruns_from_the_last_checkpoint(
     np.testing.assert_array_equal(final[key], ref[key], err_msg=key)
 
 
+def test_a_kill_between_the_best_save_and_its_record_does_not_block_the_rerun(
+    rte_run, pretrained, rte_dir, tmp_path, monkeypatch):
+  # Issue 29: a kill after best/ saved epoch 2 and before evaluations.json recorded it left best/64
+  # without a record; the rerun died with StepAlreadyExistsError. It evaluates the step again.
+  config = rte_config(pretrained, rte_dir[0])
+  workdir = str(tmp_path / "run")
+  real_write = run.files.write_json
+
+  def killed(path, value):
+    if path.endswith("evaluations.json") and len(value) == 2:
+      raise _Crash()
+    real_write(path, value)
+  with monkeypatch.context() as mp:
+    mp.setattr(run.files, "write_json", killed)
+    with pytest.raises(_Crash):
+      run.finetune(config, workdir)
+  assert 2 * PER_EPOCH in steps_in(os.path.join(workdir, "best"))
+  assert [e["step"] for e in read_json(os.path.join(workdir, "evaluations.json"))] == [PER_EPOCH]
+
+  done = finetune(config, workdir, monkeypatch)
+  assert [(e["step"], e["scores"]) for e in done.results["evaluations"]] == [
+      (e["step"], e["scores"]) for e in rte_run.results["evaluations"]]
+  assert done.results["best"] == rte_run.results["best"]
+  check_workdir_files(workdir, done.results, "RTE", "accuracy", ["RTE.tsv"])
+
+
 # 5. Bad input -----------------------------------------------------------------------------------
 
 RTE_HEAD = "index\tsentence1\tsentence2\tlabel\n"

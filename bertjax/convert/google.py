@@ -77,11 +77,15 @@ def config_from_google(google_config: dict, **overrides) -> BertConfig:
   # The original lower-cases the name; its "gelu" is the erf form the 2018 checkpoints were
   # trained with (the later code computes the tanh approximation under the same name).
   act = str(values["hidden_act"]).lower()
-  if act != "gelu":
+  # Hugging Face's names of the tanh approximation (a config copied from there): bertjax's
+  # gelu_tanh computes the same function.
+  act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
+  if act not in ("gelu", "gelu_tanh"):
     raise ValueError(f"hidden_act={values['hidden_act']!r} has no bertjax equivalent (bertjax "
-                     f"offers {sorted(ACTIVATIONS)}; Google's 'gelu' is bertjax's 'gelu')")
+                     f"offers {sorted(ACTIVATIONS)}; Google's 'gelu' is bertjax's 'gelu', "
+                     "'gelu_new' and 'gelu_pytorch_tanh' its 'gelu_tanh')")
   ours = {mine: values[theirs] for theirs, mine in _CONFIG_KEYS.items()}
-  return BertConfig.from_dict({**ours, "hidden_act": "gelu"}, **overrides)
+  return BertConfig.from_dict({**ours, "hidden_act": act}, **overrides)
 
 
 def config_to_google(config: BertConfig) -> dict:

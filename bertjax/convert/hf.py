@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from bertjax import files
 from bertjax.model import BertConfig
 
 # Hugging Face config.json key -> BertConfig field.
@@ -367,8 +368,8 @@ def load_hf_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
       raise FileNotFoundError(f"{path} not found: a Hugging Face BERT folder holds config.json and "
                               "model.safetensors (convert a pytorch_model.bin with transformers' "
                               "save_pretrained(..., safe_serialization=True) first)")
-  with open(config_path) as f:
-    config = config_from_hf(json.load(f), **config_overrides)
+  config = config_from_hf(files.read_json(config_path, "the Hugging Face config"),
+                          **config_overrides)
   return config, params_from_hf(load_file(weights_path), config)
 
 
@@ -377,8 +378,7 @@ def save_hf_dir(hf_dir: str, params: dict, config: BertConfig) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   hf_config = config_to_hf(config)  # refuses a model BERT cannot express before any write
   os.makedirs(hf_dir, exist_ok=True)
-  with open(os.path.join(hf_dir, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2)
+  files.write_json(os.path.join(hf_dir, "config.json"), hf_config)
   save_file(params_to_hf(params, config), os.path.join(hf_dir, "model.safetensors"),
             metadata={"format": "pt"})
 
@@ -388,18 +388,16 @@ def save_params(directory: str, params: dict, config: BertConfig) -> None:
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   directory = os.path.abspath(directory)
   os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, "bert_config.json"), "w") as f:
-    json.dump(dataclasses.asdict(config), f, indent=2)
+  files.write_json(os.path.join(directory, "bert_config.json"), dataclasses.asdict(config))
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(os.path.join(directory, "params"), params, force=True)
 
 
 def read_config(directory: str) -> BertConfig:
   """The BertConfig saved by `save_params`."""
-  # epath, not tf.io.gfile: reading a JSON file should not cost a TensorFlow import (local paths
-  # need nothing more; gs:// goes through TensorFlow's file system when it is installed).
-  from etils import epath  # pylint: disable=import-outside-toplevel
-  return BertConfig.from_dict(json.loads(epath.Path(directory, "bert_config.json").read_text()))
+  # files.read_json: local reads without TensorFlow, and a file cut short is named.
+  return BertConfig.from_dict(files.read_json(os.path.join(directory, "bert_config.json"),
+                                              "bertjax's model config"))
 
 
 def load_params(directory: str, abstract_params=None) -> tuple[BertConfig, dict]:
@@ -477,8 +475,7 @@ def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.nda
 def _write_hf(output: str, state_dict: dict, hf_config: dict) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   os.makedirs(output, exist_ok=True)
-  with open(os.path.join(output, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2)
+  files.write_json(os.path.join(output, "config.json"), hf_config)
   save_file(state_dict, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -518,18 +515,17 @@ def write_tokenizer_files(source, output: str, config: BertConfig) -> str:
     return ""
   specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
               "cls_token": "[CLS]", "mask_token": "[MASK]"}
-  with open(os.path.join(output, "special_tokens_map.json"), "w") as f:
-    json.dump(specials, f, indent=2)
+  files.write_json(os.path.join(output, "special_tokens_map.json"), specials)
   if source.tokenizer_kind == "sentencepiece":
     sentencepiece_to_tokenizer_json(source.vocab_file, os.path.join(output, "tokenizer.json"))
-    with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
-      json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **specials,
-                 "model_max_length": config.max_position_embeddings}, f, indent=2)
+    files.write_json(os.path.join(output, "tokenizer_config.json"), {
+        "tokenizer_class": "PreTrainedTokenizerFast", **specials,
+        "model_max_length": config.max_position_embeddings})
     return ", tokenizer.json (the SentencePiece model as a fast tokenizer), tokenizer_config.json"
   shutil.copyfile(source.vocab_file, os.path.join(output, "vocab.txt"))
-  with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "BertTokenizer", "do_lower_case": source.lower, **specials,
-               "model_max_length": config.max_position_embeddings}, f, indent=2)
+  files.write_json(os.path.join(output, "tokenizer_config.json"), {
+      "tokenizer_class": "BertTokenizer", "do_lower_case": source.lower, **specials,
+      "model_max_length": config.max_position_embeddings})
   return f", vocab.txt, tokenizer_config.json (do_lower_case={source.lower})"
 
 
@@ -542,7 +538,6 @@ def sentencepiece_to_tokenizer_json(model_path: str, output: str) -> None:
   from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
   from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
   from tokenizers import processors  # pylint: disable=import-outside-toplevel
-  from bertjax import files  # pylint: disable=import-outside-toplevel
   with files.open_file(model_path, "rb") as f:
     proto = sentencepiece_model_pb2.ModelProto.FromString(f.read())
   model_types = sentencepiece_model_pb2.TrainerSpec.ModelType

@@ -66,9 +66,15 @@ def resolve_prefix(prefix_or_dir: str) -> str:
   named = _latest_named(path)
   if named in prefixes:
     return os.path.join(path, named)
-  raise FileNotFoundError(f"{path} holds {len(prefixes)} checkpoints ({', '.join(prefixes)}) and "
-                          "no `checkpoint` file naming one: give the prefix of the one to read, "
-                          f"e.g. {os.path.join(path, prefixes[-1])}")
+  # By step (model.ckpt-1000 after model.ckpt-200), not by name; and a fix every reader of a
+  # folder takes (a weights folder is given as a folder, not a prefix, to init_from and others).
+  newest = max(prefixes, key=lambda p: (int(p.rpartition("-")[2]) if p.rpartition("-")[2]
+                                        .isdigit() else -1, p))
+  raise FileNotFoundError(
+      f"{path} holds {len(prefixes)} checkpoints ({', '.join(prefixes)}) and no `checkpoint` file "
+      f"naming one: write {os.path.join(path, 'checkpoint')} holding the line "
+      f"model_checkpoint_path: \"{newest}\" (the newest; or name another), or move the others "
+      "away")
 
 
 def _latest_named(folder: str) -> str | None:

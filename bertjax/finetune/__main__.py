@@ -28,4 +28,4 @@ if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
   from bertjax.finetune import run as run_lib  # pylint: disable=ungrouped-imports
   cli.refuse_moved_keys(sys.argv, run_lib.MOVED_KEYS)
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -115,6 +115,9 @@ def _check_tags(tags: Sequence[str], kinds: set[str], where_of, labels) -> None:
                        f"pass labels=... for another tag set.")
 
 
+LONG_SENTENCE = 250  # words: past this a "sentence" is taken for a file without blank lines
+
+
 def read_columns(path: str, word_column: int = 0, tag_column: int = -1
                  ) -> list[tuple[int, list[str], list[str]]]:
   """(first line, words, tags as written) of each sentence of a CoNLL column file: one word per
@@ -157,6 +160,12 @@ def read_columns(path: str, word_column: int = 0, tag_column: int = -1
   if not sentences:
     raise ValueError(f"{path}: no sentences (the file is empty or holds only {DOCSTART} and blank "
                      f"lines).")
+  longest = max(sentences, key=lambda s: len(s[1]))
+  if len(longest[1]) > LONG_SENTENCE:
+    # CoNLL-2003's longest sentence has 124 words: far more means sentences run together.
+    logging.warning("%s: a sentence of %d words (at %s:%d): are the blank lines between sentences "
+                    "missing? A CoNLL file holds one word per line and a blank line after each "
+                    "sentence.", path, len(longest[1]), path, longest[0])
   return sentences
 
 
@@ -173,6 +182,12 @@ def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
     sentences.append(Sentence(f"{path}:{first_line}", tuple(words), tuple(iob2)))
   if converted:
     logging.info("%s: %d IOB1 tag(s) rewritten to IOB2.", path, converted)
+  longest = max(sentences, key=lambda s: len(s.words))
+  if len(longest.words) > LONG_SENTENCE:
+    # CoNLL-2003's longest sentence has 124 words: far more means sentences run together.
+    logging.warning("%s: a sentence of %d words (at %s): are the blank lines between sentences "
+                    "missing? A CoNLL file holds one word per line and a blank line after each "
+                    "sentence.", path, len(longest.words), longest.where)
   return sentences
 
 

@@ -122,6 +122,21 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   return max(1, num_examples // batch_size)
 
 
+def run_notes(batch_size: int, num_examples: int, learning_rate: float) -> list[str]:
+  """What a legal but unusual setting does, said rather than done silently."""
+  notes = []
+  if batch_size > num_examples:
+    notes.append(f"train.batch_size={batch_size} is larger than the {num_examples} training "
+                 f"examples: each batch repeats them (up to {-(-batch_size // num_examples)} "
+                 "times) and an epoch is one step; lower train.batch_size to see each example "
+                 "once per step")
+  if learning_rate == 0:
+    # Kept legal (a check that init_from's weights arrive unchanged), but never silent.
+    notes.append("train.learning_rate=0: no step changes the weights (the encoder stays as "
+                 "loaded, the head as initialised)")
+  return notes
+
+
 def train_batches(features: Mapping[str, np.ndarray], batch_size: int, seed: int, start_step: int,
                   process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
   """This host's rows of each global batch from `start_step` on; the order of epoch e is a
@@ -196,8 +211,11 @@ class FinetuneConfig:
 
   @classmethod
   def from_config(cls, config) -> "FinetuneConfig":
-    t, c = config.train, config.checkpoint
+    t, c, d, e = config.train, config.checkpoint, config.data, config.eval
+    seq, query = d.get("max_seq_length", 128), d.get("max_query_length", 1)
     problems = [f"{k}={v} must be {why}" for k, v, ok, why in (
+        ("train.learning_rate", t.learning_rate, t.learning_rate >= 0,
+         ">= 0 (0 trains nothing, said in the run)"),
         ("train.batch_size", t.batch_size, t.batch_size >= 1, ">= 1"),
         ("train.eval_batch_size", t.eval_batch_size, t.eval_batch_size >= 0,
          ">= 0 (0: train.batch_size)"),
@@ -207,7 +225,17 @@ class FinetuneConfig:
         ("train.log_every_steps", t.log_every_steps, t.log_every_steps >= 1, ">= 1"),
         ("checkpoint.save_every_steps", c.save_every_steps, c.save_every_steps >= 0,
          ">= 0 (0: every epoch)"),
-        ("checkpoint.keep", c.keep, c.keep >= 1, ">= 1")) if not ok]
+        ("checkpoint.keep", c.keep, c.keep >= 1, ">= 1"),
+        # The lengths and SQuAD's numbers (every task's config holds them): 0 or less would
+        # build no window, no answer or an endless loop over a context.
+        ("data.max_seq_length", seq, seq >= 8, ">= 8"),
+        ("data.doc_stride", d.get("doc_stride", 1), d.get("doc_stride", 1) >= 1, ">= 1"),
+        ("data.max_query_length", query,
+         1 <= query <= seq - 4 or not str(config.get("task", "")).startswith("squad"),
+         f"in [1, data.max_seq_length - 4 = {seq - 4}] ([CLS] q [SEP] context [SEP])"),
+        ("eval.n_best_size", e.get("n_best_size", 1), e.get("n_best_size", 1) >= 1, ">= 1"),
+        ("eval.max_answer_length", e.get("max_answer_length", 1),
+         e.get("max_answer_length", 1) >= 1, ">= 1")) if not ok]
     if problems:
       raise ValueError("Invalid config: " + "; ".join(problems))
     return cls(t.batch_size, t.eval_batch_size or t.batch_size, float(t.num_epochs),
@@ -244,12 +272,29 @@ class Evaluations:
     """Takes the scores of earlier runs in the workdir up to `start`, the step this run restored:
     later ones (and a best checkpoint of such a step, after a crash between an evaluation and the
     next checkpoint) belong to a timeline the run no longer has; it evaluates those steps again."""
-    if files.exists(self.path):
-      self.records = [r for r in files.read_json(self.path, "the run's evaluations")
-                      if r["step"] <= start]
+    self.records = [r for r in self._read() if r["step"] <= start]
+    recorded = {r["step"] for r in self.records}
     for step in self.best.all_steps():
-      if step > start:
+      # A best step without a record is a kill between best/'s save and the record's write: the
+      # step is evaluated again, which saves it again (left here, that save would collide).
+      if step > start or step not in recorded:
         self.best.delete(step)
+
+  def _read(self) -> list[dict]:
+    """evaluations.json's records; a damaged file (written atomically, so only by an older bertjax
+    or a disk fault) is said and rebuilt from best/'s record, which is all a rerun can recover."""
+    if not files.exists(self.path):
+      return []
+    try:
+      return files.read_json(self.path, "the run's evaluations")
+    except files.DamagedFileError as err:
+      rebuilt = []
+      for step in self.best.all_steps():
+        meta = self.best.read_meta(step)
+        rebuilt.append({"step": meta["step"], "epoch": meta["epoch"], "scores": meta["scores"]})
+      loop.say(f"{str(err).split(': it was')[0]}; rebuilt from best/ (steps "
+               f"{[r['step'] for r in rebuilt]}), the other epochs' scores are lost.")
+      return rebuilt
 
   def done(self, step: int) -> bool:
     return any(r["step"] == step for r in self.records)
@@ -293,6 +338,7 @@ def finetune(config, workdir: str) -> dict:
     raise ValueError(f"data.max_seq_length={config.data.max_seq_length} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}.")
   data = tasks.load(config, tokenizer)
+  data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]), config.train.learning_rate)
   for note in data.notes:
     loop.say(note)
   train_features = tasks.model_features(data.train)
@@ -379,7 +425,13 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec) -> None:
   config_path = os.path.join(workdir, "config.json")
   for p in (path, config_path):
     if files.exists(p):
-      recorded = files.read_json(p).get("task")
+      try:
+        recorded = files.read_json(p).get("task")
+      except files.DamagedFileError as err:
+        # Both are rewritten by this run (config.json at its start, results.json at its end): one
+        # cut short by a kill is rebuilt, not trusted.
+        loop.say(f"{str(err).split(': it was')[0]}; it is rewritten by this run.")
+        continue
       if recorded and tasks.canonical(recorded) != task_name:
         raise ValueError(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
                          "needs its own workdir.")

@@ -1,5 +1,13 @@
-"""SQuAD predictions from start/end logits, as the original `run_squad.py` writes them:
+"""SQuAD predictions from start/end logits, in the files of the original `run_squad.py`:
 `predictions.json`, `nbest_predictions.json` and, for v2.0, `null_odds.json`.
+
+The candidates and their ranking are the original's; the answer text is not recovered its way.
+The original re-tokenizes the chosen words and aligns them with `get_final_text`'s heuristic; here
+the answer is the context between the tokenizer's character offsets of its first and last token,
+so it is always an exact substring of the context, for any script. The two differ where that
+heuristic would: runs of whitespace and NBSP inside an answer are kept as the context has them,
+an [UNK] piece covers its whole word, and when no candidate survives the top n-best the best span
+over every position is given instead of the original's nonce "empty".
 
 The candidate search (top n_best starts x top n_best ends of every feature, and the filters) runs on
 all features at once in numpy; only the final per-question ranking, which removes duplicate texts,
@@ -13,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bertjax import files
 from bertjax.finetune.squad import SquadExample
 
 N_BEST_SIZE, MAX_ANSWER_LENGTH = 20, 30
@@ -62,6 +71,21 @@ def _candidates(features: dict, start_FxL: np.ndarray, end_FxL: np.ndarray, n_be
   return f_C, s_C, e_C
 
 
+def _best_span(context: str, features: dict, start_FxL, end_FxL, rows: slice,
+               max_answer_length: int) -> tuple[str, float, float] | None:
+  """The best-scoring candidate of one example's features (`rows`) over every position: (text,
+  start logit, end logit), None if no span of its context holds text."""
+  start_FxL, end_FxL = start_FxL[rows], end_FxL[rows]
+  mine = {k: features[k][rows] for k in ("token_start_char", "token_is_max_context")}
+  f_C, s_C, e_C = _candidates(mine, start_FxL, end_FxL, start_FxL.shape[1], max_answer_length)
+  for c in np.argsort(-(start_FxL[f_C, s_C] + end_FxL[f_C, e_C]), kind="stable"):
+    text = context[features["token_start_char"][rows][f_C[c], s_C[c]]:
+                   features["token_end_char"][rows][f_C[c], e_C[c]]]
+    if text:
+      return text, float(start_FxL[f_C[c], s_C[c]]), float(end_FxL[f_C[c], e_C[c]])
+  return None
+
+
 def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_FxL,
                 end_logits_FxL, *, n_best_size: int = N_BEST_SIZE,
                 max_answer_length: int = MAX_ANSWER_LENGTH, version_2_with_negative: bool = False,
@@ -73,7 +97,9 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
   is the original context between its first token's first and last token's last character.
   v2.0 adds the null answer, scored start_logits[0] + end_logits[0] (the lowest over the features),
   and answers "" when null - best non-null > null_score_diff_threshold.
-  Where no candidate survives, the n-best holds the original's nonce answer "empty".
+  Where no candidate survives, the best span over every position of the context is the answer
+  (the original's nonce "empty" only for a context without a token), so every answer is an exact
+  substring of its context.
   """
   start_FxL = np.asarray(start_logits_FxL, np.float32)
   end_FxL = np.asarray(end_logits_FxL, np.float32)
@@ -132,7 +158,12 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
         entries.append((text, float(start_C[c]), float(end_C[c])))
       c += 1
     if not any(t for t, _, _ in entries):
-      entries.append((NONCE, 0.0, 0.0))
+      # No candidate among the top n_best starts and ends (a short context, an untrained model):
+      # the original answers its nonce "empty", which is no text of the context; the best span
+      # over every position is.
+      entries.append(_best_span(ex.context, features, start_FxL, end_FxL,
+                                slice(bounds[ex_i], bounds[ex_i + 1]), max_answer_length)
+                     or (NONCE, 0.0, 0.0))
     if version_2_with_negative and "" not in seen:
       entries.append(null)
     probs = _softmax([a + b for _, a, b in entries])
@@ -156,15 +187,14 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
 def write_predictions(result: SquadPredictions, output_dir: str) -> list[str]:
   """Writes predictions.json, nbest_predictions.json and (v2.0) null_odds.json; returns their
   paths."""
-  import tensorflow as tf
-  tf.io.gfile.makedirs(output_dir)
-  files = {"predictions.json": result.predictions, "nbest_predictions.json": result.nbest}
+  files.makedirs(output_dir)
+  written = {"predictions.json": result.predictions, "nbest_predictions.json": result.nbest}
   if result.null_odds is not None:
-    files["null_odds.json"] = result.null_odds
+    written["null_odds.json"] = result.null_odds
   paths = []
-  for name, value in files.items():
+  for name, value in written.items():
     path = os.path.join(output_dir, name)
-    with tf.io.gfile.GFile(path, "w") as f:
-      f.write(json.dumps(value, indent=4) + "\n")
+    # Atomic: a kill mid-write leaves the previous file whole, never half of one.
+    files.write_text(path, json.dumps(value, indent=4) + "\n")
     paths.append(path)
   return paths

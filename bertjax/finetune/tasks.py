@@ -195,11 +195,22 @@ def _squad_set(name: str, config, split: str, is_training: bool) -> squad.SquadS
   return squad.read_squad_json(path, is_training=is_training)
 
 
+def _check_squad_version(name: str, squad_set: squad.SquadSet) -> squad.SquadSet:
+  """v1.1 has no unanswerable question: one in its file means a v2.0 file, which v1.1 would train
+  on as if answerable and score with no gold answer. Refused before any step."""
+  impossible = [e.qas_id for e in squad_set.examples if e.is_impossible]
+  if name == "squad_v1.1" and impossible:
+    raise ValueError(f"{squad_set.source}: {len(impossible)} question(s) marked is_impossible "
+                     f"(e.g. id {impossible[0]!r}): a SQuAD v2.0 file. Fine-tune it with "
+                     "configs/finetune.py:squad_v2.0, or give squad_v1.1 a v1.1 file.")
+  return squad_set
+
+
 def _squad(name: str, config, tokenizer) -> TaskData:
   _check_source(config)
   sizes = dict(max_seq_length=config.data.max_seq_length, doc_stride=config.data.doc_stride,
                max_query_length=config.data.max_query_length)
-  train_set = _squad_set(name, config, "train", True)
+  train_set = _check_squad_version(name, _squad_set(name, config, "train", True))
   version_2 = name == "squad_v2.0"
   main = "f1"
   if name == "span":  # one's own QA files: v2.0 style where said, or where any is unanswerable
@@ -208,7 +219,7 @@ def _squad(name: str, config, tokenizer) -> TaskData:
         e.is_impossible for e in train_set.examples)
     main = custom.main_metric(config, "span")
   train_features = squad.make_features(train_set.examples, tokenizer, **sizes)
-  dev_set = _squad_set(name, config, "dev", False)
+  dev_set = _check_squad_version(name, _squad_set(name, config, "dev", False))
   dev_features = squad.make_features(dev_set.examples, tokenizer, **sizes)
   gold = squad_metrics.gold_answers(dev_set.examples)
   notes = [f"{s.source}: {what} {len(items)} question(s) whose answer does not match its offset"
@@ -276,13 +287,14 @@ def _ner(name: str, config, tokenizer) -> TaskData:
 
   def writer(sentences, f, split):
     def write(outputs, output_dir):
-      import tensorflow as tf  # pylint: disable=import-outside-toplevel
+      from bertjax import files  # pylint: disable=import-outside-toplevel
       predicted = ner.tags_from_predictions(f, outputs["predicted"], sentences, labels)
-      tf.io.gfile.makedirs(output_dir)
+      files.makedirs(output_dir)
       path = os.path.join(output_dir, f"{split}_predictions.txt")
-      with tf.io.gfile.GFile(path, "w") as out:
-        for s, tags in zip(sentences, predicted):
-          out.write("".join(f"{w} {g} {p}\n" for w, g, p in zip(s.words, s.tags, tags)) + "\n")
+      # Atomic (temp file + rename): a kill mid-write never leaves half a predictions file.
+      files.write_text(path, "".join(
+          "".join(f"{w} {g} {p}\n" for w, g, p in zip(s.words, s.tags, tags)) + "\n"
+          for s, tags in zip(sentences, predicted)))
       return [path]
     return write
 
