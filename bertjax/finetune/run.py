@@ -418,7 +418,7 @@ def _plain(report: Mapping[str, Any]) -> dict:
                                default=lambda x: x.item() if hasattr(x, "item") else str(x)))
 
 
-def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec) -> None:
+def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec | None = None) -> None:
   """A workdir holds one task: resuming another task's run would put a new head on its state (or
   give its label ids other names)."""
   path = os.path.join(workdir, "results.json")
@@ -435,8 +435,13 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec) -> None:
       if recorded and tasks.canonical(recorded) != task_name:
         raise ValueError(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
                          "needs its own workdir.")
-  recorded_spec = spec_lib.read(workdir)
-  if recorded_spec is not None and recorded_spec.labels != spec.labels:
+  try:
+    recorded_spec = spec_lib.read(workdir)
+  except files.DamagedFileError as err:
+    # Written again when this run starts (the checkpoints keep their own copy).
+    loop.say(f"{str(err).split(': it was')[0]}; it is rewritten by this run.")
+    recorded_spec = None
+  if spec is not None and recorded_spec is not None and recorded_spec.labels != spec.labels:
     raise ValueError(f"--workdir={workdir} holds a run with the labels {list(recorded_spec.labels)}"
                      f"; these files give {list(spec.labels)}. Fine-tune them in a workdir of "
                      "their own (or set config.data.labels to the run's).")
