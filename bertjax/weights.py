@@ -335,6 +335,19 @@ def _inspect_google(folder: str, what: str) -> Weights:
                  **_vocabulary(folder))
 
 
+def _safetensors_names(folder: str, what: str) -> list[str]:
+  """The tensor names of a Hugging Face folder's model.safetensors (its header alone)."""
+  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+  weights_file = os.path.join(folder, "model.safetensors")
+  try:
+    return hf.safetensors_names(weights_file)
+  except Exception as err:  # pylint: disable=broad-except  (safetensors' own error type)
+    raise checkpoint_lib.CheckpointDamagedError(
+        f"{what}={folder}: {weights_file} cannot be read ({err}); it is cut short or not a "
+        "safetensors file: save the model again (save_pretrained(..., safe_serialization=True))"
+    ) from None
+
+
 def _inspect_huggingface(folder: str, what: str) -> Weights:
   from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
   hf_config = files.read_json(os.path.join(folder, "config.json"), "the Hugging Face config")
@@ -342,14 +355,7 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
     raise NotWeightsError(f"{what}={folder} is a Hugging Face {hf_config['model_type']!r} model; "
                           "this reader takes model_type 'bert'")
   config = hf.config_from_hf(hf_config)
-  weights_file = os.path.join(folder, "model.safetensors")
-  try:
-    names = hf.safetensors_names(weights_file)
-  except Exception as err:  # pylint: disable=broad-except  (safetensors' own error type)
-    raise checkpoint_lib.CheckpointDamagedError(
-        f"{what}={folder}: {weights_file} cannot be read ({err}); it is cut short or not a "
-        "safetensors file: save the model again (save_pretrained(..., safe_serialization=True))"
-    ) from None
+  names = _safetensors_names(folder, what)
   tokenizer_config = os.path.join(folder, HF_TOKENIZER_CONFIG)
   casing = files.read_json(tokenizer_config, "the tokenizer's config") if files.exists(
       tokenizer_config) else {}
@@ -358,20 +364,13 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
-  from bertjax.convert import hf, modernbert  # pylint: disable=import-outside-toplevel
+  from bertjax.convert import modernbert  # pylint: disable=import-outside-toplevel
   try:
     config = modernbert.config_from_modernbert(
         files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config"))
   except ValueError as err:
     raise ValueError(f"{what}={folder}: {err}") from None
-  weights_file = os.path.join(folder, "model.safetensors")
-  try:
-    names = hf.safetensors_names(weights_file)
-  except Exception as err:  # pylint: disable=broad-except  (safetensors' own error type)
-    raise checkpoint_lib.CheckpointDamagedError(
-        f"{what}={folder}: {weights_file} cannot be read ({err}); it is cut short or not a "
-        "safetensors file: save the model again (save_pretrained(..., safe_serialization=True))"
-    ) from None
+  names = _safetensors_names(folder, what)
   # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
   # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.
   vocabulary = _vocabulary(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(

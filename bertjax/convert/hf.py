@@ -564,8 +564,9 @@ def sentencepiece_to_tokenizer_json(model_path: str, output: str) -> None:
       single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
   from tokenizers import AddedToken  # pylint: disable=import-outside-toplevel
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")])
+                          for t in tokenizer_lib.SPECIAL_TOKENS])
   tok.save(output)
 
 
