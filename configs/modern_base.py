@@ -17,21 +17,12 @@ from ModernBERT's run: docs/lab-notes.md#configsmodern_basepy.
 from configs import base
 
 
-def get_config(arg=None):
-  config = base.get_config()
-  phase = int(base.parse_arg(arg).get("phase", 1))
-  if phase not in (1, 2):
-    raise ValueError(f"phase={phase}; the recipe has phases 1 (length 1024) and 2 (length 8192)")
+def set_modern_recipe(config):
+  """ModernBERT's architecture and objective, whatever the size: pre-LN, no biases but the
+  decoder's, GeGLU, RoPE without a position or segment table, no pooler; MLM alone at 30% on
+  packed rows. configs/modern_tiny.py takes these too, so the two differ only in size and steps."""
   m = config.model
-  m.vocab_size = 50368  # ModernBERT's table (its tokenizer's 50,280 pieces padded to 64s)
-  m.hidden_size = 768
-  m.num_layers = 22
-  m.num_heads = 12
-  m.intermediate_size = 1152  # per half of the GeGLU: Wi is [768, 2 x 1152] in ModernBERT
-  m.max_position_embeddings = 8192  # no table with RoPE: only the longest sequence allowed
   m.type_vocab_size = 0
-  m.hidden_dropout = 0.0
-  m.attention_dropout = 0.0
   m.layer_norm_eps = 1e-5
   m.norm_position = "pre"
   m.norm_bias = False
@@ -39,21 +30,39 @@ def get_config(arg=None):
   m.mlp_bias = False
   m.mlp_type = "gated"  # with hidden_act "gelu": GeGLU
   m.position_embedding = "rope"
+  m.pooler = False
+  m.head_bias = False
+  d = config.data
+  d.nsp = False
+  d.masked_lm_prob = 0.3
+  d.packing = True
+
+
+def get_config(arg=None):
+  config = base.get_config()
+  phase = int(base.parse_arg(arg).get("phase", 1))
+  if phase not in (1, 2):
+    raise ValueError(f"phase={phase}; the recipe has phases 1 (length 1024) and 2 (length 8192)")
+  set_modern_recipe(config)
+  m = config.model
+  m.vocab_size = 50368  # ModernBERT's table (its tokenizer's 50,280 pieces padded to 64s)
+  m.hidden_size = 768
+  m.num_layers = 22
+  m.num_heads = 12
+  m.intermediate_size = 1152  # per half of the GeGLU: Wi is [768, 2 x 1152] in ModernBERT
+  m.max_position_embeddings = 8192  # no table with RoPE: only the longest sequence allowed
+  m.hidden_dropout = 0.0
+  m.attention_dropout = 0.0
   m.rope_theta = 160_000.0
   m.local_rope_theta = 10_000.0
   m.global_every = 3
   m.local_window = 128
-  m.pooler = False
-  m.head_bias = False
   m.dtype = "bfloat16"
   m.scan_layers = True
   m.attention_impl = "splash"
   m.remat_policy = "full"  # with 8 microbatches: fits a v5p-8 (module docstring)
 
   d = config.data
-  d.nsp = False
-  d.masked_lm_prob = 0.3
-  d.packing = True
   d.max_seq_length = 1024 if phase == 1 else 8192
   d.max_predictions_per_seq = 320 if phase == 1 else 2560  # 30% of L, rounded up to 64s
 
