@@ -361,4 +361,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["config", "topology"])
-  app.run(main)
+  cli.run(main)

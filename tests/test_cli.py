@@ -96,3 +96,32 @@ def test_a_refused_input_ends_the_command_with_its_message_alone(tmp_path):
   assert done.returncode == 1, done.stderr[-2000:]
   assert "bertjax: ValueError: Unknown fine-tuning task 'nosuchtask'" in done.stderr
   assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_subcommands_are_read_before_the_flags(capsys):
+  names = ("import", "export")
+  assert cli.subcommand(["prog", "export", "--params=x"], names) == "export"
+  assert cli.subcommand(["prog", "--help"], names) is None  # help on every subcommand's flags
+  for argv, said in ((["prog", "imprt"], "unknown command 'imprt'"),
+                     (["prog"], "no command"), (["prog", "--params=x", "export"], "unknown command")):
+    with pytest.raises(SystemExit) as exited:
+      cli.subcommand(argv, names, prog="prog")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prog: error: {said}") and err.count("\n") == 1, err
+    assert "one of import, export" in err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--wokdir=x"], "Unknown command line flag 'wokdir'. Did you mean: workdir ?"),
+    (["--config=configs/tiny.py"], "flag --workdir=None: Flag --workdir must have a value"),
+    (["--config=configs/tiny.py", "--workdir=w", "extra"], "Unexpected arguments: ['extra']"),
+])
+def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(args, said):
+  """absl would print two lines (FATAL ...) or the module's whole docstring, with exit status 1."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  done = subprocess.run([sys.executable, "-m", "bertjax.main", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.startswith(f"bertjax.main: error: {said}"), done.stderr[-2000:]
+  assert done.stderr.count("\n") == 1, done.stderr[-2000:]
