@@ -192,7 +192,8 @@ def subcommand(argv: Sequence[str], names: Sequence[str], prog: str | None = Non
 
 
 def run(main: Callable[[list[str]], Any]) -> None:
-  """app.run(main) as every command's `__main__` block ends: flags parsed by `parse_flags`, an
+  """app.run(main) as every command's `__main__` block ends: flags parsed by `parse_flags`,
+  third-party INFO logs off (`quiet_third_party_logs`: app.run sets absl's verbosity to INFO), an
   app.UsageError raised by main said in one line with exit status 2 (absl would print the module's
   docstring), and the flags a command takes from bertjax modules (this module's run flags, the
   converters' shared ones) listed by its --help as its own."""
@@ -203,6 +204,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
   def main_with_usage_in_one_line(argv):
+    quiet_third_party_logs()
     try:
       return main(argv)
     except app.UsageError as err:
