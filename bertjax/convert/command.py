@@ -34,7 +34,7 @@ def define_flags(command: str | None, source: str, kind: str) -> None:
                                  ["params", "output"])
 
 
-Extra = Mapping[str, Callable[[Any], Any]]  # a converter's own flag -> its value as the function takes it
+Extra = Mapping[str, Callable[[Any], Any]]  # a converter's own flag -> its value as taken
 
 
 def main(argv: Sequence[str], source: str, import_folder: Callable[..., str],
@@ -56,7 +56,8 @@ def main(argv: Sequence[str], source: str, import_folder: Callable[..., str],
 
 
 def start(source: str, kind: str, import_folder: Callable[..., str],
-          export_folder: Callable[..., str], own_flags: Callable[[str | None], None] = lambda c: None,
+          export_folder: Callable[..., str],
+          own_flags: Callable[[str | None], None] = lambda command: None,
           import_flags: Extra | None = None, export_flags: Extra | None = None) -> None:
   """A converter's command: the subcommand read from sys.argv, its flags (the shared ones, then the
   converter's own from `own_flags(command)`) defined, then run."""

@@ -349,4 +349,4 @@ if __name__ == "__main__":
   from bertjax.convert import command  # pylint: disable=ungrouped-imports
   command.start("ckpt_dir", "Google (the unzipped release: bert_config.json, bert_model.ckpt.*, "
                 "vocab.txt)", import_folder, export_folder, _define_own_flags,
-                import_flags={"do_lower_case": lambda text: None if text is None else text == "true"})
+                import_flags={"do_lower_case": lambda t: None if t is None else t == "true"})
