@@ -27,8 +27,8 @@ split the mesh axes over them.
 
 The report names the versions of jax, jaxlib, libtpu and the rest of launch/requirements-tpu.lock
 installed here (`versions`), and warns when they are not the lock's: the TPU VMs install the lock,
-and `launch/tpu.py run --aot-report=FILE.json` refuses to start a job whose workers differ from
-what was compiled here.
+and `python -m launch.tpu run --aot-report=FILE.json` refuses to start a job whose workers differ
+from what was compiled here.
 """
 
 from __future__ import annotations
@@ -314,8 +314,8 @@ def main(argv):
   mismatch = lock_mismatch()
   if mismatch:
     print(f"bertjax.aot: warning: the versions here are not {versions.LOCK}'s, which the TPU VMs "
-          f"install: {'; '.join(mismatch)}. `launch/tpu.py run --aot-report` will refuse this "
-          "compile's report; pip install -r launch/requirements-tpu.lock", file=sys.stderr)
+          f"install: {'; '.join(mismatch)}. `python -m launch.tpu run --aot-report` will refuse "
+          "this compile's report; pip install -r launch/requirements-tpu.lock", file=sys.stderr)
   hbm_gib = FLAGS.hbm_gib or topology.hbm_gib
   # Packed rows (data.packing) compile with S x M masked slots and S next-sentence pairs per row.
   seq_len, max_predictions, per_row = flops.rows_shape(config)
@@ -361,4 +361,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["config", "topology"])
-  app.run(main)
+  cli.run(main)

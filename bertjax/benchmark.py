@@ -31,7 +31,7 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from bertjax import cli, flops, hostmem, train
 from bertjax.flops import peak_tflops, train_flops
@@ -184,12 +184,17 @@ def report(runner: StepRunner, times: list[float]) -> dict:
 
 
 FLAGS = flags.FLAGS
-cli.define_config_flag()
-flags.DEFINE_integer("steps", 5, "timed steps (the median is reported)")
-flags.DEFINE_integer("warmup_steps", 1, "untimed steps after compiling")
-flags.DEFINE_string("json", "", "also write the figures to this file")
-flags.DEFINE_integer("profile_steps", 0, "also trace this many steps and print where the time goes "
-                     "by kind of operation (bertjax/opprofile.py)")
+
+
+def define_flags() -> None:
+  """The command's flags (bertjax.benchmark_hf's too), defined when it runs (see bertjax/cli.py)."""
+  cli.define_config_flag()
+  flags.DEFINE_integer("steps", 5, "timed steps (the median is reported)")
+  flags.DEFINE_integer("warmup_steps", 1, "untimed steps after compiling")
+  flags.DEFINE_string("json", "", "also write the figures to this file")
+  flags.DEFINE_integer("profile_steps", 0, "also trace this many steps and print where the time "
+                       "goes by kind of operation (bertjax/opprofile.py)")
+  flags.mark_flag_as_required("config")
 
 
 def print_report(figures: dict, out=sys.stdout) -> None:
@@ -218,5 +223,5 @@ def main(argv):
 
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
-  flags.mark_flag_as_required("config")
-  app.run(main)
+  define_flags()
+  cli.run(main)

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 
-from bertjax import benchmark, flops, hostmem, optimizer as optimizer_lib
+from bertjax import benchmark, cli, flops, hostmem, optimizer as optimizer_lib
 from bertjax.model import BertConfig
 
 FLAGS = flags.FLAGS
@@ -124,5 +124,5 @@ def main(argv):
 
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
-  flags.mark_flag_as_required("config")
-  app.run(main)
+  benchmark.define_flags()
+  cli.run(main)

@@ -22,7 +22,6 @@ prints its peak resident memory: flat in the number of lines if the input stream
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 from bertjax import flops
 from bertjax.model import BertConfig
@@ -104,55 +104,56 @@ def computed_flops(cfg: BertConfig, widths) -> float:
   return sum(flops.forward_flops_per_sequence(cfg, int(w), 0) for w in widths)
 
 
-def speed(args) -> None:
+def speed(shape: str, n: int, rounds: int) -> None:
   cfg = BertConfig(vocab_size=VOCAB, max_position_embeddings=512, hidden_dropout=0.0,
-                   attention_dropout=0.0, **SHAPES[args.shape])
-  lengths_N = lengths(args.n)
+                   attention_dropout=0.0, **SHAPES[shape])
+  lengths_N = lengths(n)
   f = features(lengths_N)
   ours, theirs = bertjax_predictor(cfg), torch_model(cfg)
   from bertjax import predict  # pylint: disable=import-outside-toplevel
   ours_widths = [predict._bucket(int(k), MAX_LEN) for k in lengths_N]  # pylint: disable=protected-access
-  theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, args.n, 64)
+  theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_N[at:at + 64]]
   # PyTorch again with the texts sorted by length first, so its batches pad as little as ours:
   # what is left of the difference is the engine's.
   order = np.argsort(lengths_N, kind="stable")
   f_sorted, lengths_sorted = {k: v[order] for k, v in f.items()}, lengths_N[order]
-  sorted_widths = [int(lengths_sorted[at:at + 64].max()) for at in range(0, args.n, 64)
+  sorted_widths = [int(lengths_sorted[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_sorted[at:at + 64]]
   ours.run(f)  # warm-up: compiles every bucket
   torch_pass(theirs, f, lengths_N)
   rates = {"bertjax": [], "torch": [], "torch sorted": []}
-  for _ in range(args.rounds):
+  for _ in range(rounds):
     for name, fn in (("bertjax", lambda: ours.run(f)),
                      ("torch", lambda: torch_pass(theirs, f, lengths_N)),
                      ("torch sorted", lambda: torch_pass(theirs, f_sorted, lengths_sorted))):
       start = time.perf_counter()
       fn()
-      rates[name].append(args.n / (time.perf_counter() - start))
+      rates[name].append(n / (time.perf_counter() - start))
   peak = matmul_gflops()
-  print(f"{args.shape}: {cfg.num_layers} layers x {cfg.hidden_size}, {args.n} sequences "
+  print(f"{shape}: {cfg.num_layers} layers x {cfg.hidden_size}, {n} sequences "
         f"(lengths {int(lengths_N.min())}-{int(lengths_N.max())}, median "
         f"{int(np.median(lengths_N))}), batch 64, {os.cpu_count()} cores")
   for name, widths in (("bertjax", ours_widths), ("torch", theirs_widths),
                        ("torch sorted", sorted_widths)):
     r = rates[name]
-    gf = computed_flops(cfg, widths) * statistics.median(r) / args.n / 1e9
+    gf = computed_flops(cfg, widths) * statistics.median(r) / n / 1e9
     print(f"  {name:12s} {min(r):8.1f}-{max(r):8.1f} seq/s (median {statistics.median(r):.1f}); "
           f"padded positions {sum(widths) / lengths_N.sum():.2f}x the real ones; "
           f"{gf:.1f} GFLOP/s computed")
   for other in ("torch", "torch sorted"):
     ratios = [a / b for a, b in zip(rates["bertjax"], rates[other])]
-    print(f"  bertjax / {other}: {min(ratios):.2f}-{max(ratios):.2f}x over {args.rounds} rounds")
+    print(f"  bertjax / {other}: {min(ratios):.2f}-{max(ratios):.2f}x over {rounds} rounds")
   print(f"  a jitted 2048^2 float32 matmul: {peak:.1f} GFLOP/s")
 
 
-def rss(args) -> None:
-  """Peak RSS of `python -m bertjax.predict` over files of each line count (a 2-layer model)."""
+def rss(lines: str) -> None:
+  """Peak RSS of `python -m bertjax.predict`'s work over files of each line count (comma-separated;
+  a 2-layer model)."""
   from bertjax.finetune import spec as spec_lib  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as tmp:
     workdir = _tiny_workdir(tmp, spec_lib)
-    for count in (int(x) for x in args.lines.split(",")):
+    for count in (int(x) for x in lines.split(",")):
       path = os.path.join(tmp, f"in-{count}.csv")
       rng = np.random.default_rng(0)
       words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
@@ -163,9 +164,9 @@ def rss(args) -> None:
       start = time.perf_counter()
       proc = subprocess.run(
           [sys.executable, "-c", "import resource, sys; from bertjax import predict; "
-           "predict.main(sys.argv[1:]); "
+           "predict.run(*sys.argv[1:]); "
            "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
-           "--workdir", workdir, "--input", path, "--output", path + ".jsonl"],
+           workdir, path, path + ".jsonl"],
           capture_output=True, text=True, check=False)
       if proc.returncode:
         sys.exit(f"predict failed on {count} lines:\n{proc.stderr[-2000:]}")
@@ -201,17 +202,26 @@ def _tiny_workdir(root: str, spec_lib) -> str:
   return folder
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m bertjax.benchmark_predict", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
-  parser.add_argument("--n", type=int, default=1024, help="sequences per round")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--rss", action="store_true", help="measure memory while streaming")
-  parser.add_argument("--lines", default="10000,1000000")
-  args = parser.parse_args(argv)
-  rss(args) if args.rss else speed(args)  # pylint: disable=expression-not-assigned
+def define_flags() -> None:
+  flags.DEFINE_enum("shape", "small", sorted(SHAPES), "The model: small (4 layers x 256) or base "
+                    "(BERT-Base).")
+  flags.DEFINE_integer("n", 1024, "Sequences per round.", lower_bound=1)
+  flags.DEFINE_integer("rounds", 5, "Rounds of each side, interleaved.", lower_bound=1)
+  flags.DEFINE_bool("rss", False, "Measure memory while streaming instead (--lines).")
+  flags.DEFINE_string("lines", "10000,1000000", "--rss: the input files' line counts.")
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  args = flags.FLAGS
+  if args.rss:
+    rss(args.lines)
+  else:
+    speed(args.shape, args.n, args.rounds)
 
 
 if __name__ == "__main__":
-  main()
+  from bertjax import cli  # pylint: disable=ungrouped-imports
+  define_flags()
+  cli.run(main)

@@ -1,17 +1,23 @@
-"""What the commands (main, finetune, aot, benchmark, data.prepare, convert) share: the `--config`
-flag, a run's flags and start-up, quiet logs, refusals reported without a traceback.
+"""What the commands (main, finetune, aot, benchmark, data.prepare, convert, predict, launch.tpu)
+share: the `--config` flag, a run's flags and start-up, `run` (absl's app.run with usage errors in
+one line), subcommands, quiet logs, refusals reported without a traceback.
+
+A command defines its flags only when it runs as one (in its `__main__` block), never at import:
+importing every module in one process (a test does) then defines no flag twice, and two commands'
+`--workdir` or `--output` never meet.
 
 Config files live in a `configs/` folder and import `configs.base`. So that this works whatever the
 working directory, the folder holding `configs/` (the config file's grandparent) is put on
 `sys.path` before absl parses the flags and loads the file.
 """
 
+import contextlib
 import logging
 import os
 import re
 import signal
 import sys
-from typing import Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
@@ -57,17 +63,17 @@ def refuse_moved_keys(argv: Sequence[str], moved: dict[str, str], name: str = "c
              "pre-training uses for the same settings).")
 
 
-def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", name: str = "config"):
+def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", name: str = "config",
+                       default: str | None = None):
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
   make_config_folder_importable(sys.argv, name)
-  return config_flags.DEFINE_config_file(name, None, help_text, lock_config=True)
+  with _misspelled_keys_in_one_line(sys.argv):  # a default file is loaded, and checked, here
+    return config_flags.DEFINE_config_file(name, default, help_text, lock_config=True)
 
 
 def define_run_flags() -> None:
   """The flags of a training run (`bertjax.main`, `bertjax.finetune`): the locked config, the
   workdir and the multi-process join; `start` reads them."""
-  if "workdir" in flags.FLAGS:  # both entry points imported in one process: one set of flags
-    return
   define_config_flag()
   flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard logs and metrics go here "
                       "(local path or gs://). Running again with the same workdir resumes.")
@@ -121,12 +127,22 @@ def start(argv) -> None:
 
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
-  """absl's flag parsing (app.run's `flags_parser`), with a misspelled config key said in one line
-  naming the flag and ml_collections' suggestion: ml_collections raises it mid-parse as an
-  AttributeError, which absl would print as three chained tracebacks."""
-  from absl import app  # pylint: disable=import-outside-toplevel
+  """absl's flag parsing (app.run's `flags_parser`), a bad flag said in one line with exit status
+  2 (`usage_error`), a misspelled config key as `_misspelled_keys_in_one_line` says it."""
+  with _misspelled_keys_in_one_line(argv):
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as err:
+      usage_error(str(err))
+
+
+@contextlib.contextmanager
+def _misspelled_keys_in_one_line(argv: Sequence[str]):
+  """A misspelled config key in one line naming the flag and ml_collections' suggestion:
+  ml_collections raises it as an AttributeError, which absl would print as three chained
+  tracebacks."""
   try:
-    return app.parse_flags_with_usage(argv)
+    yield
   except (AttributeError, KeyError) as err:
     # str() of the KeyError ml_collections wraps: the quoted key, then its suggestion.
     text = str(err.args[0] if err.args else err)
@@ -139,6 +155,62 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     sys.exit(f"bertjax: {flag}: the config has no key {key!r}"
              + (f"; did you mean {hint.group(1)!r}?" if hint else "")
              + " (every key and its meaning: configs/base.py).")
+
+
+def program() -> str:
+  """The running command as its user typed it, for messages: `bertjax.convert.hf` for
+  `python -m bertjax.convert.hf`, else the script's name."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  if spec is not None and spec.name:
+    return spec.name.removesuffix(".__main__")
+  return os.path.basename(sys.argv[0])
+
+
+def usage_error(message: str, prog: str | None = None) -> NoReturn:
+  """Ends a command given a command line it cannot run: one line naming the flag or word at fault,
+  exit status 2 (a usage error's status, as argparse and the shells give it)."""
+  print(f"{prog or program()}: error: {' '.join(message.split())} (--help: the flags)",
+        file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+HELP_FLAGS = ("--help", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def subcommand(argv: Sequence[str], names: Sequence[str], prog: str | None = None) -> str | None:
+  """The subcommand of `prog SUBCOMMAND [--flag ...]`: argv[1], one of `names`; None where argv[1]
+  asks for help. Read before the flags are defined, so that each subcommand defines only its own:
+  absl then refuses another subcommand's flag by name, and `SUBCOMMAND --help` lists its flags.
+  Anything else ends the command (`usage_error`)."""
+  word = argv[1] if len(argv) > 1 else None
+  if word in names:
+    return word
+  if word in HELP_FLAGS:
+    return None
+  usage_error(f"{'unknown command ' + repr(word) if word else 'no command'}: the first word "
+              f"says which, one of {', '.join(names)}", prog)
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+  """app.run(main) as every command's `__main__` block ends: flags parsed by `parse_flags`,
+  third-party INFO logs off (`quiet_third_party_logs`: app.run sets absl's verbosity to INFO), an
+  app.UsageError raised by main said in one line with exit status 2 (absl would print the module's
+  docstring), and the flags a command takes from bertjax modules (this module's run flags, the
+  converters' shared ones) listed by its --help as its own."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  for module, defined in list(flags.FLAGS.flags_by_module_dict().items()):
+    if module.startswith("bertjax."):
+      for flag in defined:  # absl's --help shows the key flags of the main module (argv[0])
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+  def main_with_usage_in_one_line(argv):
+    quiet_third_party_logs()
+    try:
+      return main(argv)
+    except app.UsageError as err:
+      usage_error(str(err))
+
+  app.run(main_with_usage_in_one_line, flags_parser=parse_flags)
 
 
 class _OwnInfoOnly(logging.Filter):

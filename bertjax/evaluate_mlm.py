@@ -11,15 +11,14 @@ model sees the same sequences with the same masks (configs/tiny.py: 3,272 unpack
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import json
 
 import jax
-import numpy as np
+from absl import app, flags
 
-from bertjax import checkpoint as checkpoint_lib, loop, train, weights
+from bertjax import checkpoint as checkpoint_lib, cli, loop, train, weights
 
 
 def _config(path: str):
@@ -54,17 +53,17 @@ def score(workdir: str, data_config, sequences: int = 0) -> dict:
           "mlm_loss": float(out["mlm_loss"]), "sequences": int(out.get("num_sequences", 0))}
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m bertjax.evaluate_mlm", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--data_config", default="configs/tiny.py")
-  parser.add_argument("--sequences", type=int, default=0, help="held-out sequences (0: all)")
-  parser.add_argument("workdirs", nargs="+")
-  args = parser.parse_args(argv)
-  data = _config(args.data_config).data
-  for workdir in args.workdirs:
-    print(json.dumps(score(workdir, data, args.sequences)), flush=True)
+def main(argv) -> None:
+  if len(argv) < 2:
+    raise app.UsageError("name the workdirs to score: WORKDIR [WORKDIR ...]")
+  data = flags.FLAGS.data_config.data
+  for workdir in argv[1:]:
+    print(json.dumps(cli.explained(score, workdir, data, flags.FLAGS.sequences)), flush=True)
 
 
 if __name__ == "__main__":
-  main()
+  cli.define_config_flag("The config whose data section gives the held-out split (overrides: "
+                         "--data_config.data.KEY=...).", name="data_config",
+                         default="configs/tiny.py")
+  flags.DEFINE_integer("sequences", 0, "Held-out sequences scored (0: all).", lower_bound=0)
+  cli.run(main)

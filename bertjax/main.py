@@ -7,11 +7,10 @@ join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordi
 --num_processes and --process_id (or the BERTJAX_* environment variables of bertjax.distributed).
 """
 
-from absl import app, flags
+from absl import flags
 
 from bertjax import cli, hostmem
 
-cli.define_run_flags()
 FLAGS = flags.FLAGS
 
 
@@ -23,4 +22,5 @@ def main(argv):
 
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.define_run_flags()
+  cli.run(main)

@@ -40,9 +40,10 @@ from typing import Any, Iterable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import files, weights
+from bertjax import cli, files, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import custom, glue, ner, objectives, squad, squad_postprocess
 from bertjax.finetune import spec as spec_lib, textfiles
@@ -371,42 +372,54 @@ def embed_file(predictor: Predictor, input_path: str, output_path: str, *, pooli
   return n
 
 
-def main(argv=None) -> None:
-  import argparse  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m bertjax.predict", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--workdir", required=True,
-                      help="a fine-tuning workdir (embed: any weights folder)")
-  parser.add_argument("--input", required=True, help="CSV, TSV or JSON Lines")
-  parser.add_argument("--output", required=True, help="predict: .jsonl; embed: .npy")
-  parser.add_argument("--mode", choices=("predict", "embed"), default="predict")
-  parser.add_argument("--checkpoint", default="best", help="best, latest or a step")
-  parser.add_argument("--rows_per_device", type=int, default=32,
-                      help="rows each device takes per call (a call takes this x devices)")
-  parser.add_argument("--format", default="", help="csv, tsv or jsonl ('' = from the extension)")
-  parser.add_argument("--pooling", choices=POOLINGS, default="cls", help="embed: the vector")
-  parser.add_argument("--max_seq_length", type=int, default=128, help="embed: tokens kept")
-  for column in ("text_a", "text_b", "tokens"):
-    parser.add_argument(f"--{column}", default=None,
-                        help=f"the input's column for the model's {column} (default: as trained)")
-  args = parser.parse_args(argv)
-  from bertjax import cli  # pylint: disable=import-outside-toplevel
-  if args.rows_per_device < 1:
-    parser.error(f"--rows_per_device={args.rows_per_device} must be >= 1")
-  embed = args.mode == "embed"
-  predictor = cli.explained(Predictor.from_workdir, args.workdir, checkpoint=args.checkpoint,
-                            rows_per_device=args.rows_per_device, embed=embed)
+def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
+        checkpoint: str = "best", rows_per_device: int = 32, fmt: str = "", pooling: str = "cls",
+        max_seq_length: int = 128, columns: dict[str, str] | None = None) -> int:
+  """What `python -m bertjax.predict` does with its flags (see the module docstring; columns: the
+  input's column for text_a, text_b or tokens, where not the trained ones); prints what was done
+  and returns the number of rows."""
+  columns = columns or {}
+  embed = mode == "embed"
+  predictor = Predictor.from_workdir(workdir, checkpoint=checkpoint,
+                                     rows_per_device=rows_per_device, embed=embed)
   if embed:
-    n = cli.explained(embed_file, predictor, args.input, args.output, pooling=args.pooling,
-                      text_a=args.text_a or "text", text_b=args.text_b or "",
-                      max_seq_length=args.max_seq_length, fmt=args.format)
+    n = embed_file(predictor, input_path, output, pooling=pooling,
+                   text_a=columns.get("text_a") or "text", text_b=columns.get("text_b") or "",
+                   max_seq_length=max_seq_length, fmt=fmt)
   else:
-    columns = {k: getattr(args, k) for k in ("text_a", "text_b", "tokens")
-               if getattr(args, k) is not None}
-    n = cli.explained(predict_file, predictor, args.input, args.output, args.format, columns)
-  print(f"{args.mode}: {n:,} rows of {args.input} -> {args.output} ({predictor.source})",
-        flush=True)
+    n = predict_file(predictor, input_path, output, fmt, columns)
+  print(f"{mode}: {n:,} rows of {input_path} -> {output} ({predictor.source})", flush=True)
+  return n
+
+
+def define_flags() -> None:
+  flags.DEFINE_string("workdir", None, "A fine-tuning workdir (embed: any weights folder).",
+                      required=True)
+  flags.DEFINE_string("input", None, "CSV, TSV or JSON Lines.", required=True)
+  flags.DEFINE_string("output", None, "predict: .jsonl; embed: .npy", required=True)
+  flags.DEFINE_enum("mode", "predict", ["predict", "embed"], "Predictions of the fine-tuned "
+                    "task, or sentence vectors.")
+  flags.DEFINE_string("checkpoint", "best", "best, latest or a step.")
+  flags.DEFINE_integer("rows_per_device", 32, "Rows each device takes per call (a call takes "
+                       "this x devices).", lower_bound=1)
+  flags.DEFINE_string("format", "", "csv, tsv or jsonl ('' = from the extension).")
+  flags.DEFINE_enum("pooling", "cls", list(POOLINGS), "embed: the vector.")
+  flags.DEFINE_integer("max_seq_length", 128, "embed: tokens kept.", lower_bound=1)
+  for column in ("text_a", "text_b", "tokens"):
+    flags.DEFINE_string(column, None, f"The input's column for the model's {column} (default: "
+                        "as trained).")
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  args = flags.FLAGS
+  columns = {k: args[k].value for k in ("text_a", "text_b", "tokens") if args[k].value is not None}
+  cli.explained(run, args.workdir, args.input, args.output, mode=args.mode,
+                checkpoint=args.checkpoint, rows_per_device=args.rows_per_device, fmt=args.format,
+                pooling=args.pooling, max_seq_length=args.max_seq_length, columns=columns)
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  cli.run(main)

@@ -5,7 +5,7 @@ records the versions it compiled with; on each TPU VM `python -m bertjax.version
 (`launch/tpu.py run` collects them from every worker and refuses to start when they differ).
 Reads package metadata only: importing jax here would cost seconds on every worker.
 
-    python -m bertjax.versions            # name==version of each package in the lock
+    python -m bertjax.versions [LOCK]     # name==version of each package in the lock
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
-import sys
 
 LOCK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
                     "requirements-tpu.lock")
@@ -65,6 +64,14 @@ def parse_versions(text: str) -> dict[str, str]:
   return dict(item.split("==", 1) for item in text.split() if "==" in item)
 
 
+def main(argv) -> None:
+  """`python -m bertjax.versions [LOCK]`: the installed version of each package LOCK pins."""
+  if len(argv) > 2:
+    from absl import app  # pylint: disable=import-outside-toplevel
+    raise app.UsageError(f"one lock file at most (got {argv[1:]})")
+  print(format_versions(installed(read_lock(argv[1] if len(argv) > 1 else LOCK))))
+
+
 if __name__ == "__main__":
-  lock = sys.argv[1] if len(sys.argv) > 1 else LOCK
-  print(format_versions(installed(read_lock(lock))))
+  from bertjax import cli
+  cli.run(main)

@@ -1,22 +1,22 @@
-#!/usr/bin/env python3
 """Copies a TPU VM's job log into the workdir (WORKDIR/logs/HOSTNAME.log) while the job runs.
 
-Started by `launch/tpu.py run` next to the job on every worker; a log on the VM goes with a
+Started by `python -m launch.tpu run` next to the job on every worker; a log on the VM goes with a
 preempted or deleted slice, the copy in the bucket stays. Copies every --every seconds when the
 log changed, and once more after the job (--pid) exits; `--once` copies once (`delete` runs it
 before deleting the slice). tf.io.gfile writes gs:// as it writes a local folder (the tests use
 one in place of the bucket). A GCS object cannot be appended to, so each copy rewrites the whole
 log: fine for console logs of megabytes.
 
-    python launch/logsync.py --src ~/bertjax-logs/train.log --dest gs://B/run/logs/HOST.log --pid 123
+    python -m launch.logsync --src ~/bertjax-logs/train.log --dest gs://B/run/logs/HOST.log --pid 123
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+
+from absl import app, flags
 
 
 def alive(pid: int) -> bool:
@@ -45,16 +45,20 @@ def copy(src: str, dest: str, gfile) -> bool:
     return False
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--src", required=True, help="the log on this VM")
-  p.add_argument("--dest", required=True, help="e.g. gs://BUCKET/run/logs/HOSTNAME.log")
-  p.add_argument("--pid", type=int, help="copy until this process exits, then once more")
-  p.add_argument("--every", type=float, default=60.0, help="seconds between copies")
-  p.add_argument("--once", action="store_true", help="copy once and exit")
-  args = p.parse_args(argv)
+def define_flags() -> None:
+  flags.DEFINE_string("src", None, "The log on this VM.", required=True)
+  flags.DEFINE_string("dest", None, "E.g. gs://BUCKET/run/logs/HOSTNAME.log.", required=True)
+  flags.DEFINE_integer("pid", None, "Copy until this process exits, then once more.")
+  flags.DEFINE_float("every", 60.0, "Seconds between copies.")
+  flags.DEFINE_bool("once", False, "Copy once and exit.")
+
+
+def main(argv) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  args = flags.FLAGS
   if not args.once and args.pid is None:
-    p.error("give --pid (copy while it runs) or --once")
+    raise app.UsageError("give --pid (copy while it runs) or --once")
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   gfile = tf.io.gfile
@@ -80,4 +84,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from bertjax import cli
+  define_flags()
+  cli.run(main)

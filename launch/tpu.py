@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Pre-train on a Cloud TPU slice: create it, set it up, run, check, follow, stop, delete.
 
-  python launch/tpu.py up --name=bert-large --zone=ZONE --accelerator-type=v5p-128 --spot --watch \\
+  python -m launch.tpu up --name=bert-large --zone=ZONE --accelerator-type=v5p-128 --spot --watch \\
       --config=configs/bert_large.py --workdir=gs://BUCKET/large_p1 \\
       -- --config.data.cache_dir=gs://BUCKET/bertjax-cache
-  python launch/tpu.py status --name=bert-large     # later commands need only the name
+  python -m launch.tpu status --name=bert-large     # later commands need only the name
 
 Subcommands: create (a queued resource, waits until ACTIVE), setup (project + venv + the locked
 packages of launch/requirements-tpu.lock on every worker), run (pre-flight on every worker, then
@@ -15,32 +14,38 @@ saves a checkpoint and exits), delete (collects the logs first), and up (create 
 command is printed before it runs; --dry-run prints them and runs nothing (no subprocess at all).
 Flags after `--` go to `python -m bertjax.main` unchanged. The inputs are checked before anything
 is created: the accelerator type, a gs:// workdir and shared data for multi-host jobs, the
-config's mesh against the slice (ICI) and the slices (DCN). See launch/README.md.
+config's mesh against the slice (ICI) and the slices (DCN). `SUBCOMMAND --help` lists a
+subcommand's flags. See launch/README.md.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
+
+if __name__ == "__main__" and not __package__:  # `python launch/tpu.py`: `launch` not importable
+  sys.exit("launch/tpu.py is a module of the `launch` package: run `python -m launch.tpu ...` "
+           "from the project's root, or `launch/tpu.sh ...` from anywhere.")
+
+# pylint: disable=wrong-import-position
 import json
 import os
 import subprocess
-import sys
 import tempfile
+import types
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tpu_* modules beside this
-# pylint: disable=wrong-import-position
-# Some names are imported only to be found here (the tests read tpu.check_mesh, tpu.run_script...).
-from tpu_cloud import (FAILED, GOING, MISSING, PREEMPTED, READY, LaunchError, Runner, create_argv,
-                       delete_argv, describe, events_path, fill_from_state, forget, save_state,
-                       scp, ssh, state_path, wait_until)
-from tpu_plan import (MESH_AXES, PYTHON_REQUIREMENT, REPO, Accelerator, check_mesh,  # noqa: F401
-                      config_overrides, from_setup_py, parse_accelerator, plan_run)
-from tpu_remote import (REMOTE_LOG, REMOTE_TARBALL, TRAINING_PROCESS, VERSIONS,  # noqa: F401
-                        RunPlan,
-                        check_script, collect_script, follow_script, kill_script, logs_dir,
-                        parse_host_versions, parse_workers, preflight_script, run_script,
-                        setup_script, stop_script, version_problems)
-from bertjax import topologies, versions  # noqa: E402  (REPO is on sys.path: tpu_plan)
+from absl import flags
+
+from bertjax import cli, topologies, versions
+from launch.tpu_cloud import (FAILED, GOING, MISSING, PREEMPTED, READY, LaunchError, Runner,
+                              create_argv, delete_argv, describe, events_path, fill_from_state,
+                              forget, save_state, scp, ssh, state_path, wait_until)
+from launch.tpu_plan import PYTHON_REQUIREMENT, REPO, from_setup_py, parse_accelerator, plan_run
+from launch.tpu_remote import (REMOTE_LOG, REMOTE_TARBALL, VERSIONS, RunPlan, check_script,
+                               collect_script, follow_script, kill_script, logs_dir,
+                               parse_host_versions, parse_workers, preflight_script, run_script,
+                               setup_script, stop_script, version_problems)
+
+PROG = "launch.tpu"  # how its messages name it, as bertjax's commands name themselves (cli.program)
 
 GENERATIONS = {g.name: g.runtime_version for g in topologies.GENERATIONS.values()}
 
@@ -75,7 +80,7 @@ def ensure_slice(args, runner: Runner) -> None:
     create(args, runner)
   elif state in FAILED:
     raise LaunchError(f"queued resource {args.name} is {state}" + (f": {message}" if message else "")
-                      + "; delete it (launch/tpu.py delete) and run up again")
+                      + "; delete it (python -m launch.tpu delete) and run up again")
   else:
     wait_until(args, runner)
 
@@ -124,7 +129,7 @@ def check_versions(args, runner: Runner, text: str) -> None:
     return
   per_host = parse_host_versions(text)
   if not per_host:
-    raise LaunchError("no worker reported its versions (is it set up? launch/tpu.py setup)")
+    raise LaunchError("no worker reported its versions (is it set up? python -m launch.tpu setup)")
   compiled = None
   if args.aot_report:
     with open(args.aot_report, encoding="utf-8") as f:
@@ -133,7 +138,7 @@ def check_versions(args, runner: Runner, text: str) -> None:
       raise LaunchError(f"{args.aot_report} names no versions: make it with this bertjax.aot")
   problems = version_problems(per_host, versions.read_lock(), compiled)
   if problems:
-    raise LaunchError("refusing to start: " + "; ".join(problems) + ". `launch/tpu.py setup` "
+    raise LaunchError("refusing to start: " + "; ".join(problems) + ". `python -m launch.tpu setup` "
                       "installs launch/requirements-tpu.lock on every worker" + (
                           f"; compile again with the lock's versions (pip install -r "
                           f"launch/requirements-tpu.lock) for a new {args.aot_report}"
@@ -194,8 +199,9 @@ def run(args, runner: Runner, plan: RunPlan | None = None) -> None:
     raise LaunchError(
         f"not running after {args.check_after:g} s: {named}" + (
             f"; {len(workers)} of {expected} workers answered" if expected else "")
-        + ". Their last log lines are above (all of them: launch/tpu.py logs --worker=all). The "
-        f"others wait for them: launch/tpu.py stop --kill --name={args.name}, fix, run again")
+        + ". Their last log lines are above (all of them: python -m launch.tpu logs --worker=all). "
+        f"The others wait for them: python -m launch.tpu stop --kill --name={args.name}, fix, run "
+        "again")
   finished = sum(w.finished for w in workers.values())
   runner.say(f"all {len(workers)} workers running" + (f" or finished ({finished} exited with "
                                                        "status 0)" if finished else ""))
@@ -271,7 +277,7 @@ def watch(args, runner: Runner, plan: RunPlan) -> None:
         runner.event(f"{args.name}: still ACTIVE: a failure of the job, not a preemption; "
                      "watch ends", log)
         raise LaunchError(f"workers died on an ACTIVE slice: {', '.join(w.host for w in dead)}; "
-                          f"launch/tpu.py logs --name={args.name} --worker=all")
+                          f"python -m launch.tpu logs --name={args.name} --worker=all")
     if state in PREEMPTED:
       restarts += 1
       if restarts > args.max_restarts:
@@ -302,7 +308,7 @@ def up(args, runner: Runner) -> None:
   if args.watch:
     watch(args, runner, plan)
     return
-  me = f"python {os.path.relpath(os.path.abspath(__file__))}"
+  me = "python -m launch.tpu"
   runner.say(f"later: `{me} status --name={args.name}`; `{me} logs --name={args.name} "
              f"--worker=all`; `{me} stop --name={args.name}` (saves a checkpoint); `{me} delete "
              f"--name={args.name}` (collects the logs, deletes the slice; the workdir stays)")
@@ -310,98 +316,145 @@ def up(args, runner: Runner) -> None:
 
 
 # --- Command line. ---------------------------------------------------------------------------------
+# Each subcommand defines only its own flags, in a FlagValues made per call: absl then refuses
+# another subcommand's flag by name, `SUBCOMMAND --help` lists the subcommand's, and `main` runs
+# any number of times in one process (tests/test_launch_tpu_ops.py drives it with a fake gcloud)
+# without meeting absl's global FLAGS or another command's --config. The flags keep gcloud's
+# dashed spelling (--accelerator-type, --num-slices), which absl accepts.
+
+_S, _I, _F, _B, _M = (flags.DEFINE_string, flags.DEFINE_integer, flags.DEFINE_float,
+                      flags.DEFINE_bool, flags.DEFINE_multi_string)
+FLAG_SPECS = {  # name: (define, default, help)
+    "name": (_S, None, "queued resource (and TPU node) name"),
+    "zone": (_S, None, "e.g. us-east5-a (where the quota is); remembered"),
+    "project": (_S, None, "Google Cloud project (default: gcloud's); remembered"),
+    "num-slices": (_I, None, "slices of a multi-slice job (queued resource nodes; default 1); "
+                   "remembered"),
+    "dry-run": (_B, False, "print every command, run none (no subprocess at all)"),
+    "poll-seconds": (_F, 30, "describe every N s while waiting"),
+    "max-wait": (_F, 0, "give up waiting for a state after N s (0: no limit; a queued Spot "
+                 "request can wait for hours)"),
+    "accelerator-type": (_S, None, "v5p-128, v5p-384, v5litepod-64, v6e-256, v4-32; for `run`, "
+                         "the slice's type for the checks (remembered from create; without it "
+                         "the slice is taken as multi-host)"),
+    "runtime-version": (_S, None, "default: the one for the generation (" + ", ".join(
+        f"{g}: {r}" for g, r in GENERATIONS.items()) + ")"),
+    "spot": (_B, False, "Spot VMs: cheaper, preemptible"),
+    "reserved": (_B, False, "the project's reserved capacity"),
+    "extra-create-flags": (_M, None, "more flags for `queued-resources create`, split as a shell "
+                           "would and passed verbatim, e.g. \"--network=N --subnetwork=S "
+                           "--internal-ips --service-account=SA --reservation=R\"; repeatable; "
+                           "remembered"),
+    "repo": (_S, None, "git URL cloned on each worker (default: a git archive of this checkout, "
+             "copied with scp)"),
+    "ref": (_S, None, "commit, branch or tag (default: HEAD / the default branch)"),
+    "python": (_S, None, "Python for the venv (default: setup.py's python_requires)"),
+    "config": (_S, None, "e.g. configs/bert_large.py or ...:phase=2 (with --workdir and the flags "
+               "after --, remembered: a later `run` may leave all three out)"),
+    "workdir": (_S, None, "gs://BUCKET/RUN: checkpoints, logs, metrics; the same one resumes"),
+    "check-after": (_F, 120, "seconds after the start to check that every worker still runs"),
+    "skip-preflight": (_B, False, "stop nothing that holds the TPU and keep /tmp/libtpu_lockfile "
+                       "(the versions are still compared)"),
+    "aot-report": (_S, None, "the --json of `python -m bertjax.aot`: the workers' versions must "
+                   "also be the ones it compiled with"),
+    "sync-logs-every": (_F, 60, "copy each worker's log to WORKDIR/logs/HOSTNAME.log every N s "
+                        "and at the job's exit (0: never)"),
+    "lines": (_I, 20, "log lines shown per worker"),
+    "worker": (_S, "0", "N or all"),
+    "node": (_S, "0", "the slice of --worker=N (multi-slice)"),
+    "wait-seconds": (_I, 600, "wait this long for the save"),
+    "kill": (_B, False, "SIGKILL instead, no checkpoint: for a job that SIGTERM cannot stop (e.g. "
+             "hosts blocked in a collective after one failed)"),
+    "no-collect-logs": (_B, False, "delete without copying the logs"),
+    "watch": (_B, False, "instead of following the log, watch the slice: on Spot preemption "
+              "delete, recreate, set up and restart the job (it resumes from its checkpoint); "
+              "ends when the job does"),
+    "watch-seconds": (_F, 300, "with --watch: look every N s"),
+    "max-restarts": (_I, 5, "with --watch: recreate at most N times"),
+}
+COMMON = ("name", "zone", "project", "num-slices", "dry-run", "poll-seconds", "max-wait")
+SLICE = ("accelerator-type", "runtime-version", "spot", "reserved", "extra-create-flags")
+PROJECT = ("repo", "ref", "python")
+JOB = ("config", "workdir", "check-after", "skip-preflight", "aot-report", "sync-logs-every")
+SUBCOMMANDS = {  # name: (function, its flags, what it does)
+    "create": (create, COMMON + SLICE, "request the slice (a queued resource) and wait until "
+               "ACTIVE"),
+    "setup": (setup, COMMON + PROJECT, "project, venv, the locked packages on every worker"),
+    "run": (run, COMMON + JOB + ("lines", "accelerator-type"), "pre-flight, then python -m "
+            "bertjax.main on every worker in the background (nohup), a log on each copied to the "
+            "workdir, then a check of every worker"),
+    "status": (status, COMMON + ("lines",), "the resource's state and every worker's: running, "
+               "exited:STATUS, vanished, not-started; with its log's last lines"),
+    "logs": (logs, COMMON + ("worker", "node"), "follow a worker's log, or every worker's "
+             "(--worker=all)"),
+    "stop": (stop, COMMON + ("wait-seconds", "kill"), "SIGTERM to the job on every worker (pkill "
+             "-f of bertjax.main): the loop saves a checkpoint at its next logging step and exits; "
+             "`run` with the same --workdir resumes"),
+    "delete": (delete, COMMON + ("no-collect-logs",), "copy every worker's log to WORKDIR/logs, "
+               "then delete the queued resource and its TPU VMs (--force --quiet); the workdir "
+               "stays"),
+    "up": (up, COMMON + SLICE + PROJECT + JOB + ("lines", "watch", "watch-seconds",
+                                                "max-restarts"),
+           "create (unless it exists) + setup + run + logs; every input is checked before "
+           "anything is created"),
+}
 
 
-def parser() -> argparse.ArgumentParser:
-  common = argparse.ArgumentParser(add_help=False)
-  common.add_argument("--name", required=True, help="queued resource (and TPU node) name")
-  common.add_argument("--zone", help="e.g. us-east5-a (where the quota is); remembered")
-  common.add_argument("--project", help="Google Cloud project (default: gcloud's); remembered")
-  common.add_argument("--num-slices", type=int, help="slices of a multi-slice job (queued "
-                      "resource nodes; default 1); remembered")
-  common.add_argument("--dry-run", action="store_true",
-                      help="print every command, run none (no subprocess at all)")
-  common.add_argument("--poll-seconds", type=float, default=30, help="describe every N s while "
-                      "waiting")
-  common.add_argument("--max-wait", type=float, default=0, help="give up waiting for a state "
-                      "after N s (0: no limit; a queued Spot request can wait for hours)")
-  slice_ = argparse.ArgumentParser(add_help=False)
-  slice_.add_argument("--accelerator-type", help="v5p-128, v5p-384, v5litepod-64, v6e-256, v4-32")
-  slice_.add_argument("--runtime-version", help="default: the one for the generation "
-                      f"({', '.join(f'{g}: {r}' for g, r in GENERATIONS.items())})")
-  tier = slice_.add_mutually_exclusive_group()
-  tier.add_argument("--spot", action="store_true", help="Spot VMs: cheaper, preemptible")
-  tier.add_argument("--reserved", action="store_true", help="the project's reserved capacity")
-  slice_.add_argument("--extra-create-flags", action="append", metavar="FLAGS",
-                      help="more flags for `queued-resources create`, split as a shell would "
-                      "and passed verbatim, e.g. \"--network=N --subnetwork=S --internal-ips "
-                      "--service-account=SA --reservation=R\"; repeatable; remembered")
-  project = argparse.ArgumentParser(add_help=False)
-  project.add_argument("--repo", help="git URL cloned on each worker (default: a git archive of "
-                       "this checkout, copied with scp)")
-  project.add_argument("--ref", help="commit, branch or tag (default: HEAD / the default branch)")
-  project.add_argument("--python", help="Python for the venv (default: setup.py's python_requires)")
-  job = argparse.ArgumentParser(add_help=False)
-  job.add_argument("--config", help="e.g. configs/bert_large.py or ...:phase=2 (with --workdir and "
-                   "the flags after --, remembered: a later `run` may leave all three out)")
-  job.add_argument("--workdir", help="gs://BUCKET/RUN: checkpoints, logs, metrics; the same one "
-                   "resumes")
-  job.add_argument("--check-after", type=float, default=120, help="seconds after the start to "
-                   "check that every worker still runs (default 120)")
-  job.add_argument("--skip-preflight", action="store_true", help="stop nothing that holds the TPU "
-                   "and keep /tmp/libtpu_lockfile (the versions are still compared)")
-  job.add_argument("--aot-report", help="the --json of `python -m bertjax.aot`: the workers' "
-                   "versions must also be the ones it compiled with")
-  job.add_argument("--sync-logs-every", type=float, default=60, help="copy each worker's log to "
-                   "WORKDIR/logs/HOSTNAME.log every N s and at the job's exit (0: never)")
-  lines = argparse.ArgumentParser(add_help=False)
-  lines.add_argument("--lines", type=int, default=20, help="log lines shown per worker")
-
-  p = argparse.ArgumentParser(
-      prog="launch/tpu.py", description=__doc__.split("\n\n")[0],
-      epilog="Flags after `--` go to python -m bertjax.main (e.g. -- --config.data.cache_dir=gs://B/c).")
-  sub = p.add_subparsers(dest="command", required=True)
-
-  def add(name, parents, text):
-    return sub.add_parser(name, parents=parents, help=text, description=text)
-
-  add("create", [common, slice_], "request the slice (a queued resource) and wait until ACTIVE")
-  add("setup", [common, project], "project, venv, the locked packages on every worker")
-  r = add("run", [common, job, lines], "pre-flight, then python -m bertjax.main on every worker "
-          "in the background (nohup), a log on each copied to the workdir, then a check of every "
-          "worker")
-  r.add_argument("--accelerator-type", help="the slice's type, for the checks (remembered from "
-                 "create; without it the slice is taken as multi-host)")
-  add("status", [common, lines], "the resource's state and every worker's: running, "
-      "exited:STATUS, vanished, not-started; with its log's last lines")
-  g = add("logs", [common], "follow a worker's log, or every worker's (--worker=all)")
-  g.add_argument("--worker", default="0", help="N or all (default 0)")
-  g.add_argument("--node", default="0", help="the slice of --worker=N (multi-slice; default 0)")
-  s = add("stop", [common], "SIGTERM to the job on every worker (pkill -f of bertjax.main): the "
-          "loop saves a checkpoint at its next logging step and exits; `run` with the same "
-          "--workdir resumes")
-  s.add_argument("--wait-seconds", type=int, default=600, help="wait this long for the save")
-  s.add_argument("--kill", action="store_true", help="SIGKILL instead, no checkpoint: for a job "
-                 "that SIGTERM cannot stop (e.g. hosts blocked in a collective after one failed)")
-  d = add("delete", [common], "copy every worker's log to WORKDIR/logs, then delete the queued "
-          "resource and its TPU VMs (--force --quiet); the workdir stays")
-  d.add_argument("--no-collect-logs", action="store_true", help="delete without copying the logs")
-  u = add("up", [common, slice_, project, job, lines], "create (unless it exists) + setup + run + "
-          "logs; every input is checked before anything is created")
-  u.add_argument("--watch", action="store_true", help="instead of following the log, watch the "
-                 "slice: on Spot preemption delete, recreate, set up and restart the job (it "
-                 "resumes from its checkpoint); ends when the job does")
-  u.add_argument("--watch-seconds", type=float, default=300, help="with --watch: look every N s")
-  u.add_argument("--max-restarts", type=int, default=5, help="with --watch: recreate at most N "
-                 "times")
-  return p
+def flag_values(command: str | None) -> flags.FlagValues:
+  """A FlagValues holding `command`'s flags (every subcommand's for None)."""
+  names = SUBCOMMANDS[command][1] if command else list(FLAG_SPECS)
+  values = flags.FlagValues()
+  for name in names:
+    define, default, text = FLAG_SPECS[name]
+    define(name, default, text, flag_values=values)
+  if command:
+    flags.mark_flag_as_required("name", flag_values=values)
+  if "spot" in names:
+    flags.mark_bool_flags_as_mutual_exclusive(["spot", "reserved"], flag_values=values)
+  return values
 
 
-COMMANDS = {"create": create, "setup": setup, "run": run, "status": status, "logs": logs,
-            "stop": stop, "delete": delete, "up": up}
+def usage(command: str | None, values: flags.FlagValues) -> str:
+  if command is None:
+    return (__doc__ + "\nSubcommands:\n" + "".join(
+        f"  {name}: {text}\n" for name, (_, _, text) in SUBCOMMANDS.items())
+            + "\nEvery subcommand's flags:\n" + values.get_help(include_special_flags=False))
+  return (f"{PROG} {command}: {SUBCOMMANDS[command][2]}.\n\nFlags after `--` go to python -m "
+          f"bertjax.main (run, up).\n\n{values.get_help(include_special_flags=False)}")
 
 
-def complete(args, p: argparse.ArgumentParser) -> None:
+def parse(argv: list[str]) -> types.SimpleNamespace:
+  """The command line (after the program's name) as the subcommands read it: one attribute per
+  flag of the subcommand (dashes as underscores), `command`, and `flags` (those after `--`). A
+  command line that cannot run ends the process (exit status 2); --help prints and exits 0."""
+  job_flags = []
+  if "--" in argv:
+    i = argv.index("--")
+    argv, job_flags = argv[:i], argv[i + 1:]
+  asks_help = any(a in cli.HELP_FLAGS or a == "-h" for a in argv)
+  command = None if argv[:1] == ["-h"] else cli.subcommand([PROG, *argv], list(SUBCOMMANDS), PROG)
+  values = flag_values(command)
+  if asks_help:
+    print(usage(command, values))
+    sys.exit(0)
+  prog = f"{PROG} {command}"
+  try:
+    rest = values([prog, *argv[1:]])
+  except flags.Error as err:
+    cli.usage_error(str(err), prog)
+  if rest[1:]:
+    cli.usage_error(f"unexpected arguments {rest[1:]}", prog)
+  if job_flags and command not in ("run", "up"):
+    cli.usage_error(f"flags after -- are for bertjax.main; `{command}` takes none", prog)
+  args = types.SimpleNamespace(command=command, flags=job_flags, **{
+      name.replace("-", "_"): values[name].value for name in SUBCOMMANDS[command][1]})
+  for key in ("accelerator_type", "config", "workdir", "extra_create_flags", "repo", "ref",
+              "runtime_version", "spot", "reserved"):
+    setattr(args, key, getattr(args, key, None))
+  return args
+
+
+def complete(args) -> None:
   """Fills what was left out from the resource's record, then the defaults; refuses what is
   still missing."""
   given = {k for k, v in vars(args).items() if v not in (None, False, [])}
@@ -412,7 +465,7 @@ def complete(args, p: argparse.ArgumentParser) -> None:
   if args.num_slices is None:  # not `or 1`: a --num-slices=0 given is refused, not made 1
     args.num_slices = 1
   if args.num_slices < 1:
-    p.error(f"--num-slices={args.num_slices} must be at least 1")
+    cli.usage_error(f"--num-slices={args.num_slices} must be at least 1", f"{PROG} {args.command}")
   if not args.zone:
     raise LaunchError(f"--zone is needed: nothing is recorded for {args.name} "
                       f"({state_path(args.name)})")
@@ -421,33 +474,21 @@ def complete(args, p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  flags = []
-  if "--" in argv:
-    i = argv.index("--")
-    argv, flags = argv[:i], argv[i + 1:]
-  p = parser()
-  args = p.parse_args(argv)
-  if flags and args.command not in ("run", "up"):
-    p.error(f"flags after -- are for bertjax.main; `{args.command}` takes none")
-  args.flags = flags
-  for key in ("accelerator_type", "config", "workdir", "extra_create_flags", "repo", "ref",
-              "runtime_version", "spot", "reserved"):
-    setattr(args, key, getattr(args, key, None))
+  args = parse(list(sys.argv[1:] if argv is None else argv))
   if args.command == "up":  # up follows every worker: one that dies is seen at once
     args.worker, args.node = "all", "all"
   runner = Runner(args.dry_run)
   if args.dry_run:
     runner.say("dry run: the commands are printed, none is run")
   try:
-    complete(args, p)
-    COMMANDS[args.command](args, runner)
+    complete(args)
+    SUBCOMMANDS[args.command][0](args, runner)
   except LaunchError as err:
-    print(f"launch/tpu.py {args.command}: error: {err}", file=sys.stderr)
+    print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
     return 1
   except KeyboardInterrupt:
     print("\ninterrupted (a queued resource that was requested stays requested: "
-          "launch/tpu.py delete removes it)", file=sys.stderr)
+          "python -m launch.tpu delete removes it)", file=sys.stderr)
     return 130
   return 0
 

@@ -1,4 +1,5 @@
 #!/bin/sh
-# launch/tpu.py with the project's venv when there is one (its config checks load configs/*.py).
-d=$(dirname "$0"); py="$d/../.venv/bin/python"; [ -x "$py" ] || py=python3
-exec "$py" "$d/tpu.py" "$@"
+# python -m launch.tpu from anywhere: with the project's venv when there is one (its config checks
+# load configs/*.py), and the project's folder on PYTHONPATH (where `launch` and `configs` are).
+d=$(cd "$(dirname "$0")/.." && pwd); py="$d/.venv/bin/python"; [ -x "$py" ] || py=python3
+PYTHONPATH="$d${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m launch.tpu "$@"

@@ -228,9 +228,9 @@ def wait_until(args, runner: Runner, until=(READY,), through=()) -> str:
     if state in terminal:
       raise LaunchError(f"queued resource {args.name} is {state}" + (f": {message}" if message else "")
                         + f"; see `{shlex.join(describe_argv(args)[:-1])}`" + (
-                            ", then delete it (launch/tpu.py delete) and create again"
+                            ", then delete it (python -m launch.tpu delete) and create again"
                             if state != MISSING else ""))
     if args.max_wait and waited >= args.max_wait:
       raise LaunchError(f"queued resource {args.name} is still {state} after {args.max_wait:g} s "
-                        "(--max-wait); it stays requested: launch/tpu.py delete removes it")
+                        "(--max-wait); it stays requested: python -m launch.tpu delete removes it")
     runner.sleep(args.poll_seconds)

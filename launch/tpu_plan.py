@@ -1,6 +1,9 @@
 """What launch/tpu.py checks before anything is created or started: the accelerator type, the
 config's mesh against the slice (ICI) and the slices (DCN), a shared workdir and data cache for
 multi-host jobs.
+
+`bertjax` (bertjax.topologies, no jax) and `configs` are imported through the sys.path entry that
+found this package: the project's root, which holds all three.
 """
 
 from __future__ import annotations
@@ -11,15 +14,12 @@ import inspect
 import math
 import os
 import re
-import sys
 
-from tpu_cloud import LaunchError
-from tpu_remote import RunPlan
+from bertjax import topologies
+from launch.tpu_cloud import LaunchError
+from launch.tpu_remote import RunPlan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)  # bertjax.topologies (no jax), and configs/*.py import configs.base
-from bertjax import topologies  # pylint: disable=wrong-import-position
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -93,8 +93,6 @@ def load_config(spec: str):
   bertjax.sharding for its default rules, so jax is imported too)."""
   path, _, arg = spec.partition(":")
   module_path = os.path.join(REPO, path)
-  if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # configs/*.py import configs.base
   module_spec = importlib.util.spec_from_file_location("_launch_config", module_path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)

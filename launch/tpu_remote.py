@@ -25,7 +25,7 @@ LOCK = "launch/requirements-tpu.lock"  # relative to the project
 # (`bash -c ... python -m bertjax.main`), which ends when the job does.
 TRAINING_PROCESS = "^[^ ]*python[^ ]* -m bertjax[.]main"
 REFUSE_IF_RUNNING = (f'if pgrep -f "{TRAINING_PROCESS}" >/dev/null; then echo "$(hostname): training '
-                     'is running; stop it first (launch/tpu.py stop)" >&2; exit 1; fi')
+                     'is running; stop it first (python -m launch.tpu stop)" >&2; exit 1; fi')
 # What holds a TPU: /dev/accel* on v4 and v5p, /dev/vfio/N on v5e and v6e; libtpu's lock file.
 TPU_DEVICES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
@@ -129,8 +129,8 @@ def run_script(plan: RunPlan, sync_every: float = 60) -> str:
       f"echo $PID > {REMOTE_PID}",
   ]
   where = f"log {REMOTE_LOG}"
-  if sync_every > 0:
-    lines.append(f"setsid nohup {REMOTE_VENV}/bin/python {REMOTE_PROJECT}/launch/logsync.py "
+  if sync_every > 0:  # -m from the project's folder (the `cd` above)
+    lines.append(f"setsid nohup {REMOTE_VENV}/bin/python -m launch.logsync "
                  f"--src={REMOTE_LOG} --dest={dest} --pid=$PID --every={sync_every:g} "
                  f">> {REMOTE_LOGS}/logsync.log 2>&1 < /dev/null &")
     where += f", copied to {dest}"
@@ -161,7 +161,7 @@ def follow_script(all_workers: bool) -> str:
 def collect_script(workdir: str) -> str:
   """One copy of each worker's log into WORKDIR/logs (before its VM goes)."""
   dest = f'{remote_quote(logs_dir(workdir))}/"$(hostname)".log'
-  return (f"cd {REMOTE_PROJECT} && {REMOTE_VENV}/bin/python launch/logsync.py --once "
+  return (f"cd {REMOTE_PROJECT} && {REMOTE_VENV}/bin/python -m launch.logsync --once "
           f"--src={REMOTE_LOG} --dest={dest} && echo \"$(hostname): log copied to {dest}\"")
 
 

@@ -1,6 +1,10 @@
-"""The shared --config flag: the config file's folder is importable from any working directory."""
+"""The commands' shared start-up (bertjax/cli.py): the --config flag (its folder importable from any
+working directory), one flags library, usage errors in one line, flags defined only when run."""
 
+import ast
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -96,3 +100,77 @@ def test_a_refused_input_ends_the_command_with_its_message_alone(tmp_path):
   assert done.returncode == 1, done.stderr[-2000:]
   assert "bertjax: ValueError: Unknown fine-tuning task 'nosuchtask'" in done.stderr
   assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_subcommands_are_read_before_the_flags(capsys):
+  names = ("import", "export")
+  assert cli.subcommand(["prog", "export", "--params=x"], names) == "export"
+  assert cli.subcommand(["prog", "--help"], names) is None  # help on every subcommand's flags
+  for argv, said in ((["prog", "imprt"], "unknown command 'imprt'"),
+                     (["prog"], "no command"), (["prog", "--params=x", "export"], "unknown command")):
+    with pytest.raises(SystemExit) as exited:
+      cli.subcommand(argv, names, prog="prog")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"prog: error: {said}") and err.count("\n") == 1, err
+    assert "one of import, export" in err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--wokdir=x"], "Unknown command line flag 'wokdir'. Did you mean: workdir ?"),
+    (["--config=configs/tiny.py"], "flag --workdir=None: Flag --workdir must have a value"),
+    (["--config=configs/tiny.py", "--workdir=w", "extra"], "Unexpected arguments: ['extra']"),
+])
+def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(args, said):
+  """absl would print two lines (FATAL ...) or the module's whole docstring, with exit status 1."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  done = subprocess.run([sys.executable, "-m", "bertjax.main", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.startswith(f"bertjax.main: error: {said}"), done.stderr[-2000:]
+  assert done.stderr.count("\n") == 1, done.stderr[-2000:]
+
+
+def _modules():
+  """(name, path) of every module of bertjax/ and launch/."""
+  for folder in ("bertjax", "launch"):
+    for path in sorted(pathlib.Path(ROOT, folder).rglob("*.py")):
+      yield ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"), path
+
+
+def test_every_command_is_on_absl_and_the_shared_start_up():
+  """One flags library: no argparse anywhere; every `__main__` block ends in cli.run (the
+  converters' through convert/command.py's start). launch.tpu alone parses a FlagValues of its
+  own (its main runs many times in one test process), with cli's subcommand and usage_error."""
+  commands = []
+  for name, path in _modules():
+    text = path.read_text()
+    tree = ast.parse(text)
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names} | {n.module for n in ast.walk(tree)
+                                     if isinstance(n, ast.ImportFrom)}
+    assert "argparse" not in imported, name
+    block = text.partition('\nif __name__ == "__main__":\n')[2]
+    if not block:
+      continue
+    commands.append(name)
+    if name == "launch.tpu":
+      assert "flags.FlagValues()" in text and "cli.subcommand(" in text, name
+    else:
+      assert re.search(r"\n  (cli\.run|command\.start)\(", block), name
+  assert len(commands) >= 19, commands  # the pattern still finds them
+
+
+def test_importing_every_module_defines_no_flag():
+  """Commands define their flags when they run, never at import: importing them all in one
+  process (as a test run does) meets no DuplicateFlagError, and leaves no flag of theirs."""
+  code = ("import importlib, sys\nfrom absl import flags\n"
+          f"for name in {[name for name, _ in _modules()]!r}:\n"
+          "  importlib.import_module(name)\n"
+          "print(sorted(f'{m}: --{f.name}' for m, defined in flags.FLAGS.flags_by_module_dict()"
+          ".items() for f in defined if m.split('.')[0] in ('bertjax', 'launch', '__main__')))\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip() == "[]", done.stdout

@@ -16,7 +16,7 @@ import tensorflow as tf
 import transformers  # the `test` extra pins 4.57, the last release with Flax BERT
 from flax.traverse_util import unflatten_dict
 
-from bertjax import weights
+from bertjax import cli, weights
 from bertjax.convert import google, hf, tf_bundle
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertModel
@@ -324,17 +324,26 @@ def test_command_line_import_then_export(folder, tmp_path):
   reader = tf.train.load_checkpoint(str(tmp_path / "back" / "bert_model.ckpt"))
   for name, value in variables.items():
     np.testing.assert_array_equal(reader.get_tensor(name), value, err_msg=name)
-  # Refused inputs: the message alone (no traceback), naming the problem and the fix.
-  for args, text in (
-      (["import", f"--ckpt_dir={tmp_path / 'nothing'}", f"--output={tmp_path / 'x'}"],
+  # Refused inputs: the message alone (no traceback), naming the problem and the fix, as the
+  # command reports them (cli.explained: exit status 1 with the message on stderr).
+  for run, args, text in (
+      (google.import_folder, (str(tmp_path / "nothing"), str(tmp_path / "x")),
        "bert_config.json not found: a Google BERT folder holds bert_config.json"),
-      (["import", f"--ckpt_dir={path}", f"--output={tmp_path / 'x'}", "--do_lower_case=maybe"],
-       "--do_lower_case='maybe': use true or false"),
-      (["export", f"--params={tmp_path}", f"--output={tmp_path / 'x'}"],
+      (google.export_folder, (str(tmp_path), str(tmp_path / "x")),
        "holds no weights bertjax reads: expected a bertjax workdir")):
-    with pytest.raises(SystemExit) as exited:  # exit status 1 with the message on stderr
-      google.main(args)
+    with pytest.raises(SystemExit) as exited:
+      cli.explained(run, *args)
     assert isinstance(exited.value.code, str) and text in exited.value.code, exited.value.code
+  # A command line it cannot run: one line naming the flag, exit status 2.
+  for args, text in (
+      (["import", f"--ckpt_dir={path}", f"--output={tmp_path / 'x'}", "--do_lower_case=maybe"],
+       "flag --do_lower_case=maybe: value should be one of <true|false>"),
+      (["export", f"--ckpt_dir={path}", f"--output={tmp_path / 'x'}"],
+       "Unknown command line flag 'ckpt_dir'")):
+    done = _run(*args)
+    assert done.returncode == 2 and text in done.stderr, done.stderr
+    assert done.stderr.startswith("bertjax.convert.google: error: ") and done.stderr.count(
+        "\n") == 1, done.stderr
 
 
 def test_reading_imports_no_tensorflow(folder):

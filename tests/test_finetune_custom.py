@@ -114,7 +114,7 @@ def test_classification_learns_and_reports(routing):
 def test_predict_command_matches_the_run_and_the_api(routing, tmp_path, capsys):
   workdir, _, test, test_rows = routing
   out = str(tmp_path / "out.jsonl")
-  predict_lib.main(["--workdir", workdir, "--input", test, "--output", out])
+  predict_lib.run(workdir, test, out)
   assert "40 rows" in capsys.readouterr().out
   # What the run wrote for its test split, line by line (the same best checkpoint; the run
   # pads every row to max_seq_length, so the probabilities agree to rounding).
@@ -143,8 +143,7 @@ def test_embed_writes_one_vector_per_row(routing, pretrained, tmp_path):
   workdir, _, test, _ = routing
   for source, pooling in ((workdir, "mean"), (pretrained, "cls")):
     out = str(tmp_path / f"{pooling}.npy")
-    predict_lib.main(["--workdir", source, "--mode", "embed", "--pooling", pooling,
-                      "--input", test, "--output", out])
+    predict_lib.run(source, test, out, mode="embed", pooling=pooling)
     vectors = np.load(out)
     assert vectors.shape == (40, 32) and np.isfinite(vectors).all()
     assert np.std(vectors, axis=0).max() > 0  # rows differ

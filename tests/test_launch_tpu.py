@@ -1,4 +1,4 @@
-"""launch/tpu.py: the commands a dry run prints, their quoting, the inputs it refuses, and its
+"""launch.tpu: the commands a dry run prints, their quoting, the inputs it refuses, and its
 remote scripts run on this machine as on a worker.
 
 No gcloud is needed (nor run): --dry-run starts no subprocess, which one test checks with a PATH
@@ -6,7 +6,6 @@ that has neither gcloud nor git, and another by making subprocess raise. What th
 with gcloud's answers is tested in test_launch_tpu_ops.py, with a fake gcloud.
 """
 
-import importlib.util
 import os
 import pathlib
 import re
@@ -16,8 +15,9 @@ import sys
 
 import pytest
 
+from launch import tpu, tpu_plan, tpu_remote
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-LAUNCHER = REPO / "launch" / "tpu.py"
 SLICE = ["--name=bert-large", "--zone=us-east5-a", "--project=my-project"]
 JOB = ["--config=configs/bert_large.py", "--workdir=gs://bucket/run"]
 # Flags for bertjax.main that need quoting on the remote shell: a glob, a space, a dollar sign.
@@ -33,20 +33,9 @@ def state_dir(tmp_path, monkeypatch):
   return tmp_path / "state"
 
 
-def load_launcher():
-  spec = importlib.util.spec_from_file_location("launch_tpu", LAUNCHER)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
-
-
-tpu = load_launcher()
-
-
 def launch(*args, env=None):
-  return subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True, text=True,
-                        cwd=REPO, env=env, check=False, timeout=120)
+  return subprocess.run([sys.executable, "-m", "launch.tpu", *args], capture_output=True,
+                        text=True, cwd=REPO, env=env, check=False, timeout=120)
 
 
 def commands(stdout: str) -> list[list[str]]:
@@ -128,7 +117,7 @@ def test_up_dry_run_multi_host_spot_prints_every_step():
   assert "< /dev/null > /dev/null 2>&1 &" in script and ">> $HOME/bertjax-logs/train.log 2>&1" in script
   assert remote_argv(script, "-m bertjax.main") == [
       "--config=configs/bert_large.py", "--workdir=gs://bucket/run", *EXTRA]
-  assert "launch/logsync.py" in script and '--dest=gs://bucket/run/logs/"$(hostname)".log' in script
+  assert "-m launch.logsync" in script and '--dest=gs://bucket/run/logs/"$(hostname)".log' in script
   assert "bertjax-worker" in remote(check) and "after 120 s" in r.stdout
 
   assert remote(follow) == 'tail -n 50 -F $HOME/bertjax-logs/train.log | sed -u "s/^/$(hostname)| /"'
@@ -173,13 +162,13 @@ def test_multi_slice_refuses_a_dcn_mesh_of_another_size(flags, fragment):
 def test_dcn_check_defaults_and_ici():
   mesh = {"ici_data": -1, "ici_fsdp": 1, "ici_tensor": 1, "dcn_data": -1, "dcn_fsdp": 1,
           "dcn_tensor": 1}
-  v5p = tpu.parse_accelerator("v5p-128")
-  assert tpu.check_mesh(mesh, v5p, 1) == [] and tpu.check_mesh(mesh, v5p, 4) == []
-  assert tpu.check_mesh({**mesh, "dcn_data": 2}, v5p, 2) == []
-  assert "num-slices=1" in tpu.check_mesh({**mesh, "dcn_data": 2}, v5p, 1)[0]
-  assert "64 devices" in tpu.check_mesh({**mesh, "ici_data": 16, "ici_tensor": 2}, v5p, 1)[0]
-  assert tpu.check_mesh({**mesh, "ici_fsdp": -1}, v5p, 1)  # two -1 in one group
-  assert tpu.config_overrides(["--config.mesh.dcn_data", "2", "--config.data.nsp", "--x=1",
+  v5p = tpu_plan.parse_accelerator("v5p-128")
+  assert tpu_plan.check_mesh(mesh, v5p, 1) == [] and tpu_plan.check_mesh(mesh, v5p, 4) == []
+  assert tpu_plan.check_mesh({**mesh, "dcn_data": 2}, v5p, 2) == []
+  assert "num-slices=1" in tpu_plan.check_mesh({**mesh, "dcn_data": 2}, v5p, 1)[0]
+  assert "64 devices" in tpu_plan.check_mesh({**mesh, "ici_data": 16, "ici_tensor": 2}, v5p, 1)[0]
+  assert tpu_plan.check_mesh({**mesh, "ici_fsdp": -1}, v5p, 1)  # two -1 in one group
+  assert tpu_plan.config_overrides(["--config.mesh.dcn_data", "2", "--config.data.nsp", "--x=1",
                                "--config.mesh.dcn_data=3"]) == {"mesh.dcn_data": "3"}
 
 
@@ -225,7 +214,7 @@ def test_accelerator_types_and_runtime_versions():
            "v4-32": (16, 4, "tpu-ubuntu2204-base"), "v5litepod-8": (8, 1, "v2-alpha-tpuv5-lite"),
            "v5litepod-64": (64, None, "v2-alpha-tpuv5-lite"), "v6e-256": (256, None, "v2-alpha-tpuv6e")}
   for name, (chips, hosts, runtime) in cases.items():
-    a = tpu.parse_accelerator(name)
+    a = tpu_plan.parse_accelerator(name)
     assert (a.chips, a.hosts, a.runtime_version) == (chips, hosts, runtime), name
     assert a.multi_host == (hosts != 1)
 
@@ -264,19 +253,19 @@ def test_stop_signals_only_the_training_process():
   assert r.returncode == 0
   (cmd,) = commands(r.stdout)
   script = remote(cmd)
-  assert script.startswith(f'if pkill -TERM -f "{tpu.TRAINING_PROCESS}"')
+  assert script.startswith(f'if pkill -TERM -f "{tpu_remote.TRAINING_PROCESS}"')
   # The pattern finds the job (python ... -m bertjax.main ...), never a remote shell running one
   # of these scripts (whose command line holds the same words), so pkill spares its own shell.
   job = "/home/u/bertjax-venv/bin/python -m bertjax.main --config=configs/bert_large.py"
-  assert re.search(tpu.TRAINING_PROCESS, job)
-  assert re.search(tpu.TRAINING_PROCESS, "python3 -m bertjax.main --config=c --workdir=w")
-  plan = tpu.RunPlan("configs/bert_large.py", "gs://b/r", [], [])
-  for text in (script, tpu.run_script(plan), "bash -c " + tpu.run_script(plan)):
-    assert not re.search(tpu.TRAINING_PROCESS, text)
+  assert re.search(tpu_remote.TRAINING_PROCESS, job)
+  assert re.search(tpu_remote.TRAINING_PROCESS, "python3 -m bertjax.main --config=c --workdir=w")
+  plan = tpu_remote.RunPlan("configs/bert_large.py", "gs://b/r", [], [])
+  for text in (script, tpu_remote.run_script(plan), "bash -c " + tpu_remote.run_script(plan)):
+    assert not re.search(tpu_remote.TRAINING_PROCESS, text)
   assert "the loop saves a checkpoint" in " ".join(launch("stop", "--help").stdout.split())
   (kill,) = commands(launch("stop", *SLICE, "--kill", "--dry-run").stdout)
-  assert remote(kill).startswith(f'pkill -KILL -f "{tpu.TRAINING_PROCESS}"')
-  assert not re.search(tpu.TRAINING_PROCESS, tpu.kill_script())
+  assert remote(kill).startswith(f'pkill -KILL -f "{tpu_remote.TRAINING_PROCESS}"')
+  assert not re.search(tpu_remote.TRAINING_PROCESS, tpu_remote.kill_script())
 
 
 def test_setup_from_a_git_url_clones_instead_of_copying():
@@ -291,7 +280,28 @@ def test_setup_from_a_git_url_clones_instead_of_copying():
 
 def test_flags_after_dashes_only_for_the_job():
   r = launch("create", *SLICE, "--accelerator-type=v5p-8", "--dry-run", "--", "--x=1")
-  assert r.returncode != 0 and "take" in r.stderr
+  assert r.returncode == 2 and "take" in r.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["status", *SLICE, "--spot"], "launch.tpu status: error: Unknown command line flag 'spot'"),
+    (["stauts", *SLICE], "launch.tpu: error: unknown command 'stauts'"),
+    (["status", "--zone=z"], "launch.tpu status: error: flag --name=None"),
+    (["create", *SLICE, "--spot", "--reserved"],
+     "launch.tpu create: error: flags spot=True, reserved=True: At most one of (spot, reserved)"),
+])
+def test_a_command_line_it_cannot_run_is_one_line_with_exit_status_2(args, said):
+  r = launch(*args, "--dry-run")
+  assert r.returncode == 2 and r.stderr.startswith(said) and r.stderr.count("\n") == 1, r.stderr
+  assert "+ gcloud" not in r.stdout
+
+
+def test_run_as_a_file_it_says_how_to_run_it():
+  """`python launch/tpu.py`: no `launch` package to import from; the message says what works."""
+  r = subprocess.run([sys.executable, str(REPO / "launch" / "tpu.py"), "status", *SLICE],
+                     capture_output=True, text=True, cwd=REPO, check=False, timeout=60)
+  assert r.returncode == 1 and "run `python -m launch.tpu ...`" in r.stderr, r.stderr
+  assert "launch/tpu.sh" in r.stderr and "Traceback" not in r.stderr
 
 
 def fake_gcloud(tmp_path, states=(), fail_on=None):
@@ -335,24 +345,26 @@ def test_failures_are_reported_with_the_command(tmp_path):
 
 
 def test_remote_scripts_are_valid_shell():
-  plan = tpu.RunPlan("configs/bert_large.py", "gs://b/r", EXTRA, [])
-  for script in (tpu.setup_script(None, None, "3.11"), tpu.setup_script("https://x/y.git", "main",
+  plan = tpu_remote.RunPlan("configs/bert_large.py", "gs://b/r", EXTRA, [])
+  for script in (tpu_remote.setup_script(None, None, "3.11"), tpu_remote.setup_script("https://x/y.git", "main",
                                                                         "3.11"),
-                 tpu.preflight_script(), tpu.preflight_script(clean=False), tpu.run_script(plan),
-                 tpu.run_script(plan, sync_every=0), tpu.check_script(), tpu.follow_script(True),
-                 tpu.follow_script(False), tpu.collect_script("gs://b/my run"),
-                 tpu.stop_script(60), tpu.kill_script()):
+                 tpu_remote.preflight_script(), tpu_remote.preflight_script(clean=False), tpu_remote.run_script(plan),
+                 tpu_remote.run_script(plan, sync_every=0), tpu_remote.check_script(), tpu_remote.follow_script(True),
+                 tpu_remote.follow_script(False), tpu_remote.collect_script("gs://b/my run"),
+                 tpu_remote.stop_script(60), tpu_remote.kill_script()):
     subprocess.run(["bash", "-n", "-c", script], check=True)
 
 
 def stand_in_worker(tmp_path, body: str):
-  """A worker's home with the project (this one's launch/ folder), a venv (this Python) and a
-  stand-in for bertjax.main under a unique module name, so that only this test's processes match
-  the scripts' patterns. Returns (home, env, mine: the scripts with the stand-in's name)."""
+  """A worker's home with the project (this one's launch/ and bertjax/ folders), a venv (this
+  Python) and a stand-in for bertjax.main under a unique module name, so that only this test's
+  processes match the scripts' patterns. Returns (home, env, mine: the scripts with the
+  stand-in's name)."""
   module = f"bjtest{os.getpid()}x{abs(hash(str(tmp_path))) % 10**8}"
   home = tmp_path / "home"
   (home / "bertjax" / module).mkdir(parents=True)
-  (home / "bertjax" / "launch").symlink_to(REPO / "launch")
+  for folder in ("launch", "bertjax"):
+    (home / "bertjax" / folder).symlink_to(REPO / folder)
   (home / "bertjax" / module / "__init__.py").write_text("")
   (home / "bertjax" / module / "main.py").write_text(body)
   (home / "bertjax-venv" / "bin").mkdir(parents=True)
@@ -399,8 +411,8 @@ def test_run_check_stop_on_a_stand_in_worker(tmp_path):
       "print('args', sys.argv[1:], flush=True)\n"
       "for _ in range(1200):\n  time.sleep(0.1)\n"))
   bucket = tmp_path / "bucket" / "run"
-  plan = tpu.RunPlan("configs/bert_large.py", str(bucket), EXTRA, [])
-  start = bash(mine(tpu.run_script(plan, sync_every=0.2)), env)
+  plan = tpu_remote.RunPlan("configs/bert_large.py", str(bucket), EXTRA, [])
+  start = bash(mine(tpu_remote.run_script(plan, sync_every=0.2)), env)
   found = re.search(r"pid (\d+)", start.stdout)
   module = mine("bertjax.main").split(".")[0]
   copy = bucket / "logs" / f"{os.uname().nodename}.log"
@@ -409,20 +421,20 @@ def test_run_check_stop_on_a_stand_in_worker(tmp_path):
     log = home / "bertjax-logs" / "train.log"
     assert wait_for(lambda: "args" in log.read_text())
     assert f"args {['--config=configs/bert_large.py', f'--workdir={bucket}', *EXTRA]}" in log.read_text()
-    again = bash(mine(tpu.run_script(plan)), env)
+    again = bash(mine(tpu_remote.run_script(plan)), env)
     assert again.returncode != 0 and "training is running; stop it first" in again.stderr
-    check = tpu.parse_workers(bash(mine(tpu.check_script()), env).stdout)
+    check = tpu_remote.parse_workers(bash(mine(tpu_remote.check_script()), env).stdout)
     assert [(w.state, w.alive) for w in check.values()] == [("running", True)]
     assert any("args" in line for line in list(check.values())[0].tail)
     assert wait_for(lambda: copy.exists() and "args" in copy.read_text())  # while it runs
-    stop = bash(mine(tpu.stop_script(30)), env)
+    stop = bash(mine(tpu_remote.stop_script(30)), env)
     assert stop.returncode == 0 and "saved and exited" in stop.stdout, stop.stderr
     assert "SIGTERM: saved" in log.read_text()
     assert wait_for(lambda: (home / "bertjax-logs" / "train.exit").exists())
-    (worker,) = tpu.parse_workers(bash(mine(tpu.check_script()), env).stdout).values()
+    (worker,) = tpu_remote.parse_workers(bash(mine(tpu_remote.check_script()), env).stdout).values()
     assert worker.state == "exited:0" and worker.finished and not worker.alive
     assert wait_for(lambda: copy.read_text() == log.read_text())  # the copy after the exit
-    idle = bash(mine(tpu.stop_script(30)), env)
+    idle = bash(mine(tpu_remote.stop_script(30)), env)
     assert idle.returncode == 0 and "no training process" in idle.stdout
   finally:
     kill_if_mine(module)
@@ -430,11 +442,11 @@ def test_run_check_stop_on_a_stand_in_worker(tmp_path):
 
 def test_check_reports_a_worker_that_died_on_a_stand_in_worker(tmp_path):
   home, env, mine = stand_in_worker(tmp_path, "import sys\nsys.exit('ImportError: no flax here')\n")
-  plan = tpu.RunPlan("configs/tiny.py", str(tmp_path / "w"), [], [])
-  start = bash(mine(tpu.run_script(plan, sync_every=0)), env)
+  plan = tpu_remote.RunPlan("configs/tiny.py", str(tmp_path / "w"), [], [])
+  start = bash(mine(tpu_remote.run_script(plan, sync_every=0)), env)
   assert start.returncode == 0, start.stderr
   assert wait_for(lambda: (home / "bertjax-logs" / "train.exit").exists())
-  (worker,) = tpu.parse_workers(bash(mine(tpu.check_script()), env).stdout).values()
+  (worker,) = tpu_remote.parse_workers(bash(mine(tpu_remote.check_script()), env).stdout).values()
   assert worker.state == "exited:1" and not worker.alive and not worker.finished
   assert worker.tail[-1] == "ImportError: no flax here"
   assert not (tmp_path / "w" / "logs").exists()  # sync_every=0: no copier
@@ -446,7 +458,7 @@ def test_readme_dry_run_output_is_the_launchers():
   section = readme.split("## 3. Dry run", 1)[1].split("\n## ", 1)[0]
   command, shown = re.findall(r"```(?:bash|text)\n(.*?)```", section, re.S)[:2]
   argv = shlex.split(command.replace("\\\n", " "))
-  assert argv[:2] == ["python", "launch/tpu.py"] and "--dry-run" in argv
-  r = launch(*argv[2:], env={**os.environ, "TMPDIR": "/tmp"})
+  assert argv[:3] == ["python", "-m", "launch.tpu"] and "--dry-run" in argv
+  r = launch(*argv[3:], env={**os.environ, "TMPDIR": "/tmp"})
   assert r.returncode == 0, r.stderr
   assert r.stdout == shown

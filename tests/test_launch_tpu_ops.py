@@ -1,4 +1,4 @@
-"""launch/tpu.py against a fake gcloud: checking the workers, versions, the remembered settings,
+"""launch.tpu against a fake gcloud: checking the workers, versions, the remembered settings,
 waiting, preemption under --watch, log collection, and flags passed through; and the pre-flight
 and the collection of a log on this machine.
 
@@ -7,7 +7,6 @@ queues of texts, and records every call's argv (tests assert the sequence).
 """
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -20,21 +19,9 @@ import time
 import pytest
 
 from bertjax import versions
+from launch import tpu, tpu_remote
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-LAUNCHER = REPO / "launch" / "tpu.py"
-
-
-def load_launcher():
-  spec = importlib.util.spec_from_file_location("launch_tpu_ops", LAUNCHER)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-tpu = load_launcher()
-import tpu_remote  # noqa: E402  (launch/, on sys.path by the launcher)
 SLICE = ["--name=pod", "--zone=us-east5-a", "--project=p"]
 JOB = ["--config=configs/tiny.py", "--workdir=gs://b/run", "--check-after=0", "--",
        "--config.data.cache_dir=gs://b/cache"]
@@ -100,7 +87,7 @@ class Fake:
                 "BERTJAX_TPU_STATE": str(folder / "state")}
 
   def launch(self, *args):
-    """launch/tpu.py's main in this process (fast: jax is loaded already), with the fake first
+    """launch.tpu's main in this process (fast: jax is loaded already), with the fake first
     on PATH; its output captured."""
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in ("PATH", "BERTJAX_TPU_STATE")}
@@ -130,7 +117,7 @@ class Fake:
         script = [a for a in argv if a.startswith("--command=")][0]
         verb += ":" + next(what for marker, what in (
             ("bertjax-versions", "preflight"), ("bertjax-job", "run"), ("bertjax-worker", "check"),
-            ("uv venv", "setup"), ("logsync.py --once", "collect"), ("tail -n", "logs"),
+            ("uv venv", "setup"), ("launch.logsync --once", "collect"), ("tail -n", "logs"),
             ("pkill -TERM", "stop"), ("pkill -KILL", "kill")) if marker in script)
       out.append(verb)
     return out
@@ -317,7 +304,7 @@ def test_delete_collects_the_logs_first(tmp_path):
   assert "--dest=gs://b/run/logs/\"$(hostname)\".log" in fake.calls[-2][-1]
   assert not (tmp_path / "state" / "pod.json").exists()  # forgotten with the resource
   # Workers that do not answer (a preempted slice): deleted all the same.
-  fake = Fake(tmp_path / "gone", fail_on=["logsync.py --once"])
+  fake = Fake(tmp_path / "gone", fail_on=["launch.logsync --once"])
   assert fake.launch("run", *SLICE, "--accelerator-type=v5p-16", *JOB).returncode == 0
   r = fake.launch("delete", "--name=pod")
   assert r.returncode == 0 and "the logs were not all collected" in r.stdout

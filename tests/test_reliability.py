@@ -310,10 +310,6 @@ def test_gelu_new_is_gelu_tanh():
     google.config_from_google({**config, "hidden_act": "relu"})
 
 
-LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
-                        "tpu.py")
-
-
 @pytest.mark.parametrize("args, message", [
     (["--num-slices=0"], "--num-slices=0 must be at least 1"),
     (["--", "--config.train.batch_sise=256"],
@@ -321,11 +317,11 @@ LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 ])
 def test_the_tpu_launcher_refuses_before_creating_anything(tmp_path, args, message):
   done = subprocess.run(
-      [sys.executable, LAUNCHER, "up", "--name=bert", "--zone=us-east5-a", "--project=p",
+      [sys.executable, "-m", "launch.tpu", "up", "--name=bert", "--zone=us-east5-a", "--project=p",
        "--accelerator-type=v5litepod-8", "--config=configs/tiny.py", "--workdir=gs://b/run",
        "--dry-run", *args], capture_output=True, text=True, timeout=60,
       env={**os.environ, "BERTJAX_TPU_STATE": str(tmp_path / "state"), "JAX_PLATFORMS": "cpu"},
-      cwd=os.path.dirname(os.path.dirname(LAUNCHER)))
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert done.returncode != 0 and message in done.stderr, done.stderr
   assert "gcloud" not in done.stdout  # nothing created, not even in the dry run's plan
 

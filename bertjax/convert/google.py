@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 
 import numpy as np
 from absl import logging
@@ -339,41 +338,15 @@ def export_folder(params_path: str, output: str) -> str:
 
 # Command line ----------------------------------------------------------------------------------
 
-def _bool(text: str) -> bool:
-  lowered = text.strip().lower()
-  if lowered in ("true", "1", "yes"):
-    return True
-  if lowered in ("false", "0", "no"):
-    return False
-  raise ValueError(f"--do_lower_case={text!r}: use true or false")
-
-
-def main(argv: list[str]) -> None:
-  import argparse  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m bertjax.convert.google", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="command", required=True)
-  imp = sub.add_parser("import", help="Google folder -> bertjax parameters")
-  imp.add_argument("--ckpt_dir", required=True,
-                   help="the unzipped release: bert_config.json, bert_model.ckpt.*, vocab.txt")
-  imp.add_argument("--output", required=True)
-  imp.add_argument("--do_lower_case", default=None,
-                   help="true or false; default: what the folder's name says")
-  imp.add_argument("--scan_layers", action="store_true", help="store layers stacked for nn.scan")
-  exp = sub.add_parser("export", help="bertjax parameters -> Google folder")
-  exp.add_argument("--params", required=True,
-                   help="a folder written by `import` (or convert.hf), or a pre-training workdir")
-  exp.add_argument("--output", required=True)
-  args = parser.parse_args(argv)
-  from bertjax import cli  # pylint: disable=import-outside-toplevel
-  if args.command == "import":
-    line = cli.explained(lambda: import_folder(
-        args.ckpt_dir, args.output, scan_layers=args.scan_layers,
-        do_lower_case=None if args.do_lower_case is None else _bool(args.do_lower_case)))
-  else:
-    line = cli.explained(export_folder, args.params, args.output)
-  print(line)
+def _define_own_flags(command: str | None) -> None:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if command in ("import", None):
+    flags.DEFINE_enum("do_lower_case", None, ["true", "false"], "import: default: what the "
+                      "folder's name says.")
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  from bertjax.convert import command  # pylint: disable=ungrouped-imports
+  command.start("ckpt_dir", "Google (the unzipped release: bert_config.json, bert_model.ckpt.*, "
+                "vocab.txt)", import_folder, export_folder, _define_own_flags,
+                import_flags={"do_lower_case": lambda t: None if t is None else t == "true"})

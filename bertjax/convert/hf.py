@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 from typing import Callable
 
 import numpy as np
@@ -570,28 +569,14 @@ def sentencepiece_to_tokenizer_json(model_path: str, output: str) -> None:
   tok.save(output)
 
 
-def main(argv: list[str]) -> None:
-  import argparse  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m bertjax.convert.hf", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="command", required=True)
-  imp = sub.add_parser("import", help="Hugging Face folder -> bertjax parameters")
-  imp.add_argument("--hf_dir", required=True)
-  imp.add_argument("--output", required=True)
-  imp.add_argument("--scan_layers", action="store_true", help="store layers stacked for nn.scan")
-  exp = sub.add_parser("export", help="bertjax parameters -> Hugging Face folder")
-  exp.add_argument("--params", required=True,
-                   help="a bertjax workdir, or a folder of `import` or convert.google import")
-  exp.add_argument("--output", required=True)
-  exp.add_argument("--checkpoint", default="best",
-                   help="of a fine-tuning workdir: best (its best epoch), latest or a step")
-  args = parser.parse_args(argv)
-  from bertjax import cli  # pylint: disable=import-outside-toplevel
-  if args.command == "import":
-    print(cli.explained(import_folder, args.hf_dir, args.output, scan_layers=args.scan_layers))
-  else:
-    print(cli.explained(export_folder, args.params, args.output, args.checkpoint))
+def _define_own_flags(command: str | None) -> None:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if command in ("export", None):
+    flags.DEFINE_string("checkpoint", "best", "export: of a fine-tuning workdir: best (its best "
+                        "epoch), latest or a step.")
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  from bertjax.convert import command  # pylint: disable=ungrouped-imports
+  command.start("hf_dir", "Hugging Face", import_folder, export_folder, _define_own_flags,
+                export_flags={"checkpoint": str})

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -391,26 +390,6 @@ def export_folder(params_path: str, output: str) -> str:
   return f"Exported {source.describe()} -> {output} (config.json, model.safetensors)"
 
 
-def main(argv: list[str]) -> None:
-  import argparse  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m bertjax.convert.modernbert",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="command", required=True)
-  imp = sub.add_parser("import", help="ModernBERT folder -> bertjax parameters")
-  imp.add_argument("--hf_dir", required=True)
-  imp.add_argument("--output", required=True)
-  imp.add_argument("--scan_layers", action="store_true", help="store layers stacked for nn.scan")
-  exp = sub.add_parser("export", help="bertjax parameters -> ModernBERT folder")
-  exp.add_argument("--params", required=True)
-  exp.add_argument("--output", required=True)
-  args = parser.parse_args(argv)
-  from bertjax import cli  # pylint: disable=import-outside-toplevel
-  if args.command == "import":
-    print(cli.explained(import_folder, args.hf_dir, args.output, scan_layers=args.scan_layers))
-  else:
-    print(cli.explained(export_folder, args.params, args.output))
-
-
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  from bertjax.convert import command  # pylint: disable=ungrouped-imports
+  command.start("hf_dir", "ModernBERT", import_folder, export_folder)

@@ -150,5 +150,6 @@ def format_table(table) -> str:
 
 
 if __name__ == "__main__":
+  from bertjax import cli  # pylint: disable=ungrouped-imports
   define_flags()
-  app.run(main)
+  cli.run(main)

@@ -341,8 +341,16 @@ def word_count(docs: Iterable[Document]) -> int:
   return sum(len(s.split()) for d in docs for s in d)
 
 
-if __name__ == "__main__":
-  logging.basicConfig(level=logging.INFO)
+def main(argv) -> None:
+  """`python -m bertjax.data.corpus`: the size of the built-in corpus."""
+  if len(argv) > 1:
+    from absl import app  # pylint: disable=import-outside-toplevel
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
   all_docs = list(builtin_documents())
   print(f"builtin corpus: {len(all_docs)} documents, {sum(map(len, all_docs))} sentences, "
         f"{word_count(all_docs)} words")
+
+
+if __name__ == "__main__":
+  from bertjax import cli
+  cli.run(main)

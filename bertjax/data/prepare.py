@@ -420,8 +420,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app, flags
+  from absl import flags
   from bertjax import cli
   cli.define_config_flag()
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  cli.run(main)

@@ -481,6 +481,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app as absl_app  # pylint: disable=ungrouped-imports
+  from bertjax import cli  # pylint: disable=ungrouped-imports
   define_flags()
-  absl_app.run(main)
+  cli.run(main)

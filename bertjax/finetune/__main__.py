@@ -10,11 +10,10 @@ config.mesh. See bertjax/finetune/run.py for what the workdir holds.
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from bertjax import cli, hostmem
 
-cli.define_run_flags()
 FLAGS = flags.FLAGS
 
 
@@ -28,4 +27,5 @@ if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
   from bertjax.finetune import run as run_lib  # pylint: disable=ungrouped-imports
   cli.refuse_moved_keys(sys.argv, run_lib.MOVED_KEYS)
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.define_run_flags()
+  cli.run(main)

@@ -147,5 +147,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from bertjax import cli  # pylint: disable=ungrouped-imports
   define_flags()
-  app.run(main)
+  cli.run(main)
