@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 from bertjax import checkpoint as checkpoint_lib, files, weights
+from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
 from bertjax.finetune import run
 
@@ -423,9 +424,11 @@ def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path,
                            do_lower_case=False, casing_why="the name cased_L-2 says cased")
   config = tiny.get_config()
   config.data.vocab_path, config.data.do_lower_case = "", True
-  assert loop._init_vocabulary(config, source).data.do_lower_case is False
+  data = DataConfig.from_config(config.data)
+  taken = loop._init_vocabulary(data, source)
+  assert (taken.do_lower_case, taken.vocab_path) == (False, str(tmp_path / "vocab.txt"))
+  assert data.do_lower_case is True  # the run's typed copy is replaced, not changed
   assert ("config.data.do_lower_case=True is replaced by init_from's casing (False); to use "
           "another, set config.data.vocab_path too") in capsys.readouterr().out
-  config.data.do_lower_case = False
-  loop._init_vocabulary(config, source)
+  loop._init_vocabulary(dataclasses.replace(data, do_lower_case=False), source)
   assert "is replaced" not in capsys.readouterr().out
