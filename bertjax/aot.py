@@ -47,6 +47,7 @@ import numpy as np
 from absl import app, flags
 
 from bertjax import cli, flops, sharding, topologies, train, versions
+from bertjax.data.config import DataConfig
 
 GIB = 2**30
 
@@ -318,7 +319,7 @@ def main(argv):
           "this compile's report; pip install -r launch/requirements-tpu.lock", file=sys.stderr)
   hbm_gib = FLAGS.hbm_gib or topology.hbm_gib
   # Packed rows (data.packing) compile with S x M masked slots and S next-sentence pairs per row.
-  seq_len, max_predictions, per_row = flops.rows_shape(config)
+  seq_len, max_predictions, per_row = flops.rows_shape(DataConfig.from_config(config.data))
   vocab = int(config.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE
   if not config.model.vocab_size:
     print(f"bertjax.aot: model.vocab_size is 0 (the tokenizer's); assuming {vocab} "

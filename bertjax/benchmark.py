@@ -34,6 +34,7 @@ import numpy as np
 from absl import flags
 
 from bertjax import cli, flops, hostmem, train
+from bertjax.data.config import DataConfig
 from bertjax.flops import peak_tflops, train_flops
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
@@ -206,7 +207,7 @@ def print_report(figures: dict, out=sys.stdout) -> None:
 def main(argv):
   del argv
   config = FLAGS.config
-  seq_len, max_predictions, per_row = flops.rows_shape(config)
+  seq_len, max_predictions, per_row = flops.rows_shape(DataConfig.from_config(config.data))
   runner = StepRunner(config, seq_len, max_predictions, sequences_per_row=per_row)
   time_steps(runner.step, FLAGS.warmup_steps)
   figures = report(runner, time_steps(runner.step, FLAGS.steps))

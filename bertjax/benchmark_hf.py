@@ -24,6 +24,7 @@ import optax
 from absl import flags
 
 from bertjax import benchmark, cli, flops, hostmem, optimizer as optimizer_lib
+from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
 
 FLAGS = flags.FLAGS
@@ -96,7 +97,7 @@ def main(argv):
   del argv
   config = FLAGS.config
   # One sequence per row for both, packing or not: Hugging Face's model cannot read packed rows.
-  seq_len, max_predictions = flops.sequence_shape(config)
+  seq_len, max_predictions = flops.sequence_shape(DataConfig.from_config(config.data))
   devices = jax.local_devices()[:1]
   ours = benchmark.StepRunner(config, seq_len, max_predictions, devices=devices)
   host = benchmark.synthetic_batch(ours.batch_size, seq_len, max_predictions,

@@ -19,6 +19,7 @@ import jax
 from absl import app, flags
 
 from bertjax import checkpoint as checkpoint_lib, cli, loop, train, weights
+from bertjax.data.config import DataConfig
 
 
 def _config(path: str):
@@ -26,13 +27,12 @@ def _config(path: str):
   return module.get_config()
 
 
-def score(workdir: str, data_config, sequences: int = 0) -> dict:
+def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:
   """MLM accuracy and loss of the workdir's newest checkpoint on the first `sequences` (0: all) of
-  data_config's held-out split, in batches of configs/tiny.py's 8."""
+  `data`'s held-out split, in batches of configs/tiny.py's 8."""
   source = weights.inspect(workdir, what="workdir")
-  config = _config("configs/tiny.py")
-  config.data = data_config
-  manifest = loop.prepare_data(config)
+  config = _config("configs/tiny.py")  # its model, train and mesh sections; `data` is the data
+  tok, manifest = loop.prepare_data(data)
   if source.fingerprint and source.fingerprint != manifest["settings"]["tokenizer_fingerprint"]:
     raise ValueError(f"{workdir} was trained with another vocabulary than --data_config's.")
   for key, value in dataclasses.asdict(source.config).items():
@@ -43,9 +43,8 @@ def score(workdir: str, data_config, sequences: int = 0) -> dict:
   params = weights.read(source, like={k: like[k] for k in like if k in source.subtrees})
   state = training.init_state(jax.random.key(0))
   state = state.replace(params={**state.params, **params})
-  data = config.data
   batches = loop._batches(  # pylint: disable=protected-access
-      loop.pipeline.make_pipeline(data, split="eval", seed=data.prepare_seed,
+      loop.pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
                                   global_batch_size=training.train_config.batch_size),
       data.nsp)
   out = loop.evaluate(training, state, batches, sequences)
@@ -56,7 +55,7 @@ def score(workdir: str, data_config, sequences: int = 0) -> dict:
 def main(argv) -> None:
   if len(argv) < 2:
     raise app.UsageError("name the workdirs to score: WORKDIR [WORKDIR ...]")
-  data = flags.FLAGS.data_config.data
+  data = DataConfig.from_config(flags.FLAGS.data_config.data)
   for workdir in argv[1:]:
     print(json.dumps(cli.explained(score, workdir, data, flags.FLAGS.sequences)), flush=True)
 

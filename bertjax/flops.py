@@ -5,6 +5,7 @@ Read by the loop's throughput line, `bertjax.benchmark` and `bertjax.aot`.
 
 from __future__ import annotations
 
+from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
 
 
@@ -32,20 +33,17 @@ PEAK_TFLOPS = (
 DEFAULT_VOCAB_SIZE = 30522
 
 
-def sequence_shape(config) -> tuple[int, int]:
-  """(L, M) from the data section: max_seq_length and max_predictions_per_seq."""
-  # Read, not defaulted: configs/base.py holds every key, and a default here would price a config
-  # that lacks one at a shape it never runs (issue 27: no `.get` defaults outside base.py).
-  return int(config.data.max_seq_length), int(config.data.max_predictions_per_seq)
+def sequence_shape(data: DataConfig) -> tuple[int, int]:
+  """(L, M) of the data config: max_seq_length and max_predictions_per_seq."""
+  return data.max_seq_length, data.max_predictions_per_seq
 
 
-def rows_shape(config) -> tuple[int, int, int]:
+def rows_shape(data: DataConfig) -> tuple[int, int, int]:
   """(L, masked-LM slots per row, sequences per row) of the training batches: with
   `data.packing` a row holds up to S = max_sequences_per_row sequences and S x M slots; without,
   M slots and S = 0 (unpacked rows, one NSP label each)."""
-  seq_len, max_predictions = sequence_shape(config)
-  data = config.data
-  per_row = int(data.max_sequences_per_row) if data.packing else 0
+  seq_len, max_predictions = sequence_shape(data)
+  per_row = data.max_sequences_per_row if data.packing else 0
   return seq_len, max_predictions * max(per_row, 1), per_row
 
 

@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
 from bertjax import files, weights
 from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
+from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
 
 @dataclasses.dataclass(frozen=True)
@@ -89,17 +90,20 @@ def resolve_vocab_size(config_vocab: int, tokenizer_vocab: int) -> int:
   return config_vocab
 
 
-def prepare_data(config) -> dict:
-  """Vocabulary and prepared shards (process 0 builds them, the others wait), then the manifest."""
-  data = config.data
+def prepare_data(data: DataConfig) -> tuple[tokenizer_lib.Tokenizer, dict]:
+  """The run's tokenizer, loaded once here and passed down, and the manifest of its prepared
+  shards (process 0 trains the vocabulary and prepares the shards, the others wait)."""
   storage.check_shared_storage(data, jax.process_index(), jax.process_count())
+  tok = None
   if jax.process_index() == 0:
     if data.tokenizer == "sentencepiece":
       tokenizer_lib.ensure_sentencepiece(data)
-    prepare.ensure_prepared(data)
+    tok = tokenizer_lib.load_tokenizer(data)
+    prepare.ensure_prepared(data, tok)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("bertjax data prepared")
-  return prepare.load_manifest(data)
+  tok = tok or tokenizer_lib.load_tokenizer(data)  # the others: a vocabulary trained only now
+  return tok, prepare.load_manifest(data, tok)
 
 
 def _restore_or_init(training: train.Training, ckpt: checkpoint_lib.Checkpointer,
@@ -129,13 +133,13 @@ class Initialiser:
   load: Callable[[Any], Any]  # freshly initialised params -> the params to start from
 
 
-def init_from_source(source: weights.Weights, training: train.Training, data, fingerprint: str,
-                     allow_other_vocab: bool) -> Initialiser:
+def init_from_source(source: weights.Weights, training: train.Training, data: DataConfig,
+                     fingerprint: str, allow_other_vocab: bool) -> Initialiser:
   """Pre-training's start from `source` (bertjax/weights.py reads every kind): its encoder and
   whichever pre-training heads it holds (a fine-tuning run's has none: they start fresh). A
   source of another shape or vocabulary is refused here, before anything compiles."""
   weights.check_model(source, training.model_config)
-  weights.check_vocabulary(source, fingerprint, bool(data.do_lower_case),
+  weights.check_vocabulary(source, fingerprint, data.do_lower_case,
                            vocab_file=tokenizer_lib.vocab_path_of(data),
                            allow_other=allow_other_vocab)
 
@@ -148,25 +152,30 @@ def init_from_source(source: weights.Weights, training: train.Training, data, fi
                      "optimizer fresh", load)
 
 
-def _init_vocabulary(config, source: weights.Weights):
-  """`config` with the vocabulary of init_from when it is a folder with a vocabulary (converted,
+def _init_vocabulary(data: DataConfig, source: weights.Weights) -> DataConfig:
+  """`data` with the vocabulary of init_from when it is a folder with a vocabulary (converted,
   Google or Hugging Face) and the config names none: its tokenizer, cased as the folder says.
   The original pairs each checkpoint with its vocab.txt; another vocabulary would scramble the
   embeddings. A workdir's vocabulary is the one its data config makes, checked by fingerprint."""
-  data = config.data
   if source.kind == "workdir" or source.vocab_file is None or data.vocab_path:
-    return config  # a vocabulary the config names is checked against the source's (weights)
-  if bool(data.do_lower_case) != source.lower:
+    return data  # a vocabulary the config names is checked against the source's (weights)
+  if data.do_lower_case != source.lower:
     # The config's casing (often base.py's default) gives way to the vocabulary's: said, since
     # a --config.data.do_lower_case given on purpose would otherwise be dropped silently.
-    say(f"config.data.do_lower_case={bool(data.do_lower_case)} is replaced by init_from's "
+    say(f"config.data.do_lower_case={data.do_lower_case} is replaced by init_from's "
         f"casing ({source.lower}); to use another, set config.data.vocab_path too (it is checked "
         "against init_from's vocabulary)")
-  config = copy.deepcopy(config)
-  config.data.tokenizer, config.data.vocab_path = source.tokenizer_kind, source.vocab_file
-  config.data.do_lower_case = source.lower
   say(f"vocabulary from checkpoint.init_from: {source.vocab_file} ({source.tokenizer_kind}, "
       f"do_lower_case={source.lower}: {source.casing_why})")
+  return dataclasses.replace(data, tokenizer=source.tokenizer_kind, vocab_path=source.vocab_file,
+                             do_lower_case=source.lower)
+
+
+def _recorded(config, data: DataConfig):
+  """The config config.json records: as given, with the data section the run uses (init_from's
+  vocabulary may have replaced the config's)."""
+  config = copy.deepcopy(config)
+  config.data.update(dataclasses.asdict(data))
   return config
 
 
@@ -367,22 +376,22 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   """Runs (or resumes) the pre-training job described by `config` in `workdir`; returns the final
   eval metrics ({} when a stop signal ended the run early)."""
   loop = LoopConfig.from_config(config)
+  data = DataConfig.from_config(config.data)
   check_workdir(workdir)
   source = None
   if loop.init_from:
     source = weights.inspect(loop.init_from, what="checkpoint.init_from")
-    config = _init_vocabulary(config, source)
-  manifest = prepare_data(config)
+    data = _init_vocabulary(data, source)
+  tok, manifest = prepare_data(data)
   vocab_size = resolve_vocab_size(config.model.vocab_size, manifest["vocab_size"])
   training = train.from_config(config, vocab_size=vocab_size)
   tcfg = training.train_config
-  data = config.data
   per_host = dict(global_batch_size=tcfg.batch_size, process_index=jax.process_index(),
                   process_count=jax.process_count())
 
   def eval_batches():
     # The preparation seed, not the run's: every run and seed is scored on the same masks.
-    return _batches(pipeline.make_pipeline(data, split="eval", seed=data.prepare_seed,
+    return _batches(pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
                                            **per_host), data.nsp)
 
   eval_batches()  # an empty or too small held-out split fails here, not after training
@@ -395,18 +404,18 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   job = Job(
       training=training, loop=loop, expected=expected, meta={"data_source": data.source},
       batches=lambda start: _batches(pipeline.make_pipeline(
-          data, split="train", seed=tcfg.seed, start_step=start, **per_host), data.nsp),
+          data, tok, split="train", seed=tcfg.seed, start_step=start, **per_host), data.nsp),
       evaluate=lambda step, state, stop: evaluate(training, state, eval_batches(),
                                                   loop.eval_sequences, stop),
       seqs_per_step=tcfg.batch_size,  # rows; packed batches report their sequences (log)
       # packed rows (data.packing) hold S x M masked slots, as flops.rows_shape counts them
       flops_per_step=flops.train_flops(training.model_config, tcfg.batch_size,
-                                       data.max_seq_length, flops.rows_shape(config)[1]),
+                                       data.max_seq_length, flops.rows_shape(data)[1]),
       init=init,
       on_accepted=lambda start: keep_vocabulary(
           tokenizer_lib.vocab_path_of(data), data.tokenizer, fingerprint, workdir,
           data.do_lower_case))
-  _, final = execute(config, workdir, job)
+  _, final = execute(_recorded(config, data), workdir, job)
   if final and jax.process_index() == 0:
     print(summary(final, workdir), flush=True)
   return final

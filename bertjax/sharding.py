@@ -80,8 +80,8 @@ class MeshConfig:
     unknown = sorted(set(values) - known)
     if unknown:
       raise ValueError(f"Unknown mesh config keys {unknown}; known keys are {sorted(known)}")
-    values["logical_axis_rules"] = rules_from_config(
-        values.get("logical_axis_rules", DEFAULT_RULES))
+    if "logical_axis_rules" in values:  # absent: the field's own default, DEFAULT_RULES
+      values["logical_axis_rules"] = rules_from_config(values["logical_axis_rules"])
     return cls(**values)
 
   @property

@@ -301,12 +301,16 @@ def _workdir_vocabulary(workdir: str) -> dict:
       config_path) else None
   if not data or "spm_vocab_size" not in data:  # not a pre-training config
     return {}
-  import ml_collections  # pylint: disable=import-outside-toplevel
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  try:
-    vocab = tokenizer_lib.vocab_path_of(ml_collections.ConfigDict(data))
-  except ValueError:
-    return {}
+  # Read key by key, not as a DataConfig: a run of an older bertjax records other keys.
+  if data["vocab_path"]:
+    vocab = data["vocab_path"]
+  elif data["tokenizer"] == "sentencepiece":
+    vocab = tokenizer_lib.cached_sentencepiece_path(
+        data["source"], data["tfds_split"], data["eval_fraction"], data["cache_dir"],
+        data["spm_vocab_size"], data["do_lower_case"])
+  else:
+    return {}  # a WordPiece run without vocab_path never ran
   return dict(vocab_file=vocab if files.exists(vocab) else None,
               tokenizer_kind=data.get("tokenizer"), do_lower_case=bool(data["do_lower_case"]),
               casing_why=f"data.do_lower_case in {config_path}")

@@ -16,7 +16,7 @@ import pytest
 from bertjax import loop, train
 from configs import finetune as finetune_config
 from configs import tiny
-from test_data_fixtures import WORDS, data_config
+from test_data_fixtures import WORDS, data_section
 
 # Words with a role in the tasks; the others are filler.
 KEYS = WORDS[:3]  # RTE: "entailment" iff sentence B holds one of these
@@ -54,7 +54,7 @@ def pretrain(root: str, steps: int = 30) -> str:
   It runs on one device (a third faster to compile and save than on 8), so fine-tuning on the
   8-device mesh also restores its encoder onto another mesh."""
   config = tiny.get_config()
-  config.data = data_config(os.path.join(root, "data"), n_docs=30, sents_per_doc=12)
+  config.data = data_section(os.path.join(root, "data"), n_docs=30, sents_per_doc=12)
   m = config.model
   m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 32, 2, 2, 64
   m.max_position_embeddings = 64

@@ -182,10 +182,11 @@ def test_a_packing_config_compiles_the_rows_the_pipeline_feeds():
   """With data.packing the step reads S x M masked slots, sequence ids and [B, S] next-sentence
   features: the compile check must lower that program, not the unpacked one."""
   from bertjax import flops, train  # pylint: disable=import-outside-toplevel
+  from bertjax.data.config import DataConfig  # pylint: disable=import-outside-toplevel
   from configs import tiny  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.data.packing, config.data.max_sequences_per_row = True, 3
-  seq_len, slots, per_row = flops.rows_shape(config)
+  seq_len, slots, per_row = flops.rows_shape(DataConfig.from_config(config.data))
   assert (seq_len, slots, per_row) == (64, 30, 3)
   training = train.from_config(config, devices=jax.devices()[:1], vocab_size=1000)
   batch = aot.abstract_batch(training, seq_len, slots, per_row)

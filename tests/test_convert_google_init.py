@@ -14,7 +14,7 @@ from bertjax.convert import google
 from bertjax.finetune import run
 from configs import tiny
 from google_fixtures import google_folder, random_variables, slots
-from test_data_fixtures import data_config
+from test_data_fixtures import data_section
 from finetune_fixtures import frozen_next_config, write_tiny_next
 
 SMALL = dict(attention_probs_dropout_prob=0.1, hidden_act="gelu", hidden_dropout_prob=0.1,
@@ -45,7 +45,7 @@ def _saved_variables(workdir, params_key=None):
 
 def _pretraining_config(tmp_path):
   config = tiny.get_config()
-  config.data = data_config(tmp_path / "data", n_docs=30, sents_per_doc=12)
+  config.data = data_section(tmp_path / "data", n_docs=30, sents_per_doc=12)
   config.data.tokenizer, config.data.vocab_path = "sentencepiece", ""  # init_from's, then
   m = config.model
   m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 0, 32, 1, 2, 64

@@ -3,6 +3,7 @@
 import os
 import random
 
+from bertjax.data.config import DataConfig
 from configs import base
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -37,8 +38,9 @@ def write_corpus(path: str, docs) -> str:
   return path
 
 
-def data_config(tmp_path, *, n_docs=40, sents_per_doc=20, **overrides):
-  """config.data on a WordPiece vocabulary and a synthetic corpus written under tmp_path."""
+def data_section(tmp_path, *, n_docs=40, sents_per_doc=20, **overrides):
+  """config.data (a ConfigDict, as a run's config holds it) on a WordPiece vocabulary and a
+  synthetic corpus written under tmp_path."""
   tmp = str(tmp_path)
   os.makedirs(tmp, exist_ok=True)
   c = base.get_config().data
@@ -59,3 +61,8 @@ def data_config(tmp_path, *, n_docs=40, sents_per_doc=20, **overrides):
   for k, v in overrides.items():
     c[k] = v
   return c
+
+
+def data_config(tmp_path, **kwargs) -> DataConfig:
+  """`data_section` typed, as a run types it where it starts: what the data modules take."""
+  return DataConfig.from_config(data_section(tmp_path, **kwargs))

@@ -14,20 +14,24 @@ KEYS = {"input_ids": np.int32, "input_mask": np.int32, "segment_ids": np.int32,
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
   c = data_config(tmp_path_factory.mktemp("pipe"), n_docs=60, sents_per_doc=25)
-  prepare.ensure_prepared(c)
+  prepare.ensure_prepared(c, tokenizer.load_tokenizer(c))
   return c
+
+
+def _pipeline(c, **kw):
+  return pipeline.make_pipeline(c, tokenizer.load_tokenizer(c), **kw)
 
 
 def _take(c, n, **kw):
   kw.setdefault("split", "train")
   kw.setdefault("global_batch_size", 16)
-  p = pipeline.make_pipeline(c, include_example_ids=True, **kw)
+  p = _pipeline(c, include_example_ids=True, **kw)
   return [next(p) for _ in range(n)] if n else list(p)
 
 
 def test_features_shapes_segments_padding(cfg):
   tok = tokenizer.load_tokenizer(cfg)
-  p = pipeline.make_pipeline(cfg, split="train", global_batch_size=32)
+  p = _pipeline(cfg, split="train", global_batch_size=32)
   b = next(p)
   assert set(b) == set(KEYS)
   for k, dt in KEYS.items():
@@ -57,7 +61,7 @@ def test_host_slices_disjoint_and_complete_rows_mode(cfg):
   for s, h0, h1 in zip(single, hosts[0], hosts[1]):
     for k in KEYS:
       assert np.array_equal(np.concatenate([h0[k], h1[k]]), s[k]), k
-  n = prepare.load_manifest(cfg)["splits"]["eval"]["instances"]
+  n = prepare.load_manifest(cfg, tokenizer.load_tokenizer(cfg))["splits"]["eval"]["instances"]
   ids0, ids1 = _rows(hosts[0]), _rows(hosts[1])
   assert not set(ids0) & set(ids1)
   assert sorted(np.concatenate([ids0, ids1])) == list(range(len(single) * 8))
@@ -66,13 +70,13 @@ def test_host_slices_disjoint_and_complete_rows_mode(cfg):
 
 @pytest.mark.parametrize("hosts", [2, 3])
 def test_host_slices_disjoint_and_complete_files_mode(cfg, hosts):
-  m = prepare.load_manifest(cfg)
+  m = prepare.load_manifest(cfg, tokenizer.load_tokenizer(cfg))
   n = m["splits"]["train"]["instances"]
   G = 4 * hosts
   per_host = []
   for p in range(hosts):
-    pipe = pipeline.make_pipeline(cfg, split="train", global_batch_size=G, process_index=p,
-                                  process_count=hosts, include_example_ids=True)
+    pipe = _pipeline(cfg, split="train", global_batch_size=G, process_index=p,
+                     process_count=hosts, include_example_ids=True)
     per_host.append(_rows([next(pipe) for _ in range(pipe.steps_per_epoch)]))
   assert len({len(h) for h in per_host}) == 1
   union = set(np.concatenate(per_host))
@@ -100,7 +104,7 @@ def test_uneven_shards_on_many_hosts_leave_at_most_a_batch_per_epoch():
 
 def test_restart_of_one_host_among_three(cfg):
   kw = dict(split="train", global_batch_size=12, process_index=1, process_count=3, seed=5)
-  p = pipeline.make_pipeline(cfg, include_example_ids=True, **kw)
+  p = _pipeline(cfg, include_example_ids=True, **kw)
   straight = [next(p) for _ in range(p.steps_per_epoch + 3)]
   resumed = _take(cfg, 5, start_step=p.steps_per_epoch - 2, **kw)
   for a, b in zip(straight[p.steps_per_epoch - 2:], resumed):
@@ -109,8 +113,7 @@ def test_restart_of_one_host_among_three(cfg):
 
 
 def test_restart_at_step_n_equals_uninterrupted(cfg):
-  p = pipeline.make_pipeline(cfg, split="train", global_batch_size=16, seed=7,
-                             include_example_ids=True)
+  p = _pipeline(cfg, split="train", global_batch_size=16, seed=7, include_example_ids=True)
   steps = p.steps_per_epoch
   straight = [next(p) for _ in range(2 * steps + 5)]
   for start in (3, steps // 2 + 1, steps + 2, 2 * steps):
@@ -137,7 +140,7 @@ def test_restart_at_step_n_equals_uninterrupted(cfg):
 def test_eval_is_deterministic_and_finite(cfg):
   a = _take(cfg, 0, split="eval", global_batch_size=8, seed=3)
   b = _take(cfg, 0, split="eval", global_batch_size=8, seed=3)
-  p = pipeline.make_pipeline(cfg, split="eval", global_batch_size=8, seed=3)
+  p = _pipeline(cfg, split="eval", global_batch_size=8, seed=3)
   assert len(a) == p.steps_per_epoch > 0
   for x, y in zip(a, b):
     for k in x:
@@ -156,16 +159,16 @@ def test_masking_rate_through_the_pipeline(cfg):
 def test_bad_batch_and_split(cfg):
   with pytest.raises(ValueError, match="global_batch_size 10 must be a positive multiple of "
                                        "process_count 4"):
-    pipeline.make_pipeline(cfg, split="train", global_batch_size=10, process_count=4)
+    _pipeline(cfg, split="train", global_batch_size=10, process_count=4)
   with pytest.raises(ValueError, match="split must be"):
-    pipeline.make_pipeline(cfg, split="test", global_batch_size=8)
+    _pipeline(cfg, split="test", global_batch_size=8)
   with pytest.raises(ValueError, match="not one batch"):
-    pipeline.make_pipeline(cfg, split="eval", global_batch_size=1 << 16)
+    _pipeline(cfg, split="eval", global_batch_size=1 << 16)
 
 
 def test_mlm_only_mode(tmp_path):
   c = data_config(tmp_path, nsp=False)
-  prepare.ensure_prepared(c)
-  b = next(pipeline.make_pipeline(c, split="train", global_batch_size=16))
+  prepare.ensure_prepared(c, tokenizer.load_tokenizer(c))
+  b = next(_pipeline(c, split="train", global_batch_size=16))
   assert not b["next_sentence_labels"].any() and not b["segment_ids"].any()
   assert b["input_mask"].mean() > 0.9

@@ -1,11 +1,17 @@
 """Offline preparation: determinism, resume, manifest, and bad input."""
 
+import dataclasses
 import os
 
 import pytest
 
 from bertjax.data import pipeline, prepare, tokenizer as tokenizer_lib
 from test_data_fixtures import data_config, random_documents, write_corpus, write_vocab
+
+
+def _prepared(c, **kwargs):
+  """What a run does with its typed data config: load the tokenizer once, prepare with it."""
+  return prepare.ensure_prepared(c, tokenizer_lib.load_tokenizer(c), **kwargs)
 
 
 def _files(d):
@@ -15,14 +21,14 @@ def _files(d):
 
 def test_deterministic_parallel_and_resumable(tmp_path):
   c1 = data_config(tmp_path / "one", prepared_dir=str(tmp_path / "p1"))
-  m1 = prepare.ensure_prepared(c1)
+  m1 = _prepared(c1)
   sp = m1["splits"]["train"]
   assert sp["instances"] == sum(sp["counts"]) > 0 and len(sp["files"]) == 4
   assert m1["settings"]["tokenizer_fingerprint"].startswith("wordpiece-")
   assert 0.4 < sp["not_next"] / sp["instances"] < 0.65
   # Two worker processes give the same shards as one.
   c2 = data_config(tmp_path / "one", prepared_dir=str(tmp_path / "p2"), prepare_workers=2)
-  prepare.ensure_prepared(c2)
+  _prepared(c2)
   strip = lambda fs: {k: v for k, v in fs.items() if k != "manifest.json" and not k.endswith(".json")}
   assert strip(_files(tmp_path / "p1")) == strip(_files(tmp_path / "p2"))
   # Interrupted run: one shard unfinished, no manifest. Only that shard is redone, identically.
@@ -33,7 +39,7 @@ def test_deterministic_parallel_and_resumable(tmp_path):
   content = open(os.path.join(d, "train-00002-of-00004.tfrecord"), "rb").read()
   with open(os.path.join(d, "train-00002-of-00004.tfrecord"), "wb") as f:
     f.write(content[:100])  # a half-written shard
-  m1b = prepare.ensure_prepared(c1)
+  m1b = _prepared(c1)
   assert open(os.path.join(d, "train-00002-of-00004.tfrecord"), "rb").read() == content
   after = {f: os.stat(os.path.join(d, f)).st_mtime_ns for f in os.listdir(d)}
   changed = {f for f in before if before[f] != after.get(f)}
@@ -51,7 +57,7 @@ def test_repairs_are_counted_in_the_manifest(tmp_path, caplog):
     f.write(b"\nbaba \xff baba.\nbebe baba.\n")  # vocabulary words around an invalid byte
   c = data_config(tmp_path, n_docs=0, source=path)
   with caplog.at_level("WARNING"):
-    m = prepare.ensure_prepared(c)
+    m = _prepared(c)
   assert m["corpus"]["invalid_utf8_lines"] == 1 and m["corpus"]["invalid_utf8_chars"] == 1
   assert list(m["corpus"]["replaced_by_input"]) == [path]
   assert m["corpus"]["replaced_by_input"][path][0] == 1
@@ -67,53 +73,53 @@ def test_empty_corpus_and_no_instances(tmp_path):
   empty.write_text("\n\n   \n")
   c = data_config(tmp_path, n_docs=0, source=str(empty))
   with pytest.raises(ValueError, match="yielded no document"):
-    prepare.ensure_prepared(c)
+    _prepared(c)
   c = data_config(tmp_path / "all_eval", eval_fraction=1.0)
   with pytest.raises(ValueError, match="no training instance"):
-    prepare.ensure_prepared(c)
+    _prepared(c)
   c = data_config(tmp_path / "nomatch", n_docs=0, source=str(tmp_path / "missing-*.txt"))
   with pytest.raises(FileNotFoundError, match="No file matches"):
-    prepare.ensure_prepared(c)
+    _prepared(c)
 
 
 def test_fingerprint_and_settings_mismatch(tmp_path):
   c = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
-  prepare.ensure_prepared(c)
+  _prepared(c)
   other_vocab = str(tmp_path / "other.txt")
   write_vocab(other_vocab)
   with open(other_vocab, "a") as f:
     f.write("zzextra\n")
-  c_other = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
-  c_other.vocab_path = other_vocab
+  c_other = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"), vocab_path=other_vocab)
   with pytest.raises(ValueError, match="were tokenized with wordpiece-.* but the configured"):
-    prepare.ensure_prepared(c_other)
+    _prepared(c_other)
   with pytest.raises(ValueError, match="were tokenized with"):
-    pipeline.make_pipeline(c_other, split="train", global_batch_size=8)
+    pipeline.make_pipeline(c_other, tokenizer_lib.load_tokenizer(c_other), split="train",
+                           global_batch_size=8)
   c_len = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"), max_seq_length=128)
   with pytest.raises(ValueError, match="max_seq_length': \\(64, 128\\)"):
-    prepare.load_manifest(c_len)
+    prepare.load_manifest(c_len, tokenizer_lib.load_tokenizer(c_len))
   # The default, settings-named folder simply prepares anew.
-  c_default = data_config(tmp_path)
-  c_default.vocab_path = other_vocab
-  assert prepare.ensure_prepared(c_default)["dir"] != str(tmp_path / "prep")
+  c_default = data_config(tmp_path, vocab_path=other_vocab)
+  assert _prepared(c_default)["dir"] != str(tmp_path / "prep")
 
 
 def test_truncated_and_corrupt_shards(tmp_path):
   c = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
-  prepare.ensure_prepared(c)
+  _prepared(c)
   shard = str(tmp_path / "prep" / "train-00001-of-00004.tfrecord")
   data = open(shard, "rb").read()
   with open(shard, "wb") as f:
     f.write(data[:-50])
   with pytest.raises(ValueError, match="truncated or corrupt"):
-    prepare.ensure_prepared(c)
+    _prepared(c)
   # Same size, flipped bytes: caught by the record checksums while reading.
   bad = bytearray(data)
   for i in range(len(bad) // 2, len(bad) // 2 + 20):
     bad[i] ^= 0xFF
   with open(shard, "wb") as f:
     f.write(bytes(bad))
-  p = pipeline.make_pipeline(c, split="train", global_batch_size=8)
+  p = pipeline.make_pipeline(c, tokenizer_lib.load_tokenizer(c), split="train",
+                             global_batch_size=8)
   with pytest.raises(ValueError, match=f"{shard} is corrupt or truncated .*Delete it"):
     for _ in range(10 * p.steps_per_epoch):
       next(p)
@@ -122,32 +128,33 @@ def test_truncated_and_corrupt_shards(tmp_path):
 def test_missing_manifest_is_a_clear_error(tmp_path):
   c = data_config(tmp_path)
   with pytest.raises(FileNotFoundError, match="ensure_prepared"):
-    pipeline.make_pipeline(c, split="train", global_batch_size=8)
+    pipeline.make_pipeline(c, tokenizer_lib.load_tokenizer(c), split="train",
+                           global_batch_size=8)
 
 
 def test_single_document_shard_borrows_notnext_segments(tmp_path):
   # 5 documents in 4 shards: three shards hold one document each.
   c = data_config(tmp_path, n_docs=5, sents_per_doc=30, eval_fraction=0.0)
-  m = prepare.ensure_prepared(c)
+  m = _prepared(c)
   sp = m["splits"]["train"]
   assert sp["documents"] == 5 and all(n > 0 for n in sp["counts"]) and sp["not_next"] > 0
   c1 = data_config(tmp_path / "one", n_docs=1, sents_per_doc=30, eval_fraction=0.0)
   with pytest.raises(ValueError, match="single document"):
-    prepare.ensure_prepared(c1)
+    _prepared(c1)
 
 
 def test_blank_line_after_every_sentence_warns(tmp_path, caplog):
   docs = [[s] for d in random_documents(10, 10) for s in d]  # the frequent formatting mistake
   c = data_config(tmp_path, n_docs=0, source=write_corpus(str(tmp_path / "c.txt"), docs))
   with caplog.at_level("WARNING"):
-    m = prepare.ensure_prepared(c)
+    m = _prepared(c)
   assert "Almost every document has one sentence" in caplog.text
   assert m["splits"]["train"]["not_next"] == m["splits"]["train"]["instances"]
 
 
 def test_resume_refuses_a_preparation_started_with_other_settings(tmp_path):
   c = data_config(tmp_path, prepared_dir=str(tmp_path / "prep"))
-  prepare.ensure_prepared(c)
+  _prepared(c)
   d = tmp_path / "prep"
   # Interrupted: no manifest, one shard unfinished. Resuming at another length would mix shards.
   os.remove(d / "manifest.json")
@@ -155,7 +162,7 @@ def test_resume_refuses_a_preparation_started_with_other_settings(tmp_path):
   c_len = data_config(tmp_path, prepared_dir=str(d), max_seq_length=128)
   with pytest.raises(ValueError, match=r"a finished shard \(train-00000-of-00004.json\) made with "
                                        r"other settings .*'max_seq_length': \(64, 128\).*Delete"):
-    prepare.ensure_prepared(c_len)
+    _prepared(c_len)
   # Interrupted after the first stage only: the raw split is checked too.
   for f in os.listdir(d):
     if f.endswith(".json"):
@@ -163,9 +170,9 @@ def test_resume_refuses_a_preparation_started_with_other_settings(tmp_path):
   c_frac = data_config(tmp_path, prepared_dir=str(d), eval_fraction=0.3)
   with pytest.raises(ValueError, match=r"a raw split \(raw/\) made with other settings "
                                        r".*'eval_fraction': \(0.1, 0.3\)"):
-    prepare.ensure_prepared(c_frac)
+    _prepared(c_frac)
   # The same settings resume.
-  assert prepare.ensure_prepared(c)["splits"]["train"]["instances"] > 0
+  assert _prepared(c)["splits"]["train"]["instances"] > 0
 
 
 def test_one_document_swamping_the_pairs_warns(tmp_path, caplog):
@@ -175,16 +182,15 @@ def test_one_document_swamping_the_pairs_warns(tmp_path, caplog):
   c = data_config(tmp_path, n_docs=0, source=write_corpus(str(tmp_path / "c.txt"), docs),
                   max_line_chars=0, eval_fraction=0.0)
   with caplog.at_level("WARNING"):
-    m = prepare.ensure_prepared(c)
+    m = _prepared(c)
   big = m["splits"]["train"]["largest_document"]
   assert big["instances"] > 0.3 * m["splits"]["train"]["instances"]
   assert "train: one document yields" in caplog.text and "above max_document_pair_share" in caplog.text
   assert repr(docs[5][0][:80]) in caplog.text  # how to find it
   # By default such a line is refused before anything is prepared, naming the file and line.
-  c.max_line_chars = 20_000
-  c.prepared_dir = str(tmp_path / "other")
+  c = dataclasses.replace(c, max_line_chars=20_000, prepared_dir=str(tmp_path / "other"))
   with pytest.raises(ValueError, match=r"c\.txt, line 66: 25,000 characters"):
-    prepare.ensure_prepared(c)
+    _prepared(c)
 
 
 def test_binary_file_in_the_source_is_refused(tmp_path):
@@ -192,9 +198,9 @@ def test_binary_file_in_the_source_is_refused(tmp_path):
   c = data_config(tmp_path)
   noise = tmp_path / "noise.txt"
   noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(5000)))
-  c.source = f"{c.source},{noise}"
+  c = dataclasses.replace(c, source=f"{c.source},{noise}")
   with pytest.raises(ValueError, match=f"{noise}: .* not valid UTF-8"):
-    prepare.ensure_prepared(c)
+    _prepared(c)
 
 
 def test_cache_dir_under_a_regular_file_is_named(tmp_path):
@@ -202,12 +208,11 @@ def test_cache_dir_under_a_regular_file_is_named(tmp_path):
   c = data_config(tmp_path, cache_dir=str(tmp_path / "afile" / "cache"))
   with pytest.raises(OSError, match=r"Cannot create the folder .*afile/cache.* \(from "
                                     r"config.data.cache_dir\)"):
-    prepare.ensure_prepared(c)
+    _prepared(c)
   c = data_config(tmp_path, tokenizer="sentencepiece", vocab_path="",
                   cache_dir=str(tmp_path / "afile" / "cache"))
-  from bertjax.data import tokenizer
   with pytest.raises(OSError, match=r"\(from config.data.cache_dir\)"):
-    tokenizer.ensure_sentencepiece(c)
+    tokenizer_lib.ensure_sentencepiece(c)
 
 
 def _marked_processes(marker: str) -> list[int]:
@@ -236,7 +241,7 @@ def test_sigterm_stops_the_workers_and_says_the_preparation_resumes(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   marker = f"BERTJAX_TEST_{uuid.uuid4().hex}"
   env = {**os.environ, marker: "1", "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
-  flags = [f"--config.data.{k}={c[k]}" for k in ("tokenizer", "vocab_path", "source", "cache_dir",
+  flags = [f"--config.data.{k}={getattr(c, k)}" for k in ("tokenizer", "vocab_path", "source", "cache_dir",
                                                   "max_seq_length", "prepare_workers")]
   proc = subprocess.Popen([sys.executable, "-m", "bertjax.data.prepare",
                            "--config=configs/base.py", *flags], cwd=root, env=env,
@@ -253,7 +258,7 @@ def test_sigterm_stops_the_workers_and_says_the_preparation_resumes(tmp_path):
   assert "Traceback" not in err
   assert not _marked_processes(marker)  # no worker left behind
   # Running again finishes the preparation.
-  assert prepare.ensure_prepared(c, num_workers=1)["splits"]["train"]["instances"] > 0
+  assert _prepared(c, num_workers=1)["splits"]["train"]["instances"] > 0
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -276,8 +281,8 @@ def test_prepare_command_validates_lengths_first(tmp_path, flags, message):
 
 def test_a_change_to_the_text_processing_moves_both_caches(tmp_path, monkeypatch):
   from bertjax.data import corpus as corpus_lib  # pylint: disable=import-outside-toplevel
-  c = data_config(tmp_path)
-  c.tokenizer, c.vocab_path = "sentencepiece", ""  # the cached vocabulary is named by the source
+  # The cached vocabulary is named by the source.
+  c = data_config(tmp_path, tokenizer="sentencepiece", vocab_path="")
   tok = tokenizer_lib.load_tokenizer(data_config(tmp_path))
   before = (tokenizer_lib.vocab_path_of(c), prepare.prepared_dir(c, tok))
   monkeypatch.setattr(corpus_lib, "TEXT_VERSION", corpus_lib.TEXT_VERSION + 1)

@@ -1,5 +1,6 @@
 """Storage: folders named by their config key, and the check that all processes share the store."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -55,8 +56,8 @@ def test_a_folder_local_to_each_host_is_refused_on_every_process(tmp_path):
   assert "is not shared by the 2 processes" in str(errors[0])
   assert "--config.data.cache_dir=gs://BUCKET/bertjax-cache" in str(errors[1])
   # Shards in a shared prepared_dir do not help while the vocabulary is trained into cache_dir.
-  for p, c in enumerate(configs):
-    c.tokenizer, c.vocab_path, c.prepared_dir = "sentencepiece", "", str(tmp_path / "shared")
+  configs = [dataclasses.replace(c, tokenizer="sentencepiece", vocab_path="",
+                                 prepared_dir=str(tmp_path / "shared")) for c in configs]
   errors = _run_processes(configs)
   assert all("config.data.cache_dir=" in str(e) for e in errors), errors
 

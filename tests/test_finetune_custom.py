@@ -326,16 +326,13 @@ def test_classification_report_known_answers():
 
 
 def test_class_weights(tmp_path):
-  config = fx.ft_config("classification", "")
   labels = ("a", "b", "c")
   ids = np.array([0, 0, 0, 0, 1, 1, 2, 2])
-  config.train.class_weights = "balanced"
-  assert custom.class_weights(config, labels, ids) == pytest.approx([8 / 12, 8 / 6, 8 / 6])
-  config.train.class_weights = "c=3"
-  assert custom.class_weights(config, labels, ids) == [1.0, 1.0, 3.0]
-  config.train.class_weights = "d=3"
+  assert custom.class_weights("balanced", labels, ids) == pytest.approx([8 / 12, 8 / 6, 8 / 6])
+  assert custom.class_weights(" c=3", labels, ids) == [1.0, 1.0, 3.0]
+  assert custom.class_weights("", labels, ids) is None
   with pytest.raises(ValueError, match=r"'d=3' is not label=weight with a label of"):
-    custom.class_weights(config, labels, ids)
+    custom.class_weights("d=3", labels, ids)
   # The weighted loss is the weighted mean of the examples' losses.
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   obj = __import__("bertjax.finetune.objectives", fromlist=["x"]).classification(3, [1.0, 1.0, 3.0])

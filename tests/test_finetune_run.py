@@ -405,8 +405,8 @@ def _scripted_main(monkeypatch, mains):
   """Dev scores as computed, but "main" (which picks the best epoch) taken from `mains` in turn."""
   real, left = tasks.load, list(mains)
 
-  def load(config, tokenizer):
-    data = real(config, tokenizer)
+  def load(cfg, tokenizer):
+    data = real(cfg, tokenizer)
     first = data.evals[0]
     data.evals[0] = dataclasses.replace(first, score=lambda out: {**first.score(out),
                                                                   "main": left.pop(0)})

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from test_data_fixtures import data_config
+from test_data_fixtures import data_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "launch", "local.sh")
@@ -21,7 +21,7 @@ DATA_KEYS = ("tokenizer", "vocab_path", "source", "cache_dir", "max_seq_length",
 
 def _flags(tmp_path) -> list[str]:
   """bertjax.main flags of a tiny run on a tiny corpus (the built-in one takes too long)."""
-  data = data_config(tmp_path / "data", n_docs=30, sents_per_doc=12)
+  data = data_section(tmp_path / "data", n_docs=30, sents_per_doc=12)
   return (["--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}"]
           + [f"--config.data.{k}={data[k]}" for k in DATA_KEYS]
           + ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from test_data_fixtures import data_config, random_documents
+from test_data_fixtures import data_section, random_documents
 from test_launch_local import runs  # pylint: disable=unused-import  (the fixture)
 
 
@@ -27,7 +27,7 @@ def _pair_task(folder, n_train=96, n_dev=40):
 
 def test_finetuning_pod_scores_as_one_process(tmp_path, runs):
   """`python -m bertjax.finetune` on 2 processes x 2 devices gives one process's dev scores."""
-  data = data_config(tmp_path / "data", n_docs=0)
+  data = data_section(tmp_path / "data", n_docs=0)
   _pair_task(tmp_path / "task")
   vocab_size = sum(1 for _ in open(data.vocab_path, encoding="utf-8"))
   flags = ["--config=configs/finetune.py:next", "--config.checkpoint.init_from=",

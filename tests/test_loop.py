@@ -20,7 +20,7 @@ from bertjax import control, loop, train
 from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer, CheckpointMismatchError
 from bertjax.data import pipeline
 from configs import tiny
-from test_data_fixtures import data_config, write_corpus
+from test_data_fixtures import data_section, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MAKE_PIPELINE = pipeline.make_pipeline
@@ -28,7 +28,7 @@ _MAKE_PIPELINE = pipeline.make_pipeline
 
 def _config(tmp_path, **train_overrides):
   config = tiny.get_config()
-  config.data = data_config(tmp_path / "data", n_docs=30, sents_per_doc=12)
+  config.data = data_section(tmp_path / "data", n_docs=30, sents_per_doc=12)
   m = config.model
   m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 32, 1, 2, 64
   m.max_position_embeddings = 64
@@ -58,8 +58,8 @@ class _Recorder:
   def __init__(self, monkeypatch, sigterm_at=None, sigterm_in_eval=False):
     self.train_ids, self.eval_batches = [], []
 
-    def make(data_config, *, split, **kw):
-      batches = _MAKE_PIPELINE(data_config, split=split, **kw)
+    def make(data, tok, *, split, **kw):
+      batches = _MAKE_PIPELINE(data, tok, split=split, **kw)
       if split != "train":
         return self._wrap_eval(batches, sigterm_in_eval)
       return self._wrap(batches, kw.get("start_step", 0), sigterm_at)
@@ -293,7 +293,7 @@ def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode != 0 and "batch_sise" in bad.stderr
 
-  data = data_config(tmp_path / "data", n_docs=30, sents_per_doc=12)
+  data = data_section(tmp_path / "data", n_docs=30, sents_per_doc=12)
   flags = [f"--config.data.{k}={data[k]}" for k in (
       "tokenizer", "vocab_path", "source", "cache_dir", "max_seq_length",
       "max_predictions_per_seq", "num_shards", "num_eval_shards", "prepare_workers")]

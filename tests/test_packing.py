@@ -1,17 +1,19 @@
 """Sequence packing: the packer, the pipeline's packed rows (the same sequences and masks as
 unpacked, exact restart, disjoint hosts), and packed == unpacked training (losses, gradients)."""
 
+import dataclasses
+
 import jax
-import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from bertjax import losses, train
-from bertjax.data import packing, pipeline, prepare
+from bertjax.data import packing, pipeline, prepare, tokenizer
+from bertjax.data.config import DataConfig
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig
-from test_data_fixtures import data_config
+from test_data_fixtures import data_config, data_section
 
 L = 64
 
@@ -36,13 +38,14 @@ def test_best_fit_decreasing_places_every_sequence_once_within_the_limits():
 
 
 def test_bad_packing_settings_are_refused(tmp_path):
-  c = data_config(tmp_path, n_docs=0)
-  c.max_sequences_per_row = 0
+  c = data_config(tmp_path, n_docs=0, max_sequences_per_row=0)
   with pytest.raises(ValueError, match="max_sequences_per_row=0 must be an integer >= 1"):
     prepare.check_config(c)
-  # A config built by hand (not type-checked against base.py's bool) gets the same care.
-  with pytest.raises(ValueError, match="packing='on' must be True"):
-    packing.settings(ml_collections.ConfigDict({"packing": "on", "max_sequences_per_row": 2}))
+  # A config built by hand (not type-checked against base.py's bool) is refused where it is typed.
+  by_hand = {**data_section(tmp_path, n_docs=0), "packing": "on", "max_sequences_per_row": 2.0}
+  with pytest.raises(ValueError, match=r"config.data.packing='on' must be bool; "
+                                       r"config.data.max_sequences_per_row=2.0 must be int"):
+    DataConfig.from_config(by_hand)
 
 
 # --- packed == unpacked training (the model side) ------------------------------------------------
@@ -148,33 +151,33 @@ def test_packed_batch_equals_the_same_sequences_unpacked():
 def cfg(tmp_path_factory):
   # Many short pairs (short_seq_prob 0.5), so that rows take two or three sequences.
   c = data_config(tmp_path_factory.mktemp("pack"), n_docs=60, sents_per_doc=25, short_seq_prob=0.5)
-  prepare.ensure_prepared(c)
-  c.packing = True
-  return c
+  prepare.ensure_prepared(c, tokenizer.load_tokenizer(c))
+  return dataclasses.replace(c, packing=True)
+
+
+def _pipeline(c, **kw):
+  return pipeline.make_pipeline(c, tokenizer.load_tokenizer(c), **kw)
 
 
 def _take(c, n, **kw):
-  p = pipeline.make_pipeline(c, split="train", include_example_ids=True, **kw)
+  p = _pipeline(c, split="train", include_example_ids=True, **kw)
   return [next(p) for _ in range(n)]
 
 
 def _epoch0_unpacked(c, seed):
-  c = c.copy_and_resolve_references()
-  c.packing = False
-  p = pipeline.make_pipeline(c, split="train", global_batch_size=1, seed=seed,
-                             include_example_ids=True)
+  p = _pipeline(dataclasses.replace(c, packing=False), split="train", global_batch_size=1,
+                seed=seed, include_example_ids=True)
   # One sequence per batch: every record of epoch 0 (none waits for a later epoch).
   return {int(b["example_ids"][0]): {k: v[0] for k, v in b.items()}
           for b in (next(p) for _ in range(p.steps_per_epoch))}
 
 
 def test_packed_rows_hold_the_unpacked_sequences_and_masks(cfg):
-  p = pipeline.make_pipeline(cfg, split="train", global_batch_size=16, seed=7,
-                             include_example_ids=True)
+  p = _pipeline(cfg, split="train", global_batch_size=16, seed=7, include_example_ids=True)
   rows = sum(r for _, _, r in p.epoch_rows(0))
   batches = [next(p) for _ in range(-(-rows // 16))]
   first = {k: np.concatenate([b[k] for b in batches])[:rows] for k in batches[0]}
-  n = prepare.load_manifest(cfg)["splits"]["train"]["instances"]
+  n = prepare.load_manifest(cfg, tokenizer.load_tokenizer(cfg))["splits"]["train"]["instances"]
   seqs = packing.unpack(first, L)
   # Epoch 0 packs every record exactly once; the rows after it begin epoch 1.
   assert sorted(s["example_ids"] for s in seqs) == list(range(n))
@@ -203,7 +206,7 @@ def test_packed_rows_hold_the_unpacked_sequences_and_masks(cfg):
 @pytest.mark.parametrize("hosts", [1, 3])
 def test_packed_restart_equals_uninterrupted(cfg, hosts):
   kw = dict(global_batch_size=6 * hosts, seed=5, process_index=hosts - 1, process_count=hosts)
-  p = pipeline.make_pipeline(cfg, split="train", include_example_ids=True, **kw)
+  p = _pipeline(cfg, split="train", include_example_ids=True, **kw)
   per_epoch = sum(r for _, _, r in p.epoch_rows(0)) // 6  # steps in this host's epoch 0
   total = 2 * per_epoch + 4
   straight = [next(p) for _ in range(total)]
@@ -216,12 +219,12 @@ def test_packed_restart_equals_uninterrupted(cfg, hosts):
 
 
 def test_packed_hosts_read_disjoint_records(cfg):
-  n = prepare.load_manifest(cfg)["splits"]["train"]["instances"]
+  n = prepare.load_manifest(cfg, tokenizer.load_tokenizer(cfg))["splits"]["train"]["instances"]
   # Files mode (4 shards, 2 hosts): each host packs its own range of the epoch.
   seen = []
   for host in range(2):
-    p = pipeline.make_pipeline(cfg, split="train", global_batch_size=8, process_index=host,
-                               process_count=2, include_example_ids=True)
+    p = _pipeline(cfg, split="train", global_batch_size=8, process_index=host, process_count=2,
+                  include_example_ids=True)
     rows = sum(r for _, _, r in p.epoch_rows(0))
     ids = np.concatenate([next(p)["example_ids"] for _ in range(-(-rows // 4))])[:rows]
     seen.append(ids[ids >= 0])
@@ -238,11 +241,10 @@ def test_packed_hosts_read_disjoint_records(cfg):
 
 def test_data_benchmark_figures(cfg):
   from bertjax.data import benchmark  # pylint: disable=import-outside-toplevel
-  c = cfg.copy_and_resolve_references()
   figures = {}
   for on in (False, True):
-    c.packing = on
-    figures[on] = benchmark.measure_pipeline(c, 16, seconds=0.5)
+    figures[on] = benchmark.measure_pipeline(dataclasses.replace(cfg, packing=on),
+                                             tokenizer.load_tokenizer(cfg), 16, seconds=0.5)
   assert figures[False]["sequences_per_row"] == 1 and 0.6 < figures[False]["fill"] < 0.75
   assert figures[True]["fill"] > 0.9 and figures[True]["sequences_per_row"] > 1.25
   for f in figures.values():

@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import pytest
 
 from bertjax import checkpoint as checkpoint_lib, files, weights
+from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
 from bertjax.finetune import run
+from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 
 
 # 1. Fine-tuning workdir: a kill between any two writes ------------------------------------------
@@ -268,9 +270,9 @@ def test_squad_v1_given_a_v2_file_is_refused_before_any_step(tmp_path):
   with pytest.raises(ValueError, match=r"train-v2.0.json: 1 question\(s\) marked is_impossible "
                      r"\(e.g. id 'no-answer'\): a SQuAD v2.0 file. Fine-tune it with "
                      r"configs/finetune.py:squad_v2.0"):
-    tasks.load(config, tokenizer)
+    tasks.load(TaskConfig.from_config(config), tokenizer)
   config.task = "squad_v2.0"
-  assert len(tasks.load(config, tokenizer).evals) == 1  # the same file is v2.0's
+  assert len(tasks.load(TaskConfig.from_config(config), tokenizer).evals) == 1  # v2.0's file
 
 
 def test_a_batch_larger_than_the_training_set_and_a_zero_learning_rate_are_said():
@@ -353,13 +355,14 @@ def test_fine_tuning_keeps_the_casing_a_hugging_face_folder_records(tmp_path):
                            casing_why="tokenizer_config.json")
   config = fx.ft_config("rte", str(tmp_path))
   assert config.data.do_lower_case is None
-  tokenizer, path, lower = run.resolve_tokenizer(config, source)
+  data = FinetuneDataConfig.from_config(config.data)
+  tokenizer, path, lower = run.resolve_tokenizer(data, source, allow_other_vocab=False)
   assert (path, lower) == (vocab, False)
   word = next(w for w in open(vocab).read().split()
               if w.isalpha() and w.islower() and len(w) > 2)  # a whole lower-case word
   assert tokenizer.tokenize(word.upper()) != tokenizer.tokenize(word)
-  config.data.do_lower_case = True  # the user's choice wins
-  assert run.resolve_tokenizer(config, source)[2] is True
+  data = dataclasses.replace(data, do_lower_case=True)  # the user's choice wins
+  assert run.resolve_tokenizer(data, source, allow_other_vocab=False)[2] is True
 
 
 # 3. SQuAD answers are text of their contexts, whatever the script -------------------------------
@@ -419,9 +422,11 @@ def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path,
                            do_lower_case=False, casing_why="the name cased_L-2 says cased")
   config = tiny.get_config()
   config.data.vocab_path, config.data.do_lower_case = "", True
-  assert loop._init_vocabulary(config, source).data.do_lower_case is False
+  data = DataConfig.from_config(config.data)
+  taken = loop._init_vocabulary(data, source)
+  assert (taken.do_lower_case, taken.vocab_path) == (False, str(tmp_path / "vocab.txt"))
+  assert data.do_lower_case is True  # the run's typed copy is replaced, not changed
   assert ("config.data.do_lower_case=True is replaced by init_from's casing (False); to use "
           "another, set config.data.vocab_path too") in capsys.readouterr().out
-  config.data.do_lower_case = False
-  loop._init_vocabulary(config, source)
+  loop._init_vocabulary(dataclasses.replace(data, do_lower_case=False), source)
   assert "is replaced" not in capsys.readouterr().out

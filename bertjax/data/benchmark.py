@@ -17,6 +17,7 @@ its rows hold, so on an accelerator that the host keeps fed, packing multiplies 
 of every step by the ratio of the two fills (the `gain` column).
 """
 
+import dataclasses
 import logging
 import os
 import sys
@@ -27,28 +28,27 @@ from absl import app, flags
 
 from bertjax.data import corpus, pipeline, prepare
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data.config import DataConfig
 
 
-def _config(seq_length: int, prepared_dir: str, workers: int, source: str):
+def _config(seq_length: int, prepared_dir: str, workers: int, source: str) -> DataConfig:
   # Imported here so the module also works from an installed package without configs/ on the path.
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
   from configs import base
-  c = base.get_config().data
-  c.source = source
-  c.max_seq_length = seq_length
-  c.max_predictions_per_seq = 20 if seq_length <= 128 else 76  # the original's / MLPerf's values
-  c.prepared_dir = prepared_dir
-  c.prepare_workers = workers
-  # The vocabulary of the built-in corpus (the one `make pretrain` trains), whatever the text.
-  builtin = base.get_config().data
-  c.vocab_path = c.vocab_path or tokenizer_lib.vocab_path_of(builtin)
-  return c
+  builtin = DataConfig.from_config(base.get_config().data)
+  return dataclasses.replace(
+      builtin, source=source, max_seq_length=seq_length,
+      max_predictions_per_seq=20 if seq_length <= 128 else 76,  # the original's / MLPerf's values
+      prepared_dir=prepared_dir, prepare_workers=workers,
+      # The vocabulary of the built-in corpus (the one `make pretrain` trains), whatever the text.
+      vocab_path=builtin.vocab_path or tokenizer_lib.vocab_path_of(builtin))
 
 
-def measure_pipeline(c, batch_size: int, seconds: float) -> dict:
+def measure_pipeline(c: DataConfig, tok: tokenizer_lib.Tokenizer, batch_size: int,
+                     seconds: float) -> dict:
   """What the pipeline yields in `seconds` after a warm-up: rows, sequences and tokens per second,
   and the fill of its rows."""
-  p = pipeline.make_pipeline(c, split="train", global_batch_size=batch_size)
+  p = pipeline.make_pipeline(c, tok, split="train", global_batch_size=batch_size)
   for _ in range(5):  # warm up: graph tracing, file opening, prefetch fill, the first window
     next(p)
   rows = sequences = tokens = 0
@@ -105,6 +105,7 @@ def main(argv):
   with tempfile.TemporaryDirectory() as tmp:
     first = _config(lengths[0], "", args.workers, "builtin")
     vocab = tokenizer_lib.ensure_sentencepiece(first)
+    tok = tokenizer_lib.load_tokenizer(first)  # every corpus below is read with this vocabulary
     sources = {
         "built-in": _write(os.path.join(tmp, "builtin.txt"), corpus.builtin_documents(),
                            args.copies),
@@ -115,10 +116,10 @@ def main(argv):
           f"packing up to {args.max_sequences_per_row} sequences per row")
     for name, source in sources.items():
       for L in lengths:
-        c = _config(L, os.path.join(tmp, f"{name[:4]}-L{L}"), args.workers, source)
-        c.max_sequences_per_row = args.max_sequences_per_row
+        c = dataclasses.replace(_config(L, os.path.join(tmp, f"{name[:4]}-L{L}"), args.workers,
+                                        source), max_sequences_per_row=args.max_sequences_per_row)
         t0 = time.perf_counter()
-        m = prepare.ensure_prepared(c)
+        m = prepare.ensure_prepared(c, tok)
         wall = time.perf_counter() - t0
         mb = m["corpus"]["bytes"] / 1e6
         sp = m["splits"]
@@ -130,8 +131,8 @@ def main(argv):
               f"{c.dupe_factor})", flush=True)
         figures = {}
         for on in (False, True):
-          c.packing = on
-          figures[on] = measure_pipeline(c, args.batch_size, args.seconds)
+          figures[on] = measure_pipeline(dataclasses.replace(c, packing=on), tok, args.batch_size,
+                                         args.seconds)
           table.append((name, L, "on" if on else "off", figures[on],
                         figures[on]["fill"] / figures[False]["fill"]))
           print(f"pipeline {name} L={L} packing {'on ' if on else 'off'}: "

@@ -21,6 +21,8 @@ import sysconfig
 import zlib
 from typing import Iterable, Iterator
 
+from bertjax.data.config import DataConfig
+
 Document = list[str]
 
 # Ends a sentence: . ! or ? (optionally closing quotes/brackets), whitespace, then a likely start.
@@ -56,8 +58,8 @@ class InputLimits:
   max_line_chars: int = 20_000  # 0: no limit
 
 
-def limits_of(data_config) -> InputLimits:
-  return InputLimits(data_config.max_replaced_char_share, data_config.max_line_chars)
+def limits_of(data: DataConfig) -> InputLimits:
+  return InputLimits(data.max_replaced_char_share, data.max_line_chars)
 
 
 class _InputCheck:
@@ -317,9 +319,9 @@ def documents_from_source(source: str, stats: CorpusStats | None = None, *,
   return text_file_documents(source, stats, limits)
 
 
-def read_documents(data_config, stats: CorpusStats | None = None) -> Iterator[Document]:
-  return documents_from_source(data_config.source, stats, tfds_data_dir=data_config.tfds_data_dir,
-                               tfds_split=data_config.tfds_split, limits=limits_of(data_config))
+def read_documents(data: DataConfig, stats: CorpusStats | None = None) -> Iterator[Document]:
+  return documents_from_source(data.source, stats, tfds_data_dir=data.tfds_data_dir,
+                               tfds_split=data.tfds_split, limits=limits_of(data))
 
 
 def is_heldout(doc: Document, eval_fraction: float) -> bool:

@@ -12,6 +12,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from bertjax.data.config import DataConfig
+
 _GOLDEN = 0x9E3779B1
 # Salts that make the streams of the different random decisions independent.
 _ROUND, _SELECT, _ACTION, _TOKEN = 1, 2, 3, 4
@@ -32,17 +34,17 @@ class MaskingSpec:
   word_start_V: tuple = ()  # per id: True where a piece starts a word (whole-word masking)
 
 
-def spec_from_tokenizer(tok, data_config) -> MaskingSpec:
+def spec_from_tokenizer(tok, data: DataConfig) -> MaskingSpec:
   specials = set(tok.special_ids)
   real = tuple(i for i in range(tok.vocab_size) if i not in specials)
-  p = data_config.mask_token_prob + data_config.random_token_prob
+  p = data.mask_token_prob + data.random_token_prob
   if not 0.0 <= p <= 1.0:
     raise ValueError(f"mask_token_prob + random_token_prob = {p} must be within [0, 1].")
   return MaskingSpec(
-      max_predictions=data_config.max_predictions_per_seq, vocab_size=tok.vocab_size,
-      masked_lm_prob=data_config.masked_lm_prob, mask_token_prob=data_config.mask_token_prob,
-      random_token_prob=data_config.random_token_prob,
-      whole_word_masking=data_config.whole_word_masking, mask_id=tok.mask_id,
+      max_predictions=data.max_predictions_per_seq, vocab_size=tok.vocab_size,
+      masked_lm_prob=data.masked_lm_prob, mask_token_prob=data.mask_token_prob,
+      random_token_prob=data.random_token_prob,
+      whole_word_masking=data.whole_word_masking, mask_id=tok.mask_id,
       special_ids=(tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id), real_ids=real,
       word_start_V=tuple(bool(x) for x in tok.word_start_V))
 

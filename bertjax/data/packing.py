@@ -22,6 +22,8 @@ import dataclasses
 
 import numpy as np
 
+from bertjax.data.config import DataConfig
+
 
 def best_fit_decreasing(lengths_N: np.ndarray, capacity: int, max_per_row: int):
   """Rows for sequences of `lengths_N`: longest first, each into the open row it fills best (the
@@ -159,13 +161,11 @@ class FillStats:
             f"positions are tokens ({100 * unpacked:.1f}% with one sequence per row)")
 
 
-def settings(data_config) -> tuple[bool, int]:
-  """(packing on, max sequences per row) of `config.data`, refusing values that cannot work."""
-  on, per_row = data_config.packing, data_config.max_sequences_per_row
-  if not isinstance(on, bool):
-    raise ValueError(f"config.data.packing={on!r} must be True (several sequences per training "
-                     f"row) or False (one per row).")
-  if isinstance(per_row, bool) or not isinstance(per_row, int) or per_row < 1:
+def settings(data: DataConfig) -> tuple[bool, int]:
+  """(packing on, max sequences per row) of the data config, refusing values that cannot work
+  (their types were checked when it was built)."""
+  on, per_row = data.packing, data.max_sequences_per_row
+  if per_row < 1:
     raise ValueError(f"config.data.max_sequences_per_row={per_row!r} must be an integer >= 1 "
                      f"(2 or 3 pack most of the room that padding leaves).")
   return on, per_row

@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from bertjax.data import masking, packing, prepare
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data.config import DataConfig
 
 FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
             "masked_lm_weights", "next_sentence_labels")
@@ -136,8 +137,9 @@ def _epoch_dataset(plan: EpochPlan, *, epoch: int, skip_steps: int, seed: int, s
 class Pipeline:
   """Iterator of host-local batches (dicts of numpy arrays); infinite for train, one pass for eval."""
 
-  def __init__(self, data_config, *, split: str, global_batch_size: int, process_index: int = 0,
-               process_count: int = 1, seed: int = 0, start_step: int = 0, manifest=None,
+  def __init__(self, data: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str,
+               global_batch_size: int, process_index: int = 0, process_count: int = 1,
+               seed: int = 0, start_step: int = 0, manifest=None,
                include_example_ids: bool = False):
     if split not in prepare.SPLITS:
       raise ValueError(f"split must be one of {prepare.SPLITS}, got {split!r}.")
@@ -148,22 +150,21 @@ class Pipeline:
                        f"process_count {process_count}.")
     if start_step < 0:
       raise ValueError(f"start_step must be >= 0, got {start_step}.")
-    tok = tokenizer_lib.load_tokenizer(data_config)
     # Shard sizes were checked by ensure_prepared; damage found while reading is reported then.
-    self.manifest = manifest or prepare.load_manifest(data_config, tok, check_files=False)
+    self.manifest = manifest or prepare.load_manifest(data, tok, check_files=False)
     self.split, self.seed, self.start_step = split, seed, start_step
     self.shuffle = split == "train"
     self.global_batch_size, self.host_batch = global_batch_size, global_batch_size // process_count
     self.process_index, self.process_count = process_index, process_count
-    self.window = data_config.shuffle_window
-    self.prefetch = data_config.prefetch_batches
-    self.L = data_config.max_seq_length
-    on, self.max_per_row = packing.settings(data_config)
+    self.window = data.shuffle_window
+    self.prefetch = data.prefetch_batches
+    self.L = data.max_seq_length
+    on, self.max_per_row = packing.settings(data)
     # Evaluation stays one sequence per row: the same fixed held-out batches, packed run or not.
     self.packing = on and self.shuffle
     self.include_example_ids = include_example_ids
     self.fill = packing.FillStats()  # what packing has produced so far (benchmark, logs)
-    spec = masking.spec_from_tokenizer(tok, data_config)
+    spec = masking.spec_from_tokenizer(tok, data)
     id_dtype = self.manifest["settings"]["id_dtype"]
     self._parse_and_mask = _make_parse_and_mask(spec, self.L, seed,
                                                 include_example_ids or self.packing, id_dtype)
@@ -404,10 +405,12 @@ def _make_lengths(L: int, id_dtype: str):
   return lengths
 
 
-def make_pipeline(data_config, *, split: str, global_batch_size: int, process_index: int = 0,
-                  process_count: int = 1, seed: int = 0, start_step: int = 0,
-                  include_example_ids: bool = False) -> Pipeline:
-  """This host's slice of each global batch, from batch `start_step` on (see the module doc)."""
-  return Pipeline(data_config, split=split, global_batch_size=global_batch_size,
+def make_pipeline(data: DataConfig, tok: tokenizer_lib.Tokenizer, *, split: str,
+                  global_batch_size: int, process_index: int = 0, process_count: int = 1,
+                  seed: int = 0, start_step: int = 0, include_example_ids: bool = False
+                  ) -> Pipeline:
+  """This host's slice of each global batch, from batch `start_step` on (see the module doc);
+  `tok` is `data`'s tokenizer, loaded once where the run starts."""
+  return Pipeline(data, tok, split=split, global_batch_size=global_batch_size,
                   process_index=process_index, process_count=process_count, seed=seed,
                   start_step=start_step, include_example_ids=include_example_ids)

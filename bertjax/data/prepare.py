@@ -25,6 +25,7 @@ import numpy as np
 
 from bertjax.data import corpus, instances, packing, processes, storage
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data.config import DataConfig
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
 # int64 list: three times faster to write and parsed without ragged tensors.
@@ -47,8 +48,8 @@ def id_dtype(vocab_size: int) -> str:
   return "uint16" if vocab_size <= 1 << 16 else "int32"
 
 
-def settings_of(data_config, tok) -> dict:
-  s = {k: data_config[k] for k in _SETTING_KEYS}
+def settings_of(data: DataConfig, tok: tokenizer_lib.Tokenizer) -> dict:
+  s = {k: getattr(data, k) for k in _SETTING_KEYS}
   s["tokenizer_fingerprint"] = tok.fingerprint
   s["format_version"] = FORMAT_VERSION
   s["text_version"] = corpus.TEXT_VERSION
@@ -56,22 +57,21 @@ def settings_of(data_config, tok) -> dict:
   return s
 
 
-def prepared_dir(data_config, tok) -> str:
+def prepared_dir(data: DataConfig, tok: tokenizer_lib.Tokenizer) -> str:
   """`config.data.prepared_dir`, or a cache folder named by the settings (new settings, new folder)."""
-  if data_config.prepared_dir:
-    return data_config.prepared_dir
-  key = hashlib.sha256(json.dumps(settings_of(data_config, tok), sort_keys=True).encode())
-  slug = re.sub(r"[^A-Za-z0-9]+", "_", data_config.source)[:40].strip("_") or "corpus"
-  return os.path.join(data_config.cache_dir, f"{slug}-L{data_config.max_seq_length}-"
-                      f"{key.hexdigest()[:12]}")
+  if data.prepared_dir:
+    return data.prepared_dir
+  key = hashlib.sha256(json.dumps(settings_of(data, tok), sort_keys=True).encode())
+  slug = re.sub(r"[^A-Za-z0-9]+", "_", data.source)[:40].strip("_") or "corpus"
+  return os.path.join(data.cache_dir, f"{slug}-L{data.max_seq_length}-{key.hexdigest()[:12]}")
 
 
 def _shard_name(split: str, k: int, n: int) -> str:
   return f"{split}-{k:05d}-of-{n:05d}"
 
 
-def _num_shards(data_config, split: str) -> int:
-  n = data_config.num_shards if split == "train" else data_config.num_eval_shards
+def _num_shards(data: DataConfig, split: str) -> int:
+  n = data.num_shards if split == "train" else data.num_eval_shards
   if n < 1:
     raise ValueError(f"{split} shard count must be >= 1, got {n}.")
   return n
@@ -94,12 +94,12 @@ def _write_atomic(path: str, data: bytes):
   gf.rename(path + ".tmp", path, overwrite=True)
 
 
-def _split_stage(data_config, out_dir: str) -> dict:
+def _split_stage(data: DataConfig, out_dir: str) -> dict:
   """Stage 1: documents -> raw/{split}-k.txt.gz; resumable as a whole (`raw/_SUCCESS`)."""
   gf = _gfile()
   raw_dir = os.path.join(out_dir, "raw")
   done_path = os.path.join(raw_dir, "_SUCCESS")
-  settings = {k: data_config[k] for k in _SPLIT_KEYS}
+  settings = {k: getattr(data, k) for k in _SPLIT_KEYS}
   if gf.exists(done_path):
     with gf.GFile(done_path, "r") as f:
       info = json.load(f)
@@ -108,14 +108,14 @@ def _split_stage(data_config, out_dir: str) -> dict:
   gf.makedirs(raw_dir)
   stats = corpus.CorpusStats()
   counts = {s: 0 for s in SPLITS}
-  paths = {s: [os.path.join(raw_dir, _shard_name(s, k, _num_shards(data_config, s)) + ".txt.gz")
-               for k in range(_num_shards(data_config, s))] for s in SPLITS}
+  paths = {s: [os.path.join(raw_dir, _shard_name(s, k, _num_shards(data, s)) + ".txt.gz")
+               for k in range(_num_shards(data, s))] for s in SPLITS}
   # Streamed straight to the raw shards: the corpus is never held in memory.
   files = {s: [gf.GFile(p + ".tmp", "wb") for p in ps] for s, ps in paths.items()}
   writers = {s: [gzip.GzipFile(fileobj=f, mode="wb", mtime=0) for f in fs]
              for s, fs in files.items()}
-  for doc in corpus.read_documents(data_config, stats):
-    split = "eval" if corpus.is_heldout(doc, data_config.eval_fraction) else "train"
+  for doc in corpus.read_documents(data, stats):
+    split = "eval" if corpus.is_heldout(doc, data.eval_fraction) else "train"
     ws = writers[split]
     ws[counts[split] % len(ws)].write(("\n".join(doc) + "\n\n").encode("utf-8"))
     counts[split] += 1
@@ -125,26 +125,11 @@ def _split_stage(data_config, out_dir: str) -> dict:
       f.close()
       gf.rename(p + ".tmp", p, overwrite=True)
   if counts["train"] + counts["eval"] == 0:
-    raise ValueError(f"Source {data_config.source!r} yielded no document ({stats.files} file(s), "
+    raise ValueError(f"Source {data.source!r} yielded no document ({stats.files} file(s), "
                      f"{stats.bytes} bytes): nothing to prepare.")
   info = {"corpus": stats.__dict__, "documents": counts, "settings": settings}
   _write_atomic(done_path, json.dumps(info).encode())
   return info
-
-
-_WORKER_TOKENIZER = {}
-
-
-def _tokenizer_in_worker(tok_spec):
-  if tok_spec not in _WORKER_TOKENIZER:
-    vocab_path, kind, lower = tok_spec
-    cfg = {"vocab_path": vocab_path, "tokenizer": kind, "do_lower_case": lower}
-    _WORKER_TOKENIZER[tok_spec] = tokenizer_lib.load_tokenizer(_Attrs(cfg))
-  return _WORKER_TOKENIZER[tok_spec]
-
-
-class _Attrs(dict):
-  __getattr__ = dict.__getitem__
 
 
 def _serialize(tokens, num_a, label, dtype: str) -> bytes:
@@ -166,15 +151,14 @@ def _read_raw(out_dir: str, name: str) -> list[list[str]]:
   return [d.split("\n") for d in text.split("\n\n") if d.strip()]
 
 
-def _shard_task(task) -> dict:
+def _shard_task(task, tok: tokenizer_lib.Tokenizer) -> dict:
   """Stage 2 for one shard: raw text -> tokenized documents -> instances -> TFRecord + .json."""
   import tensorflow as tf
-  out_dir, split, k, n, tok_spec, s = task
+  out_dir, split, k, n, _, s = task  # _: the tokenizer's spec, for a worker process (`_worker`)
   gf = tf.io.gfile
   name = _shard_name(split, k, n)
   record_path = os.path.join(out_dir, name + ".tfrecord")
   t0 = time.time()
-  tok = _tokenizer_in_worker(tok_spec)
   docs = _read_raw(out_dir, name)
   num_own = len(docs)
   if s["nsp"] and num_own == 1:
@@ -233,7 +217,13 @@ def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
 
 def _worker():
   for task in json.loads(sys.stdin.read()):
-    _shard_task(tuple(tuple(x) if isinstance(x, list) else x for x in task))
+    # A worker process gets the vocabulary's (path, kind, casing) in each task (the same in all:
+    # load_vocabulary's cache builds it once) and checks it is the one the shards record.
+    tok = tokenizer_lib.load_vocabulary(*task[4])
+    if tok.fingerprint != task[5]["tokenizer_fingerprint"]:
+      raise ValueError(f"{task[4][0]} changed while shards were prepared: {tok.fingerprint}, not "
+                       f"{task[5]['tokenizer_fingerprint']}.")
+    _shard_task(task, tok)
 
 
 def _summarize(infos: list[dict]) -> dict:
@@ -249,17 +239,18 @@ def _summarize(infos: list[dict]) -> dict:
   return out
 
 
-def prepare(data_config, *, num_workers: int | None = None) -> dict:
-  """Runs (or resumes) both stages and writes the manifest; returns it."""
+def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
+            num_workers: int | None = None) -> dict:
+  """Runs (or resumes) both stages and writes the manifest; returns it. `tok` is the tokenizer
+  of `data` (tokenizer.load_tokenizer), loaded once by the caller."""
   gf = _gfile()
-  tok = tokenizer_lib.load_tokenizer(data_config)
-  out_dir = prepared_dir(data_config, tok)
-  storage.make_dirs(out_dir, "prepared_dir" if data_config.prepared_dir else "cache_dir")
+  out_dir = prepared_dir(data, tok)
+  storage.make_dirs(out_dir, "prepared_dir" if data.prepared_dir else "cache_dir")
   try:
     with processes.sigterm_raises():
-      return _prepare(data_config, tok, out_dir, num_workers)
+      return _prepare(data, tok, out_dir, num_workers)
   except processes.PreparationStopped:
-    total = sum(_num_shards(data_config, split) for split in SPLITS)
+    total = sum(_num_shards(data, split) for split in SPLITS)
     finished = len(gf.glob(os.path.join(out_dir, "*-of-*.json")))
     raise processes.PreparationStopped(
         f"Preparation in {out_dir} stopped by SIGTERM, its worker processes too, with {finished} "
@@ -267,16 +258,17 @@ def prepare(data_config, *, num_workers: int | None = None) -> dict:
         f"(only the other shards are made).") from None
 
 
-def _prepare(data_config, tok, out_dir: str, num_workers: int | None) -> dict:
+def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
+             num_workers: int | None) -> dict:
   gf = _gfile()
-  s = settings_of(data_config, tok)
+  s = settings_of(data, tok)
   t0 = time.time()
-  split_info = _split_stage(data_config, out_dir)
-  tok_spec = (tokenizer_lib.vocab_path_of(data_config), data_config.tokenizer,
-              data_config.do_lower_case)
+  split_info = _split_stage(data, out_dir)
+  # What a worker process loads the same tokenizer from (`_worker`).
+  tok_spec = (tokenizer_lib.vocab_path_of(data), data.tokenizer, data.do_lower_case)
   tasks, infos = [], {}
   for split in SPLITS:
-    n = _num_shards(data_config, split)
+    n = _num_shards(data, split)
     for k in range(n):
       done = os.path.join(out_dir, _shard_name(split, k, n) + ".json")
       if gf.exists(done):  # finished by an earlier, interrupted run
@@ -286,22 +278,22 @@ def _prepare(data_config, tok, out_dir: str, num_workers: int | None) -> dict:
                                f"a finished shard ({os.path.basename(done)})")
       else:
         tasks.append((out_dir, split, k, n, tok_spec, s))
-  num_workers = num_workers or data_config.prepare_workers or os.cpu_count() or 1
+  num_workers = num_workers or data.prepare_workers or os.cpu_count() or 1
   logging.info("Preparing %d shard(s) (%d already done) in %s with %d process(es).", len(tasks),
                len(infos), out_dir, min(num_workers, max(1, len(tasks))))
   if num_workers <= 1 or len(tasks) <= 1:
-    results = [_shard_task(t) for t in tasks]
+    results = [_shard_task(t, tok) for t in tasks]
   else:
     results = _run_in_processes(tasks, min(num_workers, len(tasks)))
   for t, info in zip(tasks, results):
     infos[(t[1], t[2])] = info
-  splits = {split: _summarize([infos[(split, k)] for k in range(_num_shards(data_config, split))])
+  splits = {split: _summarize([infos[(split, k)] for k in range(_num_shards(data, split))])
             for split in SPLITS}
   docs = split_info["documents"]
   if splits["train"]["instances"] == 0:
-    raise ValueError(f"Source {data_config.source!r} gave {docs['train']} training and "
+    raise ValueError(f"Source {data.source!r} gave {docs['train']} training and "
                      f"{docs['eval']} held-out document(s) (eval_fraction "
-                     f"{data_config.eval_fraction}) but no training instance: all held out, or "
+                     f"{data.eval_fraction}) but no training instance: all held out, or "
                      f"every document empty after tokenization.")
   seconds = time.time() - t0
   text_bytes = split_info["corpus"]["bytes"]
@@ -316,12 +308,12 @@ def _prepare(data_config, tok, out_dir: str, num_workers: int | None) -> dict:
                  100 * sp["not_next"] / max(sp["instances"], 1), sp["long_sentences_split"],
                  sp["unk_tokens"])
     big = sp["largest_document"]
-    if sp["instances"] and big["instances"] > data_config.max_document_pair_share * sp["instances"]:
+    if sp["instances"] and big["instances"] > data.max_document_pair_share * sp["instances"]:
       logging.warning(
           "%s: one document yields %d of the %d instances (%.1f%%, above max_document_pair_share "
           "%s): it starts %r (raw shard %s). One huge document swamps the others; check it.",
           split, big["instances"], sp["instances"], 100 * big["instances"] / sp["instances"],
-          data_config.max_document_pair_share, big["start"], big["raw_shard"])
+          data.max_document_pair_share, big["start"], big["raw_shard"])
   corpus_stats = split_info["corpus"]
   if corpus_stats["invalid_utf8_lines"]:
     worst = sorted(corpus_stats["replaced_by_input"].items(), key=lambda kv: -kv[1][0] / kv[1][1])
@@ -335,15 +327,15 @@ def _prepare(data_config, tok, out_dir: str, num_workers: int | None) -> dict:
   return manifest
 
 
-def load_manifest(data_config, tok=None, *, check_files: bool = True) -> dict:
+def load_manifest(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
+                  check_files: bool = True) -> dict:
   """The manifest of prepared shards; errors if absent, made with other settings, or damaged."""
   gf = _gfile()
-  tok = tok or tokenizer_lib.load_tokenizer(data_config)
-  out_dir = prepared_dir(data_config, tok)
+  out_dir = prepared_dir(data, tok)
   path = os.path.join(out_dir, "manifest.json")
   if not gf.exists(path):
     raise FileNotFoundError(f"No prepared data at {out_dir} (no manifest.json): call "
-                            f"bertjax.data.prepare.ensure_prepared(config.data) or run "
+                            f"bertjax.data.prepare.ensure_prepared(data, tok) or run "
                             f"`python -m bertjax.data.prepare --config=...`.")
   with gf.GFile(path, "r") as f:
     manifest = json.load(f)
@@ -351,10 +343,10 @@ def load_manifest(data_config, tok=None, *, check_files: bool = True) -> dict:
   if have.get("tokenizer_fingerprint") != tok.fingerprint:
     raise ValueError(f"Prepared shards in {out_dir} were tokenized with "
                      f"{have.get('tokenizer_fingerprint')}, but the configured vocabulary "
-                     f"{tokenizer_lib.vocab_path_of(data_config)} is {tok.fingerprint}. Prepare "
+                     f"{tokenizer_lib.vocab_path_of(data)} is {tok.fingerprint}. Prepare "
                      f"again into another "
                      f"prepared_dir (or leave prepared_dir empty to use a settings-named cache).")
-  want = settings_of(data_config, tok)
+  want = settings_of(data, tok)
   diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
   if diff:
     raise ValueError(f"Prepared shards in {out_dir} were made with other settings "
@@ -372,9 +364,9 @@ def load_manifest(data_config, tok=None, *, check_files: bool = True) -> dict:
   return manifest
 
 
-def check_config(data_config, model_config=None):
+def check_config(data: DataConfig, model_config=None):
   """Refuses, before any work, lengths that preparation would accept and training could not use."""
-  L, M = data_config.max_seq_length, data_config.max_predictions_per_seq
+  L, M = data.max_seq_length, data.max_predictions_per_seq
   if L < 5:
     raise ValueError(f"config.data.max_seq_length={L} leaves no room for [CLS] A [SEP] B [SEP]; "
                      f"use at least 5 (128 or 512 as the original).")
@@ -382,7 +374,7 @@ def check_config(data_config, model_config=None):
     raise ValueError(f"config.data.max_predictions_per_seq={M} must be within 1 and "
                      f"max_seq_length={L}: it is the number of masked slots per sequence. Use "
                      f"about 0.15 x max_seq_length (20 at 128, 76 at 512).")
-  packing.settings(data_config)  # its keys are refused here too, before anything is prepared
+  packing.settings(data)  # its keys are refused here too, before anything is prepared
   if model_config is not None and L > model_config.max_position_embeddings:
     raise ValueError(f"config.data.max_seq_length={L} exceeds config.model."
                      f"max_position_embeddings={model_config.max_position_embeddings}: the model "
@@ -390,15 +382,15 @@ def check_config(data_config, model_config=None):
                      f"max_position_embeddings.")
 
 
-def ensure_prepared(data_config, *, num_workers: int | None = None) -> dict:
+def ensure_prepared(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
+                    num_workers: int | None = None) -> dict:
   """Prepares shards unless a matching manifest exists (cached, resumable); returns the manifest."""
-  check_config(data_config)
-  tok = tokenizer_lib.load_tokenizer(data_config)
-  out_dir = prepared_dir(data_config, tok)
+  check_config(data)
+  out_dir = prepared_dir(data, tok)
   if _gfile().exists(os.path.join(out_dir, "manifest.json")):
-    return load_manifest(data_config, tok)
-  prepare(data_config, num_workers=num_workers)
-  return load_manifest(data_config, tok)
+    return load_manifest(data, tok)
+  prepare(data, tok, num_workers=num_workers)
+  return load_manifest(data, tok)
 
 
 def main(argv):
@@ -406,11 +398,12 @@ def main(argv):
   from absl import flags
   logging.getLogger().setLevel(logging.INFO)
   config = flags.FLAGS.config
-  check_config(config.data, config.model)
-  if config.data.tokenizer == "sentencepiece":
-    tokenizer_lib.ensure_sentencepiece(config.data)
+  data = DataConfig.from_config(config.data)
+  check_config(data, config.model)
+  if data.tokenizer == "sentencepiece":
+    tokenizer_lib.ensure_sentencepiece(data)
   try:
-    m = ensure_prepared(config.data)
+    m = ensure_prepared(data, tokenizer_lib.load_tokenizer(data))
   except processes.PreparationStopped as err:
     print(f"bertjax.data.prepare: {err}", file=sys.stderr, flush=True)
     sys.exit(128 + signal.SIGTERM)  # what a shell reports for SIGTERM: scripts do not go on

@@ -14,6 +14,8 @@ import secrets
 
 import numpy as np
 
+from bertjax.data.config import DataConfig
+
 
 def _gfile():
   import tensorflow as tf
@@ -33,15 +35,14 @@ def make_dirs(path: str, key: str):
                   f"can write (gs://BUCKET/... on a pod).") from None
 
 
-def shared_roots(data_config) -> dict[str, str]:
+def shared_roots(data: DataConfig) -> dict[str, str]:
   """The folders every process reads, by config key: the prepared shards' and, for a
   SentencePiece vocabulary trained here, the cache that holds it."""
   roots = {}
-  if data_config.prepared_dir:
-    roots["prepared_dir"] = data_config.prepared_dir
-  if not data_config.prepared_dir or (data_config.tokenizer == "sentencepiece"
-                                      and not data_config.vocab_path):
-    roots["cache_dir"] = data_config.cache_dir
+  if data.prepared_dir:
+    roots["prepared_dir"] = data.prepared_dir
+  if not data.prepared_dir or (data.tokenizer == "sentencepiece" and not data.vocab_path):
+    roots["cache_dir"] = data.cache_dir
   return roots
 
 
@@ -50,7 +51,7 @@ def _default_allgather(x: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x))
 
 
-def check_shared_storage(data_config, process_index: int, process_count: int, *,
+def check_shared_storage(data: DataConfig, process_index: int, process_count: int, *,
                          allgather=None):
   """Raises, on every process alike, when a folder of `shared_roots` is not one store for all.
 
@@ -61,7 +62,7 @@ def check_shared_storage(data_config, process_index: int, process_count: int, *,
     return
   allgather = allgather or _default_allgather
   gf = _gfile()
-  local = {k: p for k, p in shared_roots(data_config).items() if "://" not in p}
+  local = {k: p for k, p in shared_roots(data).items() if "://" not in p}
   if not local:
     return
   # One name for this check, chosen by process 0: files of earlier checks never count.

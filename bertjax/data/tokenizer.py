@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from bertjax import files
+from bertjax.data.config import DataConfig
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
@@ -264,33 +265,39 @@ def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
                    f"lower={do_lower_case}|original-normalization", offsets_batch)
 
 
-def vocab_path_of(data_config) -> str:
+def vocab_path_of(data: DataConfig) -> str:
   """`vocab_path`, or for SentencePiece without one a cache file named by source and size.
 
   Naming it by the source means a new corpus gets its own vocabulary instead of silently reusing
   one trained on another text.
   """
-  if data_config.vocab_path:
-    return data_config.vocab_path
-  if data_config.tokenizer != "sentencepiece":
-    raise ValueError(f"config.data.vocab_path is empty; a {data_config.tokenizer} tokenizer needs "
+  if data.vocab_path:
+    return data.vocab_path
+  if data.tokenizer != "sentencepiece":
+    raise ValueError(f"config.data.vocab_path is empty; a {data.tokenizer} tokenizer needs "
                      f"one (e.g. the vocab.txt of a released BERT checkpoint).")
-  source = data_config.source
+  return cached_sentencepiece_path(data.source, data.tfds_split, data.eval_fraction,
+                                   data.cache_dir, data.spm_vocab_size, data.do_lower_case)
+
+
+def cached_sentencepiece_path(source: str, tfds_split: str, eval_fraction: float, cache_dir: str,
+                              spm_vocab_size: int, do_lower_case: bool) -> str:
+  """The cache file of the SentencePiece vocabulary trained on `source` (`vocab_path_of`); by its
+  keys, for a workdir's recorded config.json, which may come from an older bertjax."""
   slug = re.sub(r"[^A-Za-z0-9]+", "_", source)[:40].strip("_") or "corpus"
   from bertjax.data import corpus  # pylint: disable=import-outside-toplevel
-  key = hashlib.sha256(f"{source}|{data_config.tfds_split}|{data_config.eval_fraction}|"
-                       f"{corpus.TEXT_VERSION}".encode())
-  case = "uncased" if data_config.do_lower_case else "cased"
-  return os.path.join(data_config.cache_dir, f"spm-{slug}-{key.hexdigest()[:8]}-"
-                      f"{data_config.spm_vocab_size}-{case}.model")
+  key = hashlib.sha256(f"{source}|{tfds_split}|{eval_fraction}|{corpus.TEXT_VERSION}".encode())
+  case = "uncased" if do_lower_case else "cased"
+  return os.path.join(cache_dir, f"spm-{slug}-{key.hexdigest()[:8]}-{spm_vocab_size}-{case}.model")
 
 
-def load_tokenizer(path_or_config) -> Tokenizer:
-  """A `.model` path (SentencePiece), a `vocab.txt` path (WordPiece, uncased), or `config.data`."""
-  if isinstance(path_or_config, (str, os.PathLike)):
-    return load_vocabulary(os.fspath(path_or_config))
-  cfg = path_or_config
-  return load_vocabulary(vocab_path_of(cfg), cfg.tokenizer, cfg.do_lower_case)
+def load_tokenizer(path_or_data: str | os.PathLike | DataConfig) -> Tokenizer:
+  """A `.model` path (SentencePiece), a `vocab.txt` path (WordPiece, uncased), or the run's data
+  config. A run loads its tokenizer once, where it starts, and passes it down."""
+  if isinstance(path_or_data, (str, os.PathLike)):
+    return load_vocabulary(os.fspath(path_or_data))
+  data = path_or_data
+  return load_vocabulary(vocab_path_of(data), data.tokenizer, data.do_lower_case)
 
 
 def kind_of(path: str) -> str:
@@ -423,23 +430,22 @@ def _spm_error(err: RuntimeError, vocab_size: int, count: int) -> Exception:
                     f"sentence(s): {text}")
 
 
-def ensure_sentencepiece(data_config) -> str:
+def ensure_sentencepiece(data: DataConfig) -> str:
   """Trains the vocabulary (`vocab_path_of`) from the source's train split unless it exists."""
   import tensorflow as tf
   from bertjax.data import corpus
-  path = vocab_path_of(data_config)
-  if data_config.tokenizer != "sentencepiece":
-    raise ValueError(f"Only SentencePiece vocabularies are trained here, not {data_config.tokenizer!r}.")
+  path = vocab_path_of(data)
+  if data.tokenizer != "sentencepiece":
+    raise ValueError(f"Only SentencePiece vocabularies are trained here, not {data.tokenizer!r}.")
   if not path.endswith(".model"):
     raise ValueError(f"SentencePiece vocab_path must end in .model, got {path!r}.")
   if not tf.io.gfile.exists(path):
     from bertjax.data import storage
     storage.make_dirs(os.path.dirname(path) or ".",
-                      "vocab_path" if data_config.vocab_path else "cache_dir")
-    docs = corpus.split_documents(corpus.read_documents(data_config), "train",
-                                  data_config.eval_fraction)
-    train_sentencepiece((s for d in docs for s in d), vocab_size=data_config.spm_vocab_size,
-                        output=path, do_lower_case=data_config.do_lower_case)
+                      "vocab_path" if data.vocab_path else "cache_dir")
+    docs = corpus.split_documents(corpus.read_documents(data), "train", data.eval_fraction)
+    train_sentencepiece((s for d in docs for s in d), vocab_size=data.spm_vocab_size,
+                        output=path, do_lower_case=data.do_lower_case)
   return path
 
 

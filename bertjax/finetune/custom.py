@@ -40,16 +40,14 @@ import numpy as np
 from bertjax import files
 from bertjax.finetune import glue, metrics as ft_metrics, ner, objectives, spec as spec_lib
 from bertjax.finetune import textfiles
+from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
 
 FAMILIES = ("classification", "regression", "tagging")  # span goes through tasks' SQuAD path
 CONLL = "conll"
 
 
-def _labels_given(config) -> tuple[str, ...]:
-  raw = config.data.labels
-  if isinstance(raw, str):
-    return tuple(x.strip() for x in raw.split(",") if x.strip())
-  return tuple(str(x) for x in raw or ())
+def _labels_given(data: FinetuneDataConfig) -> tuple[str, ...]:
+  return tuple(x.strip() for x in data.labels.split(",") if x.strip())
 
 
 def sorted_labels(names) -> tuple[str, ...]:
@@ -118,10 +116,10 @@ def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer) -> dict[str, n
   return features
 
 
-def class_weights(config, labels: Sequence[str], train_ids_N: np.ndarray) -> list[float] | None:
-  """config.train.class_weights: "" (none), "balanced" (n / (C * count): each class weighs as much
-  in the loss as any other, sklearn's rule) or "name=weight,..." (unnamed classes weigh 1)."""
-  raw = str(config.train.class_weights or "").strip()
+def class_weights(raw: str, labels: Sequence[str], train_ids_N: np.ndarray) -> list[float] | None:
+  """Of config.train.class_weights: "" (none), "balanced" (n / (C * count): each class weighs as
+  much in the loss as any other, sklearn's rule) or "name=weight,..." (unnamed classes weigh 1)."""
+  raw = raw.strip()
   if not raw:
     return None
   counts_C = np.bincount(train_ids_N, minlength=len(labels))
@@ -225,9 +223,9 @@ def decode_tags(sentences: Sequence[ner.Sentence], features, predicted_NxL, labe
 
 # The task ---------------------------------------------------------------------------------------
 
-def spec_of(family: str, config, labels: Sequence[str] = (), scheme: str = "",
+def spec_of(family: str, cfg: TaskConfig, labels: Sequence[str] = (), scheme: str = "",
             version_2: bool = False) -> spec_lib.TaskSpec:
-  d, e = config.data, config.eval
+  d, e = cfg.data, cfg.eval
   return spec_lib.TaskSpec(
       task=family, family=family, labels=tuple(labels), max_seq_length=d.max_seq_length,
       text_a=d.text_a, text_b=d.text_b, label=d.label, tokens=d.tokens, tags=d.tags,
@@ -237,9 +235,8 @@ def spec_of(family: str, config, labels: Sequence[str] = (), scheme: str = "",
       null_score_diff_threshold=e.null_score_diff_threshold)
 
 
-def _paths(config, family: str) -> tuple[str, str, str]:
-  d = config.data
-  missing = [k for k in ("train_file", "dev_file") if not d[k]]
+def _paths(d: FinetuneDataConfig, family: str) -> tuple[str, str, str]:
+  missing = [k for k in ("train_file", "dev_file") if not getattr(d, k)]
   if missing:
     raise ValueError(f"A {family} task from one's own files needs "
                      + " and ".join(f"config.data.{k}" for k in missing)
@@ -247,8 +244,8 @@ def _paths(config, family: str) -> tuple[str, str, str]:
   return d.train_file, d.dev_file, d.test_file
 
 
-def main_metric(config, family: str) -> str:
-  main = config.eval.main_metric or ft_metrics.MAIN_METRICS[family][0]
+def main_metric(evaluation: EvalConfig, family: str) -> str:
+  main = evaluation.main_metric or ft_metrics.MAIN_METRICS[family][0]
   ft_metrics.main_value(family, {m: 0.0 for m in ft_metrics.MAIN_METRICS[family]}, main)
   return main
 
@@ -259,36 +256,36 @@ def write_jsonl(path: str, records: Sequence[dict]) -> str:
   return path
 
 
-def load(family: str, config, tokenizer, task_data_cls, eval_set_cls):
+def load(family: str, cfg: TaskConfig, tokenizer, task_data_cls, eval_set_cls):
   """The TaskData of one's own classification, regression or tagging task (see the module
   docstring); the classes are passed in by tasks.py, which owns them."""
-  if config.data.source != "files":
-    raise ValueError(f"config.data.source={config.data.source!r}: one's own {family} task reads "
+  if cfg.data.source != "files":
+    raise ValueError(f"config.data.source={cfg.data.source!r}: one's own {family} task reads "
                      "its files (data.train_file, data.dev_file); TFDS serves the benchmarks.")
-  train_path, dev_path, test_path = _paths(config, family)
-  main = main_metric(config, family)
-  fmt = config.data.format
+  train_path, dev_path, test_path = _paths(cfg.data, family)
+  main = main_metric(cfg.eval, family)
+  fmt = cfg.data.format
   if family == "tagging":
-    return _tagging(config, tokenizer, task_data_cls, eval_set_cls, main, fmt,
+    return _tagging(cfg, tokenizer, task_data_cls, eval_set_cls, main, fmt,
                     train_path, dev_path, test_path)
-  probe = spec_of(family, config, ("a", "b") if family == "classification" else ())
+  probe = spec_of(family, cfg, ("a", "b") if family == "classification" else ())
   train_rows = Rows(train_path, probe, fmt, need_labels=True)
   labels: tuple[str, ...] = ()
   if family == "classification":
-    labels = _labels_given(config) or sorted_labels(train_rows.labels)
+    labels = _labels_given(cfg.data) or sorted_labels(train_rows.labels)
     if len(labels) < 2:
       raise ValueError(f"{train_path}: one label ({labels[0]!r}) in the whole file; "
                        "classification needs at least two.")
-  spec = spec_of(family, config, labels)
+  spec = spec_of(family, cfg, labels)
   train = pair_features(train_rows, spec, tokenizer)
   notes = []
   if family == "classification":
-    weights = class_weights(config, labels, train["label"])
+    weights = class_weights(cfg.class_weights, labels, train["label"])
     objective = objectives.classification(len(labels), weights)
     if weights is not None:
       notes.append("class weights " + ", ".join(f"{n}={w:.3g}" for n, w in zip(labels, weights)))
   else:
-    if config.train.class_weights:
+    if cfg.class_weights:
       raise ValueError("train.class_weights applies to classification, not regression.")
     objective = objectives.regression()
 
@@ -320,17 +317,17 @@ def load(family: str, config, tokenizer, task_data_cls, eval_set_cls):
   return task_data_cls(family, objective, train, [dev], predicts, main, notes, spec=spec)
 
 
-def _tagging(config, tokenizer, task_data_cls, eval_set_cls, main, fmt, train_path, dev_path,
-             test_path):
-  probe = spec_of("tagging", config, ("O", "B-X"))
+def _tagging(cfg: TaskConfig, tokenizer, task_data_cls, eval_set_cls, main, fmt, train_path,
+             dev_path, test_path):
+  probe = spec_of("tagging", cfg, ("O", "B-X"))
   raw_train = read_tagged(train_path, probe, fmt)
-  scheme = (config.data.tag_scheme or ner.detect_scheme(t for _, _, t in raw_train)).upper()
+  scheme = (cfg.data.tag_scheme or ner.detect_scheme(t for _, _, t in raw_train)).upper()
   if scheme == "IOB2":
     scheme = "BIO"
   if scheme not in spec_lib.TAG_SCHEMES:
-    raise ValueError(f"config.data.tag_scheme={config.data.tag_scheme!r}: use one of "
+    raise ValueError(f"config.data.tag_scheme={cfg.data.tag_scheme!r}: use one of "
                      f"{spec_lib.TAG_SCHEMES} or '' to detect it from the training file.")
-  given = _labels_given(config)
+  given = _labels_given(cfg.data)
   if given:
     kinds = [ner._scheme_tag(t)[1] for t in given if t != "O"]  # pylint: disable=protected-access
   else:
@@ -339,7 +336,7 @@ def _tagging(config, tokenizer, task_data_cls, eval_set_cls, main, fmt, train_pa
   labels = ner.tag_labels(kinds)
   if len(labels) < 2:
     raise ValueError(f"{train_path}: no entity tags (every word is O); nothing to learn.")
-  spec = spec_of("tagging", config, labels, scheme)
+  spec = spec_of("tagging", cfg, labels, scheme)
   L = spec.max_seq_length
 
   def features(sentences):
@@ -372,7 +369,7 @@ def _tagging(config, tokenizer, task_data_cls, eval_set_cls, main, fmt, train_pa
     predicts.append(eval_set_cls("test", test_f, report(test_sentences, test_f),
                                  writer(test_sentences, test_f, "test"),
                                  report=report(test_sentences, test_f)))
-  notes = [f"tags read as {scheme}" + ("" if config.data.tag_scheme else " (detected)")
+  notes = [f"tags read as {scheme}" + ("" if cfg.data.tag_scheme else " (detected)")
            + f", learned as IOB2 over {len(labels)} tags"]
   return task_data_cls("tagging", objectives.tagging(len(labels)), train, evals, predicts, main,
                        notes, spec=spec)

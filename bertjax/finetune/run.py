@@ -34,6 +34,7 @@ from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import train, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import spec as spec_lib, tasks
+from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.model import BertConfig
 
 # Model keys a fine-tuning config may leave at 0 / "" to take init_from's value.
@@ -62,7 +63,7 @@ def resolve_model(config, source: weights.Weights | None) -> BertConfig:
   base = dataclasses.asdict(source.config) if source is not None else {}
   base.pop("scan_layers", None)  # a layout of ours, chosen by the task's config
   if source is None:
-    unset = [k for k in checkpoint_lib.SHAPE_FIELDS if k != "scan_layers" and not wanted.get(k)]
+    unset = [k for k in checkpoint_lib.SHAPE_FIELDS if k != "scan_layers" and not wanted[k]]
     if unset:
       raise ValueError("Without init_from the model's shape must be given: set "
                        + ", ".join(f"config.model.{k}" for k in unset)
@@ -81,11 +82,12 @@ def resolve_model(config, source: weights.Weights | None) -> BertConfig:
   return BertConfig(**{k: v for k, v in merged.items() if k in known})
 
 
-def resolve_tokenizer(config, source: weights.Weights | None):
+def resolve_tokenizer(data: FinetuneDataConfig, source: weights.Weights | None, *,
+                      allow_other_vocab: bool):
   """The task's tokenizer: data.vocab_path, else init_from's, cased as data.do_lower_case says,
   else as init_from is. A vocabulary other than the one init_from was trained with is refused,
-  naming both fingerprints (weights.check_vocabulary)."""
-  data = config.data
+  naming both fingerprints (weights.check_vocabulary), unless `allow_other_vocab`
+  (checkpoint.init_from_other_vocab)."""
   path = data.vocab_path or (source.vocab_file if source is not None else None)
   if not path:
     where = (f"checkpoint.init_from={source.path} records none" if source is not None
@@ -93,7 +95,7 @@ def resolve_tokenizer(config, source: weights.Weights | None):
     raise ValueError(f"No vocabulary for the task: {where}. Set config.data.vocab_path (a "
                      "SentencePiece .model or a WordPiece vocab.txt).")
   if data.do_lower_case is not None:
-    lower = bool(data.do_lower_case)
+    lower = data.do_lower_case
   else:
     lower = source.lower if source is not None else True
   kind = (source.tokenizer_kind if source is not None and path == source.vocab_file
@@ -102,7 +104,7 @@ def resolve_tokenizer(config, source: weights.Weights | None):
   if source is not None:
     weights.check_vocabulary(source, tokenizer.fingerprint, lower,
                              vocab_file=None if data.vocab_path else path,
-                             allow_other=config.checkpoint.init_from_other_vocab)
+                             allow_other=allow_other_vocab)
   return tokenizer, path, lower
 
 
@@ -212,7 +214,7 @@ class FinetuneConfig:
   @classmethod
   def from_config(cls, config) -> "FinetuneConfig":
     t, c, d, e = config.train, config.checkpoint, config.data, config.eval
-    seq, query = d.get("max_seq_length", 128), d.get("max_query_length", 1)
+    seq, query = d.max_seq_length, d.max_query_length
     problems = [f"{k}={v} must be {why}" for k, v, ok, why in (
         ("train.learning_rate", t.learning_rate, t.learning_rate >= 0,
          ">= 0 (0 trains nothing, said in the run)"),
@@ -229,13 +231,13 @@ class FinetuneConfig:
         # The lengths and SQuAD's numbers (every task's config holds them): 0 or less would
         # build no window, no answer or an endless loop over a context.
         ("data.max_seq_length", seq, seq >= 8, ">= 8"),
-        ("data.doc_stride", d.get("doc_stride", 1), d.get("doc_stride", 1) >= 1, ">= 1"),
+        ("data.doc_stride", d.doc_stride, d.doc_stride >= 1, ">= 1"),
         ("data.max_query_length", query,
-         1 <= query <= seq - 4 or not str(config.get("task", "")).startswith("squad"),
+         1 <= query <= seq - 4 or not config.task.startswith("squad"),
          f"in [1, data.max_seq_length - 4 = {seq - 4}] ([CLS] q [SEP] context [SEP])"),
-        ("eval.n_best_size", e.get("n_best_size", 1), e.get("n_best_size", 1) >= 1, ">= 1"),
-        ("eval.max_answer_length", e.get("max_answer_length", 1),
-         e.get("max_answer_length", 1) >= 1, ">= 1")) if not ok]
+        ("eval.n_best_size", e.n_best_size, e.n_best_size >= 1, ">= 1"),
+        ("eval.max_answer_length", e.max_answer_length, e.max_answer_length >= 1,
+         ">= 1")) if not ok]
     if problems:
       raise ValueError("Invalid config: " + "; ".join(problems))
     return cls(t.batch_size, t.eval_batch_size or t.batch_size, float(t.num_epochs),
@@ -322,22 +324,24 @@ def finetune(config, workdir: str) -> dict:
   """Runs (or resumes) the fine-tuning job of `config` in `workdir`; returns results.json's dict
   ({} when a stop signal ended the run early)."""
   ft = FinetuneConfig.from_config(config)
-  task_name = tasks.canonical(config.task)
+  task = TaskConfig.from_config(config)
+  task_name = tasks.canonical(task.task)
   loop.check_workdir(workdir)
   init_from = config.checkpoint.init_from
   if config.checkpoint.random_init and not init_from:
     raise ValueError("checkpoint.random_init=True copies init_from's architecture and vocabulary "
                      "with fresh weights: set config.checkpoint.init_from too.")
   source = weights.inspect(init_from, what="checkpoint.init_from") if init_from else None
-  tokenizer, vocab_file, lower = resolve_tokenizer(config, source)
+  tokenizer, vocab_file, lower = resolve_tokenizer(
+      task.data, source, allow_other_vocab=config.checkpoint.init_from_other_vocab)
   model_config = resolve_model(config, source)
   if model_config.vocab_size < tokenizer.vocab_size:
     raise ValueError(f"The model's {model_config.vocab_size} embedding rows are fewer than the "
                      f"vocabulary's {tokenizer.vocab_size} pieces ({vocab_file}).")
-  if config.data.max_seq_length > model_config.max_position_embeddings:
-    raise ValueError(f"data.max_seq_length={config.data.max_seq_length} exceeds the model's "
+  if task.data.max_seq_length > model_config.max_position_embeddings:
+    raise ValueError(f"data.max_seq_length={task.data.max_seq_length} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}.")
-  data = tasks.load(config, tokenizer)
+  data = tasks.load(task, tokenizer)
   data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]), config.train.learning_rate)
   for note in data.notes:
     loop.say(note)

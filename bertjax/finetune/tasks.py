@@ -14,7 +14,8 @@ after every epoch, and the sets only predicted (test splits) with what is writte
 Every task also says what its model does with text (`spec.TaskSpec`: family, label names by id,
 input columns, decoding), which the run keeps beside its weights for prediction and export.
 
-`load(config, tokenizer)` reads everything before the first step, so a bad file fails at once.
+`load(cfg, tokenizer)` (cfg: the run's `config.TaskConfig`) reads everything before the first
+step, so a bad file fails at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from bertjax import train
 from bertjax.finetune import custom, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune import spec as spec_lib, squad_metrics, squad_postprocess
+from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
@@ -88,52 +90,53 @@ def family(name: str) -> str:
   return "squad" if name in SQUAD_TASKS else "ner" if name in NER_TASKS else "glue"
 
 
-def load(config, tokenizer) -> TaskData:
-  name = canonical(config.task)
+def load(cfg: TaskConfig, tokenizer) -> TaskData:
+  name = canonical(cfg.task)
   if family(name) == "custom":
-    return custom.load(name, config, tokenizer, TaskData, EvalSet)
-  loader = {"glue": _glue, "squad": _squad, "ner": _ner}[family(name)]
-  return loader(name, config, tokenizer)
+    return custom.load(name, cfg, tokenizer, TaskData, EvalSet)
+  if family(name) == "squad":
+    return _squad(name, cfg, tokenizer)
+  return {"glue": _glue, "ner": _ner}[family(name)](name, cfg.data, tokenizer)
 
 
-def _tfds_dir(config) -> str | None:
-  return config.data.tfds_data_dir or None
+def _tfds_dir(data: FinetuneDataConfig) -> str | None:
+  return data.tfds_data_dir or None
 
 
-def _check_source(config) -> None:
-  if config.data.source not in ("files", "tfds"):
-    raise ValueError(f"config.data.source={config.data.source!r}: use 'files' (the task's original files) "
+def _check_source(data: FinetuneDataConfig) -> None:
+  if data.source not in ("files", "tfds"):
+    raise ValueError(f"config.data.source={data.source!r}: use 'files' (the task's original files) "
                      "or 'tfds' (a TFDS dataset already built under tfds_data_dir).")
 
 
 # GLUE ------------------------------------------------------------------------------------------
 
-def _glue_split(name: str, config, split: str):
-  if config.data.source == "tfds":
-    return glue.read_glue_tfds(_tfds_dir(config), name, split)
-  if not config.data.data_dir:
+def _glue_split(name: str, data: FinetuneDataConfig, split: str):
+  if data.source == "tfds":
+    return glue.read_glue_tfds(_tfds_dir(data), name, split)
+  if not data.data_dir:
     raise ValueError(f"{name} from files needs config.data.data_dir: the folder of GLUE's download "
                      f"(holding {glue.get_task(name).splits[split].file}).")
-  return glue.read_glue_tsv(config.data.data_dir, name, split)
+  return glue.read_glue_tsv(data.data_dir, name, split)
 
 
-def _glue_available(name: str, config, split: str) -> bool:
-  if config.data.source == "tfds":
+def _glue_available(name: str, data: FinetuneDataConfig, split: str) -> bool:
+  if data.source == "tfds":
     return True
-  return os.path.exists(os.path.join(config.data.data_dir, glue.get_task(name).splits[split].file))
+  return os.path.exists(os.path.join(data.data_dir, glue.get_task(name).splits[split].file))
 
 
-def _glue(name: str, config, tokenizer) -> TaskData:
-  _check_source(config)
+def _glue(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
+  _check_source(data)
   task = glue.get_task(name)
   notes = []
 
   def features(task_name, split):
-    got = _glue_split(task_name, config, split)
+    got = _glue_split(task_name, data, split)
     if got.skipped:
       notes.append(f"{task_name} {split}: left out {len(got.skipped)} malformed row(s), e.g. "
                    f"{got.skipped[0]}")
-    return glue.glue_features(task_name, got.examples, tokenizer, config.data.max_seq_length)
+    return glue.glue_features(task_name, got.examples, tokenizer, data.max_seq_length)
 
   train_features = features(name, "train")
   objective = (objectives.regression() if task.is_regression
@@ -163,7 +166,7 @@ def _glue(name: str, config, tokenizer) -> TaskData:
   if name == "MNLI":
     test_sets.append(("AX", "test"))
   for task_name, split in test_sets:
-    if not _glue_available(task_name, config, split):
+    if not _glue_available(task_name, data, split):
       notes.append(f"{task_name} {split}: no file under data_dir; not predicted")
       continue
     f = features(task_name, split)
@@ -172,22 +175,23 @@ def _glue(name: str, config, tokenizer) -> TaskData:
   main = ft_metrics.GLUE_METRICS[name].main
   pair = any(layout.text_b is not None for layout in task.splits.values())
   spec = spec_lib.TaskSpec(name, "regression" if task.is_regression else "classification",
-                           task.labels, config.data.max_seq_length,
+                           task.labels, data.max_seq_length,
                            text_a="text_a" if pair else "text", text_b="text_b" if pair else "")
   return TaskData(name, objective, train_features, evals, predicts, main, notes, spec=spec)
 
 
 # SQuAD -----------------------------------------------------------------------------------------
 
-def _squad_set(name: str, config, split: str, is_training: bool) -> squad.SquadSet:
-  if name == "span" and not (config.data.train_file and config.data.dev_file):
+def _squad_set(name: str, data: FinetuneDataConfig, split: str,
+               is_training: bool) -> squad.SquadSet:
+  if name == "span" and not (data.train_file and data.dev_file):
     raise ValueError("A span task from one's own files needs config.data.train_file and "
                      "config.data.dev_file, each in SQuAD's JSON layout.")
-  if config.data.source == "tfds":
+  if data.source == "tfds":
     tfds_split = "train" if split == "train" else "validation"
-    return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(config),
+    return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(data),
                                  is_training=is_training)
-  path = config.data.train_file if split == "train" else config.data.dev_file
+  path = data.train_file if split == "train" else data.dev_file
   if not path:
     raise ValueError(f"{name} from files needs config.data.{'train' if split == 'train' else 'dev'}"
                      f"_file: the SQuAD JSON ({'train' if split == 'train' else 'dev'}-"
@@ -206,20 +210,21 @@ def _check_squad_version(name: str, squad_set: squad.SquadSet) -> squad.SquadSet
   return squad_set
 
 
-def _squad(name: str, config, tokenizer) -> TaskData:
-  _check_source(config)
-  sizes = dict(max_seq_length=config.data.max_seq_length, doc_stride=config.data.doc_stride,
-               max_query_length=config.data.max_query_length)
-  train_set = _check_squad_version(name, _squad_set(name, config, "train", True))
+def _squad(name: str, cfg: TaskConfig, tokenizer) -> TaskData:
+  data = cfg.data
+  _check_source(data)
+  sizes = dict(max_seq_length=data.max_seq_length, doc_stride=data.doc_stride,
+               max_query_length=data.max_query_length)
+  train_set = _check_squad_version(name, _squad_set(name, data, "train", True))
   version_2 = name == "squad_v2.0"
   main = "f1"
   if name == "span":  # one's own QA files: v2.0 style where said, or where any is unanswerable
-    said = config.data.version_2_with_negative
+    said = data.version_2_with_negative
     version_2 = bool(said) if said is not None else any(
         e.is_impossible for e in train_set.examples)
-    main = custom.main_metric(config, "span")
+    main = custom.main_metric(cfg.eval, "span")
   train_features = squad.make_features(train_set.examples, tokenizer, **sizes)
-  dev_set = _check_squad_version(name, _squad_set(name, config, "dev", False))
+  dev_set = _check_squad_version(name, _squad_set(name, data, "dev", False))
   dev_features = squad.make_features(dev_set.examples, tokenizer, **sizes)
   gold = squad_metrics.gold_answers(dev_set.examples)
   notes = [f"{s.source}: {what} {len(items)} question(s) whose answer does not match its offset"
@@ -229,9 +234,9 @@ def _squad(name: str, config, tokenizer) -> TaskData:
   def predict(outputs):
     return squad_postprocess.postprocess(
         dev_set.examples, dev_features, outputs["start_logits"], outputs["end_logits"],
-        n_best_size=config.eval.n_best_size, max_answer_length=config.eval.max_answer_length,
+        n_best_size=cfg.eval.n_best_size, max_answer_length=cfg.eval.max_answer_length,
         version_2_with_negative=version_2,
-        null_score_diff_threshold=config.eval.null_score_diff_threshold)
+        null_score_diff_threshold=cfg.eval.null_score_diff_threshold)
 
   def score(outputs):
     result = predict(outputs)
@@ -246,11 +251,11 @@ def _squad(name: str, config, tokenizer) -> TaskData:
 
   dev = EvalSet("dev", dev_features, score)
   written = EvalSet("dev", dev_features, None, write)
-  d, e = config.data, config.eval
+  e = cfg.eval
   spec = spec_lib.TaskSpec(
-      name, "span", (), d.max_seq_length, text_a="question", text_b="context",
-      version_2_with_negative=version_2, doc_stride=d.doc_stride,
-      max_query_length=d.max_query_length, n_best_size=e.n_best_size,
+      name, "span", (), data.max_seq_length, text_a="question", text_b="context",
+      version_2_with_negative=version_2, doc_stride=data.doc_stride,
+      max_query_length=data.max_query_length, n_best_size=e.n_best_size,
       max_answer_length=e.max_answer_length, null_score_diff_threshold=e.null_score_diff_threshold)
   return TaskData(name, objectives.span(), train_features, [dev], [written], main, notes,
                   spec=spec)
@@ -258,22 +263,22 @@ def _squad(name: str, config, tokenizer) -> TaskData:
 
 # CoNLL-2003 ------------------------------------------------------------------------------------
 
-def _ner_split(config, split: str) -> list[ner.Sentence]:
-  if config.data.source == "tfds":
-    return ner.read_conll_tfds(_tfds_dir(config), {"dev": "validation"}.get(split, split))
-  path = {"train": config.data.train_file, "dev": config.data.dev_file, "test": config.data.test_file}[split]
+def _ner_split(data: FinetuneDataConfig, split: str) -> list[ner.Sentence]:
+  if data.source == "tfds":
+    return ner.read_conll_tfds(_tfds_dir(data), {"dev": "validation"}.get(split, split))
+  path = {"train": data.train_file, "dev": data.dev_file, "test": data.test_file}[split]
   if not path:
     raise ValueError(f"conll2003 from files needs config.data.{split}_file (eng.train, eng.testa, "
                      f"eng.testb in the original release).")
   return ner.read_conll(path)
 
 
-def _ner(name: str, config, tokenizer) -> TaskData:
-  _check_source(config)
+def _ner(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
+  _check_source(data)
   labels = ner.CONLL2003_LABELS
 
   def features(sentences):
-    return ner.ner_features(sentences, tokenizer, config.data.max_seq_length, labels)
+    return ner.ner_features(sentences, tokenizer, data.max_seq_length, labels)
 
   def scorer(sentences, f):
     gold = [list(s.tags) for s in sentences]
@@ -298,17 +303,17 @@ def _ner(name: str, config, tokenizer) -> TaskData:
       return [path]
     return write
 
-  train_features = features(_ner_split(config, "train"))
+  train_features = features(_ner_split(data, "train"))
   evals, predicts = [], []
   for split in ("dev", "test"):
-    if split == "test" and config.data.source == "files" and not config.data.test_file:
+    if split == "test" and data.source == "files" and not data.test_file:
       continue
-    sentences = _ner_split(config, split)
+    sentences = _ner_split(data, split)
     f = features(sentences)
     if split == "dev":
       evals.append(EvalSet("dev", f, scorer(sentences, f)))
     predicts.append(EvalSet(split, f, scorer(sentences, f), writer(sentences, f, split)))
-  spec = spec_lib.TaskSpec(name, "tagging", labels, config.data.max_seq_length, tag_scheme="BIO")
+  spec = spec_lib.TaskSpec(name, "tagging", labels, data.max_seq_length, tag_scheme="BIO")
   return TaskData(name, objectives.tagging(len(labels)), train_features, evals, predicts, "f1",
                   spec=spec)
 
