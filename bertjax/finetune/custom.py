@@ -41,6 +41,7 @@ from bertjax import files
 from bertjax.finetune import glue, metrics as ft_metrics, ner, objectives, spec as spec_lib
 from bertjax.finetune import textfiles
 from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
+from bertjax.finetune.taskdata import EvalSet, TaskData
 
 FAMILIES = ("classification", "regression", "tagging")  # span goes through tasks' SQuAD path
 CONLL = "conll"
@@ -256,9 +257,9 @@ def write_jsonl(path: str, records: Sequence[dict]) -> str:
   return path
 
 
-def load(family: str, cfg: TaskConfig, tokenizer, task_data_cls, eval_set_cls):
+def load(family: str, cfg: TaskConfig, tokenizer):
   """The TaskData of one's own classification, regression or tagging task (see the module
-  docstring); the classes are passed in by tasks.py, which owns them."""
+  docstring)."""
   if cfg.data.source != "files":
     raise ValueError(f"config.data.source={cfg.data.source!r}: one's own {family} task reads "
                      "its files (data.train_file, data.dev_file); TFDS serves the benchmarks.")
@@ -266,8 +267,7 @@ def load(family: str, cfg: TaskConfig, tokenizer, task_data_cls, eval_set_cls):
   main = main_metric(cfg.eval, family)
   fmt = cfg.data.format
   if family == "tagging":
-    return _tagging(cfg, tokenizer, task_data_cls, eval_set_cls, main, fmt,
-                    train_path, dev_path, test_path)
+    return _tagging(cfg, tokenizer, main, fmt, train_path, dev_path, test_path)
   probe = spec_of(family, cfg, ("a", "b") if family == "classification" else ())
   train_rows = Rows(train_path, probe, fmt, need_labels=True)
   labels: tuple[str, ...] = ()
@@ -306,18 +306,18 @@ def load(family: str, cfg: TaskConfig, tokenizer, task_data_cls, eval_set_cls):
     return write
 
   dev_rows = Rows(dev_path, spec, fmt, need_labels=True)
-  dev = eval_set_cls("dev", pair_features(dev_rows, spec, tokenizer), report(dev_rows),
+  dev = EvalSet("dev", pair_features(dev_rows, spec, tokenizer), report(dev_rows),
                      report=report(dev_rows))
   predicts = []
   if test_path:
     test_rows = Rows(test_path, spec, fmt, need_labels=False)
     scored = report(test_rows) if test_rows.labels is not None else None
-    predicts.append(eval_set_cls("test", pair_features(test_rows, spec, tokenizer), scored,
+    predicts.append(EvalSet("test", pair_features(test_rows, spec, tokenizer), scored,
                                  writer(test_rows, "test"), report=scored))
-  return task_data_cls(family, objective, train, [dev], predicts, main, notes, spec=spec)
+  return TaskData(family, objective, train, [dev], predicts, main, notes, spec=spec)
 
 
-def _tagging(cfg: TaskConfig, tokenizer, task_data_cls, eval_set_cls, main, fmt, train_path,
+def _tagging(cfg: TaskConfig, tokenizer, main, fmt, train_path,
              dev_path, test_path):
   probe = spec_of("tagging", cfg, ("O", "B-X"))
   raw_train = read_tagged(train_path, probe, fmt)
@@ -360,16 +360,16 @@ def _tagging(cfg: TaskConfig, tokenizer, task_data_cls, eval_set_cls, main, fmt,
   train = features(tagged_sentences(raw_train, scheme, labels))
   dev_sentences = tagged_sentences(read_tagged(dev_path, spec, fmt), scheme, labels)
   dev_f = features(dev_sentences)
-  evals = [eval_set_cls("dev", dev_f, report(dev_sentences, dev_f),
+  evals = [EvalSet("dev", dev_f, report(dev_sentences, dev_f),
                         report=report(dev_sentences, dev_f))]
   predicts = []
   if test_path:
     test_sentences = tagged_sentences(read_tagged(test_path, spec, fmt), scheme, labels)
     test_f = features(test_sentences)
-    predicts.append(eval_set_cls("test", test_f, report(test_sentences, test_f),
+    predicts.append(EvalSet("test", test_f, report(test_sentences, test_f),
                                  writer(test_sentences, test_f, "test"),
                                  report=report(test_sentences, test_f)))
   notes = [f"tags read as {scheme}" + ("" if cfg.data.tag_scheme else " (detected)")
            + f", learned as IOB2 over {len(labels)} tags"]
-  return task_data_cls("tagging", objectives.tagging(len(labels)), train, evals, predicts, main,
+  return TaskData("tagging", objectives.tagging(len(labels)), train, evals, predicts, main,
                        notes, spec=spec)

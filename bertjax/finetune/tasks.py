@@ -20,16 +20,15 @@ step, so a bad file fails at once.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from bertjax import train
 from bertjax.finetune import custom, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune import spec as spec_lib, squad_metrics, squad_postprocess
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune.taskdata import EvalSet, TaskData
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
@@ -37,30 +36,6 @@ NER_TASKS = ("conll2003",)
 CUSTOM = ("classification", "regression", "tagging", "span")  # one's own task, from files
 NAMES = (tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
          + CUSTOM)
-
-
-@dataclasses.dataclass
-class EvalSet:
-  """Features of one split, how to score its outputs (None: predict only) and what to write."""
-
-  name: str
-  features: dict[str, np.ndarray]
-  score: Callable[[Mapping[str, np.ndarray]], dict[str, float]] | None
-  write: Callable[[Mapping[str, np.ndarray], str], list[str]] | None = None
-  # The full report of the best checkpoint for results.json (per-class scores, confusion, ...).
-  report: Callable[[Mapping[str, np.ndarray]], dict] | None = None
-
-
-@dataclasses.dataclass
-class TaskData:
-  name: str  # canonical: "MRPC", "squad_v1.1", "conll2003", ...
-  objective: train.Objective
-  train: dict[str, np.ndarray]
-  evals: list[EvalSet]  # after every epoch; the first one's "main" picks the best checkpoint
-  predicts: list[EvalSet]  # once, at the end, with the best checkpoint
-  main_metric: str  # the name of "main" in the first eval set (said in results)
-  notes: list[str] = dataclasses.field(default_factory=list)  # counted repairs, skipped rows
-  spec: spec_lib.TaskSpec | None = None  # what the model does with text (task.json)
 
 
 def canonical(name: str) -> str:
@@ -93,7 +68,7 @@ def family(name: str) -> str:
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
   name = canonical(cfg.task)
   if family(name) == "custom":
-    return custom.load(name, cfg, tokenizer, TaskData, EvalSet)
+    return custom.load(name, cfg, tokenizer)
   if family(name) == "squad":
     return _squad(name, cfg, tokenizer)
   return {"glue": _glue, "ner": _ner}[family(name)](name, cfg.data, tokenizer)
