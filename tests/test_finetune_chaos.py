@@ -4,7 +4,7 @@ where an uninterrupted run of that command ends (issue 29; docs/reliability.md):
 and the prediction file byte for byte (results.json names the prediction files by path: each
 workdir's own path is neutralised; no field of these files depends on time).
 
-Every run is the command in a subprocess. tests/killed_finetune.py kills it at a named moment
+Every run is the command in a subprocess. tests/interrupted_finetune.py kills it at a named moment
 (during a save, during an evaluation, between best/'s save and the record of its evaluation):
 aimed, not timed, so each kill lands where the test says, and the workdir is checked to be in
 that state before the rerun. A small model (hidden 32, one layer, one device) on a synthetic
@@ -21,10 +21,11 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from bertjax import checkpoint as checkpoint_lib
 import finetune_fixtures as fx
-import killed_finetune
+import interrupted_finetune
 from test_data_fixtures import write_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def _command(tmp_path, workdir):
   vocab = write_vocab(str(tmp_path / "vocab.txt"))
   with open(vocab) as f:
     size = len(f.read().split())
-  return [sys.executable, killed_finetune.__file__, "--config=configs/finetune.py:sts-b",
+  return [sys.executable, interrupted_finetune.__file__, "--config=configs/finetune.py:sts-b",
           f"--workdir={workdir}", f"--config.data.data_dir={tmp_path / 'glue'}",
           f"--config.data.vocab_path={vocab}", "--config.data.max_seq_length=16",
           f"--config.model.vocab_size={size}", "--config.model.hidden_size=32",
@@ -49,7 +50,7 @@ def _command(tmp_path, workdir):
 
 
 def _environment(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != killed_finetune.ENV}
+  env = {k: v for k, v in os.environ.items() if k != interrupted_finetune.ENV}
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
   env.update(JAX_PLATFORMS="cpu", BERTJAX_HUGE_PAGES="0", PYTHONUNBUFFERED="1",
              XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip(),
@@ -59,17 +60,28 @@ def _environment(tmp_path):
   return env
 
 
-def _run(command, env, kill_at=None):
-  if kill_at:
-    env = {**env, killed_finetune.ENV: kill_at}
+def _run(command, env, interrupt=None, status=0):
+  """The command's stdout and stderr; `interrupt` names a moment of tests/interrupted_finetune.py,
+  `status` the exit status expected (-9: SIGKILLed)."""
+  if interrupt:
+    env = {**env, interrupted_finetune.ENV: interrupt}
   done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   output = done.stdout + done.stderr
-  if kill_at:
-    assert done.returncode == -9, f"{kill_at}: exit {done.returncode}\n{output[-5000:]}"
-    assert "killing anyway" not in output, output[-5000:]
-  else:
-    assert done.returncode == 0, output[-5000:]
-  return output
+  assert done.returncode == status, f"{interrupt}: exit {done.returncode}\n{output[-5000:]}"
+  assert "killing anyway" not in output, output[-5000:]
+  return done.stdout, done.stderr
+
+
+@pytest.fixture(scope="module", name="task")
+def _task(tmp_path_factory):
+  """The data, the environment and the workdir of an uninterrupted run, which every test here
+  compares with (its compiled programs fill the cache the other runs load)."""
+  root = tmp_path_factory.mktemp("chaos")
+  fx.write_stsb(str(root / "glue"), n_train=N_TRAIN, n_dev=48, n_test=16)
+  env = _environment(root)
+  straight = str(root / "straight")
+  _run(_command(root, straight), env)
+  return root, env, straight
 
 
 def _steps(folder):
@@ -99,36 +111,40 @@ def _read(path, workdir):
     return f.read().replace(workdir.encode(), b"WORKDIR")
 
 
-def test_three_kills_and_reruns_end_where_an_uninterrupted_run_ends(tmp_path):
-  fx.write_stsb(str(tmp_path / "glue"), n_train=N_TRAIN, n_dev=48, n_test=16)
-  env = _environment(tmp_path)
-  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-  _run(_command(tmp_path, straight), env)
-  command = _command(tmp_path, killed)
+def _same_files(workdir, straight):
+  for name in ("evaluations.json", "results.json", "predictions/STS-B.tsv"):
+    assert _read(os.path.join(workdir, name), workdir) == _read(os.path.join(straight, name),
+                                                                straight), name
+
+
+def test_three_kills_and_reruns_end_where_an_uninterrupted_run_ends(task):
+  root, env, straight = task
+  killed = str(root / "killed")
+  command = _command(root, killed)
 
   # 1. During the save of epoch 1's checkpoint, its evaluation (and best/) already recorded: no
   # checkpoint is committed, so the rerun starts over and must drop that record and best/.
-  _run(command, env, kill_at=f"save:{PER_EPOCH}")
+  _run(command, env, f"save:{PER_EPOCH}", -9)
   assert _steps(os.path.join(killed, "checkpoints")) == []
   assert any(name.startswith(f"{PER_EPOCH}.") and "tmp" in name
              for name in os.listdir(os.path.join(killed, "checkpoints")))
   assert _recorded(killed) == [PER_EPOCH] and _steps(os.path.join(killed, "best")) == [PER_EPOCH]
 
   # 2. During epoch 2's evaluation, its checkpoint committed: the rerun owes that evaluation.
-  output = _run(command, env, kill_at=f"evaluation:{2 * PER_EPOCH}")
+  output, _ = _run(command, env, f"evaluation:{2 * PER_EPOCH}", -9)
   assert "initialised from scratch" in output
   assert _steps(os.path.join(killed, "checkpoints")) == [PER_EPOCH, 2 * PER_EPOCH]
   assert _recorded(killed) == [PER_EPOCH]
 
   # 3. Between best/'s save of the final evaluation and its record (epoch 3 scores best on these
   # data: best/ holds a step evaluations.json does not know, which once blocked every rerun).
-  output = _run(command, env, kill_at=f"record:{LAST}")
+  output, _ = _run(command, env, f"record:{LAST}", -9)
   assert f"at step {2 * PER_EPOCH}" in output  # resumed there
   assert _steps(os.path.join(killed, "checkpoints")) == [2 * PER_EPOCH, LAST]
   assert _recorded(killed) == [PER_EPOCH, 2 * PER_EPOCH]
   assert _steps(os.path.join(killed, "best")) == [LAST]
 
-  output = _run(command, env)
+  output, _ = _run(command, env)
   assert f"complete ({LAST} of {LAST} steps)" in output
 
   # The uninterrupted run's end; its predictions differ from example to example, so that the
@@ -136,9 +152,7 @@ def test_three_kills_and_reruns_end_where_an_uninterrupted_run_ends(tmp_path):
   with open(os.path.join(straight, "predictions", "STS-B.tsv")) as f:
     scores = [line.split("\t")[1] for line in f.read().splitlines()[1:]]
   assert len(set(scores)) > len(scores) // 2, scores
-  for name in ("evaluations.json", "results.json", "predictions/STS-B.tsv"):
-    assert _read(os.path.join(killed, name), killed) == _read(os.path.join(straight, name),
-                                                              straight), name
+  _same_files(killed, straight)
   assert _steps(os.path.join(killed, "best")) == _steps(os.path.join(straight, "best"))
   best = _steps(os.path.join(straight, "best"))[0]
   for folder, step, item in (("checkpoints", LAST, "params"), ("checkpoints", LAST, "opt_state"),
@@ -148,3 +162,23 @@ def test_three_kills_and_reruns_end_where_an_uninterrupted_run_ends(tmp_path):
     assert got.keys() == want.keys()
     for key in want:
       np.testing.assert_array_equal(got[key], want[key], err_msg=f"{folder}/{step} {key}")
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_the_rerun_goes_on(task):
+  # Issue 29: a save that found the disk full ended the run with a score of tracebacks (orbax's
+  # logged ones, the failure raised again at each wait, tensorstore's late callbacks).
+  root, env, straight = task
+  workdir = str(root / "disk_full")
+  command = _command(root, workdir)
+  _, stderr = _run(command, env, f"disk_full:{2 * PER_EPOCH}", 1)
+  assert "Traceback" not in stderr, stderr[-5000:]
+  said = [line for line in stderr.splitlines() if re.search("space|Error|Errno", line)]
+  assert said == [
+      f"bertjax: --workdir={workdir}: the disk is full (no space left on device); its newest "
+      f"complete checkpoint, step {PER_EPOCH} in {workdir}/checkpoints, is kept. Free space, then "
+      "run the same command to go on."], stderr[-5000:]
+  assert _steps(os.path.join(workdir, "checkpoints")) == [PER_EPOCH]
+
+  stdout, _ = _run(command, env)
+  assert f"resumed from {workdir}/checkpoints at step {PER_EPOCH}" in stdout
+  _same_files(workdir, straight)

@@ -98,6 +98,45 @@ def test_prediction_files_are_written_atomically(tmp_path, monkeypatch):
       "nbest_predictions.json", "null_odds.json", "predictions.json"]
 
 
+def test_a_full_disk_is_known_however_a_library_says_it():
+  # The run's one line (tests/test_finetune_chaos.py end to end) rests on recognising a full disk
+  # wherever the write was: an OSError down orbax's chain of errors raised again at each wait,
+  # tensorstore's ValueError; and on dropping tensorstore's late callbacks into orbax's closed
+  # event loop, dozens of tracebacks after the failed save.
+  import errno
+  import types
+  from bertjax import cli
+
+  def chained(first, then):
+    try:
+      try:
+        raise first
+      except Exception:  # pylint: disable=broad-except
+        raise then  # pylint: disable=raise-missing-from
+    except Exception as err:  # pylint: disable=broad-except
+      return err
+  full = OSError(errno.ENOSPC, "No space left on device", "ckpt/8.orbax-checkpoint-tmp")
+  assert files.is_disk_full(chained(full, RuntimeError("Save Finalize thread failed")))
+  assert files.is_disk_full(ValueError(
+      'RESOURCE_EXHAUSTED: Error writing local file "manifest.ocdbt": Failed to write 115 bytes '
+      "to file 11: No space left on device [os_error_code='28']"))
+  assert not files.is_disk_full(chained(PermissionError(errno.EACCES, "denied"), OSError("x")))
+  with pytest.raises(files.DiskFullError, match="^W: the disk is full .*; kept. Free space"):
+    with files.disk_full_said("W", lambda: "kept"):
+      raise chained(full, OSError("again"))
+  with pytest.raises(KeyError):
+    with files.disk_full_said("W", lambda: "kept"):
+      raise KeyError("not a full disk")
+
+  passed = []
+  hook = cli.late_write_callbacks_dropped(passed.append)
+  late = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"))
+  other = types.SimpleNamespace(exc_value=RuntimeError("something else"))
+  hook(late)
+  hook(other)
+  assert passed == [other]
+
+
 # 2. A damaged newest checkpoint ----------------------------------------------------------------
 
 def _two_steps(directory):

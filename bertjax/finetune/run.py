@@ -403,7 +403,8 @@ def finetune(config, workdir: str) -> dict:
     state, final = loop.execute(config, workdir, job)
     if not final:
       return {}
-    return _finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
+    with loop.disk_full_said(workdir):  # results.json and the predictions
+      return _finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
   finally:
     evaluations.close()
 

@@ -1,28 +1,32 @@
-"""`python tests/killed_finetune.py FLAGS...` is `python -m bertjax.finetune FLAGS...`, which
-SIGKILLs itself at the moment the environment variable BERTJAX_TEST_KILL names (for
-tests/test_finetune_chaos.py). Unset, nothing is patched: it is the command itself.
+"""`python tests/interrupted_finetune.py FLAGS...` is `python -m bertjax.finetune FLAGS...`,
+interrupted at the moment the environment variable BERTJAX_TEST_INTERRUPT names (for
+tests/test_finetune_chaos.py): SIGKILLed, or stopped by a full disk. Unset, nothing is patched: it
+is the command itself.
 
 A kill sent from outside lands wherever the process happens to be, so a test of "killed during a
 save" would pass or fail by luck; this one lands at the named moment every run. The moments, STEP
 being the step of an epoch's end:
 
-- `save:STEP`: during the save of checkpoints/STEP: every file written into orbax's temporary
-  folder, before the rename that commits it, and held there until evaluations.json records the
-  evaluation of STEP (a save slower than the evaluation, as to a bucket);
-- `evaluation:STEP`: during the evaluation of STEP, after its first batch, once checkpoints/STEP
-  is committed;
-- `record:STEP`: after the evaluation of STEP (and best/'s save of it, if it scored best), before
-  evaluations.json records it.
+- `save:STEP`: SIGKILL during the save of checkpoints/STEP: every file written into orbax's
+  temporary folder, before the rename that commits it, and held there until evaluations.json
+  records the evaluation of STEP (a save slower than the evaluation, as to a bucket);
+- `evaluation:STEP`: SIGKILL during the evaluation of STEP, after its first batch, once
+  checkpoints/STEP is committed;
+- `record:STEP`: SIGKILL after the evaluation of STEP (and best/'s save of it, if it scored best),
+  before evaluations.json records it;
+- `disk_full:STEP`: the commit of checkpoints/STEP fails with OSError ENOSPC, as a full disk fails
+  it (in orbax's background thread; the run meets it at its next save).
 """
 
 import asyncio
+import errno
 import os
 import runpy
 import signal
 import sys
 import time
 
-ENV = "BERTJAX_TEST_KILL"
+ENV = "BERTJAX_TEST_INTERRUPT"
 
 
 def _kill():
@@ -53,13 +57,15 @@ def _recorded(workdir: str, step: int) -> bool:
 def _arm(moment: str, workdir: str) -> None:
   what, step = moment.split(":")
   step = int(step)
-  if what == "save":
+  if what in ("save", "disk_full"):
     from orbax.checkpoint._src.path import atomicity  # pylint: disable=import-outside-toplevel
     real_finalize = atomicity.AtomicRenameTemporaryPath.finalize
     target = os.path.join(workdir, "checkpoints", str(step))
 
     async def finalize(self):
       if str(self.get_final()) == target:
+        if what == "disk_full":
+          raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
         await asyncio.to_thread(_wait_for, lambda: _recorded(workdir, step),
                                 f"record of step {step} in evaluations.json")
         _kill()
@@ -94,7 +100,8 @@ def _arm(moment: str, workdir: str) -> None:
       real_write(path, value)
     files.write_json = write_json
   else:
-    raise ValueError(f"{ENV}={moment}: the moments are save:STEP, evaluation:STEP, record:STEP")
+    raise ValueError(f"{ENV}={moment}: the moments are save:STEP, evaluation:STEP, record:STEP, "
+                     "disk_full:STEP")
 
 
 if __name__ == "__main__":
