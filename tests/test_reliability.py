@@ -454,6 +454,70 @@ def test_a_google_folder_of_several_checkpoints_names_the_newest_and_a_fix_that_
   assert tf_bundle.resolve_prefix(str(tmp_path)) == str(tmp_path / "model.ckpt-1000")
 
 
+def test_convert_google_takes_the_checkpoint_a_prefix_names(tmp_path, capsys):
+  # --ckpt_dir=DIR/model.ckpt-1000 (a prefix, as TensorFlow names a checkpoint) was taken for a
+  # folder and refused; it reads that checkpoint, even beside others and without a `checkpoint`
+  # file, with the folder's bert_config.json and vocab.txt.
+  import numpy as np
+  from bertjax.convert import google, hf
+  from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save
+  first = random_variables(GOOGLE_CONFIG, seed=0)
+  folder = google_folder(tmp_path, variables=first)  # bert_model.ckpt
+  later = random_variables(GOOGLE_CONFIG, seed=1)
+  save(os.path.join(folder, "model.ckpt-1000"), later)
+  for given, prefix, want in (
+      ("model.ckpt-1000", "model.ckpt-1000", later),
+      ("bert_model.ckpt.index", "bert_model.ckpt", first)):
+    out = str(tmp_path / given)
+    google.main(["import", f"--ckpt_dir={os.path.join(folder, given)}", f"--output={out}"])
+    assert capsys.readouterr().out.startswith(f"Imported {os.path.join(folder, prefix)} -> {out} ")
+    _, params = hf.load_params(out)
+    np.testing.assert_array_equal(params["bert"]["embeddings"]["word_embeddings"]["embedding"],
+                                  want["bert/embeddings/word_embeddings"])
+
+
+def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_path):
+  # run_classifier.py's output: bert/* and its classifier (output_weights, output_bias) with
+  # Adam's slots, no cls/*. Fine-tuning's init_from takes its encoder; asked for the pre-training
+  # heads, it says in one line that it has none (was: a list of missing variables and "use the
+  # bert_config.json released with this checkpoint").
+  import numpy as np
+  from bertjax.convert import google, tf_bundle
+  from google_fixtures import GOOGLE_CONFIG, random_variables, save, slots
+  from test_data_fixtures import write_vocab
+  variables = {k: v for k, v in random_variables(GOOGLE_CONFIG).items()
+               if not k.startswith("cls/")}
+  variables.update(output_weights=np.ones((2, 128), np.float32),
+                   output_bias=np.zeros(2, np.float32))
+  folder = tmp_path / "rte_output"
+  os.makedirs(folder)
+  save(str(folder / "model.ckpt-1000"), {**variables, **slots(variables)})
+  (folder / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-1000"\n')
+  files.write_json(str(folder / "bert_config.json"), GOOGLE_CONFIG)
+  write_vocab(str(folder / "vocab.txt"))
+
+  source = weights.inspect(str(folder), what="checkpoint.init_from")
+  assert (source.kind, source.subtrees) == ("google", ("bert",))
+  fresh = jax.tree.map(np.zeros_like, weights.read(source))
+  fresh["classifier"] = {"kernel": np.zeros((128, 2), np.float32)}
+  started = run._encoder_loader(source)(fresh)  # what fine-tuning's first step starts from
+  np.testing.assert_array_equal(started["bert"]["embeddings"]["word_embeddings"]["embedding"],
+                                variables["bert/embeddings/word_embeddings"])
+  np.testing.assert_array_equal(started["bert"]["pooler"]["dense"]["kernel"],
+                                variables["bert/pooler/dense/kernel"])
+
+  with pytest.raises(ValueError) as err:
+    google.params_from_google(tf_bundle.CheckpointReader(str(folder)), source.config,
+                              heads=("mlm", "nsp"))
+  assert "\n" not in str(err.value) and str(err.value).startswith(
+      "The checkpoint holds no cls/predictions/* and no cls/seq_relationship/* (the pre-training "
+      "head(s) ['mlm', 'nsp']): it is a fine-tuned or encoder-only checkpoint, from which only "
+      "the encoder (bert/*) can be taken"), str(err.value)
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+                     match=r"holds the parameters \['bert'\], not \['mlm', 'nsp'\]"):
+    weights.read(source, like={"bert": {}, "mlm": {}, "nsp": {}})
+
+
 def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path, capsys):
   from configs import tiny
   from bertjax import loop
