@@ -411,24 +411,22 @@ UNICODE_PIECES = ["東京", "대한민국", "😀", "🇫🇷", "e\u0301", "Caf�
                   "ß", "İ", "ﬁ", "Ⅻ", "\u200b", "a\u0308\u0301", "\t", "x"]
 
 
-@pytest.mark.parametrize("lower", [True, False])
-def test_every_squad_answer_is_an_exact_substring_of_its_context(tmp_path, lower):
-  # A property over random contexts of CJK, Hangul, emoji, combining marks, Greek, Hebrew, odd
-  # spaces and vocabulary words, with random logits: every n-best text (and so every prediction)
-  # is a substring of the context, without surrounding whitespace. The original's nonce "empty"
-  # (no candidate among the top n-best, frequent on short contexts) was none.
+def _random_context(rng, pool):
+  return "".join(rng.choice(pool) + rng.choice([" ", "", ",", "\u00a0"])
+                 for _ in range(rng.randint(1, 30)))
+
+
+def _every_answer_is_a_substring(tokenizer, pool):
+  """A property over random contexts drawn from `pool`, with random logits: every n-best text (and
+  so every prediction) is a substring of the context, without surrounding whitespace. The
+  original's nonce "empty" (no candidate among the top n-best, frequent on short contexts) was
+  none."""
   import random
   import numpy as np
-  from bertjax.data import tokenizer as tokenizer_lib
   from bertjax.finetune import squad, squad_postprocess
-  from test_data_fixtures import write_vocab
-  vocab = write_vocab(str(tmp_path / "vocab.txt"))
-  pool = UNICODE_PIECES + [w for w in open(vocab).read().split() if w.isalpha()][:40]
-  tokenizer = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower)
   rng = random.Random(0)
   for trial in range(150):
-    context = "".join(rng.choice(pool) + rng.choice([" ", "", ",", "\u00a0"])
-                      for _ in range(rng.randint(1, 30)))
+    context = _random_context(rng, pool)
     example = squad.SquadExample(f"q{trial}", "what", context, (), (), False, None)
     features = squad.make_features([example], tokenizer, max_seq_length=32, doc_stride=8,
                                    max_query_length=4)
@@ -439,6 +437,38 @@ def test_every_squad_answer_is_an_exact_substring_of_its_context(tmp_path, lower
       for entry in result.nbest[example.qas_id]:
         text = entry["text"]
         assert text in context and text == text.strip(), (context, text)
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_every_squad_answer_is_an_exact_substring_of_its_context(tmp_path, lower):
+  # CJK, Hangul, emoji, combining marks, Greek, Hebrew, odd spaces and vocabulary words, under a
+  # WordPiece vocabulary (the characters outside it are [UNK] pieces).
+  from bertjax.data import tokenizer as tokenizer_lib
+  from test_data_fixtures import write_vocab
+  vocab = write_vocab(str(tmp_path / "vocab.txt"))
+  pool = UNICODE_PIECES + [w for w in open(vocab).read().split() if w.isalpha()][:40]
+  _every_answer_is_a_substring(tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower), pool)
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_every_squad_answer_is_an_exact_substring_of_its_context_with_sentencepiece(tmp_path,
+                                                                                   lower):
+  # The same contexts under a SentencePiece vocabulary of a few hundred pieces, trained here on
+  # such contexts less a few characters (then unknown pieces). Its NFKC normalisation rewrites
+  # text (the ligature, the Roman numeral, full-width forms) and its pieces carry the space before
+  # a word: the answer is still the context's own characters.
+  import random
+  from bertjax.data import tokenizer as tokenizer_lib
+  from test_data_fixtures import WORDS
+  pool = UNICODE_PIECES + ["\uff21\uff22", "\u00bd"] + WORDS[:40]
+  unseen = {"\u216b", "\u05e9\u05b8\u05c1\u05dc\u05d5\u05b9\u05dd", "\U0001f1eb\U0001f1f7"}
+  rng = random.Random(1)
+  corpus = [_random_context(rng, [p for p in pool if p not in unseen]) for _ in range(600)]
+  model = tokenizer_lib.train_sentencepiece(corpus, vocab_size=300, do_lower_case=lower,
+                                            output=str(tmp_path / "spm"))
+  tokenizer = tokenizer_lib.load_vocabulary(model, "sentencepiece")
+  assert tokenizer.unk_id in tokenizer.encode("\u216b \u05e9\u05b8\u05c1\u05dc\u05d5\u05b9\u05dd")
+  _every_answer_is_a_substring(tokenizer, pool)
 
 
 def test_a_google_folder_of_several_checkpoints_names_the_newest_and_a_fix_that_works(tmp_path):
