@@ -104,6 +104,9 @@ class DiskFullError(OSError):
     self.errno = errno.ENOSPC
 
 
+_NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
+
+
 def is_disk_full(err: BaseException | None) -> bool:
   """Whether `err`, or an error it was raised from or during, is a write that found no space left:
   an OSError with errno ENOSPC, or the C libraries' errors that carry its text (tensorstore, which
@@ -119,9 +122,6 @@ def is_disk_full(err: BaseException | None) -> bool:
       return True
     err = err.__cause__ or err.__context__
   return False
-
-
-_NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
 
 
 @contextlib.contextmanager
