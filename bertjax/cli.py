@@ -22,6 +22,8 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
+from bertjax import files
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -106,6 +108,7 @@ def start(argv) -> None:
   # also drops the INFO banner TensorFlow's C++ logging prints past TF_CPP_MIN_LOG_LEVEL.
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
   quiet_third_party_logs()
+  sys.unraisablehook = late_write_callbacks_dropped(sys.unraisablehook)
   hide_accelerators_from_tensorflow()
   from bertjax import distributed  # pylint: disable=import-outside-toplevel
   flag = flags.FLAGS
@@ -114,7 +117,6 @@ def start(argv) -> None:
   if flag.workdir and jax.process_index() == 0:
     # One lock per run, taken by its process 0: the processes of one run share the workdir (on one
     # machine under launch/local.sh, or on shared storage), two runs must not.
-    from bertjax import files  # pylint: disable=import-outside-toplevel
     try:
       note = files.lock_workdir(flag.workdir)
     except files.WorkdirBusyError as err:
@@ -215,10 +217,29 @@ def run(main: Callable[[list[str]], Any]) -> None:
 
 class _OwnInfoOnly(logging.Filter):
   """Below WARNING, only bertjax's own records pass: orbax alone writes about 10 KB of INFO per
-  checkpoint save, which would bury the run's lines and flood whatever reads its stderr."""
+  checkpoint save, which would bury the run's lines and flood whatever reads its stderr. Nor does
+  a library's report of a full disk (orbax logs the traceback of a failed save at each wait): the
+  run says it in one line (`explained`)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or record.pathname.startswith(_PACKAGE)
+    own = record.pathname.startswith(_PACKAGE)
+    if not own and record.exc_info and files.is_disk_full(record.exc_info[1]):
+      return False
+    return record.levelno >= logging.WARNING or own
+
+
+def late_write_callbacks_dropped(previous):
+  """An unraisable-exception hook that drops what a failed save leaves behind: orbax closes the
+  event loop of a save whose write failed (a full disk) while tensorstore's other writes of it
+  are under way, and each of those, finishing, reports that the loop is closed (dozens of
+  tracebacks after the failure itself, which the run reports). Everything else goes to
+  `previous`."""
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+  return hook
 
 
 def quiet_third_party_logs() -> bool:
@@ -234,10 +255,10 @@ def quiet_third_party_logs() -> bool:
 
 
 def explained(run, *args, **kwargs):
-  """Runs `run(*args, **kwargs)`; a refusal of the input (a bad config value, a missing or malformed file, a
-  checkpoint of another run, a non-finite loss) ends the command with its message alone and exit
-  status 1, as `bertjax.aot` does: the message names the problem and the fix, and a traceback
-  would only bury it. Other errors keep their traceback."""
+  """Runs `run(*args, **kwargs)`; a refusal of the input (a bad config value, a missing or
+  malformed file, a checkpoint of another run, a non-finite loss) or a full disk ends the command
+  with its message alone and exit status 1, as `bertjax.aot` does: the message names the problem
+  and the fix, and a traceback would only bury it. Other errors keep their traceback."""
   from bertjax import control  # pylint: disable=import-outside-toplevel
   from bertjax.data import processes  # pylint: disable=import-outside-toplevel
   try:
@@ -249,3 +270,9 @@ def explained(run, *args, **kwargs):
     sys.exit(128 + signal.SIGTERM)
   except (ValueError, FileNotFoundError, PermissionError, control.NonFiniteError) as err:
     sys.exit(f"bertjax: {type(err).__name__}: {err}")
+  except OSError as err:
+    if isinstance(err, files.DiskFullError):  # names the workdir and what is kept
+      sys.exit(f"bertjax: {err}")
+    if files.is_disk_full(err):
+      sys.exit(f"bertjax: the disk is full ({err}); free space, then run the same command again.")
+    raise

@@ -12,9 +12,11 @@ over the target, so a reader sees the old file or the new one, never a part.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
-from typing import Any
+from typing import Any, Callable, Iterator
 
 
 def _is_url(path: str) -> bool:
@@ -90,6 +92,50 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, value: Any) -> None:
   write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+# A full disk -----------------------------------------------------------------------------------
+
+class DiskFullError(OSError):
+  """A write found no space left (errno ENOSPC), said in one line naming the folder."""
+
+  def __init__(self, message: str):
+    super().__init__(message)
+    self.errno = errno.ENOSPC
+
+
+_NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+  """Whether `err`, or an error it was raised from or during, is a write that found no space left:
+  an OSError with errno ENOSPC, or the C libraries' errors that carry its text (tensorstore, which
+  writes orbax's arrays, raises a ValueError "RESOURCE_EXHAUSTED: ... No space left on device";
+  TensorFlow's file writes their own error). Orbax raises a failed save again at every later
+  wait, each during the last, so the cause can lie several links down the chain."""
+  seen = set()
+  while err is not None and id(err) not in seen:
+    seen.add(id(err))
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+      return True
+    if _NO_SPACE in str(err):
+      return True
+    err = err.__cause__ or err.__context__
+  return False
+
+
+@contextlib.contextmanager
+def disk_full_said(folder: str, kept: Callable[[], str]) -> Iterator[None]:
+  """Turns a full disk met inside into one DiskFullError naming `folder` and what is kept
+  (`kept()`, asked then): otherwise orbax's background save, failing at each wait, ends a run with
+  a score of chained tracebacks."""
+  try:
+    yield
+  except Exception as err:  # pylint: disable=broad-except
+    if not is_disk_full(err) or isinstance(err, DiskFullError):
+      raise
+    raise DiskFullError(f"{folder}: the disk is full (no space left on device); {kept()}. Free "
+                        "space, then run the same command to go on.") from None
 
 
 # One run per workdir ----------------------------------------------------------------------------

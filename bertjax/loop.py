@@ -311,8 +311,8 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
 
   # Every exit, an error's too, waits for the saves under way: a good checkpoint is never lost
   # because a later step failed.
-  with contextlib.closing(ckpt), contextlib.closing(writer), control.StopSignal() as stop, \
-      _Profiler(loop, workdir) as profiler:
+  with disk_full_said(workdir), contextlib.closing(ckpt), contextlib.closing(writer), \
+      control.StopSignal() as stop, _Profiler(loop, workdir) as profiler:
     if (0 < start < tcfg.num_train_steps and job.eval_owed is not None and job.eval_owed(start)
         and run_eval(start, state, stop) is None):
       say(f"{stop.describe()} received; the run is saved at step {start}. Run the same "
@@ -336,6 +336,21 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
         "Run the same command to evaluate it.")
     return state, {}
   return state, final
+
+
+def disk_full_said(workdir: str):
+  """A context in which a full disk ends the run with one line naming the workdir and its newest
+  complete checkpoint (orbax writes a save into a temporary folder and deletes older steps only
+  once it is complete, so a save that found no space loses nothing saved before)."""
+  folder = os.path.join(workdir, "checkpoints")
+
+  def kept() -> str:
+    steps = sorted(int(n) for n in files.listdir(folder) if n.isdigit()) if files.isdir(
+        folder) else []
+    if not steps:
+      return "no checkpoint was complete yet"
+    return f"its newest complete checkpoint, step {steps[-1]} in {folder}, is kept"
+  return files.disk_full_said(f"--workdir={workdir}", kept)
 
 
 def keep_vocabulary(vocab_file: str, kind: str, fingerprint: str, workdir: str,

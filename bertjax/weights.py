@@ -207,6 +207,14 @@ def _vocabulary(folder: str, hf_config: dict | None = None) -> dict:
                                "default (rename the folder or set data.do_lower_case)"}
 
 
+def folder_casing(folder: str) -> tuple[bool, str]:
+  """(do_lower_case, why) of a folder's vocabulary as `inspect` gives it, without reading its
+  weights (a Google folder of several checkpoints, one of which is named)."""
+  found = _vocabulary(folder)
+  lower = found.get("do_lower_case")
+  return (True if lower is None else lower), found["casing_why"]
+
+
 def fingerprint_of(source: Weights, do_lower_case: bool) -> str | None:
   """The vocabulary's fingerprint: as recorded with the weights, else computed from its file
   under `do_lower_case` (the casing is part of a WordPiece fingerprint)."""

@@ -6,6 +6,7 @@ epochs, so a score far above chance shows the whole path works: files -> feature
 its loss -> the sharded step -> scoring -> prediction files.
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -220,14 +221,48 @@ def write_tiny_next(folder, n=24):
         "index\tsentence1\tsentence2\tlabel\n" + "\n".join(rows) + "\n")
 
 
-def frozen_next_config(init_from, data_dir):
-  """NEXT at length 16, one epoch of batch 8, learning rate 0 and no dropout: the encoder that
-  init_from gave stays as loaded, so a test can compare it."""
+def tiny_next_config(init_from, data_dir):
+  """NEXT at length 16, one epoch of batch 8 and no dropout."""
   config = finetune_config.get_config("next")
   config.checkpoint.init_from, config.data.data_dir = init_from, data_dir
   config.data.max_seq_length = 16
   t = config.train
-  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 0.0, 1
+  t.batch_size, t.num_epochs, t.learning_rate, t.log_every_steps = 8, 1, 1e-3, 1
   config.model.hidden_dropout = config.model.attention_dropout = 0.0
   return config
 
+
+# What a run starts from -------------------------------------------------------------------------
+
+class Abort(Exception):
+  """Ends a run at its first training step (what it starts from is all a test needs)."""
+
+
+class Builds:
+  """Wraps train.build: on `devices` if given; records each Training, the mesh, and the parameters
+  the first training step starts from (read before the step, which donates them): init_from's
+  weights as the run received them, whatever the steps then do."""
+
+  def __init__(self, monkeypatch, devices=None, abort_at_first_step=False):
+    self.trainings, self.first_params = [], None
+    real = train.build
+
+    def build(*args, **kwargs):
+      if devices is not None:
+        kwargs["devices"] = devices
+      training = real(*args, **kwargs)
+      self.trainings.append(training)
+
+      def step(state, batch, rng):
+        if self.first_params is None:
+          self.first_params = jax.device_get(state.params)
+          if abort_at_first_step:
+            raise Abort()
+        return training.train_step(state, batch, rng)
+      return dataclasses.replace(training, train_step=step)
+
+    monkeypatch.setattr(train, "build", build)
+
+  @property
+  def mesh_shape(self):
+    return dict(self.trainings[-1].mesh.shape)

@@ -15,7 +15,7 @@ from bertjax.finetune import run
 from configs import tiny
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import data_section
-from finetune_fixtures import frozen_next_config, write_tiny_next
+from finetune_fixtures import Builds, tiny_next_config, write_tiny_next
 
 SMALL = dict(attention_probs_dropout_prob=0.1, hidden_act="gelu", hidden_dropout_prob=0.1,
              hidden_size=32, initializer_range=0.02, intermediate_size=64,
@@ -34,13 +34,13 @@ def _one_device(monkeypatch):
   monkeypatch.setattr(train, "build", build)
 
 
-def _saved_variables(workdir, params_key=None):
+def _saved_variables(workdir):
   """The last checkpoint's parameters of `workdir`, under Google's names."""
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), checkpoint_lib.TRAIN_ITEMS,
                                      save_every=1, keep=1)
   params = ckpt.restore_stored(ckpt.all_steps()[-1], "params")
   ckpt.close()
-  return params if params_key is None else params[params_key]
+  return params
 
 
 def _pretraining_config(tmp_path):
@@ -103,16 +103,17 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
     weights.check_vocabulary(source, "wordpiece-410-0123", True)
 
 
-def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
+def test_finetuning_starts_from_a_google_folder(tmp_path, one_device, monkeypatch):
   variables = random_variables(SMALL, seed=3)
   folder = google_folder(tmp_path, SMALL, "cased_L-1_H-32_A-2", variables)
   write_tiny_next(tmp_path / "task")
-  config = frozen_next_config(folder, str(tmp_path / "task"))
+  config = tiny_next_config(folder, str(tmp_path / "task"))
   config.model.scan_layers = True  # a layout of ours: any fits a Google folder
+  builds = Builds(monkeypatch)
   results = run.finetune(config, str(tmp_path / "ft"))
   assert results["evaluations"]
-  # Learning rate 0: the saved encoder is the folder's, leaf for leaf.
-  encoder = _saved_variables(tmp_path / "ft", "bert")
+  # The encoder the first step starts from is the folder's, leaf for leaf.
+  encoder = builds.first_params["bert"]
   layer = encoder["encoder"]["layers"]["layer"]
   np.testing.assert_array_equal(layer["mlp"]["intermediate"]["kernel"][0],
                                 variables["bert/encoder/layer_0/intermediate/dense/kernel"])
@@ -126,7 +127,7 @@ def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
   assert record["do_lower_case"] is False
 
   # Another model size is refused, naming the sizes.
-  config = frozen_next_config(folder, str(tmp_path / "task"))
+  config = tiny_next_config(folder, str(tmp_path / "task"))
   config.model.hidden_size = 64
   with pytest.raises(ValueError, match=f"config.model.hidden_size=64 but checkpoint.init_from="
                      f"{folder} has 32"):
@@ -135,7 +136,7 @@ def test_finetuning_starts_from_a_google_folder(tmp_path, one_device):
   pieces = open(os.path.join(folder, "vocab.txt")).read().split("\n")
   other = tmp_path / "other_vocab.txt"
   other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
-  config = frozen_next_config(folder, str(tmp_path / "task"))
+  config = tiny_next_config(folder, str(tmp_path / "task"))
   config.data.vocab_path, config.data.do_lower_case = str(other), False
   with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
     run.finetune(config, str(tmp_path / "ft3"))

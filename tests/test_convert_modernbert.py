@@ -143,14 +143,13 @@ def test_unsupported_config_is_refused_by_name(tmp_path):
 
 def test_fine_tuning_starts_from_a_modernbert_folder(tmp_path, monkeypatch):
   """init_from takes a ModernBERT folder as it is (a vocab.txt put beside it, as bertjax's data
-  pipeline does not read its BPE tokenizer): the encoder fine-tuned at learning rate 0 is the
+  pipeline does not read its BPE tokenizer): the encoder the first step starts from is the
   imported one, leaf for leaf, and its architecture (RoPE, GeGLU, windows) comes with it."""
   import os  # pylint: disable=import-outside-toplevel
-  from bertjax import checkpoint as checkpoint_lib, train  # pylint: disable=import-outside-toplevel
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
-  from finetune_fixtures import frozen_next_config, write_tiny_next
+  from finetune_fixtures import Builds, tiny_next_config, write_tiny_next
   from test_data_fixtures import write_vocab  # pylint: disable=import-outside-toplevel
   folder = tmp_path / "modernbert"
   os.makedirs(folder)
@@ -160,18 +159,12 @@ def test_fine_tuning_starts_from_a_modernbert_folder(tmp_path, monkeypatch):
       **BASE, "vocab_size": size, "hidden_size": 32, "intermediate_size": 48,
       "num_attention_heads": 2, "num_hidden_layers": 2})).save_pretrained(folder)
   write_tiny_next(tmp_path / "task")
-  config = frozen_next_config(str(folder), str(tmp_path / "task"))
-  real = train.build
-  monkeypatch.setattr(train, "build", lambda *a, **kw: real(*a, devices=jax.devices()[:1], **{
-      k: v for k, v in kw.items() if k != "devices"}))
+  config = tiny_next_config(str(folder), str(tmp_path / "task"))
+  builds = Builds(monkeypatch, devices=jax.devices()[:1])
   assert run.finetune(config, str(tmp_path / "ft"))["evaluations"]
-  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "ft" / "checkpoints"),
-                                     checkpoint_lib.TRAIN_ITEMS, save_every=1, keep=1)
-  saved = ckpt._manager.restore(ckpt.all_steps()[-1])["params"]  # pylint: disable=protected-access
-  ckpt.close()
   _, params = modernbert.load_dir(str(folder))
   want = jax.tree_util.tree_leaves_with_path(params["bert"])
-  got = dict(jax.tree_util.tree_leaves_with_path(saved["bert"]))
+  got = dict(jax.tree_util.tree_leaves_with_path(builds.first_params["bert"]))
   assert len(want) == len(got) > 10
   for path, value in want:
     np.testing.assert_array_equal(np.asarray(got[path]), value, err_msg=str(path))

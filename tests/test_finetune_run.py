@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, loop, train
+from bertjax import checkpoint as checkpoint_lib, loop
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import run, spec as spec_lib, squad, squad_metrics, tasks
 import finetune_fixtures as fx
@@ -54,48 +54,15 @@ def rte_config(pretrained, data_dir):
   return config
 
 
-class _Abort(Exception):
-  """Ends a run at its first training step (what it starts from is all a test needs)."""
-
-
-class Builds:
-  """Wraps train.build: on `devices` if given; records each Training, the mesh, and the parameters
-  the first training step starts from (read before the step, which donates them)."""
-
-  def __init__(self, monkeypatch, devices=None, abort_at_first_step=False):
-    self.trainings, self.first_params = [], None
-    real = train.build
-
-    def build(*args, **kwargs):
-      if devices is not None:
-        kwargs["devices"] = devices
-      training = real(*args, **kwargs)
-      self.trainings.append(training)
-
-      def step(state, batch, rng):
-        if self.first_params is None:
-          self.first_params = jax.device_get(state.params)
-          if abort_at_first_step:
-            raise _Abort()
-        return training.train_step(state, batch, rng)
-      return dataclasses.replace(training, train_step=step)
-
-    monkeypatch.setattr(train, "build", build)
-
-  @property
-  def mesh_shape(self):
-    return dict(self.trainings[-1].mesh.shape)
-
-
 @dataclasses.dataclass
 class Run:
   workdir: str
   results: dict
-  builds: Builds
+  builds: fx.Builds
 
 
 def finetune(config, workdir, monkeypatch, **build_options) -> Run:
-  builds = Builds(monkeypatch, **build_options)
+  builds = fx.Builds(monkeypatch, **build_options)
   return Run(str(workdir), run.finetune(config, str(workdir)), builds)
 
 
@@ -337,8 +304,8 @@ def test_random_init_keeps_the_shape_and_vocabulary_with_fresh_weights(
     rte_run, pretrained, rte_dir, tmp_path, monkeypatch):
   config = rte_config(pretrained, rte_dir[0])
   config.checkpoint.random_init = True
-  builds = Builds(monkeypatch, abort_at_first_step=True)
-  with pytest.raises(_Abort):
+  builds = fx.Builds(monkeypatch, abort_at_first_step=True)
+  with pytest.raises(fx.Abort):
     run.finetune(config, str(tmp_path / "random"))
   start, pre = flat(builds.first_params["bert"]), flat(
       saved_params(os.path.join(pretrained, "checkpoints"))["bert"])
@@ -357,7 +324,7 @@ def test_random_init_keeps_the_shape_and_vocabulary_with_fresh_weights(
 
 def test_init_from_refuses_another_vocabulary_or_shape(pretrained, rte_dir, tmp_path,
                                                        monkeypatch):
-  builds = Builds(monkeypatch)
+  builds = fx.Builds(monkeypatch)
   # The same pieces in another order: the same size, other ids.
   words = open(os.path.join(pretrained, "vocab.txt")).read().split("\n")
   other = tmp_path / "other_vocab.txt"
@@ -392,7 +359,7 @@ def test_a_workdir_of_another_task_is_refused(rte_run, pretrained, tmp_path, mon
   config.data.data_dir = str(tmp_path / "glue")
   before = {name: os.path.getmtime(os.path.join(rte_run.workdir, name))
             for name in ("results.json", "config.json", "evaluations.json")}
-  Builds(monkeypatch)
+  fx.Builds(monkeypatch)
   with pytest.raises(ValueError, match=f"--workdir={rte_run.workdir} holds a RTE run; "
                      "fine-tuning STS-B needs its own workdir"):
     run.finetune(config, rte_run.workdir)
@@ -605,7 +572,7 @@ def test_bad_input_is_refused_before_compiling(case, tmp_path, monkeypatch):
   m = config.model
   m.vocab_size, m.hidden_size, m.num_layers, m.num_heads = 512, 32, 2, 2
   m.intermediate_size, m.max_position_embeddings, m.type_vocab_size = 64, 64, 2
-  builds = Builds(monkeypatch)
+  builds = fx.Builds(monkeypatch)
   with pytest.raises(ValueError, match=message):
     run.finetune(config, str(tmp_path / "run"))
   assert not builds.trainings

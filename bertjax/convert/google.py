@@ -10,6 +10,7 @@ bertjax tree (`convert.hf`) is then shared, unrolled (`layer_N`) or scanned (`la
 Command line:
   python -m bertjax.convert.google import --ckpt_dir=uncased_L-12_H-768_A-12 --output=OUT
       [--do_lower_case=true|false] [--scan_layers]
+  (--ckpt_dir may name one checkpoint of the folder instead, DIR/model.ckpt-1000: that one is read)
   python -m bertjax.convert.google export --params=OUT_OR_WORKDIR --output=DIR
 `import` writes what `convert.hf import` writes (an orbax checkpoint of the parameters and
 bertjax's `bert_config.json`), plus the folder's `vocab.txt` and `tokenizer.json` recording its
@@ -207,6 +208,16 @@ def params_from_google(source, config: BertConfig, *, scan_layers: bool | None =
     config = dataclasses.replace(config, scan_layers=scan_layers)
   shapes, get = _access(source)
   heads = heads_in(shapes) if heads is None else tuple(heads)
+  stored_heads = heads_in(shapes)
+  absent = [head for head in heads if head in _HEAD_PREFIXES and head not in stored_heads]
+  if absent:
+    # A fine-tuned model of the original's scripts (run_classifier.py keeps bert/* and its own
+    # output_weights), not a model of another shape: the config is not what to fix.
+    raise ValueError(
+        f"The checkpoint holds no {' and no '.join(_HEAD_PREFIXES[h] + '*' for h in absent)} (the "
+        f"pre-training head(s) {absent}): it is a fine-tuned or encoder-only checkpoint, from "
+        "which only the encoder (bert/*) can be taken (heads=() here; as checkpoint.init_from of "
+        "a run, its encoder is taken and the heads start fresh).")
   table = _table(config, heads)
   unread = tuple(prefix for head, prefix in _HEAD_PREFIXES.items() if head not in heads)
   present = {name: shape for name, shape in shapes.items()
@@ -255,8 +266,7 @@ def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, st
   says otherwise, as the original's check would refuse it), else what the folder says
   (bertjax/weights.py: its record, else its name, else lower-cased as the original's default)."""
   if requested is None:
-    source = weights.inspect(folder, what="--ckpt_dir")
-    return source.lower, source.casing_why
+    return weights.folder_casing(folder)
   by_name = weights.lower_case_from_name(folder)
   if by_name is not None and by_name != requested:
     logging.warning(
@@ -269,13 +279,27 @@ def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, st
 
 # Import and export -----------------------------------------------------------------------------
 
+def folder_and_checkpoint(ckpt_dir: str) -> tuple[str, str]:
+  """(the folder, the checkpoint to read) of `--ckpt_dir`: a folder, or the prefix of one
+  checkpoint in it (DIR/bert_model.ckpt, DIR/model.ckpt-1000, or its .index or data file), whose
+  folder holds bert_config.json and vocab.txt: that checkpoint exactly, whatever else is there."""
+  if files.isdir(ckpt_dir):
+    return ckpt_dir, ckpt_dir
+  try:
+    prefix = tf_bundle.resolve_prefix(ckpt_dir)
+  except FileNotFoundError:
+    return ckpt_dir, ckpt_dir  # nothing there: the folder's reader says what is missing
+  return os.path.dirname(prefix) or ".", prefix
+
+
 def import_folder(ckpt_dir: str, output: str, *, do_lower_case: bool | None = None,
                   scan_layers: bool = False) -> str:
-  """Writes a converted folder (see the module docstring) from a Google folder; returns a line
-  saying what was done."""
+  """Writes a converted folder (see the module docstring) from a Google folder, or from one
+  checkpoint of it (`folder_and_checkpoint`); returns a line saying what was done."""
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  ckpt_dir, checkpoint = folder_and_checkpoint(ckpt_dir)
   config = read_google_config(ckpt_dir, scan_layers=scan_layers)
-  reader = CheckpointReader(ckpt_dir)
+  reader = CheckpointReader(checkpoint)
   vocab = os.path.join(ckpt_dir, VOCAB_FILE)
   if not files.exists(vocab):
     raise FileNotFoundError(f"{vocab} not found: the vocabulary the checkpoint's embedding rows "

@@ -124,7 +124,7 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   return max(1, num_examples // batch_size)
 
 
-def run_notes(batch_size: int, num_examples: int, learning_rate: float) -> list[str]:
+def run_notes(batch_size: int, num_examples: int) -> list[str]:
   """What a legal but unusual setting does, said rather than done silently."""
   notes = []
   if batch_size > num_examples:
@@ -132,10 +132,6 @@ def run_notes(batch_size: int, num_examples: int, learning_rate: float) -> list[
                  f"examples: each batch repeats them (up to {-(-batch_size // num_examples)} "
                  "times) and an epoch is one step; lower train.batch_size to see each example "
                  "once per step")
-  if learning_rate == 0:
-    # Kept legal (a check that init_from's weights arrive unchanged), but never silent.
-    notes.append("train.learning_rate=0: no step changes the weights (the encoder stays as "
-                 "loaded, the head as initialised)")
   return notes
 
 
@@ -216,8 +212,8 @@ class FinetuneConfig:
     t, c, d, e = config.train, config.checkpoint, config.data, config.eval
     seq, query = d.max_seq_length, d.max_query_length
     problems = [f"{k}={v} must be {why}" for k, v, ok, why in (
-        ("train.learning_rate", t.learning_rate, t.learning_rate >= 0,
-         ">= 0 (0 trains nothing, said in the run)"),
+        # 0 would run every step and change no weight: a run that only looks like training.
+        ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
         ("train.batch_size", t.batch_size, t.batch_size >= 1, ">= 1"),
         ("train.eval_batch_size", t.eval_batch_size, t.eval_batch_size >= 0,
          ">= 0 (0: train.batch_size)"),
@@ -342,7 +338,7 @@ def finetune(config, workdir: str) -> dict:
     raise ValueError(f"data.max_seq_length={task.data.max_seq_length} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}.")
   data = tasks.load(task, tokenizer)
-  data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]), config.train.learning_rate)
+  data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]))
   for note in data.notes:
     loop.say(note)
   train_features = tasks.model_features(data.train)
@@ -411,7 +407,8 @@ def finetune(config, workdir: str) -> dict:
     state, final = loop.execute(config, workdir, job)
     if not final:
       return {}
-    return _finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
+    with loop.disk_full_said(workdir):  # results.json and the predictions
+      return _finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
   finally:
     evaluations.close()
 

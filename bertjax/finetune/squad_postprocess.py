@@ -71,6 +71,15 @@ def _candidates(features: dict, start_FxL: np.ndarray, end_FxL: np.ndarray, n_be
   return f_C, s_C, e_C
 
 
+def _span_text(context: str, start: int, end: int) -> tuple[str, int]:
+  """(text, its first character) of the context between a candidate's offsets, less whitespace at
+  its ends: a SentencePiece word-start piece alone (a "\u2581" before a piece it does not join,
+  such as an unknown one) covers only the spaces before the next word, so a candidate ending on it
+  would end in them (and one made of it alone is empty)."""
+  text = context[start:end]
+  return text.strip(), start + len(text) - len(text.lstrip())
+
+
 def _best_span(context: str, features: dict, start_FxL, end_FxL, rows: slice,
                max_answer_length: int) -> tuple[str, float, float] | None:
   """The best-scoring candidate of one example's features (`rows`) over every position: (text,
@@ -79,8 +88,8 @@ def _best_span(context: str, features: dict, start_FxL, end_FxL, rows: slice,
   mine = {k: features[k][rows] for k in ("token_start_char", "token_is_max_context")}
   f_C, s_C, e_C = _candidates(mine, start_FxL, end_FxL, start_FxL.shape[1], max_answer_length)
   for c in np.argsort(-(start_FxL[f_C, s_C] + end_FxL[f_C, e_C]), kind="stable"):
-    text = context[features["token_start_char"][rows][f_C[c], s_C[c]]:
-                   features["token_end_char"][rows][f_C[c], e_C[c]]]
+    text, _ = _span_text(context, features["token_start_char"][rows][f_C[c], s_C[c]],
+                         features["token_end_char"][rows][f_C[c], e_C[c]])
     if text:
       return text, float(start_FxL[f_C[c], s_C[c]]), float(end_FxL[f_C[c], e_C[c]])
   return None
@@ -94,7 +103,8 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
 
   A candidate starts and ends inside the window's context, starts at a token this window sees with
   maximum context, ends at or after its start and spans at most max_answer_length tokens; its text
-  is the original context between its first token's first and last token's last character.
+  is the original context between its first token's first and last token's last character
+  (less whitespace at its ends, which only a SentencePiece word-start piece alone spans).
   v2.0 adds the null answer, scored start_logits[0] + end_logits[0] (the lowest over the features),
   and answers "" when null - best non-null > null_score_diff_threshold.
   Where no candidate survives, the best span over every position of the context is the answer
@@ -150,11 +160,10 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
         seen.add("")
         null_at = None
         continue
-      text = ex.context[char_start_C[c]:char_end_C[c]]
-      # A SentencePiece word-start piece alone covers no character: no answer text to give.
+      text, first = _span_text(ex.context, char_start_C[c], char_end_C[c])
       if text and text not in seen:
         seen.add(text)
-        starts[text] = int(char_start_C[c])
+        starts[text] = int(first)
         entries.append((text, float(start_C[c]), float(end_C[c])))
       c += 1
     if not any(t for t, _, _ in entries):
