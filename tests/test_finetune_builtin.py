@@ -51,13 +51,17 @@ def test_compare_prints_both_runs_from_the_makefiles_command_line(tmp_path):
   # `make finetune` ends with `python -m bertjax.finetune.builtin compare PRETRAINED RANDOM`.
   (tmp_path / "data" / builtin.NAME).mkdir(parents=True)
   (tmp_path / "data" / builtin.NAME / "dev.tsv").write_text("header\n" + "row\n" * 4)
-  for name, score in (("pre", 0.75), ("rand", 0.5)):
+  for name, score, epochs in (("pre", 0.75, 3), ("rand", 0.5, 10)):
     (tmp_path / name).mkdir()
-    (tmp_path / name / "config.json").write_text(
-        json.dumps({"data": {"data_dir": str(tmp_path / "data")}}))
+    (tmp_path / name / "config.json").write_text(json.dumps(
+        {"data": {"data_dir": str(tmp_path / "data")},
+         "train": {"learning_rate": 3e-4, "num_epochs": epochs}}))
     (tmp_path / name / "results.json").write_text(json.dumps(
         {"best": {"scores": {"main": score}, "epoch": 2}, "final": {"main": score}}))
   out = subprocess.run([sys.executable, "-m", "bertjax.finetune.builtin", "compare",
                         str(tmp_path / "pre"), str(tmp_path / "rand")], capture_output=True,
                        text=True, check=True, timeout=300).stdout
   assert "(held-out documents, 4 pairs)" in out and "pre-training adds +0.2500" in out
+  # Each side's settings are printed with its score (the random twin has its own).
+  assert "best 0.7500 (epoch 2)   last 0.7500   (lr 3.0e-4, 3 epochs)" in out
+  assert "best 0.5000 (epoch 2)   last 0.5000   (lr 3.0e-4, 10 epochs)" in out

@@ -86,11 +86,17 @@ def compare(pretrained_workdir: str, random_workdir: str) -> str:
     with open(os.path.join(workdir, "results.json"), encoding="utf-8") as f:
       results = json.load(f)
     best = results["best"] or {"scores": {"main": float("nan")}, "epoch": 0}
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+      train = json.load(f).get("train") or {}  # a run of older bertjax may not record them
+    # Each side's own settings: a comparison is fair only where the table says what each got.
+    settings = (f"lr {train['learning_rate']:.1e}".replace("e-0", "e-")
+                + f", {train['num_epochs']:g} epochs" if "learning_rate" in train
+                else "settings not recorded")
     rows.append((label, best["scores"]["main"], results["final"].get("main", float("nan")),
-                 best["epoch"]))
+                 best["epoch"], settings))
   lines = [f"{NAME} dev accuracy (held-out documents, {_dev_size(pretrained_workdir)} pairs):"]
-  lines += [f"  {label:<20} best {best:.4f} (epoch {epoch:g})   last {last:.4f}"
-            for label, best, last, epoch in rows]
+  lines += [f"  {label:<20} best {best:.4f} (epoch {epoch:g})   last {last:.4f}   ({settings})"
+            for label, best, last, epoch, settings in rows]
   lines.append(f"  pre-training adds {rows[0][1] - rows[1][1]:+.4f}")
   return "\n".join(lines)
 
