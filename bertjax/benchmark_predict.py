@@ -111,7 +111,7 @@ def speed(shape: str, n: int, rounds: int) -> None:
   f = features(lengths_N)
   ours, theirs = bertjax_predictor(cfg), torch_model(cfg)
   from bertjax import predict  # pylint: disable=import-outside-toplevel
-  ours_widths = [predict._bucket(int(k), MAX_LEN) for k in lengths_N]  # pylint: disable=protected-access
+  ours_widths = [predict.bucket_width(int(k), MAX_LEN) for k in lengths_N]
   theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_N[at:at + 64]]
   # PyTorch again with the texts sorted by length first, so its batches pad as little as ours:

@@ -43,7 +43,7 @@ def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:
   params = weights.read(source, like={k: like[k] for k in like if k in source.subtrees})
   state = training.init_state(jax.random.key(0))
   state = state.replace(params={**state.params, **params})
-  batches = loop._batches(  # pylint: disable=protected-access
+  batches = loop.model_batches(
       loop.pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
                                   global_batch_size=training.train_config.batch_size),
       data.nsp)

@@ -213,7 +213,7 @@ def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.
   return scalars
 
 
-def _batches(pipe: Iterator[dict], nsp: bool) -> Iterator[dict[str, np.ndarray]]:
+def model_batches(pipe: Iterator[dict], nsp: bool) -> Iterator[dict[str, np.ndarray]]:
   """The pipeline's batches; without NSP (MLM-only data) the all-zero labels are dropped, so
   neither the loss nor the metrics contain a next-sentence term."""
   for batch in pipe:
@@ -406,7 +406,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
 
   def eval_batches():
     # The preparation seed, not the run's: every run and seed is scored on the same masks.
-    return _batches(pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
+    return model_batches(pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
                                            **per_host), data.nsp)
 
   eval_batches()  # an empty or too small held-out split fails here, not after training
@@ -418,7 +418,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
                                                       loop.init_from_other_vocab)
   job = Job(
       training=training, loop=loop, expected=expected, meta={"data_source": data.source},
-      batches=lambda start: _batches(pipeline.make_pipeline(
+      batches=lambda start: model_batches(pipeline.make_pipeline(
           data, tok, split="train", seed=tcfg.seed, start_step=start, **per_host), data.nsp),
       evaluate=lambda step, state, stop: evaluate(training, state, eval_batches(),
                                                   loop.eval_sequences, stop),

@@ -54,7 +54,7 @@ CHUNK_BATCHES = 16  # batches read, sorted by length and run together
 POOLINGS = ("cls", "mean")
 
 
-def _bucket(length: int, cap: int) -> int:
+def bucket_width(length: int, cap: int) -> int:
   return min(next((b for b in BUCKETS if b >= length), length), cap)
 
 
@@ -153,7 +153,7 @@ class Predictor:
     n, max_len = ids_NxL.shape
     if n == 0:
       return {}
-    width_N = np.array([_bucket(int(k), max_len) for k in features["input_mask"].sum(1)])
+    width_N = np.array([bucket_width(int(k), max_len) for k in features["input_mask"].sum(1)])
     order = np.lexsort((np.arange(n), width_N))  # by bucket, then as given
     fn, parts, batch = self._function(kind), {}, self.batch_size
     starts = [at for width in np.unique(width_N)

@@ -25,7 +25,7 @@ def _random_state_dict(config: BertConfig, seed=0):
   """Random weights under Hugging Face's names; scale 0.2 keeps activations in a useful range."""
   rng = np.random.default_rng(seed)
   return {name: (rng.normal(size=shape) * 0.2).astype(np.float32)
-          for name, shape in hf._expected_shapes(config).items()}  # pylint: disable=protected-access
+          for name, shape in hf.expected_shapes(config).items()}
 
 
 @pytest.fixture(scope="module")

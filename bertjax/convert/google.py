@@ -47,7 +47,7 @@ CHECKPOINT_NAME = "bert_model.ckpt"
 
 # bert_config.json keys are Hugging Face's (its config was copied from this one), less
 # layer_norm_eps: the original hard-codes 1e-12.
-_CONFIG_KEYS = {k: v for k, v in hf._HF_CONFIG_KEYS.items()  # pylint: disable=protected-access
+_CONFIG_KEYS = {k: v for k, v in hf.HF_CONFIG_KEYS.items()
                 if k != "layer_norm_eps"}
 # The original BertConfig's defaults for keys a config leaves out (type_vocab_size is 16 in its
 # code, 2 in every released file).
@@ -154,7 +154,7 @@ def _table(config: BertConfig, heads=tuple(_HEAD_PREFIXES)
   """Google name -> (Hugging Face name, transposed, Google shape) of every variable of the
   encoder and of `heads`."""
   out = {}
-  for hf_name, shape in hf._expected_shapes(config, heads).items():  # pylint: disable=protected-access
+  for hf_name, shape in hf.expected_shapes(config, heads).items():
     name, transposed = _google_name(hf_name)
     out[name] = (hf_name, transposed, tuple(reversed(shape)) if transposed else tuple(shape))
   return out

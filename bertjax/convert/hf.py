@@ -34,7 +34,7 @@ from bertjax import files
 from bertjax.model import BertConfig
 
 # Hugging Face config.json key -> BertConfig field.
-_HF_CONFIG_KEYS = {
+HF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
     "num_hidden_layers": "num_layers",
@@ -68,7 +68,7 @@ def config_from_hf(hf_config: dict, **overrides) -> BertConfig:
   if act not in _HF_ACTIVATIONS:
     raise ValueError(f"hidden_act={act!r} has no bertjax equivalent; "
                      f"supported: {sorted(_HF_ACTIVATIONS)}")
-  values = {ours: hf_config[theirs] for theirs, ours in _HF_CONFIG_KEYS.items()
+  values = {ours: hf_config[theirs] for theirs, ours in HF_CONFIG_KEYS.items()
             if theirs in hf_config}
   values["hidden_act"] = _HF_ACTIVATIONS[act]
   return BertConfig.from_dict(values, **overrides)
@@ -82,7 +82,7 @@ def config_to_hf(config: BertConfig) -> dict:
     raise ValueError(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
                      "model has none of them); a ModernBERT-shaped model exports with "
                      "`python -m bertjax.convert.modernbert export`")
-  out = {theirs: getattr(config, ours) for theirs, ours in _HF_CONFIG_KEYS.items()}
+  out = {theirs: getattr(config, ours) for theirs, ours in HF_CONFIG_KEYS.items()}
   out.update(model_type="bert", architectures=["BertForPreTraining"],
              hidden_act={"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[config.hidden_act],
              position_embedding_type="absolute", pad_token_id=0)
@@ -185,7 +185,7 @@ def heads_in(names) -> tuple[str, ...]:
                if any(str(n).startswith(prefix) for n in names))
 
 
-def _expected_shapes(config: BertConfig, heads=tuple(HEAD_PREFIXES)) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: BertConfig, heads=tuple(HEAD_PREFIXES)) -> dict[str, tuple[int, ...]]:
   """Every tensor of the encoder and of `heads`, with its Hugging Face shape."""
   c = config
   d, f = c.hidden_size, c.intermediate_size
@@ -240,7 +240,7 @@ def _without_pooler(state_dict: dict) -> bool:
 
 
 def _check(state_dict: dict, config: BertConfig, heads) -> None:
-  expected = _expected_shapes(config, heads)
+  expected = expected_shapes(config, heads)
   if _without_pooler(state_dict):
     expected = {k: v for k, v in expected.items() if not k.startswith(_POOLER)}
   state_dict = {k: v for k, v in state_dict.items() if not k.startswith(TASK_HEAD_PREFIXES)}

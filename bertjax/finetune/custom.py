@@ -329,9 +329,9 @@ def _tagging(cfg: TaskConfig, tokenizer, main, fmt, train_path,
                      f"{spec_lib.TAG_SCHEMES} or '' to detect it from the training file.")
   given = _labels_given(cfg.data)
   if given:
-    kinds = [ner._scheme_tag(t)[1] for t in given if t != "O"]  # pylint: disable=protected-access
+    kinds = [ner.scheme_tag(t)[1] for t in given if t != "O"]
   else:
-    kinds = [ner._scheme_tag(t)[1] for _, _, tags in raw_train  # pylint: disable=protected-access
+    kinds = [ner.scheme_tag(t)[1] for _, _, tags in raw_train
              for t in tags if t != "O"]
   labels = ner.tag_labels(kinds)
   if len(labels) < 2:

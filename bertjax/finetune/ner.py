@@ -201,7 +201,7 @@ def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
 _PREFIXES = {"IO": {"I"}, "BIO": {"B", "I"}, "IOB1": {"B", "I"}, "IOBES": {"B", "I", "E", "S"}}
 
 
-def _scheme_tag(tag: str) -> tuple[str, str]:
+def scheme_tag(tag: str) -> tuple[str, str]:
   """(prefix, type): "O" -> ("O", ""); "B-PER" -> ("B", "PER"); a bare "PER" -> ("", "PER")."""
   if tag == "O":
     return "O", ""
@@ -218,7 +218,7 @@ def detect_scheme(tag_lists: Iterable[Sequence[str]]) -> str:
   for tags in tag_lists:
     prev = ""
     for tag in tags:
-      prefix, kind = _scheme_tag(tag)
+      prefix, kind = scheme_tag(tag)
       prefixes.add(prefix)
       if prefix == "I" and prev != kind:
         iob1 = True
@@ -235,7 +235,7 @@ def scheme_to_iob2(tags: Sequence[str], scheme: str, where: str) -> list[str]:
   allowed = _PREFIXES[scheme]
   out = []
   for i, tag in enumerate(tags):
-    prefix, kind = _scheme_tag(tag)
+    prefix, kind = scheme_tag(tag)
     if prefix == "" and scheme != "IO":
       raise ValueError(f"{where} word {i + 1}: tag {tag!r} has no B-/I- prefix; in {scheme} every "
                        "entity tag has one (set config.data.tag_scheme='IO' for bare types).")
