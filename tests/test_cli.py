@@ -174,3 +174,34 @@ def test_importing_every_module_defines_no_flag():
                         text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.strip() == "[]", done.stdout
+
+
+def _private_names_used_across_modules(path: pathlib.Path) -> list[str]:
+  """`module._name` and `from module import _name` where module is another of the project's."""
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  modules, found = set(), []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      modules |= {a.asname or a.name for a in node.names
+                  if a.name.split(".")[0] in ("bertjax", "launch")}
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("bertjax",
+                                                                                     "launch"):
+      for a in node.names:
+        if a.name.startswith("_") and not a.name.startswith("__"):
+          found.append(f"{path.name}:{node.lineno}: from {node.module} import {a.name}")
+        modules.add(a.asname or a.name)  # a module or a name: only module._x is looked for below
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in modules and node.attr.startswith("_")
+        and not node.attr.startswith("__")):
+      found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+  return found
+
+
+def test_no_module_reaches_into_another_ones_private_names():
+  # A name with a leading underscore may change without notice; what another module needs is
+  # public (issue 27: evaluate_mlm, custom, convert.google and benchmark_predict used _names).
+  found = [hit for folder in ("bertjax", "launch")
+           for path in sorted(pathlib.Path(ROOT, folder).rglob("*.py"))
+           for hit in _private_names_used_across_modules(path)]
+  assert not found, found
