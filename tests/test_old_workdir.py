@@ -29,5 +29,9 @@ def test_a_workdir_of_older_code_resumes_and_ends_where_that_code_ended(tmp_path
          for path, v in jax.tree_util.tree_flatten_with_path(_final_params(workdir, 6))[0]}
   with np.load(FIXTURE / "straight_step6_params.npz") as expected:
     assert sorted(got) == sorted(expected.files)
-    for name in expected.files:  # bit for bit: resume is exact, and the step's math unchanged
-      np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    # Bit for bit on the CPU that wrote the fixture. Another CPU's float rounding differs in the
+    # last bits (up to 1.5e-8 seen on a machine with AVX-512), while the three resumed steps move
+    # every array by about 5e-3: a change of the step's math or of what resume restores lands far
+    # outside 1e-6 (1% more learning rate on resume is 5e-5 off).
+    for name in expected.files:
+      np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
