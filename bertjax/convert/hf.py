@@ -434,7 +434,7 @@ def _write_vocabulary(vocab: str, output: str, lower: bool) -> None:
   tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
 
 
-# A fine-tuned model's transformers class by its task family (bertjax/finetune/spec.py), and the
+# A fine-tuned model's transformers class by its task family (bertjax/taskspec.py), and the
 # name of its head there. Token classification and QA build no pooler: its weights are left out,
 # or transformers would warn of unused weights.
 TASK_CLASSES = {"classification": "BertForSequenceClassification",
@@ -483,7 +483,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
   folder bertjax/weights.py reads; a fine-tuning workdir (its best epoch by default) as its task's
   transformers class with its labels. Returns a line saying what was done."""
   from bertjax import weights  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from bertjax import taskspec as spec_lib  # pylint: disable=import-outside-toplevel
   source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
   spec = spec_lib.of(source)
   task_heads = sorted(set(source.subtrees) - {weights.ENCODER, *HEAD_PREFIXES})

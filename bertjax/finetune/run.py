@@ -14,7 +14,7 @@ checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what 
 - at the end, predictions of the test splits (and SQuAD's dev predictions) from the best
   checkpoint in `predictions/`, `results.json`, and a one-line summary.
 
-Workdir: config.json, task.json (bertjax/finetune/spec.py: the label map and the rest of what
+Workdir: config.json, task.json (bertjax/taskspec.py: the label map and the rest of what
 prediction and export need), checkpoints/, best/, evaluations.json, metrics.jsonl, tensorboard/,
 predictions/, results.json, vocab file (copied from init_from).
 """
@@ -31,9 +31,9 @@ import jax
 import numpy as np
 
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
-from bertjax import train, weights
+from bertjax import taskspec as spec_lib, train, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import spec as spec_lib, tasks
+from bertjax.finetune import tasks
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.model import BertConfig
 

@@ -25,8 +25,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from bertjax import taskspec as spec_lib
 from bertjax.finetune import custom, glue, metrics as ft_metrics, ner, objectives, squad
-from bertjax.finetune import spec as spec_lib, squad_metrics, squad_postprocess
+from bertjax.finetune import squad_metrics, squad_postprocess
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
 
