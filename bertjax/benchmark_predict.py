@@ -35,9 +35,9 @@ import numpy as np
 from absl import app, flags
 
 from bertjax import cli, flops, predict, taskspec
-from bertjax.convert import hf
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import objectives
+from bertjax.formats import converted
 from bertjax.model import BertConfig
 
 SHAPES = {"small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
@@ -190,7 +190,7 @@ def _tiny_workdir(root: str) -> str:
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                         is_leaf=lambda x: hasattr(x, "unbox"))
   folder = os.path.join(root, "model")
-  hf.save_params(folder, params, cfg)
+  converted.save_params(folder, params, cfg)
   lower = True
   fingerprint = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower).fingerprint
   tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, folder, lower)
