@@ -32,7 +32,8 @@ from bertjax.data.config import DataConfig
 
 
 def _config(seq_length: int, prepared_dir: str, workers: int, source: str) -> DataConfig:
-  # Imported here so the module also works from an installed package without configs/ on the path.
+  # lazy: configs/ sits beside the package in a checkout, not in an installed bertjax; the module
+  # also works without it until a config is asked for.
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
   from configs import base
   builtin = DataConfig.from_config(base.get_config().data)

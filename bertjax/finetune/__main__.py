@@ -13,19 +13,18 @@ import sys
 from absl import flags
 
 from bertjax import cli, hostmem
+from bertjax.finetune import run
 
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   cli.start(argv)
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
   cli.explained(run.finetune, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
-  from bertjax.finetune import run as run_lib  # pylint: disable=ungrouped-imports
-  cli.refuse_moved_keys(sys.argv, run_lib.MOVED_KEYS)
+  cli.refuse_moved_keys(sys.argv, run.MOVED_KEYS)
   cli.define_run_flags()
   cli.run(main)
