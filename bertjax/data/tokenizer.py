@@ -346,7 +346,6 @@ def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
   it, its kind, casing and fingerprint; returns the copy's path. Written once (unless `replace`,
   for a converter's output): a later run in the same workdir finds its fingerprint already
   checked against the checkpoints."""
-  import tensorflow as tf
   name = "vocab.model" if kind == "sentencepiece" else "vocab.txt"
   target = os.path.join(workdir, name)
   record = os.path.join(workdir, WORKDIR_RECORD)
@@ -354,8 +353,7 @@ def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
     return target
   files.makedirs(workdir)
   if os.path.abspath(vocab_file) != os.path.abspath(target):
-    tf.io.gfile.copy(vocab_file, target + ".tmp", overwrite=True)
-    tf.io.gfile.rename(target + ".tmp", target, overwrite=True)
+    files.copy(vocab_file, target)  # local files without TensorFlow (bertjax/files.py)
   files.write_json(record, {"file": name, "kind": kind, "do_lower_case": bool(do_lower_case),
                             "fingerprint": fingerprint, "copied_from": vocab_file})
   return target
