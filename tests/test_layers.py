@@ -4,8 +4,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
 
   base      files, cli (the commands' shell), distributed, hostmem, versions, topologies, opprofile,
             metrics, control, losses, optimizer, sharding, dropout, attention
-  configs   configs/ (ml_collections files; the mesh rules come from sharding)
   model     model, heads, nnx
+  configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
   data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
   core      train, flops, checkpoint
   formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles) and
@@ -32,8 +32,8 @@ LAYERS = (
               "bertjax.versions", "bertjax.topologies", "bertjax.opprofile", "bertjax.metrics",
               "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
               "bertjax.dropout", "bertjax.attention")),
-    ("configs", ("configs",)),
     ("model", ("bertjax.model", "bertjax.heads", "bertjax.nnx")),
+    ("configs", ("configs",)),
     ("data", ("bertjax.data",)),
     ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint")),
     ("formats", ("bertjax.formats", "bertjax.taskspec")),
@@ -52,7 +52,8 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _modules() -> dict[str, pathlib.Path]:
-  return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+  return {_module_name(p): p for package in PACKAGES
+          for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _layer(module: str) -> int | None:

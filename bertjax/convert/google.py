@@ -12,9 +12,9 @@ Command line:
   (--ckpt_dir may name one checkpoint of the folder instead, DIR/model.ckpt-1000: that one is read)
   python -m bertjax.convert.google export --params=OUT_OR_WORKDIR --output=DIR
 `import` writes what `convert.hf import` writes (a converted folder: an orbax checkpoint of the
-parameters and bertjax's `bert_config.json`), plus the folder's `vocab.txt` and `tokenizer.json` recording its
-casing: the form a run's `init_from` reads. A Google folder itself is also accepted as `init_from`.
-`export` writes a Google folder from a converted folder or a pre-training workdir.
+parameters and bertjax's `bert_config.json`), plus the folder's `vocab.txt` and `tokenizer.json`
+recording its casing: the form a run's `init_from` reads. A Google folder itself is also accepted as
+`init_from`. `export` writes a Google folder from a converted folder or a pre-training workdir.
 
 Casing: the original checks `do_lower_case` against the checkpoint's folder name
 (`validate_case_matches_checkpoint`); here the name sets it (uncased_*, multilingual_L-*, chinese_*:

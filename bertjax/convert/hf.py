@@ -8,15 +8,16 @@ Command line:
   python -m bertjax.convert.hf import --hf_dir=DIR_WITH_config.json_AND_model.safetensors --output=OUT
   python -m bertjax.convert.hf export --params=OUT --output=HF_DIR
 `import` writes a converted folder (bertjax/formats/converted.py: an orbax checkpoint of the
-parameters plus `bert_config.json`), and copies the folder's `vocab.txt` with its casing (tokenizer_config.json's do_lower_case) recorded
-in `tokenizer.json`; a Hugging Face folder is also read as it is by every `init_from`. `export`
-writes `config.json`, `model.safetensors` and the tokenizer's files from any bertjax weights folder
-(a workdir included): a pre-training run as `BertForPreTraining`; a fine-tuning workdir (its best
-epoch; `--checkpoint=latest` or a step for another) as `BertForSequenceClassification` (with
-`problem_type` regression where it is one), `BertForTokenClassification` or
-`BertForQuestionAnswering`, its labels as `id2label` / `label2id`. WordPiece vocabularies go as
-vocab.txt, SentencePiece ones as a fast tokenizer's tokenizer.json giving the same ids (a literal
-"[CLS]" in a text is the one difference: transformers reads it as the special token).
+parameters plus `bert_config.json`), and copies the folder's `vocab.txt` with its casing
+(tokenizer_config.json's do_lower_case) recorded in `tokenizer.json`; a Hugging Face folder is also
+read as it is by every `init_from`. `export` writes `config.json`, `model.safetensors` and the
+tokenizer's files from any bertjax weights folder (a workdir included): a pre-training run as
+`BertForPreTraining`; a fine-tuning workdir (its best epoch; `--checkpoint=latest` or a step for
+another) as `BertForSequenceClassification` (with `problem_type` regression where it is one),
+`BertForTokenClassification` or `BertForQuestionAnswering`, its labels as `id2label` / `label2id`.
+WordPiece vocabularies go as vocab.txt, SentencePiece ones as a fast tokenizer's tokenizer.json
+giving the same ids (a literal "[CLS]" in a text is the one difference: transformers reads it as the
+special token).
 """
 
 from __future__ import annotations
