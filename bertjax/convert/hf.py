@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 
 from bertjax import files
+from bertjax.convert import outfolder
 from bertjax.model import BertConfig
 
 # Hugging Face config.json key -> BertConfig field.
@@ -471,11 +472,10 @@ def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.nda
   return sd, extra
 
 
-def _write_hf(output: str, state_dict: dict, hf_config: dict) -> None:
+def _write_hf(folder: outfolder.ExportFolder, state_dict: dict, hf_config: dict) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  os.makedirs(output, exist_ok=True)
-  files.write_json(os.path.join(output, "config.json"), hf_config)
-  save_file(state_dict, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+  files.write_json(folder.path("config.json"), hf_config)
+  save_file(state_dict, folder.path("model.safetensors"), metadata={"format": "pt"})
 
 
 def export_folder(params_path: str, output: str, checkpoint: str = "best") -> str:
@@ -494,19 +494,22 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
         "outputs have no names; put the run's task.json back (rerunning its fine-tuning command "
         "in the workdir writes it), or export the encoder alone from a pre-training run.")
   hf_config = config_to_hf(source.config)  # refuses a model BERT cannot express, before reading
+  folder = outfolder.ExportFolder(output)  # refuses a file or a folder of other files, first
   params = weights.read(source)
-  if spec is None:
-    _write_hf(output, params_to_hf(params, source.config), hf_config)
-    what = "BertForPreTraining"
-  else:
-    sd, extra = task_to_hf(params, source.config, spec)
-    _write_hf(output, sd, {**hf_config, **extra})
-    what = TASK_CLASSES[spec.family] + (f", {len(spec.labels)} labels" if spec.labels else "")
-  said = write_tokenizer_files(source, output, source.config)
-  return f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors{said})"
+  with folder:
+    if spec is None:
+      _write_hf(folder, params_to_hf(params, source.config), hf_config)
+      what = "BertForPreTraining"
+    else:
+      sd, extra = task_to_hf(params, source.config, spec)
+      _write_hf(folder, sd, {**hf_config, **extra})
+      what = TASK_CLASSES[spec.family] + (f", {len(spec.labels)} labels" if spec.labels else "")
+    said = write_tokenizer_files(source, folder, source.config)
+  return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
+          f"{said}{folder.said()})")
 
 
-def write_tokenizer_files(source, output: str, config: BertConfig) -> str:
+def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertConfig) -> str:
   """The vocabulary beside exported weights, as transformers reads it: vocab.txt (BertTokenizer)
   for WordPiece, tokenizer.json (a fast tokenizer) for SentencePiece, with the casing and the
   special tokens; returns what was written, for the console."""
@@ -514,15 +517,15 @@ def write_tokenizer_files(source, output: str, config: BertConfig) -> str:
     return ""
   specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
               "cls_token": "[CLS]", "mask_token": "[MASK]"}
-  files.write_json(os.path.join(output, "special_tokens_map.json"), specials)
+  files.write_json(folder.path("special_tokens_map.json"), specials)
   if source.tokenizer_kind == "sentencepiece":
-    sentencepiece_to_tokenizer_json(source.vocab_file, os.path.join(output, "tokenizer.json"))
-    files.write_json(os.path.join(output, "tokenizer_config.json"), {
+    sentencepiece_to_tokenizer_json(source.vocab_file, folder.path("tokenizer.json"))
+    files.write_json(folder.path("tokenizer_config.json"), {
         "tokenizer_class": "PreTrainedTokenizerFast", **specials,
         "model_max_length": config.max_position_embeddings})
     return ", tokenizer.json (the SentencePiece model as a fast tokenizer), tokenizer_config.json"
-  shutil.copyfile(source.vocab_file, os.path.join(output, "vocab.txt"))
-  files.write_json(os.path.join(output, "tokenizer_config.json"), {
+  shutil.copyfile(source.vocab_file, folder.path("vocab.txt"))
+  files.write_json(folder.path("tokenizer_config.json"), {
       "tokenizer_class": "BertTokenizer", "do_lower_case": source.lower, **specials,
       "model_max_length": config.max_position_embeddings})
   return f", vocab.txt, tokenizer_config.json (do_lower_case={source.lower})"

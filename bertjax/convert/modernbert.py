@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-from bertjax.convert import hf
+from bertjax.convert import hf, outfolder
 from bertjax.model import BertConfig
 
 MODEL_TYPE = "modernbert"
@@ -355,14 +355,16 @@ def load_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
 
 
 def save_dir(hf_dir: str, params: dict, config: BertConfig,
-             token_ids: dict | None = None) -> None:
-  """Writes config.json and model.safetensors that transformers' ModernBertForMaskedLM loads."""
+             token_ids: dict | None = None) -> str:
+  """Writes config.json and model.safetensors that transformers' ModernBertForMaskedLM loads
+  (bertjax/convert/outfolder.py: nothing else left in the folder); returns what was removed."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   state_dict = params_to_modernbert(params, config)
-  os.makedirs(hf_dir, exist_ok=True)
-  with open(os.path.join(hf_dir, "config.json"), "w") as f:
-    json.dump(config_to_modernbert(config, token_ids), f, indent=2)
-  save_file(state_dict, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+  with outfolder.ExportFolder(hf_dir) as folder:
+    with open(folder.path("config.json"), "w") as f:
+      json.dump(config_to_modernbert(config, token_ids), f, indent=2)
+    save_file(state_dict, folder.path("model.safetensors"), metadata={"format": "pt"})
+  return folder.said()
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -386,8 +388,8 @@ def export_folder(params_path: str, output: str) -> str:
   if source.kind == MODEL_TYPE:  # a round trip keeps the tokenizer's ids
     with open(os.path.join(source.path, "config.json")) as f:
       token_ids = {k: v for k, v in json.load(f).items() if k in TOKEN_ID_KEYS}
-  save_dir(output, weights.read(source), source.config, token_ids)
-  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors)"
+  said = save_dir(output, weights.read(source), source.config, token_ids)
+  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors{said})"
 
 
 if __name__ == "__main__":

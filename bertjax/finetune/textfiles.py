@@ -9,7 +9,9 @@ says it. Rows come with the line they start on, so every error can name `file:li
   characters as text); a field cannot hold a tab or a newline.
 - JSON Lines: one object per line; a value may be a string, a number or (tagging) a list.
 
-A UTF-8 byte-order mark and CRLF line endings are accepted in every format. The first row of a CSV
+A UTF-8 byte-order mark and CRLF line endings are accepted in every format. A line with no
+characters is no row; every other line is one (in a one-column file, `""` or spaces are a row
+whose text is blank), so the rows keep the file's order and count. The first row of a CSV
 or TSV file names the columns. `iter_rows` streams (prediction reads files of any size through it);
 `read_rows` checks the columns a task needs and returns them all.
 """
@@ -84,8 +86,11 @@ def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
         if names is None:
           names = _header(path, fields)
           continue
-        if not fields or (len(fields) == 1 and not fields[0].strip()):
-          continue  # a blank line
+        if not fields or (len(names) > 1 and len(fields) == 1 and not fields[0].strip()):
+          # A line with no characters is no row. Nor is one of spaces where the header names
+          # several columns; in a one-column file it is a row whose text is blank, as is `""`
+          # (what csv writes for an empty string): skipping those would shift every later row.
+          continue
         if len(fields) != len(names):
           raise ValueError(f"{path}:{line}: {len(fields)} field(s) where the header has "
                            f"{len(names)} ({names}); "
