@@ -24,6 +24,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  cli.quiet_tensorflow()  # before the imports below bring TensorFlow in
   hostmem.restart_with_huge_pages()
   from bertjax.finetune import run as run_lib  # pylint: disable=ungrouped-imports
   cli.refuse_moved_keys(sys.argv, run_lib.MOVED_KEYS)
