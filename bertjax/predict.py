@@ -8,6 +8,7 @@ per input row, in order:
 
   classification  {"label": ..., "probabilities": {label: p, ...}}
   regression      {"value": ...}
+                  (both with "truncated": true where the text was cut to max_seq_length tokens)
   tagging         {"text": ..., "entities": [{"type", "start", "end", "text"}], "tags": [IOB2]}:
                   character offsets into "text" (the input text, or the words joined by spaces)
   span            {"answer": ..., "start": character offset in the context (-1: no answer),
@@ -88,6 +89,7 @@ class Predictor:
     self._rows = NamedSharding(self.mesh, P("data"))
     self._forward = {}  # kind -> jitted function
     self.sequences = 0  # run so far (for the progress line)
+    self.truncated = 0  # rows longer than max_seq_length, cut to fit (said at the end)
 
   # Construction ---------------------------------------------------------------------------------
 
@@ -208,8 +210,13 @@ class Predictor:
     if family in ("classification", "regression"):
       texts_a = [textfiles.text_of(r, spec.text_a) for r in rows]
       texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
-      features, _ = glue.encode_pairs(texts_a, texts_b, self.tokenizer, spec.max_seq_length)
+      features, truncated_N = glue.encode_pairs(texts_a, texts_b, self.tokenizer,
+                                                spec.max_seq_length)
       records = custom.decode_pairs(spec, self.run(features))
+      for record, cut in zip(records, truncated_N):
+        if cut:  # the prediction is of the text's first max_seq_length tokens: marked, counted
+          record["truncated"] = True
+      self.truncated += int(truncated_N.sum())
     elif family == "tagging":
       sentences, texts, starts = [], [], []
       for r in rows:
@@ -256,7 +263,8 @@ class Predictor:
     def flush():
       a = [r if isinstance(r, str) else textfiles.text_of(r, text_a) for r in chunk]
       b = [textfiles.text_of(r, text_b) for r in chunk] if text_b else None
-      features, _ = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      features, truncated_N = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      self.truncated += int(truncated_N.sum())
       return self.run(features, pooling)["vector"]
 
     for row in rows:
@@ -335,7 +343,7 @@ class _Progress:
 # The keys of a record predict writes (the module docstring): an existing file whose first line
 # is such a record was written by predict, and may be written again.
 RECORD_KEYS = frozenset({"id", "label", "probabilities", "value", "text", "entities", "tags",
-                         "answer", "start", "score"})
+                         "answer", "start", "score", "truncated"})
 
 
 def _written_by_us(path: str, embed: bool) -> bool:
@@ -461,6 +469,11 @@ def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
   else:
     n = predict_file(predictor, input_path, output, fmt, columns)
   print(f"{mode}: {n:,} rows of {input_path} -> {output} ({predictor.source})", flush=True)
+  if predictor.truncated:
+    print(f"{mode}: {predictor.truncated:,} of the rows are longer than max_seq_length="
+          f"{predictor.spec.max_seq_length if predictor.spec else max_seq_length} tokens and were "
+          "predicted from their beginning" + ("" if embed else ' (marked "truncated": true)'),
+          flush=True)
   return n
 
 

@@ -134,8 +134,22 @@ def _label_ids(rows: Rows, labels: Sequence[str]) -> np.ndarray:
   return np.array([index[label] for label in rows.labels], np.int32)
 
 
-def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer) -> dict[str, np.ndarray]:
-  features, _ = glue.encode_pairs(rows.texts_a, rows.texts_b, tokenizer, spec.max_seq_length)
+def truncation_note(rows: Rows, truncated_N: np.ndarray, max_seq_length: int) -> list[str]:
+  """The note a file of texts cut to fit gets: how many, and the first (no text is cut unsaid)."""
+  if not truncated_N.any():
+    return []
+  return [f"{int(truncated_N.sum())} of {len(truncated_N)} row(s) of {rows.path} are longer than "
+          f"data.max_seq_length={max_seq_length} tokens and were cut to fit (the first at "
+          f"{rows.where[int(np.argmax(truncated_N))]}); raise data.max_seq_length to keep more"]
+
+
+def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer,
+                  notes: list[str] | None = None) -> dict[str, np.ndarray]:
+  """The rows' features (and labels where they have them); texts cut to fit are said in `notes`."""
+  features, truncated_N = glue.encode_pairs(rows.texts_a, rows.texts_b, tokenizer,
+                                            spec.max_seq_length)
+  if notes is not None:
+    notes += truncation_note(rows, truncated_N, spec.max_seq_length)
   if rows.labels is not None:
     features["label"] = (np.array(rows.labels, np.float32) if spec.family == "regression"
                          else _label_ids(rows, spec.labels))
@@ -302,8 +316,8 @@ def load(family: str, cfg: TaskConfig, tokenizer):
       raise ValueError(f"{train_path}: one label ({labels[0]!r}) in the whole file; "
                        "classification needs at least two.")
   spec = spec_of(family, cfg, labels)
-  train = pair_features(train_rows, spec, tokenizer)
   notes = label_notes(train_rows, spec.label) if family == "classification" else []
+  train = pair_features(train_rows, spec, tokenizer, notes)
   if family == "classification":
     weights = class_weights(cfg.class_weights, labels, train["label"])
     objective = objectives.classification(len(labels), weights)
@@ -333,13 +347,13 @@ def load(family: str, cfg: TaskConfig, tokenizer):
   dev_rows = Rows(dev_path, spec, fmt, need_labels=True)
   if family == "classification":
     notes += label_notes(dev_rows, spec.label)
-  dev = EvalSet("dev", pair_features(dev_rows, spec, tokenizer), report(dev_rows),
+  dev = EvalSet("dev", pair_features(dev_rows, spec, tokenizer, notes), report(dev_rows),
                      report=report(dev_rows))
   predicts = []
   if test_path:
     test_rows = Rows(test_path, spec, fmt, need_labels=False)
     scored = report(test_rows) if test_rows.labels is not None else None
-    predicts.append(EvalSet("test", pair_features(test_rows, spec, tokenizer), scored,
+    predicts.append(EvalSet("test", pair_features(test_rows, spec, tokenizer, notes), scored,
                                  writer(test_rows, "test"), report=scored))
   return TaskData(family, objective, train, [dev], predicts, main, notes, spec=spec)
 
