@@ -18,7 +18,9 @@ setuptools.setup(
         # tensorflow-cpu no longer ships it: tf.summary writes event files through it, and it is
         # the viewer of a run's logs (`tensorboard --logdir WORKDIR/tensorboard`).
         "tensorboard>=2.18,<2.22",
-        "sentencepiece>=0.2,<0.3",
+        # 0.2.3's model proto is generated for protobuf 7 and refuses an older runtime; the
+        # `beam` extra's apache-beam holds protobuf below 7, so take a release that loads on both.
+        "sentencepiece>=0.2,<0.2.3",
         # The original WordPiece algorithm, implemented and maintained by Hugging Face in Rust.
         "tokenizers>=0.20,<0.24",
         "ml_collections>=1.0,<2",

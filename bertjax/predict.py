@@ -8,6 +8,7 @@ per input row, in order:
 
   classification  {"label": ..., "probabilities": {label: p, ...}}
   regression      {"value": ...}
+                  (both with "truncated": true where the text was cut to max_seq_length tokens)
   tagging         {"text": ..., "entities": [{"type", "start", "end", "text"}], "tags": [IOB2]}:
                   character offsets into "text" (the input text, or the words joined by spaces)
   span            {"answer": ..., "start": character offset in the context (-1: no answer),
@@ -30,7 +31,9 @@ In Python: `Predictor.from_workdir(path)(["a text", ...])` gives the same record
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -85,6 +88,7 @@ class Predictor:
     self._rows = NamedSharding(self.mesh, P("data"))
     self._forward = {}  # kind -> jitted function
     self.sequences = 0  # run so far (for the progress line)
+    self.truncated = 0  # rows longer than max_seq_length, cut to fit (said at the end)
 
   # Construction ---------------------------------------------------------------------------------
 
@@ -205,8 +209,13 @@ class Predictor:
     if family in ("classification", "regression"):
       texts_a = [textfiles.text_of(r, spec.text_a) for r in rows]
       texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
-      features, _ = glue.encode_pairs(texts_a, texts_b, self.tokenizer, spec.max_seq_length)
+      features, truncated_N = glue.encode_pairs(texts_a, texts_b, self.tokenizer,
+                                                spec.max_seq_length)
       records = custom.decode_pairs(spec, self.run(features))
+      for record, cut in zip(records, truncated_N):
+        if cut:  # the prediction is of the text's first max_seq_length tokens: marked, counted
+          record["truncated"] = True
+      self.truncated += int(truncated_N.sum())
     elif family == "tagging":
       sentences, texts, starts = [], [], []
       for r in rows:
@@ -253,7 +262,8 @@ class Predictor:
     def flush():
       a = [r if isinstance(r, str) else textfiles.text_of(r, text_a) for r in chunk]
       b = [textfiles.text_of(r, text_b) for r in chunk] if text_b else None
-      features, _ = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      features, truncated_N = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      self.truncated += int(truncated_N.sum())
       return self.run(features, pooling)["vector"]
 
     for row in rows:
@@ -329,23 +339,91 @@ class _Progress:
     sys.stderr.flush()
 
 
+# The keys of a record predict writes (the module docstring): an existing file whose first line
+# is such a record was written by predict, and may be written again.
+RECORD_KEYS = frozenset({"id", "label", "probabilities", "value", "text", "entities", "tags",
+                         "answer", "start", "score", "truncated"})
+
+
+def _written_by_us(path: str, embed: bool) -> bool:
+  """Whether `path` is an earlier output of this command (so replacing it loses nothing of the
+  user's): an empty file, an .npy of float32 vectors (embed), or JSON Lines of our records."""
+  if os.path.getsize(path) == 0:
+    return True
+  with open(path, "rb") as f:
+    if embed:
+      try:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _, dtype = read_header(f)
+      except (ValueError, OSError, EOFError):
+        return False
+      return len(shape) == 2 and dtype == np.float32
+    first = f.readline(1 << 20)
+  try:
+    record = json.loads(first)
+  except ValueError:
+    return False
+  return isinstance(record, dict) and bool(record) and set(record) <= RECORD_KEYS
+
+
+def check_output(input_path: str, output_path: str, *, overwrite: bool, embed: bool) -> None:
+  """Refuses an output that would destroy something: the input itself (always), a folder, or an
+  existing file this command did not write (unless `overwrite`). Removes the `.part` a killed
+  run left, saying so."""
+  if "://" in output_path or "://" in input_path:
+    same = output_path.rstrip("/") == input_path.rstrip("/")
+  else:
+    same = os.path.exists(output_path) and os.path.exists(input_path) and os.path.samefile(
+        output_path, input_path)
+  if same:
+    raise ValueError(f"--output={output_path} is the input file: the predictions would replace "
+                     "its texts. Name another output file.")
+  if files.isdir(output_path):
+    raise ValueError(f"--output={output_path} is a folder; name a file in it "
+                     f"({'OUT.npy' if embed else 'OUT.jsonl'}).")
+  if "://" not in output_path and os.path.exists(output_path) and not overwrite and (
+      not _written_by_us(output_path, embed)):
+    raise ValueError(f"--output={output_path} exists and is not a file bertjax.predict wrote "
+                     f"({'an .npy of vectors' if embed else 'JSON Lines of predictions'}): "
+                     "name another file, or pass --overwrite to replace it.")
+  part = output_path + ".part"
+  if "://" not in part and os.path.exists(part):
+    print(f"predict: removing {part}, the unfinished output of an earlier run that was stopped "
+          "or refused", file=sys.stderr, flush=True)
+    os.remove(part)
+
+
+@contextlib.contextmanager
+def _part_file(output_path: str) -> Iterator[str]:
+  """The temporary name the output is written under; removed if anything fails, renamed over
+  the output when the block ends, so a reader never takes a part for the result."""
+  tmp = output_path + ".part"
+  try:
+    yield tmp
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  os.replace(tmp, output_path)
+
+
 def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: str = "",
                  columns: dict | None = None) -> int:
-  """Writes one JSON line per input row; returns the number of rows. The output appears whole
-  (written beside, then renamed) so a reader never takes a part for the result."""
-  import json  # pylint: disable=import-outside-toplevel
+  """Writes one JSON line per input row (every row, in order); returns the number of rows. The
+  output appears whole (written beside, then renamed)."""
   progress = _Progress(predictor)
-  tmp = output_path + ".part"
   files.makedirs(os.path.dirname(output_path) or ".")
   n = 0
-  with files.open_file(tmp, "w") as out:
-    for record in predictor.predict_rows(textfiles.iter_rows(input_path, fmt), columns):
-      out.write(json.dumps(record, ensure_ascii=False) + "\n")
-      n += 1
-      progress.update(n)
-  if n == 0:
-    raise ValueError(f"{input_path}: no rows to predict (only a header, or blank lines).")
-  os.replace(tmp, output_path)
+  with _part_file(output_path) as tmp:
+    with files.open_file(tmp, "w") as out:
+      for record in predictor.predict_rows(textfiles.iter_rows(input_path, fmt), columns):
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        n += 1
+        progress.update(n)
+    if n == 0:
+      raise ValueError(f"{input_path}: no rows to predict (only a header, or blank lines).")
   progress.update(n, final=True)
   return n
 
@@ -356,29 +434,31 @@ def embed_file(predictor: Predictor, input_path: str, output_path: str, *, pooli
   n = sum(1 for _ in textfiles.iter_rows(input_path, fmt))
   if n == 0:
     raise ValueError(f"{input_path}: no rows to embed.")
-  out = np.lib.format.open_memmap(output_path + ".part", mode="w+", dtype=np.float32,
-                                  shape=(n, predictor.config.hidden_size))
   progress, at = _Progress(predictor), 0
-  for vectors in predictor.embed(textfiles.iter_rows(input_path, fmt), pooling, text_a, text_b,
-                                 max_seq_length):
-    out[at:at + len(vectors)] = vectors
-    at += len(vectors)
-    progress.update(at)
-  out.flush()
-  del out
-  os.replace(output_path + ".part", output_path)
+  with _part_file(output_path) as tmp:
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
+                                    shape=(n, predictor.config.hidden_size))
+    for vectors in predictor.embed(textfiles.iter_rows(input_path, fmt), pooling, text_a, text_b,
+                                   max_seq_length):
+      out[at:at + len(vectors)] = vectors
+      at += len(vectors)
+      progress.update(at)
+    out.flush()
+    del out
   progress.update(at, final=True)
   return n
 
 
 def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
         checkpoint: str = "best", rows_per_device: int = 32, fmt: str = "", pooling: str = "cls",
-        max_seq_length: int = 128, columns: dict[str, str] | None = None) -> int:
+        max_seq_length: int = 128, columns: dict[str, str] | None = None,
+        overwrite: bool = False) -> int:
   """What `python -m bertjax.predict` does with its flags (see the module docstring; columns: the
   input's column for text_a, text_b or tokens, where not the trained ones); prints what was done
   and returns the number of rows."""
   columns = columns or {}
   embed = mode == "embed"
+  check_output(input_path, output, overwrite=overwrite, embed=embed)
   predictor = Predictor.from_workdir(workdir, checkpoint=checkpoint,
                                      rows_per_device=rows_per_device, embed=embed)
   if embed:
@@ -388,6 +468,11 @@ def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
   else:
     n = predict_file(predictor, input_path, output, fmt, columns)
   print(f"{mode}: {n:,} rows of {input_path} -> {output} ({predictor.source})", flush=True)
+  if predictor.truncated:
+    print(f"{mode}: {predictor.truncated:,} of the rows are longer than max_seq_length="
+          f"{predictor.spec.max_seq_length if predictor.spec else max_seq_length} tokens and were "
+          "predicted from their beginning" + ("" if embed else ' (marked "truncated": true)'),
+          flush=True)
   return n
 
 
@@ -404,6 +489,8 @@ def define_flags() -> None:
   flags.DEFINE_string("format", "", "csv, tsv or jsonl ('' = from the extension).")
   flags.DEFINE_enum("pooling", "cls", list(POOLINGS), "embed: the vector.")
   flags.DEFINE_integer("max_seq_length", 128, "embed: tokens kept.", lower_bound=1)
+  flags.DEFINE_bool("overwrite", False, "Replace an existing --output that predict did not "
+                    "write (never the input itself).")
   for column in ("text_a", "text_b", "tokens"):
     flags.DEFINE_string(column, None, f"The input's column for the model's {column} (default: "
                         "as trained).")
@@ -416,7 +503,8 @@ def main(argv) -> None:
   columns = {k: args[k].value for k in ("text_a", "text_b", "tokens") if args[k].value is not None}
   cli.explained(run, args.workdir, args.input, args.output, mode=args.mode,
                 checkpoint=args.checkpoint, rows_per_device=args.rows_per_device, fmt=args.format,
-                pooling=args.pooling, max_seq_length=args.max_seq_length, columns=columns)
+                pooling=args.pooling, max_seq_length=args.max_seq_length, columns=columns,
+                overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import transformers  # the `test` extra pins 4.57, the last release with Flax BERT
 
 from bertjax.convert import hf as convert_hf
-from bertjax.formats import converted, hf
+from bertjax.formats import converted, hf, outfolder
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel
 from parity_fixtures import parity_inputs
@@ -190,8 +190,8 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
       "kernel": rng.normal(size=(config.hidden_size, spec.num_outputs)).astype(np.float32),
       "bias": rng.normal(size=(spec.num_outputs,)).astype(np.float32)}
   sd, extra = hf.task_to_hf(params, config, spec)
-  # pylint: disable-next=protected-access
-  hf.write_hf_dir(str(tmp_path), sd, {**hf.config_to_hf(config), **extra})
+  with outfolder.ExportFolder(str(tmp_path)) as folder:
+    hf.write_hf_dir(folder, sd, {**hf.config_to_hf(config), **extra})
   source = weights.inspect(str(tmp_path))
   back = weights.read(source)
   assert source.kind == "huggingface" and source.subtrees == ("bert",) and list(back) == ["bert"]

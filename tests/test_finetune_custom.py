@@ -166,6 +166,92 @@ def test_predict_refuses_a_pretraining_run_and_other_columns(routing, pretrained
   assert len(read_jsonl(tmp_path / "o.jsonl")) == 1
 
 
+BLANKS = ["first", "", "third", "   ", "fifth refund", "sixth"]  # row 2 `""`, row 4 spaces
+
+
+def test_every_input_row_gets_its_line_in_order(routing, tmp_path, capsys):
+  """A one-column file whose rows include an empty text (`""`, as csv writes it) and one of
+  spaces: six rows in, six lines out, line k the prediction of row k (was: 4 lines, shifted)."""
+  workdir = routing[0]
+  csv_path = write_csv(tmp_path / "in.csv", [{"text": t} for t in BLANKS], ("text",))
+  jsonl_path = tmp_path / "in.jsonl"
+  jsonl_path.write_text("".join(json.dumps({"text": t}) + "\n" for t in BLANKS))
+  p = predict_lib.Predictor.from_workdir(workdir)
+  alone = [p([t])[0] for t in BLANKS]
+  for path, first in ((csv_path, 2), (str(jsonl_path), 1)):  # the CSV's line 1 is its header
+    rows = list(textfiles.iter_rows(path))
+    assert [r["text"] for r in rows] == BLANKS
+    assert [r.where for r in rows] == [f"{path}:{first + k}" for k in range(6)]
+    out = str(tmp_path / "out.jsonl")
+    assert predict_lib.run(workdir, path, out) == 6
+    got = read_jsonl(out)
+    assert [g["label"] for g in got] == [a["label"] for a in alone]
+    for g, a in zip(got, alone):
+      assert g["probabilities"] == pytest.approx(a["probabilities"], abs=1e-5)
+
+
+def test_texts_cut_to_max_seq_length_are_counted_and_marked(routing, pretrained, tmp_path, capsys):
+  workdir = routing[0]
+  long_text = " ".join(["refund"] + ["bedu"] * 5000)
+  path = write_csv(tmp_path / "in.csv", [{"text": t} for t in ("short", long_text, "x")],
+                   ("text",))
+  predict_lib.run(workdir, path, str(tmp_path / "o.jsonl"))
+  assert ("1 of the rows are longer than max_seq_length=" in capsys.readouterr().out)
+  got = read_jsonl(tmp_path / "o.jsonl")
+  assert [r.get("truncated") for r in got] == [None, True, None]
+  # Fine-tuning's files: the cut rows are counted in the run's notes.
+  spec = spec_lib.read(workdir)
+  rows = custom.Rows(path, spec, "", need_labels=False)
+  notes = []
+  custom.pair_features(rows, spec, predict_lib.Predictor.from_workdir(workdir).tokenizer, notes)
+  assert notes == [f"1 of 3 row(s) of {path} are longer than data.max_seq_length="
+                   f"{spec.max_seq_length} tokens and were cut to fit (the first at {path}:3); "
+                   "raise data.max_seq_length to keep more"]
+
+
+def test_predict_never_overwrites_its_input_or_a_file_it_did_not_write(routing, tmp_path, capsys):
+  workdir, _, test, _ = routing
+  with open(test, "rb") as f:
+    texts = f.read()
+  with pytest.raises(ValueError, match=r"--output=.*is the input file"):
+    predict_lib.run(workdir, test, test)
+  with pytest.raises(ValueError, match=r"is the input file"):  # the same file by another path
+    predict_lib.run(workdir, test, os.path.join(os.path.dirname(test), ".", "test.csv"),
+                    overwrite=True)
+  with open(test, "rb") as f:
+    assert f.read() == texts
+  notes = tmp_path / "notes.jsonl"
+  notes.write_text('{"my": "notes"}\n')
+  with pytest.raises(ValueError, match=r"exists and is not a file bertjax.predict wrote.*"
+                     r"--overwrite"):
+    predict_lib.run(workdir, test, str(notes))
+  assert notes.read_text() == '{"my": "notes"}\n'
+  assert predict_lib.run(workdir, test, str(notes), overwrite=True) == 40
+  assert predict_lib.run(workdir, test, str(notes)) == 40  # its own output: written again
+  # A refused prediction leaves no .part; one left by a killed run is removed and said.
+  bad = tmp_path / "bad.csv"
+  bad.write_text("text\nfine\n\"unclosed\n")
+  with pytest.raises(ValueError, match="quote"):
+    predict_lib.run(workdir, str(bad), str(tmp_path / "o.jsonl"))
+  assert not (tmp_path / "o.jsonl.part").exists() and not (tmp_path / "o.jsonl").exists()
+  (tmp_path / "o.jsonl.part").write_text("half")
+  capsys.readouterr()
+  predict_lib.run(workdir, test, str(tmp_path / "o.jsonl"))
+  assert "removing " in capsys.readouterr().err and not (tmp_path / "o.jsonl.part").exists()
+
+
+def test_json_labels_equal_as_numbers_are_one_class_and_near_spellings_are_said(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_text("".join(json.dumps({"text": "x", "label": v}) + "\n"
+                          for v in (1, 1.0, 0, 0.0, 2.5, "Pos", "pos", " neg", "neg")))
+  probe = spec_lib.TaskSpec("classification", "classification", ("a", "b"), text_a="text")
+  rows = custom.Rows(str(path), probe, "", need_labels=True)
+  assert rows.labels == ["1", "1", "0", "0", "2.5", "Pos", "pos", "neg", "neg"]
+  notes = " | ".join(custom.label_notes(rows, "label"))
+  assert "1 label(s) in column 'label'" in notes and "spaces around them" in notes
+  assert "['Pos', 'pos']" in notes and "differ only in case" in notes and "t.jsonl:6" in notes
+
+
 # Regression (TSV) and tagging (CoNLL columns in IOBES) -------------------------------------------
 
 def test_regression_from_tsv(pretrained, tmp_path):
@@ -244,6 +330,9 @@ def test_tagging_from_conll_columns_and_json_lines_in_iobes(pretrained, tmp_path
                                                   for e in written[0]["entities"]]
   for e in got["entities"]:
     assert text[e["start"]:e["end"]] == e["text"]
+  # A blank text is a row like any other: its record, in its place.
+  blank = p([{"text": "x"}, {"text": ""}, {"text": "  "}, {"text": text}])
+  assert [r["entities"] for r in blank[1:3]] == [[], []] and blank[3] == got
   _export(str(tmp_path / "run"), tmp_path / "hf")
   model = _same_outputs(str(tmp_path / "run"), tmp_path / "hf", "BertForTokenClassification",
                         [" ".join(w for w, _ in s) for s in gold[:4]])
@@ -281,6 +370,36 @@ def test_bad_csv_named_by_file_and_line(tmp_path, body, message):
   probe = spec_lib.TaskSpec("classification", "classification", ("a", "b"), text_a="text")
   with pytest.raises(ValueError, match=message):
     custom.Rows(str(path), probe, "", need_labels=True)
+
+
+def test_encodings_and_long_fields_are_named_where_they_are(tmp_path):
+  """A byte that is not UTF-8 past the decoder's first chunk is named on its own line and byte
+  (was: a place within the chunk); a UTF-16 file is said to be UTF-16 (was: 'not UTF-8' with a
+  Latin-1 fix that makes garbage); a field over csv's limit says the limit and JSON Lines (was: 'a
+  quote opened and not closed?')."""
+  probe = spec_lib.TaskSpec("classification", "classification", ("a", "b"), text_a="text")
+  body = "".join(f"row number {k} of some length,x\n" for k in range(2, 600))
+  late = tmp_path / "late.csv"
+  late.write_bytes(b"text,label\n" + body.encode() + b"caf\xe9 au lait,y\n")
+  assert late.stat().st_size > 16384
+  with pytest.raises(ValueError, match=r"late.csv:600: not UTF-8 \(byte 4 of the line"):
+    custom.Rows(str(late), probe, "", need_labels=True)
+  for name in ("late.jsonl",):
+    (tmp_path / name).write_bytes(
+        "".join('{"text": "r%d", "label": "x"}\n' % k for k in range(1, 700)).encode()
+        + b'{"text": "caf\xe9", "label": "y"}\n')
+    with pytest.raises(ValueError, match=rf"{name}:700: not UTF-8 \(byte 14 of the line"):
+      custom.Rows(str(tmp_path / name), probe, "", need_labels=True)
+  wide = tmp_path / "wide.csv"
+  wide.write_bytes("text,label\nhello,x\n".encode("utf-16"))
+  with pytest.raises(ValueError, match=r"wide.csv: UTF-16 \(its byte-order mark\), not UTF-8.*"
+                     r"iconv -f UTF-16 -t UTF-8"):
+    custom.Rows(str(wide), probe, "", need_labels=True)
+  long = tmp_path / "long.csv"
+  long.write_text('text,label\nshort,x\n"' + "word " * 30000 + '",y\n')
+  with pytest.raises(ValueError, match=r"long.csv:3: a field longer than 131,072 characters.*"
+                     r"JSON Lines"):
+    custom.Rows(str(long), probe, "", need_labels=True)
 
 
 def test_dev_label_outside_the_map_is_refused(pretrained, tmp_path):
@@ -398,6 +517,10 @@ def test_span_from_own_files_detects_v2_and_predicts_offsets(pretrained, tmp_pat
     gold = p["qas"][0]["answers"]
     right += record["answer"] == (gold[0]["text"] if gold else "")
   assert right >= 16, got  # of 24
+  blank = predict_lib.Predictor.from_workdir(str(tmp_path / "run"))(
+      rows[:1] + [{"id": "e", "question": "", "context": ""}] + rows[1:2])
+  assert [r["id"] for r in blank] == [rows[0]["id"], "e", rows[1]["id"]]
+  assert blank[1]["answer"] == "" and blank[0] == got[0] and blank[2] == got[1]
   _export(str(tmp_path / "run"), tmp_path / "hf")
   _same_outputs(str(tmp_path / "run"), tmp_path / "hf", "BertForQuestionAnswering",
                 [r["question"] for r in rows[:4]], [r["context"] for r in rows[:4]])
@@ -471,6 +594,37 @@ def test_classification_exports_with_its_labels(routing, tmp_path):
     text = r["text"].upper()
     assert tok(text)["input_ids"] == [p.tokenizer.cls_id, *p.tokenizer.encode(text),
                                       p.tokenizer.sep_id]
+
+
+def test_an_export_leaves_only_its_own_files(routing, tmp_path):
+  """Exporting into a folder that held an earlier export (a SentencePiece one's tokenizer.json,
+  which AutoTokenizer would load before vocab.txt) leaves only what this export wrote; a folder of
+  other files, or a file, is refused before anything is written."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  workdir = routing[0]
+  out = tmp_path / "hf"
+  out.mkdir()
+  stale = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(
+      tokenizers.models.WordLevel({"[UNK]": 0, "zz": 1}, unk_token="[UNK]")))
+  stale.save_pretrained(str(out))
+  assert (out / "tokenizer.json").exists()
+  said = _export(workdir, out)
+  assert "removed an earlier export's tokenizer.json" in said
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "special_tokens_map.json",
+                                     "tokenizer_config.json", "vocab.txt"]
+  p = predict_lib.Predictor.from_workdir(workdir)
+  tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  assert tok("refund x")["input_ids"] == [p.tokenizer.cls_id, *p.tokenizer.encode("refund x"),
+                                          p.tokenizer.sep_id]
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "thesis.tex").write_text("mine")
+  with pytest.raises(ValueError, match=r"holds files an export does not write \(thesis.tex\)"):
+    _export(workdir, mine)
+  assert os.listdir(mine) == ["thesis.tex"]
+  with pytest.raises(ValueError, match=r"is a file; an export writes a folder"):
+    _export(workdir, mine / "thesis.tex")
 
 
 def test_a_fine_tuned_workdir_without_its_label_map_is_not_exported(routing, tmp_path):

@@ -2,13 +2,14 @@
 
 Lowest first; a module imports from its own layer or the ones below it, never from one above:
 
-  base      files, cli (the commands' shell), distributed, hostmem, versions, topologies, opprofile,
-            metrics, control, losses, optimizer, sharding, dropout, attention
+  base      files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
+            opprofile, metrics, control, losses, optimizer, sharding, dropout, attention
   model     model, heads, nnx
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
   data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
   core      train, flops, checkpoint
-  formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles) and
+  formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
+            folder an export writes) and
             taskspec (the task spec a checkpoint carries): parsing, no reader of folders
   weights   weights (the one reader of a weights folder)
   runs      loop, pretrained, aot, benchmark, benchmark_hf, evaluate_mlm, main
@@ -29,7 +30,8 @@ PACKAGES = ("bertjax", "launch", "configs")
 
 LAYERS = (
     ("base", ("bertjax.files", "bertjax.cli", "bertjax.distributed", "bertjax.hostmem",
-              "bertjax.versions", "bertjax.topologies", "bertjax.opprofile", "bertjax.metrics",
+              "bertjax.platforms", "bertjax.versions", "bertjax.topologies", "bertjax.opprofile",
+              "bertjax.metrics",
               "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
               "bertjax.dropout", "bertjax.attention")),
     ("model", ("bertjax.model", "bertjax.heads", "bertjax.nnx")),

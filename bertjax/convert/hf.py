@@ -27,7 +27,7 @@ import shutil
 
 from bertjax import files, taskspec, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.formats import converted, hf
+from bertjax.formats import converted, hf, outfolder
 from bertjax.model import BertConfig
 
 
@@ -67,19 +67,22 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
         "outputs have no names; put the run's task.json back (rerunning its fine-tuning command "
         "in the workdir writes it), or export the encoder alone from a pre-training run.")
   hf_config = hf.config_to_hf(source.config)  # refuses what BERT cannot express, before reading
+  folder = outfolder.ExportFolder(output)  # refuses a file or a folder of other files, first
   params = weights.read(source)
-  if spec is None:
-    hf.write_hf_dir(output, hf.params_to_hf(params, source.config), hf_config)
-    what = "BertForPreTraining"
-  else:
-    sd, extra = hf.task_to_hf(params, source.config, spec)
-    hf.write_hf_dir(output, sd, {**hf_config, **extra})
-    what = hf.TASK_CLASSES[spec.family] + (f", {len(spec.labels)} labels" if spec.labels else "")
-  said = write_tokenizer_files(source, output, source.config)
-  return f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors{said})"
+  with folder:
+    if spec is None:
+      hf.write_hf_dir(folder, hf.params_to_hf(params, source.config), hf_config)
+      what = "BertForPreTraining"
+    else:
+      sd, extra = hf.task_to_hf(params, source.config, spec)
+      hf.write_hf_dir(folder, sd, {**hf_config, **extra})
+      what = hf.TASK_CLASSES[spec.family] + (f", {len(spec.labels)} labels" if spec.labels else "")
+    said = write_tokenizer_files(source, folder, source.config)
+  return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
+          f"{said}{folder.said()})")
 
 
-def write_tokenizer_files(source, output: str, config: BertConfig) -> str:
+def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertConfig) -> str:
   """The vocabulary beside exported weights, as transformers reads it: vocab.txt (BertTokenizer)
   for WordPiece, tokenizer.json (a fast tokenizer) for SentencePiece, with the casing and the
   special tokens; returns what was written, for the console."""
@@ -87,15 +90,15 @@ def write_tokenizer_files(source, output: str, config: BertConfig) -> str:
     return ""
   specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
               "cls_token": "[CLS]", "mask_token": "[MASK]"}
-  files.write_json(os.path.join(output, "special_tokens_map.json"), specials)
+  files.write_json(folder.path("special_tokens_map.json"), specials)
   if source.tokenizer_kind == "sentencepiece":
-    sentencepiece_to_tokenizer_json(source.vocab_file, os.path.join(output, "tokenizer.json"))
-    files.write_json(os.path.join(output, "tokenizer_config.json"), {
+    sentencepiece_to_tokenizer_json(source.vocab_file, folder.path("tokenizer.json"))
+    files.write_json(folder.path("tokenizer_config.json"), {
         "tokenizer_class": "PreTrainedTokenizerFast", **specials,
         "model_max_length": config.max_position_embeddings})
     return ", tokenizer.json (the SentencePiece model as a fast tokenizer), tokenizer_config.json"
-  shutil.copyfile(source.vocab_file, os.path.join(output, "vocab.txt"))
-  files.write_json(os.path.join(output, "tokenizer_config.json"), {
+  shutil.copyfile(source.vocab_file, folder.path("vocab.txt"))
+  files.write_json(folder.path("tokenizer_config.json"), {
       "tokenizer_class": "BertTokenizer", "do_lower_case": source.lower, **specials,
       "model_max_length": config.max_position_embeddings})
   return f", vocab.txt, tokenizer_config.json (do_lower_case={source.lower})"

@@ -39,8 +39,8 @@ def export_folder(params_path: str, output: str) -> str:
   if source.kind == modernbert.MODEL_TYPE:  # a round trip keeps the tokenizer's ids
     with open(os.path.join(source.path, "config.json")) as f:
       token_ids = {k: v for k, v in json.load(f).items() if k in modernbert.TOKEN_ID_KEYS}
-  modernbert.save_dir(output, weights.read(source), source.config, token_ids)
-  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors)"
+  said = modernbert.save_dir(output, weights.read(source), source.config, token_ids)
+  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors{said})"
 
 
 if __name__ == "__main__":

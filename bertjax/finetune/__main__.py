@@ -13,18 +13,21 @@ import sys
 from absl import flags
 
 from bertjax import cli, hostmem
-from bertjax.finetune import run
 
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   cli.start(argv)
+  # lazy: run brings TensorFlow in (tf.data), which cli.quiet_tensorflow must precede.
+  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
   cli.explained(run.finetune, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
+  cli.quiet_tensorflow()  # before the imports below bring TensorFlow in
   hostmem.restart_with_huge_pages()
-  cli.refuse_moved_keys(sys.argv, run.MOVED_KEYS)
+  from bertjax.finetune import run as run_lib  # pylint: disable=ungrouped-imports
+  cli.refuse_moved_keys(sys.argv, run_lib.MOVED_KEYS)
   cli.define_run_flags()
   cli.run(main)

@@ -78,11 +78,35 @@ def _label_of(row: textfiles.Row, column: str, family: str) -> str | float:
       raise ValueError(f"{row.where}: column {column!r} holds {value!r}, not a number; a "
                        "regression task needs a number on every row.")
     return number
+  if isinstance(value, float) and value.is_integer():
+    # A JSON number is its value, not its spelling: 1 and 1.0 (pandas writes an integer column
+    # holding a gap as floats) are one class, named as the integer.
+    value = int(value)
   text = "" if value is None else str(value).strip()
   if not text:
     raise ValueError(f"{row.where}: empty label in column {column!r}; every training and dev row "
                      "needs one (leave a row out, or give it its label).")
   return text
+
+
+def label_notes(rows: "Rows", column: str) -> list[str]:
+  """What a user should hear about the labels of a file: surrounding spaces taken off, and
+  labels told apart only by case (kept apart: "Pos" and "pos" may be meant as two)."""
+  notes = []
+  spaced = [w for w, r in zip(rows.where, rows.raw_labels)
+            if isinstance(r, str) and r != r.strip()]
+  if spaced:
+    notes.append(f"{len(spaced)} label(s) in column {column!r} of {rows.path} had spaces around "
+                 f"them, taken off (first at {spaced[0]})")
+  by_folded: dict[str, dict[str, str]] = {}
+  for where, label in zip(rows.where, rows.labels):
+    by_folded.setdefault(label.casefold(), {}).setdefault(label, where)
+  for spellings in by_folded.values():
+    if len(spellings) > 1:
+      notes.append(f"labels {sorted(spellings)} in {rows.path} differ only in case and are "
+                   f"separate classes (at {', '.join(spellings[k] for k in sorted(spellings))}); "
+                   "write them alike if they are one")
+  return notes
 
 
 class Rows:
@@ -97,6 +121,7 @@ class Rows:
     self.texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
     self.ids = [str(r.get("id", k)) for k, r in enumerate(rows)]
     labelled = need_labels or all(spec.label in r and str(r[spec.label]).strip() for r in rows)
+    self.raw_labels = [r[spec.label] for r in rows] if labelled else None
     self.labels = [_label_of(r, spec.label, spec.family) for r in rows] if labelled else None
 
 
@@ -110,8 +135,22 @@ def _label_ids(rows: Rows, labels: Sequence[str]) -> np.ndarray:
   return np.array([index[label] for label in rows.labels], np.int32)
 
 
-def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer) -> dict[str, np.ndarray]:
-  features, _ = glue.encode_pairs(rows.texts_a, rows.texts_b, tokenizer, spec.max_seq_length)
+def truncation_note(rows: Rows, truncated_N: np.ndarray, max_seq_length: int) -> list[str]:
+  """The note a file of texts cut to fit gets: how many, and the first (no text is cut unsaid)."""
+  if not truncated_N.any():
+    return []
+  return [f"{int(truncated_N.sum())} of {len(truncated_N)} row(s) of {rows.path} are longer than "
+          f"data.max_seq_length={max_seq_length} tokens and were cut to fit (the first at "
+          f"{rows.where[int(np.argmax(truncated_N))]}); raise data.max_seq_length to keep more"]
+
+
+def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer,
+                  notes: list[str] | None = None) -> dict[str, np.ndarray]:
+  """The rows' features (and labels where they have them); texts cut to fit are said in `notes`."""
+  features, truncated_N = glue.encode_pairs(rows.texts_a, rows.texts_b, tokenizer,
+                                            spec.max_seq_length)
+  if notes is not None:
+    notes += truncation_note(rows, truncated_N, spec.max_seq_length)
   if rows.labels is not None:
     features["label"] = (np.array(rows.labels, np.float32) if spec.family == "regression"
                          else _label_ids(rows, spec.labels))
@@ -278,8 +317,8 @@ def load(family: str, cfg: TaskConfig, tokenizer):
       raise ValueError(f"{train_path}: one label ({labels[0]!r}) in the whole file; "
                        "classification needs at least two.")
   spec = spec_of(family, cfg, labels)
-  train = pair_features(train_rows, spec, tokenizer)
-  notes = []
+  notes = label_notes(train_rows, spec.label) if family == "classification" else []
+  train = pair_features(train_rows, spec, tokenizer, notes)
   if family == "classification":
     weights = class_weights(cfg.class_weights, labels, train["label"])
     objective = objectives.classification(len(labels), weights)
@@ -307,13 +346,15 @@ def load(family: str, cfg: TaskConfig, tokenizer):
     return write
 
   dev_rows = Rows(dev_path, spec, fmt, need_labels=True)
-  dev = EvalSet("dev", pair_features(dev_rows, spec, tokenizer), report(dev_rows),
+  if family == "classification":
+    notes += label_notes(dev_rows, spec.label)
+  dev = EvalSet("dev", pair_features(dev_rows, spec, tokenizer, notes), report(dev_rows),
                      report=report(dev_rows))
   predicts = []
   if test_path:
     test_rows = Rows(test_path, spec, fmt, need_labels=False)
     scored = report(test_rows) if test_rows.labels is not None else None
-    predicts.append(EvalSet("test", pair_features(test_rows, spec, tokenizer), scored,
+    predicts.append(EvalSet("test", pair_features(test_rows, spec, tokenizer, notes), scored,
                                  writer(test_rows, "test"), report=scored))
   return TaskData(family, objective, train, [dev], predicts, main, notes, spec=spec)
 

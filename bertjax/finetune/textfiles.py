@@ -9,7 +9,9 @@ says it. Rows come with the line they start on, so every error can name `file:li
   characters as text); a field cannot hold a tab or a newline.
 - JSON Lines: one object per line; a value may be a string, a number or (tagging) a list.
 
-A UTF-8 byte-order mark and CRLF line endings are accepted in every format. The first row of a CSV
+A UTF-8 byte-order mark and CRLF line endings are accepted in every format. A line with no
+characters is no row; every other line is one (in a one-column file, `""` or spaces are a row
+whose text is blank), so the rows keep the file's order and count. The first row of a CSV
 or TSV file names the columns. `iter_rows` streams (prediction reads files of any size through it);
 `read_rows` checks the columns a task needs and returns them all.
 """
@@ -68,9 +70,37 @@ def _header(path: str, fields: Sequence[str]) -> list[str]:
   return names
 
 
-def _decode_error(path: str, line: int, err: UnicodeDecodeError) -> ValueError:
-  return ValueError(f"{path}:{line}: not UTF-8 ({err.reason} at byte {err.start} of the line); "
-                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8).")
+# Byte-order marks of the encodings a spreadsheet or an editor saves as "Unicode" (longest first:
+# UTF-32's little-endian mark begins with UTF-16's).
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+         (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+
+
+def _first_bad_byte(path: str) -> tuple[int, int, bytes]:
+  """(line, byte within it counted from 1, the bytes there) of the file's first byte that is not
+  UTF-8. The text decoder works in chunks, so the place it reports is not the line's: the file is
+  read again as bytes, a line at a time."""
+  with files.open_file(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      try:
+        raw.decode("utf-8")
+      except UnicodeDecodeError as err:
+        return number, err.start + 1, raw[err.start:err.start + 4]
+  return 0, 0, b""
+
+
+def _decode_error(path: str) -> ValueError:
+  with files.open_file(path, "rb") as f:
+    head = f.read(4)
+  for bom, name in _BOMS:
+    if head.startswith(bom):
+      return ValueError(f"{path}: {name} (its byte-order mark), not UTF-8; save it as UTF-8 "
+                        f"(e.g. iconv -f {name} -t UTF-8 {os.path.basename(path)} > new.csv, or "
+                        "your editor's 'UTF-8' choice).")
+  line, byte, found = _first_bad_byte(path)
+  return ValueError(f"{path}:{line}: not UTF-8 (byte {byte} of the line: {found!r}); save the file "
+                    "as UTF-8 (from Windows-1252/Latin-1: iconv -f cp1252 -t utf-8; check the "
+                    "encoding your program wrote first).")
 
 
 def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
@@ -84,8 +114,11 @@ def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
         if names is None:
           names = _header(path, fields)
           continue
-        if not fields or (len(fields) == 1 and not fields[0].strip()):
-          continue  # a blank line
+        if not fields or (len(names) > 1 and len(fields) == 1 and not fields[0].strip()):
+          # A line with no characters is no row. Nor is one of spaces where the header names
+          # several columns; in a one-column file it is a row whose text is blank, as is `""`
+          # (what csv writes for an empty string): skipping those would shift every later row.
+          continue
         if len(fields) != len(names):
           raise ValueError(f"{path}:{line}: {len(fields)} field(s) where the header has "
                            f"{len(names)} ({names}); "
@@ -95,10 +128,16 @@ def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
         row.where = f"{path}:{line}"
         yield row
     except csv.Error as err:
+      if "field larger than field limit" in str(err):
+        raise ValueError(
+            f"{path}:{start}: a field longer than {csv.field_size_limit():,} characters, the "
+            "limit of Python's csv reader (and nothing past max_seq_length tokens is read); "
+            "shorten the text, or write the file as JSON Lines, which has no such limit."
+        ) from None
       raise ValueError(f"{path}:{reader.line_num}: {err} (a quote opened and not closed?)"
                        ) from None
-    except UnicodeDecodeError as err:
-      raise _decode_error(path, start, err) from None
+    except UnicodeDecodeError:
+      raise _decode_error(path) from None
   if names is None:
     raise ValueError(f"{path}: the file is empty; its first row names the columns.")
 
@@ -121,8 +160,8 @@ def _jsonl_rows(path: str) -> Iterator[Row]:
         row = Row(value)
         row.where = f"{path}:{line}"
         yield row
-    except UnicodeDecodeError as err:
-      raise _decode_error(path, line + 1, err) from None
+    except UnicodeDecodeError:
+      raise _decode_error(path) from None
 
 
 def iter_rows(path: str, fmt: str = "") -> Iterator[Row]:

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from bertjax import files
+from bertjax.formats import outfolder
 from bertjax.model import BertConfig
 
 # Hugging Face config.json key -> BertConfig field.
@@ -362,7 +363,10 @@ def load_hf_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
 def save_hf_dir(hf_dir: str, params: dict, config: BertConfig) -> None:
   """Writes config.json and model.safetensors that transformers' BertForPreTraining loads."""
   hf_config = config_to_hf(config)  # refuses a model BERT cannot express before any write
-  write_hf_dir(hf_dir, params_to_hf(params, config), hf_config)
+  os.makedirs(hf_dir, exist_ok=True)
+  files.write_json(os.path.join(hf_dir, "config.json"), hf_config)
+  save_file(params_to_hf(params, config), os.path.join(hf_dir, "model.safetensors"),
+            metadata={"format": "pt"})
 
 
 # A fine-tuned model's transformers class by its task family (bertjax/taskspec.py), and the
@@ -402,9 +406,9 @@ def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.nda
   return sd, extra
 
 
-def write_hf_dir(output: str, state_dict: dict, hf_config: dict) -> None:
-  """Writes `config.json` and `model.safetensors` (as transformers' save_pretrained names it)."""
-  os.makedirs(output, exist_ok=True)
-  files.write_json(os.path.join(output, "config.json"), hf_config)
-  save_file(state_dict, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+def write_hf_dir(folder: outfolder.ExportFolder, state_dict: dict, hf_config: dict) -> None:
+  """Writes `config.json` and `model.safetensors` (as transformers' save_pretrained names them)
+  into an export's folder."""
+  files.write_json(folder.path("config.json"), hf_config)
+  save_file(state_dict, folder.path("model.safetensors"), metadata={"format": "pt"})
 

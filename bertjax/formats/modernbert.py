@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from bertjax.formats import hf
+from bertjax.formats import hf, outfolder
 from bertjax.model import BertConfig
 
 MODEL_TYPE = "modernbert"
@@ -353,11 +353,13 @@ def load_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
 
 
 def save_dir(hf_dir: str, params: dict, config: BertConfig,
-             token_ids: dict | None = None) -> None:
-  """Writes config.json and model.safetensors that transformers' ModernBertForMaskedLM loads."""
+             token_ids: dict | None = None) -> str:
+  """Writes config.json and model.safetensors that transformers' ModernBertForMaskedLM loads
+  (bertjax/formats/outfolder.py: nothing else left in the folder); returns what was removed."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   state_dict = params_to_modernbert(params, config)
-  os.makedirs(hf_dir, exist_ok=True)
-  with open(os.path.join(hf_dir, "config.json"), "w") as f:
-    json.dump(config_to_modernbert(config, token_ids), f, indent=2)
-  save_file(state_dict, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+  with outfolder.ExportFolder(hf_dir) as folder:
+    with open(folder.path("config.json"), "w") as f:
+      json.dump(config_to_modernbert(config, token_ids), f, indent=2)
+    save_file(state_dict, folder.path("model.safetensors"), metadata={"format": "pt"})
+  return folder.said()
