@@ -22,6 +22,7 @@ the comment just above it (`# lazy: ...`). docs/contributing.md#layers states th
 """
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -105,6 +106,7 @@ class _Imports(ast.NodeVisitor):
       self.found.append((node.lineno, self._resolve(f"{base}.{alias.name}"), self.depth > 0))
 
 
+@functools.cache
 def _graph():
   modules = _modules()
   imports = {}
@@ -113,6 +115,12 @@ def _graph():
     visitor.visit(ast.parse(path.read_text(), str(path)))
     imports[module] = visitor.found
   return modules, imports
+
+
+# Walked once, as pytest collects this file: CPython 3.11's ast.parse can fail with "AST
+# constructor recursion depth mismatch" while other threads run (gh-106905), as the threads that
+# earlier tests leave behind (orbax, jax) may.
+_graph()
 
 
 def _said_why(lines: list[str], lineno: int) -> bool:
