@@ -44,7 +44,6 @@ from bertjax.model import BertConfig
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
 TOKENIZER_RECORD = "tokenizer.json"  # written beside a vocabulary copy (data.tokenizer)
-CONFIG_FILE = converted.CONFIG_FILE  # converted and Google folders (google.CONFIG_FILE)
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
@@ -96,10 +95,10 @@ def _kind(path: str, checkpoints: str) -> tuple[str, str] | None:
   if not files.isdir(path):
     return None
   names = set(files.listdir(path))
-  if CONFIG_FILE in names and "params" in names and not _is_google_config(
-      os.path.join(path, CONFIG_FILE)):
+  if converted.CONFIG_FILE in names and "params" in names and not _is_google_config(
+      os.path.join(path, converted.CONFIG_FILE)):
     return "converted", path
-  if CONFIG_FILE in names and any(n.endswith(".index") for n in names):
+  if google.CONFIG_FILE in names and any(n.endswith(".index") for n in names):
     return "google", path
   if "config.json" in names and "model.safetensors" in names:
     return _hf_model_type(os.path.join(path, "config.json")), path
@@ -326,8 +325,7 @@ def _workdir_vocabulary(workdir: str) -> dict:
 
 
 def _inspect_converted(folder: str, what: str) -> Weights:
-  config = BertConfig.from_dict(files.read_json(os.path.join(folder, CONFIG_FILE),
-                                                "bertjax's model config"))
+  config = converted.read_config(folder)
   with ocp.StandardCheckpointer() as checkpointer:
     try:
       stored = checkpointer.metadata(converted.params_dir(folder)).item_metadata

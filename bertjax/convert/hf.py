@@ -22,7 +22,6 @@ special token).
 
 from __future__ import annotations
 
-import os
 import shutil
 
 from bertjax import files, taskspec, weights
