@@ -1,10 +1,12 @@
 """What reads no tf.data and no TensorFlow file runs where TensorFlow is absent: prediction (on CSV
-and JSON Lines), the Hugging Face and ModernBERT converters, `load_pretrained` and the benchmark.
+and JSON Lines), the Hugging Face and ModernBERT converters, Google's import (its checkpoint is
+read by formats/tf_bundle.py), `load_pretrained` and the benchmark.
 
 Each runs as its user runs it, in a fresh interpreter whose `import tensorflow` (and
 `tensorflow_datasets`) raises ImportError, as on a GPU or TPU host without TensorFlow. The inputs
 are tiny: a 2-layer fine-tuned model (classification, its task.json), Hugging Face and ModernBERT
-folders written by bertjax's own formats, and the pre-training workdir of tests/fixtures.
+folders written by bertjax's own formats, a Google folder written by TensorFlow (in pytest's
+process, google_fixtures) and the pre-training workdir of tests/fixtures.
 """
 
 import os
@@ -20,6 +22,7 @@ from bertjax import benchmark_predict
 from bertjax.formats import hf, modernbert
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig
+from google_fixtures import google_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKDIR = os.path.join(ROOT, "tests", "fixtures", "workdir_b49986a", "workdir")
@@ -97,6 +100,13 @@ def test_modernbert_import_and_export(folders):
               f"--hf_dir={folders['modernbert']}", f"--output={out}").startswith("Imported")
   assert _run(folders, "-m", "bertjax.convert.modernbert", "export", f"--params={out}",
               f"--output={folders['root'] / 'modernbert_exported'}").startswith("Exported")
+
+
+def test_google_import(folders):
+  folder = google_folder(folders["root"] / "google")
+  said = _run(folders, "-m", "bertjax.convert.google", "import", f"--ckpt_dir={folder}",
+              f"--output={folders['root'] / 'google_imported'}")
+  assert said.startswith("Imported"), said
 
 
 def test_load_pretrained(folders):
