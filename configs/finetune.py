@@ -100,6 +100,20 @@ def get_config(task: str = "next"):
   # "label=weight,..." (others 1).
   t.class_weights = ""
 
+  # Settings chosen on dev (bertjax/finetune/search.py, docs/finetuning.md#settings-chosen-on-dev):
+  # each key lists the values of its `train` key to try ("5e-5,3e-5"; "" = train's one value);
+  # every combination is a trial, the best on dev is kept in best/. Trials of one batch size train
+  # together as one program.
+  s = config.search = ml_collections.ConfigDict()
+  s.learning_rate = ""
+  s.num_epochs = ""
+  s.warmup_proportion = ""
+  s.weight_decay = ""
+  s.seed = ""  # restarts: the median and range over them are reported
+  s.batch_size = ""
+  s.trials_per_program = 0  # 0 = as many as memory allows; more is refused before any work
+  s.memory_gb = 0.0  # what the trials may take; 0 = what the devices (or a CPU host) have free
+
   c = config.checkpoint = ml_collections.ConfigDict()
   c.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder, a Google folder or a
   #                   Hugging Face BERT folder (bertjax/weights.py); "" = random init

@@ -19,8 +19,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   cli.start(argv)
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
-  cli.explained(run.finetune, FLAGS.config, FLAGS.workdir)
+  from bertjax.finetune import search  # pylint: disable=import-outside-toplevel
+  cli.explained(search.finetune, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
