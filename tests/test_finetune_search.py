@@ -181,3 +181,23 @@ def test_a_program_larger_than_memory_is_refused_with_the_largest_that_fits():
   ] == [7, 2, 3]
   with pytest.raises(ValueError, match="none fits"):
     search.program_size(s, 12, 2000 * 2**20, 1000 * 2**20, "here")
+
+
+def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
+  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  config = finetune_config.get_config("classification")
+  assert config.train.learning_rate is None  # one's own task: no rate known in advance
+  s = ft_config.SearchConfig.from_config(config)
+  assert s.wanted(config)
+  tiny = BertConfig(hidden_size=128, num_heads=2, intermediate_size=512)
+  rates = [t.learning_rate for t in search.expand(config, s, tiny)]
+  assert rates == [7.7e-05, 0.00015, 0.00031, 0.00061]  # around the 3e-4 a 128-wide one takes
+  base = BertConfig(hidden_size=768, num_heads=12, intermediate_size=3072)
+  assert [t.learning_rate for t in search.expand(config, s, base)] == [2e-5, 3e-5, 4e-5, 5e-5]
+  config.train.learning_rate = 3e-4  # given: that rate, one run
+  assert not ft_config.SearchConfig.from_config(config).wanted(config)
+  with pytest.raises(ValueError, match="a search, which bertjax.finetune.search.run runs"):
+    config.train.learning_rate = None
+    run.finetune(config, "/nonexistent")
+  assert finetune_config.get_config("mrpc").train.learning_rate == 2e-5  # benchmarks: the paper's
