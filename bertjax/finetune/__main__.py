@@ -19,9 +19,9 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   cli.start(argv)
-  # lazy: run brings TensorFlow in (tf.data), which cli.quiet_tensorflow must precede.
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
-  cli.explained(run.finetune, FLAGS.config, FLAGS.workdir)
+  # lazy: search brings TensorFlow in (tf.data), which cli.quiet_tensorflow must precede.
+  from bertjax.finetune import search  # pylint: disable=import-outside-toplevel
+  cli.explained(search.finetune, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
