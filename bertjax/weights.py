@@ -127,12 +127,20 @@ def inspect(path: str, *, what: str = "path", checkpoints: str = "checkpoints",
     raise FileNotFoundError(f"{what}={path} does not exist")
   found = _kind(path, checkpoints)
   if found is None:
+    if files.isdir(path) and "config.json" in set(files.listdir(path)):
+      # A Hugging Face folder without its weights: name the one file it lacks.
+      kind = _hf_model_type(os.path.join(path, "config.json"))
+      name = "ModernBERT" if kind == "modernbert" else "Hugging Face BERT"
+      raise NotWeightsError(
+          f"{what}={path} holds a {name} config.json but no model.safetensors, the weights "
+          "bertjax reads beside it: save the model with save_pretrained(..., "
+          "safe_serialization=True) into the folder (a pytorch_model.bin is not read)")
     raise NotWeightsError(
         f"{what}={path} holds no weights bertjax reads: expected a bertjax workdir (with "
         f"{checkpoints}/), a folder written by `python -m bertjax.convert.hf import` or "
         "`convert.google import` (bert_config.json and params/), one of Google's released "
-        "folders (bert_config.json and bert_model.ckpt.index) or a Hugging Face BERT folder "
-        "(config.json and model.safetensors)")
+        "folders (bert_config.json and bert_model.ckpt.index), a Hugging Face BERT folder or a "
+        "ModernBERT folder (config.json and model.safetensors)")
   kind, folder = found
   reader = {"workdir": _inspect_workdir, "converted": _inspect_converted,
             "google": _inspect_google, "huggingface": _inspect_huggingface,

@@ -185,9 +185,15 @@ def test_reading_a_local_folder_of_any_kind_imports_no_tensorflow(folders):
 
 
 def test_a_path_of_no_kind_names_every_kind(tmp_path):
-  (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "notes.txt").write_text("{}")
   with pytest.raises(weights.NotWeightsError, match="bertjax workdir .*convert.hf import.* "
-                     "Google's released folders .* Hugging Face BERT folder"):
+                     "Google's released folders .* Hugging Face BERT folder or a ModernBERT "
+                     "folder"):
+    weights.inspect(str(tmp_path))
+  # A Hugging Face folder without its weights names the file it lacks (was: the list of kinds).
+  (tmp_path / "config.json").write_text('{"model_type": "modernbert"}')
+  with pytest.raises(weights.NotWeightsError, match="holds a ModernBERT config.json but no "
+                     "model.safetensors"):
     weights.inspect(str(tmp_path))
   with pytest.raises(FileNotFoundError, match="checkpoint.init_from=.*nowhere does not exist"):
     weights.inspect(str(tmp_path / "nowhere"), what="checkpoint.init_from")
