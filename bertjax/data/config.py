@@ -81,6 +81,10 @@ class DataConfig:
   num_eval_shards: int
   prepare_seed: int
   prepare_workers: int
+  prepare_engine: str
+  beam_pipeline_options: str
+  input_split_bytes: int
+  max_shard_bytes: int
   prepared_dir: str
   cache_dir: str
   shuffle_window: int
