@@ -31,8 +31,8 @@ from bertjax.data.config import DataConfig
 SPLITS = ("train", "eval")
 # Settings that decide which document goes to which shard (checked when a run resumes).
 SPLIT_KEYS = ("source", "tfds_split", "eval_fraction", "num_shards", "num_eval_shards")
-# A test's hook: a folder where each build task, the first time only, fails after writing half of
-# its shard (a flag file remembers it), as a worker that dies mid-write and is retried.
+# A test's hook: a folder where the first build task to get there (a file named after its shard
+# remembers which) fails after writing half of its shard, as a worker that dies mid-write.
 FAIL_ONCE_ENV = "BERTJAX_PREPARE_FAIL_ONCE_DIR"
 
 
@@ -164,7 +164,7 @@ def shard_tasks(out_dir: str, markers: list[dict], num_units: int, settings: dic
     biggest = max(text)
     if biggest > max_shard_bytes:
       need = -(-sum(text) // max_shard_bytes)
-      raise ValueError(f"A {split} shard would hold {biggest / 1e6:.1f} MB of text, above "
+      raise ValueError(f"A {split} shard would hold {biggest:,} bytes of text, above "
                        f"config.data.max_shard_bytes={max_shard_bytes} (what one worker holds "
                        f"while building it). Raise num_{'eval_' if split == 'eval' else ''}shards "
                        f"to about {2 * need} or more, or raise max_shard_bytes.")
@@ -200,6 +200,15 @@ def serialize(tokens, num_a, label, dtype: str) -> bytes:
   # deterministic=True sorts the feature map, so equal instances give equal bytes in every process.
   return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString(
       deterministic=True)
+
+
+def _first_failure(fail_dir: str, name: str) -> bool:
+  try:
+    os.close(os.open(os.path.join(fail_dir, "failed"), os.O_CREAT | os.O_EXCL))
+  except FileExistsError:
+    return False
+  os.close(os.open(os.path.join(fail_dir, name), os.O_CREAT))
+  return True
 
 
 def build_shard(task: dict, tok) -> dict:
@@ -240,8 +249,7 @@ def build_shard(task: dict, tok) -> dict:
   with tf.io.TFRecordWriter(tmp) as w:
     for i, inst in enumerate(insts):
       w.write(serialize(*inst, s["id_dtype"]))
-      if fail_dir and i == len(insts) // 2 and not os.path.exists(os.path.join(fail_dir, name)):
-        open(os.path.join(fail_dir, name), "w").close()
+      if fail_dir and i == len(insts) // 2 and _first_failure(fail_dir, name):
         raise RuntimeError(f"{FAIL_ONCE_ENV}: {name} fails once, half written")
   gf.rename(tmp, record_path, overwrite=True)
   info = {"file": name + ".tfrecord", "bytes": gf.stat(record_path).length,
