@@ -62,6 +62,12 @@ def test_pieces_of_input_give_the_same_bytes(tmp_path):
   assert len(want) == 5 and _shards(tmp_path / "two") == want
   assert _counts(one) == _counts(two) and one["corpus"] == two["corpus"]
   assert one["corpus"]["files"] == 3 and one["documents"]["train"] + one["documents"]["eval"] == 60
+  # The same documents in one file, in reverse order: a shard's order is its documents' keys'.
+  docs = [d for seed, n in ((1, 40), (2, 8), (3, 12)) for d in random_documents(n, 12, seed=seed)]
+  c3 = dataclasses.replace(c2, source=write_corpus(str(tmp_path / "reversed.txt"), docs[::-1]),
+                           prepared_dir=str(tmp_path / "reversed"))
+  _prepare(c3)
+  assert _shards(tmp_path / "reversed") == want
 
 
 def test_memory_bounds_refuse_a_shard_too_large_and_hold_a_corpus_larger(tmp_path):
