@@ -55,14 +55,14 @@ def _build_tasks(scattered: list, data, out_dir: str, units: list, settings: dic
   """After the barrier: every shard's task, less the shards an earlier run finished."""
   from bertjax.data import prepare, shards
   del scattered  # only a barrier: the markers on storage say everything
-  done = prepare._finished(out_dir)  # pylint: disable=protected-access
+  done = prepare.finished_shards(out_dir)
   return [t for t in prepare.build_tasks(out_dir, data, units, settings, tok_spec)
           if shards.shard_name(t["split"], t["k"], t["n"]) + ".json" not in done]
 
 
 def _build(task: dict) -> str:
-  from bertjax.data import prepare, shards
-  info = prepare._run_task("build", task, None)  # pylint: disable=protected-access
+  from bertjax.data import prepare
+  info = prepare.run_task("build", task, None)
   return info["file"]
 
 
@@ -76,11 +76,7 @@ def run(data, out_dir: str, units: list[dict], settings: dict, tok_spec, num_wor
   if is_local(options):
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
     runner = FnApiRunner()
-  markers = prepare._read_markers(  # pylint: disable=protected-access
-      out_dir, units, prepare._split_settings(data))  # pylint: disable=protected-access
-  todo = [{"out_dir": out_dir, "u": u, "num_units": len(units), "unit": unit,
-           "split_settings": prepare._split_settings(data)}  # pylint: disable=protected-access
-          for u, (unit, m) in enumerate(zip(units, markers)) if m is None]
+  todo = prepare.scatter_tasks(out_dir, data, units)
   logging.info("Beam: reading %d of %d piece(s) of input, then building the shards not yet "
                "built, in %s.", len(todo), len(units), out_dir)
   with beam.Pipeline(runner=runner, options=options) as p:

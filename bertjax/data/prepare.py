@@ -118,12 +118,12 @@ def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *, num_workers: int 
         f"(only the other shards are made).") from None
 
 
-def _split_settings(data: DataConfig) -> dict:
+def split_settings(data: DataConfig) -> dict:
   return {**{k: getattr(data, k) for k in shards.SPLIT_KEYS}, "format_version": FORMAT_VERSION,
           "text_version": corpus.TEXT_VERSION}
 
 
-def _read_markers(out_dir: str, units: list[dict], want: dict) -> list[dict | None]:
+def read_markers(out_dir: str, units: list[dict], want: dict) -> list[dict | None]:
   """The marker of each piece of input already scattered (None: not yet, or another piece)."""
   gf = _gfile()
   found = set(gf.glob(os.path.join(out_dir, "raw", "parts", "*.json")))
@@ -141,9 +141,19 @@ def _read_markers(out_dir: str, units: list[dict], want: dict) -> list[dict | No
   return markers
 
 
+def scatter_tasks(out_dir: str, data: DataConfig, units: list[dict], host: int = 0,
+                  hosts: int = 1) -> list[dict]:
+  """The step-1 tasks of the pieces not yet read that are this host's (numbered host mod hosts)."""
+  want = split_settings(data)
+  markers = read_markers(out_dir, units, want)
+  return [{"out_dir": out_dir, "u": u, "num_units": len(units), "unit": unit,
+           "split_settings": want}
+          for u, (unit, m) in enumerate(zip(units, markers)) if m is None and u % hosts == host]
+
+
 def build_tasks(out_dir: str, data: DataConfig, units: list[dict], s: dict, tok_spec) -> list:
   """Every shard's build task, once every piece of input is scattered (both drivers call it)."""
-  markers = _read_markers(out_dir, units, _split_settings(data))
+  markers = read_markers(out_dir, units, split_settings(data))
   missing = [u for u, m in enumerate(markers) if m is None]
   if missing:
     raise RuntimeError(f"{len(missing)} piece(s) of input (first: {units[missing[0]]}) were not "
@@ -153,7 +163,7 @@ def build_tasks(out_dir: str, data: DataConfig, units: list[dict], s: dict, tok_
                             data.source)
 
 
-def _finished(out_dir: str) -> set[str]:
+def finished_shards(out_dir: str) -> set[str]:
   return {os.path.basename(p) for p in _gfile().glob(os.path.join(out_dir, "*-of-*.json"))}
 
 
@@ -161,7 +171,7 @@ def _run(tasks: list, num_workers: int, data: DataConfig, tok) -> None:
   """(kind, task) pairs run here (one worker) or in worker processes."""
   if num_workers <= 1 or len(tasks) <= 1:
     for kind, task in tasks:
-      _run_task(kind, task, data, tok)
+      run_task(kind, task, data, tok)
     return
   work = [(kind, task) for kind, task in tasks]
   processes.run_workers([[dataclasses.asdict(data), work[w::num_workers]]
@@ -169,7 +179,7 @@ def _run(tasks: list, num_workers: int, data: DataConfig, tok) -> None:
                         "from bertjax.data import prepare; prepare._worker()")
 
 
-def _run_task(kind: str, task: dict, data: DataConfig, tok=None):
+def run_task(kind: str, task: dict, data: DataConfig, tok=None):
   if kind == "scatter":
     return shards.scatter_unit(task, data)
   # A worker gets the vocabulary's (path, kind, casing) in each task (load_vocabulary's cache
@@ -185,7 +195,7 @@ def _worker():
   data, tasks = json.loads(sys.stdin.read())
   data = DataConfig(**data)
   for kind, task in tasks:
-    _run_task(kind, task, data)
+    run_task(kind, task, data)
 
 
 def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
@@ -196,10 +206,7 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
   # What a worker loads the same tokenizer from.
   tok_spec = (tokenizer_lib.vocab_path_of(data), data.tokenizer, data.do_lower_case)
   units = corpus.plan_inputs(data.source, data.input_split_bytes)
-  markers = _read_markers(out_dir, units, _split_settings(data))
-  scatter = [{"out_dir": out_dir, "u": u, "num_units": len(units), "unit": unit,
-              "split_settings": _split_settings(data)}
-             for u, (unit, m) in enumerate(zip(units, markers)) if m is None and u % hosts == host]
+  scatter = scatter_tasks(out_dir, data, units, host, hosts)
   num_workers = num_workers or data.prepare_workers or os.cpu_count() or 1
   if data.prepare_engine == "beam":
     if host == 0:  # the engine spreads the work; the other hosts only wait
@@ -212,7 +219,7 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
     _run([("scatter", t) for t in scatter], num_workers, data, tok)
     # Every host's pieces are read before any shard is built (a shard gathers from all pieces).
     barrier("bertjax data: pieces of input read")
-    done = _finished(out_dir)
+    done = finished_shards(out_dir)
     tasks = [t for g, t in enumerate(build_tasks(out_dir, data, units, s, tok_spec))
              if g % hosts == host and shards.shard_name(t["split"], t["k"], t["n"]) + ".json"
              not in done]
@@ -235,7 +242,7 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
 
 def _write_manifest(data, tok, out_dir, units, s, t0) -> dict:
   gf = _gfile()
-  markers = _read_markers(out_dir, units, _split_settings(data))
+  markers = read_markers(out_dir, units, split_settings(data))
   infos = {}
   for split in SPLITS:
     n = _num_shards(data, split)
