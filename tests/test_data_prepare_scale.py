@@ -25,6 +25,8 @@ def _corpus(tmp_path) -> str:
   os.makedirs(tmp_path, exist_ok=True)
   big = write_corpus(str(tmp_path / "a.txt"), random_documents(40, 12, seed=1))
   small = write_corpus(str(tmp_path / "b.txt"), random_documents(8, 12, seed=2))
+  with open(small, "ab") as f:
+    f.write(b"\nbaba \xff baba.\nbebe baba.\n")  # invalid UTF-8, counted
   text = "\n\n".join("\n".join(d) for d in random_documents(12, 12, seed=3)) + "\n"
   with gzip.open(tmp_path / "c.txt.gz", "wt") as f:
     f.write(text)
@@ -61,9 +63,11 @@ def test_pieces_of_input_give_the_same_bytes(tmp_path):
   want = _shards(tmp_path / "one")
   assert len(want) == 5 and _shards(tmp_path / "two") == want
   assert _counts(one) == _counts(two) and one["corpus"] == two["corpus"]
-  assert one["corpus"]["files"] == 3 and one["documents"]["train"] + one["documents"]["eval"] == 60
+  assert one["corpus"]["files"] == 3 and one["documents"]["train"] + one["documents"]["eval"] == 61
+  assert one["corpus"]["invalid_utf8_lines"] == 1
   # The same documents in one file, in reverse order: a shard's order is its documents' keys'.
   docs = [d for seed, n in ((1, 40), (2, 8), (3, 12)) for d in random_documents(n, 12, seed=seed)]
+  docs.append(["baba \ufffd baba.", "bebe baba."])
   c3 = dataclasses.replace(c2, source=write_corpus(str(tmp_path / "reversed.txt"), docs[::-1]),
                            prepared_dir=str(tmp_path / "reversed"))
   _prepare(c3)
@@ -122,6 +126,17 @@ def test_beam_equals_local_and_a_failed_worker_retried_changes_nothing(tmp_path,
   assert _shards(d) == _shards(tmp_path / "local")
   assert _counts(m) == _counts(local) and m["corpus"] == local["corpus"]
   assert {f: os.stat(d / f).st_mtime_ns for f in before} == before
+
+
+def test_beam_refuses_bad_input_as_the_local_driver_does(tmp_path):
+  beam("apache_beam")
+  c = data_config(tmp_path, prepare_engine="beam", prepare_workers=1)
+  (tmp_path / "packed.txt").write_bytes(gzip.compress(b"Baba bebe.\n"))
+  with pytest.raises(ValueError, match="packed.txt is gzip-compressed but its name does not end"):
+    _prepare(dataclasses.replace(c, source=str(tmp_path / "packed.txt")))
+  (tmp_path / "empty.txt").write_text("\n\n   \n")
+  with pytest.raises(ValueError, match=r"^Source '.*empty.txt' yielded no document \(1 file"):
+    _prepare(dataclasses.replace(c, source=str(tmp_path / "empty.txt")))
 
 
 def test_beam_options_pass_through():

@@ -18,6 +18,12 @@ caller, from the files, once the pipeline is done.
 """
 
 import logging
+import re
+
+# How a worker's refusal of the input reads inside the error Beam raises: the exception's line of
+# the worker's traceback, with the step Beam appends.
+_REFUSAL = re.compile(r"^(ValueError|FileNotFoundError): (.+?)(?: \[while running '[^']*'\])?$",
+                      re.M)
 
 
 def pipeline_options(spec: str, num_workers: int):
@@ -79,7 +85,22 @@ def run(data, out_dir: str, units: list[dict], settings: dict, tok_spec, num_wor
   todo = prepare.scatter_tasks(out_dir, data, units)
   logging.info("Beam: reading %d of %d piece(s) of input, then building the shards not yet "
                "built, in %s.", len(todo), len(units), out_dir)
-  with beam.Pipeline(runner=runner, options=options) as p:
+  try:
+    _run_pipeline(beam.Pipeline(runner=runner, options=options), todo, data, out_dir, units,
+                  settings, tok_spec)
+  except Exception as err:  # pylint: disable=broad-except
+    # A refusal of the input in a worker reaches here inside Beam's own error, traceback and all:
+    # said as the local driver says it (one line, its type, so the commands report it alone).
+    found = _REFUSAL.findall(str(err))
+    if not found or isinstance(err, (ValueError, FileNotFoundError)):
+      raise
+    kind, message = found[-1]
+    raise (ValueError if kind == "ValueError" else FileNotFoundError)(message) from None
+
+
+def _run_pipeline(pipeline, todo, data, out_dir, units, settings, tok_spec):
+  import apache_beam as beam
+  with pipeline as p:
     _ = (p
          | "pieces" >> beam.Create(todo)
          # Spreads the pieces over the workers (Create alone may give them to one bundle).
