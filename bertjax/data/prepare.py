@@ -13,6 +13,7 @@ repairs, the settings and the tokenizer fingerprint; `load_manifest` refuses sha
 another tokenizer or an older format.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -105,8 +106,12 @@ def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *, num_workers: int 
   gf = _gfile()
   out_dir = prepared_dir(data, tok)
   storage.make_dirs(out_dir, "prepared_dir" if data.prepared_dir else "cache_dir")
+  # On a pod, jax's preemption notifier owns SIGTERM (bertjax/control.py): a Python handler here
+  # would replace it for the rest of the run, and a notice would then kill the host outright.
+  # There the hosts finish preparing and stop at the first step.
+  stoppable = processes.sigterm_raises() if host_count == 1 else contextlib.nullcontext()
   try:
-    with processes.sigterm_raises():
+    with stoppable:
       return _prepare(data, tok, out_dir, num_workers, host_index, host_count,
                       barrier or (lambda name: None))
   except processes.PreparationStopped:
