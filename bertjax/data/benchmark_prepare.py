@@ -6,7 +6,7 @@
 Corpora, written once under --dir: `builtin` is the built-in corpus as one text file (Python's
 docstrings and help topics, mostly short documents); `generated` is --files files of about --mb MB
 in all, of documents of 10 to 60 sentences drawn (seeded) from the built-in corpus's sentences.
-Each run prepares into a fresh folder with configs/base.py's data settings (length 128,
+Each run prepares into a fresh folder (wall-clock and CPU seconds, this process and its workers) with configs/base.py's data settings (length 128,
 dupe_factor 5, 16 + 2 shards) and the vocabulary --vocab (default: the built-in corpus's). It works
 on older checkouts too (without the `beam` driver), to compare with the code before it.
 """
@@ -14,6 +14,7 @@ on older checkouts too (without the `beam` driver), to compare with the code bef
 import dataclasses
 import os
 import random
+import resource
 import shutil
 import sys
 import time
@@ -73,6 +74,13 @@ def config(source: str, out: str, workers: int, driver: str, vocab: str) -> Data
                              vocab_path=vocab or tokenizer_lib.vocab_path_of(c), **extra)
 
 
+def _cpu_seconds() -> float:
+  """CPU time of this process and its finished worker processes: on a shared machine a fairer
+  per-worker rate than the wall clock, which other users' load stretches."""
+  own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -83,12 +91,15 @@ def main(argv):
       shutil.rmtree(out, ignore_errors=True)
       c = config(source, out, workers, driver, FLAGS.vocab)
       tok = tokenizer_lib.load_tokenizer(c)
+      cpu0 = _cpu_seconds()
       t0 = time.perf_counter()
       m = prepare.ensure_prepared(c, tok)
       wall = time.perf_counter() - t0
+      cpu = _cpu_seconds() - cpu0
       mb = m["corpus"]["bytes"] / 1e6
       print(f"RESULT corpus={FLAGS.corpus} driver={driver} workers={workers} mb={mb:.2f} "
-            f"seconds={wall:.1f} mb_per_s={mb / wall:.3f} "
+            f"seconds={wall:.1f} mb_per_s={mb / wall:.3f} cpu_seconds={cpu:.1f} "
+            f"mb_per_cpu_s={mb / max(cpu, 1e-9):.3f} "
             f"instances={m['splits']['train']['instances']}", flush=True)
 
 
