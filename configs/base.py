@@ -82,7 +82,7 @@ def get_config():
   d.prepare_engine = "local"  # "local" (processes of this machine / each pod host) or "beam"
   d.beam_pipeline_options = ""  # "beam": "runner=DataflowRunner,project=p,..." ("": DirectRunner)
   d.input_split_bytes = 64 << 20  # input read in pieces of this size (cut at blank lines) in parallel
-  d.max_shard_bytes = 256 << 20  # text one worker holds to build a shard; more: raise num_shards
+  d.max_shard_bytes = 64 << 20  # text one worker holds to build a shard (~22x in memory); more: error
   d.prepared_dir = ""  # where shards + manifest live ("" = cache_dir/<source>-L<len>-<settings hash>)
   d.cache_dir = ".cache/bertjax"  # root of the settings-named prepared-data folders
   d.shuffle_window = 16384  # sequences permuted together; shards are also reordered every epoch

@@ -108,4 +108,4 @@ class DataConfig:
 # not what it makes: a record without them ran what these values run. Every other key the section
 # lacks is an error.
 RECORDED_BEFORE_THEM = {"prepare_engine": "local", "beam_pipeline_options": "",
-                        "input_split_bytes": 64 << 20, "max_shard_bytes": 256 << 20}
+                        "input_split_bytes": 64 << 20, "max_shard_bytes": 64 << 20}
