@@ -101,11 +101,8 @@ def test_older_format_is_refused_with_what_to_do(tmp_path):
     prepare.load_manifest(c, tokenizer_lib.load_tokenizer(c))
 
 
-beam = pytest.importorskip  # Beam tests need the `beam` extra (make test installs it)
-
-
 def test_beam_equals_local_and_a_failed_worker_retried_changes_nothing(tmp_path, monkeypatch):
-  beam("apache_beam")
+  pytest.importorskip("apache_beam")  # the `beam` extra (make test installs it)
   local = _prepare(_config(tmp_path, "local", input_split_bytes=0))
   # Two worker processes of Beam's local runner; the first shard built fails half written.
   fail_dir = tmp_path / "fail"
@@ -129,7 +126,7 @@ def test_beam_equals_local_and_a_failed_worker_retried_changes_nothing(tmp_path,
 
 
 def test_beam_refuses_bad_input_as_the_local_driver_does(tmp_path):
-  beam("apache_beam")
+  pytest.importorskip("apache_beam")  # the `beam` extra (make test installs it)
   c = data_config(tmp_path, prepare_engine="beam", prepare_workers=1)
   (tmp_path / "packed.txt").write_bytes(gzip.compress(b"Baba bebe.\n"))
   with pytest.raises(ValueError, match="packed.txt is gzip-compressed but its name does not end"):
@@ -140,7 +137,7 @@ def test_beam_refuses_bad_input_as_the_local_driver_does(tmp_path):
 
 
 def test_beam_options_pass_through():
-  beam("apache_beam")
+  pytest.importorskip("apache_beam")  # the `beam` extra (make test installs it)
   from bertjax.data import beam_prepare
   o = beam_prepare.pipeline_options("", 3).get_all_options()
   assert o["direct_num_workers"] == 3 and o["direct_running_mode"] == "multi_processing"
