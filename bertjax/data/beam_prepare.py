@@ -20,6 +20,8 @@ caller, from the files, once the pipeline is done.
 import logging
 import re
 
+from bertjax.data import shards
+
 # How a worker's refusal of the input reads inside the error Beam raises: the exception's line of
 # the worker's traceback, with the step Beam appends.
 _REFUSAL = re.compile(r"^(ValueError|FileNotFoundError): (.+?)(?: \[while running '[^']*'\])?$",
@@ -28,7 +30,7 @@ _REFUSAL = re.compile(r"^(ValueError|FileNotFoundError): (.+?)(?: \[while runnin
 
 def pipeline_options(spec: str, num_workers: int):
   """Beam's options from `beam_pipeline_options` ("k=v,k2=v2"); local ones when no other runner."""
-  from apache_beam.options.pipeline_options import PipelineOptions
+  from apache_beam.options.pipeline_options import PipelineOptions  # lazy: the `beam` extra
   args = []
   for item in filter(None, (x.strip() for x in spec.split(","))):
     key, sep, value = item.partition("=")
@@ -45,49 +47,30 @@ def pipeline_options(spec: str, num_workers: int):
 
 
 def is_local(options) -> bool:
-  from apache_beam.options.pipeline_options import StandardOptions
+  from apache_beam.options.pipeline_options import StandardOptions  # lazy: the `beam` extra
   runner = options.view_as(StandardOptions).runner
   return runner in (None, "DirectRunner", "direct", "FnApiRunner")
 
 
 def _scatter(task: dict, data) -> dict:
-  from bertjax.data import shards
   marker = shards.scatter_unit(task, data)
   return {"unit": marker["unit"], "documents": marker["corpus"]["documents"]}
 
 
-def _build_tasks(scattered: list, data, out_dir: str, units: list, settings: dict,
-                 tok_spec) -> list:
-  """After the barrier: every shard's task, less the shards an earlier run finished."""
-  from bertjax.data import prepare, shards
-  del scattered  # only a barrier: the markers on storage say everything
-  done = prepare.finished_shards(out_dir)
-  return [t for t in prepare.build_tasks(out_dir, data, units, settings, tok_spec)
-          if shards.shard_name(t["split"], t["k"], t["n"]) + ".json" not in done]
-
-
-def _build(task: dict) -> str:
-  from bertjax.data import prepare
-  info = prepare.run_task("build", task, None)
-  return info["file"]
-
-
-def run(data, out_dir: str, units: list[dict], settings: dict, tok_spec, num_workers: int):
-  """Reads the pieces not yet read and builds the shards not yet built, on Beam."""
-  import apache_beam as beam
-
-  from bertjax.data import prepare
+def run(data, out_dir: str, todo: list[dict], steps, num_workers: int):
+  """Reads the pieces `todo` names and builds the shards not yet built, on Beam. `steps` is the
+  local driver's `(build_tasks_after(scattered), build(task))` (bertjax/data/prepare.py): the
+  same functions, pickled by reference into Beam's workers, so the bytes are the same."""
+  import apache_beam as beam  # lazy: apache-beam is the optional `beam` extra
   options = pipeline_options(data.beam_pipeline_options, num_workers)
   runner = None
   if is_local(options):
-    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner  # lazy: the extra
     runner = FnApiRunner()
-  todo = prepare.scatter_tasks(out_dir, data, units)
-  logging.info("Beam: reading %d of %d piece(s) of input, then building the shards not yet "
-               "built, in %s.", len(todo), len(units), out_dir)
+  logging.info("Beam: reading %d piece(s) of input, then building the shards not yet built, in "
+               "%s.", len(todo), out_dir)
   try:
-    _run_pipeline(beam.Pipeline(runner=runner, options=options), todo, data, out_dir, units,
-                  settings, tok_spec)
+    _run_pipeline(beam.Pipeline(runner=runner, options=options), todo, data, steps)
   except Exception as err:  # pylint: disable=broad-except
     # A refusal of the input in a worker reaches here inside Beam's own error, traceback and all:
     # said as the local driver says it (one line, its type, so the commands report it alone).
@@ -98,8 +81,9 @@ def run(data, out_dir: str, units: list[dict], settings: dict, tok_spec, num_wor
     raise (ValueError if kind == "ValueError" else FileNotFoundError)(message) from None
 
 
-def _run_pipeline(pipeline, todo, data, out_dir, units, settings, tok_spec):
-  import apache_beam as beam
+def _run_pipeline(pipeline, todo, data, steps):
+  import apache_beam as beam  # lazy: apache-beam is the optional `beam` extra
+  build_tasks_after, build = steps
   with pipeline as p:
     _ = (p
          | "pieces" >> beam.Create(todo)
@@ -107,6 +91,6 @@ def _run_pipeline(pipeline, todo, data, out_dir, units, settings, tok_spec):
          | "spread pieces" >> beam.Reshuffle()
          | "scatter" >> beam.Map(_scatter, data)
          | "all read" >> beam.combiners.ToList()
-         | "shard tasks" >> beam.FlatMap(_build_tasks, data, out_dir, units, settings, tok_spec)
+         | "shard tasks" >> beam.FlatMap(build_tasks_after)
          | "spread shards" >> beam.Reshuffle()
-         | "build" >> beam.Map(_build))
+         | "build" >> beam.Map(build))

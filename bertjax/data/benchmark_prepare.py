@@ -67,6 +67,7 @@ def write_corpus(kind: str, folder: str, mb: float, files: int) -> str:
 
 def config(source: str, out: str, workers: int, driver: str, vocab: str) -> DataConfig:
   sys.path.insert(0, os.getcwd())
+  # lazy: configs/ is not part of the installed package; it is found from the working directory
   from configs import base  # pylint: disable=import-outside-toplevel
   c = DataConfig.from_config(base.get_config().data)
   extra = {"prepare_engine": driver} if driver != "local" else {}

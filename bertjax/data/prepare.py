@@ -15,6 +15,7 @@ another tokenizer or an older format.
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -168,6 +169,16 @@ def build_tasks(out_dir: str, data: DataConfig, units: list[dict], s: dict, tok_
                             data.source)
 
 
+def build_tasks_after(scattered: list, *, data: DataConfig, out_dir: str, units: list[dict],
+                      settings: dict, tok_spec) -> list:
+  """Beam's step after every piece is read (`scattered` is only its barrier: the markers on
+  storage say everything): the build task of every shard not yet built."""
+  del scattered
+  done = finished_shards(out_dir)
+  return [t for t in build_tasks(out_dir, data, units, settings, tok_spec)
+          if shards.shard_name(t["split"], t["k"], t["n"]) + ".json" not in done]
+
+
 def finished_shards(out_dir: str) -> set[str]:
   return {os.path.basename(p) for p in _gfile().glob(os.path.join(out_dir, "*-of-*.json"))}
 
@@ -215,8 +226,12 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
   num_workers = num_workers or data.prepare_workers or os.cpu_count() or 1
   if data.prepare_engine == "beam":
     if host == 0:  # the engine spreads the work; the other hosts only wait
+      # lazy: apache-beam is the optional `beam` extra, imported only when asked for
       from bertjax.data import beam_prepare  # pylint: disable=import-outside-toplevel
-      beam_prepare.run(data, out_dir, units, s, tok_spec, num_workers)
+      steps = (functools.partial(build_tasks_after, data=data, out_dir=out_dir, units=units,
+                                 settings=s, tok_spec=tok_spec),
+               functools.partial(run_task, "build", data=None))
+      beam_prepare.run(data, out_dir, scatter_tasks(out_dir, data, units), steps, num_workers)
     barrier("bertjax data: pieces of input read")
   elif data.prepare_engine == "local":
     logging.info("Reading %d of %d piece(s) of input in %s with %d process(es).", len(scatter),
