@@ -2,17 +2,23 @@
 
 Each trial has its own learning rate, epochs, warmup, weight decay and seed (bertjax/finetune/
 search.py lists them). Their parameters and optimizer states are stacked on a leading trial axis
-T, and the train step is `jax.vmap`ped over it: one step updates every trial, each with its own
-schedule (the rates computed by the same operations as a run alone: optimizer.py takes traced
-hyperparameters), its own dropout key (the seed's stream, folded with the step as alone), and its
-own example order (the seed's permutation of each epoch, as alone). A trial whose epochs are done
-keeps its weights while the others go on (its update is masked). The evaluation after each epoch
-runs every trial's head on the same dev batch, one program too.
+T, and one jitted step updates every trial, each with its own schedule (the rates computed by the
+same operations as a run alone: optimizer.py takes traced hyperparameters), its own dropout key
+(the seed's stream, folded with the step as alone), and its own example order (the seed's
+permutation of each epoch, as alone). A trial whose epochs are done keeps its weights while the
+others go on (its update is masked). The evaluation after each epoch runs every trial's head on
+the same dev batch, one program too.
 
-So a trial computes what the same settings compute alone (to XLA's reordering of a batched
-matmul: tests/test_finetune_search.py states the tolerance), while the host pays one dispatch,
-one input pipeline and one compile for all of them, and a core's vector units see T times the
-work of one small model.
+Inside the program the trials run side by side (`jax.vmap`: batched matmuls that fill an
+accelerator) or one after another (`lax.map`: each trial's matmuls as a run alone has them). A CPU
+gets the second: with 12 trials of configs/tiny.py's encoder `vmap` took 3.6-6.6 s a step against
+1.6-2.5 s for `lax.map` and 2.2-3.0 s for 12 steps of the single run (interleaved rounds on 2
+shared cores), and `lax.map` gives each trial the single run's parameters bit for bit. An
+accelerator gets `vmap` (not measured yet: no device here); `build(vectorize=...)` chooses.
+
+So a trial computes what the same settings compute alone (bit for bit on a CPU; to XLA's
+reordering of a batched matmul side by side: tests/test_finetune_search.py), while the host pays
+one process, one input pipeline and one compile for all of them.
 
 Placement: the trial axis over the mesh's data axes when T divides among the devices (a trial per
 device group: no communication inside a trial), else the batch over them (data parallel inside
@@ -103,10 +109,15 @@ def _placement(mesh: Mesh, num_trials: int, batch_size: int) -> tuple[P, P]:
 
 
 def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Trial],
-          per_epoch: int, mesh: Mesh, objective: train.Objective) -> TrialsTraining:
-  """The jitted program of `trials` (one batch size) on `mesh`."""
+          per_epoch: int, mesh: Mesh, objective: train.Objective,
+          vectorize: bool | None = None) -> TrialsTraining:
+  """The jitted program of `trials` (one batch size) on `mesh`. `vectorize`: the trials side by
+  side (`jax.vmap`: batched matmuls, for accelerators) or one after another inside the program
+  (`lax.map`: each trial's matmuls as a run alone has them, which a CPU runs faster); None
+  chooses by the backend (the module docstring)."""
   T = len(trials)
   batch_size = trials[0].batch_size
+  side_by_side = vectorize if vectorize is not None else jax.default_backend() != "cpu"
   if any(t.batch_size != batch_size for t in trials):
     raise ValueError("trials of one program share a batch size")
   single = train.build(model_config, base, sharding.MeshConfig(ici_data=1, dcn_data=1),
@@ -156,9 +167,14 @@ def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Tr
     return keep(new.params, params), keep(new.opt_state, opt_state), metrics, live
 
   def step_fn(state, batch, _rng):
-    params, opt_state, metrics_T, live_T = jax.vmap(
-        one_trial, in_axes=(0, 0, None, 0, 0, 0))(state.params, state.opt_state, state.step,
-                                                  batch, rngs_T, hp_T)
+    if side_by_side:
+      params, opt_state, metrics_T, live_T = jax.vmap(
+          one_trial, in_axes=(0, 0, None, 0, 0, 0))(state.params, state.opt_state, state.step,
+                                                    batch, rngs_T, hp_T)
+    else:
+      params, opt_state, metrics_T, live_T = jax.lax.map(
+          lambda x: one_trial(x[0], x[1], state.step, *x[2:]),
+          (state.params, state.opt_state, batch, rngs_T, hp_T))
     metrics = _mean_over(live_T, metrics_T)
     one = jnp.ones([], jnp.float32)
     metrics["trials_training"] = (jnp.sum(live_T).astype(jnp.float32), one)
@@ -168,7 +184,7 @@ def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Tr
     def one(params):
       out = model.apply({"params": params}, **objective.inputs(batch), deterministic=True)
       return objective.outputs(out)
-    return jax.vmap(one)(state.params)
+    return jax.vmap(one)(state.params) if side_by_side else jax.lax.map(one, state.params)
 
   step = jax.jit(step_fn, in_shardings=(state_shardings, batch_sh, replicated),
                  out_shardings=(state_shardings, replicated), donate_argnums=(0,))
