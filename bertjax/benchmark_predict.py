@@ -67,10 +67,10 @@ def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
 
 def bertjax_predictor(cfg: BertConfig):
   from bertjax import predict  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import objectives, spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import families, spec as spec_lib  # pylint: disable=import-outside-toplevel
   spec = spec_lib.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
                            MAX_LEN)
-  model = objectives.classification(LABELS).make_model(cfg)
+  model = families.get(spec.family).objective(spec).make_model(cfg)
   dummy = {k: jnp.zeros((1, 8), jnp.int32) for k in ("input_ids", "input_mask", "segment_ids")}
   params = jax.jit(lambda: model.init(jax.random.PRNGKey(0), dummy["input_ids"],
                                       dummy["input_mask"], dummy["segment_ids"])["params"])()
@@ -187,8 +187,8 @@ def _tiny_workdir(root: str, spec_lib) -> str:
                                                             "epsilon", "zeta", "eta", "theta"]))
   cfg = BertConfig(vocab_size=13, hidden_size=32, num_layers=2, num_heads=2,
                    intermediate_size=64, max_position_embeddings=128)
-  from bertjax.finetune import objectives  # pylint: disable=import-outside-toplevel
-  model = objectives.classification(2).make_model(cfg)
+  from bertjax.finetune.families import classification  # pylint: disable=import-outside-toplevel
+  model = classification.objective_of(2).make_model(cfg)
   z = jnp.zeros((1, 8), jnp.int32)
   params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,

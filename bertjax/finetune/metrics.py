@@ -1,4 +1,5 @@
-"""Fine-tuning metrics in numpy, and which ones each GLUE task reports.
+"""Fine-tuning metrics in numpy, and which ones each GLUE task reports (each task family's own
+report is in its module, bertjax/finetune/families/).
 
 Host-side on purpose: these run once per evaluation over a whole dev set (predictions gathered to
 numpy), and correlation and F1 do not decompose into per-batch (sum, denominator) pairs.
@@ -140,61 +141,3 @@ def glue_metrics(task: str, predictions: Sequence, labels: Sequence) -> dict[str
   if spec.combine:
     result[spec.main] = result["main"]
   return result
-
-
-# Your own tasks ----------------------------------------------------------------------------------
-
-def classification_report(predictions, labels, names: Sequence[str]) -> dict:
-  """accuracy, macro_f1 (the unweighted mean over classes, so a rare class counts as much as a
-  common one), micro_f1 (over all decisions: equal to accuracy for one label per example),
-  per_class {name: precision, recall, f1, support} and the confusion matrix (rows: the true label,
-  columns: the predicted one, both in the order of `names`). Ids index `names`.
-
-  A class never predicted has precision 0 and one absent from the labels recall 0, as sklearn's
-  zero_division=0; macro_f1 averages over every class of `names`."""
-  predictions_N, labels_N = _check_pair(predictions, labels, "classification_report")
-  k = len(names)
-  confusion_KxK = np.zeros((k, k), np.int64)
-  np.add.at(confusion_KxK, (labels_N.astype(np.int64), predictions_N.astype(np.int64)), 1)
-  true_pos_K = np.diag(confusion_KxK).astype(np.float64)
-  predicted_K, actual_K = confusion_KxK.sum(0), confusion_KxK.sum(1)
-  precision_K = np.divide(true_pos_K, predicted_K, out=np.zeros(k), where=predicted_K > 0)
-  recall_K = np.divide(true_pos_K, actual_K, out=np.zeros(k), where=actual_K > 0)
-  denominator_K = predicted_K + actual_K
-  f1_K = np.divide(2 * true_pos_K, denominator_K, out=np.zeros(k), where=denominator_K > 0)
-  total = float(labels_N.size)
-  return {
-      "accuracy": float(true_pos_K.sum() / total),
-      "macro_f1": float(f1_K.mean()),
-      "micro_f1": float(2 * true_pos_K.sum() / (predicted_K.sum() + actual_K.sum())),
-      "per_class": {name: {"precision": float(precision_K[i]), "recall": float(recall_K[i]),
-                           "f1": float(f1_K[i]), "support": int(actual_K[i])}
-                    for i, name in enumerate(names)},
-      "confusion": {"labels": list(names), "matrix": confusion_KxK.tolist()},
-  }
-
-
-def regression_report(predictions, labels) -> dict:
-  predictions_N, labels_N = _check_pair(predictions, labels, "regression_report")
-  error_N = predictions_N.astype(np.float64) - labels_N.astype(np.float64)
-  return {"pearson": pearson(predictions_N, labels_N),
-          "spearman": spearman(predictions_N, labels_N),
-          "mse": float(np.mean(error_N ** 2))}
-
-
-# The numbers each family of one's own task may pick its best checkpoint by (config.eval.main_metric;
-# the first is the default). "mse" is the one where lower is better: it is compared negated.
-MAIN_METRICS = {
-    "classification": ("accuracy", "macro_f1", "micro_f1"),
-    "regression": ("pearson", "spearman", "mse"),
-    "tagging": ("f1", "precision", "recall", "accuracy"),
-    "span": ("f1", "exact"),
-}
-
-
-def main_value(family: str, scores: Mapping[str, float], main: str) -> float:
-  """The number that picks the best checkpoint: higher is better."""
-  if main not in MAIN_METRICS[family]:
-    raise ValueError(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
-                     f"choose one of {list(MAIN_METRICS[family])}.")
-  return -scores[main] if main == "mse" else scores[main]

@@ -1,0 +1,105 @@
+"""Regression: one text (or a pair) and a number per example (STS-B, one's own scored rows).
+
+  head       pooled -> dropout -> dense(1) ("classifier"); mean squared error
+  metric     pearson, spearman, mse (the one where lower is better)
+  predicted  {"value": ...}
+  export     transformers' BertForSequenceClassification, num_labels=1, problem_type regression
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from bertjax import heads, train
+from bertjax.finetune import custom, families, metrics as ft_metrics, objectives
+from bertjax.finetune import spec as spec_lib
+from bertjax.finetune.config import TaskConfig
+from bertjax.finetune.taskdata import TaskData
+
+HEAD = "classifier"
+HF_CLASS = "BertForSequenceClassification"
+HF_HEAD = "classifier"
+MIN_LABELS = 0
+MAIN_METRICS = ("pearson", "spearman", "mse")
+LOWER_IS_BETTER = ("mse",)
+columns = custom.pair_columns
+as_row = custom.pair_row
+
+
+def num_outputs(spec: spec_lib.TaskSpec) -> int:  # pylint: disable=unused-argument
+  return 1
+
+
+def objective(spec: spec_lib.TaskSpec | None = None) -> train.Objective:  # pylint: disable=unused-argument
+  def metrics(out_Bx1, batch):
+    w_B = objectives.weight(batch)
+    error_B = out_Bx1[:, 0] - batch["label"].astype(jnp.float32)
+    return {"mse_loss": (jnp.sum(w_B * error_B ** 2), jnp.sum(w_B))}
+
+  return train.Objective(
+      "regression", functools.partial(heads.BertForSequenceClassification, num_labels=1),
+      objectives.inputs, metrics, lambda batch: {"mse_loss": objectives.count(batch)},
+      functools.partial(objectives.dummy, label=((), np.float32)), lambda out: {"score": out[:, 0]})
+
+
+def predicted(outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+  return outputs["score"]
+
+
+def decode(outputs: Mapping[str, np.ndarray]) -> list[dict]:
+  return [{"value": round(float(v), 6)} for v in outputs["score"]]
+
+
+def records(rows, spec: spec_lib.TaskSpec, tokenizer, run) -> list[dict]:
+  return decode(run(custom.pair_inputs(rows, spec, tokenizer)))
+
+
+def label_of(row, column: str) -> float:
+  value = row[column]
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    number = float("nan")
+  if not np.isfinite(number):
+    raise ValueError(f"{row.where}: column {column!r} holds {value!r}, not a number; a "
+                     "regression task needs a number on every row.")
+  return number
+
+
+def report(predictions, labels) -> dict:
+  predictions_N = np.asarray(predictions).reshape(-1)
+  labels_N = np.asarray(labels).reshape(-1)
+  error_N = predictions_N.astype(np.float64) - labels_N.astype(np.float64)
+  return {"pearson": ft_metrics.pearson(predictions_N, labels_N),
+          "spearman": ft_metrics.spearman(predictions_N, labels_N),
+          "mse": float(np.mean(error_N ** 2))}
+
+
+def load(cfg: TaskConfig, tokenizer) -> TaskData:
+  """Regression from one's own CSV, TSV or JSON Lines files (bertjax/finetune/custom.py)."""
+  train_path, _, _ = custom.paths(cfg.data, "regression")
+  main = families.main_metric(cfg.eval, "regression")
+  spec = custom.spec_of("regression", cfg)
+  train_rows = custom.Rows(train_path, spec, cfg.data.format, need_labels=True)
+
+  def features(rows: custom.Rows) -> dict[str, np.ndarray]:
+    out = custom.pair_inputs(rows.rows, spec, tokenizer)
+    if rows.labels is not None:
+      out["label"] = np.array(rows.labels, np.float32)
+    return out
+
+  def scorer(rows: custom.Rows):
+    def score(outputs):
+      out = report(predicted(outputs), np.array(rows.labels, np.float32))
+      return {**out, "main": families.main_value("regression", out, main)}
+    return score
+
+  train = features(train_rows)
+  if cfg.class_weights:
+    raise ValueError("train.class_weights applies to classification, not regression.")
+  _, evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode)
+  return TaskData("regression", objective(spec), train, evals, predicts, main, [], spec=spec)
