@@ -3,9 +3,8 @@
 --config.data.dev_file=...]`
 
 TASK: cola, sst-2, mrpc, sts-b, qqp, mnli (also predicts AX), qnli, rte, wnli; squad_v1.1,
-squad_v2.0; conll2003; next (the built-in task of `make finetune`); or one's own task from files,
-named by its family: classification, regression, tagging, span (bertjax/finetune/families/;
-docs/your-own-task.md).
+squad_v2.0; conll2003; next (the built-in task of `make finetune`); or one's own task from files:
+classification, regression, tagging, span (bertjax/finetune/families/; docs/your-own-task.md).
 Any key below can be overridden. The original recipe (google-research/bert run_classifier.py /
 run_squad.py and the paper's appendix A.3) is the default: AdamW (weight decay 0.01, no bias
 correction), 10% linear warmup then linear decay to 0, batch 32, dropout 0.1, max_seq_length 128;

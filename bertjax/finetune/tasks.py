@@ -37,9 +37,13 @@ from bertjax.finetune.taskdata import EvalSet, TaskData
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
-# What --config=configs/finetune.py:TASK accepts, besides GLUE's names in any spelling.
-NAMES = (tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
-         + tuple(families.FAMILIES))  # the last: one's own task, from files
+
+
+def names() -> tuple[str, ...]:
+  """What --config=configs/finetune.py:TASK accepts, besides GLUE's names in any spelling; the
+  families' names last: one's own task, from files."""
+  return (tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
+          + tuple(families.FAMILIES))
 
 
 def canonical(name: str) -> str:
@@ -55,7 +59,7 @@ def canonical(name: str) -> str:
   try:
     task = glue.get_task(key)
   except ValueError:
-    raise ValueError(f"Unknown fine-tuning task {name!r}; choose one of {list(NAMES)}.") from None
+    raise ValueError(f"Unknown fine-tuning task {name!r}; choose one of {list(names())}.") from None
   if task.name == "AX":
     raise ValueError("AX (GLUE's diagnostic set) has no training data: GLUE scores it with the "
                      "MNLI model, so task=mnli writes AX.tsv beside MNLI's test predictions.")
