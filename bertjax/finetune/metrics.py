@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 
-def _check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
+def check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
   predictions_N, labels_N = np.asarray(predictions).reshape(-1), np.asarray(labels).reshape(-1)
   if predictions_N.shape != labels_N.shape:
     raise ValueError(f"{name}: {predictions_N.size} predictions for {labels_N.size} labels; "
@@ -29,13 +29,13 @@ def _check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]
 
 
 def accuracy(predictions, labels) -> float:
-  predictions_N, labels_N = _check_pair(predictions, labels, "accuracy")
+  predictions_N, labels_N = check_pair(predictions, labels, "accuracy")
   return float(np.mean(predictions_N == labels_N))
 
 
 def f1(predictions, labels, positive=1) -> float:
   """Binary F1 of the class `positive` (MRPC: 1 = equivalent, QQP: 1 = duplicate)."""
-  predictions_N, labels_N = _check_pair(predictions, labels, "f1")
+  predictions_N, labels_N = check_pair(predictions, labels, "f1")
   predicted, actual = predictions_N == positive, labels_N == positive
   true_pos = np.sum(predicted & actual)
   # 2TP / (2TP + FP + FN) equals 2PR / (P + R) and stays defined when P or R is 0/0.
@@ -46,7 +46,7 @@ def f1(predictions, labels, positive=1) -> float:
 def matthews_corrcoef(predictions, labels) -> float:
   """Matthews correlation from the confusion matrix; for K classes, Gorodkin's generalisation
   (which for two classes is (TP*TN - FP*FN) / sqrt((TP+FP)(TP+FN)(TN+FP)(TN+FN)))."""
-  predictions_N, labels_N = _check_pair(predictions, labels, "matthews_corrcoef")
+  predictions_N, labels_N = check_pair(predictions, labels, "matthews_corrcoef")
   classes, inverse = np.unique(np.concatenate([labels_N, predictions_N]), return_inverse=True)
   k, n = len(classes), labels_N.size
   confusion_KxK = np.zeros((k, k), np.float64)  # [true, predicted]
@@ -59,7 +59,7 @@ def matthews_corrcoef(predictions, labels) -> float:
 
 
 def pearson(predictions, labels) -> float:
-  x_N, y_N = _check_pair(predictions, labels, "pearson")
+  x_N, y_N = check_pair(predictions, labels, "pearson")
   x_N, y_N = x_N.astype(np.float64), y_N.astype(np.float64)
   dx_N, dy_N = x_N - x_N.mean(), y_N - y_N.mean()
   denominator = np.sqrt(np.sum(dx_N * dx_N) * np.sum(dy_N * dy_N))
@@ -86,7 +86,7 @@ def average_ranks(x) -> np.ndarray:
 
 
 def spearman(predictions, labels) -> float:
-  x_N, y_N = _check_pair(predictions, labels, "spearman")
+  x_N, y_N = check_pair(predictions, labels, "spearman")
   return pearson(average_ranks(x_N), average_ranks(y_N))
 
 

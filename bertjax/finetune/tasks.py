@@ -15,8 +15,9 @@ after every epoch, and the sets only predicted (test splits) with what is writte
 Each benchmark here is a reader: it reads its files into a family's examples and hands them to
 the family's features, objective and metric (GLUE and NEXT: classification or regression; SQuAD:
 span; CoNLL-2003: tagging), adding only what is its own (GLUE's metrics and submission files,
-the conlleval columns). Every task also says what its model does with text (`spec.TaskSpec`: family, label names by id,
-input columns, decoding), which the run keeps beside its weights for prediction and export.
+the conlleval columns). Every task also says what its model does with text (`spec.TaskSpec`:
+family, label names by id, input columns, decoding), which the run keeps beside its weights for
+prediction and export.
 
 `load(cfg, tokenizer)` (cfg: the run's `config.TaskConfig`) reads everything before the first
 step, so a bad file fails at once.

@@ -5,7 +5,7 @@ benchmarks (GLUE, SQuAD, CoNLL-2003, NEXT: bertjax/finetune/tasks.py) are reader
 family their examples.
 
 Adding a family: a module beside these providing every name of HOOKS, and one line in FAMILIES
-(docs/finetuning.md, "Adding a task family"). `TaskSpec.family` (bertjax/finetune/spec.py) names
+(docs/finetuning.md#adding-a-task-family). `TaskSpec.family` (bertjax/finetune/spec.py) names
 the family a fine-tuned model belongs to; prediction and export ask it here.
 
 The hooks, as each module defines them:

@@ -16,7 +16,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from bertjax import heads, train
-from bertjax.finetune import custom, families, objectives, spec as spec_lib
+from bertjax.finetune import custom, families, metrics as ft_metrics, objectives
+from bertjax.finetune import spec as spec_lib
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
 
@@ -161,13 +162,7 @@ def report(predictions, labels, names: Sequence[str]) -> dict:
 
   A class never predicted has precision 0 and one absent from the labels recall 0, as sklearn's
   zero_division=0; macro_f1 averages over every class of `names`."""
-  predictions_N = np.asarray(predictions).reshape(-1)
-  labels_N = np.asarray(labels).reshape(-1)
-  if predictions_N.shape != labels_N.shape:
-    raise ValueError(f"classification_report: {predictions_N.size} predictions for "
-                     f"{labels_N.size} labels; pass one prediction per example.")
-  if predictions_N.size == 0:
-    raise ValueError("classification_report: no examples to score (empty predictions and labels).")
+  predictions_N, labels_N = ft_metrics.check_pair(predictions, labels, "classification_report")
   k = len(names)
   confusion_KxK = np.zeros((k, k), np.int64)
   np.add.at(confusion_KxK, (labels_N.astype(np.int64), predictions_N.astype(np.int64)), 1)

@@ -71,8 +71,7 @@ def label_of(row, column: str) -> float:
 
 
 def report(predictions, labels) -> dict:
-  predictions_N = np.asarray(predictions).reshape(-1)
-  labels_N = np.asarray(labels).reshape(-1)
+  predictions_N, labels_N = ft_metrics.check_pair(predictions, labels, "regression_report")
   error_N = predictions_N.astype(np.float64) - labels_N.astype(np.float64)
   return {"pearson": ft_metrics.pearson(predictions_N, labels_N),
           "spearman": ft_metrics.spearman(predictions_N, labels_N),
