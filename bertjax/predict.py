@@ -265,10 +265,10 @@ class _Progress:
     sys.stderr.flush()
 
 
-# The keys of a record predict writes (the module docstring): an existing file whose first line
-# is such a record was written by predict, and may be written again.
-RECORD_KEYS = frozenset({"id", "label", "probabilities", "value", "text", "entities", "tags",
-                         "answer", "start", "score"})
+def record_keys() -> frozenset[str]:
+  """The keys of a record predict writes (the module docstring), of every family: an existing
+  file whose first line is such a record was written by predict, and may be written again."""
+  return frozenset({"id"}).union(*(f.RECORD_KEYS for f in families.FAMILIES.values()))
 
 
 def _written_by_us(path: str, embed: bool) -> bool:
@@ -291,7 +291,7 @@ def _written_by_us(path: str, embed: bool) -> bool:
     record = json.loads(first)
   except ValueError:
     return False
-  return isinstance(record, dict) and bool(record) and set(record) <= RECORD_KEYS
+  return isinstance(record, dict) and bool(record) and set(record) <= record_keys()
 
 
 def check_output(input_path: str, output_path: str, *, overwrite: bool, embed: bool) -> None:

@@ -102,6 +102,7 @@ def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_pre
   assert (spec.num_outputs, spec.head) == (1, "classifier")
   assert spec_lib.TaskSpec.from_dict(spec.to_dict()) == spec
   assert tasks.canonical("TOY") == toy and toy in tasks.names()
+  assert predict.record_keys() >= set(regression.RECORD_KEYS)
   assert families.main_value(toy, {"mse": 0.5, "pearson": 0.1}, "mse") == -0.5
 
   from bertjax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
@@ -112,7 +113,15 @@ def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_pre
   model = families.get(toy).objective(spec).make_model(config)
   ids = np.zeros((1, 8), np.int32)
   params = model.init(jax.random.PRNGKey(0), ids, ids, ids)["params"]
-  predictor = predict.Predictor(config, params, tokenizer, spec, rows_per_device=2)
+  predictor = predict.Predictor(config, params, tokenizer, spec, rows_per_device=4,
+                                devices=jax.devices()[:1])
   records = predictor(["the cat sat", "a dog ran .", {"text": "the dog"}])
   assert [sorted(r) for r in records] == [["value"]] * 3
   assert all(np.isfinite(r["value"]) for r in records)
+
+
+def test_a_registered_family_is_a_task_its_load_reads(toy, monkeypatch):
+  import finetune_fixtures as fx  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(families.get(toy), "load", lambda cfg, tokenizer: ("read", cfg.task))
+  assert tasks.load(TaskConfig.from_config(fx.ft_config("toy", "")), None) == ("read", "toy")

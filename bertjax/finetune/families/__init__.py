@@ -15,6 +15,7 @@ The hooks, as each module defines them:
   MIN_LABELS       the fewest label names a spec of the family holds
   MAIN_METRICS     the dev numbers that may pick the best checkpoint (the first by default) ...
   LOWER_IS_BETTER  ... and those of them where lower is better
+  RECORD_KEYS      the keys of a prediction record (how predict knows a file it wrote)
   num_outputs(spec)                  the head's width
   objective(spec)                    the head, its loss and outputs (a `train.Objective`)
   columns(spec, row)                 the input columns `predict` needs of a row
@@ -39,7 +40,7 @@ FAMILIES: dict[str, ModuleType] = {
 }
 
 HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MIN_LABELS", "MAIN_METRICS", "LOWER_IS_BETTER",
-         "num_outputs", "objective", "columns", "as_row", "records", "load")
+         "RECORD_KEYS", "num_outputs", "objective", "columns", "as_row", "records", "load")
 
 
 def get(name: str) -> ModuleType:

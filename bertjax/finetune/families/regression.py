@@ -25,6 +25,7 @@ HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 0
 MAIN_METRICS = ("pearson", "spearman", "mse")
+RECORD_KEYS = ("value",)  # of a prediction record (records)
 LOWER_IS_BETTER = ("mse",)
 columns = custom.pair_columns
 as_row = custom.pair_row
