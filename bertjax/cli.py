@@ -22,7 +22,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import files
+from bertjax import files, platforms
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,9 +65,20 @@ def refuse_moved_keys(argv: Sequence[str], moved: dict[str, str], name: str = "c
              "pre-training uses for the same settings).")
 
 
+def quiet_tensorflow() -> None:
+  """TensorFlow's C++ start-up lines (oneDNN's banner, INFO) off unless the user set them: a
+  config file loaded with the flags may import TensorFlow, and its banner would come before the
+  command's own first line (a refused config key's, say)."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  # TensorFlow only runs the integer input pipeline here, which oneDNN does not speed up; off, it
+  # also drops the INFO banner TensorFlow's C++ logging prints past TF_CPP_MIN_LOG_LEVEL.
+  os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
 def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", name: str = "config",
                        default: str | None = None):
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
+  quiet_tensorflow()
   make_config_folder_importable(sys.argv, name)
   with _misspelled_keys_in_one_line(sys.argv):  # a default file is loaded, and checked, here
     return config_flags.DEFINE_config_file(name, default, help_text, lock_config=True)
@@ -103,10 +114,7 @@ def start(argv) -> None:
   from bertjax import hostmem  # pylint: disable=import-outside-toplevel
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  # TensorFlow only runs the integer input pipeline here, which oneDNN does not speed up; off, it
-  # also drops the INFO banner TensorFlow's C++ logging prints past TF_CPP_MIN_LOG_LEVEL.
-  os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+  quiet_tensorflow()
   quiet_third_party_logs()
   sys.unraisablehook = late_write_callbacks_dropped(sys.unraisablehook)
   hide_accelerators_from_tensorflow()
@@ -119,7 +127,7 @@ def start(argv) -> None:
     # machine under launch/local.sh, or on shared storage), two runs must not.
     try:
       note = files.lock_workdir(flag.workdir)
-    except files.WorkdirBusyError as err:
+    except files.WorkdirError as err:
       sys.exit(f"bertjax: {err}")
     if note:
       print(f"bertjax: {note}", flush=True)
@@ -200,6 +208,8 @@ def run(main: Callable[[list[str]], Any]) -> None:
   docstring), and the flags a command takes from bertjax modules (this module's run flags, the
   converters' shared ones) listed by its --help as its own."""
   from absl import app  # pylint: disable=import-outside-toplevel
+  quiet_tensorflow()
+  platforms.skip_absent_tpu()
   for module, defined in list(flags.FLAGS.flags_by_module_dict().items()):
     if module.startswith("bertjax."):
       for flag in defined:  # absl's --help shows the key flags of the main module (argv[0])
@@ -268,11 +278,16 @@ def explained(run, *args, **kwargs):
     # `bertjax.data.prepare` exits), so a script does not go on as if the run had ended.
     print(f"bertjax: {err}", file=sys.stderr, flush=True)
     sys.exit(128 + signal.SIGTERM)
-  except (ValueError, FileNotFoundError, PermissionError, control.NonFiniteError) as err:
+  except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+          control.NonFiniteError) as err:
     sys.exit(f"bertjax: {type(err).__name__}: {err}")
   except OSError as err:
     if isinstance(err, files.DiskFullError):  # names the workdir and what is kept
       sys.exit(f"bertjax: {err}")
     if files.is_disk_full(err):
       sys.exit(f"bertjax: the disk is full ({err}); free space, then run the same command again.")
+    if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...
+      sys.exit(f"bertjax: {type(err).__name__}: {said}")
+    if isinstance(err, PermissionError):
+      sys.exit(f"bertjax: {type(err).__name__}: {err}")
     raise

@@ -144,8 +144,33 @@ LOCK_FILE = ".lock"
 _held: dict[str, int] = {}  # lock path -> the open descriptor that holds it (this process's)
 
 
-class WorkdirBusyError(RuntimeError):
+class WorkdirError(RuntimeError):
+  """A workdir this run cannot use: not makeable here, or held by another run."""
+
+
+class WorkdirBusyError(WorkdirError):
   """Another live process runs in the workdir (said with its pid, host and start)."""
+
+
+# The errors of a path that cannot be written, and what to do about each.
+_UNWRITABLE = {
+    errno.ENOTDIR: "a part of it is a file, not a folder; name a path under a folder",
+    errno.EISDIR: "it is a folder where a file is wanted; name a file",
+    errno.EROFS: "the filesystem is read-only; name a path on a writable one",
+    errno.EACCES: "permission denied; name a folder you can write, or change its permissions",
+    errno.EPERM: "not permitted; name a folder you can write",
+    errno.EEXIST: "a file of that name is in the way; move it or name another path",
+}
+
+
+def unwritable(err: OSError) -> str | None:
+  """One line for an OSError of a path that cannot be made or written (`err.filename` and the
+  fix), or None for another kind of error."""
+  fix = _UNWRITABLE.get(err.errno)
+  if fix is None:
+    return None
+  where = f"{err.filename}: " if err.filename else ""
+  return f"{where}{err.strerror or type(err).__name__} ({fix})."
 
 
 def lock_workdir(workdir: str) -> str | None:
@@ -165,7 +190,12 @@ def lock_workdir(workdir: str) -> str | None:
   import fcntl  # pylint: disable=import-outside-toplevel
   import socket  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
-  os.makedirs(workdir, exist_ok=True)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as err:  # a file in the way, a read-only or foreign folder: said, not traced
+    if (said := unwritable(err)) is None:
+      raise
+    raise WorkdirError(f"--workdir={workdir} cannot be made: {said}") from None
   path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
   if path in _held:
     return None

@@ -184,16 +184,22 @@ def with_step_count(opt_state, step) -> Any:
 
 
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
-  """Linear warmup to `peak`, then linear decay to 0 at `total_steps`, as the original."""
-  if total_steps < 1 or warmup_steps < 0 or warmup_steps > total_steps:
+  """Linear warmup to `peak`, then linear decay to 0 at `total_steps`, as the original.
+
+  The three may be traced scalars (fine-tuning's trials, bertjax/finetune/trials.py, give each
+  trial its own inside one program): the same operations run on them, so a trial's rates are
+  those of the same run alone. Only Python numbers are checked here."""
+  numbers = all(isinstance(x, (int, float)) for x in (warmup_steps, total_steps))
+  if numbers and (total_steps < 1 or warmup_steps < 0 or warmup_steps > total_steps):
     raise ValueError(f"Need 0 <= warmup_steps ({warmup_steps}) <= total_steps ({total_steps}) "
                      "and total_steps >= 1")
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32)
     decayed = peak * (1.0 - jnp.minimum(step, total_steps) / total_steps)
-    if warmup_steps == 0:
+    if numbers and warmup_steps == 0:
       return decayed
+    # A traced warmup of 0 takes `decayed` at every step (step < 0 never holds).
     return jnp.where(step < warmup_steps, peak * step / warmup_steps, decayed)
 
   return schedule
@@ -223,20 +229,27 @@ SCHEDULES = ("linear", "wsd")
 OPTIMIZERS = {"adamw": adamw, "lamb": lamb}
 
 
-def create_optimizer(train_config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def create_optimizer(train_config, *, learning_rate=None, warmup_steps=None, total_steps=None,
+                     weight_decay=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """clip_by_global_norm(max_grad_norm) -> AdamW or LAMB with the warmup/decay schedule.
 
-  `train_config` is a `bertjax.train.TrainConfig` (any object with the same attributes).
+  `train_config` is a `bertjax.train.TrainConfig` (any object with the same attributes). The
+  keyword arguments replace its values, traced scalars allowed (a trial's own, in a program of
+  several trials: bertjax/finetune/trials.py); the linear schedule only.
   """
   c = train_config
   if c.optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer={c.optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
+  peak = c.learning_rate if learning_rate is None else learning_rate
+  warmup = c.warmup_steps if warmup_steps is None else warmup_steps
+  total = c.num_train_steps if total_steps is None else total_steps
   if getattr(c, "schedule", "linear") == "wsd":
-    schedule = wsd_schedule(c.learning_rate, c.warmup_steps, c.decay_steps, c.num_train_steps)
+    schedule = wsd_schedule(peak, warmup, c.decay_steps, total)
   else:
-    schedule = learning_rate_schedule(c.learning_rate, c.warmup_steps, c.num_train_steps)
+    schedule = learning_rate_schedule(peak, warmup, total)
   main = OPTIMIZERS[c.optimizer](schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
-                                 weight_decay=c.weight_decay, bias_correction=c.bias_correction)
+                                 weight_decay=c.weight_decay if weight_decay is None
+                                 else weight_decay, bias_correction=c.bias_correction)
   parts = [main]
   if c.max_grad_norm and c.max_grad_norm > 0:
     parts.insert(0, optax.clip_by_global_norm(c.max_grad_norm))

@@ -8,6 +8,7 @@ per input row, in order:
 
   classification  {"label": ..., "probabilities": {label: p, ...}}
   regression      {"value": ...}
+                  (both with "truncated": true where the text was cut to max_seq_length tokens)
   tagging         {"text": ..., "entities": [{"type", "start", "end", "text"}], "tags": [IOB2]}:
                   character offsets into "text" (the input text, or the words joined by spaces)
   span            {"answer": ..., "start": character offset in the context (-1: no answer),
@@ -79,6 +80,7 @@ class Predictor:
     self._rows = NamedSharding(self.mesh, P("data"))
     self._forward = {}  # kind -> jitted function
     self.sequences = 0  # run so far (for the progress line)
+    self.truncated = 0  # rows longer than max_seq_length, cut to fit (said at the end)
 
   # Construction ---------------------------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class Predictor:
   def _records(self, rows: list[textfiles.Row], spec: spec_lib.TaskSpec) -> list[dict]:
     ids = [{"id": r["id"]} if "id" in r else {} for r in rows]
     records = families.get(spec.family).records(rows, spec, self.tokenizer, self.run)
+    # A text cut to max_seq_length tokens is predicted from its beginning: marked, counted.
+    self.truncated += sum(1 for r in records if r.get("truncated"))
     return [{**i, **r} for i, r in zip(ids, records)]
 
   # Embeddings -----------------------------------------------------------------------------------
@@ -212,7 +216,8 @@ class Predictor:
     def flush():
       a = [r if isinstance(r, str) else textfiles.text_of(r, text_a) for r in chunk]
       b = [textfiles.text_of(r, text_b) for r in chunk] if text_b else None
-      features, _ = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      features, truncated_N = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      self.truncated += int(truncated_N.sum())
       return self.run(features, pooling)["vector"]
 
     for row in rows:
@@ -394,6 +399,11 @@ def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
   else:
     n = predict_file(predictor, input_path, output, fmt, columns)
   print(f"{mode}: {n:,} rows of {input_path} -> {output} ({predictor.source})", flush=True)
+  if predictor.truncated:
+    print(f"{mode}: {predictor.truncated:,} of the rows are longer than max_seq_length="
+          f"{predictor.spec.max_seq_length if predictor.spec else max_seq_length} tokens and were "
+          "predicted from their beginning" + ("" if embed else ' (marked "truncated": true)'),
+          flush=True)
   return n
 
 

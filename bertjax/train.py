@@ -139,7 +139,9 @@ def check_step_counters(state: TrainState) -> None:
   the learning rate. Reads the counters to the host; call it once, after restoring.
   """
   step = int(jax.device_get(state.step))
-  counts = [int(c) for c in jax.device_get(optimizer_lib.step_counts(state.opt_state))]
+  # A state of several trials (bertjax/finetune/trials.py) holds a counter per trial.
+  counts = [int(c) for stacked in jax.device_get(optimizer_lib.step_counts(state.opt_state))
+            for c in np.ravel(stacked)]
   if any(c != step for c in counts):
     raise ValueError(
         f"The train state's step is {step} but its optimizer counts {counts} updates; the step "

@@ -4,8 +4,8 @@
 
 TASK: cola, sst-2, mrpc, sts-b, qqp, mnli (also predicts AX), qnli, rte, wnli; squad_v1.1,
 squad_v2.0; conll2003; next (the built-in task of `make finetune`); or one's own task from files:
-classification, regression, tagging, span (bertjax/finetune/families/; docs/your-own-task.md).
-Any key below can be overridden. The original recipe (google-research/bert run_classifier.py /
+classification, regression, tagging, span (docs/your-own-task.md; no learning rate given: chosen
+on dev, config.search). Any key can be overridden. The original recipe (run_classifier.py /
 run_squad.py and the paper's appendix A.3) is the default: AdamW (weight decay 0.01, no bias
 correction), 10% linear warmup then linear decay to 0, batch 32, dropout 0.1, max_seq_length 128;
 GLUE and CoNLL 3 epochs at 2e-5 (the paper searched 5e-5, 3e-5, 2e-5 on dev); SQuAD 2 epochs at
@@ -17,6 +17,7 @@ NEXT (the built-in task) fine-tunes the tiny model of configs/tiny.py: max_seq_l
 
 import ml_collections
 
+from bertjax.finetune import families
 from configs import base
 
 SQUAD = ("squad_v1.1", "squad_v2.0")
@@ -100,6 +101,20 @@ def get_config(task: str = "next"):
   # "label=weight,..." (others 1).
   t.class_weights = ""
 
+  # Settings chosen on dev (bertjax/finetune/search.py, docs/finetuning.md#settings-chosen-on-dev):
+  # each key lists the values of its `train` key to try ("5e-5,3e-5"; "" = train's one value);
+  # every combination is a trial, the best on dev is kept in best/. Trials of one batch size train
+  # together as one program.
+  s = config.search = ml_collections.ConfigDict()
+  s.learning_rate = ""
+  s.num_epochs = ""
+  s.warmup_proportion = ""
+  s.weight_decay = ""
+  s.seed = ""  # restarts: the median and range over them are reported
+  s.batch_size = ""
+  s.trials_per_program = 0  # 0 = as many as memory allows; more is refused before any work
+  s.memory_gb = 0.0  # what the trials may take; 0 = what the devices (or a CPU host) have free
+
   c = config.checkpoint = ml_collections.ConfigDict()
   c.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder, a Google folder or a
   #                   Hugging Face BERT folder (bertjax/weights.py); "" = random init
@@ -116,6 +131,11 @@ def get_config(task: str = "next"):
     d.max_seq_length = 384
     t.num_epochs = 2.0
     t.learning_rate = 3e-5
+  elif key in families.FAMILIES:  # one's own task
+    # No rate known in advance for one's own task: None has the command choose it on dev among
+    # rates scaled to the encoder's width (bertjax/finetune/search.py auto_learning_rates), 4
+    # trials in one program; a rate given on the command line runs that rate alone.
+    t.learning_rate = ml_collections.FieldReference(None, field_type=float)
   elif key == "next":
     d.data_dir = ".cache/bertjax/finetune"  # written by `make finetune`
     c.init_from = "workdirs/tiny"

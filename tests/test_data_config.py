@@ -134,7 +134,7 @@ def test_pretraining_data_modules_never_read_the_config_dict(tmp_path, monkeypat
   config.data = data_section(tmp_path / "data", n_docs=30, sents_per_doc=12)
   m = config.model
   m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 32, 1, 2, 64
-  config.train.batch_size = 8
+  config.train.batch_size, config.train.learning_rate = 8, 1e-4  # a rate: one run, no search
   seen = _one_batch_instead_of_the_run(monkeypatch)
   assert loop.train_and_evaluate(config, str(tmp_path / "run")) == {}
   assert seen["batch"]["input_ids"].shape == (8, 64)
@@ -158,7 +158,7 @@ def test_finetuning_task_readers_never_read_the_config_dict(tmp_path, monkeypatc
   m.vocab_size = sum(1 for _ in open(vocab, encoding="utf-8"))
   m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 32, 1, 2, 64
   m.max_position_embeddings, m.type_vocab_size = 16, 2
-  config.train.batch_size = 8
+  config.train.batch_size, config.train.learning_rate = 8, 1e-4  # a rate: one run, no search
   seen = _one_batch_instead_of_the_run(monkeypatch)
   assert run.finetune(config, str(tmp_path / "run")) == {}
   assert seen["batch"]["input_ids"].shape == (8, 16)

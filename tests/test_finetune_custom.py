@@ -190,6 +190,25 @@ def test_every_input_row_gets_its_line_in_order(routing, tmp_path, capsys):
       assert g["probabilities"] == pytest.approx(a["probabilities"], abs=1e-5)
 
 
+def test_texts_cut_to_max_seq_length_are_counted_and_marked(routing, pretrained, tmp_path, capsys):
+  workdir = routing[0]
+  long_text = " ".join(["refund"] + ["bedu"] * 5000)
+  path = write_csv(tmp_path / "in.csv", [{"text": t} for t in ("short", long_text, "x")],
+                   ("text",))
+  predict_lib.run(workdir, path, str(tmp_path / "o.jsonl"))
+  assert ("1 of the rows are longer than max_seq_length=" in capsys.readouterr().out)
+  got = read_jsonl(tmp_path / "o.jsonl")
+  assert [r.get("truncated") for r in got] == [None, True, None]
+  # Fine-tuning's files: the cut rows are counted in the run's notes.
+  spec = spec_lib.read(workdir)
+  rows = custom.Rows(path, spec, "", need_labels=False)
+  notes = []
+  custom.pair_features(rows, spec, predict_lib.Predictor.from_workdir(workdir).tokenizer, notes)
+  assert notes == [f"1 of 3 row(s) of {path} are longer than data.max_seq_length="
+                   f"{spec.max_seq_length} tokens and were cut to fit (the first at {path}:3); "
+                   "raise data.max_seq_length to keep more"]
+
+
 def test_predict_never_overwrites_its_input_or_a_file_it_did_not_write(routing, tmp_path, capsys):
   workdir, _, test, _ = routing
   with open(test, "rb") as f:
@@ -351,6 +370,36 @@ def test_bad_csv_named_by_file_and_line(tmp_path, body, message):
   probe = spec_lib.TaskSpec("classification", "classification", ("a", "b"), text_a="text")
   with pytest.raises(ValueError, match=message):
     custom.Rows(str(path), probe, "", need_labels=True)
+
+
+def test_encodings_and_long_fields_are_named_where_they_are(tmp_path):
+  """A byte that is not UTF-8 past the decoder's first chunk is named on its own line and byte
+  (was: a place within the chunk); a UTF-16 file is said to be UTF-16 (was: 'not UTF-8' with a
+  Latin-1 fix that makes garbage); a field over csv's limit says the limit and JSON Lines (was: 'a
+  quote opened and not closed?')."""
+  probe = spec_lib.TaskSpec("classification", "classification", ("a", "b"), text_a="text")
+  body = "".join(f"row number {k} of some length,x\n" for k in range(2, 600))
+  late = tmp_path / "late.csv"
+  late.write_bytes(b"text,label\n" + body.encode() + b"caf\xe9 au lait,y\n")
+  assert late.stat().st_size > 16384
+  with pytest.raises(ValueError, match=r"late.csv:600: not UTF-8 \(byte 4 of the line"):
+    custom.Rows(str(late), probe, "", need_labels=True)
+  for name in ("late.jsonl",):
+    (tmp_path / name).write_bytes(
+        "".join('{"text": "r%d", "label": "x"}\n' % k for k in range(1, 700)).encode()
+        + b'{"text": "caf\xe9", "label": "y"}\n')
+    with pytest.raises(ValueError, match=rf"{name}:700: not UTF-8 \(byte 14 of the line"):
+      custom.Rows(str(tmp_path / name), probe, "", need_labels=True)
+  wide = tmp_path / "wide.csv"
+  wide.write_bytes("text,label\nhello,x\n".encode("utf-16"))
+  with pytest.raises(ValueError, match=r"wide.csv: UTF-16 \(its byte-order mark\), not UTF-8.*"
+                     r"iconv -f UTF-16 -t UTF-8"):
+    custom.Rows(str(wide), probe, "", need_labels=True)
+  long = tmp_path / "long.csv"
+  long.write_text('text,label\nshort,x\n"' + "word " * 30000 + '",y\n')
+  with pytest.raises(ValueError, match=r"long.csv:3: a field longer than 131,072 characters.*"
+                     r"JSON Lines"):
+    custom.Rows(str(long), probe, "", need_labels=True)
 
 
 def test_dev_label_outside_the_map_is_refused(pretrained, tmp_path):

@@ -19,11 +19,12 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   cli.start(argv)
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
-  cli.explained(run.finetune, FLAGS.config, FLAGS.workdir)
+  from bertjax.finetune import search  # pylint: disable=import-outside-toplevel
+  cli.explained(search.finetune, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
+  cli.quiet_tensorflow()  # before the imports below bring TensorFlow in
   hostmem.restart_with_huge_pages()
   from bertjax.finetune import run as run_lib  # pylint: disable=ungrouped-imports
   cli.refuse_moved_keys(sys.argv, run_lib.MOVED_KEYS)

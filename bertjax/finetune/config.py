@@ -75,10 +75,71 @@ class TaskConfig:
   task: str  # as given (tasks.canonical names it)
   data: FinetuneDataConfig
   eval: EvalConfig
-  class_weights: str  # train.class_weights: read with the task's labels (families/classification.py)
+  class_weights: str  # train.class_weights, read with the labels (families/classification.py)
 
   @classmethod
   def from_config(cls, config) -> "TaskConfig":
     return cls(task=config.task, data=FinetuneDataConfig.from_config(config.data),
                eval=EvalConfig.from_config(config.eval),
                class_weights=config.train.class_weights)
+
+
+# The `train` keys a search may list, and whether trials of different values can share one
+# compiled program (a traced scalar of the step) or each value needs its own.
+SEARCH_KEYS = {"learning_rate": True, "num_epochs": True, "warmup_proportion": True,
+               "weight_decay": True, "seed": True, "batch_size": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+  """Typed form of `config.search`: the values of each `train` key to try (empty: the train
+  section's one value), and how many trials one program may hold (0: as many as memory allows)."""
+
+  values: dict  # key -> tuple of numbers, for the keys that list any
+  trials_per_program: int
+  memory_gb: float  # what the trials may take; 0: what the devices (or the host) have
+
+  @classmethod
+  def from_config(cls, config) -> "SearchConfig":
+    section = config.search
+    unknown = sorted(set(section) - set(SEARCH_KEYS) - {"trials_per_program", "memory_gb"})
+    if unknown:  # the locked config already refuses these; a config file could still add one
+      raise ValueError(f"config.search.{unknown[0]}: a search lists {sorted(SEARCH_KEYS)}.")
+    values = {}
+    for key in SEARCH_KEYS:
+      raw = section[key]
+      if raw in ("", None):
+        continue
+      items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+      texts = [str(x).strip() for x in items if str(x).strip()]
+      if not texts:
+        raise ValueError(f"config.search.{key}={raw!r} names no value; give numbers separated by "
+                         f"commas (e.g. {_EXAMPLES[key]}) or leave it empty for train.{key}.")
+      numbers = []
+      for text in texts:
+        try:
+          number = float(text)
+        except ValueError:
+          raise ValueError(f"config.search.{key}: {text!r} is not a number; give numbers "
+                           f"separated by commas (e.g. {_EXAMPLES[key]}).") from None
+        if key in ("seed", "batch_size") and number != int(number):
+          raise ValueError(f"config.search.{key}: {text!r} is not a whole number.")
+        numbers.append(int(number) if key in ("seed", "batch_size") else number)
+      if len(set(numbers)) != len(numbers):
+        raise ValueError(f"config.search.{key}={raw!r} names a value twice.")
+      values[key] = tuple(numbers)
+    if section.trials_per_program < 0:
+      raise ValueError(f"config.search.trials_per_program={section.trials_per_program} must be "
+                       ">= 0 (0: as many as memory allows).")
+    if section.memory_gb < 0:
+      raise ValueError(f"config.search.memory_gb={section.memory_gb} must be >= 0.")
+    return cls(values, int(section.trials_per_program), float(section.memory_gb))
+
+  def wanted(self, config) -> bool:
+    """Whether the run is a search: a key lists values, or no learning rate is given."""
+    return bool(self.values) or config.train.learning_rate is None
+
+
+_EXAMPLES = {"learning_rate": "5e-5,4e-5,3e-5,2e-5", "num_epochs": "2,3,4",
+             "warmup_proportion": "0.06,0.1", "weight_decay": "0,0.01", "seed": "0,1,2",
+             "batch_size": "16,32"}

@@ -44,7 +44,8 @@ def text_columns(spec: spec_lib.TaskSpec) -> list[str]:
   return [spec.text_a] + ([spec.text_b] if spec.text_b else [])
 
 
-def pair_columns(spec: spec_lib.TaskSpec, row: Mapping) -> list[str]:  # pylint: disable=unused-argument
+def pair_columns(spec: spec_lib.TaskSpec, row: Mapping) -> list[str]:
+  del row  # every row of a pair task needs the same columns
   return text_columns(spec)
 
 
@@ -55,12 +56,30 @@ def pair_row(x, spec: spec_lib.TaskSpec) -> dict:
 
 
 def pair_inputs(rows: Sequence[Mapping], spec: spec_lib.TaskSpec, tokenizer
-                ) -> dict[str, np.ndarray]:
-  """`[CLS] A [SEP] B [SEP]` features of rows (textfiles.Row) in the spec's columns."""
+                ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """`[CLS] A [SEP] B [SEP]` features of rows (textfiles.Row) in the spec's columns, and which
+  rows were cut to fit, [N] bool."""
   texts_a = [textfiles.text_of(r, spec.text_a) for r in rows]
   texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
-  features, _ = glue.encode_pairs(texts_a, texts_b, tokenizer, spec.max_seq_length)
-  return features
+  return glue.encode_pairs(texts_a, texts_b, tokenizer, spec.max_seq_length)
+
+
+def pair_records(records: list[dict], truncated_N: np.ndarray) -> list[dict]:
+  """Prediction records of pairs, marked where the text was cut to fit: the prediction is of its
+  first max_seq_length tokens (predict counts them)."""
+  for record, cut in zip(records, truncated_N):
+    if cut:
+      record["truncated"] = True
+  return records
+
+
+def truncation_note(rows: "Rows", truncated_N: np.ndarray, max_seq_length: int) -> list[str]:
+  """The note a file of texts cut to fit gets: how many, and the first (no text is cut unsaid)."""
+  if not truncated_N.any():
+    return []
+  return [f"{int(truncated_N.sum())} of {len(truncated_N)} row(s) of {rows.path} are longer than "
+          f"data.max_seq_length={max_seq_length} tokens and were cut to fit (the first at "
+          f"{rows.where[int(np.argmax(truncated_N))]}); raise data.max_seq_length to keep more"]
 
 
 class Rows:
@@ -79,6 +98,19 @@ class Rows:
     labelled = need_labels or all(spec.label in r and str(r[spec.label]).strip() for r in rows)
     self.raw_labels = [r[spec.label] for r in rows] if labelled else None
     self.labels = [label_of(r, spec.label) for r in rows] if labelled else None
+
+
+def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer,
+                  notes: list[str] | None = None) -> dict[str, np.ndarray]:
+  """The rows' features, and their labels where they have them (as the spec's family reads them:
+  its `label_array`); texts cut to fit are said in `notes`."""
+  from bertjax.finetune import families  # pylint: disable=import-outside-toplevel
+  features, truncated_N = pair_inputs(rows.rows, spec, tokenizer)
+  if notes is not None:
+    notes += truncation_note(rows, truncated_N, spec.max_seq_length)
+  if rows.labels is not None:
+    features["label"] = families.get(spec.family).label_array(rows, spec)
+  return features
 
 
 def spec_of(family: str, cfg: TaskConfig, labels: Sequence[str] = (), scheme: str = "",
@@ -119,13 +151,15 @@ def jsonl_writer(split: str, records: Callable[[Mapping[str, np.ndarray]], list[
   return write
 
 
-def pair_sets(cfg: TaskConfig, spec: spec_lib.TaskSpec, tokenizer, features, report, decode
-              ) -> tuple[Rows, list[EvalSet], list[EvalSet]]:
+def pair_sets(cfg: TaskConfig, spec: spec_lib.TaskSpec, tokenizer, features, report, decode,
+              notes: list[str], label_notes=lambda rows: []) -> tuple[list[EvalSet], list[EvalSet]]:
   """The dev set (scored) and the optional test set (predicted; scored where labelled) of a
-  classification or regression task: features(rows), report(rows) -> score, decode(outputs)."""
+  classification or regression task: features(rows) (adding to `notes`), report(rows) -> score,
+  decode(outputs); label_notes(rows): what the dev file's labels are to be said."""
   _, dev_path, test_path = cfg.data.train_file, cfg.data.dev_file, cfg.data.test_file
   fmt = cfg.data.format
   dev_rows = Rows(dev_path, spec, fmt, need_labels=True)
+  notes += label_notes(dev_rows)
   evals = [EvalSet("dev", features(dev_rows), report(dev_rows), report=report(dev_rows))]
   predicts = []
   if test_path:
@@ -134,4 +168,4 @@ def pair_sets(cfg: TaskConfig, spec: spec_lib.TaskSpec, tokenizer, features, rep
     write = jsonl_writer("test", lambda outputs: [
         {"id": i, **r} for i, r in zip(test_rows.ids, decode(outputs))])
     predicts.append(EvalSet("test", features(test_rows), scored, write, report=scored))
-  return dev_rows, evals, predicts
+  return evals, predicts

@@ -306,9 +306,10 @@ def truncate_pair(ids_a: list[int], ids_b: list[int], max_tokens: int) -> tuple[
 
 
 def encode_pairs(texts_a: Sequence[str], texts_b: Sequence[str] | None, tokenizer,
-                 max_seq_length: int) -> tuple[dict[str, np.ndarray], int]:
+                 max_seq_length: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
   """`[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]` rows: input_ids, input_mask, segment_ids [N, L]
-  int32, and how many were truncated (the longer text loses its last token first, B on a tie)."""
+  int32, and which rows were cut to fit, [N] bool (the longer text loses its last token first, B
+  on a tie)."""
   pair = texts_b is not None
   if max_seq_length < (3 if pair else 2) + 1:
     raise ValueError(f"max_seq_length {max_seq_length} leaves no room for text beside [CLS] and "
@@ -319,14 +320,14 @@ def encode_pairs(texts_a: Sequence[str], texts_b: Sequence[str] | None, tokenize
   input_ids_NxL = np.full((n, length), tokenizer.pad_id, np.int32)
   input_mask_NxL = np.zeros((n, length), np.int32)
   segment_ids_NxL = np.zeros((n, length), np.int32)
-  truncated = 0
+  truncated_N = np.zeros(n, bool)
   for i in range(n):
     if not pair or texts_b[i] is None:
       a, b = ids_a[i][:length - 2], None
-      truncated += len(ids_a[i]) > length - 2
+      truncated_N[i] = len(ids_a[i]) > length - 2
     else:
       a, b = truncate_pair(ids_a[i], ids_b[i], length - 3)
-      truncated += len(a) + len(b) < len(ids_a[i]) + len(ids_b[i])
+      truncated_N[i] = len(a) + len(b) < len(ids_a[i]) + len(ids_b[i])
     row = [tokenizer.cls_id, *a, tokenizer.sep_id]
     segment_start = len(row)
     if b is not None:
@@ -335,7 +336,7 @@ def encode_pairs(texts_a: Sequence[str], texts_b: Sequence[str] | None, tokenize
     input_mask_NxL[i, :len(row)] = 1
     segment_ids_NxL[i, segment_start:len(row)] = 1
   return ({"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
-           "segment_ids": segment_ids_NxL}, truncated)
+           "segment_ids": segment_ids_NxL}, truncated_N)
 
 
 def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
@@ -345,12 +346,12 @@ def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
   task = task if isinstance(task, GlueTask) else get_task(task)
   pair = any(e.text_b is not None for e in examples)
   n = len(examples)
-  inputs, truncated = encode_pairs([e.text_a for e in examples],
-                                   [e.text_b for e in examples] if pair else None, tokenizer,
-                                   max_seq_length)
-  if truncated:
-    logging.info("%s: %d of %d example(s) truncated to max_seq_length %d.", task.name, truncated,
-                 n, max_seq_length)
+  inputs, truncated_N = encode_pairs([e.text_a for e in examples],
+                                     [e.text_b for e in examples] if pair else None, tokenizer,
+                                     max_seq_length)
+  if truncated_N.any():
+    logging.info("%s: %d of %d example(s) truncated to max_seq_length %d.", task.name,
+                 truncated_N.sum(), n, max_seq_length)
   if task.is_regression:
     label_N = np.array([np.nan if e.label is None else e.label for e in examples], np.float32)
   else:

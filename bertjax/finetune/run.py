@@ -34,7 +34,7 @@ from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import train, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import spec as spec_lib, tasks
-from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
 from bertjax.model import BertConfig
 
 # Model keys a fine-tuning config may leave at 0 / "" to take init_from's value.
@@ -208,12 +208,15 @@ class FinetuneConfig:
   async_save: bool
 
   @classmethod
-  def from_config(cls, config) -> "FinetuneConfig":
+  def from_config(cls, config, searched: bool = False) -> "FinetuneConfig":
+    """`searched`: a search's config, whose learning rate may be None (its trials say it)."""
     t, c, d, e = config.train, config.checkpoint, config.data, config.eval
     seq, query = d.max_seq_length, d.max_query_length
+    lr_ok = (searched and t.learning_rate is None) or (t.learning_rate is not None
+                                                       and t.learning_rate > 0)
     problems = [f"{k}={v} must be {why}" for k, v, ok, why in (
         # 0 would run every step and change no weight: a run that only looks like training.
-        ("train.learning_rate", t.learning_rate, t.learning_rate > 0, "> 0"),
+        ("train.learning_rate", t.learning_rate, lr_ok, "> 0"),
         ("train.batch_size", t.batch_size, t.batch_size >= 1, ">= 1"),
         ("train.eval_batch_size", t.eval_batch_size, t.eval_batch_size >= 0,
          ">= 0 (0: train.batch_size)"),
@@ -241,11 +244,15 @@ class FinetuneConfig:
                c.async_save)
 
 
-def _train_config(config, total_steps: int, warmup: int) -> train.TrainConfig:
+def train_config(config, total_steps: int, warmup: int,
+                 learning_rate: float | None = None) -> train.TrainConfig:
+  """The TrainConfig of a run of `total_steps` (a search's trial gives its own learning rate)."""
   t = config.train
   return train.TrainConfig(
       batch_size=t.batch_size, num_microbatches=t.num_microbatches, num_train_steps=total_steps,
-      seed=t.seed, optimizer=t.optimizer, learning_rate=t.learning_rate, warmup_steps=warmup,
+      seed=t.seed, optimizer=t.optimizer,
+      learning_rate=t.learning_rate if learning_rate is None else learning_rate,
+      warmup_steps=warmup,
       weight_decay=t.weight_decay, adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps,
       bias_correction=t.bias_correction, max_grad_norm=t.max_grad_norm)
 
@@ -312,14 +319,52 @@ class Evaluations:
     if jax.process_index() == 0:
       files.write_json(self.path, self.records)
 
+  def adopt(self, records: list[dict], best: dict, params) -> None:
+    """Takes another run's records and its best epoch's parameters as this one's (a search's
+    winner becomes the workdir's run): best/ holds that step alone."""
+    for step in self.best.all_steps():
+      self.best.delete(step)
+    self.records = list(records)
+    self.best.save(best["step"], {"params": params}, {**self._meta, "step": best["step"],
+                                                      "epoch": best["epoch"],
+                                                      "scores": dict(best["scores"])}, force=True)
+    self.best.wait()
+    if jax.process_index() == 0:
+      files.write_json(self.path, self.records)
+
   def close(self) -> None:
     self.best.close()
 
 
-def finetune(config, workdir: str) -> dict:
-  """Runs (or resumes) the fine-tuning job of `config` in `workdir`; returns results.json's dict
-  ({} when a stop signal ended the run early)."""
-  ft = FinetuneConfig.from_config(config)
+@dataclasses.dataclass
+class Setup:
+  """What every fine-tuning run of a config reads before its first step (one run, or the trials
+  of a search: bertjax/finetune/search.py)."""
+
+  ft: FinetuneConfig
+  task_name: str
+  source: weights.Weights | None
+  tokenizer: Any
+  vocab_file: str
+  lower: bool
+  model_config: BertConfig
+  data: Any  # tasks.TaskData
+  train_features: dict
+  origin: str  # where the encoder comes from, for results.json
+  init: loop.Initialiser | None
+
+  @property
+  def per_epoch(self) -> int:
+    return steps_per_epoch(len(self.train_features["input_ids"]), self.ft.batch_size)
+
+  def meta(self) -> dict:
+    return {"task": self.task_name, "init": self.origin,
+            spec_lib.META_KEY: self.data.spec.to_dict()}
+
+
+def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
+  """Reads init_from, the tokenizer, the model and the task's data; refuses what cannot run."""
+  ft = ft or FinetuneConfig.from_config(config)
   task = TaskConfig.from_config(config)
   task_name = tasks.canonical(task.task)
   loop.check_workdir(workdir)
@@ -341,12 +386,36 @@ def finetune(config, workdir: str) -> dict:
   data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]))
   for note in data.notes:
     loop.say(note)
-  train_features = tasks.model_features(data.train)
+  _check_task(workdir, task_name, data.spec)
+  init = None
+  origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
+            else "scratch")
+  if source is not None and not config.checkpoint.random_init:
+    origin = f"the encoder of checkpoint.init_from={source.describe()}"
+    init = loop.Initialiser(f"encoder from checkpoint.init_from={source.describe()}, "
+                            f"{task_name} head new", _encoder_loader(source))
+  return Setup(ft, task_name, source, tokenizer, vocab_file, lower, model_config, data,
+               tasks.model_features(data.train), origin, init)
+
+
+def finetune(config, workdir: str) -> dict:
+  """Runs (or resumes) the fine-tuning job of `config` in `workdir`; returns results.json's dict
+  ({} when a stop signal ended the run early). A config whose `search` names several settings
+  is a search: the command runs it (bertjax/finetune/search.py), this function refuses it."""
+  if SearchConfig.from_config(config).wanted(config):
+    raise ValueError("config.search lists settings to try (or train.learning_rate is None): a "
+                     "search, which bertjax.finetune.search.run runs (python -m bertjax.finetune "
+                     "does); run.finetune runs one setting.")
+  s = setup(config, workdir)
+  ft, task_name, data, tokenizer = s.ft, s.task_name, s.data, s.tokenizer
+  source, vocab_file, lower, init, origin = s.source, s.vocab_file, s.lower, s.init, s.origin
+  model_config, train_features = s.model_config, s.train_features
+  init_from = config.checkpoint.init_from
   n_train = len(train_features["input_ids"])
-  per_epoch = steps_per_epoch(n_train, ft.batch_size)
+  per_epoch = s.per_epoch
   total = max(1, int(round(ft.num_epochs * per_epoch)))
   warmup = int(ft.warmup_proportion * total)
-  tcfg = _train_config(config, total, warmup)
+  tcfg = train_config(config, total, warmup)
   mesh_config = sharding.MeshConfig.from_dict(config.mesh)
   training = train.build(model_config, tcfg, mesh_config, objective=data.objective)
   sharding.check_batch_size(ft.eval_batch_size, training.mesh)
@@ -358,15 +427,7 @@ def finetune(config, workdir: str) -> dict:
   expected = checkpoint_lib.Expected(model=model_config,
                                      optimizer=checkpoint_lib.optimizer_fields(tcfg),
                                      tokenizer_fingerprint=tokenizer.fingerprint)
-  _check_task(workdir, task_name, data.spec)
-  init = None
-  origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
-            else "scratch")
-  if source is not None and not config.checkpoint.random_init:
-    origin = f"the encoder of checkpoint.init_from={source.describe()}"
-    init = loop.Initialiser(f"encoder from checkpoint.init_from={source.describe()}, "
-                            f"{task_name} head new", _encoder_loader(source))
-  meta = {"task": task_name, "init": origin, spec_lib.META_KEY: data.spec.to_dict()}
+  meta = s.meta()
   # best/ records what the loop's checkpoints do (the model and vocabulary it was trained with),
   # so every reader of weights takes it alone (bertjax.predict's default, convert.hf export).
   evaluations = Evaluations(workdir, {**expected.meta(), **meta})
@@ -408,7 +469,7 @@ def finetune(config, workdir: str) -> dict:
     if not final:
       return {}
     with loop.disk_full_said(workdir):  # results.json and the predictions
-      return _finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
+      return finish(config, workdir, training, data, evaluations, state, ft, task_name, origin)
   finally:
     evaluations.close()
 
@@ -448,8 +509,10 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec | None = N
                      "their own (or set config.data.labels to the run's).")
 
 
-def _finish(config, workdir, training, data: tasks.TaskData, evaluations: Evaluations, state, ft,
-            task_name: str, origin: str) -> dict:
+def finish(config, workdir, training, data: tasks.TaskData, evaluations: Evaluations, state, ft,
+           task_name: str, origin: str) -> dict:
+  """What a run writes at its end, from its best checkpoint: the reports, the predictions and
+  results.json (a search calls it with its winner's)."""
   best = evaluations.best_record()
   params_state = state
   if best is not None and best["step"] != int(jax.device_get(state.step)):

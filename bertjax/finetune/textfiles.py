@@ -70,9 +70,37 @@ def _header(path: str, fields: Sequence[str]) -> list[str]:
   return names
 
 
-def _decode_error(path: str, line: int, err: UnicodeDecodeError) -> ValueError:
-  return ValueError(f"{path}:{line}: not UTF-8 ({err.reason} at byte {err.start} of the line); "
-                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8).")
+# Byte-order marks of the encodings a spreadsheet or an editor saves as "Unicode" (longest first:
+# UTF-32's little-endian mark begins with UTF-16's).
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+         (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+
+
+def _first_bad_byte(path: str) -> tuple[int, int, bytes]:
+  """(line, byte within it counted from 1, the bytes there) of the file's first byte that is not
+  UTF-8. The text decoder works in chunks, so the place it reports is not the line's: the file is
+  read again as bytes, a line at a time."""
+  with files.open_file(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      try:
+        raw.decode("utf-8")
+      except UnicodeDecodeError as err:
+        return number, err.start + 1, raw[err.start:err.start + 4]
+  return 0, 0, b""
+
+
+def _decode_error(path: str) -> ValueError:
+  with files.open_file(path, "rb") as f:
+    head = f.read(4)
+  for bom, name in _BOMS:
+    if head.startswith(bom):
+      return ValueError(f"{path}: {name} (its byte-order mark), not UTF-8; save it as UTF-8 "
+                        f"(e.g. iconv -f {name} -t UTF-8 {os.path.basename(path)} > new.csv, or "
+                        "your editor's 'UTF-8' choice).")
+  line, byte, found = _first_bad_byte(path)
+  return ValueError(f"{path}:{line}: not UTF-8 (byte {byte} of the line: {found!r}); save the file "
+                    "as UTF-8 (from Windows-1252/Latin-1: iconv -f cp1252 -t utf-8; check the "
+                    "encoding your program wrote first).")
 
 
 def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
@@ -100,10 +128,16 @@ def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
         row.where = f"{path}:{line}"
         yield row
     except csv.Error as err:
+      if "field larger than field limit" in str(err):
+        raise ValueError(
+            f"{path}:{start}: a field longer than {csv.field_size_limit():,} characters, the "
+            "limit of Python's csv reader (and nothing past max_seq_length tokens is read); "
+            "shorten the text, or write the file as JSON Lines, which has no such limit."
+        ) from None
       raise ValueError(f"{path}:{reader.line_num}: {err} (a quote opened and not closed?)"
                        ) from None
-    except UnicodeDecodeError as err:
-      raise _decode_error(path, start, err) from None
+    except UnicodeDecodeError:
+      raise _decode_error(path) from None
   if names is None:
     raise ValueError(f"{path}: the file is empty; its first row names the columns.")
 
@@ -126,8 +160,8 @@ def _jsonl_rows(path: str) -> Iterator[Row]:
         row = Row(value)
         row.where = f"{path}:{line}"
         yield row
-    except UnicodeDecodeError as err:
-      raise _decode_error(path, line + 1, err) from None
+    except UnicodeDecodeError:
+      raise _decode_error(path) from None
 
 
 def iter_rows(path: str, fmt: str = "") -> Iterator[Row]:

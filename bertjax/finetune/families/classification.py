@@ -26,7 +26,7 @@ HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 2
 MAIN_METRICS = ("accuracy", "macro_f1", "micro_f1")
-RECORD_KEYS = ("label", "probabilities")  # of a prediction record (records)
+RECORD_KEYS = ("label", "probabilities", "truncated")  # of a prediction record (records)
 LOWER_IS_BETTER = ()
 columns = custom.pair_columns
 as_row = custom.pair_row
@@ -67,7 +67,8 @@ def decode(spec: spec_lib.TaskSpec, outputs: Mapping[str, np.ndarray]) -> list[d
 
 
 def records(rows, spec: spec_lib.TaskSpec, tokenizer, run) -> list[dict]:
-  return decode(spec, run(custom.pair_inputs(rows, spec, tokenizer)))
+  features, truncated_N = custom.pair_inputs(rows, spec, tokenizer)
+  return custom.pair_records(decode(spec, run(features)), truncated_N)
 
 
 # Labels -----------------------------------------------------------------------------------------
@@ -122,6 +123,11 @@ def label_ids(rows: custom.Rows, labels: Sequence[str]) -> np.ndarray:
                        "from the training file, or config.data.labels); add it there, or fix "
                        "the row.")
   return np.array([index[label] for label in rows.labels], np.int32)
+
+
+def label_array(rows: custom.Rows, spec: spec_lib.TaskSpec) -> np.ndarray:
+  """The label ids of rows read by `label_of` (custom.pair_features)."""
+  return label_ids(rows, spec.labels)
 
 
 def class_weights(raw: str, labels: Sequence[str], train_ids_N: np.ndarray) -> list[float] | None:
@@ -200,10 +206,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   spec = custom.spec_of("classification", cfg, labels)
 
   def features(rows: custom.Rows) -> dict[str, np.ndarray]:
-    out = custom.pair_inputs(rows.rows, spec, tokenizer)
-    if rows.labels is not None:
-      out["label"] = label_ids(rows, labels)
-    return out
+    return custom.pair_features(rows, spec, tokenizer, notes)
 
   def scorer(rows: custom.Rows):
     def score(outputs):
@@ -211,13 +214,13 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
       return {**out, "main": families.main_value("classification", out, main)}
     return score
 
-  train = features(train_rows)
   notes = label_notes(train_rows, spec.label)
+  train = features(train_rows)
   weights = class_weights(cfg.class_weights, labels, train["label"])
   if weights is not None:
     notes.append("class weights " + ", ".join(f"{n}={w:.3g}" for n, w in zip(labels, weights)))
-  dev_rows, evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer,
-                                               functools.partial(decode, spec))
-  notes += label_notes(dev_rows, spec.label)
+  evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer,
+                                     functools.partial(decode, spec), notes,
+                                     lambda rows: label_notes(rows, spec.label))
   return TaskData("classification", objective_of(len(labels), weights), train, evals, predicts,
                   main, notes, spec=spec)

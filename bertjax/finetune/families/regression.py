@@ -25,17 +25,19 @@ HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 0
 MAIN_METRICS = ("pearson", "spearman", "mse")
-RECORD_KEYS = ("value",)  # of a prediction record (records)
+RECORD_KEYS = ("value", "truncated")  # of a prediction record (records)
 LOWER_IS_BETTER = ("mse",)
 columns = custom.pair_columns
 as_row = custom.pair_row
 
 
-def num_outputs(spec: spec_lib.TaskSpec) -> int:  # pylint: disable=unused-argument
+def num_outputs(spec: spec_lib.TaskSpec) -> int:
+  del spec
   return 1
 
 
-def objective(spec: spec_lib.TaskSpec | None = None) -> train.Objective:  # pylint: disable=unused-argument
+def objective(spec: spec_lib.TaskSpec | None = None) -> train.Objective:
+  del spec  # one output, whatever the task
   def metrics(out_Bx1, batch):
     w_B = objectives.weight(batch)
     error_B = out_Bx1[:, 0] - batch["label"].astype(jnp.float32)
@@ -56,7 +58,8 @@ def decode(outputs: Mapping[str, np.ndarray]) -> list[dict]:
 
 
 def records(rows, spec: spec_lib.TaskSpec, tokenizer, run) -> list[dict]:
-  return decode(run(custom.pair_inputs(rows, spec, tokenizer)))
+  features, truncated_N = custom.pair_inputs(rows, spec, tokenizer)
+  return custom.pair_records(decode(run(features)), truncated_N)
 
 
 def label_of(row, column: str) -> float:
@@ -69,6 +72,12 @@ def label_of(row, column: str) -> float:
     raise ValueError(f"{row.where}: column {column!r} holds {value!r}, not a number; a "
                      "regression task needs a number on every row.")
   return number
+
+
+def label_array(rows: custom.Rows, spec: spec_lib.TaskSpec) -> np.ndarray:
+  """The values of rows read by `label_of` (custom.pair_features)."""
+  del spec
+  return np.array(rows.labels, np.float32)
 
 
 def report(predictions, labels) -> dict:
@@ -87,10 +96,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   train_rows = custom.Rows(train_path, spec, cfg.data.format, need_labels=True)
 
   def features(rows: custom.Rows) -> dict[str, np.ndarray]:
-    out = custom.pair_inputs(rows.rows, spec, tokenizer)
-    if rows.labels is not None:
-      out["label"] = np.array(rows.labels, np.float32)
-    return out
+    return custom.pair_features(rows, spec, tokenizer, notes)
 
   def scorer(rows: custom.Rows):
     def score(outputs):
@@ -98,8 +104,9 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
       return {**out, "main": families.main_value("regression", out, main)}
     return score
 
+  notes: list[str] = []
   train = features(train_rows)
   if cfg.class_weights:
     raise ValueError("train.class_weights applies to classification, not regression.")
-  _, evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode)
-  return TaskData("regression", objective(spec), train, evals, predicts, main, [], spec=spec)
+  evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode, notes)
+  return TaskData("regression", objective(spec), train, evals, predicts, main, notes, spec=spec)
