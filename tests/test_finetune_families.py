@@ -13,7 +13,7 @@ import pytest
 
 from bertjax import predict
 from bertjax.convert import hf
-from bertjax.finetune import families, spec as spec_lib, tasks
+from bertjax.finetune import families, objectives, spec as spec_lib, tasks
 from bertjax.finetune.families import regression
 from bertjax.model import BertConfig
 
@@ -33,6 +33,9 @@ def test_every_family_provides_every_hook():
     for hook in families.HOOKS:
       assert callable(getattr(family, hook)) == hook.islower(), (name, hook)
     assert family.MAIN_METRICS and set(family.LOWER_IS_BETTER) <= set(family.MAIN_METRICS)
+    spec = spec_lib.TaskSpec("t", name, ("O", "B-X", "I-X")[:family.MIN_LABELS])
+    batch = family.objective(spec).dummy_batch(2)
+    assert set(batch) == {*objectives.INPUTS, "weight", *family.BATCH_KEYS}, name
 
 
 def _family_names(node) -> list[str]:

@@ -31,7 +31,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from bertjax import files
-from bertjax.finetune import families, glue, metrics as ft_metrics, ner, spec as spec_lib, squad
+from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives
+from bertjax.finetune import spec as spec_lib, squad
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData
@@ -246,6 +247,5 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 
 def model_features(features: Mapping[str, np.ndarray]) -> dict[str, Any]:
   """The arrays a batch carries to the device (not indices, offsets or other host-side keys)."""
-  keep = ("input_ids", "input_mask", "segment_ids", "label", "start_positions", "end_positions",
-          "label_ids", "label_weights")
+  keep = set(objectives.INPUTS).union(*(f.BATCH_KEYS for f in families.FAMILIES.values()))
   return {k: v for k, v in features.items() if k in keep}

@@ -15,6 +15,7 @@ The hooks, as each module defines them:
   MIN_LABELS       the fewest label names a spec of the family holds
   MAIN_METRICS     the dev numbers that may pick the best checkpoint (the first by default) ...
   LOWER_IS_BETTER  ... and those of them where lower is better
+  BATCH_KEYS       the feature arrays of targets a batch carries to the device, beside the inputs
   RECORD_KEYS      the keys of a prediction record (how predict knows a file it wrote)
   num_outputs(spec)                  the head's width
   objective(spec)                    the head, its loss and outputs (a `train.Objective`)
@@ -40,7 +41,7 @@ FAMILIES: dict[str, ModuleType] = {
 }
 
 HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MIN_LABELS", "MAIN_METRICS", "LOWER_IS_BETTER",
-         "RECORD_KEYS", "num_outputs", "objective", "columns", "as_row", "records", "load")
+         "BATCH_KEYS", "RECORD_KEYS", "num_outputs", "objective", "columns", "as_row", "records", "load")
 
 
 def get(name: str) -> ModuleType:

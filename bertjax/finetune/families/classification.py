@@ -26,6 +26,7 @@ HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 2
 MAIN_METRICS = ("accuracy", "macro_f1", "micro_f1")
+BATCH_KEYS = ("label",)  # the targets a batch carries to the device (objective)
 RECORD_KEYS = ("label", "probabilities", "truncated")  # of a prediction record (records)
 LOWER_IS_BETTER = ()
 columns = custom.pair_columns

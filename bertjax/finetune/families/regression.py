@@ -25,6 +25,7 @@ HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 0
 MAIN_METRICS = ("pearson", "spearman", "mse")
+BATCH_KEYS = ("label",)  # the targets a batch carries to the device (objective)
 RECORD_KEYS = ("value", "truncated")  # of a prediction record (records)
 LOWER_IS_BETTER = ("mse",)
 columns = custom.pair_columns

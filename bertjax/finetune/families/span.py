@@ -27,6 +27,7 @@ HF_CLASS = "BertForQuestionAnswering"
 HF_HEAD = "qa_outputs"
 MIN_LABELS = 0
 MAIN_METRICS = ("f1", "exact")
+BATCH_KEYS = ("start_positions", "end_positions")  # the targets a batch carries to the device (objective)
 RECORD_KEYS = ("answer", "start", "score")  # of a prediction record (records)
 LOWER_IS_BETTER = ()
 columns = custom.pair_columns

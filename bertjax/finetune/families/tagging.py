@@ -34,6 +34,7 @@ HF_CLASS = "BertForTokenClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 2
 MAIN_METRICS = ("f1", "precision", "recall", "accuracy")
+BATCH_KEYS = ("label_ids", "label_weights")  # the targets a batch carries to the device (objective)
 RECORD_KEYS = ("text", "entities", "tags")  # of a prediction record (records)
 LOWER_IS_BETTER = ()
 
