@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from bertjax import predict as predict_lib
-from bertjax.finetune import custom, families, ner, run, spec as spec_lib
+from bertjax import taskspec as spec_lib
+from bertjax.finetune import custom, families, ner, run
 from bertjax.finetune import textfiles
 from bertjax.finetune.families import classification, tagging
 import finetune_fixtures as fx

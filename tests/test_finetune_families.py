@@ -1,7 +1,8 @@
 """Task families as the one extension point (bertjax/finetune/families/): every registered family
 provides every hook; no table keyed by family names, and no comparison of a family name, stands
-outside families/ (in bertjax/ or configs/); a family defined here and registered in one line is taken by the spec, the
-task names, the objective and prediction code, with no other change."""
+outside families/ (in bertjax/ or configs/, but for the names the layers below keep, held to the
+registry); a family defined here and registered in one line is taken by the spec, the task names,
+the objective and prediction code, with no other change."""
 
 import ast
 import os
@@ -11,17 +12,19 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import predict
-from bertjax.convert import hf
-from bertjax.finetune import families, objectives, spec as spec_lib, tasks
+from bertjax import predict, taskspec as spec_lib
+from bertjax.finetune import families, objectives, tasks
+from bertjax.formats import hf
 from bertjax.finetune.families import regression
 from bertjax.model import BertConfig
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
 FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")
-# convert/ sits below finetune/ (a weights format knows no task family), so hf.py keeps its own
-# class and head names; test_hf_tables_agree_with_the_families holds them to the families'.
-ALLOWED = {os.path.join(ROOT, "convert", "hf.py")}
+# Below fine-tuning (docs/contributing.md#layers), these keep the names of the families they write:
+# formats/hf.py the transformers class and head of each, configs/finetune.py one's own tasks. The
+# tests below hold them to the registry.
+ALLOWED = {os.path.join(ROOT, "formats", "hf.py"),
+           os.path.join(os.path.dirname(ROOT), "configs", "finetune.py")}
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "dog", "ran", "."]
 
 
@@ -86,7 +89,10 @@ def test_the_check_sees_a_table():
   os.remove(path)
 
 
-def test_hf_tables_agree_with_the_families():
+def test_the_names_kept_below_agree_with_the_families():
+  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  assert set(finetune_config.OWN_TASKS) == set(families.FAMILIES)
+  assert spec_lib.FAMILIES is families.FAMILIES  # the registry the spec reads
   for name, family in families.FAMILIES.items():
     assert hf.TASK_CLASSES[name] == family.HF_CLASS
     assert hf._TASK_HEADS[name] == family.HF_HEAD  # pylint: disable=protected-access

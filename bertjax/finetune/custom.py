@@ -29,7 +29,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from bertjax import files
-from bertjax.finetune import glue, spec as spec_lib, textfiles
+from bertjax import taskspec as spec_lib
+from bertjax.finetune import glue, textfiles
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet
 
@@ -82,13 +83,26 @@ def truncation_note(rows: "Rows", truncated_N: np.ndarray, max_seq_length: int) 
           f"{rows.where[int(np.argmax(truncated_N))]}); raise data.max_seq_length to keep more"]
 
 
+def text_label(row, column: str) -> str:
+  """A label column read as a class name (`Rows`' default reading; regression reads numbers)."""
+  value = row[column]
+  if isinstance(value, float) and value.is_integer():
+    # A JSON number is its value, not its spelling: 1 and 1.0 (pandas writes an integer column
+    # holding a gap as floats) are one class, named as the integer.
+    value = int(value)
+  text = "" if value is None else str(value).strip()
+  if not text:
+    raise ValueError(f"{row.where}: empty label in column {column!r}; every training and dev row "
+                     "needs one (leave a row out, or give it its label).")
+  return text
+
+
 class Rows:
   """The examples of one file: texts, labels (None where the file has none) and where each is.
-  Labels are read by the spec's family (its `label_of`: a class name, a number)."""
+  label_of(row, column) reads a label: a class name by default, a number for regression."""
 
-  def __init__(self, path: str, spec: spec_lib.TaskSpec, fmt: str, need_labels: bool):
-    from bertjax.finetune import families  # pylint: disable=import-outside-toplevel
-    label_of = families.get(spec.family).label_of
+  def __init__(self, path: str, spec: spec_lib.TaskSpec, fmt: str, need_labels: bool,
+               label_of: Callable = text_label):
     rows = textfiles.read_rows(path, text_columns(spec) + ([spec.label] if need_labels else []),
                                fmt)
     self.path = path
@@ -100,16 +114,17 @@ class Rows:
     self.labels = [label_of(r, spec.label) for r in rows] if labelled else None
 
 
-def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer,
-                  notes: list[str] | None = None) -> dict[str, np.ndarray]:
-  """The rows' features, and their labels where they have them (as the spec's family reads them:
-  its `label_array`); texts cut to fit are said in `notes`."""
-  from bertjax.finetune import families  # pylint: disable=import-outside-toplevel
+def pair_features(rows: Rows, spec: spec_lib.TaskSpec, tokenizer, notes: list[str] | None = None,
+                  label_array: Callable | None = None) -> dict[str, np.ndarray]:
+  """The rows' features, and their labels where they have them (label_array(rows, spec): the
+  family's ids or values); texts cut to fit are said in `notes`."""
   features, truncated_N = pair_inputs(rows.rows, spec, tokenizer)
   if notes is not None:
     notes += truncation_note(rows, truncated_N, spec.max_seq_length)
   if rows.labels is not None:
-    features["label"] = families.get(spec.family).label_array(rows, spec)
+    if label_array is None:
+      raise ValueError(f"{rows.path}: labelled rows need the family's label_array.")
+    features["label"] = label_array(rows, spec)
   return features
 
 
@@ -152,18 +167,19 @@ def jsonl_writer(split: str, records: Callable[[Mapping[str, np.ndarray]], list[
 
 
 def pair_sets(cfg: TaskConfig, spec: spec_lib.TaskSpec, tokenizer, features, report, decode,
-              notes: list[str], label_notes=lambda rows: []) -> tuple[list[EvalSet], list[EvalSet]]:
+              notes: list[str], label_notes=lambda rows: [], label_of: Callable = text_label
+              ) -> tuple[list[EvalSet], list[EvalSet]]:
   """The dev set (scored) and the optional test set (predicted; scored where labelled) of a
   classification or regression task: features(rows) (adding to `notes`), report(rows) -> score,
   decode(outputs); label_notes(rows): what the dev file's labels are to be said."""
   _, dev_path, test_path = cfg.data.train_file, cfg.data.dev_file, cfg.data.test_file
   fmt = cfg.data.format
-  dev_rows = Rows(dev_path, spec, fmt, need_labels=True)
+  dev_rows = Rows(dev_path, spec, fmt, need_labels=True, label_of=label_of)
   notes += label_notes(dev_rows)
   evals = [EvalSet("dev", features(dev_rows), report(dev_rows), report=report(dev_rows))]
   predicts = []
   if test_path:
-    test_rows = Rows(test_path, spec, fmt, need_labels=False)
+    test_rows = Rows(test_path, spec, fmt, need_labels=False, label_of=label_of)
     scored = report(test_rows) if test_rows.labels is not None else None
     write = jsonl_writer("test", lambda outputs: [
         {"id": i, **r} for i, r in zip(test_rows.ids, decode(outputs))])

@@ -141,3 +141,22 @@ def glue_metrics(task: str, predictions: Sequence, labels: Sequence) -> dict[str
   if spec.combine:
     result[spec.main] = result["main"]
   return result
+
+
+# The number that picks the best checkpoint of one's own task --------------------------------------
+
+def main_value(family: str, choices: Sequence[str], lower: Sequence[str],
+               scores: Mapping[str, float], main: str) -> float:
+  """scores[main], higher is better (negated where `lower` says lower is); main must be one of
+  the family's `choices` (its MAIN_METRICS)."""
+  if main not in choices:
+    raise ValueError(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
+                     f"choose one of {list(choices)}.")
+  return -scores[main] if main in lower else scores[main]
+
+
+def main_metric(main: str, family: str, choices: Sequence[str]) -> str:
+  """config.eval.main_metric checked against the family's choices; "" = the first."""
+  main = main or choices[0]
+  main_value(family, choices, (), {m: 0.0 for m in choices}, main)
+  return main

@@ -30,9 +30,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from bertjax import files
-from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives
-from bertjax.finetune import spec as spec_lib, squad
+from bertjax import files, taskspec as spec_lib
+from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData

@@ -5,8 +5,9 @@ benchmarks (GLUE, SQuAD, CoNLL-2003, NEXT: bertjax/finetune/tasks.py) are reader
 family their examples.
 
 Adding a family: a module beside these providing every name of HOOKS, and one line in FAMILIES
-(docs/finetuning.md#adding-a-task-family). `TaskSpec.family` (bertjax/finetune/spec.py) names
-the family a fine-tuned model belongs to; prediction and export ask it here.
+(docs/finetuning.md#adding-a-task-family). `TaskSpec.family` (bertjax/taskspec.py) names the
+family a fine-tuned model belongs to; FAMILIES is the registry the spec reads (it sits below
+fine-tuning, so the families register themselves there), and prediction and export ask it.
 
 The hooks, as each module defines them:
   HEAD             the head's parameter subtree beside the encoder's ("bert")
@@ -31,36 +32,28 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Mapping
 
+from bertjax import taskspec
+from bertjax.finetune import metrics as ft_metrics
 from bertjax.finetune.families import classification, regression, span, tagging
 
-FAMILIES: dict[str, ModuleType] = {
+FAMILIES: dict[str, ModuleType] = taskspec.FAMILIES
+FAMILIES.update({
     "classification": classification,
     "regression": regression,
     "tagging": tagging,
     "span": span,
-}
+})
 
 HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MIN_LABELS", "MAIN_METRICS", "LOWER_IS_BETTER",
-         "BATCH_KEYS", "RECORD_KEYS", "num_outputs", "objective", "columns", "as_row", "records", "load")
+         "BATCH_KEYS", "RECORD_KEYS", "num_outputs", "objective", "columns", "as_row", "records",
+         "load")
 
 
 def get(name: str) -> ModuleType:
-  if name not in FAMILIES:
-    raise ValueError(f"family={name!r} is not one of {tuple(FAMILIES)}")
-  return FAMILIES[name]
+  return taskspec.family_of(name)
 
 
 def main_value(family: str, scores: Mapping[str, float], main: str) -> float:
   """The number that picks the best checkpoint: higher is better."""
   fam = get(family)
-  if main not in fam.MAIN_METRICS:
-    raise ValueError(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
-                     f"choose one of {list(fam.MAIN_METRICS)}.")
-  return -scores[main] if main in fam.LOWER_IS_BETTER else scores[main]
-
-
-def main_metric(evaluation, family: str) -> str:
-  """config.eval.main_metric (an `EvalConfig`), checked against the family; "" = its first."""
-  main = evaluation.main_metric or get(family).MAIN_METRICS[0]
-  main_value(family, {m: 0.0 for m in get(family).MAIN_METRICS}, main)
-  return main
+  return ft_metrics.main_value(family, fam.MAIN_METRICS, fam.LOWER_IS_BETTER, scores, main)

@@ -15,9 +15,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from bertjax import heads, train
-from bertjax.finetune import custom, families, metrics as ft_metrics, objectives
-from bertjax.finetune import spec as spec_lib
+from bertjax import heads, taskspec as spec_lib, train
+from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
 
@@ -26,7 +25,7 @@ HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 2
 MAIN_METRICS = ("accuracy", "macro_f1", "micro_f1")
-BATCH_KEYS = ("label",)  # the targets a batch carries to the device (objective)
+BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
 RECORD_KEYS = ("label", "probabilities", "truncated")  # of a prediction record (records)
 LOWER_IS_BETTER = ()
 columns = custom.pair_columns
@@ -74,17 +73,7 @@ def records(rows, spec: spec_lib.TaskSpec, tokenizer, run) -> list[dict]:
 
 # Labels -----------------------------------------------------------------------------------------
 
-def label_of(row, column: str) -> str:
-  value = row[column]
-  if isinstance(value, float) and value.is_integer():
-    # A JSON number is its value, not its spelling: 1 and 1.0 (pandas writes an integer column
-    # holding a gap as floats) are one class, named as the integer.
-    value = int(value)
-  text = "" if value is None else str(value).strip()
-  if not text:
-    raise ValueError(f"{row.where}: empty label in column {column!r}; every training and dev row "
-                     "needs one (leave a row out, or give it its label).")
-  return text
+label_of = custom.text_label  # a label column holds class names
 
 
 def sorted_labels(names) -> tuple[str, ...]:
@@ -197,7 +186,7 @@ def report(predictions, labels, names: Sequence[str]) -> dict:
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
   """Classification from one's own CSV, TSV or JSON Lines files (bertjax/finetune/custom.py)."""
   train_path, _, _ = custom.paths(cfg.data, "classification")
-  main = families.main_metric(cfg.eval, "classification")
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "classification", MAIN_METRICS)
   probe = custom.spec_of("classification", cfg, ("a", "b"))
   train_rows = custom.Rows(train_path, probe, cfg.data.format, need_labels=True)
   labels = custom.labels_given(cfg.data) or sorted_labels(train_rows.labels)
@@ -207,12 +196,13 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   spec = custom.spec_of("classification", cfg, labels)
 
   def features(rows: custom.Rows) -> dict[str, np.ndarray]:
-    return custom.pair_features(rows, spec, tokenizer, notes)
+    return custom.pair_features(rows, spec, tokenizer, notes, label_array)
 
   def scorer(rows: custom.Rows):
     def score(outputs):
       out = report(predicted(outputs), label_ids(rows, labels), labels)
-      return {**out, "main": families.main_value("classification", out, main)}
+      return {**out, "main": ft_metrics.main_value(
+          "classification", MAIN_METRICS, LOWER_IS_BETTER, out, main)}
     return score
 
   notes = label_notes(train_rows, spec.label)

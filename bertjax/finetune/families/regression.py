@@ -14,9 +14,8 @@ from typing import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import heads, train
-from bertjax.finetune import custom, families, metrics as ft_metrics, objectives
-from bertjax.finetune import spec as spec_lib
+from bertjax import heads, taskspec as spec_lib, train
+from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
 
@@ -25,7 +24,7 @@ HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 0
 MAIN_METRICS = ("pearson", "spearman", "mse")
-BATCH_KEYS = ("label",)  # the targets a batch carries to the device (objective)
+BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
 RECORD_KEYS = ("value", "truncated")  # of a prediction record (records)
 LOWER_IS_BETTER = ("mse",)
 columns = custom.pair_columns
@@ -92,22 +91,24 @@ def report(predictions, labels) -> dict:
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
   """Regression from one's own CSV, TSV or JSON Lines files (bertjax/finetune/custom.py)."""
   train_path, _, _ = custom.paths(cfg.data, "regression")
-  main = families.main_metric(cfg.eval, "regression")
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "regression", MAIN_METRICS)
   spec = custom.spec_of("regression", cfg)
-  train_rows = custom.Rows(train_path, spec, cfg.data.format, need_labels=True)
+  train_rows = custom.Rows(train_path, spec, cfg.data.format, need_labels=True, label_of=label_of)
 
   def features(rows: custom.Rows) -> dict[str, np.ndarray]:
-    return custom.pair_features(rows, spec, tokenizer, notes)
+    return custom.pair_features(rows, spec, tokenizer, notes, label_array)
 
   def scorer(rows: custom.Rows):
     def score(outputs):
       out = report(predicted(outputs), np.array(rows.labels, np.float32))
-      return {**out, "main": families.main_value("regression", out, main)}
+      return {**out, "main": ft_metrics.main_value(
+          "regression", MAIN_METRICS, LOWER_IS_BETTER, out, main)}
     return score
 
   notes: list[str] = []
   train = features(train_rows)
   if cfg.class_weights:
     raise ValueError("train.class_weights applies to classification, not regression.")
-  evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode, notes)
+  evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode, notes,
+                                     label_of=label_of)
   return TaskData("regression", objective(spec), train, evals, predicts, main, notes, spec=spec)

@@ -16,8 +16,8 @@ import functools
 
 import numpy as np
 
-from bertjax import heads, losses, train
-from bertjax.finetune import custom, families, objectives, spec as spec_lib, squad, squad_metrics
+from bertjax import heads, losses, taskspec as spec_lib, train
+from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad, squad_metrics
 from bertjax.finetune import squad_postprocess, textfiles
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
@@ -27,7 +27,7 @@ HF_CLASS = "BertForQuestionAnswering"
 HF_HEAD = "qa_outputs"
 MIN_LABELS = 0
 MAIN_METRICS = ("f1", "exact")
-BATCH_KEYS = ("start_positions", "end_positions")  # the targets a batch carries to the device (objective)
+BATCH_KEYS = ("start_positions", "end_positions")  # the targets a batch carries (objective)
 RECORD_KEYS = ("answer", "start", "score")  # of a prediction record (records)
 LOWER_IS_BETTER = ()
 columns = custom.pair_columns
@@ -133,6 +133,6 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   train_set = squad.read_squad_json(data.train_file, is_training=True)
   said = data.version_2_with_negative
   version_2 = bool(said) if said is not None else any(e.is_impossible for e in train_set.examples)
-  main = families.main_metric(cfg.eval, "span")
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "span", MAIN_METRICS)
   dev_set = squad.read_squad_json(data.dev_file, is_training=False)
   return task(spec_of("span", cfg, version_2), train_set, dev_set, main, tokenizer)

@@ -24,8 +24,8 @@ from typing import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import heads, train
-from bertjax.finetune import custom, families, ner, objectives, spec as spec_lib, textfiles
+from bertjax import heads, taskspec as spec_lib, train
+from bertjax.finetune import custom, metrics as ft_metrics, ner, objectives, textfiles
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
 
@@ -34,7 +34,7 @@ HF_CLASS = "BertForTokenClassification"
 HF_HEAD = "classifier"
 MIN_LABELS = 2
 MAIN_METRICS = ("f1", "precision", "recall", "accuracy")
-BATCH_KEYS = ("label_ids", "label_weights")  # the targets a batch carries to the device (objective)
+BATCH_KEYS = ("label_ids", "label_weights")  # the targets a batch carries (objective)
 RECORD_KEYS = ("text", "entities", "tags")  # of a prediction record (records)
 LOWER_IS_BETTER = ()
 
@@ -184,7 +184,8 @@ def scorer(sentences: Sequence[ner.Sentence], features, labels: Sequence[str], m
   def score(outputs):
     predicted = tags_from_predictions(features, outputs["predicted"], sentences, labels)
     out = conlleval(gold, predicted)
-    return {**out, "main": families.main_value("tagging", out, main)}
+    return {**out, "main": ft_metrics.main_value(
+        "tagging", MAIN_METRICS, LOWER_IS_BETTER, out, main)}
   return score
 
 
@@ -295,7 +296,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   and tags; tags read in their scheme (config.data.tag_scheme, or detected from the training
   file) and learned as IOB2 tags of the entity types found."""
   train_path, dev_path, test_path = custom.paths(cfg.data, "tagging")
-  main = families.main_metric(cfg.eval, "tagging")
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "tagging", MAIN_METRICS)
   fmt = cfg.data.format
   probe = custom.spec_of("tagging", cfg, ("O", "B-X"))
   raw_train = read_tagged(train_path, probe, fmt)

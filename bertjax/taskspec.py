@@ -8,6 +8,8 @@ without their label map.
 
 The family names a module of bertjax/finetune/families/, which says the head (its parameter
 subtree beside "bert", its width), the objective, the prediction records and the export class.
+The families register themselves in FAMILIES when bertjax.finetune.families is imported: the spec
+sits below fine-tuning (docs/contributing.md#layers) and reads them there.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from bertjax import files
 FILE = "task.json"
 META_KEY = "task_spec"  # in the record saved beside every checkpoint
 TAG_SCHEMES = ("IO", "BIO", "IOB1", "IOBES")
+FAMILIES: dict[str, Any] = {}  # name -> its module; filled by bertjax/finetune/families/
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
   task: str  # the run's task: "classification", ..., or a benchmark's name ("MRPC", "conll2003")
-  family: str  # a name of families.FAMILIES
+  family: str  # a name of FAMILIES
   labels: tuple[str, ...] = ()  # classification: class names by id; tagging: tag names by id
   max_seq_length: int = 128
   # Input columns `predict` reads (CSV/TSV header names or JSON Lines keys).
@@ -47,7 +50,7 @@ class TaskSpec:
   def __post_init__(self):
     problems = []
     try:
-      need = _family(self.family).MIN_LABELS
+      need = family_of(self.family).MIN_LABELS
     except ValueError as err:
       problems.append(str(err))
     else:
@@ -62,12 +65,12 @@ class TaskSpec:
   @property
   def num_outputs(self) -> int:
     """Width of the head: one score per label, 1 for regression, 2 (start, end) for spans."""
-    return _family(self.family).num_outputs(self)
+    return family_of(self.family).num_outputs(self)
 
   @property
   def head(self) -> str:
     """The head's parameter subtree beside the encoder's ("bert")."""
-    return _family(self.family).HEAD
+    return family_of(self.family).HEAD
 
   def to_dict(self) -> dict:
     out = dataclasses.asdict(self)
@@ -82,11 +85,13 @@ class TaskSpec:
     return cls(**values)
 
 
-def _family(name: str):
-  # Imported here: the families import this module (their specs), and reading a task.json need
-  # not load them before a spec is made.
-  from bertjax.finetune import families  # pylint: disable=import-outside-toplevel
-  return families.get(name)
+def family_of(name: str):
+  """The registered family of this name (bertjax/finetune/families/)."""
+  if name not in FAMILIES:
+    raise ValueError(f"family={name!r} is not one of {tuple(FAMILIES)}"
+                     + ("" if FAMILIES else " (import bertjax.finetune.families, which registers "
+                        "them)"))
+  return FAMILIES[name]
 
 
 def write(spec: TaskSpec, workdir: str) -> None:
