@@ -12,7 +12,7 @@ fine-tuning, so the families register themselves there), and prediction and expo
 The hooks, as each module defines them:
   HEAD             the head's parameter subtree beside the encoder's ("bert")
   HF_CLASS         the transformers class an export writes ...
-  HF_HEAD          ... and the name of its head there (bertjax/convert/hf.py writes both)
+  HF_HEAD          ... and the name of its head there (bertjax/formats/hf.py writes both)
   MIN_LABELS       the fewest label names a spec of the family holds
   MAIN_METRICS     the dev numbers that may pick the best checkpoint (the first by default) ...
   LOWER_IS_BETTER  ... and those of them where lower is better
