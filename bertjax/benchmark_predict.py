@@ -36,7 +36,7 @@ from absl import app, flags
 
 from bertjax import cli, flops, predict, taskspec
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import objectives
+from bertjax.finetune import families
 from bertjax.formats import converted
 from bertjax.model import BertConfig
 
@@ -71,7 +71,7 @@ def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
 def bertjax_predictor(cfg: BertConfig):
   spec = taskspec.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
                            MAX_LEN)
-  model = objectives.classification(LABELS).make_model(cfg)
+  model = families.get(spec.family).objective(spec).make_model(cfg)
   dummy = {k: jnp.zeros((1, 8), jnp.int32) for k in ("input_ids", "input_mask", "segment_ids")}
   params = jax.jit(lambda: model.init(jax.random.PRNGKey(0), dummy["input_ids"],
                                       dummy["input_mask"], dummy["segment_ids"])["params"])()
@@ -184,7 +184,7 @@ def _tiny_workdir(root: str) -> str:
                                                             "epsilon", "zeta", "eta", "theta"]))
   cfg = BertConfig(vocab_size=13, hidden_size=32, num_layers=2, num_heads=2,
                    intermediate_size=64, max_position_embeddings=128)
-  model = objectives.classification(2).make_model(cfg)
+  model = families.get("classification").objective_of(2).make_model(cfg)
   z = jnp.zeros((1, 8), jnp.int32)
   params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,

@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from typing import Any, Iterable, Iterator, Sequence
@@ -48,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bertjax import cli, files, taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import custom, glue, ner, objectives, squad, squad_postprocess, textfiles
+from bertjax.finetune import families, glue, textfiles
 from bertjax.model import BertConfig, BertModel
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -58,13 +57,6 @@ POOLINGS = ("cls", "mean")
 
 def bucket_width(length: int, cap: int) -> int:
   return min(next((b for b in BUCKETS if b >= length), length), cap)
-
-
-def _objective(spec: spec_lib.TaskSpec):
-  return {"classification": lambda: objectives.classification(len(spec.labels)),
-          "regression": objectives.regression,
-          "tagging": lambda: objectives.tagging(len(spec.labels)),
-          "span": objectives.span}[spec.family]()
 
 
 class Predictor:
@@ -137,7 +129,7 @@ class Predictor:
           total_BxD = jnp.sum(seq_BxLxD.astype(jnp.float32) * m_BxLx1, axis=1)
           return {"vector": total_BxD / jnp.maximum(jnp.sum(m_BxLx1, axis=1), 1.0)}
       else:
-        objective = _objective(self.spec)
+        objective = families.get(self.spec.family).objective(self.spec)
         model = objective.make_model(self.config)
 
         def fn(params, ids, mask, segments):
@@ -204,49 +196,11 @@ class Predictor:
     return list(self.predict_rows([_as_row(x, self.spec, k) for k, x in enumerate(inputs)]))
 
   def _records(self, rows: list[textfiles.Row], spec: spec_lib.TaskSpec) -> list[dict]:
-    family = spec.family
     ids = [{"id": r["id"]} if "id" in r else {} for r in rows]
-    if family in ("classification", "regression"):
-      texts_a = [textfiles.text_of(r, spec.text_a) for r in rows]
-      texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
-      features, truncated_N = glue.encode_pairs(texts_a, texts_b, self.tokenizer,
-                                                spec.max_seq_length)
-      records = custom.decode_pairs(spec, self.run(features))
-      for record, cut in zip(records, truncated_N):
-        if cut:  # the prediction is of the text's first max_seq_length tokens: marked, counted
-          record["truncated"] = True
-      self.truncated += int(truncated_N.sum())
-    elif family == "tagging":
-      sentences, texts, starts = [], [], []
-      for r in rows:
-        text, words, word_starts = _words_of(r, spec)
-        texts.append(text)
-        starts.append(word_starts)
-        sentences.append(ner.Sentence(r.where, tuple(words), ("O",) * len(words)))
-      features = ner.ner_features(sentences, self.tokenizer, spec.max_seq_length, spec.labels)
-      tags = ner.tags_from_predictions(features, self.run(features)["predicted"], sentences,
-                                       spec.labels)
-      records = [{"text": text, "entities": custom.entities(text, s.words, at, t), "tags": t}
-                 for text, s, at, t in zip(texts, sentences, starts, tags)]
-    else:
-      records = self._answers(rows, spec)
+    records = families.get(spec.family).records(rows, spec, self.tokenizer, self.run)
+    # A text cut to max_seq_length tokens is predicted from its beginning: marked, counted.
+    self.truncated += sum(1 for r in records if r.get("truncated"))
     return [{**i, **r} for i, r in zip(ids, records)]
-
-  def _answers(self, rows, spec) -> list[dict]:
-    examples = [squad.SquadExample(str(k), textfiles.text_of(r, spec.text_a),
-                                   textfiles.text_of(r, spec.text_b), (), ())
-                for k, r in enumerate(rows)]
-    features = squad.make_features(examples, self.tokenizer, max_seq_length=spec.max_seq_length,
-                                   doc_stride=spec.doc_stride,
-                                   max_query_length=spec.max_query_length)
-    out = self.run(features)
-    result = squad_postprocess.postprocess(
-        examples, features, out["start_logits"], out["end_logits"], n_best_size=spec.n_best_size,
-        max_answer_length=spec.max_answer_length,
-        version_2_with_negative=spec.version_2_with_negative,
-        null_score_diff_threshold=spec.null_score_diff_threshold)
-    return [{"answer": result.predictions[e.qas_id], "start": result.answer_starts[e.qas_id],
-             "score": round(result.scores[e.qas_id], 6)} for e in examples]
 
   # Embeddings -----------------------------------------------------------------------------------
 
@@ -277,16 +231,8 @@ class Predictor:
       yield flush()
 
 
-def _needed(spec: spec_lib.TaskSpec) -> list[str]:
-  if spec.family == "tagging":
-    return [spec.tokens]
-  return custom.text_columns(spec)
-
-
 def _check_columns(row: textfiles.Row, spec: spec_lib.TaskSpec, source: str) -> None:
-  needed = _needed(spec)
-  if spec.family == "tagging" and spec.tokens not in row and spec.text_a in row:
-    return  # raw text: split into words on whitespace
+  needed = families.get(spec.family).columns(spec, row)
   missing = [c for c in needed if c not in row]
   if missing:
     raise ValueError(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}, the model "
@@ -299,25 +245,10 @@ def _as_row(x, spec: spec_lib.TaskSpec, k: int) -> textfiles.Row:
     row = textfiles.Row(x)
   elif isinstance(x, str):
     row = textfiles.Row({spec.text_a: x})
-  elif spec.family == "tagging":
-    row = textfiles.Row({spec.tokens: list(x)})
   else:
-    a, b = x
-    row = textfiles.Row({spec.text_a: a, spec.text_b or "text_b": b})
+    row = textfiles.Row(families.get(spec.family).as_row(x, spec))
   row.where = f"input #{k}"
   return row
-
-
-def _words_of(row: textfiles.Row, spec) -> tuple[str, list[str], list[int]]:
-  """The text, its words and where each starts: a tokens column joined by spaces, or a text
-  column split on whitespace (offsets then point into the text as given)."""
-  if spec.tokens in row:
-    words = textfiles.list_of(row, spec.tokens)
-    text, starts = custom.word_starts(words)
-    return text, words, starts
-  text = textfiles.text_of(row, spec.text_a)
-  found = list(re.finditer(r"\S+", text))
-  return text, [m.group() for m in found], [m.start() for m in found]
 
 
 class _Progress:
@@ -339,10 +270,10 @@ class _Progress:
     sys.stderr.flush()
 
 
-# The keys of a record predict writes (the module docstring): an existing file whose first line
-# is such a record was written by predict, and may be written again.
-RECORD_KEYS = frozenset({"id", "label", "probabilities", "value", "text", "entities", "tags",
-                         "answer", "start", "score", "truncated"})
+def record_keys() -> frozenset[str]:
+  """The keys of a record predict writes (the module docstring), of every family: an existing
+  file whose first line is such a record was written by predict, and may be written again."""
+  return frozenset({"id"}).union(*(f.RECORD_KEYS for f in families.FAMILIES.values()))
 
 
 def _written_by_us(path: str, embed: bool) -> bool:
@@ -365,7 +296,7 @@ def _written_by_us(path: str, embed: bool) -> bool:
     record = json.loads(first)
   except ValueError:
     return False
-  return isinstance(record, dict) and bool(record) and set(record) <= RECORD_KEYS
+  return isinstance(record, dict) and bool(record) and set(record) <= record_keys()
 
 
 def check_output(input_path: str, output_path: str, *, overwrite: bool, embed: bool) -> None:

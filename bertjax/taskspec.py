@@ -6,11 +6,10 @@ spans or tags are decoded. A run writes it to `WORKDIR/task.json` before its fir
 the record of every checkpoint it saves (the key "task_spec"), so the weights never travel
 without their label map.
 
-Families and their heads (bertjax/heads.py, parameter subtree beside "bert"):
-  classification  BertForSequenceClassification(num_labels=len(labels))  "classifier"
-  regression      BertForSequenceClassification(num_labels=1)            "classifier"
-  tagging         BertForTokenClassification(num_labels=len(labels))     "classifier"
-  span            BertForSpanExtraction                                  "span"
+The family names a module of bertjax/finetune/families/, which says the head (its parameter
+subtree beside "bert", its width), the objective, the prediction records and the export class.
+The families register themselves in FAMILIES when bertjax.finetune.families is imported: the spec
+sits below fine-tuning (docs/contributing.md#layers) and reads them there.
 """
 
 from __future__ import annotations
@@ -23,14 +22,14 @@ from bertjax import files
 
 FILE = "task.json"
 META_KEY = "task_spec"  # in the record saved beside every checkpoint
-FAMILIES = ("classification", "regression", "tagging", "span")
 TAG_SCHEMES = ("IO", "BIO", "IOB1", "IOBES")
+FAMILIES: dict[str, Any] = {}  # name -> its module; filled by bertjax/finetune/families/
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
   task: str  # the run's task: "classification", ..., or a benchmark's name ("MRPC", "conll2003")
-  family: str  # one of FAMILIES
+  family: str  # a name of FAMILIES
   labels: tuple[str, ...] = ()  # classification: class names by id; tagging: tag names by id
   max_seq_length: int = 128
   # Input columns `predict` reads (CSV/TSV header names or JSON Lines keys).
@@ -50,10 +49,14 @@ class TaskSpec:
 
   def __post_init__(self):
     problems = []
-    if self.family not in FAMILIES:
-      problems.append(f"family={self.family!r} is not one of {FAMILIES}")
-    if self.family in ("classification", "tagging") and len(self.labels) < 2:
-      problems.append(f"a {self.family} task needs at least 2 labels, not {list(self.labels)}")
+    try:
+      need = family_of(self.family).MIN_LABELS
+    except ValueError as err:
+      problems.append(str(err))
+    else:
+      if len(self.labels) < need:
+        problems.append(f"a {self.family} task needs at least {need} labels, not "
+                        f"{list(self.labels)}")
     if self.tag_scheme and self.tag_scheme not in TAG_SCHEMES:
       problems.append(f"tag_scheme={self.tag_scheme!r} is not one of {TAG_SCHEMES}")
     if problems:
@@ -62,12 +65,12 @@ class TaskSpec:
   @property
   def num_outputs(self) -> int:
     """Width of the head: one score per label, 1 for regression, 2 (start, end) for spans."""
-    return {"regression": 1, "span": 2}.get(self.family, len(self.labels))
+    return family_of(self.family).num_outputs(self)
 
   @property
   def head(self) -> str:
     """The head's parameter subtree beside the encoder's ("bert")."""
-    return "span" if self.family == "span" else "classifier"
+    return family_of(self.family).HEAD
 
   def to_dict(self) -> dict:
     out = dataclasses.asdict(self)
@@ -80,6 +83,15 @@ class TaskSpec:
     values = {k: v for k, v in values.items() if k in known}
     values["labels"] = tuple(values.get("labels", ()))
     return cls(**values)
+
+
+def family_of(name: str):
+  """The registered family of this name (bertjax/finetune/families/)."""
+  if name not in FAMILIES:
+    raise ValueError(f"family={name!r} is not one of {tuple(FAMILIES)}"
+                     + ("" if FAMILIES else " (import bertjax.finetune.families, which registers "
+                        "them)"))
+  return FAMILIES[name]
 
 
 def write(spec: TaskSpec, workdir: str) -> None:

@@ -25,6 +25,8 @@ from configs import base
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BertConfig)}
 
 SQUAD = ("squad_v1.1", "squad_v2.0")
+# One's own tasks, named by their family (bertjax/finetune/families/, a layer above configs/:
+# tests/test_finetune_families.py holds this to its FAMILIES).
 OWN_TASKS = ("classification", "regression", "tagging", "span")
 
 
@@ -66,7 +68,7 @@ def get_config(task: str = "next"):
   e.max_answer_length = 30
   e.null_score_diff_threshold = 0.0  # v2.0: answer "" when null - best > this
   # One's own task: the dev score that picks the best checkpoint ("" = accuracy for classification,
-  # pearson for regression, f1 for tagging and span; see finetune/metrics.py MAIN_METRICS).
+  # pearson for regression, f1 for tagging and span; each family's MAIN_METRICS, finetune/families/).
   e.main_metric = ""
 
   # The encoder: 0 / "" takes init_from's value (shape keys must then match it): its shape,

@@ -20,8 +20,9 @@ import pytest
 
 from bertjax import predict as predict_lib
 from bertjax import taskspec as spec_lib
-from bertjax.finetune import custom, metrics as ft_metrics, ner, run, tasks
+from bertjax.finetune import custom, families, ner, run
 from bertjax.finetune import textfiles
+from bertjax.finetune.families import classification, tagging
 import finetune_fixtures as fx
 
 ROUTES = ("billing", "delivery", "login", "refund")  # the label names
@@ -247,7 +248,7 @@ def test_json_labels_equal_as_numbers_are_one_class_and_near_spellings_are_said(
   probe = spec_lib.TaskSpec("classification", "classification", ("a", "b"), text_a="text")
   rows = custom.Rows(str(path), probe, "", need_labels=True)
   assert rows.labels == ["1", "1", "0", "0", "2.5", "Pos", "pos", "neg", "neg"]
-  notes = " | ".join(custom.label_notes(rows, "label"))
+  notes = " | ".join(classification.label_notes(rows, "label"))
   assert "1 label(s) in column 'label'" in notes and "spaces around them" in notes
   assert "['Pos', 'pos']" in notes and "differ only in case" in notes and "t.jsonl:6" in notes
 
@@ -419,7 +420,7 @@ def test_tagging_rows_with_mismatched_lengths_and_schemes(tmp_path):
   path.write_text('{"tokens": ["a", "b"], "tags": ["O"]}\n')
   probe = spec_lib.TaskSpec("tagging", "tagging", ("O", "B-X"))
   with pytest.raises(ValueError, match=r"t.jsonl:1: 2 word\(s\) in 'tokens' but 1 tag"):
-    custom.read_tagged(str(path), probe, "")
+    tagging.read_tagged(str(path), probe, "")
   assert ner.detect_scheme([["B-PER", "I-PER", "O", "B-LOC"]]) == "BIO"
   assert ner.detect_scheme([["I-PER", "I-PER", "O", "B-PER"]]) == "IOB1"
   assert ner.detect_scheme([["PER", "O", "LOC"]]) == "IO"
@@ -437,7 +438,7 @@ def test_tagging_rows_with_mismatched_lengths_and_schemes(tmp_path):
 
 def test_classification_report_known_answers():
   # true: a a a b b c; predicted: a a b b c c
-  r = ft_metrics.classification_report([0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, 2], ("a", "b", "c"))
+  r = classification.report([0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, 2], ("a", "b", "c"))
   assert r["confusion"]["matrix"] == [[2, 1, 0], [0, 1, 1], [0, 0, 1]]
   assert r["per_class"]["a"] == {"precision": 1.0, "recall": 2 / 3, "f1": 0.8, "support": 3}
   assert r["per_class"]["b"]["precision"] == 0.5 and r["per_class"]["c"]["recall"] == 1.0
@@ -448,14 +449,14 @@ def test_classification_report_known_answers():
 def test_class_weights(tmp_path):
   labels = ("a", "b", "c")
   ids = np.array([0, 0, 0, 0, 1, 1, 2, 2])
-  assert custom.class_weights("balanced", labels, ids) == pytest.approx([8 / 12, 8 / 6, 8 / 6])
-  assert custom.class_weights(" c=3", labels, ids) == [1.0, 1.0, 3.0]
-  assert custom.class_weights("", labels, ids) is None
+  assert classification.class_weights("balanced", labels, ids) == pytest.approx([8 / 12, 8 / 6, 8 / 6])
+  assert classification.class_weights(" c=3", labels, ids) == [1.0, 1.0, 3.0]
+  assert classification.class_weights("", labels, ids) is None
   with pytest.raises(ValueError, match=r"'d=3' is not label=weight with a label of"):
-    custom.class_weights("d=3", labels, ids)
+    classification.class_weights("d=3", labels, ids)
   # The weighted loss is the weighted mean of the examples' losses.
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  obj = __import__("bertjax.finetune.objectives", fromlist=["x"]).classification(3, [1.0, 1.0, 3.0])
+  obj = classification.objective_of(3, [1.0, 1.0, 3.0])
   logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
   batch = {"label": jnp.array([0, 1]), "weight": jnp.ones(2)}
   loss, den = obj.metrics(logits, batch)["cls_loss"]
@@ -558,7 +559,7 @@ def _same_outputs(workdir, folder, cls_name, texts, pair=None):
   p = predict_lib.Predictor.from_workdir(workdir)
   from bertjax.finetune import glue  # pylint: disable=import-outside-toplevel
   f, _ = glue.encode_pairs(texts, pair, p.tokenizer, 32)
-  head = predict_lib._objective(p.spec).make_model(p.config)  # pylint: disable=protected-access
+  head = families.get(p.spec.family).objective(p.spec).make_model(p.config)
   params = weights.read(weights.inspect_trained(workdir))
   ours = head.apply({"params": params}, f["input_ids"], f["input_mask"], f["segment_ids"])
   with torch.inference_mode():

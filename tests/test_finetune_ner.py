@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from bertjax.finetune import ner
+from bertjax.finetune.families import tagging
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "eu", "reject", "##s", "german", "call",
          "to", "boy", "##cott", "british", "lamb", ".", "peter", "black", "##burn"]
@@ -154,7 +155,7 @@ def test_conlleval_hand_made_counts():
   gold = [["B-PER", "I-PER", "O", "B-LOC"], ["I-ORG", "I-ORG", "B-ORG"]]  # IOB2, then IOB1
   predicted = [["B-PER", "O", "O", "B-LOC"],  # PER boundary wrong, LOC right
                ["I-ORG", "I-ORG", "I-ORG"]]  # one ORG where gold has two: wrong
-  result = ner.conlleval(gold, predicted)
+  result = tagging.conlleval(gold, predicted)
   assert (result["correct_entities"], result["gold_entities"], result["predicted_entities"]) == (
       1, 4, 3)
   assert result["precision"] == pytest.approx(1 / 3) and result["recall"] == pytest.approx(1 / 4)
@@ -163,10 +164,10 @@ def test_conlleval_hand_made_counts():
   assert result["per_type"]["LOC"]["f1"] == 1.0
   assert result["per_type"]["ORG"]["predicted_entities"] == 1
   # Right span, wrong type: not counted.
-  assert ner.conlleval([["B-PER"]], [["B-ORG"]])["correct_entities"] == 0
+  assert tagging.conlleval([["B-PER"]], [["B-ORG"]])["correct_entities"] == 0
   # I- after O in a prediction opens an entity, which matches a gold B-.
-  assert ner.conlleval([["O", "B-LOC", "I-LOC"]], [["O", "I-LOC", "I-LOC"]])["f1"] == 1.0
-  assert ner.conlleval([["O"]], [["O"]])["f1"] == 0.0  # nothing to find: 0, as conlleval prints
+  assert tagging.conlleval([["O", "B-LOC", "I-LOC"]], [["O", "I-LOC", "I-LOC"]])["f1"] == 1.0
+  assert tagging.conlleval([["O"]], [["O"]])["f1"] == 0.0  # nothing to find: 0, as conlleval prints
 
 
 def test_conlleval_counts_equal_the_state_machine_on_random_tags():
@@ -174,7 +175,7 @@ def test_conlleval_counts_equal_the_state_machine_on_random_tags():
   tags = list(ner.CONLL2003_LABELS)
   gold = [[rng.choice(tags) for _ in range(rng.randint(1, 12))] for _ in range(400)]
   predicted = [[t if rng.random() < 0.7 else rng.choice(tags) for t in s] for s in gold]
-  result = ner.conlleval(gold, predicted)
+  result = tagging.conlleval(gold, predicted)
   assert (result["correct_entities"], result["gold_entities"], result["predicted_entities"]) == (
       _conlleval_reference(gold, predicted))
   assert 0 < result["correct_entities"] < result["gold_entities"]
@@ -182,14 +183,14 @@ def test_conlleval_counts_equal_the_state_machine_on_random_tags():
 
 def test_conlleval_refuses_misaligned_input():
   with pytest.raises(ValueError, match="Sentence 0: 1 predicted tags for 2 words"):
-    ner.conlleval([["O", "O"]], [["O"]])
+    tagging.conlleval([["O", "O"]], [["O"]])
   with pytest.raises(ValueError, match="Tag 'X' .* is not O, B-TYPE or I-TYPE"):
-    ner.conlleval([["X"]], [["O"]])
+    tagging.conlleval([["X"]], [["O"]])
 
 
 def test_first_piece_labels_and_weights(tok):
   s = ner.Sentence("x", ("EU", "rejects", "boycott", "."), ("B-ORG", "O", "B-MISC", "O"))
-  f = ner.ner_features([s], tok, max_seq_length=10)
+  f = tagging.ner_features([s], tok, max_seq_length=10)
   i = ID
   np.testing.assert_array_equal(f["input_ids"][0], [i["[CLS]"], i["eu"], i["reject"], i["##s"],
                                                     i["boy"], i["##cott"], i["."], i["[SEP]"], 0, 0])
@@ -205,7 +206,7 @@ def test_long_sentence_splits_into_windows_and_joins_back(tok):
   tags = ("B-PER", "I-PER", "O", "B-MISC", "O", "B-ORG", "O", "O")
   short = ner.Sentence("y", ("EU",), ("B-ORG",))
   sentences = [ner.Sentence("x", words, tags), short]
-  f = ner.ner_features(sentences, tok, max_seq_length=7)  # 5 pieces per window
+  f = tagging.ner_features(sentences, tok, max_seq_length=7)  # 5 pieces per window
   # Pieces per word: 1 2 2 1 1 1 1 2; whole words per window: 3 words | 4 | 1 -> 3 windows,
   # then the short sentence.
   np.testing.assert_array_equal(f["sentence_index"], [0, 0, 0, 1])
@@ -214,22 +215,22 @@ def test_long_sentence_splits_into_windows_and_joins_back(tok):
   assert (f["input_mask"].sum(1) <= 7).all()
   # Gold ids in, gold tags out; conlleval over the joined sentences then scores 1.
   predicted = np.where(f["label_weights"] > 0, f["label_ids"], L["I-LOC"])
-  joined = ner.tags_from_predictions(f, predicted, sentences)
+  joined = tagging.tags_from_predictions(f, predicted, sentences)
   assert joined == [list(tags), ["B-ORG"]]
-  assert ner.conlleval([s.tags for s in sentences], joined)["f1"] == 1.0
+  assert tagging.conlleval([s.tags for s in sentences], joined)["f1"] == 1.0
   with pytest.raises(ValueError, match="keep the windows in order"):
-    ner.tags_from_predictions({**f, "sentence_index": f["sentence_index"][[0, 0, 0, 1]],
+    tagging.tags_from_predictions({**f, "sentence_index": f["sentence_index"][[0, 0, 0, 1]],
                                "first_word": f["first_word"][[1, 0, 2, 3]]}, predicted, sentences)
 
 
 def test_word_without_pieces_and_word_longer_than_the_window(tok):
   s = ner.Sentence("x", ("\u200b", "Blackburn"), ("O", "B-PER"))  # a zero-width space: no pieces
-  f = ner.ner_features([s], tok, max_seq_length=3)
+  f = tagging.ner_features([s], tok, max_seq_length=3)
   np.testing.assert_array_equal(f["input_ids"], [[ID["[CLS]"], ID["[UNK]"], ID["[SEP]"]],
                                                  [ID["[CLS]"], ID["black"], ID["[SEP]"]]])
-  assert ner.tags_from_predictions(f, f["label_ids"], [s]) == [["O", "B-PER"]]
+  assert tagging.tags_from_predictions(f, f["label_ids"], [s]) == [["O", "B-PER"]]
   with pytest.raises(ValueError, match=r"here:3: tag\(s\) \['B-DATE'\] are not in the labels"):
-    ner.ner_features([ner.Sentence("here:3", ("x",), ("B-DATE",))], tok, 8)
+    tagging.ner_features([ner.Sentence("here:3", ("x",), ("B-DATE",))], tok, 8)
 
 
 def test_tfds_not_built_and_rows(tmp_path):

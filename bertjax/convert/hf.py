@@ -26,6 +26,7 @@ import shutil
 
 from bertjax import files, taskspec, weights
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.finetune import families  # registers the task families the spec reads
 from bertjax.formats import converted, hf, outfolder
 from bertjax.model import BertConfig
 
@@ -75,7 +76,8 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
     else:
       sd, extra = hf.task_to_hf(params, source.config, spec)
       hf.write_hf_dir(folder, sd, {**hf_config, **extra})
-      what = hf.TASK_CLASSES[spec.family] + (f", {len(spec.labels)} labels" if spec.labels else "")
+      what = families.get(spec.family).HF_CLASS + (f", {len(spec.labels)} labels"
+                                                   if spec.labels else "")
     said = write_tokenizer_files(source, folder, source.config)
   return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
           f"{said}{folder.said()})")

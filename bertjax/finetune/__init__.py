@@ -1,2 +1,3 @@
-"""Fine-tuning: `python -m bertjax.finetune` (run.py), one module per task family for its data,
-metrics and prediction files (glue, squad*, ner), the heads' objectives, and the built-in task."""
+"""Fine-tuning: `python -m bertjax.finetune` (run.py). One module per task family (families/: head,
+objective, features, metric, predictions, export class); the benchmarks as readers that hand a
+family their examples (tasks.py over glue, squad*, ner, builtin); one's own files (custom.py)."""

@@ -2,7 +2,7 @@
 (configs/finetune.py's `task`, its `data` and `eval` sections, and `train.class_weights`).
 
 The run builds it once (`TaskConfig.from_config(config)`) and passes it to the task readers
-(tasks.py, custom.py); below that, nothing reads the ConfigDict. As pre-training's `DataConfig`
+(tasks.py, families/); below that, nothing reads the ConfigDict. As pre-training's `DataConfig`
 (bertjax/data/config.py), the dataclasses hold no defaults (configs/finetune.py has them): a key
 the config lacks or one a dataclass does not know is an error that names it.
 """
@@ -75,7 +75,7 @@ class TaskConfig:
   task: str  # as given (tasks.canonical names it)
   data: FinetuneDataConfig
   eval: EvalConfig
-  class_weights: str  # train.class_weights: read with the task's labels (custom.class_weights)
+  class_weights: str  # train.class_weights, read with the labels (families/classification.py)
 
   @classmethod
   def from_config(cls, config) -> "TaskConfig":

@@ -1,4 +1,5 @@
-"""Fine-tuning metrics in numpy, and which ones each GLUE task reports.
+"""Fine-tuning metrics in numpy, and which ones each GLUE task reports (each task family's own
+report is in its module, bertjax/finetune/families/).
 
 Host-side on purpose: these run once per evaluation over a whole dev set (predictions gathered to
 numpy), and correlation and F1 do not decompose into per-batch (sum, denominator) pairs.
@@ -17,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 
-def _check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
+def check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
   predictions_N, labels_N = np.asarray(predictions).reshape(-1), np.asarray(labels).reshape(-1)
   if predictions_N.shape != labels_N.shape:
     raise ValueError(f"{name}: {predictions_N.size} predictions for {labels_N.size} labels; "
@@ -28,13 +29,13 @@ def _check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]
 
 
 def accuracy(predictions, labels) -> float:
-  predictions_N, labels_N = _check_pair(predictions, labels, "accuracy")
+  predictions_N, labels_N = check_pair(predictions, labels, "accuracy")
   return float(np.mean(predictions_N == labels_N))
 
 
 def f1(predictions, labels, positive=1) -> float:
   """Binary F1 of the class `positive` (MRPC: 1 = equivalent, QQP: 1 = duplicate)."""
-  predictions_N, labels_N = _check_pair(predictions, labels, "f1")
+  predictions_N, labels_N = check_pair(predictions, labels, "f1")
   predicted, actual = predictions_N == positive, labels_N == positive
   true_pos = np.sum(predicted & actual)
   # 2TP / (2TP + FP + FN) equals 2PR / (P + R) and stays defined when P or R is 0/0.
@@ -45,7 +46,7 @@ def f1(predictions, labels, positive=1) -> float:
 def matthews_corrcoef(predictions, labels) -> float:
   """Matthews correlation from the confusion matrix; for K classes, Gorodkin's generalisation
   (which for two classes is (TP*TN - FP*FN) / sqrt((TP+FP)(TP+FN)(TN+FP)(TN+FN)))."""
-  predictions_N, labels_N = _check_pair(predictions, labels, "matthews_corrcoef")
+  predictions_N, labels_N = check_pair(predictions, labels, "matthews_corrcoef")
   classes, inverse = np.unique(np.concatenate([labels_N, predictions_N]), return_inverse=True)
   k, n = len(classes), labels_N.size
   confusion_KxK = np.zeros((k, k), np.float64)  # [true, predicted]
@@ -58,7 +59,7 @@ def matthews_corrcoef(predictions, labels) -> float:
 
 
 def pearson(predictions, labels) -> float:
-  x_N, y_N = _check_pair(predictions, labels, "pearson")
+  x_N, y_N = check_pair(predictions, labels, "pearson")
   x_N, y_N = x_N.astype(np.float64), y_N.astype(np.float64)
   dx_N, dy_N = x_N - x_N.mean(), y_N - y_N.mean()
   denominator = np.sqrt(np.sum(dx_N * dx_N) * np.sum(dy_N * dy_N))
@@ -85,7 +86,7 @@ def average_ranks(x) -> np.ndarray:
 
 
 def spearman(predictions, labels) -> float:
-  x_N, y_N = _check_pair(predictions, labels, "spearman")
+  x_N, y_N = check_pair(predictions, labels, "spearman")
   return pearson(average_ranks(x_N), average_ranks(y_N))
 
 
@@ -142,59 +143,20 @@ def glue_metrics(task: str, predictions: Sequence, labels: Sequence) -> dict[str
   return result
 
 
-# Your own tasks ----------------------------------------------------------------------------------
+# The number that picks the best checkpoint of one's own task --------------------------------------
 
-def classification_report(predictions, labels, names: Sequence[str]) -> dict:
-  """accuracy, macro_f1 (the unweighted mean over classes, so a rare class counts as much as a
-  common one), micro_f1 (over all decisions: equal to accuracy for one label per example),
-  per_class {name: precision, recall, f1, support} and the confusion matrix (rows: the true label,
-  columns: the predicted one, both in the order of `names`). Ids index `names`.
-
-  A class never predicted has precision 0 and one absent from the labels recall 0, as sklearn's
-  zero_division=0; macro_f1 averages over every class of `names`."""
-  predictions_N, labels_N = _check_pair(predictions, labels, "classification_report")
-  k = len(names)
-  confusion_KxK = np.zeros((k, k), np.int64)
-  np.add.at(confusion_KxK, (labels_N.astype(np.int64), predictions_N.astype(np.int64)), 1)
-  true_pos_K = np.diag(confusion_KxK).astype(np.float64)
-  predicted_K, actual_K = confusion_KxK.sum(0), confusion_KxK.sum(1)
-  precision_K = np.divide(true_pos_K, predicted_K, out=np.zeros(k), where=predicted_K > 0)
-  recall_K = np.divide(true_pos_K, actual_K, out=np.zeros(k), where=actual_K > 0)
-  denominator_K = predicted_K + actual_K
-  f1_K = np.divide(2 * true_pos_K, denominator_K, out=np.zeros(k), where=denominator_K > 0)
-  total = float(labels_N.size)
-  return {
-      "accuracy": float(true_pos_K.sum() / total),
-      "macro_f1": float(f1_K.mean()),
-      "micro_f1": float(2 * true_pos_K.sum() / (predicted_K.sum() + actual_K.sum())),
-      "per_class": {name: {"precision": float(precision_K[i]), "recall": float(recall_K[i]),
-                           "f1": float(f1_K[i]), "support": int(actual_K[i])}
-                    for i, name in enumerate(names)},
-      "confusion": {"labels": list(names), "matrix": confusion_KxK.tolist()},
-  }
-
-
-def regression_report(predictions, labels) -> dict:
-  predictions_N, labels_N = _check_pair(predictions, labels, "regression_report")
-  error_N = predictions_N.astype(np.float64) - labels_N.astype(np.float64)
-  return {"pearson": pearson(predictions_N, labels_N),
-          "spearman": spearman(predictions_N, labels_N),
-          "mse": float(np.mean(error_N ** 2))}
-
-
-# The numbers each family of one's own task may pick its best checkpoint by (config.eval.main_metric;
-# the first is the default). "mse" is the one where lower is better: it is compared negated.
-MAIN_METRICS = {
-    "classification": ("accuracy", "macro_f1", "micro_f1"),
-    "regression": ("pearson", "spearman", "mse"),
-    "tagging": ("f1", "precision", "recall", "accuracy"),
-    "span": ("f1", "exact"),
-}
-
-
-def main_value(family: str, scores: Mapping[str, float], main: str) -> float:
-  """The number that picks the best checkpoint: higher is better."""
-  if main not in MAIN_METRICS[family]:
+def main_value(family: str, choices: Sequence[str], lower: Sequence[str],
+               scores: Mapping[str, float], main: str) -> float:
+  """scores[main], higher is better (negated where `lower` says lower is); main must be one of
+  the family's `choices` (its MAIN_METRICS)."""
+  if main not in choices:
     raise ValueError(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
-                     f"choose one of {list(MAIN_METRICS[family])}.")
-  return -scores[main] if main == "mse" else scores[main]
+                     f"choose one of {list(choices)}.")
+  return -scores[main] if main in lower else scores[main]
+
+
+def main_metric(main: str, family: str, choices: Sequence[str]) -> str:
+  """config.eval.main_metric checked against the family's choices; "" = the first."""
+  main = main or choices[0]
+  main_value(family, choices, (), {m: 0.0 for m in choices}, main)
+  return main

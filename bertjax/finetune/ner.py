@@ -1,14 +1,11 @@
-"""CoNLL-2003 named-entity recognition: column files or TFDS, word-piece features, conlleval scores.
+"""Reading tagged words: CoNLL-2003 (column files or TFDS) and the tag schemes of one's own files,
+all to IOB2 `Sentence`s, the tagging family's examples (bertjax/finetune/families/tagging.py holds
+its word-piece features, conlleval scores and predictions).
 
 Tags inside bertjax are IOB2 (every entity starts with B-): the files come in IOB1 (the original
 CoNLL-2003 release, where B- only separates two adjacent entities of one type) or IOB2, and both
 read to the same entities, so IOB2 is the one scheme in which an entity's first tag is always the
 same and the classifier has one thing to learn for "starts an entity".
-
-A word is labeled on its first piece; its other pieces, [CLS], [SEP] and padding have weight 0.
-A sentence longer than the window is split into several windows at word boundaries rather than
-truncated: evaluation must score every word of the official files (conlleval counts the entities
-a truncation would drop as missed), and the windows' predictions are joined back per sentence.
 """
 
 from __future__ import annotations
@@ -16,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from typing import Iterable, Mapping, Sequence
-
-import numpy as np
 
 from bertjax import files
 from bertjax.data import corpus
@@ -68,43 +63,6 @@ def chunks(tags: Sequence[str]) -> list[tuple[str, int, int]]:
   if start is not None:
     found.append((kind, start, len(tags)))
   return found
-
-
-def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]]) -> dict:
-  """Entity-level precision, recall and F1 as conlleval counts them (fractions, not percents):
-  a predicted entity is correct only if its type and both boundaries equal a gold entity's.
-
-  Also: token accuracy, the three counts, and the same per entity type under "per_type".
-  """
-  if len(gold) != len(predicted):
-    raise ValueError(f"{len(predicted)} predicted sentences for {len(gold)} gold ones.")
-  counts: dict[str, list[int]] = {}  # type -> [gold, predicted, correct]
-  tokens = correct_tokens = 0
-  for n, (g, p) in enumerate(zip(gold, predicted)):
-    if len(g) != len(p):
-      raise ValueError(f"Sentence {n}: {len(p)} predicted tags for {len(g)} words.")
-    tokens += len(g)
-    correct_tokens += sum(a == b for a, b in zip(g, p))
-    gold_set, predicted_set = set(chunks(g)), set(chunks(p))
-    for kind, *_ in gold_set:
-      counts.setdefault(kind, [0, 0, 0])[0] += 1
-    for kind, *_ in predicted_set:
-      counts.setdefault(kind, [0, 0, 0])[1] += 1
-    for kind, *_ in gold_set & predicted_set:
-      counts[kind][2] += 1
-
-  def scores(n_gold, n_predicted, n_correct):
-    precision = n_correct / n_predicted if n_predicted else 0.0
-    recall = n_correct / n_gold if n_gold else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {"precision": precision, "recall": recall, "f1": f1, "gold_entities": n_gold,
-            "predicted_entities": n_predicted, "correct_entities": n_correct}
-
-  totals = [sum(c[k] for c in counts.values()) for k in range(3)]
-  result = scores(*totals)
-  result["accuracy"] = correct_tokens / tokens if tokens else 0.0
-  result["per_type"] = {kind: scores(*c) for kind, c in sorted(counts.items())}
-  return result
 
 
 def _check_tags(tags: Sequence[str], kinds: set[str], where_of, labels) -> None:
@@ -276,82 +234,3 @@ def read_conll_tfds(data_dir: str | None, split: str) -> list[Sentence]:
   ds = builder.as_dataset(split=split, shuffle_files=False)
   return sentences_from_tfds(tfds.as_numpy(ds), builder.info.features["ner"].feature.names,
                              f"tfds conll2003 {split}")
-
-
-def ner_features(sentences: Sequence[Sentence], tokenizer, max_seq_length: int,
-                 labels: Sequence[str] = CONLL2003_LABELS) -> dict[str, np.ndarray]:
-  """input_ids, input_mask, segment_ids, label_ids [N, L] int32 and label_weights [N, L] float32
-  (1 on each word's first piece), and per window sentence_index, first_word [N] int32.
-
-  N counts windows: a sentence of more than max_seq_length - 2 pieces takes several.
-  """
-  if max_seq_length < 3:
-    raise ValueError(f"max_seq_length {max_seq_length} leaves no room beside [CLS] and [SEP].")
-  label_id = {t: k for k, t in enumerate(labels)}
-  for s in sentences:
-    unknown = set(s.tags) - set(label_id)
-    if unknown:
-      raise ValueError(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
-  room = max_seq_length - 2
-  pieces = tokenizer.encode_batch([w for s in sentences for w in s.words])
-  # A window: (sentence, piece ids, each piece's label id or -1 after a word's first, first word).
-  windows, empty, cut_words, split_sentences = [], 0, 0, 0
-  at = 0
-  for n, s in enumerate(sentences):
-    ids, piece_labels, start, count = [], [], 0, 0
-    for w, tag in enumerate(s.tags):
-      word = pieces[at + w]
-      if not word:  # a word the tokenizer drops entirely still needs a place for its label
-        word, empty = [tokenizer.unk_id], empty + 1
-      if len(word) > room:
-        word, cut_words = word[:room], cut_words + 1
-      if len(ids) + len(word) > room:
-        windows.append((n, ids, piece_labels, start))
-        ids, piece_labels, start, count = [], [], w, count + 1
-      ids += word
-      piece_labels += [label_id[tag]] + [-1] * (len(word) - 1)
-    at += len(s.words)
-    windows.append((n, ids, piece_labels, start))
-    split_sentences += count > 0
-  if empty or cut_words or split_sentences:
-    logging.info("NER features: %d sentence(s) split into windows of %d pieces; %d word(s) "
-                 "without pieces labeled on [UNK]; %d word(s) cut to the window.",
-                 split_sentences, room, empty, cut_words)
-  shape = (len(windows), max_seq_length)
-  input_ids_NxL = np.full(shape, tokenizer.pad_id, np.int32)
-  input_mask_NxL = np.zeros(shape, np.int32)
-  label_ids_NxL = np.zeros(shape, np.int32)
-  label_weights_NxL = np.zeros(shape, np.float32)
-  for i, (_, ids, piece_labels, _) in enumerate(windows):
-    row = [tokenizer.cls_id, *ids, tokenizer.sep_id]
-    input_ids_NxL[i, :len(row)] = row
-    input_mask_NxL[i, :len(row)] = 1
-    piece_labels_P = np.array(piece_labels, np.int32)
-    label_ids_NxL[i, 1:1 + len(ids)] = np.maximum(piece_labels_P, 0)
-    label_weights_NxL[i, 1:1 + len(ids)] = piece_labels_P >= 0
-  return {"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
-          "segment_ids": np.zeros(shape, np.int32), "label_ids": label_ids_NxL,
-          "label_weights": label_weights_NxL,
-          "sentence_index": np.array([w[0] for w in windows], np.int32),
-          "first_word": np.array([w[3] for w in windows], np.int32)}
-
-
-def tags_from_predictions(features: Mapping[str, np.ndarray], predicted_ids_NxL: np.ndarray,
-                          sentences: Sequence[Sentence],
-                          labels: Sequence[str] = CONLL2003_LABELS) -> list[list[str]]:
-  """One predicted tag per word of each sentence: the windows' first-piece predictions, joined."""
-  predicted_ids_NxL = np.asarray(predicted_ids_NxL)
-  if predicted_ids_NxL.shape != features["label_weights"].shape:
-    raise ValueError(f"Predictions of shape {predicted_ids_NxL.shape} for features of shape "
-                     f"{features['label_weights'].shape}; pass argmax(logits, -1) of every window.")
-  tags: list[list[str]] = [[] for _ in sentences]
-  for i, n in enumerate(features["sentence_index"]):
-    if len(tags[n]) != features["first_word"][i]:
-      raise ValueError(f"Window {i} starts at word {features['first_word'][i]} of sentence {n}, "
-                       f"which has {len(tags[n])} tag(s) so far; keep the windows in order.")
-    picked = predicted_ids_NxL[i][features["label_weights"][i] > 0]
-    tags[n] += [labels[k] for k in picked]
-  for n, s in enumerate(sentences):
-    if len(tags[n]) != len(s.words):
-      raise ValueError(f"{s.where}: {len(tags[n])} predicted tag(s) for {len(s.words)} words.")
-  return tags

@@ -18,7 +18,8 @@ import jax
 from absl import app, flags
 
 from bertjax import aot, cli, train
-from bertjax.finetune import objectives, trials as trials_lib
+from bertjax.finetune import trials as trials_lib
+from bertjax.finetune.families import classification
 from bertjax.model import BertConfig
 
 GIB = 2**30
@@ -31,8 +32,8 @@ def compile_trials(model_config: BertConfig, devices, num_trials: int, batch_siz
   base = train.TrainConfig(batch_size=batch_size, num_train_steps=100, warmup_steps=10,
                            learning_rate=2e-5)
   trials = [trials_lib.Trial(k, 2e-5, 3.0, 0.1, 0.01, k, batch_size) for k in range(num_trials)]
-  training = trials_lib.build(model_config, base, trials, 33, mesh, objectives.classification(2))
-  one = objectives.classification(2).dummy_batch(1)  # [1, L] tokens, [1] per-row features
+  training = trials_lib.build(model_config, base, trials, 33, mesh, classification.objective_of(2))
+  one = classification.objective_of(2).dummy_batch(1)  # [1, L] tokens, [1] per-row features
   batch = {k: jax.ShapeDtypeStruct((num_trials, batch_size) + ((seq_len,) if v.ndim == 2 else ()),
                                    v.dtype, sharding=training.batch_sharding)
            for k, v in one.items()}

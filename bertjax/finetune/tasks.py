@@ -9,10 +9,15 @@ after every epoch, and the sets only predicted (test splits) with what is writte
       nbest_predictions.json (and null_odds.json) written for it.
   CoNLL-2003: dev ("testa") scored with conlleval's entity F1, test ("testb") scored and written
       as `word gold predicted` columns, the input conlleval reads.
-  One's own task (classification, regression, tagging, span): bertjax/finetune/custom.py.
+  One's own task: the name of a task family (bertjax/finetune/families/), whose `load` reads
+      one's own files (bertjax/finetune/custom.py).
 
-Every task also says what its model does with text (`spec.TaskSpec`: family, label names by id,
-input columns, decoding), which the run keeps beside its weights for prediction and export.
+Each benchmark here is a reader: it reads its files into a family's examples and hands them to
+the family's features, objective and metric (GLUE and NEXT: classification or regression; SQuAD:
+span; CoNLL-2003: tagging), adding only what is its own (GLUE's metrics and submission files,
+the conlleval columns). Every task also says what its model does with text (`spec.TaskSpec`:
+family, label names by id, input columns, decoding), which the run keeps beside its weights for
+prediction and export.
 
 `load(cfg, tokenizer)` (cfg: the run's `config.TaskConfig`) reads everything before the first
 step, so a bad file fails at once.
@@ -26,22 +31,25 @@ from typing import Any, Mapping
 import numpy as np
 
 from bertjax import files, taskspec as spec_lib
-from bertjax.finetune import custom, glue, metrics as ft_metrics, ner, objectives, squad
-from bertjax.finetune import squad_metrics, squad_postprocess
+from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
-# What --config=configs/finetune.py:TASK accepts, besides GLUE's names in any spelling.
-CUSTOM = ("classification", "regression", "tagging", "span")  # one's own task, from files
-NAMES = (tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
-         + CUSTOM)
+
+
+def names() -> tuple[str, ...]:
+  """What --config=configs/finetune.py:TASK accepts, besides GLUE's names in any spelling; the
+  families' names last: one's own task, from files."""
+  return (tuple(t.lower() for t in glue.TASKS if t != "AX") + tuple(SQUAD_TASKS) + NER_TASKS
+          + tuple(families.FAMILIES))
 
 
 def canonical(name: str) -> str:
   key = name.strip().lower()
-  if key in SQUAD_TASKS or key in NER_TASKS or key in CUSTOM:
+  if key in SQUAD_TASKS or key in NER_TASKS or key in families.FAMILIES:
     return key
   if key in ("squad1", "squad_v1", "squad"):
     return "squad_v1.1"
@@ -52,27 +60,22 @@ def canonical(name: str) -> str:
   try:
     task = glue.get_task(key)
   except ValueError:
-    raise ValueError(f"Unknown fine-tuning task {name!r}; choose one of {list(NAMES)}.") from None
+    raise ValueError(f"Unknown fine-tuning task {name!r}; choose one of {list(names())}.") from None
   if task.name == "AX":
     raise ValueError("AX (GLUE's diagnostic set) has no training data: GLUE scores it with the "
                      "MNLI model, so task=mnli writes AX.tsv beside MNLI's test predictions.")
   return task.name
 
 
-def family(name: str) -> str:
-  name = canonical(name)
-  if name in CUSTOM:
-    return "squad" if name == "span" else "custom"
-  return "squad" if name in SQUAD_TASKS else "ner" if name in NER_TASKS else "glue"
-
-
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
   name = canonical(cfg.task)
-  if family(name) == "custom":
-    return custom.load(name, cfg, tokenizer)
-  if family(name) == "squad":
+  if name in families.FAMILIES:
+    return families.get(name).load(cfg, tokenizer)
+  if name in SQUAD_TASKS:
     return _squad(name, cfg, tokenizer)
-  return {"glue": _glue, "ner": _ner}[family(name)](name, cfg.data, tokenizer)
+  if name in NER_TASKS:
+    return _conll(name, cfg.data, tokenizer)
+  return _glue(name, cfg.data, tokenizer)
 
 
 def _tfds_dir(data: FinetuneDataConfig) -> str | None:
@@ -114,22 +117,22 @@ def _glue(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
                    f"{got.skipped[0]}")
     return glue.glue_features(task_name, got.examples, tokenizer, data.max_seq_length)
 
+  pair = any(layout.text_b is not None for layout in task.splits.values())
+  spec = spec_lib.TaskSpec(name, "regression" if task.is_regression else "classification",
+                           task.labels, data.max_seq_length,
+                           text_a="text_a" if pair else "text", text_b="text_b" if pair else "")
+  family = families.get(spec.family)
   train_features = features(name, "train")
-  objective = (objectives.regression() if task.is_regression
-               else objectives.classification(task.num_labels))
 
   def scorer(task_name, labels_N):
     def score(outputs):
-      predictions = (outputs["score"] if task.is_regression
-                     else np.argmax(outputs["logits"], axis=-1))
-      return ft_metrics.glue_metrics(task_name, predictions, labels_N)
+      return ft_metrics.glue_metrics(task_name, family.predicted(outputs), labels_N)
     return score
 
   def submission(task_name, split, index_N):
     def write(outputs, output_dir):
-      predictions = (outputs["score"] if task.is_regression
-                     else np.argmax(outputs["logits"], axis=-1))
-      return [glue.write_submission(output_dir, task_name, split, index_N, predictions)]
+      return [glue.write_submission(output_dir, task_name, split, index_N,
+                                    family.predicted(outputs))]
     return write
 
   dev_splits = [s for s in task.splits if s.startswith("dev")]
@@ -149,20 +152,14 @@ def _glue(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
     predicts.append(EvalSet(f"{task_name}_{split}" if task_name != name else split, f, None,
                             submission(task_name, split, f["index"])))
   main = ft_metrics.GLUE_METRICS[name].main
-  pair = any(layout.text_b is not None for layout in task.splits.values())
-  spec = spec_lib.TaskSpec(name, "regression" if task.is_regression else "classification",
-                           task.labels, data.max_seq_length,
-                           text_a="text_a" if pair else "text", text_b="text_b" if pair else "")
-  return TaskData(name, objective, train_features, evals, predicts, main, notes, spec=spec)
+  return TaskData(name, family.objective(spec), train_features, evals, predicts, main, notes,
+                  spec=spec)
 
 
 # SQuAD -----------------------------------------------------------------------------------------
 
 def _squad_set(name: str, data: FinetuneDataConfig, split: str,
                is_training: bool) -> squad.SquadSet:
-  if name == "span" and not (data.train_file and data.dev_file):
-    raise ValueError("A span task from one's own files needs config.data.train_file and "
-                     "config.data.dev_file, each in SQuAD's JSON layout.")
   if data.source == "tfds":
     tfds_split = "train" if split == "train" else "validation"
     return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(data),
@@ -187,54 +184,11 @@ def _check_squad_version(name: str, squad_set: squad.SquadSet) -> squad.SquadSet
 
 
 def _squad(name: str, cfg: TaskConfig, tokenizer) -> TaskData:
-  data = cfg.data
-  _check_source(data)
-  sizes = dict(max_seq_length=data.max_seq_length, doc_stride=data.doc_stride,
-               max_query_length=data.max_query_length)
-  train_set = _check_squad_version(name, _squad_set(name, data, "train", True))
-  version_2 = name == "squad_v2.0"
-  main = "f1"
-  if name == "span":  # one's own QA files: v2.0 style where said, or where any is unanswerable
-    said = data.version_2_with_negative
-    version_2 = bool(said) if said is not None else any(
-        e.is_impossible for e in train_set.examples)
-    main = custom.main_metric(cfg.eval, "span")
-  train_features = squad.make_features(train_set.examples, tokenizer, **sizes)
-  dev_set = _check_squad_version(name, _squad_set(name, data, "dev", False))
-  dev_features = squad.make_features(dev_set.examples, tokenizer, **sizes)
-  gold = squad_metrics.gold_answers(dev_set.examples)
-  notes = [f"{s.source}: {what} {len(items)} question(s) whose answer does not match its offset"
-           for s, what, items in ((train_set, "skipped", train_set.skipped),
-                                  (dev_set, "kept without a target", dev_set.unmatched)) if items]
-
-  def predict(outputs):
-    return squad_postprocess.postprocess(
-        dev_set.examples, dev_features, outputs["start_logits"], outputs["end_logits"],
-        n_best_size=cfg.eval.n_best_size, max_answer_length=cfg.eval.max_answer_length,
-        version_2_with_negative=version_2,
-        null_score_diff_threshold=cfg.eval.null_score_diff_threshold)
-
-  def score(outputs):
-    result = predict(outputs)
-    if not version_2:
-      out = squad_metrics.evaluate_v1(gold, result.predictions)
-      return {**out, "main": out[main]}
-    out = squad_metrics.evaluate_v2(gold, result.predictions, result.null_odds)
-    return {**{k: float(v) for k, v in out.items()}, "main": float(out[main])}
-
-  def write(outputs, output_dir):
-    return squad_postprocess.write_predictions(predict(outputs), output_dir)
-
-  dev = EvalSet("dev", dev_features, score)
-  written = EvalSet("dev", dev_features, None, write)
-  e = cfg.eval
-  spec = spec_lib.TaskSpec(
-      name, "span", (), data.max_seq_length, text_a="question", text_b="context",
-      version_2_with_negative=version_2, doc_stride=data.doc_stride,
-      max_query_length=data.max_query_length, n_best_size=e.n_best_size,
-      max_answer_length=e.max_answer_length, null_score_diff_threshold=e.null_score_diff_threshold)
-  return TaskData(name, objectives.span(), train_features, [dev], [written], main, notes,
-                  spec=spec)
+  _check_source(cfg.data)
+  train_set = _check_squad_version(name, _squad_set(name, cfg.data, "train", True))
+  dev_set = _check_squad_version(name, _squad_set(name, cfg.data, "dev", False))
+  return span.task(span.spec_of(name, cfg, name == "squad_v2.0"), train_set, dev_set, "f1",
+                   tokenizer)
 
 
 # CoNLL-2003 ------------------------------------------------------------------------------------
@@ -249,26 +203,25 @@ def _ner_split(data: FinetuneDataConfig, split: str) -> list[ner.Sentence]:
   return ner.read_conll(path)
 
 
-def _ner(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
+def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
   _check_source(data)
   labels = ner.CONLL2003_LABELS
+  spec = spec_lib.TaskSpec(name, "tagging", labels, data.max_seq_length, tag_scheme="BIO")
 
   def features(sentences):
-    return ner.ner_features(sentences, tokenizer, data.max_seq_length, labels)
+    return tagging.ner_features(sentences, tokenizer, data.max_seq_length, labels)
 
   def scorer(sentences, f):
-    gold = [list(s.tags) for s in sentences]
+    full = tagging.scorer(sentences, f, labels, "f1")
 
-    def score(outputs):
-      predicted = ner.tags_from_predictions(f, outputs["predicted"], sentences, labels)
-      out = ner.conlleval(gold, predicted)
-      return {"precision": out["precision"], "recall": out["recall"], "f1": out["f1"],
-              "accuracy": out["accuracy"], "main": out["f1"]}
+    def score(outputs):  # conlleval's overall numbers, as the CoNLL-2003 papers report them
+      out = full(outputs)
+      return {k: out[k] for k in ("precision", "recall", "f1", "accuracy", "main")}
     return score
 
   def writer(sentences, f, split):
     def write(outputs, output_dir):
-      predicted = ner.tags_from_predictions(f, outputs["predicted"], sentences, labels)
+      predicted = tagging.tags_from_predictions(f, outputs["predicted"], sentences, labels)
       files.makedirs(output_dir)
       path = os.path.join(output_dir, f"{split}_predictions.txt")
       # Atomic (temp file + rename): a kill mid-write never leaves half a predictions file.
@@ -288,13 +241,10 @@ def _ner(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
     if split == "dev":
       evals.append(EvalSet("dev", f, scorer(sentences, f)))
     predicts.append(EvalSet(split, f, scorer(sentences, f), writer(sentences, f, split)))
-  spec = spec_lib.TaskSpec(name, "tagging", labels, data.max_seq_length, tag_scheme="BIO")
-  return TaskData(name, objectives.tagging(len(labels)), train_features, evals, predicts, "f1",
-                  spec=spec)
+  return TaskData(name, tagging.objective(spec), train_features, evals, predicts, "f1", spec=spec)
 
 
 def model_features(features: Mapping[str, np.ndarray]) -> dict[str, Any]:
   """The arrays a batch carries to the device (not indices, offsets or other host-side keys)."""
-  keep = ("input_ids", "input_mask", "segment_ids", "label", "start_positions", "end_positions",
-          "label_ids", "label_weights")
+  keep = set(objectives.INPUTS).union(*(f.BATCH_KEYS for f in families.FAMILIES.values()))
   return {k: v for k, v in features.items() if k in keep}

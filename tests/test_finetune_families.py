@@ -1,0 +1,137 @@
+"""Task families as the one extension point (bertjax/finetune/families/): every registered family
+provides every hook; no table keyed by family names, and no comparison of a family name, stands
+outside families/ (in bertjax/ or configs/, but for the names the layers below keep, held to the
+registry); a family defined here and registered in one line is taken by the spec, the task names,
+the objective and prediction code, with no other change."""
+
+import ast
+import os
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from bertjax import predict, taskspec as spec_lib
+from bertjax.finetune import families, objectives, tasks
+from bertjax.formats import hf
+from bertjax.finetune.families import regression
+from bertjax.model import BertConfig
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
+FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")
+# Below fine-tuning (docs/contributing.md#layers), these keep the names of the families they write:
+# formats/hf.py the transformers class and head of each, configs/finetune.py one's own tasks. The
+# tests below hold them to the registry.
+ALLOWED = {os.path.join(ROOT, "formats", "hf.py"),
+           os.path.join(os.path.dirname(ROOT), "configs", "finetune.py")}
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "dog", "ran", "."]
+
+
+def test_every_family_provides_every_hook():
+  assert set(families.FAMILIES) >= {"classification", "regression", "tagging", "span"}
+  for name, family in families.FAMILIES.items():
+    missing = [h for h in families.HOOKS if not hasattr(family, h)]
+    assert not missing, f"family {name!r} lacks {missing}"
+    for hook in families.HOOKS:
+      assert callable(getattr(family, hook)) == hook.islower(), (name, hook)
+    assert family.MAIN_METRICS and set(family.LOWER_IS_BETTER) <= set(family.MAIN_METRICS)
+    spec = spec_lib.TaskSpec("t", name, ("O", "B-X", "I-X")[:family.MIN_LABELS])
+    batch = family.objective(spec).dummy_batch(2)
+    assert set(batch) == {*objectives.INPUTS, "weight", *family.BATCH_KEYS}, name
+
+
+def _family_names(node) -> list[str]:
+  return [n.value for n in node if isinstance(n, ast.Constant) and n.value in families.FAMILIES]
+
+
+def _tables(path: str) -> list[str]:
+  """Dicts keyed by two or more family names, tuples / lists / sets of two or more, and a
+  comparison of something with a family name (`family == "span"`, `spec.family in (...)`)."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Dict) and len(_family_names(node.keys)) >= 2:
+      found.append(f"{path}:{node.lineno}: a dict keyed by family names")
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(_family_names(node.elts)) >= 2:
+      found.append(f"{path}:{node.lineno}: a list of family names")
+    elif isinstance(node, ast.Compare):
+      sides = [node.left, *node.comparators]
+      names = _family_names(sides) + [n for side in sides if isinstance(side, (ast.Tuple,
+                                                                               ast.List, ast.Set))
+                                      for n in _family_names(side.elts)]
+      if names:
+        found.append(f"{path}:{node.lineno}: a comparison with the family name(s) {names}")
+  return found
+
+
+def test_no_family_table_outside_the_families():
+  found = []
+  for folder, _, names in [*os.walk(ROOT), *os.walk(os.path.join(os.path.dirname(ROOT),
+                                                                 "configs"))]:
+    if folder.startswith(FAMILIES_DIR):
+      continue
+    for name in names:
+      path = os.path.join(folder, name)
+      if name.endswith(".py") and path not in ALLOWED:
+        found += _tables(path)
+  assert not found, ("Tables or tests of family names outside bertjax/finetune/families/ (ask "
+                     "the family module instead):\n" + "\n".join(found))
+
+
+def test_the_check_sees_a_table():
+  tree = 'OBJ = {"classification": 1, "span": 2}\nif spec.family == "tagging":\n  pass\n'
+  path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "families_check_probe.py")
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(tree)
+  assert len(_tables(path)) == 2
+  os.remove(path)
+
+
+def test_the_names_kept_below_agree_with_the_families():
+  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  assert set(finetune_config.OWN_TASKS) == set(families.FAMILIES)
+  assert spec_lib.FAMILIES is families.FAMILIES  # the registry the spec reads
+  for name, family in families.FAMILIES.items():
+    assert hf.TASK_CLASSES[name] == family.HF_CLASS
+    assert hf._TASK_HEADS[name] == family.HF_HEAD  # pylint: disable=protected-access
+
+
+@pytest.fixture
+def toy(monkeypatch):
+  """A family registered in one line: regression's hooks under a new name."""
+  monkeypatch.setitem(families.FAMILIES, "toy",
+                      types.SimpleNamespace(**{h: getattr(regression, h) for h in families.HOOKS}))
+  return "toy"
+
+
+def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_predict(toy,
+                                                                                       tmp_path):
+  spec = spec_lib.TaskSpec("toy", toy, (), 16)
+  assert (spec.num_outputs, spec.head) == (1, "classifier")
+  assert spec_lib.TaskSpec.from_dict(spec.to_dict()) == spec
+  assert tasks.canonical("TOY") == toy and toy in tasks.names()
+  assert predict.record_keys() >= set(regression.RECORD_KEYS)
+  assert families.main_value(toy, {"mse": 0.5, "pearson": 0.1}, "mse") == -0.5
+
+  from bertjax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  (tmp_path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+  tokenizer = load_tokenizer(str(tmp_path / "vocab.txt"))
+  config = BertConfig(vocab_size=len(VOCAB), hidden_size=16, num_layers=1, num_heads=2,
+                      intermediate_size=32, max_position_embeddings=32)
+  model = families.get(toy).objective(spec).make_model(config)
+  ids = np.zeros((1, 8), np.int32)
+  params = model.init(jax.random.PRNGKey(0), ids, ids, ids)["params"]
+  predictor = predict.Predictor(config, params, tokenizer, spec, rows_per_device=4,
+                                devices=jax.devices()[:1])
+  records = predictor(["the cat sat", "a dog ran .", {"text": "the dog"}])
+  assert [sorted(r) for r in records] == [["value"]] * 3
+  assert all(np.isfinite(r["value"]) for r in records)
+
+
+def test_a_registered_family_is_a_task_its_load_reads(toy, monkeypatch):
+  import finetune_fixtures as fx  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(families.get(toy), "load", lambda cfg, tokenizer: ("read", cfg.task))
+  assert tasks.load(TaskConfig.from_config(fx.ft_config("toy", "")), None) == ("read", "toy")
