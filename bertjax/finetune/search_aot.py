@@ -26,13 +26,15 @@ GIB = 2**30
 
 
 def compile_trials(model_config: BertConfig, devices, num_trials: int, batch_size: int,
-                   seq_len: int):
-  """The compiled program of `num_trials` trials on a mesh of `devices` (one data axis)."""
+                   seq_len: int, vectorize: bool | None = None):
+  """The compiled program of `num_trials` trials on a mesh of `devices` (one data axis); the
+  trials side by side on an accelerator's devices (trials.build's `vectorize`)."""
   mesh = jax.sharding.Mesh(devices, ("data",))
   base = train.TrainConfig(batch_size=batch_size, num_train_steps=100, warmup_steps=10,
                            learning_rate=2e-5)
   trials = [trials_lib.Trial(k, 2e-5, 3.0, 0.1, 0.01, k, batch_size) for k in range(num_trials)]
-  training = trials_lib.build(model_config, base, trials, 33, mesh, classification.objective_of(2))
+  training = trials_lib.build(model_config, base, trials, 33, mesh, classification.objective_of(2),
+                              vectorize)
   one = classification.objective_of(2).dummy_batch(1)  # [1, L] tokens, [1] per-row features
   batch = {k: jax.ShapeDtypeStruct((num_trials, batch_size) + ((seq_len,) if v.ndim == 2 else ()),
                                    v.dtype, sharding=training.batch_sharding)

@@ -114,10 +114,12 @@ def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Tr
   """The jitted program of `trials` (one batch size) on `mesh`. `vectorize`: the trials side by
   side (`jax.vmap`: batched matmuls, for accelerators) or one after another inside the program
   (`lax.map`: each trial's matmuls as a run alone has them, which a CPU runs faster); None
-  chooses by the backend (the module docstring)."""
+  chooses by the mesh's devices (the module docstring)."""
   T = len(trials)
   batch_size = trials[0].batch_size
-  side_by_side = vectorize if vectorize is not None else jax.default_backend() != "cpu"
+  # By the mesh's devices, not the default backend: a CPU host compiling for a TPU slice ahead of
+  # time (search_aot) must get the TPU's program.
+  side_by_side = vectorize if vectorize is not None else mesh.devices.flat[0].platform != "cpu"
   if any(t.batch_size != batch_size for t in trials):
     raise ValueError("trials of one program share a batch size")
   single = train.build(model_config, base, sharding.MeshConfig(ici_data=1, dcn_data=1),
