@@ -116,7 +116,9 @@ def runs():
   class Runs:
     @staticmethod
     def launch(options, flags):
-      started.append(_Run([LAUNCHER, *options, "--", *flags], env=dict(os.environ)))
+      # The interpreter running the tests (a checkout without .venv/ would get python3).
+      env = {"PYTHON": sys.executable, **os.environ}
+      started.append(_Run([LAUNCHER, *options, "--", *flags], env=env))
       return started[-1]
 
     @staticmethod

@@ -475,7 +475,8 @@ def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.nda
 def _write_hf(folder: outfolder.ExportFolder, state_dict: dict, hf_config: dict) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   files.write_json(folder.path("config.json"), hf_config)
-  save_file(state_dict, folder.path("model.safetensors"), metadata={"format": "pt"})
+  with files.writing(path := folder.path("model.safetensors")):
+    save_file(state_dict, path, metadata={"format": "pt"})
 
 
 def export_folder(params_path: str, output: str, checkpoint: str = "best") -> str:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
-from bertjax import train, weights
+from bertjax import train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import spec as spec_lib, tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
@@ -187,6 +187,7 @@ def predict(training: train.Training, params_state, features: Mapping[str, np.nd
     if stop is not None and stop.during_evaluation():
       return None
     out = jax.device_get(training.predict_step(params_state, training.to_global(batch)))
+    watchdog.progress()
     for k, v in out.items():
       parts.setdefault(k, []).append(np.asarray(v))
   return {k: np.concatenate(v)[:n] for k, v in parts.items()}
