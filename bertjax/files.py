@@ -161,14 +161,13 @@ def storage_fault_line(where: str, err: BaseException, kept: str) -> str | None:
 
 @contextlib.contextmanager
 def writing(path: str) -> Iterator[None]:
-  """Names `path` in a storage fault met inside, for a library whose error does not (safetensors
-  says "No space left on device" and no file): raised again as an OSError of that file."""
+  """Names `path` in a storage fault met inside, for a write whose error does not (a file's
+  write(), safetensors: "No space left on device" and no file): raised again as an OSError of
+  that file."""
   try:
     yield
-  except OSError:
-    raise
   except Exception as err:  # pylint: disable=broad-except
-    if (fault := storage_fault(err)) is None:
+    if (fault := storage_fault(err)) is None or getattr(err, "filename", None):
       raise
     raise OSError(fault[0], os.strerror(fault[0]), path) from err
 
