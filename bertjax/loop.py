@@ -278,7 +278,9 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
 
   def run_eval(step, state, stop):
     began = time.perf_counter()
+    watchdog_lib.disarm()  # its first batch compiles; counted again from that batch on
     scalars = job.evaluate(step, state, stop)
+    watchdog_lib.disarm()  # what a job does after its batches (fine-tuning saves best/)
     speed.exclude(time.perf_counter() - began)
     if scalars is not None:
       writer.write(step, scalars, prefix="eval/")
@@ -334,6 +336,7 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
         return state, {}
     else:
       say(f"the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps).")
+    watchdog_lib.disarm()
     ckpt.wait()  # the last checkpoint is final before the (long) final evaluation
     final = run_eval(tcfg.num_train_steps, state, stop)
   if final is None:

@@ -9,7 +9,8 @@ when the stopped one is process 0), but not a process whose heartbeat thread liv
 steps do not.
 
 So every process of a run (inside `loop.execute`, from its first completed step) counts its own
-progress (a training step or an evaluation batch done: `progress`) and, in a thread, writes a
+progress (a training step or an evaluation batch done: `progress`; not counting the start of an
+evaluation, its compilation, nor the wait for a save: `disarm`) and, in a thread, writes a
 heartbeat, `WORKDIR/heartbeats/process-I.json` (its step, progress count and a beat that the
 thread alone advances), every few seconds. When a process has made no progress for
 `train.watchdog_seconds`, its thread reads every heartbeat and names the process that stopped: one
@@ -45,6 +46,13 @@ def progress(step: int | None = None) -> None:
     _active.progress(step)
 
 
+def disarm() -> None:
+  """Long work of this process alone follows (an evaluation's compilation, a save waited for):
+  not counted until the next `progress`."""
+  if _active is not None:
+    _active.disarm()
+
+
 def jax_heartbeat_seconds(watchdog_seconds: float) -> int | None:
   """What jax.distributed's heartbeat timeout should be for this watchdog (None: jax's own)."""
   if not watchdog_seconds or watchdog_seconds <= 0:
@@ -78,6 +86,9 @@ class Watchdog:
       self._step = step
     self._ticks += 1
     self._last_progress = time.monotonic()
+
+  def disarm(self) -> None:
+    self._last_progress = None
 
   def __enter__(self):
     global _active  # pylint: disable=global-statement

@@ -446,6 +446,7 @@ def finetune(config, workdir: str) -> dict:
                      if name != "main" and isinstance(v, (int, float)) and not isinstance(v, bool)})
       if k == 0:
         scores["main"] = float(got["main"])
+    watchdog.disarm()  # scoring and best/'s save are this process's own work
     evaluations.add(step, step / per_epoch, scores, state.params)
     return scores
 
