@@ -251,8 +251,8 @@ def _contents(folder):
 def test_a_full_small_disk_keeps_the_earlier_export_and_predictions(task, small_disk):
   """Issue 38, item 10, on a real full disk (tmpfs of 4 MB, filled up to 8 KB): an export and a
   prediction file that do not fit each end in one line naming the file, leave the earlier export
-  and predictions as they were and no part beside them; with space freed, the same commands
-  finish."""
+  and predictions (of epoch 2's checkpoint, so that the new ones differ) as they were and no part
+  beside them; with space freed, the same commands finish."""
   root, env, straight = task
   with open(root / "glue" / "STS-B" / "test.tsv") as f:
     header, *rows = f.read().splitlines()
@@ -262,9 +262,9 @@ def test_a_full_small_disk_keeps_the_earlier_export_and_predictions(task, small_
             f"--output={small_disk / 'export'}"]
   predict = [sys.executable, "-m", "bertjax.predict", f"--workdir={straight}", f"--input={texts}",
              f"--output={small_disk / 'predictions.jsonl'}", "--text_a=sentence1",
-             "--text_b=sentence2"]
+             "--text_b=sentence2", "--overwrite"]
   for command in (export, predict):
-    _run(command, env)
+    _run(command + [f"--checkpoint={2 * PER_EPOCH}"], env)
   before = _contents(small_disk)
   exported = _contents(small_disk / "export")
   assert "model.safetensors" in exported and "predictions.jsonl" in before
@@ -273,15 +273,18 @@ def test_a_full_small_disk_keeps_the_earlier_export_and_predictions(task, small_
   with open(small_disk / "filler", "wb") as f:
     f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 8192))
   _, stderr = _run(export, env, status=1)
-  line = _one_line(stderr, "the disk is full (no space left on device) at "
-                   f"{small_disk}/export.part/")
+  line = _one_line(stderr, f"the disk is full (no space left on device) at {small_disk}/export")
   assert "Free space, then run the same command" in line, line
-  _, stderr = _run(predict + ["--overwrite"], env, status=1)
+  _, stderr = _run(predict, env, status=1)
   _one_line(stderr, f"the disk is full (no space left on device) at {small_disk}/predictions")
   assert _contents(small_disk / "export") == exported
   assert {k: v for k, v in _contents(small_disk).items() if k != "filler"} == before
 
   os.remove(small_disk / "filler")
-  for command in (export, predict + ["--overwrite"]):
+  for command in (export, predict):
     _run(command, env)
-  assert _contents(small_disk) == before and _contents(small_disk / "export") == exported
+  assert sorted(os.listdir(small_disk)) == ["export", "predictions.jsonl"]
+  after = _contents(small_disk / "export")
+  assert after.keys() == exported.keys() and after["model.safetensors"] != exported[
+      "model.safetensors"]
+  assert _contents(small_disk)["predictions.jsonl"] != before["predictions.jsonl"]
