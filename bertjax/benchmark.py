@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import cli, flops, hostmem, train
+from bertjax import cli, flops, hostmem, opprofile, train
 from bertjax.data.config import DataConfig
 from bertjax.flops import peak_tflops, train_flops
 
@@ -213,7 +213,6 @@ def main(argv):
   figures = report(runner, time_steps(runner.step, FLAGS.steps))
   print_report(figures)
   if FLAGS.profile_steps:
-    from bertjax import opprofile  # pylint: disable=import-outside-toplevel
     result = opprofile.profile(runner.step, runner.compiled.as_text(), FLAGS.profile_steps)
     opprofile.print_profile(result)
     figures["profile"] = result

@@ -34,7 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bertjax import flops
+from bertjax import cli, flops, predict, taskspec
+from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.finetune import objectives
+from bertjax.formats import converted
 from bertjax.model import BertConfig
 
 SHAPES = {"small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
@@ -66,9 +69,7 @@ def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
 
 
 def bertjax_predictor(cfg: BertConfig):
-  from bertjax import predict  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import objectives, spec as spec_lib  # pylint: disable=import-outside-toplevel
-  spec = spec_lib.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
+  spec = taskspec.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
                            MAX_LEN)
   model = objectives.classification(LABELS).make_model(cfg)
   dummy = {k: jnp.zeros((1, 8), jnp.int32) for k in ("input_ids", "input_mask", "segment_ids")}
@@ -110,7 +111,6 @@ def speed(shape: str, n: int, rounds: int) -> None:
   lengths_N = lengths(n)
   f = features(lengths_N)
   ours, theirs = bertjax_predictor(cfg), torch_model(cfg)
-  from bertjax import predict  # pylint: disable=import-outside-toplevel
   ours_widths = [predict.bucket_width(int(k), MAX_LEN) for k in lengths_N]
   theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_N[at:at + 64]]
@@ -150,9 +150,8 @@ def speed(shape: str, n: int, rounds: int) -> None:
 def rss(lines: str) -> None:
   """Peak RSS of `python -m bertjax.predict`'s work over files of each line count (comma-separated;
   a 2-layer model)."""
-  from bertjax.finetune import spec as spec_lib  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as tmp:
-    workdir = _tiny_workdir(tmp, spec_lib)
+    workdir = _tiny_workdir(tmp)
     for count in (int(x) for x in lines.split(",")):
       path = os.path.join(tmp, f"in-{count}.csv")
       rng = np.random.default_rng(0)
@@ -176,29 +175,26 @@ def rss(lines: str) -> None:
             f"{time.perf_counter() - start:.0f} s")
 
 
-def _tiny_workdir(root: str, spec_lib) -> str:
+def _tiny_workdir(root: str) -> str:
   """A fine-tuning-shaped folder for the RSS run: a converted 2-layer model with a head, its
   vocabulary and task.json (no training: memory does not depend on the weights)."""
-  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
-  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   vocab = os.path.join(root, "vocab.txt")
   with open(vocab, "w") as f:
     f.write("\n".join(list(tokenizer_lib.SPECIAL_TOKENS) + ["alpha", "beta", "gamma", "delta",
                                                             "epsilon", "zeta", "eta", "theta"]))
   cfg = BertConfig(vocab_size=13, hidden_size=32, num_layers=2, num_heads=2,
                    intermediate_size=64, max_position_embeddings=128)
-  from bertjax.finetune import objectives  # pylint: disable=import-outside-toplevel
   model = objectives.classification(2).make_model(cfg)
   z = jnp.zeros((1, 8), jnp.int32)
   params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                         is_leaf=lambda x: hasattr(x, "unbox"))
   folder = os.path.join(root, "model")
-  hf.save_params(folder, params, cfg)
+  converted.save_params(folder, params, cfg)
   lower = True
   fingerprint = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower).fingerprint
   tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, folder, lower)
-  spec_lib.write(spec_lib.TaskSpec("bench", "classification", ("a", "b"), 128), folder)
+  taskspec.write(taskspec.TaskSpec("bench", "classification", ("a", "b"), 128), folder)
   return folder
 
 
@@ -222,6 +218,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from bertjax import cli  # pylint: disable=ungrouped-imports
   define_flags()
   cli.run(main)

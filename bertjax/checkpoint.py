@@ -31,7 +31,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from bertjax import files
-from bertjax.model import BertConfig
+from bertjax.model import SHAPE_FIELDS, BertConfig
 
 
 class _ReaderNoiseFilter(logging_std.Filter):
@@ -49,13 +49,9 @@ class _ReaderNoiseFilter(logging_std.Filter):
 
 logging_std.getLogger("absl").addFilter(_ReaderNoiseFilter())
 
-# BertConfig fields that change the shape or layout of the parameters: a checkpoint that differs
-# in any of them cannot be resumed by this model.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                "max_position_embeddings", "type_vocab_size", "scan_layers")
 # The modern options that add, drop or reorder parameters, or change what the stored ones mean
-# (pre- vs post-LN, RoPE vs a table): compared like SHAPE_FIELDS, but a fine-tuning config need
-# not spell them out (their defaults are the paper's model; init_from's values are taken).
+# (pre- vs post-LN, RoPE vs a table): compared like model.SHAPE_FIELDS, but a fine-tuning config
+# need not spell them out (their defaults are the paper's model; init_from's values are taken).
 ARCHITECTURE_FIELDS = ("norm_position", "norm_type", "norm_bias", "attention_bias", "mlp_bias",
                        "mlp_type", "position_embedding", "embedding_norm", "pooler", "head_bias",
                        "decoder_bias", "tie_word_embeddings")

@@ -22,7 +22,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import files, platforms
+from bertjax import files, hostmem, platforms
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -111,13 +111,14 @@ def start(argv) -> None:
   """What a run's process does before any work: quiet logs, TensorFlow off the accelerators, and
   the multi-process join (`define_run_flags`' flags, parsed)."""
   from absl import app  # pylint: disable=import-outside-toplevel
-  from bertjax import hostmem  # pylint: disable=import-outside-toplevel
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   quiet_tensorflow()
   quiet_third_party_logs()
   sys.unraisablehook = late_write_callbacks_dropped(sys.unraisablehook)
   hide_accelerators_from_tensorflow()
+  # lazy: distributed imports jax, which the launcher and the data workers, importing this module
+  # for its flags and refusals, need not load.
   from bertjax import distributed  # pylint: disable=import-outside-toplevel
   flag = flags.FLAGS
   from bertjax import watchdog  # pylint: disable=import-outside-toplevel
@@ -268,16 +269,21 @@ def quiet_third_party_logs() -> bool:
   return True
 
 
+class Stopped(Exception):
+  """SIGTERM stopped the work (data.processes.PreparationStopped); what was finished is kept and
+  a rerun resumes. `explained` says it and ends with the status a shell reports for SIGTERM."""
+
+
 def explained(run, *args, **kwargs):
   """Runs `run(*args, **kwargs)`; a refusal of the input (a bad config value, a missing or
   malformed file, a checkpoint of another run, a non-finite loss) or a full disk ends the command
   with its message alone and exit status 1, as `bertjax.aot` does: the message names the problem
   and the fix, and a traceback would only bury it. Other errors keep their traceback."""
+  # lazy: control imports jax (as `start` says of distributed).
   from bertjax import control  # pylint: disable=import-outside-toplevel
-  from bertjax.data import processes  # pylint: disable=import-outside-toplevel
   try:
     return run(*args, **kwargs)
-  except processes.PreparationStopped as err:
+  except Stopped as err:
     # SIGTERM while preparing data: said, and the status a shell reports for SIGTERM (as
     # `bertjax.data.prepare` exits), so a script does not go on as if the run had ended.
     print(f"bertjax: {err}", file=sys.stderr, flush=True)

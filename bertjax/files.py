@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 from typing import Any, Callable, Iterator
 
 
@@ -97,6 +98,23 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, value: Any) -> None:
   write_text(path, json.dumps(value, indent=2) + "\n")
+
+
+def copy(source: str, target: str) -> None:
+  """Copies `source` to `target` atomically (a temporary file beside it, then a rename)."""
+  tmp = f"{target}.tmp-{os.getpid()}"
+  if _is_url(source) or _is_url(target):
+    gfile = _gfile()
+    gfile.copy(source, tmp, overwrite=True)
+    gfile.rename(tmp, target, overwrite=True)
+    return
+  try:
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+  except BaseException:  # a full disk, EIO, a stop: no part is left beside the target
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
 # A full disk, a failed write -------------------------------------------------------------------

@@ -16,6 +16,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   cli.start(argv)
+  # lazy: loop imports TensorFlow (tf.data); cli.start sets its log level and oneDNN switch first.
   from bertjax import loop  # pylint: disable=import-outside-toplevel
   cli.explained(loop.train_and_evaluate, FLAGS.config, FLAGS.workdir)
 

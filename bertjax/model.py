@@ -64,6 +64,17 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("dense", "gated")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
+# BertConfig fields that set the shape or the layout of the parameters: a checkpoint that differs
+# in any of them is another model (bertjax/checkpoint.py refuses to resume it).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                "max_position_embeddings", "type_vocab_size", "scan_layers")
+# Fields a fine-tuning config leaves at 0 / "" to take init_from's value (configs/finetune.py,
+# bertjax/finetune/run.py): the encoder's shape (its layer layout is the task's own) and how it
+# computes; a new head is initialized with init_from's initializer_range.
+INHERITED_FIELDS = SHAPE_FIELDS[:-1] + (
+    "initializer_range", "layer_norm_eps", "hidden_act", "dtype", "param_dtype", "remat_policy",
+    "attention_impl", "position_init", "query_key_init")
+
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:

@@ -46,10 +46,9 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import cli, files, weights
+from bertjax import cli, files, taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import custom, glue, ner, objectives, squad, squad_postprocess
-from bertjax.finetune import spec as spec_lib, textfiles
+from bertjax.finetune import custom, glue, ner, objectives, squad, squad_postprocess, textfiles
 from bertjax.model import BertConfig, BertModel
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

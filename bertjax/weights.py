@@ -12,11 +12,11 @@ Every caller that takes weights from a path goes through here: pre-training's an
                bertjax's keys (num_layers) and params/ (orbax); vocab.txt and tokenizer.json (its
                casing and fingerprint) when the import had a vocabulary
   google       a folder of Google's release: bert_config.json in Google's keys
-               (num_hidden_layers) and bert_model.ckpt.index + data (read by convert.tf_bundle)
+               (num_hidden_layers) and bert_model.ckpt.index + data (read by formats/tf_bundle.py)
   huggingface  a Hugging Face BERT folder: config.json (model_type "bert") and model.safetensors;
                vocab.txt, its casing from tokenizer_config.json
   modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
-               model.safetensors (bertjax/convert/modernbert.py); its BPE tokenizer is not read
+               model.safetensors (bertjax/formats/modernbert.py); its BPE tokenizer is not read
 
 Casing of a folder's vocabulary, in this order: what a tokenizer.json record says, what
 tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
@@ -33,15 +33,17 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from absl import logging
 
 from bertjax import checkpoint as checkpoint_lib, files
+from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.formats import converted, google, hf, modernbert, tf_bundle
 from bertjax.model import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
 TOKENIZER_RECORD = "tokenizer.json"  # written beside a vocabulary copy (data.tokenizer)
-CONFIG_FILE = "bert_config.json"  # converted and Google folders
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
@@ -93,10 +95,10 @@ def _kind(path: str, checkpoints: str) -> tuple[str, str] | None:
   if not files.isdir(path):
     return None
   names = set(files.listdir(path))
-  if CONFIG_FILE in names and "params" in names and not _is_google_config(
-      os.path.join(path, CONFIG_FILE)):
+  if converted.CONFIG_FILE in names and "params" in names and not _is_google_config(
+      os.path.join(path, converted.CONFIG_FILE)):
     return "converted", path
-  if CONFIG_FILE in names and any(n.endswith(".index") for n in names):
+  if google.CONFIG_FILE in names and any(n.endswith(".index") for n in names):
     return "google", path
   if "config.json" in names and "model.safetensors" in names:
     return _hf_model_type(os.path.join(path, "config.json")), path
@@ -125,12 +127,20 @@ def inspect(path: str, *, what: str = "path", checkpoints: str = "checkpoints",
     raise FileNotFoundError(f"{what}={path} does not exist")
   found = _kind(path, checkpoints)
   if found is None:
+    if files.isdir(path) and "config.json" in set(files.listdir(path)):
+      # A Hugging Face folder without its weights: name the one file it lacks.
+      kind = _hf_model_type(os.path.join(path, "config.json"))
+      name = "ModernBERT" if kind == "modernbert" else "Hugging Face BERT"
+      raise NotWeightsError(
+          f"{what}={path} holds a {name} config.json but no model.safetensors, the weights "
+          "bertjax reads beside it: save the model with save_pretrained(..., "
+          "safe_serialization=True) into the folder (a pytorch_model.bin is not read)")
     raise NotWeightsError(
         f"{what}={path} holds no weights bertjax reads: expected a bertjax workdir (with "
         f"{checkpoints}/), a folder written by `python -m bertjax.convert.hf import` or "
         "`convert.google import` (bert_config.json and params/), one of Google's released "
-        "folders (bert_config.json and bert_model.ckpt.index) or a Hugging Face BERT folder "
-        "(config.json and model.safetensors)")
+        "folders (bert_config.json and bert_model.ckpt.index), a Hugging Face BERT folder or a "
+        "ModernBERT folder (config.json and model.safetensors)")
   kind, folder = found
   reader = {"workdir": _inspect_workdir, "converted": _inspect_converted,
             "google": _inspect_google, "huggingface": _inspect_huggingface,
@@ -222,7 +232,6 @@ def fingerprint_of(source: Weights, do_lower_case: bool) -> str | None:
     return source.fingerprint
   if source.vocab_file is None:
     return None
-  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   return tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind,
                                        do_lower_case).fingerprint
 
@@ -309,7 +318,6 @@ def _workdir_vocabulary(workdir: str) -> dict:
       config_path) else None
   if not data or "spm_vocab_size" not in data:  # not a pre-training config
     return {}
-  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   # Read key by key, not as a DataConfig: a run of an older bertjax records other keys.
   if data["vocab_path"]:
     vocab = data["vocab_path"]
@@ -325,12 +333,10 @@ def _workdir_vocabulary(workdir: str) -> dict:
 
 
 def _inspect_converted(folder: str, what: str) -> Weights:
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  config = BertConfig.from_dict(files.read_json(os.path.join(folder, CONFIG_FILE),
-                                                "bertjax's model config"))
+  config = converted.read_config(folder)
   with ocp.StandardCheckpointer() as checkpointer:
     try:
-      stored = checkpointer.metadata(_params_dir(folder)).item_metadata
+      stored = checkpointer.metadata(converted.params_dir(folder)).item_metadata
     except Exception as err:  # pylint: disable=broad-except
       raise checkpoint_lib.CheckpointDamagedError(
           f"{what}={folder}: its params/ cannot be read ({checkpoint_lib.damage_summary(err)}); "
@@ -340,7 +346,6 @@ def _inspect_converted(folder: str, what: str) -> Weights:
 
 def _inspect_google(folder: str, what: str) -> Weights:
   del what
-  from bertjax.convert import google, tf_bundle  # pylint: disable=import-outside-toplevel
   config = google.read_google_config(folder)
   names = tf_bundle.CheckpointReader(folder).keys()
   return Weights(folder, "google", config, (ENCODER,) + google.heads_in(names),
@@ -349,7 +354,6 @@ def _inspect_google(folder: str, what: str) -> Weights:
 
 def _safetensors_names(folder: str, what: str) -> list[str]:
   """The tensor names of a Hugging Face folder's model.safetensors (its header alone)."""
-  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
   weights_file = os.path.join(folder, "model.safetensors")
   try:
     return hf.safetensors_names(weights_file)
@@ -361,7 +365,6 @@ def _safetensors_names(folder: str, what: str) -> list[str]:
 
 
 def _inspect_huggingface(folder: str, what: str) -> Weights:
-  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
   hf_config = files.read_json(os.path.join(folder, "config.json"), "the Hugging Face config")
   if hf_config.get("model_type", "bert") != "bert":
     raise NotWeightsError(f"{what}={folder} is a Hugging Face {hf_config['model_type']!r} model; "
@@ -376,7 +379,6 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
-  from bertjax.convert import modernbert  # pylint: disable=import-outside-toplevel
   try:
     config = modernbert.config_from_modernbert(
         files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config"))
@@ -389,10 +391,6 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
       casing_why="a ModernBERT folder's BPE tokenizer is not read by bertjax")
   return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
                  **vocabulary)
-
-
-def _params_dir(folder: str) -> str:
-  return os.path.join(folder if "://" in folder else os.path.abspath(folder), "params")
 
 
 # Reading ---------------------------------------------------------------------------------------
@@ -463,17 +461,14 @@ def _read_host(source: Weights, want: tuple[str, ...], scan: bool) -> dict:
   """The subtrees `want` as numpy, in the layer layout `scan`."""
   config = dataclasses.replace(source.config, scan_layers=scan)
   if source.kind == "google":
-    from bertjax.convert import google, tf_bundle  # pylint: disable=import-outside-toplevel
     heads = tuple(h for h in want if h != ENCODER)
     params = google.params_from_google(tf_bundle.CheckpointReader(source.path), config,
                                        heads=heads)
   elif source.kind == "huggingface":
-    from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
     params = hf.params_from_hf(hf.read_safetensors(os.path.join(source.path,
                                                                 "model.safetensors")),
                                config, heads=tuple(h for h in want if h != ENCODER))
   elif source.kind == "modernbert":
-    from bertjax.convert import hf, modernbert  # pylint: disable=import-outside-toplevel
     params = modernbert.params_from_modernbert(
         hf.read_safetensors(os.path.join(source.path, "model.safetensors")), config,
         heads=tuple(h for h in want if h != ENCODER))
@@ -514,11 +509,10 @@ def _read_orbax(source: Weights, target: Mapping[str, Any] | None,
       ckpt.close()
     params = items["params"]
   else:
-    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
     with ocp.StandardCheckpointer() as checkpointer:
-      stored = checkpointer.metadata(_params_dir(source.path)).item_metadata
+      stored = checkpointer.metadata(converted.params_dir(source.path)).item_metadata
       abstract = checkpoint_lib.subtrees_target(stored, targets or {}, elsewhere, where)
-      params = checkpointer.restore(_params_dir(source.path), abstract)
+      params = checkpointer.restore(converted.params_dir(source.path), abstract)
   keys = tuple(target) if target is not None else want
   return {k: params[k] for k in keys}
 

@@ -15,9 +15,14 @@ NEXT (the built-in task) fine-tunes the tiny model of configs/tiny.py: max_seq_l
 (chosen on dev: docs/lab-notes.md#configsfinetunepy), 3 epochs of 8,000 pairs.
 """
 
+import dataclasses
+
 import ml_collections
 
+from bertjax.model import INHERITED_FIELDS, BertConfig
 from configs import base
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BertConfig)}
 
 SQUAD = ("squad_v1.1", "squad_v2.0")
 OWN_TASKS = ("classification", "regression", "tagging", "span")
@@ -64,20 +69,11 @@ def get_config(task: str = "next"):
   # pearson for regression, f1 for tagging and span; see finetune/metrics.py MAIN_METRICS).
   e.main_metric = ""
 
-  # The encoder: 0 / "" takes init_from's value (shape keys must then match it).
+  # The encoder: 0 / "" takes init_from's value (shape keys must then match it): its shape,
+  # dtype (compute) and param_dtype, ..., and the new head's initializer_range (0.02 for BERT).
   m = config.model = ml_collections.ConfigDict()
-  for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-              "max_position_embeddings", "type_vocab_size"):
-    m[key] = 0
-  m.initializer_range = 0.0  # of the new head; 0 = init_from's (0.02 for BERT)
-  m.layer_norm_eps = 0.0
-  m.hidden_act = ""
-  m.dtype = ""  # "" = init_from's compute dtype
-  m.param_dtype = ""
-  m.remat_policy = ""
-  m.attention_impl = ""
-  m.position_init = ""
-  m.query_key_init = ""
+  for key in INHERITED_FIELDS:
+    m[key] = type(_DEFAULTS[key])()  # 0, 0.0 or ""
   m.hidden_dropout = 0.1  # the paper's fine-tuning dropout, whatever pre-training used
   m.attention_dropout = 0.1
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from bertjax import sharding
-from bertjax.convert import hf
+from bertjax.formats import converted
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel
 from bertjax.pretrained import load_pretrained
@@ -43,7 +43,7 @@ def setup(tmp_path_factory):
   shapes = jax.eval_shape(lambda: nn.unbox(BertForPreTraining(TINY).init(
       jax.random.key(0), BATCH["input_ids"])["params"]))
   stored = jax.tree.map(lambda s: rng.normal(0, 0.05, s.shape).astype(s.dtype), shapes)
-  hf.save_params(folder, stored, TINY)
+  converted.save_params(folder, stored, TINY)
 
   mesh = sharding.create_mesh(sharding.MeshConfig(ici_data=2, ici_fsdp=2, ici_tensor=2))
   config, encoder = load_pretrained(folder, mesh=mesh)

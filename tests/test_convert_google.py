@@ -17,7 +17,8 @@ import transformers  # the `test` extra pins 4.57, the last release with Flax BE
 from flax.traverse_util import unflatten_dict
 
 from bertjax import cli, weights
-from bertjax.convert import google, hf, tf_bundle
+from bertjax.convert import google as convert_google
+from bertjax.formats import converted, google, tf_bundle
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertModel
 from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save, shapes, slots
@@ -168,8 +169,8 @@ def test_outputs_match_hugging_face_holding_the_same_weights(folder, scan, tmp_p
   ids, mask, seg, positions = parity_inputs(c["vocab_size"])
   out = model(ids, attention_mask=mask, token_type_ids=seg, params=_hf_params(variables))
   if scan:  # through the command's folder, as init_from reads it
-    google.import_folder(path, str(tmp_path / "ours"), scan_layers=True)
-    config, params = hf.load_params(str(tmp_path / "ours"))
+    convert_google.import_folder(path, str(tmp_path / "ours"), scan_layers=True)
+    config, params = converted.load_params(str(tmp_path / "ours"))
   else:  # straight from the Google folder
     config, params = google.load_folder(path)
   assert config.scan_layers == scan and config.hidden_act == "gelu"
@@ -189,12 +190,12 @@ def test_outputs_match_hugging_face_holding_the_same_weights(folder, scan, tmp_p
 
 def test_import_export_import_is_exact(folder, tmp_path):
   path, variables = folder
-  line = google.import_folder(path, str(tmp_path / "ours"))
+  line = convert_google.import_folder(path, str(tmp_path / "ours"))
   assert f"ignored optimizer slots and step: adam_m {len(variables)}, adam_v {len(variables)}, " \
          "global_step 1" in line
   assert google.ignored_variables(tf_bundle.CheckpointReader(path).keys()) == {
       "adam_m": len(variables), "adam_v": len(variables), "global_step": 1}
-  google.export_folder(str(tmp_path / "ours"), str(tmp_path / "exported"))
+  convert_google.export_folder(str(tmp_path / "ours"), str(tmp_path / "exported"))
   exported = str(tmp_path / "exported")
   assert sorted(os.listdir(exported)) == [
       "bert_config.json", "bert_model.ckpt.data-00000-of-00001", "bert_model.ckpt.index",
@@ -208,7 +209,7 @@ def test_import_export_import_is_exact(folder, tmp_path):
   assert json.load(open(os.path.join(exported, "bert_config.json"))) == GOOGLE_CONFIG
   assert open(os.path.join(exported, "vocab.txt")).read() == open(
       os.path.join(path, "vocab.txt")).read()
-  _, first = hf.load_params(str(tmp_path / "ours"))
+  _, first = converted.load_params(str(tmp_path / "ours"))
   _, again = google.load_folder(exported)
   flat_first = dict(_leaves(first))
   flat_again = dict(_leaves(again))
@@ -278,21 +279,21 @@ def test_do_lower_case_from_the_name_and_the_warning(tmp_path, caplog):
     assert weights.lower_case_from_name(name) == lower, name
   small = dict(GOOGLE_CONFIG, hidden_size=8, intermediate_size=8, num_hidden_layers=1)
   cased = google_folder(tmp_path, small, "multi_cased_L-12_H-768_A-12")
-  assert google.resolve_do_lower_case(cased, None) == (
+  assert convert_google.resolve_do_lower_case(cased, None) == (
       False, "the name multi_cased_L-12_H-768_A-12 says cased")
   with caplog.at_level(logging.WARNING):
-    assert google.resolve_do_lower_case(cased, True) == (True, "given")
+    assert convert_google.resolve_do_lower_case(cased, True) == (True, "given")
   assert "do_lower_case=True, but multi_cased_L-12_H-768_A-12 seems to be a cased model" in (
       caplog.text)
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    assert google.resolve_do_lower_case(cased, False) == (False, "given")
+    assert convert_google.resolve_do_lower_case(cased, False) == (False, "given")
   assert not caplog.text
   unnamed = google_folder(tmp_path, small, "my_bert")
-  lower, why = google.resolve_do_lower_case(unnamed, None)
+  lower, why = convert_google.resolve_do_lower_case(unnamed, None)
   assert lower and "does not say" in why
   # The import records the casing beside the vocabulary, where init_from finds it.
-  google.import_folder(cased, str(tmp_path / "out"))
+  convert_google.import_folder(cased, str(tmp_path / "out"))
   record = json.load(open(tmp_path / "out" / "tokenizer.json"))
   assert (record["file"], record["kind"], record["do_lower_case"]) == (
       "vocab.txt", "wordpiece", False)
@@ -315,7 +316,7 @@ def test_command_line_import_then_export(folder, tmp_path):
   assert done.returncode == 0, done.stderr
   assert "do_lower_case=False: given" in done.stdout
   assert "seems to be an uncased model" in done.stderr
-  config, params = hf.load_params(str(tmp_path / "ours"))
+  config, params = converted.load_params(str(tmp_path / "ours"))
   assert config.scan_layers and config.num_layers == 2
   assert params["bert"]["encoder"]["layers"]["layer"]["mlp"]["output"]["kernel"].shape == (
       2, 512, 128)
@@ -327,9 +328,9 @@ def test_command_line_import_then_export(folder, tmp_path):
   # Refused inputs: the message alone (no traceback), naming the problem and the fix, as the
   # command reports them (cli.explained: exit status 1 with the message on stderr).
   for run, args, text in (
-      (google.import_folder, (str(tmp_path / "nothing"), str(tmp_path / "x")),
+      (convert_google.import_folder, (str(tmp_path / "nothing"), str(tmp_path / "x")),
        "bert_config.json not found: a Google BERT folder holds bert_config.json"),
-      (google.export_folder, (str(tmp_path), str(tmp_path / "x")),
+      (convert_google.export_folder, (str(tmp_path), str(tmp_path / "x")),
        "holds no weights bertjax reads: expected a bertjax workdir")):
     with pytest.raises(SystemExit) as exited:
       cli.explained(run, *args)
@@ -348,7 +349,8 @@ def test_command_line_import_then_export(folder, tmp_path):
 
 def test_reading_imports_no_tensorflow(folder):
   path, _ = folder
-  code = ("import sys\nfrom bertjax.convert import google\n"
+  code = ("import sys\nfrom bertjax.convert import google as convert_google\n"
+          "from bertjax.formats import google\n"
           f"values = google.read_checkpoint({path!r})\n"
           f"config, params = google.load_folder({path!r}, scan_layers=True)\n"
           "from bertjax import weights\n"

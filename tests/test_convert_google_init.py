@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 from bertjax import checkpoint as checkpoint_lib, loop, train, weights
-from bertjax.convert import google
+from bertjax.convert import google as convert_google
+from bertjax.formats import google
 from bertjax.finetune import run
 from configs import tiny
 from google_fixtures import google_folder, random_variables, slots
@@ -76,7 +77,7 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
   record = json.load(open(tmp_path / "run" / "tokenizer.json"))
   assert record["copied_from"] == os.path.join(folder, "vocab.txt") and record["do_lower_case"]
   # The run exports back to Google's layout: the same variables, config and vocabulary.
-  google.export_folder(str(tmp_path / "run"), str(tmp_path / "exported"))
+  convert_google.export_folder(str(tmp_path / "run"), str(tmp_path / "exported"))
   reader = tf.train.load_checkpoint(str(tmp_path / "exported" / "bert_model.ckpt"))
   assert sorted(reader.get_variable_to_shape_map()) == sorted(variables)
   for name, value in variables.items():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import transformers  # the `test` extra pins 4.57, the last release with Flax BERT
 
-from bertjax.convert import hf, outfolder
+from bertjax.convert import hf as convert_hf
+from bertjax.formats import converted, hf, outfolder
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel
 from parity_fixtures import parity_inputs
@@ -132,7 +133,7 @@ def test_command_line_import_then_export(reference, tmp_path):
                ["export", f"--params={tmp_path / 'ours'}", f"--output={tmp_path / 'back'}"]):
     subprocess.run([sys.executable, "-m", "bertjax.convert.hf", *args], check=True, env=env,
                    capture_output=True)
-  config, params = hf.load_params(str(tmp_path / "ours"))
+  config, params = converted.load_params(str(tmp_path / "ours"))
   assert config.scan_layers and config.num_layers == 3
   assert params["bert"]["encoder"]["layers"]["layer"]["mlp"]["output"]["kernel"].shape == (3, 80,
                                                                                              48)
@@ -161,7 +162,7 @@ def test_a_sentencepiece_vocabulary_exports_as_a_fast_tokenizer_with_the_same_id
   model = tokenizer_lib.train_sentencepiece(sentences, vocab_size=120, do_lower_case=lower,
                                             output=str(tmp_path / "spm"))
   ours = tokenizer_lib.load_vocabulary(model, "sentencepiece")
-  hf.sentencepiece_to_tokenizer_json(model, str(tmp_path / "tokenizer.json"))
+  convert_hf.sentencepiece_to_tokenizer_json(model, str(tmp_path / "tokenizer.json"))
   theirs = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
   probes = sentences[:100] + ["  two  spaces\tand a tab ", "UPPER lower MiXeD", "ﬁ ligature",
                               "１２３ full-width digits", "unseen qzj words"]
@@ -180,7 +181,7 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
   encoder, tensor for tensor; its task head is read past, and where the class has no pooler
   (token classification, question answering) neither has the encoder read."""
   from bertjax import weights  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from bertjax import taskspec as spec_lib  # pylint: disable=import-outside-toplevel
   config = reference["config"]
   params = hf.params_from_hf(reference["state_dict"], config, heads=())
   spec = spec_lib.TaskSpec("t", family, () if family in ("regression", "span") else ("a", "b", "c"))
@@ -190,8 +191,7 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
       "bias": rng.normal(size=(spec.num_outputs,)).astype(np.float32)}
   sd, extra = hf.task_to_hf(params, config, spec)
   with outfolder.ExportFolder(str(tmp_path)) as folder:
-    # pylint: disable-next=protected-access
-    hf._write_hf(folder, sd, {**hf.config_to_hf(config), **extra})
+    hf.write_hf_dir(folder, sd, {**hf.config_to_hf(config), **extra})
   source = weights.inspect(str(tmp_path))
   back = weights.read(source)
   assert source.kind == "huggingface" and source.subtrees == ("bert",) and list(back) == ["bert"]

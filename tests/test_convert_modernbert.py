@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from bertjax import weights
-from bertjax.convert import modernbert
+from bertjax.convert import modernbert as convert_modernbert
+from bertjax.formats import modernbert
 from bertjax.heads import MlmHead
 from bertjax.model import BertConfig, BertModel
 
@@ -101,7 +102,7 @@ def test_export_loads_in_transformers_and_matches(saved, tmp_path):
   source = weights.inspect(saved["folder"])
   assert source.kind == "modernbert" and source.subtrees == ("bert", "mlm")
   params = weights.read(source)
-  assert modernbert.export_folder(saved["folder"], str(tmp_path)).startswith("Exported")
+  assert convert_modernbert.export_folder(saved["folder"], str(tmp_path)).startswith("Exported")
   model, info = transformers.ModernBertForMaskedLM.from_pretrained(
       tmp_path, attn_implementation="eager", output_loading_info=True)
   assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -171,11 +172,11 @@ def test_fine_tuning_starts_from_a_modernbert_folder(tmp_path, monkeypatch):
 
 
 def test_the_bert_exporter_refuses_a_modern_model_naming_the_other():
-  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+  from bertjax.formats import hf  # pylint: disable=import-outside-toplevel
   config = modernbert.config_from_modernbert(BASE)
   with pytest.raises(ValueError, match=r"norm_position='pre'.*convert\.modernbert export"):
     hf.config_to_hf(config)
-  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+  from bertjax.formats import google  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=r"mlp_type='gated'.*convert\.modernbert export"):
     google.config_to_google(config)
   assert not BertConfig().modern_options()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bertjax import checkpoint as checkpoint_lib, loop, train
-from bertjax.convert import hf
+from bertjax.formats import converted
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
@@ -30,7 +30,7 @@ def _converted(tmp_path) -> tuple[str, dict, BertConfig]:
           train.TrainConfig(num_train_steps=1, warmup_steps=0))[0],
       jax.random.PRNGKey(3)).params)
   params = jax.tree.map(np.asarray, __import__("flax").linen.unbox(params))
-  hf.save_params(str(folder), params, cfg)
+  converted.save_params(str(folder), params, cfg)
   return str(folder), params, cfg
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from bertjax import predict as predict_lib
-from bertjax.finetune import custom, metrics as ft_metrics, ner, run, spec as spec_lib, tasks
+from bertjax import taskspec as spec_lib
+from bertjax.finetune import custom, metrics as ft_metrics, ner, run, tasks
 from bertjax.finetune import textfiles
 import finetune_fixtures as fx
 

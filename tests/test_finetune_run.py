@@ -22,7 +22,8 @@ import pytest
 
 from bertjax import checkpoint as checkpoint_lib, loop
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import run, spec as spec_lib, squad, squad_metrics, tasks
+from bertjax import taskspec as spec_lib
+from bertjax.finetune import run, squad, squad_metrics, tasks
 import finetune_fixtures as fx
 from test_data_fixtures import write_vocab
 

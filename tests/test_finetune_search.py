@@ -201,3 +201,17 @@ def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
     config.train.learning_rate = None
     run.finetune(config, "/nonexistent")
   assert finetune_config.get_config("mrpc").train.learning_rate == 2e-5  # benchmarks: the paper's
+
+
+def test_the_trials_program_compiles_ahead_of_time_and_grows_with_the_trials():
+  """bertjax.finetune.search_aot's compile (on 4 CPU devices here; on a TPU slice's compile-only
+  devices there): memory per device grows with the trials a device holds."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from bertjax import aot  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
+  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  config = BertConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2,
+                      intermediate_size=64, max_position_embeddings=32)
+  sizes = [aot.Memory.of(search_aot.compile_trials(config, jax.devices()[:4], t, 8, 32)).total
+           for t in (4, 8)]
+  assert sizes[1] > 1.5 * sizes[0], sizes

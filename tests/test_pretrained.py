@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bertjax import checkpoint as checkpoint_lib, sharding
-from bertjax.convert import hf
+from bertjax.formats import converted as converted_folder
 from bertjax.heads import BertForPreTraining, BertForSequenceClassification
 from bertjax.model import BertConfig, BertModel
 from bertjax.pretrained import load_pretrained
@@ -51,7 +51,7 @@ def sources(tmp_path_factory):
   tuned = _params(BertForSequenceClassification(TINY, num_labels=3), 3)
   _save_run(root / "finetuning", [(5, tuned)])
   converted = _params(BertForPreTraining(TINY), 4)
-  hf.save_params(str(root / "converted"), converted, TINY)
+  converted_folder.save_params(str(root / "converted"), converted, TINY)
   return {"pretraining": (root / "pretraining", newer["bert"]),
           "finetuning": (root / "finetuning", tuned["bert"]),
           "converted": (root / "converted", converted["bert"])}
@@ -100,7 +100,7 @@ def test_layers_restacked_on_request(sources):
   # ... and back, here onto a mesh (the "layers" axis stays whole).
   mesh = sharding.create_mesh(sharding.MeshConfig(ici_data=2, ici_fsdp=4))
   scanned_dir = path.parent / "converted_scanned"
-  hf.save_params(str(scanned_dir), {"bert": jax.tree.map(np.asarray, scanned), "mlm": {},
+  converted_folder.save_params(str(scanned_dir), {"bert": jax.tree.map(np.asarray, scanned), "mlm": {},
                                     "nsp": {}}, config)
   config, unrolled = load_pretrained(str(scanned_dir), scan_layers=False, mesh=mesh)
   assert not config.scan_layers
@@ -145,7 +145,7 @@ def test_loading_imports_no_tensorflow(sources):
 def test_a_google_folder_loads_without_tensorflow(tmp_path):
   # The folder is written with TensorFlow's own writer here; reading it must not need TensorFlow.
   import google_fixtures as gf  # pylint: disable=import-outside-toplevel
-  from bertjax.convert import google  # pylint: disable=import-outside-toplevel
+  from bertjax.formats import google  # pylint: disable=import-outside-toplevel
   variables = gf.random_variables(gf.GOOGLE_CONFIG, seed=5)
   folder = gf.google_folder(tmp_path, variables=variables, extra=gf.slots(variables))
   config, encoder = load_pretrained(folder)

@@ -213,13 +213,13 @@ def test_a_reader_of_another_run_names_the_damaged_step_and_the_older_one(tmp_pa
 def test_a_truncated_record_is_named_in_one_line(tmp_path, name):
   # A run's vocabulary record, a converted folder's model config: cut short by a kill or a full
   # disk, they are named (not a bare JSONDecodeError).
-  from bertjax.convert import hf
+  from bertjax.formats import converted
   if name == "tokenizer.json":
     _two_steps(tmp_path / "checkpoints").close()
     read = lambda: weights.inspect(str(tmp_path))
   else:
-    hf.save_params(str(tmp_path), {"bert": {"w": jnp.ones(3)}}, BertConfig(vocab_size=64))
-    read = lambda: hf.read_config(str(tmp_path))
+    converted.save_params(str(tmp_path), {"bert": {"w": jnp.ones(3)}}, BertConfig(vocab_size=64))
+    read = lambda: converted.read_config(str(tmp_path))
   (tmp_path / name).write_text('{"file": "vo')
   with pytest.raises(files.DamagedFileError) as err:
     read()
@@ -356,7 +356,7 @@ def test_a_conll_file_without_blank_lines_is_warned_about(tmp_path, caplog):
 
 
 def test_gelu_new_is_gelu_tanh():
-  from bertjax.convert import google
+  from bertjax.formats import google
   config = {"vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
             "intermediate_size": 8}
   assert google.config_from_google({**config, "hidden_act": "gelu_new"}).hidden_act == "gelu_tanh"
@@ -484,7 +484,7 @@ def test_every_squad_answer_is_an_exact_substring_of_its_context_with_sentencepi
 
 
 def test_a_google_folder_of_several_checkpoints_names_the_newest_and_a_fix_that_works(tmp_path):
-  from bertjax.convert import tf_bundle
+  from bertjax.formats import tf_bundle
   for step in (200, 1000):
     (tmp_path / f"model.ckpt-{step}.index").write_bytes(b"")
   with pytest.raises(FileNotFoundError) as err:
@@ -501,7 +501,8 @@ def test_convert_google_takes_the_checkpoint_a_prefix_names(tmp_path, capsys):
   # folder and refused; it reads that checkpoint, even beside others and without a `checkpoint`
   # file, with the folder's bert_config.json and vocab.txt.
   import numpy as np
-  from bertjax.convert import google, hf
+  from bertjax.convert import google
+  from bertjax.formats import converted
   from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save
   first = random_variables(GOOGLE_CONFIG, seed=0)
   folder = google_folder(tmp_path, variables=first)  # bert_model.ckpt
@@ -513,7 +514,7 @@ def test_convert_google_takes_the_checkpoint_a_prefix_names(tmp_path, capsys):
     out = str(tmp_path / given)
     print(google.import_folder(os.path.join(folder, given), out))  # the command prints this line
     assert capsys.readouterr().out.startswith(f"Imported {os.path.join(folder, prefix)} -> {out} ")
-    _, params = hf.load_params(out)
+    _, params = converted.load_params(out)
     np.testing.assert_array_equal(params["bert"]["embeddings"]["word_embeddings"]["embedding"],
                                   want["bert/embeddings/word_embeddings"])
 
@@ -524,7 +525,7 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
   # heads, it says in one line that it has none (was: a list of missing variables and "use the
   # bert_config.json released with this checkpoint").
   import numpy as np
-  from bertjax.convert import google, tf_bundle
+  from bertjax.formats import google, tf_bundle
   from google_fixtures import GOOGLE_CONFIG, random_variables, save, slots
   from test_data_fixtures import write_vocab
   variables = {k: v for k, v in random_variables(GOOGLE_CONFIG).items()

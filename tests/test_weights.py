@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from bertjax import checkpoint as checkpoint_lib, loop, train, weights
-from bertjax.convert import google, hf
+from bertjax.convert import google as convert_google, hf as convert_hf
+from bertjax.formats import google, hf
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
@@ -57,7 +58,7 @@ def folders(tmp_path_factory):
   # "cased_" in the name: Google's casing from the name, recorded by the import as it converts.
   google_dir = google_folder(root, SMALL, "cased_L-2_H-32_A-2", variables, slots(variables))
   params = google.params_from_google(variables, CONFIG)
-  google.import_folder(google_dir, os.path.join(root, "converted"))
+  convert_google.import_folder(google_dir, os.path.join(root, "converted"))
   hf_dir = os.path.join(root, "huggingface")
   hf.save_hf_dir(hf_dir, params, CONFIG)
   write_vocab(os.path.join(hf_dir, "vocab.txt"))
@@ -107,12 +108,12 @@ def _callers(tmp_path):
 
   def google_export(path):
     out = str(tmp_path / f"google-{len(os.listdir(tmp_path))}")
-    google.export_folder(path, out)
+    convert_google.export_folder(path, out)
     return google.load_folder(out)[1]["bert"]
 
   def hf_export(path):
     out = str(tmp_path / f"hf-{len(os.listdir(tmp_path))}")
-    hf.export_folder(path, out)
+    convert_hf.export_folder(path, out)
     return hf.load_hf_dir(out)[1]["bert"]
 
   return {"load_pretrained": lambda path: load_pretrained(path)[1],
@@ -184,9 +185,15 @@ def test_reading_a_local_folder_of_any_kind_imports_no_tensorflow(folders):
 
 
 def test_a_path_of_no_kind_names_every_kind(tmp_path):
-  (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "notes.txt").write_text("{}")
   with pytest.raises(weights.NotWeightsError, match="bertjax workdir .*convert.hf import.* "
-                     "Google's released folders .* Hugging Face BERT folder"):
+                     "Google's released folders .* Hugging Face BERT folder or a ModernBERT "
+                     "folder"):
+    weights.inspect(str(tmp_path))
+  # A Hugging Face folder without its weights names the file it lacks (was: the list of kinds).
+  (tmp_path / "config.json").write_text('{"model_type": "modernbert"}')
+  with pytest.raises(weights.NotWeightsError, match="holds a ModernBERT config.json but no "
+                     "model.safetensors"):
     weights.inspect(str(tmp_path))
   with pytest.raises(FileNotFoundError, match="checkpoint.init_from=.*nowhere does not exist"):
     weights.inspect(str(tmp_path / "nowhere"), what="checkpoint.init_from")

@@ -32,9 +32,10 @@ from bertjax.data.config import DataConfig
 
 
 def _config(seq_length: int, prepared_dir: str, workers: int, source: str) -> DataConfig:
-  # Imported here so the module also works from an installed package without configs/ on the path.
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-  from configs import base
+  # lazy: configs/ sits beside the package in a checkout, not in an installed bertjax; the module
+  # also works without it until a config is asked for (its folder is put on the path above).
+  from configs import base  # pylint: disable=import-outside-toplevel
   builtin = DataConfig.from_config(base.get_config().data)
   return dataclasses.replace(
       builtin, source=source, max_seq_length=seq_length,

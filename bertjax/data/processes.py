@@ -12,8 +12,13 @@ import subprocess
 import sys
 import threading
 
+from bertjax import cli
 
-class PreparationStopped(Exception):
+# The folder holding the bertjax package: on the workers' path, whatever their working directory.
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class PreparationStopped(cli.Stopped):
   """SIGTERM arrived while preparing; the finished shards are kept and a rerun resumes."""
 
 
@@ -55,9 +60,8 @@ def _sigterm_deferred():
 def run_workers(inputs: list, code: str):
   """Runs `python -c code` once per item of `inputs`, each reading its item as JSON on stdin, and
   waits for all; stops them all if this process is interrupted (SIGTERM, Ctrl-C)."""
-  import bertjax
   env = dict(os.environ)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(bertjax.__file__)))
+  root = _PROJECT_ROOT
   env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   env["CUDA_VISIBLE_DEVICES"] = ""

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from bertjax import files
+from bertjax.data import corpus, storage
 from bertjax.data.config import DataConfig
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
@@ -285,7 +286,6 @@ def cached_sentencepiece_path(source: str, tfds_split: str, eval_fraction: float
   """The cache file of the SentencePiece vocabulary trained on `source` (`vocab_path_of`); by its
   keys, for a workdir's recorded config.json, which may come from an older bertjax."""
   slug = re.sub(r"[^A-Za-z0-9]+", "_", source)[:40].strip("_") or "corpus"
-  from bertjax.data import corpus  # pylint: disable=import-outside-toplevel
   key = hashlib.sha256(f"{source}|{tfds_split}|{eval_fraction}|{corpus.TEXT_VERSION}".encode())
   case = "uncased" if do_lower_case else "cased"
   return os.path.join(cache_dir, f"spm-{slug}-{key.hexdigest()[:8]}-{spm_vocab_size}-{case}.model")
@@ -346,7 +346,6 @@ def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
   it, its kind, casing and fingerprint; returns the copy's path. Written once (unless `replace`,
   for a converter's output): a later run in the same workdir finds its fingerprint already
   checked against the checkpoints."""
-  import tensorflow as tf
   name = "vocab.model" if kind == "sentencepiece" else "vocab.txt"
   target = os.path.join(workdir, name)
   record = os.path.join(workdir, WORKDIR_RECORD)
@@ -354,8 +353,7 @@ def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
     return target
   files.makedirs(workdir)
   if os.path.abspath(vocab_file) != os.path.abspath(target):
-    tf.io.gfile.copy(vocab_file, target + ".tmp", overwrite=True)
-    tf.io.gfile.rename(target + ".tmp", target, overwrite=True)
+    files.copy(vocab_file, target)  # local files without TensorFlow (bertjax/files.py)
   files.write_json(record, {"file": name, "kind": kind, "do_lower_case": bool(do_lower_case),
                             "fingerprint": fingerprint, "copied_from": vocab_file})
   return target
@@ -433,14 +431,12 @@ def _spm_error(err: RuntimeError, vocab_size: int, count: int) -> Exception:
 def ensure_sentencepiece(data: DataConfig) -> str:
   """Trains the vocabulary (`vocab_path_of`) from the source's train split unless it exists."""
   import tensorflow as tf
-  from bertjax.data import corpus
   path = vocab_path_of(data)
   if data.tokenizer != "sentencepiece":
     raise ValueError(f"Only SentencePiece vocabularies are trained here, not {data.tokenizer!r}.")
   if not path.endswith(".model"):
     raise ValueError(f"SentencePiece vocab_path must end in .model, got {path!r}.")
   if not tf.io.gfile.exists(path):
-    from bertjax.data import storage
     storage.make_dirs(os.path.dirname(path) or ".",
                       "vocab_path" if data.vocab_path else "cache_dir")
     docs = corpus.split_documents(corpus.read_documents(data), "train", data.eval_fraction)
@@ -472,7 +468,6 @@ def main(argv):
   if command == "train" and not rest:
     if not args.output:
       raise app.UsageError("train needs --output=PREFIX.")
-    from bertjax.data import corpus  # pylint: disable=import-outside-toplevel
     docs = corpus.split_documents(corpus.documents_from_source(args.corpus), "train",
                                   args.eval_fraction)
     path = train_sentencepiece((s for d in docs for s in d), vocab_size=args.vocab_size,

@@ -19,6 +19,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   cli.start(argv)
+  # lazy: search brings TensorFlow in (tf.data), which cli.quiet_tensorflow must precede.
   from bertjax.finetune import search  # pylint: disable=import-outside-toplevel
   cli.explained(search.finetune, FLAGS.config, FLAGS.workdir)
 

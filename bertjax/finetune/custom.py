@@ -38,7 +38,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from bertjax import files
-from bertjax.finetune import glue, metrics as ft_metrics, ner, objectives, spec as spec_lib
+from bertjax import taskspec as spec_lib
+from bertjax.finetune import glue, metrics as ft_metrics, ner, objectives
 from bertjax.finetune import textfiles
 from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData

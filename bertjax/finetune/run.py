@@ -14,7 +14,7 @@ checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what 
 - at the end, predictions of the test splits (and SQuAD's dev predictions) from the best
   checkpoint in `predictions/`, `results.json`, and a one-line summary.
 
-Workdir: config.json, task.json (bertjax/finetune/spec.py: the label map and the rest of what
+Workdir: config.json, task.json (bertjax/taskspec.py: the label map and the rest of what
 prediction and export need), checkpoints/, best/, evaluations.json, metrics.jsonl, tensorboard/,
 predictions/, results.json, vocab file (copied from init_from).
 """
@@ -31,17 +31,11 @@ import jax
 import numpy as np
 
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
-from bertjax import train, watchdog, weights
+from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import spec as spec_lib, tasks
+from bertjax.finetune import tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
-from bertjax.model import BertConfig
-
-# Model keys a fine-tuning config may leave at 0 / "" to take init_from's value.
-INHERITED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-             "max_position_embeddings", "type_vocab_size", "initializer_range", "layer_norm_eps",
-             "hidden_act", "dtype", "param_dtype", "remat_policy", "attention_impl",
-             "position_init", "query_key_init")
+from bertjax.model import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
 
 # Keys of the fine-tuning config before data, eval and checkpoint held them (the paths
 # pre-training uses for the same things): each old spelling is refused, naming its new path.
@@ -63,16 +57,16 @@ def resolve_model(config, source: weights.Weights | None) -> BertConfig:
   base = dataclasses.asdict(source.config) if source is not None else {}
   base.pop("scan_layers", None)  # a layout of ours, chosen by the task's config
   if source is None:
-    unset = [k for k in checkpoint_lib.SHAPE_FIELDS if k != "scan_layers" and not wanted[k]]
+    unset = [k for k in SHAPE_FIELDS if k != "scan_layers" and not wanted[k]]
     if unset:
       raise ValueError("Without init_from the model's shape must be given: set "
                        + ", ".join(f"config.model.{k}" for k in unset)
                        + " (or checkpoint.init_from, to copy a run's model).")
   merged = dict(base)
   for key, value in wanted.items():
-    if key in INHERITED and value in (0, 0.0, ""):
+    if key in INHERITED_FIELDS and value in (0, 0.0, ""):
       continue
-    fixed = checkpoint_lib.SHAPE_FIELDS + checkpoint_lib.ARCHITECTURE_FIELDS
+    fixed = SHAPE_FIELDS + checkpoint_lib.ARCHITECTURE_FIELDS
     if source is not None and key in fixed and key in base and (
         base[key] != value):
       raise ValueError(f"config.model.{key}={value!r} but checkpoint.init_from={source.path} "

@@ -31,8 +31,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding, train, weights
-from bertjax.finetune import run as run_lib, spec as spec_lib, svg, tasks, trials as trials_lib
+from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
+from bertjax import taskspec as spec_lib, train, weights
+from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
 from bertjax.finetune.config import SEARCH_KEYS, SearchConfig
 
 SEARCH_FILE = "search.json"

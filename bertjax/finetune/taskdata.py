@@ -9,8 +9,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from bertjax import train
-from bertjax.finetune import spec as spec_lib
+from bertjax import taskspec as spec_lib, train
 
 
 @dataclasses.dataclass

@@ -25,8 +25,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from bertjax import files, taskspec as spec_lib
 from bertjax.finetune import custom, glue, metrics as ft_metrics, ner, objectives, squad
-from bertjax.finetune import spec as spec_lib, squad_metrics, squad_postprocess
+from bertjax.finetune import squad_metrics, squad_postprocess
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
 
@@ -267,7 +268,6 @@ def _ner(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 
   def writer(sentences, f, split):
     def write(outputs, output_dir):
-      from bertjax import files  # pylint: disable=import-outside-toplevel
       predicted = ner.tags_from_predictions(f, outputs["predicted"], sentences, labels)
       files.makedirs(output_dir)
       path = os.path.join(output_dir, f"{split}_predictions.txt")

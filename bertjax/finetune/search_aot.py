@@ -1,0 +1,85 @@
+"""How many fine-tuning trials of a search fit on a TPU chip, from ahead-of-time compiles on a
+machine without a TPU (libtpu's compile-only client, as `python -m bertjax.aot`):
+
+    python -m bertjax.finetune.search_aot --config=configs/bert_base.py --topology=v5p-8 \
+        --batch_size=32 --seq_len=128
+
+Compiles the trials' program (bertjax/finetune/trials.py: a classification head, bfloat16
+matmuls as the config says) for T = chips x 1, 2, 4, ... trials, the trial axis over the chips,
+and prints each one's memory per chip from XLA's buffer assignment against the chip's HBM, until
+one does not fit: the last that fits is the answer, per chip.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+from absl import app, flags
+
+from bertjax import aot, cli, train
+from bertjax.finetune import objectives, trials as trials_lib
+from bertjax.model import BertConfig
+
+GIB = 2**30
+
+
+def compile_trials(model_config: BertConfig, devices, num_trials: int, batch_size: int,
+                   seq_len: int):
+  """The compiled program of `num_trials` trials on a mesh of `devices` (one data axis)."""
+  mesh = jax.sharding.Mesh(devices, ("data",))
+  base = train.TrainConfig(batch_size=batch_size, num_train_steps=100, warmup_steps=10,
+                           learning_rate=2e-5)
+  trials = [trials_lib.Trial(k, 2e-5, 3.0, 0.1, 0.01, k, batch_size) for k in range(num_trials)]
+  training = trials_lib.build(model_config, base, trials, 33, mesh, objectives.classification(2))
+  one = objectives.classification(2).dummy_batch(1)  # [1, L] tokens, [1] per-row features
+  batch = {k: jax.ShapeDtypeStruct((num_trials, batch_size) + ((seq_len,) if v.ndim == 2 else ()),
+                                   v.dtype, sharding=training.batch_sharding)
+           for k, v in one.items()}
+  key = jax.ShapeDtypeStruct((2,), jax.numpy.uint32,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  return training.train_step.lower(training.abstract_state, batch, key).compile()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  args = flags.FLAGS
+  topology = aot.parse_topology(args.topology)
+  devices = aot.topology_devices(topology)
+  model_config = BertConfig.from_dict(args.config.model,
+                                      vocab_size=args.config.model.vocab_size or args.vocab_size)
+  hbm = topology.slice_type.generation.hbm_gib * GIB
+  chips, fits = len(devices), 0
+  per_chip = 1
+  while per_chip <= args.max_per_chip:
+    num = chips * per_chip
+    try:
+      memory = aot.Memory.of(compile_trials(model_config, devices, num, args.batch_size,
+                                            args.seq_len))
+      need = memory.total
+    except Exception as err:  # pylint: disable=broad-except
+      found = aot.xla_out_of_memory(err)
+      if found is None:
+        raise
+      need = found[0]
+    ok = need <= hbm
+    print(f"{per_chip:3d} trial(s) per chip ({num} on {chips} chips): {need / GIB:6.2f} GiB of "
+          f"{hbm / GIB:.0f} GiB HBM per chip {'fits' if ok else 'does not fit'}", flush=True)
+    if not ok:
+      break
+    fits = per_chip
+    per_chip *= 2
+  print(f"{topology.name}: {fits} trial(s) of batch {args.batch_size} x {args.seq_len} per chip "
+        f"fit (tried powers of 2 up to {args.max_per_chip})")
+  sys.exit(0 if fits else 1)
+
+
+if __name__ == "__main__":
+  cli.define_config_flag()
+  flags.DEFINE_string("topology", "v5p-8", "A Cloud TPU slice (bertjax.topologies).")
+  flags.DEFINE_integer("batch_size", 32, "Each trial's batch.")
+  flags.DEFINE_integer("seq_len", 128, "Tokens per row.")
+  flags.DEFINE_integer("max_per_chip", 64, "The most trials per chip tried.")
+  flags.DEFINE_integer("vocab_size", 30522, "Where the config leaves it 0 (the released BERT's).")
+  cli.run(main)

@@ -1,0 +1,211 @@
+"""The layers of the house, read from the code (an ast walk over bertjax/, launch/, configs/).
+
+Lowest first; a module imports from its own layer or the ones below it, never from one above:
+
+  base      files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
+            opprofile, metrics, control, losses, optimizer, sharding, dropout, attention
+  model     model, heads, nnx
+  configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
+  data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
+  core      train, flops, checkpoint
+  formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
+            folder an export writes) and
+            taskspec (the task spec a checkpoint carries): parsing, no reader of folders
+  weights   weights (the one reader of a weights folder)
+  runs      loop, pretrained, aot, benchmark, benchmark_hf, evaluate_mlm, main
+  finetune  finetune/
+  commands  predict, benchmark_predict, convert/ (import and export), launch/
+
+Held here: every module has a layer; no import runs upward; no circle (imports inside functions
+and `__main__` blocks included); a project import inside a function says why on its line or in
+the comment just above it (`# lazy: ...`). docs/contributing.md#layers states the same order.
+"""
+
+import ast
+import functools
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).parent.parent
+PACKAGES = ("bertjax", "launch", "configs")
+
+LAYERS = (
+    ("base", ("bertjax.files", "bertjax.cli", "bertjax.distributed", "bertjax.hostmem",
+              "bertjax.platforms", "bertjax.versions", "bertjax.topologies", "bertjax.opprofile",
+              "bertjax.metrics",
+              "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
+              "bertjax.dropout", "bertjax.attention")),
+    ("model", ("bertjax.model", "bertjax.heads", "bertjax.nnx")),
+    ("configs", ("configs",)),
+    ("data", ("bertjax.data",)),
+    ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint")),
+    ("formats", ("bertjax.formats", "bertjax.taskspec")),
+    ("weights", ("bertjax.weights",)),
+    ("runs", ("bertjax.loop", "bertjax.pretrained", "bertjax.aot", "bertjax.benchmark",
+              "bertjax.benchmark_hf", "bertjax.evaluate_mlm", "bertjax.main")),
+    ("finetune", ("bertjax.finetune",)),
+    ("commands", ("bertjax.predict", "bertjax.benchmark_predict", "bertjax.convert", "launch")),
+)
+FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = list(path.relative_to(ROOT).with_suffix("").parts)
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for package in PACKAGES
+          for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _layer(module: str) -> int | None:
+  """The index of `module`'s layer: that of its longest entry (a module or a package)."""
+  best, found = -1, None
+  for index, (_, entries) in enumerate(LAYERS):
+    for entry in entries:
+      if (module == entry or module.startswith(entry + ".")) and len(entry) > best:
+        best, found = len(entry), index
+  return found
+
+
+class _Imports(ast.NodeVisitor):
+  """Every project import of one file: (line, module imported, inside a function)."""
+
+  def __init__(self, module: str, modules):
+    self.module, self.modules, self.depth, self.found = module, modules, 0, []
+
+  def _resolve(self, name: str) -> str:
+    while name and name not in self.modules:
+      name = name.rpartition(".")[0]
+    return name
+
+  def visit_FunctionDef(self, node):
+    self.depth += 1
+    self.generic_visit(node)
+    self.depth -= 1
+
+  visit_AsyncFunctionDef = visit_FunctionDef
+
+  def visit_Import(self, node):
+    for alias in node.names:
+      if alias.name.split(".")[0] in PACKAGES:
+        self.found.append((node.lineno, self._resolve(alias.name), self.depth > 0))
+
+  def visit_ImportFrom(self, node):
+    base = node.module or ""
+    if node.level:  # relative: from this module's package, or one above it
+      package = self.module.split(".")
+      if self.modules[self.module].name != "__init__.py":
+        package = package[:-1]
+      package = package[:len(package) - node.level + 1]
+      base = ".".join(package + ([base] if base else []))
+    if base.split(".")[0] not in PACKAGES:
+      return
+    for alias in node.names:  # `from pkg import module` imports the module, else pkg itself
+      self.found.append((node.lineno, self._resolve(f"{base}.{alias.name}"), self.depth > 0))
+
+
+@functools.cache
+def _graph():
+  modules = _modules()
+  imports = {}
+  for module, path in modules.items():
+    visitor = _Imports(module, modules)
+    visitor.visit(ast.parse(path.read_text(), str(path)))
+    imports[module] = visitor.found
+  return modules, imports
+
+
+# Walked once, as pytest collects this file: CPython 3.11's ast.parse can fail with "AST
+# constructor recursion depth mismatch" while other threads run (gh-106905), as the threads that
+# earlier tests leave behind (orbax, jax) may.
+_graph()
+
+
+def _said_why(lines: list[str], lineno: int) -> bool:
+  """Whether the import at `lineno` (1-based) has `# lazy:` on its line or in the comment lines
+  right above it."""
+  if "# lazy:" in lines[lineno - 1]:
+    return True
+  at = lineno - 2
+  while at >= 0 and lines[at].strip().startswith("#"):
+    if "# lazy:" in lines[at]:
+      return True
+    at -= 1
+  return False
+
+
+def test_every_module_has_a_layer():
+  modules, _ = _graph()
+  assert len(modules) > 80, len(modules)  # the walk still finds the code
+  unplaced = sorted(m for m in modules if m not in FACES and _layer(m) is None)
+  assert not unplaced, f"give these a layer in LAYERS (and docs/contributing.md): {unplaced}"
+
+
+def test_no_import_runs_upward():
+  modules, imports = _graph()
+  upward = []
+  for module, found in imports.items():
+    if module in FACES:
+      continue
+    for lineno, target, _ in found:
+      if target in FACES or target == module:
+        continue
+      if _layer(target) > _layer(module):
+        upward.append(f"{modules[module].relative_to(ROOT)}:{lineno}: {module} "
+                      f"({LAYERS[_layer(module)][0]}) imports {target} "
+                      f"({LAYERS[_layer(target)][0]})")
+  assert not upward, "\n".join(upward)
+
+
+def test_no_circle():
+  _, imports = _graph()
+  edges = {m: sorted({t for _, t, _ in found if t != m}) for m, found in imports.items()}
+  # Tarjan's strongly connected components: a component of two modules or more is a circle.
+  index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+  def visit(node):
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for nxt in edges.get(node, ()):
+      if nxt not in index:
+        visit(nxt)
+        low[node] = min(low[node], low[nxt])
+      elif nxt in on_stack:
+        low[node] = min(low[node], index[nxt])
+    if low[node] == index[node]:
+      component = []
+      while True:
+        top = stack.pop()
+        on_stack.discard(top)
+        component.append(top)
+        if top == node:
+          break
+      if len(component) > 1:
+        circles.append(sorted(component))
+
+  for node in sorted(edges):
+    if node not in index:
+      visit(node)
+  assert not circles, circles
+
+
+def test_a_project_import_inside_a_function_says_why():
+  modules, imports = _graph()
+  silent = []
+  for module, found in imports.items():
+    lines = modules[module].read_text().splitlines()
+    for lineno, target, inside in found:
+      if inside and not _said_why(lines, lineno):
+        silent.append(f"{modules[module].relative_to(ROOT)}:{lineno}: {target}")
+  assert not silent, ("move these imports to the top of the module, or say why not in a "
+                      "`# lazy: ...` comment:\n" + "\n".join(silent))
+
+
+def test_the_docs_state_the_same_order():
+  text = (ROOT / "docs" / "contributing.md").read_text()
+  section = re.search(r"^## Layers\n(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
+  named = re.findall(r"^\d+\. \*\*(\w+)\*\*", section, re.M)
+  assert named == [name for name, _ in LAYERS], named
