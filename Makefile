@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 .PHONY: test pretrain finetune install clean
 
 # Re-install only when the package metadata changes. `pretrain` needs the package alone, `test`
-# also the test extra (pytest, and the reference implementation for parity tests) and the tpu
-# extra (libtpu, whose compile-only client tests/test_aot.py uses on the CPU).
+# also the test extra (pytest, and the reference implementation for parity tests), the tpu
+# extra (libtpu, whose compile-only client tests/test_aot.py uses on the CPU) and the beam extra
+# (Apache Beam, the other driver of preparation, tests/test_data_prepare_scale.py).
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
@@ -16,7 +17,7 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -e '.[test,tpu]'
+	$(PY) -m pip install -e '.[test,tpu,beam]'
 	touch $@
 
 install: $(VENV)/.installed

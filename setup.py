@@ -43,5 +43,9 @@ setuptools.setup(
         # client compiles for a TPU slice on a CPU machine. The version jax 0.10.2's jax[tpu] pins;
         # it moves with jax.
         "tpu": ["libtpu==0.0.42.*"],
+        # Preparation on Apache Beam (config.data.prepare_engine="beam"; docs/data.md): locally on
+        # its FnApiRunner, at scale on Dataflow, Flink or Spark. 2.77 wants protobuf < 7,
+        # pyarrow < 26, pillow < 13: installed beside the rest, it moves those three down.
+        "beam": ["apache-beam>=2.77,<3"],
     },
 )

@@ -92,18 +92,22 @@ def resolve_vocab_size(config_vocab: int, tokenizer_vocab: int) -> int:
 
 def prepare_data(data: DataConfig) -> tuple[tokenizer_lib.Tokenizer, dict]:
   """The run's tokenizer, loaded once here and passed down, and the manifest of its prepared
-  shards (process 0 trains the vocabulary and prepares the shards, the others wait)."""
+  shards. Process 0 trains the vocabulary (once, on a bounded sample: the others wait only for
+  that); then every process prepares its share of the pieces of input and of the shards, and they
+  wait for each other only between the two steps and for the last shards (prepare.prepare)."""
   storage.check_shared_storage(data, jax.process_index(), jax.process_count())
-  tok = None
-  if jax.process_index() == 0:
-    if data.tokenizer == "sentencepiece":
-      tokenizer_lib.ensure_sentencepiece(data)
-    tok = tokenizer_lib.load_tokenizer(data)
-    prepare.ensure_prepared(data, tok)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("bertjax data prepared")
-  tok = tok or tokenizer_lib.load_tokenizer(data)  # the others: a vocabulary trained only now
-  return tok, prepare.load_manifest(data, tok)
+  hosts = jax.process_count()
+
+  def barrier(name: str):
+    if hosts > 1:
+      multihost_utils.sync_global_devices(name)
+
+  if jax.process_index() == 0 and data.tokenizer == "sentencepiece":
+    tokenizer_lib.ensure_sentencepiece(data)
+  barrier("bertjax vocabulary ready")
+  tok = tokenizer_lib.load_tokenizer(data)
+  return tok, prepare.ensure_prepared(data, tok, host_index=jax.process_index(),
+                                      host_count=hosts, barrier=barrier)
 
 
 def _restore_or_init(training: train.Training, ckpt: checkpoint_lib.Checkpointer,

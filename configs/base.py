@@ -79,6 +79,10 @@ def get_config():
   d.num_eval_shards = 2  # held-out TFRecord shards
   d.prepare_seed = 12345  # seed of pair drawing at preparation (the original's default)
   d.prepare_workers = 0  # processes preparing shards in parallel (0 = one per CPU)
+  d.prepare_engine = "local"  # "local" (processes of this machine / each pod host) or "beam"
+  d.beam_pipeline_options = ""  # "beam": "runner=DataflowRunner,project=p,..." ("": DirectRunner)
+  d.input_split_bytes = 64 << 20  # input read in pieces of this size (cut at blank lines) in parallel
+  d.max_shard_bytes = 64 << 20  # text one worker holds to build a shard (~22x in memory); more: error
   d.prepared_dir = ""  # where shards + manifest live ("" = cache_dir/<source>-L<len>-<settings hash>)
   d.cache_dir = ".cache/bertjax"  # root of the settings-named prepared-data folders
   d.shuffle_window = 16384  # sequences permuted together; shards are also reordered every epoch

@@ -89,6 +89,9 @@ def test_the_data_section_an_older_run_recorded_is_accepted():
     recorded = json.load(f)["data"]
   data = DataConfig.from_config(recorded)
   assert (data.tokenizer, data.max_seq_length, data.num_shards) == ("wordpiece", 64, 4)
+  # Keys it lacks (added later, how preparation runs) take base.py's values.
+  from bertjax.data.config import RECORDED_BEFORE_THEM  # pylint: disable=import-outside-toplevel
+  assert RECORDED_BEFORE_THEM == {k: base.get_config().data[k] for k in RECORDED_BEFORE_THEM}
 
 
 # Below the boundary ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Offline preparation: determinism, resume, manifest, and bad input."""
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -133,11 +134,15 @@ def test_missing_manifest_is_a_clear_error(tmp_path):
 
 
 def test_single_document_shard_borrows_notnext_segments(tmp_path):
-  # 5 documents in 4 shards: three shards hold one document each.
+  # 5 documents in 4 shards (by the hash of their text): some shards hold one document.
   c = data_config(tmp_path, n_docs=5, sents_per_doc=30, eval_fraction=0.0)
   m = _prepared(c)
   sp = m["splits"]["train"]
-  assert sp["documents"] == 5 and all(n > 0 for n in sp["counts"]) and sp["not_next"] > 0
+  assert sp["documents"] == 5 and sp["not_next"] > 0
+  infos = [json.load(open(os.path.join(m["dir"], f[:-len(".tfrecord")] + ".json")))
+           for f in sp["files"]]
+  single = [i for i in infos if i["documents"] == 1]
+  assert single and all(i["instances"] > 0 and i["not_next"] > 0 for i in single)
   c1 = data_config(tmp_path / "one", n_docs=1, sents_per_doc=30, eval_fraction=0.0)
   with pytest.raises(ValueError, match="single document"):
     _prepared(c1)
@@ -163,12 +168,13 @@ def test_resume_refuses_a_preparation_started_with_other_settings(tmp_path):
   with pytest.raises(ValueError, match=r"a finished shard \(train-00000-of-00004.json\) made with "
                                        r"other settings .*'max_seq_length': \(64, 128\).*Delete"):
     _prepared(c_len)
-  # Interrupted after the first stage only: the raw split is checked too.
+  # Interrupted after the first step only: the pieces of input read are checked too.
   for f in os.listdir(d):
     if f.endswith(".json"):
       os.remove(d / f)
   c_frac = data_config(tmp_path, prepared_dir=str(d), eval_fraction=0.3)
-  with pytest.raises(ValueError, match=r"a raw split \(raw/\) made with other settings "
+  with pytest.raises(ValueError, match=r"a piece of input read into raw/parts \(00000-of-00001"
+                                       r".json\) made with other settings "
                                        r".*'eval_fraction': \(0.1, 0.3\)"):
     _prepared(c_frac)
   # The same settings resume.

@@ -227,6 +227,9 @@ def test_a_nonfinite_gradient_stops_the_run_before_its_state_is_saved(tmp_path, 
 def test_a_stop_during_evaluation_saves_that_step_and_the_rerun_goes_on(tmp_path, monkeypatch,
                                                                          capsys):
   config = _config(tmp_path, num_train_steps=4, eval_every_steps=2)
+  # 3 held-out documents: 2 pairings each give 15 sequences since prepared-data format 3 (their
+  # order, and so the draws, changed), one short of the 16 evaluated.
+  config.data.eval_dupe_factor = 3
   _Recorder(monkeypatch, sigterm_in_eval=True)
   assert loop.train_and_evaluate(config, str(tmp_path / "run")) == {}
   assert "SIGTERM received; saved step 2" in capsys.readouterr().out  # not a save step (3)
@@ -239,6 +242,7 @@ def test_the_heldout_set_is_fixed_and_bounded(tmp_path, monkeypatch):
   seen = []
   for seed in (0, 1):
     config = _config(tmp_path, num_train_steps=1, seed=seed, eval_sequences=16)
+    config.data.eval_dupe_factor = 3  # more than 16 held-out sequences (2 pairings give 15)
     recorder = _Recorder(monkeypatch)
     final = loop.train_and_evaluate(config, str(tmp_path / f"run{seed}"))
     assert final["num_sequences"] == 16 and len(recorder.eval_batches) == 2

@@ -81,6 +81,10 @@ class DataConfig:
   num_eval_shards: int
   prepare_seed: int
   prepare_workers: int
+  prepare_engine: str
+  beam_pipeline_options: str
+  input_split_bytes: int
+  max_shard_bytes: int
   prepared_dir: str
   cache_dir: str
   shuffle_window: int
@@ -97,4 +101,11 @@ class DataConfig:
   @classmethod
   def from_config(cls, section: Mapping[str, Any]) -> "DataConfig":
     """From `config.data` (a ConfigDict or a plain mapping), naming any unknown or missing key."""
-    return from_section(cls, section, "data")
+    return from_section(cls, {**RECORDED_BEFORE_THEM, **dict(section)}, "data")
+
+
+# Keys added after runs were recorded (a workdir's config.json) that only say how preparation runs,
+# not what it makes: a record without them ran what these values run. Every other key the section
+# lacks is an error.
+RECORDED_BEFORE_THEM = {"prepare_engine": "local", "beam_pipeline_options": "",
+                        "input_split_bytes": 64 << 20, "max_shard_bytes": 64 << 20}

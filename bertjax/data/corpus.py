@@ -153,21 +153,84 @@ def expand_patterns(patterns: str) -> list[str]:
   return files
 
 
-def _lines(path: str) -> Iterator[bytes]:
-  """The raw lines of a plain or gzip (`.gz`) file; damaged or misnamed gzip is an error."""
+def check_not_misnamed_gzip(path: str):
+  """A gzip file whose name does not end in .gz would be read as (binary) text."""
   import tensorflow as tf
+  if path.endswith(".gz"):
+    return
   with tf.io.gfile.GFile(path, "rb") as raw:
-    is_gz = path.endswith(".gz")
-    if not is_gz and raw.read(2) == b"\x1f\x8b":
+    if raw.read(2) == b"\x1f\x8b":
       raise ValueError(f"{path} is gzip-compressed but its name does not end in .gz, so it would "
                        f"be read as text. Rename it to end in .gz (e.g. .txt.gz) or decompress it.")
-    raw.seek(0)
-    try:
-      yield from gzip.GzipFile(fileobj=raw) if is_gz else raw
-    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-      raise ValueError(f"{path} is not a valid gzip file ({type(err).__name__}: {err}): "
-                       f"truncated or corrupt. Check it with `gzip -t {path}`, then copy or "
-                       f"compress it again, or leave it out of config.data.source.") from None
+
+
+def _lines(path: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+  """The raw lines of a plain or gzip (`.gz`) file, or of the bytes [start, end) of a plain one
+  (cut at a line start, `cut_points`); damaged or misnamed gzip is an error."""
+  import tensorflow as tf
+  if start == 0:
+    check_not_misnamed_gzip(path)
+  with tf.io.gfile.GFile(path, "rb") as raw:
+    if path.endswith(".gz"):
+      try:
+        yield from gzip.GzipFile(fileobj=raw)
+      except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise ValueError(f"{path} is not a valid gzip file ({type(err).__name__}: {err}): "
+                         f"truncated or corrupt. Check it with `gzip -t {path}`, then copy or "
+                         f"compress it again, or leave it out of config.data.source.") from None
+      return
+    if end is None:
+      yield from raw
+      return
+    raw.seek(start)
+    pos = start
+    for line in raw:
+      if pos >= end:
+        return
+      pos += len(line)
+      yield line
+
+
+def cut_points(path: str, size: int, split_bytes: int) -> list[int]:
+  """Offsets that cut a plain file into pieces of about `split_bytes`, each just after a blank line
+  (a document boundary), so every piece holds whole documents. Reads only from each nominal offset
+  to the next blank line: no reader of the whole file."""
+  import tensorflow as tf
+  cuts = [0]
+  if path.endswith(".gz") or split_bytes <= 0:
+    return cuts + [size]  # gzip cannot be entered in the middle: one piece
+  with tf.io.gfile.GFile(path, "rb") as f:
+    for nominal in range(split_bytes, size, split_bytes):
+      if nominal <= cuts[-1]:
+        continue  # the previous cut went past this nominal offset (a long document)
+      f.seek(nominal)
+      f.readline()  # the rest of the line holding `nominal`
+      while True:
+        line = f.readline()
+        if not line:
+          break
+        if not line.strip():  # ASCII-blank: a blank line for the reader too
+          if f.tell() < size:
+            cuts.append(f.tell())
+          break
+  return cuts + [size]
+
+
+def plan_inputs(source: str, split_bytes: int) -> list[dict]:
+  """The source as independent pieces of input ("units"), read in parallel: byte ranges of plain
+  files cut at document boundaries, whole gzip files; a TFDS split or the built-in corpus is one."""
+  import tensorflow as tf
+  if not source:
+    raise ValueError("config.data.source is empty: use 'builtin', file globs or tfds:name:feature.")
+  if source == "builtin" or source.startswith("tfds:"):
+    return [{"input": source, "start": 0, "end": 0}]
+  units = []
+  for path in expand_patterns(source):
+    check_not_misnamed_gzip(path)
+    cuts = cut_points(path, tf.io.gfile.stat(path).length, split_bytes)
+    units += [{"input": path, "start": a, "end": b} for a, b in zip(cuts, cuts[1:])] or \
+        [{"input": path, "start": 0, "end": 0}]
+  return units
 
 
 def text_file_documents(patterns: str, stats: CorpusStats | None = None,
@@ -176,28 +239,47 @@ def text_file_documents(patterns: str, stats: CorpusStats | None = None,
   a file over `limits.max_replaced_char_share` refused) and over-long lines are refused."""
   stats = stats if stats is not None else CorpusStats()
   for path in expand_patterns(patterns):
+    yield from file_range_documents(path, 0, None, stats, limits)
+
+
+def file_range_documents(path: str, start: int, end: int | None, stats: CorpusStats,
+                         limits: InputLimits = InputLimits()) -> Iterator[Document]:
+  """The documents of bytes [start, end) of `path` (end None: to its end)."""
+  if start == 0:
     stats.files += 1
-    hint = "" if path.endswith(".gz") else " (compressed? only names ending in .gz are unpacked)"
-    check = _InputCheck(path, limits, stats, hint)
-    doc = []
-    for number, raw_line in enumerate(_lines(path), 1):
-      stats.bytes += len(raw_line)
-      text, replaced = _decode_line(raw_line, stats)
-      text = text.rstrip("\r\n")
-      check.line(text, replaced, f"line {number}")
-      line = " ".join(text.split())
-      if line:
-        doc.append(line)
-      elif doc:
-        stats.documents += 1
-        stats.sentences += len(doc)
-        yield doc
-        doc = []
-    check.finish()
-    if doc:  # a file's end closes its last document
+  hint = "" if path.endswith(".gz") else " (compressed? only names ending in .gz are unpacked)"
+  check = _InputCheck(path, limits, stats, hint)
+  doc = []
+  where = "line {}" if start == 0 else "line {} after byte " + str(start)
+  for number, raw_line in enumerate(_lines(path, start, end), 1):
+    stats.bytes += len(raw_line)
+    text, replaced = _decode_line(raw_line, stats)
+    text = text.rstrip("\r\n")
+    check.line(text, replaced, where.format(number))
+    line = " ".join(text.split())
+    if line:
+      doc.append(line)
+    elif doc:
       stats.documents += 1
       stats.sentences += len(doc)
       yield doc
+      doc = []
+  check.finish()
+  if doc:  # a file's (or piece's: cut after a blank line) end closes its last document
+    stats.documents += 1
+    stats.sentences += len(doc)
+    yield doc
+
+
+def unit_documents(unit: dict, data: DataConfig, stats: CorpusStats) -> Iterator[Document]:
+  """The documents of one piece of `plan_inputs`."""
+  name = unit["input"]
+  if name == "builtin" or name.startswith("tfds:"):
+    yield from documents_from_source(name, stats, tfds_data_dir=data.tfds_data_dir,
+                                     tfds_split=data.tfds_split, limits=limits_of(data))
+  elif unit["end"] > unit["start"] or unit["start"] == 0:
+    end = None if unit["start"] == 0 and unit["end"] == 0 else unit["end"]
+    yield from file_range_documents(name, unit["start"], end, stats, limits_of(data))
 
 
 def built_tfds(name: str, data_dir: str | None, otherwise: str):

@@ -2,41 +2,43 @@
 
   python -m bertjax.data.prepare --config=configs/base.py --config.data.source='texts/*.txt'
 
-Stage 1 streams documents once, holds out a hash-chosen fraction for evaluation and deals the rest
-round-robin into raw text shards. Stage 2 tokenizes each raw shard and builds its instances in
-parallel processes (one task per shard, each with its own seed, so the output does not depend on the
-number of processes). Every finished shard gets a `.json` beside it; a rerun skips those, so an
-interrupted preparation resumes. The manifest (written last) records counts, repairs, the settings
-and the tokenizer fingerprint; `load_manifest` refuses shards made with another tokenizer.
+The source is planned as pieces of input (files, large files cut into byte ranges at blank lines).
+Step 1 reads each piece and files its documents under the shard a hash of their text chooses; step 2
+builds each shard: its documents sorted by that hash, tokenized, paired with a seed of its own
+(shards.py holds both steps). This module is the local driver: both steps run in processes of this
+machine, or of each host of a pod (host i: pieces and shards i mod hosts); beam_prepare.py is the
+other driver, and writes the same bytes. A finished piece or shard keeps a `.json` beside it; a rerun
+skips those, so an interrupted preparation resumes. The manifest (written last) records counts,
+repairs, the settings and the tokenizer fingerprint; `load_manifest` refuses shards made with
+another tokenizer or an older format.
 """
 
-import gzip
+import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
-import random
 import re
 import signal
 import sys
 import time
 
-import numpy as np
-
-from bertjax.data import corpus, instances, packing, processes, storage
+from bertjax.data import corpus, packing, processes, shards, storage
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
 # int64 list: three times faster to write and parsed without ragged tensors.
-FORMAT_VERSION = 2
-SPLITS = ("train", "eval")
+# 3: documents go to shards by a hash of their text (not round-robin in reading order) and are
+# sorted by it within a shard, so any number of readers, workers or hosts gives the same shards.
+FORMAT_VERSION = 3
+SPLITS = shards.SPLITS
 # Settings that change the prepared instances; a manifest made with other values is not reused.
 _SETTING_KEYS = ("source", "tfds_split", "max_seq_length", "nsp", "short_seq_prob", "dupe_factor",
                  "eval_dupe_factor", "eval_fraction", "num_shards", "num_eval_shards",
                  "prepare_seed")
-# Those of them that decide the first stage (which document goes to which raw shard).
-_SPLIT_KEYS = ("source", "tfds_split", "eval_fraction", "num_shards", "num_eval_shards")
 
 
 def _gfile():
@@ -66,15 +68,8 @@ def prepared_dir(data: DataConfig, tok: tokenizer_lib.Tokenizer) -> str:
   return os.path.join(data.cache_dir, f"{slug}-L{data.max_seq_length}-{key.hexdigest()[:12]}")
 
 
-def _shard_name(split: str, k: int, n: int) -> str:
-  return f"{split}-{k:05d}-of-{n:05d}"
-
-
 def _num_shards(data: DataConfig, split: str) -> int:
-  n = data.num_shards if split == "train" else data.num_eval_shards
-  if n < 1:
-    raise ValueError(f"{split} shard count must be >= 1, got {n}.")
-  return n
+  return shards.num_shards(data, split)
 
 
 def _refuse_other_settings(out_dir: str, found: dict, want: dict, what: str):
@@ -87,143 +82,7 @@ def _refuse_other_settings(out_dir: str, found: dict, want: dict, what: str):
                      f"folder under cache_dir).")
 
 
-def _write_atomic(path: str, data: bytes):
-  gf = _gfile()
-  with gf.GFile(path + ".tmp", "wb") as f:
-    f.write(data)
-  gf.rename(path + ".tmp", path, overwrite=True)
-
-
-def _split_stage(data: DataConfig, out_dir: str) -> dict:
-  """Stage 1: documents -> raw/{split}-k.txt.gz; resumable as a whole (`raw/_SUCCESS`)."""
-  gf = _gfile()
-  raw_dir = os.path.join(out_dir, "raw")
-  done_path = os.path.join(raw_dir, "_SUCCESS")
-  settings = {k: getattr(data, k) for k in _SPLIT_KEYS}
-  if gf.exists(done_path):
-    with gf.GFile(done_path, "r") as f:
-      info = json.load(f)
-    _refuse_other_settings(out_dir, info.get("settings", {}), settings, "a raw split (raw/)")
-    return info
-  gf.makedirs(raw_dir)
-  stats = corpus.CorpusStats()
-  counts = {s: 0 for s in SPLITS}
-  paths = {s: [os.path.join(raw_dir, _shard_name(s, k, _num_shards(data, s)) + ".txt.gz")
-               for k in range(_num_shards(data, s))] for s in SPLITS}
-  # Streamed straight to the raw shards: the corpus is never held in memory.
-  files = {s: [gf.GFile(p + ".tmp", "wb") for p in ps] for s, ps in paths.items()}
-  writers = {s: [gzip.GzipFile(fileobj=f, mode="wb", mtime=0) for f in fs]
-             for s, fs in files.items()}
-  for doc in corpus.read_documents(data, stats):
-    split = "eval" if corpus.is_heldout(doc, data.eval_fraction) else "train"
-    ws = writers[split]
-    ws[counts[split] % len(ws)].write(("\n".join(doc) + "\n\n").encode("utf-8"))
-    counts[split] += 1
-  for split in SPLITS:
-    for w, f, p in zip(writers[split], files[split], paths[split]):
-      w.close()
-      f.close()
-      gf.rename(p + ".tmp", p, overwrite=True)
-  if counts["train"] + counts["eval"] == 0:
-    raise ValueError(f"Source {data.source!r} yielded no document ({stats.files} file(s), "
-                     f"{stats.bytes} bytes): nothing to prepare.")
-  info = {"corpus": stats.__dict__, "documents": counts, "settings": settings}
-  _write_atomic(done_path, json.dumps(info).encode())
-  return info
-
-
-def _serialize(tokens, num_a, label, dtype: str) -> bytes:
-  import tensorflow as tf
-  raw = np.asarray(tokens, "<u2" if dtype == "uint16" else "<i4").tobytes()
-  feature = {
-      "input_ids": tf.train.Feature(bytes_list=tf.train.BytesList(value=[raw])),
-      "num_a": tf.train.Feature(int64_list=tf.train.Int64List(value=[num_a])),
-      "next_sentence_labels": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
-  }
-  # deterministic=True sorts the feature map, so equal instances give equal bytes in every process.
-  return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString(
-      deterministic=True)
-
-
-def _read_raw(out_dir: str, name: str) -> list[list[str]]:
-  with _gfile().GFile(os.path.join(out_dir, "raw", name + ".txt.gz"), "rb") as f:
-    text = gzip.decompress(f.read()).decode("utf-8")
-  return [d.split("\n") for d in text.split("\n\n") if d.strip()]
-
-
-def _shard_task(task, tok: tokenizer_lib.Tokenizer) -> dict:
-  """Stage 2 for one shard: raw text -> tokenized documents -> instances -> TFRecord + .json."""
-  import tensorflow as tf
-  out_dir, split, k, n, _, s = task  # _: the tokenizer's spec, for a worker process (`_worker`)
-  gf = tf.io.gfile
-  name = _shard_name(split, k, n)
-  record_path = os.path.join(out_dir, name + ".tfrecord")
-  t0 = time.time()
-  docs = _read_raw(out_dir, name)
-  num_own = len(docs)
-  if s["nsp"] and num_own == 1:
-    # NotNext needs another document: borrow the next non-empty shard's as a source of B segments.
-    for j in range(1, n):
-      lent = _read_raw(out_dir, _shard_name(split, (k + j) % n, n))
-      if lent:
-        docs += lent
-        break
-    else:
-      raise ValueError(f"The {split} split has a single document; NSP draws NotNext segments "
-                       f"from other documents. Add documents or set nsp=False.")
-  flat = [sent for d in docs for sent in d]
-  ids = tok.encode_batch(flat)
-  token_docs, pos = [], 0
-  for d in docs:
-    token_docs.append(ids[pos:pos + len(d)])
-    pos += len(d)
-  stats = instances.InstanceStats()
-  # One seed per (split, shard): deterministic whatever the number of processes.
-  rng = random.Random(f"{s['prepare_seed']}/{split}/{k}")
-  dupe = s["dupe_factor"] if split == "train" else s["eval_dupe_factor"]
-  per_document = []
-  insts = instances.create_instances(
-      token_docs, max_seq_length=s["max_seq_length"], nsp=s["nsp"],
-      short_seq_prob=s["short_seq_prob"], dupe_factor=dupe, cls_id=tok.cls_id, sep_id=tok.sep_id,
-      rng=rng, stats=stats, num_own=num_own, per_document=per_document)
-  top = int(np.argmax(per_document)) if per_document else 0
-  own_sentences = sum(len(d) for d in docs[:num_own])
-  text_bytes = sum(len(x.encode()) + 1 for d in docs[:num_own] for x in d)
-  with tf.io.TFRecordWriter(record_path + ".tmp") as w:
-    for inst in insts:
-      w.write(_serialize(*inst, s["id_dtype"]))
-  gf.rename(record_path + ".tmp", record_path, overwrite=True)
-  info = {"file": name + ".tfrecord", "bytes": gf.stat(record_path).length,
-          "documents": num_own, "sentences": own_sentences, "text_bytes": text_bytes,
-          "unk_tokens": sum(x.count(tok.unk_id) for x in ids[:own_sentences]),
-          "seconds": time.time() - t0,
-          # The document with the most instances, to find one that swamps the rest.
-          "largest_document": {"instances": per_document[top] if per_document else 0,
-                               "start": docs[top][0][:80] if docs else "", "raw_shard": name},
-          "settings": s, **stats.__dict__}
-  _write_atomic(os.path.join(out_dir, name + ".json"), json.dumps(info).encode())
-  return info
-
-
-def _run_in_processes(tasks: list, num_processes: int) -> list[dict]:
-  processes.run_workers([tasks[w::num_processes] for w in range(num_processes)],
-                        "from bertjax.data import prepare; prepare._worker()")
-  results = []
-  for t in tasks:
-    with _gfile().GFile(os.path.join(t[0], _shard_name(t[1], t[2], t[3]) + ".json"), "r") as f:
-      results.append(json.load(f))
-  return results
-
-
-def _worker():
-  for task in json.loads(sys.stdin.read()):
-    # A worker process gets the vocabulary's (path, kind, casing) in each task (the same in all:
-    # load_vocabulary's cache builds it once) and checks it is the one the shards record.
-    tok = tokenizer_lib.load_vocabulary(*task[4])
-    if tok.fingerprint != task[5]["tokenizer_fingerprint"]:
-      raise ValueError(f"{task[4][0]} changed while shards were prepared: {tok.fingerprint}, not "
-                       f"{task[5]['tokenizer_fingerprint']}.")
-    _shard_task(task, tok)
+_write_atomic = shards.write_atomic
 
 
 def _summarize(infos: list[dict]) -> dict:
@@ -239,16 +98,23 @@ def _summarize(infos: list[dict]) -> dict:
   return out
 
 
-def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
-            num_workers: int | None = None) -> dict:
-  """Runs (or resumes) both stages and writes the manifest; returns it. `tok` is the tokenizer
-  of `data` (tokenizer.load_tokenizer), loaded once by the caller."""
+def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *, num_workers: int | None = None,
+            host_index: int = 0, host_count: int = 1, barrier=None) -> dict:
+  """Runs (or resumes) both steps and writes the manifest; returns it. `tok` is the tokenizer
+  of `data` (tokenizer.load_tokenizer), loaded once by the caller. On a pod every host calls it
+  with its index, the host count and a barrier (`barrier(name)` returns once all hosts called it):
+  host i does the pieces of input and the shards numbered i mod host_count."""
   gf = _gfile()
   out_dir = prepared_dir(data, tok)
   storage.make_dirs(out_dir, "prepared_dir" if data.prepared_dir else "cache_dir")
+  # On a pod, jax's preemption notifier owns SIGTERM (bertjax/control.py): a Python handler here
+  # would replace it for the rest of the run, and a notice would then kill the host outright.
+  # There the hosts finish preparing and stop at the first step.
+  stoppable = processes.sigterm_raises() if host_count == 1 else contextlib.nullcontext()
   try:
-    with processes.sigterm_raises():
-      return _prepare(data, tok, out_dir, num_workers)
+    with stoppable:
+      return _prepare(data, tok, out_dir, num_workers, host_index, host_count,
+                      barrier or (lambda name: None))
   except processes.PreparationStopped:
     total = sum(_num_shards(data, split) for split in SPLITS)
     finished = len(gf.glob(os.path.join(out_dir, "*-of-*.json")))
@@ -258,48 +124,170 @@ def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
         f"(only the other shards are made).") from None
 
 
+def split_settings(data: DataConfig) -> dict:
+  return {**{k: getattr(data, k) for k in shards.SPLIT_KEYS}, "format_version": FORMAT_VERSION,
+          "text_version": corpus.TEXT_VERSION}
+
+
+def read_markers(out_dir: str, units: list[dict], want: dict) -> list[dict | None]:
+  """The marker of each piece of input already scattered (None: not yet, or another piece)."""
+  gf = _gfile()
+  found = set(gf.glob(os.path.join(out_dir, "raw", "parts", "*.json")))
+  markers = []
+  for u, unit in enumerate(units):
+    path = os.path.join(out_dir, shards.part_name(u, len(units)) + ".json")
+    m = None
+    if path in found:
+      with gf.GFile(path, "r") as f:
+        m = json.load(f)
+      _refuse_other_settings(out_dir, m.get("settings", {}), want,
+                             f"a piece of input read into raw/parts ({os.path.basename(path)})")
+      m = m if m["unit"] == unit else None  # planned otherwise (another input_split_bytes)
+    markers.append(m)
+  return markers
+
+
+def scatter_tasks(out_dir: str, data: DataConfig, units: list[dict], host: int = 0,
+                  hosts: int = 1) -> list[dict]:
+  """The step-1 tasks of the pieces not yet read that are this host's (numbered host mod hosts)."""
+  want = split_settings(data)
+  markers = read_markers(out_dir, units, want)
+  return [{"out_dir": out_dir, "u": u, "num_units": len(units), "unit": unit,
+           "split_settings": want}
+          for u, (unit, m) in enumerate(zip(units, markers)) if m is None and u % hosts == host]
+
+
+def build_tasks(out_dir: str, data: DataConfig, units: list[dict], s: dict, tok_spec) -> list:
+  """Every shard's build task, once every piece of input is scattered (both drivers call it)."""
+  markers = read_markers(out_dir, units, split_settings(data))
+  missing = [u for u, m in enumerate(markers) if m is None]
+  if missing:
+    raise RuntimeError(f"{len(missing)} piece(s) of input (first: {units[missing[0]]}) were not "
+                       f"read into {out_dir}/raw/parts: a host or worker failed before; see its "
+                       f"error, then run again to resume.")
+  return shards.shard_tasks(out_dir, markers, len(units), s, tok_spec, data.max_shard_bytes,
+                            data.source)
+
+
+def build_tasks_after(scattered: list, *, data: DataConfig, out_dir: str, units: list[dict],
+                      settings: dict, tok_spec) -> list:
+  """Beam's step after every piece is read (`scattered` is only its barrier: the markers on
+  storage say everything): the build task of every shard not yet built."""
+  del scattered
+  done = finished_shards(out_dir)
+  return [t for t in build_tasks(out_dir, data, units, settings, tok_spec)
+          if shards.shard_name(t["split"], t["k"], t["n"]) + ".json" not in done]
+
+
+def finished_shards(out_dir: str) -> set[str]:
+  return {os.path.basename(p) for p in _gfile().glob(os.path.join(out_dir, "*-of-*.json"))}
+
+
+def _run(tasks: list, num_workers: int, data: DataConfig, tok) -> None:
+  """(kind, task) pairs run here (one worker) or in worker processes."""
+  if num_workers <= 1 or len(tasks) <= 1:
+    for kind, task in tasks:
+      run_task(kind, task, data, tok)
+    return
+  work = [(kind, task) for kind, task in tasks]
+  processes.run_workers([[dataclasses.asdict(data), work[w::num_workers]]
+                         for w in range(min(num_workers, len(work)))],
+                        "from bertjax.data import prepare; prepare._worker()")
+
+
+def run_task(kind: str, task: dict, data: DataConfig, tok=None):
+  if kind == "scatter":
+    return shards.scatter_unit(task, data)
+  # A worker gets the vocabulary's (path, kind, casing) in each task (load_vocabulary's cache
+  # builds it once) and checks it is the one the shards record.
+  tok = tok or tokenizer_lib.load_vocabulary(*task["tok"])
+  if tok.fingerprint != task["settings"]["tokenizer_fingerprint"]:
+    raise ValueError(f"{task['tok'][0]} changed while shards were prepared: {tok.fingerprint}, "
+                     f"not {task['settings']['tokenizer_fingerprint']}.")
+  return shards.build_shard(task, tok)
+
+
+def _worker():
+  data, tasks = json.loads(sys.stdin.read())
+  data = DataConfig(**data)
+  for kind, task in tasks:
+    run_task(kind, task, data)
+
+
 def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
-             num_workers: int | None) -> dict:
+             num_workers: int | None, host: int, hosts: int, barrier) -> dict:
   gf = _gfile()
   s = settings_of(data, tok)
   t0 = time.time()
-  split_info = _split_stage(data, out_dir)
-  # What a worker process loads the same tokenizer from (`_worker`).
+  # What a worker loads the same tokenizer from.
   tok_spec = (tokenizer_lib.vocab_path_of(data), data.tokenizer, data.do_lower_case)
-  tasks, infos = [], {}
+  units = corpus.plan_inputs(data.source, data.input_split_bytes)
+  scatter = scatter_tasks(out_dir, data, units, host, hosts)
+  num_workers = num_workers or data.prepare_workers or os.cpu_count() or 1
+  if data.prepare_engine == "beam":
+    if host == 0:  # the engine spreads the work; the other hosts only wait
+      # lazy: apache-beam is the optional `beam` extra, imported only when asked for
+      from bertjax.data import beam_prepare  # pylint: disable=import-outside-toplevel
+      steps = (functools.partial(build_tasks_after, data=data, out_dir=out_dir, units=units,
+                                 settings=s, tok_spec=tok_spec),
+               functools.partial(run_task, "build", data=None))
+      beam_prepare.run(data, out_dir, scatter_tasks(out_dir, data, units), steps, num_workers)
+    barrier("bertjax data: pieces of input read")
+  elif data.prepare_engine == "local":
+    logging.info("Reading %d of %d piece(s) of input in %s with %d process(es).", len(scatter),
+                 len(units), out_dir, min(num_workers, max(1, len(scatter))))
+    _run([("scatter", t) for t in scatter], num_workers, data, tok)
+    # Every host's pieces are read before any shard is built (a shard gathers from all pieces).
+    barrier("bertjax data: pieces of input read")
+    done = finished_shards(out_dir)
+    tasks = [t for g, t in enumerate(build_tasks(out_dir, data, units, s, tok_spec))
+             if g % hosts == host and shards.shard_name(t["split"], t["k"], t["n"]) + ".json"
+             not in done]
+    logging.info("Building %d shard(s) in %s with %d process(es).", len(tasks), out_dir,
+                 min(num_workers, max(1, len(tasks))))
+    _run([("build", t) for t in tasks], num_workers, data, tok)
+  else:
+    raise ValueError(f"config.data.prepare_engine={data.prepare_engine!r}: use 'local' (processes "
+                     f"of this machine, or of each pod host) or 'beam' (Apache Beam).")
+  # The one wait of a pod: for the other hosts' last shards.
+  barrier("bertjax data: shards built")
+  if host == 0:
+    manifest = _write_manifest(data, tok, out_dir, units, s, t0)
+  barrier("bertjax data: manifest written")
+  if host != 0:
+    with gf.GFile(os.path.join(out_dir, "manifest.json"), "r") as f:
+      manifest = json.load(f)
+  return manifest
+
+
+def _write_manifest(data, tok, out_dir, units, s, t0) -> dict:
+  gf = _gfile()
+  markers = read_markers(out_dir, units, split_settings(data))
+  infos = {}
   for split in SPLITS:
     n = _num_shards(data, split)
     for k in range(n):
-      done = os.path.join(out_dir, _shard_name(split, k, n) + ".json")
-      if gf.exists(done):  # finished by an earlier, interrupted run
-        with gf.GFile(done, "r") as f:
-          infos[(split, k)] = json.load(f)
-        _refuse_other_settings(out_dir, infos[(split, k)].get("settings", {}), s,
-                               f"a finished shard ({os.path.basename(done)})")
-      else:
-        tasks.append((out_dir, split, k, n, tok_spec, s))
-  num_workers = num_workers or data.prepare_workers or os.cpu_count() or 1
-  logging.info("Preparing %d shard(s) (%d already done) in %s with %d process(es).", len(tasks),
-               len(infos), out_dir, min(num_workers, max(1, len(tasks))))
-  if num_workers <= 1 or len(tasks) <= 1:
-    results = [_shard_task(t, tok) for t in tasks]
-  else:
-    results = _run_in_processes(tasks, min(num_workers, len(tasks)))
-  for t, info in zip(tasks, results):
-    infos[(t[1], t[2])] = info
+      done = os.path.join(out_dir, shards.shard_name(split, k, n) + ".json")
+      if not gf.exists(done):
+        raise RuntimeError(f"Shard {done} was not built: a host or worker failed; see its error, "
+                           f"then run again to resume (only the missing shards are built).")
+      with gf.GFile(done, "r") as f:
+        infos[(split, k)] = json.load(f)
+      _refuse_other_settings(out_dir, infos[(split, k)].get("settings", {}), s,
+                             f"a finished shard ({os.path.basename(done)})")
   splits = {split: _summarize([infos[(split, k)] for k in range(_num_shards(data, split))])
             for split in SPLITS}
-  docs = split_info["documents"]
+  docs = {split: splits[split]["documents"] for split in SPLITS}
   if splits["train"]["instances"] == 0:
     raise ValueError(f"Source {data.source!r} gave {docs['train']} training and "
                      f"{docs['eval']} held-out document(s) (eval_fraction "
                      f"{data.eval_fraction}) but no training instance: all held out, or "
                      f"every document empty after tokenization.")
   seconds = time.time() - t0
-  text_bytes = split_info["corpus"]["bytes"]
-  manifest = {"settings": s, "splits": splits, "corpus": split_info["corpus"],
-              "documents": split_info["documents"], "vocab_size": tok.vocab_size,
-              "seconds": seconds, "mb_per_s": text_bytes / 1e6 / max(seconds, 1e-9)}
+  corpus_stats = shards.merge_corpus_stats(markers)
+  manifest = {"settings": s, "splits": splits, "corpus": corpus_stats, "documents": docs,
+              "vocab_size": tok.vocab_size, "seconds": seconds,
+              "mb_per_s": corpus_stats["bytes"] / 1e6 / max(seconds, 1e-9)}
   _write_atomic(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1).encode())
   for split in SPLITS:
     sp = splits[split]
@@ -311,10 +299,9 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
     if sp["instances"] and big["instances"] > data.max_document_pair_share * sp["instances"]:
       logging.warning(
           "%s: one document yields %d of the %d instances (%.1f%%, above max_document_pair_share "
-          "%s): it starts %r (raw shard %s). One huge document swamps the others; check it.",
+          "%s): it starts %r (shard %s). One huge document swamps the others; check it.",
           split, big["instances"], sp["instances"], 100 * big["instances"] / sp["instances"],
-          data.max_document_pair_share, big["start"], big["raw_shard"])
-  corpus_stats = split_info["corpus"]
+          data.max_document_pair_share, big["start"], big["shard"])
   if corpus_stats["invalid_utf8_lines"]:
     worst = sorted(corpus_stats["replaced_by_input"].items(), key=lambda kv: -kv[1][0] / kv[1][1])
     logging.warning("%d line(s) had invalid UTF-8; %d character(s) were replaced by U+FFFD, in "
@@ -346,6 +333,11 @@ def load_manifest(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
                      f"{tokenizer_lib.vocab_path_of(data)} is {tok.fingerprint}. Prepare "
                      f"again into another "
                      f"prepared_dir (or leave prepared_dir empty to use a settings-named cache).")
+  if have.get("format_version") != FORMAT_VERSION:
+    raise ValueError(f"Prepared shards in {out_dir} are of format {have.get('format_version')}, "
+                     f"this bertjax reads format {FORMAT_VERSION} (documents now go to shards by "
+                     f"a hash of their text). Delete {out_dir} and prepare again, or leave "
+                     f"prepared_dir empty (a settings-named cache folder is prepared anew).")
   want = settings_of(data, tok)
   diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
   if diff:
@@ -383,13 +375,14 @@ def check_config(data: DataConfig, model_config=None):
 
 
 def ensure_prepared(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
-                    num_workers: int | None = None) -> dict:
-  """Prepares shards unless a matching manifest exists (cached, resumable); returns the manifest."""
+                    num_workers: int | None = None, **pod) -> dict:
+  """Prepares shards unless a matching manifest exists (cached, resumable); returns the manifest.
+  `pod`: host_index, host_count and barrier (`prepare`), where every host of a pod prepares."""
   check_config(data)
   out_dir = prepared_dir(data, tok)
   if _gfile().exists(os.path.join(out_dir, "manifest.json")):
     return load_manifest(data, tok)
-  prepare(data, tok, num_workers=num_workers)
+  prepare(data, tok, num_workers=num_workers, **pod)
   return load_manifest(data, tok)
 
 
