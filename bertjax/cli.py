@@ -121,7 +121,11 @@ def start(argv) -> None:
   # for its flags and refusals, need not load.
   from bertjax import distributed  # pylint: disable=import-outside-toplevel
   flag = flags.FLAGS
-  distributed.initialize(flag.coordinator_address, flag.num_processes, flag.process_id)
+  from bertjax import watchdog  # pylint: disable=import-outside-toplevel
+  train_config = getattr(flag["config"].value, "train", None) if "config" in flag else None
+  seconds = train_config.get("watchdog_seconds", 0) if train_config is not None else 0
+  distributed.initialize(flag.coordinator_address, flag.num_processes, flag.process_id,
+                         heartbeat_seconds=watchdog.jax_heartbeat_seconds(seconds))
   import jax  # pylint: disable=import-outside-toplevel
   if flag.workdir and jax.process_index() == 0:
     # One lock per run, taken by its process 0: the processes of one run share the workdir (on one
@@ -234,7 +238,7 @@ class _OwnInfoOnly(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     own = record.pathname.startswith(_PACKAGE)
-    if not own and record.exc_info and files.is_disk_full(record.exc_info[1]):
+    if not own and record.exc_info and files.storage_fault(record.exc_info[1]):
       return False
     return record.levelno >= logging.WARNING or own
 
@@ -284,16 +288,21 @@ def explained(run, *args, **kwargs):
     # `bertjax.data.prepare` exits), so a script does not go on as if the run had ended.
     print(f"bertjax: {err}", file=sys.stderr, flush=True)
     sys.exit(128 + signal.SIGTERM)
-  except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-          control.NonFiniteError) as err:
-    sys.exit(f"bertjax: {type(err).__name__}: {err}")
-  except OSError as err:
-    if isinstance(err, files.DiskFullError):  # names the workdir and what is kept
-      sys.exit(f"bertjax: {err}")
-    if files.is_disk_full(err):
-      sys.exit(f"bertjax: the disk is full ({err}); free space, then run the same command again.")
-    if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...
-      sys.exit(f"bertjax: {type(err).__name__}: {said}")
-    if isinstance(err, PermissionError):
+  except files.DiskFullError as err:  # names the workdir, the file and what is kept
+    sys.exit(f"bertjax: {err}")
+  except Exception as err:  # pylint: disable=broad-except
+    # A full disk or a failed write (EIO), however the library that wrote says it (safetensors'
+    # own error, tensorstore's ValueError): one line naming the file.
+    if (said := files.storage_fault_line(
+        program(), err, "what it wrote before is kept (each file is written whole or not at "
+        "all)")):
+      sys.exit(f"bertjax: {said}")
+    if isinstance(err, (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                        control.NonFiniteError)):
       sys.exit(f"bertjax: {type(err).__name__}: {err}")
+    if isinstance(err, OSError):
+      if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...
+        sys.exit(f"bertjax: {type(err).__name__}: {said}")
+      if isinstance(err, PermissionError):
+        sys.exit(f"bertjax: {type(err).__name__}: {err}")
     raise

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bertjax import metrics as metrics_lib
+from bertjax import metrics as metrics_lib, watchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +208,7 @@ class MetricsBuffer:
       self._carry = _add(self._carry, dict(device_metrics), step)
     self._steps += 1
     self._read = None
+    watchdog.progress()  # the push `max_in_flight` back is done
 
   def flush(self) -> None:
     """Reads the interval's totals (waits for the last pushed step) and checks them."""
@@ -252,6 +253,7 @@ def run_steps(step_fn: Callable, state: Any, batches: Iterator, start: int, sche
     state, step_metrics = step_fn(state, next(batches))
     step += 1
     buffer.push(step, step_metrics)
+    watchdog.progress(step)
     stopping = stop.at_step(step)
     at_save = schedule.at_save(step) or stopping
     if schedule.at_log(step) or at_save:

@@ -46,8 +46,11 @@ def _int_or_none(value, name: str) -> int | None:
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
-  """Joins this process to the others of the job, if there are others. Returns whether it did."""
+               process_id: int | None = None, heartbeat_seconds: int | None = None) -> bool:
+  """Joins this process to the others of the job, if there are others. Returns whether it did.
+  `heartbeat_seconds`: jax's heartbeat timeout (a process silent that long aborts the others),
+  None for jax's default (bertjax/watchdog.py sets it above the watchdog's)."""
+  extra = {} if heartbeat_seconds is None else {"heartbeat_timeout_seconds": heartbeat_seconds}
   coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
   num_processes = _int_or_none(
       num_processes if num_processes is not None else os.environ.get(ENV_NUM_PROCESSES),
@@ -66,13 +69,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     # Only read by the CPU client: without it, CPU computations cannot span processes.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+                               num_processes=num_processes, process_id=process_id, **extra)
     logging.info("Process %d of %d joined %s", process_id, num_processes, coordinator_address)
     return True
   if num_processes not in (None, 1):
     raise ValueError(f"num_processes={num_processes} needs a coordinator address (flag or "
                      f"{ENV_COORDINATOR}), e.g. localhost:12345")
   if on_cloud_tpu():
-    jax.distributed.initialize()
+    jax.distributed.initialize(**extra)
     return True
   return False

@@ -84,11 +84,16 @@ def write_text(path: str, text: str) -> None:
       f.write(text)
     gfile.rename(tmp, path, overwrite=True)
     return
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:  # a full disk, EIO, a stop: the old file stays, no part is left beside it
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
 def write_json(path: str, value: Any) -> None:
@@ -103,52 +108,99 @@ def copy(source: str, target: str) -> None:
     gfile.copy(source, tmp, overwrite=True)
     gfile.rename(tmp, target, overwrite=True)
     return
-  shutil.copyfile(source, tmp)
-  os.replace(tmp, target)
+  try:
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+  except BaseException:  # a full disk, EIO, a stop: no part is left beside the target
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
-# A full disk -----------------------------------------------------------------------------------
+# A full disk, a failed write -------------------------------------------------------------------
 
 class DiskFullError(OSError):
-  """A write found no space left (errno ENOSPC), said in one line naming the folder."""
+  """A write found no space left (errno ENOSPC) or failed (EIO), said in one line naming the
+  folder, what failed and what is kept."""
 
-  def __init__(self, message: str):
+  def __init__(self, message: str, code: int = errno.ENOSPC):
     super().__init__(message)
-    self.errno = errno.ENOSPC
+    self.errno = code
 
 
 _NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
+_IO_ERROR = os.strerror(errno.EIO)  # "Input/output error"
+# What each storage fault is, for the one line, and what to do before running again.
+STORAGE_FAULTS = {
+    errno.ENOSPC: ("the disk is full (no space left on device)", "Free space"),
+    errno.EDQUOT: ("the disk quota is exceeded", "Free space or raise the quota"),
+    errno.EIO: ("a write failed with an input/output error (EIO: the disk, or the connection to "
+                "it, failed)", "Check the disk (dmesg; for a network disk, its mount)"),
+}
 
 
-def is_disk_full(err: BaseException | None) -> bool:
-  """Whether `err`, or an error it was raised from or during, is a write that found no space left:
-  an OSError with errno ENOSPC, or the C libraries' errors that carry its text (tensorstore, which
-  writes orbax's arrays, raises a ValueError "RESOURCE_EXHAUSTED: ... No space left on device";
-  TensorFlow's file writes their own error). Orbax raises a failed save again at every later
-  wait, each during the last, so the cause can lie several links down the chain."""
+def storage_fault(err: BaseException | None) -> tuple[int, str | None] | None:
+  """(errno, the file if known) when `err`, or an error it was raised from or during, is a write
+  that found no space left (ENOSPC, EDQUOT) or failed in the device (EIO): an OSError with that
+  errno, or the C libraries' errors that carry its text (tensorstore, which writes orbax's arrays,
+  raises a ValueError "RESOURCE_EXHAUSTED: ... No space left on device"; TensorFlow's file writes
+  their own error). Orbax raises a failed save again at every later wait, each during the last,
+  so the cause can lie several links down the chain. None for anything else."""
   seen = set()
   while err is not None and id(err) not in seen:
     seen.add(id(err))
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-      return True
-    if _NO_SPACE in str(err):
-      return True
+    if isinstance(err, OSError) and err.errno in STORAGE_FAULTS:
+      return err.errno, err.filename
+    text = str(err)
+    if _NO_SPACE in text:
+      return errno.ENOSPC, None
+    if _IO_ERROR in text or "os_error_code='5'" in text:
+      return errno.EIO, None
     err = err.__cause__ or err.__context__
-  return False
+  return None
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+  """Whether `err` (or its chain: `storage_fault`) is a write that found no space left."""
+  fault = storage_fault(err)
+  return fault is not None and fault[0] in (errno.ENOSPC, errno.EDQUOT)
+
+
+def storage_fault_line(where: str, err: BaseException, kept: str) -> str | None:
+  """One line for a storage fault in `err`: `where` (a flag and its path), what failed and on
+  which file, `kept` (what is left intact), the fix; None when `err` is no storage fault."""
+  fault = storage_fault(err)
+  if fault is None:
+    return None
+  what, fix = STORAGE_FAULTS[fault[0]]
+  at = f" at {fault[1]}" if fault[1] else ""
+  return f"{where}: {what}{at}; {kept}. {fix}, then run the same command to go on."
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+  """Names `path` in a storage fault met inside, for a write whose error does not (a file's
+  write(), safetensors: "No space left on device" and no file): raised again as an OSError of
+  that file."""
+  try:
+    yield
+  except Exception as err:  # pylint: disable=broad-except
+    if (fault := storage_fault(err)) is None or getattr(err, "filename", None):
+      raise
+    raise OSError(fault[0], os.strerror(fault[0]), path) from err
 
 
 @contextlib.contextmanager
 def disk_full_said(folder: str, kept: Callable[[], str]) -> Iterator[None]:
-  """Turns a full disk met inside into one DiskFullError naming `folder` and what is kept
-  (`kept()`, asked then): otherwise orbax's background save, failing at each wait, ends a run with
-  a score of chained tracebacks."""
+  """Turns a full disk or a failed write (`storage_fault`) met inside into one DiskFullError
+  naming `folder`, what failed and what is kept (`kept()`, asked then): otherwise orbax's
+  background save, failing at each wait, ends a run with a score of chained tracebacks."""
   try:
     yield
   except Exception as err:  # pylint: disable=broad-except
-    if not is_disk_full(err) or isinstance(err, DiskFullError):
+    if isinstance(err, DiskFullError) or (fault := storage_fault(err)) is None:
       raise
-    raise DiskFullError(f"{folder}: the disk is full (no space left on device); {kept()}. Free "
-                        "space, then run the same command to go on.") from None
+    raise DiskFullError(storage_fault_line(folder, err, kept()), fault[0]) from None
 
 
 # One run per workdir ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
-from bertjax import files, weights
+from bertjax import files, watchdog as watchdog_lib, weights
 from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
@@ -282,7 +282,9 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
 
   def run_eval(step, state, stop):
     began = time.perf_counter()
+    watchdog_lib.disarm()  # its first batch compiles; counted again from that batch on
     scalars = job.evaluate(step, state, stop)
+    watchdog_lib.disarm()  # what a job does after its batches (fine-tuning saves best/)
     speed.exclude(time.perf_counter() - began)
     if scalars is not None:
       writer.write(step, scalars, prefix="eval/")
@@ -315,8 +317,13 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
 
   # Every exit, an error's too, waits for the saves under way: a good checkpoint is never lost
   # because a later step failed.
+  # A process of several that stops making progress ends the run (bertjax/watchdog.py); armed at
+  # the first step done (the first compiles), it lasts until the final evaluation's end.
+  watchdog = watchdog_lib.Watchdog(workdir, watchdog_seconds(config), jax.process_index(),
+                                   jax.process_count(), last_checkpoint=lambda: newest_checkpoint(
+                                       ckpt.directory))
   with disk_full_said(workdir), contextlib.closing(ckpt), contextlib.closing(writer), \
-      control.StopSignal() as stop, _Profiler(loop, workdir) as profiler:
+      control.StopSignal() as stop, _Profiler(loop, workdir) as profiler, watchdog:
     if (0 < start < tcfg.num_train_steps and job.eval_owed is not None and job.eval_owed(start)
         and run_eval(start, state, stop) is None):
       say(f"{stop.describe()} received; the run is saved at step {start}. Run the same "
@@ -333,6 +340,7 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
         return state, {}
     else:
       say(f"the run in {workdir} is complete ({start} of {tcfg.num_train_steps} steps).")
+    watchdog_lib.disarm()
     ckpt.wait()  # the last checkpoint is final before the (long) final evaluation
     final = run_eval(tcfg.num_train_steps, state, stop)
   if final is None:
@@ -340,6 +348,22 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
         "Run the same command to evaluate it.")
     return state, {}
   return state, final
+
+
+def watchdog_seconds(config) -> float:
+  """`train.watchdog_seconds`, checked: 0 (off) or at least 5 (the heartbeats' resolution)."""
+  seconds = float(config.train.get("watchdog_seconds", 0) or 0)
+  if seconds < 0 or 0 < seconds < 5:
+    raise ValueError(f"Invalid config: train.watchdog_seconds={seconds:g} must be 0 (off) or "
+                     ">= 5")
+  return seconds
+
+
+def newest_checkpoint(folder: str) -> str:
+  """"step N in FOLDER" for the newest complete checkpoint, or "" when there is none."""
+  steps = sorted(int(n) for n in files.listdir(folder) if n.isdigit()) if files.isdir(
+      folder) else []
+  return f"step {steps[-1]} in {folder}" if steps else ""
 
 
 def disk_full_said(workdir: str):

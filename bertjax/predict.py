@@ -332,7 +332,8 @@ def _part_file(output_path: str) -> Iterator[str]:
   the output when the block ends, so a reader never takes a part for the result."""
   tmp = output_path + ".part"
   try:
-    yield tmp
+    with files.writing(tmp):  # a full disk or EIO said with the file
+      yield tmp
   except BaseException:
     with contextlib.suppress(OSError):
       os.remove(tmp)

@@ -116,6 +116,9 @@ def get_config():
   t.eval_sequences = 10_000  # held-out sequences per evaluation, always the same ones (0: all)
   t.profile_start_step = -1  # first step of a profiler trace in workdir/profile (-1: none)
   t.profile_num_steps = 5  # steps the profiler trace covers
+  # Several processes: one that makes no progress (no step or evaluation batch done) for this many
+  # seconds is named and the run ended, exit status 75, to be resumed (bertjax/watchdog.py; 0: off)
+  t.watchdog_seconds = 300
 
   # --- checkpoint: see bertjax/checkpoint.py. -------------------------------------------------------
   c = config.checkpoint = ml_collections.ConfigDict()

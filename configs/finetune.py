@@ -95,6 +95,7 @@ def get_config(task: str = "next"):
   t.max_grad_norm = 1.0
   t.num_microbatches = 1
   t.log_every_steps = 50
+  t.watchdog_seconds = 300  # several processes: a hung one ended after this (configs/base.py)
   # Classification: "" (none), "balanced" (each class weighs as much as any other in the loss) or
   # "label=weight,..." (others 1).
   t.class_weights = ""

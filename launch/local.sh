@@ -23,8 +23,11 @@ unchanged; the launcher adds --coordinator_address, --num_processes and --proces
 Output: each line of process i's stdout and stderr is prefixed with "[i] ".
 Exit status: 0 when every process exits 0; otherwise the first failure's status, and the
 launcher stops the other processes at once (they would wait forever in a collective for the
-failed one). Ctrl-C or SIGTERM is passed on to every process: the training loop saves a
-checkpoint and exits 0, so running the same command again resumes. A second Ctrl-C kills them.
+failed one). A process that hangs instead (SIGSTOP, a wedged host) is named by another's
+watchdog after train.watchdog_seconds (300 s by default), which ends its own process with status
+75; the launcher then stops the rest. Ctrl-C or SIGTERM is passed on to every process: the
+training loop saves a checkpoint and exits 0, so running the same command again resumes. A second
+Ctrl-C kills them.
 
 Example (8 devices in 2 processes; then resume the same run on 1 process):
   launch/local.sh -n 2 -d 4 -- --config=configs/tiny.py --workdir=/tmp/pod

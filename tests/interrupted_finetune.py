@@ -15,7 +15,10 @@ being the step of an epoch's end:
 - `record:STEP`: SIGKILL after the evaluation of STEP (and best/'s save of it, if it scored best),
   before evaluations.json records it;
 - `disk_full:STEP`: the commit of checkpoints/STEP fails with OSError ENOSPC, as a full disk fails
-  it (in orbax's background thread; the run meets it at its next save).
+  it (in orbax's background thread; the run meets it at its next save);
+- `eio:STEP`: the same commit fails with OSError EIO, as a failing disk fails it;
+- `eio_write:NAME`: the first file named NAME that bertjax.files writes (evaluations.json, a
+  prediction file such as STS-B.tsv, results.json) fails with EIO at its fsync, its text written.
 """
 
 import asyncio
@@ -56,16 +59,29 @@ def _recorded(workdir: str, step: int) -> bool:
 
 def _arm(moment: str, workdir: str) -> None:
   what, step = moment.split(":")
+  if what == "eio_write":
+    real_fsync, name = os.fsync, step
+
+    def fsync(fd):
+      target = os.readlink(f"/proc/self/fd/{fd}")
+      if os.path.basename(target).split(".tmp-")[0] == name and not failed:
+        failed.append(target)
+        raise OSError(errno.EIO, os.strerror(errno.EIO), target)
+      real_fsync(fd)
+    failed = []
+    os.fsync = fsync
+    return
   step = int(step)
-  if what in ("save", "disk_full"):
+  if what in ("save", "disk_full", "eio"):
     from orbax.checkpoint._src.path import atomicity  # pylint: disable=import-outside-toplevel
     real_finalize = atomicity.AtomicRenameTemporaryPath.finalize
     target = os.path.join(workdir, "checkpoints", str(step))
 
     async def finalize(self):
       if str(self.get_final()) == target:
-        if what == "disk_full":
-          raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
+        if what in ("disk_full", "eio"):
+          code = errno.ENOSPC if what == "disk_full" else errno.EIO
+          raise OSError(code, os.strerror(code), str(self.get()))
         await asyncio.to_thread(_wait_for, lambda: _recorded(workdir, step),
                                 f"record of step {step} in evaluations.json")
         _kill()
@@ -101,7 +117,7 @@ def _arm(moment: str, workdir: str) -> None:
     files.write_json = write_json
   else:
     raise ValueError(f"{ENV}={moment}: the moments are save:STEP, evaluation:STEP, record:STEP, "
-                     "disk_full:STEP")
+                     "disk_full:STEP, eio:STEP, eio_write:NAME")
 
 
 if __name__ == "__main__":

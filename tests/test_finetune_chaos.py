@@ -173,12 +173,118 @@ def test_a_full_disk_ends_the_run_in_one_line_and_the_rerun_goes_on(task):
   _, stderr = _run(command, env, f"disk_full:{2 * PER_EPOCH}", 1)
   assert "Traceback" not in stderr, stderr[-5000:]
   said = [line for line in stderr.splitlines() if re.search("space|Error|Errno", line)]
-  assert said == [
-      f"bertjax: --workdir={workdir}: the disk is full (no space left on device); its newest "
-      f"complete checkpoint, step {PER_EPOCH} in {workdir}/checkpoints, is kept. Free space, then "
-      "run the same command to go on."], stderr[-5000:]
+  assert len(said) == 1 and re.fullmatch(
+      rf"bertjax: --workdir={workdir}: the disk is full \(no space left on device\) at "
+      rf"{workdir}/checkpoints/{2 * PER_EPOCH}\S*tmp\S*; its newest complete checkpoint, step "
+      rf"{PER_EPOCH} in {workdir}/checkpoints, is kept. Free space, then run the same command to "
+      "go on.", said[0]), stderr[-5000:]
   assert _steps(os.path.join(workdir, "checkpoints")) == [PER_EPOCH]
 
   stdout, _ = _run(command, env)
   assert f"resumed from {workdir}/checkpoints at step {PER_EPOCH}" in stdout
   _same_files(workdir, straight)
+
+
+def _one_line(stderr, what):
+  """The run's one line about a storage fault (no traceback, nothing else saying an error)."""
+  assert "Traceback" not in stderr, stderr[-5000:]
+  said = [line for line in stderr.splitlines() if re.search("space|Error|Errno|failed", line)]
+  assert len(said) == 1 and what in said[0], stderr[-5000:]
+  return said[0]
+
+
+def test_failed_writes_end_the_run_in_one_line_keeping_every_earlier_output(task):
+  """Issue 38, item 10: a write that fails with EIO (a failing disk) during an evaluation's
+  record, a checkpoint's save and the prediction file, one after the other in one workdir: each
+  run ends in one line naming the failed file and the newest complete checkpoint, which is kept
+  with every earlier output, and no part of the failed file is left; the last rerun ends where an
+  uninterrupted run ends."""
+  root, env, straight = task
+  workdir = str(root / "eio")
+  command = _command(root, workdir)
+  eio = "a write failed with an input/output error (EIO"
+
+  _, stderr = _run(command, env, "eio_write:evaluations.json", 1)
+  line = _one_line(stderr, eio)
+  assert f"at {workdir}/evaluations.json.tmp-" in line, line
+  assert f"step {PER_EPOCH} in {workdir}/checkpoints, is kept" in line, line
+  assert not os.path.exists(os.path.join(workdir, "evaluations.json"))
+
+  # Epoch 1's evaluation is owed and run again; the commit of epoch 2's checkpoint fails in
+  # orbax's background thread, and the run meets it after epoch 2's evaluation.
+  _, stderr = _run(command, env, f"eio:{2 * PER_EPOCH}", 1)
+  line = _one_line(stderr, eio)
+  assert f"step {PER_EPOCH} in {workdir}/checkpoints, is kept" in line, line
+  assert _steps(os.path.join(workdir, "checkpoints")) == [PER_EPOCH]
+  assert _recorded(workdir) == [PER_EPOCH, 2 * PER_EPOCH]
+
+  _, stderr = _run(command, env, "eio_write:STS-B.tsv", 1)  # the final predictions
+  line = _one_line(stderr, eio)
+  assert f"step {LAST} in {workdir}/checkpoints, is kept" in line, line
+  assert _recorded(workdir) == [PER_EPOCH, 2 * PER_EPOCH, LAST]
+  assert not [n for n in os.listdir(workdir) + os.listdir(os.path.join(workdir, "predictions"))
+              if ".tmp-" in n]
+
+  output, _ = _run(command, env)
+  assert f"complete ({LAST} of {LAST} steps)" in output
+  _same_files(workdir, straight)
+
+
+@pytest.fixture(name="small_disk")
+def _small_disk(tmp_path):
+  """A filesystem of 4 MB (tmpfs; mounting needs root, else the test is skipped)."""
+  folder = tmp_path / "small"
+  folder.mkdir()
+  done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
+                        capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    pytest.skip(f"no small filesystem: mount -t tmpfs failed ({done.stderr.strip()})")
+  yield folder
+  subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _contents(folder):
+  return {name: (folder / name).read_bytes() if (folder / name).is_file() else "folder"
+          for name in sorted(os.listdir(folder))}
+
+
+def test_a_full_small_disk_keeps_the_earlier_export_and_predictions(task, small_disk):
+  """Issue 38, item 10, on a real full disk (tmpfs of 4 MB, filled up to 8 KB): an export and a
+  prediction file that do not fit each end in one line naming the file, leave the earlier export
+  and predictions (of epoch 2's checkpoint, so that the new ones differ) as they were and no part
+  beside them; with space freed, the same commands finish."""
+  root, env, straight = task
+  with open(root / "glue" / "STS-B" / "test.tsv") as f:
+    header, *rows = f.read().splitlines()
+  texts = root / "texts.tsv"
+  texts.write_text("\n".join([header] + rows * 20) + "\n")  # 320 rows: more than 8 KB out
+  export = [sys.executable, "-m", "bertjax.convert.hf", "export", f"--params={straight}",
+            f"--output={small_disk / 'export'}"]
+  predict = [sys.executable, "-m", "bertjax.predict", f"--workdir={straight}", f"--input={texts}",
+             f"--output={small_disk / 'predictions.jsonl'}", "--text_a=sentence1",
+             "--text_b=sentence2", "--overwrite"]
+  for command in (export, predict):
+    _run(command + [f"--checkpoint={2 * PER_EPOCH}"], env)
+  before = _contents(small_disk)
+  exported = _contents(small_disk / "export")
+  assert "model.safetensors" in exported and "predictions.jsonl" in before
+
+  stat = os.statvfs(small_disk)
+  with open(small_disk / "filler", "wb") as f:
+    f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 8192))
+  _, stderr = _run(export, env, status=1)
+  line = _one_line(stderr, f"the disk is full (no space left on device) at {small_disk}/export")
+  assert "Free space, then run the same command" in line, line
+  _, stderr = _run(predict, env, status=1)
+  _one_line(stderr, f"the disk is full (no space left on device) at {small_disk}/predictions")
+  assert _contents(small_disk / "export") == exported
+  assert {k: v for k, v in _contents(small_disk).items() if k != "filler"} == before
+
+  os.remove(small_disk / "filler")
+  for command in (export, predict):
+    _run(command, env)
+  assert sorted(os.listdir(small_disk)) == ["export", "predictions.jsonl"]
+  after = _contents(small_disk / "export")
+  assert after.keys() == exported.keys() and after["model.safetensors"] != exported[
+      "model.safetensors"]
+  assert _contents(small_disk)["predictions.jsonl"] != before["predictions.jsonl"]

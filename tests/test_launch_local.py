@@ -92,7 +92,7 @@ class _Run:
           args = f.read().decode().split("\0")
       except FileNotFoundError:
         continue
-      if "bertjax.main" in args or "bertjax.finetune" in args:
+      if {"bertjax.main", "bertjax.finetune", "tests.slowed_finetune"} & set(args):
         ids = [a.split("=", 1)[1] for a in args if a.startswith("--process_id=")]
         self.children[int(ids[0]) if ids else 0] = pid
     return dict(self.children)
@@ -116,7 +116,9 @@ def runs():
   class Runs:
     @staticmethod
     def launch(options, flags):
-      started.append(_Run([LAUNCHER, *options, "--", *flags], env=dict(os.environ)))
+      # The interpreter running the tests (a checkout without .venv/ would get python3).
+      env = {"PYTHON": sys.executable, **os.environ}
+      started.append(_Run([LAUNCHER, *options, "--", *flags], env=env))
       return started[-1]
 
     @staticmethod

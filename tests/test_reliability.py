@@ -129,6 +129,19 @@ def test_a_full_disk_is_known_however_a_library_says_it():
   with pytest.raises(KeyError):
     with files.disk_full_said("W", lambda: "kept"):
       raise KeyError("not a full disk")
+  # A failed write (EIO, issue 38), and a library's error that names no file.
+  eio = OSError(errno.EIO, "Input/output error", "w/evaluations.json.tmp-1")
+  assert files.storage_fault(chained(eio, RuntimeError("x"))) == (errno.EIO,
+                                                                   "w/evaluations.json.tmp-1")
+  assert not files.is_disk_full(eio)
+  with pytest.raises(files.DiskFullError, match=r"^W: a write failed with an input/output error "
+                     r"\(EIO.*\) at w/evaluations.json.tmp-1; kept. Check the disk"):
+    with files.disk_full_said("W", lambda: "kept"):
+      raise eio
+  with pytest.raises(OSError, match=r"No space left on device.*'w/model.safetensors'"):
+    with files.writing("w/model.safetensors"):
+      raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                         'message: "No space left on device" })')
 
   passed = []
   hook = cli.late_write_callbacks_dropped(passed.append)

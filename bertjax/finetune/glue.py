@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from bertjax import files
 from bertjax.data import corpus
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +371,6 @@ def write_submission(output_dir: str, task: str | GlueTask, split: str, indices:
 
   predictions: label ids (argmax of the logits), or scores for STS-B.
   """
-  import tensorflow as tf
   task = task if isinstance(task, GlueTask) else get_task(task)
   if split not in task.submissions:
     raise ValueError(f"GLUE takes predictions of {task.name}'s test split(s) "
@@ -395,11 +395,10 @@ def write_submission(output_dir: str, task: str | GlueTask, split: str, indices:
     logging.warning("%s holds %d predictions; the GLUE server expects %d.", file_name,
                     indices_N.size, TEST_SIZES[file_name])
   order = np.argsort(indices_N, kind="stable")
-  tf.io.gfile.makedirs(output_dir)
+  files.makedirs(output_dir)
   path = os.path.join(output_dir, file_name)
   body = "".join(f"{indices_N[k]}\t{names[k]}\n" for k in order)
-  # Write-then-rename: a reader (or an upload script) never sees half a file.
-  with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-    f.write("index\tprediction\n" + body)
-  tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+  # Write-then-rename: a reader (or an upload script) never sees half a file, a failed write
+  # leaves no part.
+  files.write_text(path, "index\tprediction\n" + body)
   return path

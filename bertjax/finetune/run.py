@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
-from bertjax import taskspec as spec_lib, train, weights
+from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
@@ -181,6 +181,7 @@ def predict(training: train.Training, params_state, features: Mapping[str, np.nd
     if stop is not None and stop.during_evaluation():
       return None
     out = jax.device_get(training.predict_step(params_state, training.to_global(batch)))
+    watchdog.progress()
     for k, v in out.items():
       parts.setdefault(k, []).append(np.asarray(v))
   return {k: np.concatenate(v)[:n] for k, v in parts.items()}
@@ -439,6 +440,7 @@ def finetune(config, workdir: str) -> dict:
                      if name != "main" and isinstance(v, (int, float)) and not isinstance(v, bool)})
       if k == 0:
         scores["main"] = float(got["main"])
+    watchdog.disarm()  # scoring and best/'s save are this process's own work
     evaluations.add(step, step / per_epoch, scores, state.params)
     return scores
 

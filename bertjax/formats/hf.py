@@ -410,5 +410,6 @@ def write_hf_dir(folder: outfolder.ExportFolder, state_dict: dict, hf_config: di
   """Writes `config.json` and `model.safetensors` (as transformers' save_pretrained names them)
   into an export's folder."""
   files.write_json(folder.path("config.json"), hf_config)
-  save_file(state_dict, folder.path("model.safetensors"), metadata={"format": "pt"})
+  with files.writing(path := folder.path("model.safetensors")):  # a full disk said with the file
+    save_file(state_dict, path, metadata={"format": "pt"})
 

@@ -6,11 +6,15 @@ transformers' AutoTokenizer loads first, with another vocabulary (wrong ids, sil
 sizes agree). So an export takes an empty or absent folder, or one holding only the files of a
 model folder (an earlier export, or a save_pretrained); it removes those it does not write again,
 and says so. A folder holding anything else is refused: it is somebody's, not an export's.
+
+The files are written into `OUTPUT.part/` beside the folder and moved in once all are written: an
+export stopped by a full disk, a failed write (EIO) or a kill leaves the earlier export whole.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 # What a model folder of transformers (and so of an export) may hold: weights, configs and every
 # tokenizer's files. Nothing here is a user's own file.
@@ -41,17 +45,27 @@ class ExportFolder:
                        "holding an earlier export only.")
     self.output, self.found, self.written, self.removed = output, set(found), set(), []
 
+  @property
+  def staging(self) -> str:
+    return os.path.normpath(self.output) + ".part"
+
   def path(self, name: str) -> str:
     self.written.add(name)
-    return os.path.join(self.output, name)
+    return os.path.join(self.staging, name)
 
   def __enter__(self) -> "ExportFolder":
-    os.makedirs(self.output, exist_ok=True)
+    shutil.rmtree(self.staging, ignore_errors=True)  # what a stopped export left
+    os.makedirs(self.staging)
     return self
 
   def __exit__(self, kind, value, traceback) -> None:
     if kind is not None:
+      shutil.rmtree(self.staging, ignore_errors=True)
       return
+    os.makedirs(self.output, exist_ok=True)
+    for name in sorted(self.written):  # renames: no space needed, each file whole
+      os.replace(os.path.join(self.staging, name), os.path.join(self.output, name))
+    shutil.rmtree(self.staging, ignore_errors=True)
     for name in sorted(self.found - self.written):
       os.remove(os.path.join(self.output, name))
       self.removed.append(name)
