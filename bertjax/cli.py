@@ -22,7 +22,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import files, hostmem, platforms
+from bertjax import files, hostmem, platforms, watchdog
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -121,7 +121,6 @@ def start(argv) -> None:
   # for its flags and refusals, need not load.
   from bertjax import distributed  # pylint: disable=import-outside-toplevel
   flag = flags.FLAGS
-  from bertjax import watchdog  # pylint: disable=import-outside-toplevel
   train_config = getattr(flag["config"].value, "train", None) if "config" in flag else None
   seconds = train_config.get("watchdog_seconds", 0) if train_config is not None else 0
   distributed.initialize(flag.coordinator_address, flag.num_processes, flag.process_id,

@@ -3,7 +3,7 @@
 Lowest first; a module imports from its own layer or the ones below it, never from one above:
 
   base      files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
-            opprofile, metrics, control, losses, optimizer, sharding, dropout, attention
+            opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention
   model     model, heads, nnx
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
   data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
@@ -32,6 +32,7 @@ PACKAGES = ("bertjax", "launch", "configs")
 LAYERS = (
     ("base", ("bertjax.files", "bertjax.cli", "bertjax.distributed", "bertjax.hostmem",
               "bertjax.platforms", "bertjax.versions", "bertjax.topologies", "bertjax.opprofile",
+              "bertjax.watchdog",
               "bertjax.metrics",
               "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
               "bertjax.dropout", "bertjax.attention")),
