@@ -214,6 +214,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
   from absl import app  # pylint: disable=import-outside-toplevel
   quiet_tensorflow()
   platforms.skip_absent_tpu()
+  sys.unraisablehook = late_write_callbacks_dropped(sys.unraisablehook)
   for module, defined in list(flags.FLAGS.flags_by_module_dict().items()):
     if module.startswith("bertjax."):
       for flag in defined:  # absl's --help shows the key flags of the main module (argv[0])
@@ -246,11 +247,16 @@ def late_write_callbacks_dropped(previous):
   """An unraisable-exception hook that drops what a failed save leaves behind: orbax closes the
   event loop of a save whose write failed (a full disk) while tensorstore's other writes of it
   are under way, and each of those, finishing, reports that the loop is closed (dozens of
-  tracebacks after the failure itself, which the run reports). Everything else goes to
-  `previous`."""
+  tracebacks after the failure itself, which the run reports). Nor the reads of a failed
+  restore: orbax reads each array in a coroutine, and when one finds its file cut short the
+  others are dropped unawaited and report themselves as they are collected, after the command's
+  one line naming the damage. Everything else goes to `previous`."""
   def hook(unraisable):
     error = unraisable.exc_value
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
       return
     previous(unraisable)
   return hook

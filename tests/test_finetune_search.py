@@ -73,7 +73,7 @@ def test_a_trial_in_the_grid_equals_the_same_settings_run_alone(files, grid):
   alone_params = weights.read(weights.inspect_trained(str(files[0] / "alone")))
   diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
              for a, b in zip(jax_leaves(mine), jax_leaves(alone_params)))
-  assert diff == 0, diff  # a CPU runs the trials one after another (lax.map): bit for bit
+  assert diff < 1e-6, diff  # 0.0 seen: a CPU runs the trials one after another (lax.map)
 
 
 def jax_leaves(tree):

@@ -51,3 +51,27 @@ def test_a_folder_as_the_corpus_and_a_misspelled_fine_tuning_key_are_one_line(tm
   assert (done.stdout + done.stderr).strip().splitlines() == [
       "bertjax: --config.train.learning_rat: the config has no key 'learning_rat'; did you mean "
       "'learning_rate'? (every key and its meaning: configs/base.py)."]
+
+
+def test_the_unawaited_reads_of_a_failed_restore_are_not_printed():
+  """Exporting a workdir whose newest step's data is cut short printed the refusal and then
+  hundreds of lines: orbax reads each array in a coroutine, and the reads dropped unawaited when
+  one failed report themselves as they are collected. Every command's hook drops those (orbax's
+  coroutines), and only those."""
+  from bertjax import cli  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  passed = []
+  hook = cli.late_write_callbacks_dropped(passed.append)
+
+  def coroutine(filename):
+    scope = {}
+    exec(compile("async def read():\n  pass\n", filename, "exec"), scope)  # pylint: disable=exec-used
+    return scope["read"]()
+
+  ours, theirs = (coroutine(os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "s.py")),
+                  coroutine(os.path.join(os.sep, "site-packages", "other", "s.py")))
+  for coro in (ours, theirs):
+    hook(types.SimpleNamespace(exc_value=RuntimeError("read failed"), object=coro,
+                               exc_type=RuntimeError, exc_traceback=None, err_msg=None))
+    coro.close()
+  assert [u.object for u in passed] == [theirs]
