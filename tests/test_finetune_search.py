@@ -192,7 +192,7 @@ def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
   assert s.wanted(config)
   tiny = BertConfig(hidden_size=128, num_heads=2, intermediate_size=512)
   rates = [t.learning_rate for t in search.expand(config, s, tiny)]
-  assert rates == [7.7e-05, 0.00015, 0.00031, 0.00061]  # around the 3e-4 a 128-wide one takes
+  assert rates == [1.2e-4, 2.4e-4, 4.8e-4, 9.6e-4]  # around the 3e-4 to 1e-3 a 128-wide one took
   base = BertConfig(hidden_size=768, num_heads=12, intermediate_size=3072)
   assert [t.learning_rate for t in search.expand(config, s, base)] == [2e-5, 3e-5, 4e-5, 5e-5]
   config.train.learning_rate = 3e-4  # given: that rate, one run
