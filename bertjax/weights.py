@@ -301,10 +301,17 @@ def _damaged(where: str, folder: str, step: int, steps, err: BaseException
              ) -> checkpoint_lib.CheckpointDamagedError:
   """The one message of a damaged step of another run: which step, what, and the older one."""
   older = [s for s in steps if s < step]
+  if older:
+    fix = (f"Step {older[-1]} is the newest before it: move {os.path.join(folder, str(step))} "
+           "away to use it.")
+  elif os.path.basename(folder.rstrip("/")) == "best":
+    # A fine-tuning run keeps one best epoch; its latest checkpoints are another copy of weights.
+    fix = ("It holds no older step; the run's latest checkpoint is read with --checkpoint=latest "
+           "(bertjax.predict, the exports).")
+  else:
+    fix = "It holds no older step."
   return checkpoint_lib.CheckpointDamagedError(
-      f"{where}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). "
-      + (f"Step {older[-1]} is the newest before it: move {os.path.join(folder, str(step))} "
-         "away to use it." if older else "It holds no older step."))
+      f"{where}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). " + fix)
 
 
 def _workdir_vocabulary(workdir: str) -> dict:

@@ -628,6 +628,22 @@ def test_an_export_leaves_only_its_own_files(routing, tmp_path):
     _export(workdir, mine / "thesis.tex")
 
 
+def test_an_export_of_a_damaged_best_step_names_the_latest_checkpoint(routing, tmp_path):
+  import shutil  # pylint: disable=import-outside-toplevel
+  from bertjax import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / "copy")
+  shutil.copytree(routing[0], workdir)
+  (step,) = [n for n in os.listdir(os.path.join(workdir, "best")) if n.isdigit()]
+  for root, dirs, _ in os.walk(os.path.join(workdir, "best", step, "params")):
+    if "d" in dirs:
+      shutil.rmtree(os.path.join(root, "d"))
+  with pytest.raises(checkpoint_lib.CheckpointDamagedError,
+                     match=rf"step {step} is damaged .*--checkpoint=latest"):
+    _export(workdir, tmp_path / "hf")
+  from bertjax.convert import hf  # pylint: disable=import-outside-toplevel
+  assert "Exported" in hf.export_folder(workdir, str(tmp_path / "hf2"), checkpoint="latest")
+
+
 def test_a_fine_tuned_workdir_without_its_label_map_is_not_exported(routing, tmp_path):
   import shutil  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "copy")
