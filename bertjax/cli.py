@@ -255,7 +255,7 @@ def late_write_callbacks_dropped(previous):
     error = unraisable.exc_value
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
       return
-    code = getattr(unraisable.object, "cr_code", None)
+    code = getattr(getattr(unraisable, "object", None), "cr_code", None)
     if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
       return
     previous(unraisable)
