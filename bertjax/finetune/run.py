@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from typing import Any, Iterator, Mapping
 
@@ -35,6 +34,7 @@ from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
+from bertjax.finetune.evaluations import Evaluations
 from bertjax.model import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
 
 # Keys of the fine-tuning config before data, eval and checkpoint held them (the paths
@@ -250,85 +250,6 @@ def train_config(config, total_steps: int, warmup: int,
       warmup_steps=warmup,
       weight_decay=t.weight_decay, adam_b1=t.adam_b1, adam_b2=t.adam_b2, adam_eps=t.adam_eps,
       bias_correction=t.bias_correction, max_grad_norm=t.max_grad_norm)
-
-
-def _better(value: float, best: float | None) -> bool:
-  if not math.isfinite(value):
-    return False
-  return best is None or value > best
-
-
-class Evaluations:
-  """Scores after each epoch (evaluations.json) and the best checkpoint (best/)."""
-
-  def __init__(self, workdir: str, meta: Mapping[str, Any]):
-    self.path = os.path.join(workdir, "evaluations.json")
-    self.records: list[dict] = []
-    self.best = checkpoint_lib.Checkpointer(os.path.join(workdir, "best"), ("params",),
-                                            save_every=1, keep=1, async_save=False)
-    self._meta = dict(meta)
-
-  def begin(self, start: int) -> None:
-    """Takes the scores of earlier runs in the workdir up to `start`, the step this run restored:
-    later ones (and a best checkpoint of such a step, after a crash between an evaluation and the
-    next checkpoint) belong to a timeline the run no longer has; it evaluates those steps again."""
-    self.records = [r for r in self._read() if r["step"] <= start]
-    recorded = {r["step"] for r in self.records}
-    for step in self.best.all_steps():
-      # A best step without a record is a kill between best/'s save and the record's write: the
-      # step is evaluated again, which saves it again (left here, that save would collide).
-      if step > start or step not in recorded:
-        self.best.delete(step)
-
-  def _read(self) -> list[dict]:
-    """evaluations.json's records; a damaged file (written atomically, so only by an older bertjax
-    or a disk fault) is said and rebuilt from best/'s record, which is all a rerun can recover."""
-    if not files.exists(self.path):
-      return []
-    try:
-      return files.read_json(self.path, "the run's evaluations")
-    except files.DamagedFileError as err:
-      rebuilt = []
-      for step in self.best.all_steps():
-        meta = self.best.read_meta(step)
-        rebuilt.append({"step": meta["step"], "epoch": meta["epoch"], "scores": meta["scores"]})
-      loop.say(f"{str(err).split(': it was')[0]}; rebuilt from best/ (steps "
-               f"{[r['step'] for r in rebuilt]}), the other epochs' scores are lost.")
-      return rebuilt
-
-  def done(self, step: int) -> bool:
-    return any(r["step"] == step for r in self.records)
-
-  def best_record(self) -> dict | None:
-    scored = [r for r in self.records if math.isfinite(r["scores"]["main"])]
-    return max(scored, key=lambda r: r["scores"]["main"]) if scored else None
-
-  def add(self, step: int, epoch: float, scores: Mapping[str, float], params) -> None:
-    best = self.best_record()
-    record = {"step": step, "epoch": epoch, "scores": dict(scores)}
-    self.records = [r for r in self.records if r["step"] != step] + [record]
-    if _better(scores["main"], best["scores"]["main"] if best else None):
-      self.best.save(step, {"params": params}, {**self._meta, "step": step, "epoch": epoch,
-                                                "scores": dict(scores)}, force=True)
-      self.best.wait()
-    if jax.process_index() == 0:
-      files.write_json(self.path, self.records)
-
-  def adopt(self, records: list[dict], best: dict, params) -> None:
-    """Takes another run's records and its best epoch's parameters as this one's (a search's
-    winner becomes the workdir's run): best/ holds that step alone."""
-    for step in self.best.all_steps():
-      self.best.delete(step)
-    self.records = list(records)
-    self.best.save(best["step"], {"params": params}, {**self._meta, "step": best["step"],
-                                                      "epoch": best["epoch"],
-                                                      "scores": dict(best["scores"])}, force=True)
-    self.best.wait()
-    if jax.process_index() == 0:
-      files.write_json(self.path, self.records)
-
-  def close(self) -> None:
-    self.best.close()
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, weights
 from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
 from bertjax.finetune.config import SEARCH_KEYS, SearchConfig
+from bertjax.finetune.evaluations import Evaluations
 
 SEARCH_FILE = "search.json"
 
@@ -127,7 +128,7 @@ def _check_same_grid(workdir: str, record: list[dict]) -> None:
 
 
 def _run_program(config, s: run_lib.Setup, group, number: int, workdir: str, mesh_config,
-                 records: dict[int, run_lib.Evaluations]) -> bool:
+                 records: dict[int, Evaluations]) -> bool:
   """Trains and evaluates one program's trials (resuming its checkpoints); False if stopped."""
   ft, data, per_epoch = s.ft, s.data, s.per_epoch
   total = max(t.total_steps(per_epoch) for t in group)
@@ -214,7 +215,7 @@ def _predict_all(training, state, features, batch_size, stop):
   return {k: np.concatenate(v, axis=1)[:, :n] for k, v in parts.items()}
 
 
-def summarise(all_trials, records: dict[int, run_lib.Evaluations], main_metric: str) -> dict:
+def summarise(all_trials, records: dict[int, Evaluations], main_metric: str) -> dict:
   """search.json's figures: each trial's epochs and best, each setting's median and range over
   its seeds, the winner."""
   rows = []
@@ -293,7 +294,7 @@ def run(config, workdir: str) -> dict:
   meta_base = {**checkpoint_lib.Expected(
       model=s.model_config, optimizer=checkpoint_lib.optimizer_fields(base),
       tokenizer_fingerprint=s.tokenizer.fingerprint).meta(), **s.meta()}
-  records = {t.index: run_lib.Evaluations(
+  records = {t.index: Evaluations(
       os.path.join(workdir, "search", f"trial-{t.index}"), {**meta_base, "trial": t.settings(),
                                                              "seed": t.seed}) for t in all_trials}
   mesh_config = sharding.MeshConfig.from_dict(config.mesh)
@@ -329,7 +330,7 @@ def _keep_winner(config, workdir, s: run_lib.Setup, all_trials, records, summary
                          objective=s.data.objective)
   items, _ = record.best.restore(best["step"], {"params": checkpoint_lib.abstract_like(
       training.abstract_state.params)})
-  kept = run_lib.Evaluations(workdir, {**meta_base, "trial": winner.settings(),
+  kept = Evaluations(workdir, {**meta_base, "trial": winner.settings(),
                                        "seed": winner.seed})
   try:
     kept.adopt(record.records, best, items["params"])
