@@ -92,7 +92,7 @@ class _Run:
           args = f.read().decode().split("\0")
       except FileNotFoundError:
         continue
-      if {"bertjax.main", "bertjax.finetune"} & set(args):
+      if {"bertjax.main", "bertjax.finetune", "tests.killed_finetune"} & set(args):
         ids = [a.split("=", 1)[1] for a in args if a.startswith("--process_id=")]
         self.children[int(ids[0]) if ids else 0] = pid
     return dict(self.children)
