@@ -7,9 +7,12 @@ its loss -> the sharded step -> scoring -> prediction files.
 """
 
 import dataclasses
+import fcntl
 import json
 import os
 import random
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -50,10 +53,31 @@ def compile_cache(tmp_path_factory):
 
 
 def pretrain(root: str, steps: int = 30) -> str:
-  """A tiny pre-training run (hidden 32, 2 layers) on a synthetic corpus; returns its workdir.
+  """A tiny pre-training run (hidden 32, 2 layers) on a synthetic corpus, as `root`/pretrained
+  (and its corpus as `root`/data); returns that workdir.
 
-  It runs on one device (a third faster to compile and save than on 8), so fine-tuning on the
-  8-device mesh also restores its encoder onto another mesh."""
+  The run is made once per run of the suite and copied: the modules that need it run in separate
+  pytest-xdist workers, which share the run's id (the first to ask builds under a lock, the others
+  wait for it), so the suite pays for one run, not one per module."""
+  run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  if not run_id:
+    return _pretrain(root, steps)
+  shared = os.path.join(tempfile.gettempdir(), f"bertjax-tests-{run_id}", f"pretrain-{steps}")
+  os.makedirs(os.path.dirname(shared), exist_ok=True)
+  with open(shared + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(os.path.join(shared, "done")):
+      shutil.rmtree(shared, ignore_errors=True)
+      _pretrain(shared, steps)
+      open(os.path.join(shared, "done"), "w").close()
+  for name in ("data", "pretrained"):
+    shutil.copytree(os.path.join(shared, name), os.path.join(root, name))
+  return os.path.join(root, "pretrained")
+
+
+def _pretrain(root: str, steps: int) -> str:
+  """The run itself. It runs on one device (a third faster to compile and save than on 8), so
+  fine-tuning on the 8-device mesh also restores its encoder onto another mesh."""
   config = tiny.get_config()
   config.data = data_section(os.path.join(root, "data"), n_docs=30, sents_per_doc=12)
   m = config.model
