@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bertjax.data import pipeline, prepare, tokenizer as tokenizer_lib
+from bertjax.data import pipeline, prepare, processes, tokenizer as tokenizer_lib
 from test_data_fixtures import data_config, random_documents, write_corpus, write_vocab
 
 
@@ -20,16 +20,25 @@ def _files(d):
           if f.endswith((".tfrecord", ".json"))}
 
 
-def test_deterministic_parallel_and_resumable(tmp_path):
+def test_deterministic_parallel_and_resumable(tmp_path, monkeypatch):
   c1 = data_config(tmp_path / "one", prepared_dir=str(tmp_path / "p1"))
   m1 = _prepared(c1)
   sp = m1["splits"]["train"]
   assert sp["instances"] == sum(sp["counts"]) > 0 and len(sp["files"]) == 4
   assert m1["settings"]["tokenizer_fingerprint"].startswith("wordpiece-")
   assert 0.4 < sp["not_next"] / sp["instances"] < 0.65
-  # Two worker processes give the same shards as one.
-  c2 = data_config(tmp_path / "one", prepared_dir=str(tmp_path / "p2"), prepare_workers=2)
+  # Two worker processes, the input read in pieces, give the same shards as one; the two workers
+  # are started once for both steps (each start imports TensorFlow: seconds of CPU).
+  c2 = data_config(tmp_path / "one", prepared_dir=str(tmp_path / "p2"), prepare_workers=2,
+                   input_split_bytes=4000)
+  started, real = [], processes.subprocess.Popen
+  monkeypatch.setattr(processes.subprocess, "Popen",
+                      lambda *a, **kw: started.append(a) or real(*a, **kw))
   _prepared(c2)
+  monkeypatch.undo()
+  assert len(started) == 2
+  manifest2 = json.load(open(tmp_path / "p2" / "manifest.json"))
+  assert manifest2["splits"]["train"]["instances"] == sp["instances"]
   strip = lambda fs: {k: v for k, v in fs.items() if k != "manifest.json" and not k.endswith(".json")}
   assert strip(_files(tmp_path / "p1")) == strip(_files(tmp_path / "p2"))
   # Interrupted run: one shard unfinished, no manifest. Only that shard is redone, identically.

@@ -183,16 +183,14 @@ def finished_shards(out_dir: str) -> set[str]:
   return {os.path.basename(p) for p in _gfile().glob(os.path.join(out_dir, "*-of-*.json"))}
 
 
-def _run(tasks: list, num_workers: int, data: DataConfig, tok) -> None:
-  """(kind, task) pairs run here (one worker) or in worker processes."""
-  if num_workers <= 1 or len(tasks) <= 1:
+def _run(tasks: list, workers: processes.Workers | None, data: DataConfig, tok) -> None:
+  """(kind, task) pairs run here (no workers, or one task) or spread over the workers."""
+  if workers is None or len(tasks) <= 1:
     for kind, task in tasks:
       run_task(kind, task, data, tok)
     return
-  work = [(kind, task) for kind, task in tasks]
-  processes.run_workers([[dataclasses.asdict(data), work[w::num_workers]]
-                         for w in range(min(num_workers, len(work)))],
-                        "from bertjax.data import prepare; prepare._worker()")
+  n = min(workers.count, len(tasks))
+  workers.round([[dataclasses.asdict(data), tasks[w::n]] for w in range(n)])
 
 
 def run_task(kind: str, task: dict, data: DataConfig, tok=None):
@@ -208,10 +206,12 @@ def run_task(kind: str, task: dict, data: DataConfig, tok=None):
 
 
 def _worker():
-  data, tasks = json.loads(sys.stdin.read())
-  data = DataConfig(**data)
-  for kind, task in tasks:
-    run_task(kind, task, data)
+  def work(item):
+    data, tasks = item
+    data = DataConfig(**data)
+    for kind, task in tasks:
+      run_task(kind, task, data)
+  processes.serve(work)
 
 
 def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
@@ -234,18 +234,22 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
       beam_prepare.run(data, out_dir, scatter_tasks(out_dir, data, units), steps, num_workers)
     barrier("bertjax data: pieces of input read")
   elif data.prepare_engine == "local":
-    logging.info("Reading %d of %d piece(s) of input in %s with %d process(es).", len(scatter),
-                 len(units), out_dir, min(num_workers, max(1, len(scatter))))
-    _run([("scatter", t) for t in scatter], num_workers, data, tok)
-    # Every host's pieces are read before any shard is built (a shard gathers from all pieces).
-    barrier("bertjax data: pieces of input read")
-    done = finished_shards(out_dir)
-    tasks = [t for g, t in enumerate(build_tasks(out_dir, data, units, s, tok_spec))
-             if g % hosts == host and shards.shard_name(t["split"], t["k"], t["n"]) + ".json"
-             not in done]
-    logging.info("Building %d shard(s) in %s with %d process(es).", len(tasks), out_dir,
-                 min(num_workers, max(1, len(tasks))))
-    _run([("build", t) for t in tasks], num_workers, data, tok)
+    # One set of worker processes for both steps: each starts (and imports TensorFlow) once.
+    pool = (processes.Workers(num_workers, "from bertjax.data import prepare; prepare._worker()")
+            if num_workers > 1 else None)
+    with pool or contextlib.nullcontext():
+      logging.info("Reading %d of %d piece(s) of input in %s with %d process(es).", len(scatter),
+                   len(units), out_dir, min(num_workers, max(1, len(scatter))))
+      _run([("scatter", t) for t in scatter], pool, data, tok)
+      # Every host's pieces are read before any shard is built (a shard gathers from all pieces).
+      barrier("bertjax data: pieces of input read")
+      done = finished_shards(out_dir)
+      tasks = [t for g, t in enumerate(build_tasks(out_dir, data, units, s, tok_spec))
+               if g % hosts == host and shards.shard_name(t["split"], t["k"], t["n"]) + ".json"
+               not in done]
+      logging.info("Building %d shard(s) in %s with %d process(es).", len(tasks), out_dir,
+                   min(num_workers, max(1, len(tasks))))
+      _run([("build", t) for t in tasks], pool, data, tok)
   else:
     raise ValueError(f"config.data.prepare_engine={data.prepare_engine!r}: use 'local' (processes "
                      f"of this machine, or of each pod host) or 'beam' (Apache Beam).")

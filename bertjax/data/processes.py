@@ -57,36 +57,78 @@ def _sigterm_deferred():
       signal.raise_signal(signal.SIGTERM)
 
 
-def run_workers(inputs: list, code: str):
-  """Runs `python -c code` once per item of `inputs`, each reading its item as JSON on stdin, and
-  waits for all; stops them all if this process is interrupted (SIGTERM, Ctrl-C)."""
-  env = dict(os.environ)
-  root = _PROJECT_ROOT
-  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  env["CUDA_VISIBLE_DEVICES"] = ""
-  procs = []
-  try:
+class Workers:
+  """`count` interpreters running `python -c code`, kept for several rounds of work (preparation's
+  two steps: each interpreter imports the project and TensorFlow once, seconds of CPU apiece).
+
+  A round sends each worker one JSON line (its share of the round) and waits for every worker's
+  reply line; the worker's code reads lines with `serve`. Interrupted (SIGTERM, Ctrl-C) or
+  failed, every worker is stopped with it."""
+
+  def __init__(self, count: int, code: str):
+    self._code, self.count, self._procs = code, count, []
+
+  def __enter__(self):
+    return self
+
+  def _start(self):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["CUDA_VISIBLE_DEVICES"] = ""
     with _sigterm_deferred():
-      for item in inputs:
-        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, env=env)
-        procs.append(p)
-        p.stdin.write(json.dumps(item).encode())
-        p.stdin.close()
-    codes = [p.wait() for p in procs]
-  except BaseException:  # the workers stop with us
-    for p in procs:
+      while len(self._procs) < self.count:
+        self._procs.append(subprocess.Popen([sys.executable, "-c", self._code], env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+
+  def round(self, inputs: list) -> None:
+    """Worker i gets inputs[i] (at most `count` of them); returns once each has replied."""
+    if not inputs:
+      return
+    self._start()  # started on first use: a run with nothing left to do starts none
+    busy = self._procs[:len(inputs)]
+    for p, item in zip(busy, inputs):
+      try:
+        p.stdin.write(json.dumps(item).encode() + b"\n")
+        p.stdin.flush()
+      except BrokenPipeError:
+        pass  # it died; its missing reply says so below
+    failed = []
+    for i, p in enumerate(busy):
+      if p.stdout.readline() != b"done\n":
+        failed.append((i, p.wait()))
+    if failed:
+      raise RuntimeError(f"{len(failed)} of {len(busy)} preparation process(es) failed (process, "
+                         f"exit code): {failed}; see their errors above. Finished shards are "
+                         f"kept: run again to resume.")
+
+  def __exit__(self, kind, value, tb):
+    for p in self._procs:
+      if kind is None and p.poll() is None:
+        p.stdin.close()  # the end of its input: the worker returns
+    for p in self._procs:
+      try:
+        p.wait(timeout=None if kind is None else 10)
+      except subprocess.TimeoutExpired:
+        pass
       if p.poll() is None:
         p.terminate()
-    for p in procs:
-      try:
-        p.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-    raise
-  failed = [(i, rc) for i, rc in enumerate(codes) if rc != 0]
-  if failed:
-    raise RuntimeError(f"{len(failed)} of {len(procs)} preparation process(es) failed (process, "
-                       f"exit code): {failed}; see their errors above. Finished shards are kept: "
-                       f"run again to resume.")
+        try:
+          p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+          p.kill()
+          p.wait()
+    return False
+
+
+def serve(work) -> None:
+  """A worker's loop: `work(item)` for each JSON line on stdin, a reply line after each. Anything
+  the work prints goes to stderr, so the replies alone travel on stdout."""
+  replies = os.fdopen(os.dup(1), "w")
+  os.dup2(2, 1)
+  sys.stdout = sys.stderr
+  for line in sys.stdin:
+    work(json.loads(line))
+    replies.write("done\n")
+    replies.flush()
