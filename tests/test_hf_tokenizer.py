@@ -22,9 +22,10 @@ import finetune_fixtures as fx
 SPECIALS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")  # ModernBERT's order, after the pieces
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Café naïve résumé, déjà vu!",
           "Don't stop believing: 123 roads and 4.5 miles.", "Ünïcödé tëxt with àccents façade",
-          "Tabs\tand\nnew lines  and   runs of spaces", "日本語のテキスト and emoji 🙂 here"] * 20
-TEXTS = ["Hello  world, Café!", "  leading and trailing  ", "déjà\tvu\n\nnewline", "x[CLS]y [SEP]",
-         "🙂 emoji, 日本語", "Ünïcödé façade résumé", "", "a"]
+          "Tabs\tand\nnew lines  and   runs of spaces",
+          "日本語のテキスト and emoji 🙂 here"] * 20
+TEXTS = ["Hello  world, Café!", "  leading and trailing  ", "déjà\tvu\n\nnewline",
+         "x[CLS]y [SEP]", "🙂 emoji, 日本語", "Ünïcödé façade résumé", "", "a"]
 PAIRS = [("Who is here?", "The quick fox is here."), ("Café", "naïve  résumé"), ("🙂", "日本"),
          ("", "b"), ("[MASK] token", "and [PAD]")]
 
@@ -83,9 +84,9 @@ def test_the_files_template_decides_the_frame_and_pairs_need_one(tmp_path):
   # No final [SEP]: the file's frame, not BERT's (red when bertjax framed rows as BERT does).
   path = train_tokenizer(tmp_path / "short.json", single="[CLS] $A", pair="[CLS] $A [SEP] $B:1")
   tok = tokenizer_lib.load_vocabulary(path)
-  assert tok.template.specials(False) == 1 and tok.template.specials(True) == 2
   rows_equal_transformers(tok, fast(path), TEXTS)
   rows_equal_transformers(tok, fast(path), [a for a, _ in PAIRS], [b for _, b in PAIRS])
+  assert tok.template.specials(False) == 1 and tok.template.specials(True) == 2
   bare = train_tokenizer(tmp_path / "bare.json", post=False)
   tok = tokenizer_lib.load_vocabulary(bare)
   rows_equal_transformers(tok, fast(bare), TEXTS[:3])
@@ -145,6 +146,12 @@ def test_whole_words_are_the_pre_tokenizers(tok_file):
     words.append([None, *enc.word_ids, None])
   ids = tf.constant(rows, tf.int32)
   mask = tf.constant([[1] * (len(w)) + [0] * (L - len(w)) for w in words], tf.int32)
+  maskable = tf.logical_and(tf.cast(mask, tf.bool), tf.not_equal(ids, tok.cls_id))
+  maskable = tf.logical_and(maskable, tf.not_equal(ids, tok.sep_id))
+  starts = masking.word_starts(ids, maskable, spec).numpy()
+  for r, w in enumerate(words):
+    want = [x is not None and (p == 1 or w[p - 1] != x) for p, x in enumerate(w)]
+    assert starts[r, :len(w)].tolist() == want, texts[r]
   for seed in range(4):
     _, positions, _, weights_ = masking.mask_batch(ids, mask, tf.range(len(rows)), seed=seed,
                                                    epoch=0, spec=spec)
@@ -197,7 +204,9 @@ def write_csv(path, rows):
   return str(path)
 
 
-def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tmp_path):
+def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tmp_path,
+                                                    monkeypatch):
+  import jax
   source = weights.inspect(modern_folder)
   assert (source.tokenizer_kind, os.path.basename(source.vocab_file)) == ("huggingface",
                                                                           "tokenizer.json")
@@ -208,7 +217,12 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
   config.data.train_file = write_csv(tmp_path / "train.csv", rows)
   config.data.dev_file = write_csv(tmp_path / "dev.csv", rows[:8])
   workdir = str(tmp_path / "run")
+  builds = fx.Builds(monkeypatch, devices=jax.devices()[:1])  # one device: a third less compiling
   run.finetune(config, workdir)
+  # The encoder the run starts from is the folder's, its embedding rows indexed by the file's ids.
+  table = weights.read(source)[weights.ENCODER]["embeddings"]["word_embeddings"]["embedding"]
+  np.testing.assert_array_equal(
+      builds.first_params[weights.ENCODER]["embeddings"]["word_embeddings"]["embedding"], table)
   record = tokenizer_lib.read_record(workdir)
   assert record["kind"] == "huggingface" and record["file"] == "hf_tokenizer.json"
   tok = tokenizer_lib.load_vocabulary(tok_file)
@@ -240,3 +254,22 @@ def test_export_writes_tokenizer_files_transformers_loads(modern_folder, tok_fil
   with open(os.path.join(out, "config.json")) as f:
     config = json.load(f)
   assert (config["pad_token_id"], config["cls_token_id"]) == (tok.pad_id, tok.cls_id)
+
+
+def test_padding_ids_do_not_reach_real_positions(modern_folder):
+  """Rows are padded with [PAD]'s id by the feature builders and with zeros by prediction and the
+  pre-training pipeline: the real positions' outputs are the same bits either way."""
+  import jax
+  from bertjax.model import BertModel
+  tok = tokenizer_lib.load_vocabulary(os.path.join(modern_folder, "tokenizer.json"))
+  source = weights.inspect(modern_folder)
+  params = weights.read(source)[weights.ENCODER]
+  features, _ = glue.encode_pairs(["Café naïve", "a"], ["résumé", "déjà vu 🙂"], tok, 24)
+  assert (features["input_ids"][features["input_mask"] == 0] == tok.pad_id).all()
+  model = BertModel(source.config)
+  apply = jax.jit(lambda ids: model.apply({"params": params}, ids, features["input_mask"],
+                                          features["segment_ids"], deterministic=True)[0])
+  zeros = np.where(features["input_mask"] == 1, features["input_ids"], 0)
+  real = features["input_mask"] == 1
+  assert np.array_equal(np.asarray(apply(features["input_ids"]))[real],
+                        np.asarray(apply(zeros))[real])

@@ -88,13 +88,8 @@ def _uniform(h):
   return tf.cast(tf.bitwise.right_shift(h, tf.constant(8, tf.uint32)), tf.float32) * (1.0 / (1 << 24))
 
 
-def _whole_word_selection(ids_BxL, maskable_BxL, k_B, key_B1, spec: MaskingSpec):
-  """Positions of whole words, as the original: words in random order, each taken if it fits in
-  the k still to predict, a word that does not fit skipped for the next one. Returns [B, L] bool.
-
-  U = L + 1 word slots per row (word w has index w; 0 holds the pieces before the first word).
-  """
-  B, L = tf.shape(ids_BxL)[0], ids_BxL.shape[1]
+def word_starts(ids_BxL, maskable_BxL, spec: MaskingSpec):
+  """[B, L] bool: the maskable pieces that start a word (the others join the word before)."""
   word_start_V = tf.constant(np.asarray(spec.word_start_V, bool))
   prev_maskable_BxL = tf.pad(maskable_BxL[:, :-1], [[0, 0], [1, 0]])
   # A piece after a special token starts a word even if the vocabulary calls it a continuation.
@@ -106,8 +101,17 @@ def _whole_word_selection(ids_BxL, maskable_BxL, k_B, key_B1, spec: MaskingSpec)
     joins_BxL = tf.gather_nd(tf.constant(np.asarray(spec.word_joins, bool)),
                              tf.stack([last_BxL, first_BxL], axis=-1))
     starts_BxL = tf.logical_or(starts_BxL, tf.logical_not(joins_BxL))
-  starts_BxL = tf.logical_and(maskable_BxL, starts_BxL)
-  word_BxL = tf.cumsum(tf.cast(starts_BxL, tf.int32), axis=1)
+  return tf.logical_and(maskable_BxL, starts_BxL)
+
+
+def _whole_word_selection(ids_BxL, maskable_BxL, k_B, key_B1, spec: MaskingSpec):
+  """Positions of whole words, as the original: words in random order, each taken if it fits in
+  the k still to predict, a word that does not fit skipped for the next one. Returns [B, L] bool.
+
+  U = L + 1 word slots per row (word w has index w; 0 holds the pieces before the first word).
+  """
+  B, L = tf.shape(ids_BxL)[0], ids_BxL.shape[1]
+  word_BxL = tf.cumsum(tf.cast(word_starts(ids_BxL, maskable_BxL, spec), tf.int32), axis=1)
   # Only maskable positions count: [SEP] and padding share the index of the word before them.
   flat_word = tf.reshape(tf.range(B)[:, None] * (L + 1) + word_BxL, [-1])
   len_BxU = tf.reshape(tf.math.unsorted_segment_sum(
