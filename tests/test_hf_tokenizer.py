@@ -177,6 +177,31 @@ def test_modernbert_ids_fit_uint16_shards_and_zero_is_a_real_id():
                                                            [1, 1, 1, 0, 0, 0, 0]]
 
 
+def test_preparation_and_pipeline_with_a_tokenizer_json(tok_file, tmp_path):
+  """Pre-training data: shards of the file's ids (its id 0, "!", a real piece inside sequences),
+  rows zero-filled, input_mask up to the closing [SEP], whole words masked by the file's words."""
+  from bertjax.data import pipeline
+  from test_data_fixtures import data_config, write_corpus
+  sentences = [t + "!" for t in CORPUS[:6]]
+  docs = [[sentences[(d + k) % 6] for k in range(8)] for d in range(12)]
+  c = data_config(tmp_path, n_docs=0, tokenizer="huggingface", vocab_path=tok_file,
+                  source=write_corpus(str(tmp_path / "corpus.txt"), docs),
+                  whole_word_masking=True, eval_fraction=0.0)
+  tok = tokenizer_lib.load_tokenizer(c)
+  prepare.ensure_prepared(c, tok)
+  b = next(pipeline.make_pipeline(c, tok, split="train", global_batch_size=8))
+  inside_zeros = 0
+  for r in range(8):
+    ids, mask = b["input_ids"][r], b["input_mask"][r]
+    n = int(mask.sum())
+    assert mask[:n].all() and ids[0] == tok.cls_id and ids[n - 1] == tok.sep_id
+    assert not ids[n:].any()
+    inside_zeros += int((ids[:n] == 0).sum())
+    positions = b["masked_lm_positions"][r][b["masked_lm_weights"][r] > 0]
+    assert len(positions) and (positions < n).all()
+  assert inside_zeros > 0
+
+
 # A ModernBERT folder as the whole init_from --------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -254,6 +279,13 @@ def test_export_writes_tokenizer_files_transformers_loads(modern_folder, tok_fil
   with open(os.path.join(out, "config.json")) as f:
     config = json.load(f)
   assert (config["pad_token_id"], config["cls_token_id"]) == (tok.pad_id, tok.cls_id)
+  # The import keeps the tokenizer beside the parameters, recorded by content, not by name.
+  imported = str(tmp_path / "imported")
+  convert_modernbert.import_folder(modern_folder, imported)
+  source = weights.inspect(imported)
+  assert source.kind == "converted" and source.tokenizer_kind == "huggingface"
+  assert os.path.basename(source.vocab_file) == "hf_tokenizer.json"
+  assert source.fingerprint == tok.fingerprint
 
 
 def test_padding_ids_do_not_reach_real_positions(modern_folder):
