@@ -19,11 +19,12 @@ Every caller that takes weights from a path goes through here: pre-training's an
                model.safetensors (bertjax/formats/modernbert.py); its tokenizer.json (byte-level
                BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file
 
-Casing of a folder's vocabulary, in this order: what a tokenizer.json record says, what
-tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
-`validate_case_matches_checkpoint` reading: uncased_*, cased_*, ...), else unknown (a run then
-lower-cases, as the original's flag defaults). Local paths are read without TensorFlow
-(bertjax/files.py).
+Casing of a folder's vocabulary, in this order: what bertjax's tokenizer.json record says (told
+from Hugging Face's file of that name by content), what a Hugging Face tokenizer.json's normalizer
+does where it is the folder's only vocabulary, what tokenizer_config.json says (Hugging Face),
+what the folder's name says (the original's `validate_case_matches_checkpoint` reading:
+uncased_*, cased_*, ...), else unknown (a run then lower-cases, as the original's flag defaults).
+Local paths are read without TensorFlow (bertjax/files.py).
 """
 
 from __future__ import annotations

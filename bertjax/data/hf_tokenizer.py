@@ -111,14 +111,14 @@ def _edge_classes(data: bytes) -> tuple[bool, int, int]:
   return alone, first, last
 
 
-def word_tables(hf, pieces: list[str]) -> WordTables:
-  """The tables of `WordTables` for a tokenizer's pieces (see the module docstring)."""
+def word_tables(hf, spec: dict, pieces: list[str]) -> WordTables:
+  """The tables of `WordTables` for a tokenizer's pieces (see the module docstring); `spec` is
+  its tokenizer.json's dict."""
   n = len(pieces)
   start_V, first_V, last_V = np.ones(n, bool), np.full(n, OTHER, np.int8), np.full(n, OTHER,
                                                                                  np.int8)
   joins = np.zeros((6, 6), bool)
   added = set(hf.get_added_tokens_decoder())
-  spec = json.loads(hf.to_str())
   if _is_byte_level(spec.get("pre_tokenizer")):
     chars = byte_of_char()
     joins = _JOINS_CxC
@@ -236,7 +236,7 @@ def load_parts(path: str) -> dict:
     spec.pop(key, None)
   options = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
   return dict(pieces=pieces, encode_batch_fn=encode_batch, offsets_batch_fn=offsets_batch,
-              encode_words_fn=encode_words, word_tables=word_tables(hf, pieces),
+              encode_words_fn=encode_words, word_tables=word_tables(hf, spec, pieces),
               template=probe_template(hf, path), options=options,
               lower_case=_lower_cases(spec.get("normalizer")))
 
