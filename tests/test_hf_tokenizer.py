@@ -236,6 +236,12 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
   assert (source.tokenizer_kind, os.path.basename(source.vocab_file)) == ("huggingface",
                                                                           "tokenizer.json")
   assert source.do_lower_case is False and "normalizer" in source.casing_why
+  # Pre-training from the folder takes its tokenizer the same way (config.data names none).
+  from bertjax import loop
+  data = loop._init_vocabulary(_data(), source)  # pylint: disable=protected-access
+  assert (data.tokenizer, data.vocab_path) == ("huggingface", source.vocab_file)
+  assert tokenizer_lib.load_tokenizer(data).fingerprint == tokenizer_lib.load_vocabulary(
+      tok_file).fingerprint
   rows = [{"text": f"{w} Café naïve {k}", "label": w} for k in range(16)
           for w in ("déjà", "quick")]
   config = fx.ft_config("classification", modern_folder, batch_size=16, num_epochs=1)
