@@ -168,6 +168,22 @@ def _data():
   return DataConfig.from_config(base.get_config().data)
 
 
+def test_hugging_faces_tokenizer_json_is_not_taken_for_bertjaxs_record(tok_file, tmp_path):
+  """A BERT folder's vocab.txt beside a fast tokenizer's tokenizer.json: the casing is the
+  folder's (its name here), not a record's default; an old record still reads as one."""
+  from test_data_fixtures import write_vocab
+  folder = tmp_path / "cased_L-2_H-128"
+  folder.mkdir()
+  write_vocab(str(folder / "vocab.txt"), ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+  shutil.copyfile(tok_file, folder / "tokenizer.json")
+  assert tokenizer_lib.read_record(str(folder)) is None
+  assert weights.folder_casing(str(folder))[0] is False
+  (folder / "tokenizer.json").write_text(json.dumps(
+      {"file": "vocab.txt", "kind": "wordpiece", "do_lower_case": True, "fingerprint": "x"}))
+  assert tokenizer_lib.read_record(str(folder))["fingerprint"] == "x"
+  assert weights.folder_casing(str(folder))[0] is True
+
+
 def test_modernbert_ids_fit_uint16_shards_and_zero_is_a_real_id():
   assert prepare.id_dtype(50_368) == "uint16" and prepare.id_dtype(65_536) == "uint16"
   assert prepare.id_dtype(65_537) == "int32"  # past uint16's ids 0..65535 the shards hold int32
