@@ -14,15 +14,17 @@ Every caller that takes weights from a path goes through here: pre-training's an
   google       a folder of Google's release: bert_config.json in Google's keys
                (num_hidden_layers) and bert_model.ckpt.index + data (read by formats/tf_bundle.py)
   huggingface  a Hugging Face BERT folder: config.json (model_type "bert") and model.safetensors;
-               vocab.txt, its casing from tokenizer_config.json
+               vocab.txt, its casing from tokenizer_config.json (else its tokenizer.json)
   modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
-               model.safetensors (bertjax/formats/modernbert.py); its BPE tokenizer is not read
+               model.safetensors (bertjax/formats/modernbert.py); its tokenizer.json (byte-level
+               BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file
 
-Casing of a folder's vocabulary, in this order: what a tokenizer.json record says, what
-tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
-`validate_case_matches_checkpoint` reading: uncased_*, cased_*, ...), else unknown (a run then
-lower-cases, as the original's flag defaults). Local paths are read without TensorFlow
-(bertjax/files.py).
+Casing of a folder's vocabulary, in this order: what bertjax's tokenizer.json record says (told
+from Hugging Face's file of that name by content), what a Hugging Face tokenizer.json's normalizer
+does where it is the folder's only vocabulary, what tokenizer_config.json says (Hugging Face),
+what the folder's name says (the original's `validate_case_matches_checkpoint` reading:
+uncased_*, cased_*, ...), else unknown (a run then lower-cases, as the original's flag defaults).
+Local paths are read without TensorFlow (bertjax/files.py).
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from bertjax import checkpoint as checkpoint_lib, files
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
 from bertjax.formats import converted, google, hf, modernbert, tf_bundle
 from bertjax.model import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
-TOKENIZER_RECORD = "tokenizer.json"  # written beside a vocabulary copy (data.tokenizer)
+TOKENIZER_RECORD = tokenizer_lib.WORKDIR_RECORD  # beside a vocabulary copy; or Hugging Face's
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
@@ -56,7 +58,7 @@ class Weights:
   config: BertConfig  # the stored model, its layer layout (scan_layers) included
   subtrees: tuple[str, ...]  # top-level parameter trees stored: "bert", "mlm", "nsp", a task head
   vocab_file: str | None = None
-  tokenizer_kind: str | None = None  # "wordpiece" or "sentencepiece"
+  tokenizer_kind: str | None = None  # "wordpiece", "sentencepiece" or "huggingface"
   do_lower_case: bool | None = None  # None: the source does not say
   casing_why: str = ""
   fingerprint: str | None = None  # of the vocabulary, when recorded with the weights
@@ -171,13 +173,6 @@ def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") 
 
 # Vocabulary and casing -------------------------------------------------------------------------
 
-def _record(folder: str) -> dict | None:
-  path = os.path.join(folder, TOKENIZER_RECORD)
-  if not files.exists(path):
-    return None
-  return files.read_json(path, "the vocabulary's record")
-
-
 def lower_case_from_name(name: str) -> bool | None:
   """The casing a release's folder name says, as the original's check reads it; None if it says
   nothing. Also covers the names it predates (wwm_*, the small BERTs, TF Hub's bert_en_*)."""
@@ -194,7 +189,7 @@ def lower_case_from_name(name: str) -> bool | None:
 def _vocabulary(folder: str, hf_config: dict | None = None) -> dict:
   """Weights fields of a folder's vocabulary: its record, else vocab.txt with the casing of a
   Hugging Face tokenizer_config.json or of the folder's name."""
-  record = _record(folder)
+  record = tokenizer_lib.read_record(folder)
   if record is not None:
     vocab = os.path.join(folder, record.get("file", "vocab.txt"))
     return dict(vocab_file=vocab if files.exists(vocab) else None,
@@ -202,7 +197,11 @@ def _vocabulary(folder: str, hf_config: dict | None = None) -> dict:
                 do_lower_case=bool(record.get("do_lower_case", True)),
                 casing_why=f"recorded in {os.path.join(folder, TOKENIZER_RECORD)}",
                 fingerprint=record.get("fingerprint"))
-  vocab = os.path.join(folder, "vocab.txt")
+  vocab, hf_file = os.path.join(folder, "vocab.txt"), os.path.join(folder, TOKENIZER_RECORD)
+  if not files.exists(vocab) and files.exists(hf_file):  # Hugging Face's (read_record said)
+    lower = hf_tokenizer.lower_cases(hf_file)
+    return dict(vocab_file=hf_file, tokenizer_kind=hf_tokenizer.KIND, do_lower_case=lower,
+                casing_why=f"{hf_file}'s normalizer {'lower-cases' if lower else 'keeps case'}")
   out = dict(vocab_file=vocab if files.exists(vocab) else None,
              tokenizer_kind="wordpiece" if files.exists(vocab) else None)
   if hf_config is not None and "do_lower_case" in hf_config:
@@ -318,7 +317,7 @@ def _workdir_vocabulary(workdir: str) -> dict:
   """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
   names (pre-training runs from before the copy; relative cache paths resolve from here)."""
   found = _vocabulary(workdir)
-  if found["vocab_file"] is not None or _record(workdir) is not None:
+  if found["vocab_file"] is not None or tokenizer_lib.read_record(workdir) is not None:
     return found
   config_path = os.path.join(workdir, "config.json")
   data = files.read_json(config_path, "the run's config").get("data") if files.exists(
@@ -392,12 +391,9 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
   except ValueError as err:
     raise ValueError(f"{what}={folder}: {err}") from None
   names = _safetensors_names(folder, what)
-  # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
-  # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.
-  vocabulary = _vocabulary(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
-      casing_why="a ModernBERT folder's BPE tokenizer is not read by bertjax")
+  # Its tokenizer.json (byte-level BPE), as a BERT folder's vocab.txt; a vocab.txt wins.
   return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
-                 **vocabulary)
+                 **_vocabulary(folder))
 
 
 # Reading ---------------------------------------------------------------------------------------

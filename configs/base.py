@@ -60,8 +60,8 @@ def get_config():
   d.source = "builtin"  # "builtin" (Python's docs), globs "a/*.txt,gs://b/*.gz", "tfds:name/cfg:feature"
   d.tfds_data_dir = ""  # TFDS data_dir for tfds: sources ("" = TFDS default); never downloads
   d.tfds_split = "train"  # TFDS split read for tfds: sources (held-out documents are taken from it)
-  d.tokenizer = "sentencepiece"  # "sentencepiece" (trained here) or "wordpiece" (Google's vocab.txt)
-  d.vocab_path = ""  # SentencePiece .model or WordPiece vocab.txt; "" = SentencePiece trained per source
+  d.tokenizer = "sentencepiece"  # "sentencepiece" (trained), "wordpiece" (vocab.txt), "huggingface"
+  d.vocab_path = ""  # .model, vocab.txt or tokenizer.json; "" = SentencePiece trained per source
   d.spm_vocab_size = 8000  # pieces of a SentencePiece vocabulary trained when none exists yet
   d.do_lower_case = True  # lower-case (and, for WordPiece, strip accents): the uncased models
   d.max_seq_length = 128  # L: tokens per sequence, [CLS] A [SEP] B [SEP] plus padding

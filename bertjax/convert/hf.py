@@ -17,7 +17,7 @@ another) as `BertForSequenceClassification` (with `problem_type` regression wher
 `BertForTokenClassification` or `BertForQuestionAnswering`, its labels as `id2label` / `label2id`.
 WordPiece vocabularies go as vocab.txt, SentencePiece ones as a fast tokenizer's tokenizer.json
 giving the same ids (a literal "[CLS]" in a text is the one difference: transformers reads it as the
-special token).
+special token), a Hugging Face tokenizer.json as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import shutil
 
 from bertjax import files, taskspec, weights
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
 from bertjax.finetune import families  # registers the task families the spec reads
 from bertjax.formats import converted, hf, outfolder
 from bertjax.model import BertConfig
@@ -83,20 +83,30 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
           f"{said}{folder.said()})")
 
 
-def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertConfig) -> str:
+def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertConfig,
+                          input_names: tuple[str, ...] | None = None) -> str:
   """The vocabulary beside exported weights, as transformers reads it: vocab.txt (BertTokenizer)
-  for WordPiece, tokenizer.json (a fast tokenizer) for SentencePiece, with the casing and the
-  special tokens; returns what was written, for the console."""
+  for WordPiece, tokenizer.json (a fast tokenizer) for SentencePiece and for a tokenizer.json
+  (copied as it is), with the casing and the special tokens; returns what was written, for the
+  console. `input_names`: the model's inputs where they are not BERT's three (ModernBERT takes
+  no token_type_ids)."""
   if source.vocab_file is None:
     return ""
   specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
               "cls_token": "[CLS]", "mask_token": "[MASK]"}
   files.write_json(folder.path("special_tokens_map.json"), specials)
+  names = {"model_input_names": list(input_names)} if input_names else {}
+  if source.tokenizer_kind == hf_tokenizer.KIND:
+    shutil.copyfile(source.vocab_file, folder.path("tokenizer.json"))
+    files.write_json(folder.path("tokenizer_config.json"), {
+        "tokenizer_class": "PreTrainedTokenizerFast", **specials,
+        "model_max_length": config.max_position_embeddings, **names})
+    return ", tokenizer.json (as trained), tokenizer_config.json"
   if source.tokenizer_kind == "sentencepiece":
     sentencepiece_to_tokenizer_json(source.vocab_file, folder.path("tokenizer.json"))
     files.write_json(folder.path("tokenizer_config.json"), {
         "tokenizer_class": "PreTrainedTokenizerFast", **specials,
-        "model_max_length": config.max_position_embeddings})
+        "model_max_length": config.max_position_embeddings, **names})
     return ", tokenizer.json (the SentencePiece model as a fast tokenizer), tokenizer_config.json"
   shutil.copyfile(source.vocab_file, folder.path("vocab.txt"))
   files.write_json(folder.path("tokenizer_config.json"), {

@@ -32,6 +32,12 @@ class MaskingSpec:
   special_ids: tuple = (0, 2, 3)  # never masked: [PAD], [CLS], [SEP] (and [MASK] if present)
   real_ids: tuple = ()  # replacement pool for the "random token" case: no special token
   word_start_V: tuple = ()  # per id: True where a piece starts a word (whole-word masking)
+  # Byte-level BPE (bertjax/data/hf_tokenizer.py): a piece also starts a word where the class of
+  # its first character does not continue the last one's of the piece before it:
+  # not word_joins[word_last_V[previous id]][word_first_V[id]]. Empty for other tokenizers.
+  word_first_V: tuple = ()
+  word_last_V: tuple = ()
+  word_joins: tuple = ()
 
 
 def spec_from_tokenizer(tok, data: DataConfig) -> MaskingSpec:
@@ -46,7 +52,16 @@ def spec_from_tokenizer(tok, data: DataConfig) -> MaskingSpec:
       random_token_prob=data.random_token_prob,
       whole_word_masking=data.whole_word_masking, mask_id=tok.mask_id,
       special_ids=(tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id), real_ids=real,
-      word_start_V=tuple(bool(x) for x in tok.word_start_V))
+      word_start_V=tuple(bool(x) for x in tok.word_start_V), **_word_classes(tok))
+
+
+def _word_classes(tok) -> dict:
+  tables = getattr(tok, "word_tables", None)
+  if tables is None or not tables.joins_CxC.any():
+    return {}
+  return dict(word_first_V=tuple(int(x) for x in tables.first_V),
+              word_last_V=tuple(int(x) for x in tables.last_V),
+              word_joins=tuple(tuple(bool(x) for x in row) for row in tables.joins_CxC))
 
 
 def _mix(h):
@@ -73,6 +88,22 @@ def _uniform(h):
   return tf.cast(tf.bitwise.right_shift(h, tf.constant(8, tf.uint32)), tf.float32) * (1.0 / (1 << 24))
 
 
+def word_starts(ids_BxL, maskable_BxL, spec: MaskingSpec):
+  """[B, L] bool: the maskable pieces that start a word (the others join the word before)."""
+  word_start_V = tf.constant(np.asarray(spec.word_start_V, bool))
+  prev_maskable_BxL = tf.pad(maskable_BxL[:, :-1], [[0, 0], [1, 0]])
+  # A piece after a special token starts a word even if the vocabulary calls it a continuation.
+  starts_BxL = tf.logical_or(tf.gather(word_start_V, ids_BxL), tf.logical_not(prev_maskable_BxL))
+  if spec.word_joins:
+    prev_ids_BxL = tf.pad(ids_BxL[:, :-1], [[0, 0], [1, 0]])
+    last_BxL = tf.gather(tf.constant(np.asarray(spec.word_last_V, np.int32)), prev_ids_BxL)
+    first_BxL = tf.gather(tf.constant(np.asarray(spec.word_first_V, np.int32)), ids_BxL)
+    joins_BxL = tf.gather_nd(tf.constant(np.asarray(spec.word_joins, bool)),
+                             tf.stack([last_BxL, first_BxL], axis=-1))
+    starts_BxL = tf.logical_or(starts_BxL, tf.logical_not(joins_BxL))
+  return tf.logical_and(maskable_BxL, starts_BxL)
+
+
 def _whole_word_selection(ids_BxL, maskable_BxL, k_B, key_B1, spec: MaskingSpec):
   """Positions of whole words, as the original: words in random order, each taken if it fits in
   the k still to predict, a word that does not fit skipped for the next one. Returns [B, L] bool.
@@ -80,12 +111,7 @@ def _whole_word_selection(ids_BxL, maskable_BxL, k_B, key_B1, spec: MaskingSpec)
   U = L + 1 word slots per row (word w has index w; 0 holds the pieces before the first word).
   """
   B, L = tf.shape(ids_BxL)[0], ids_BxL.shape[1]
-  word_start_V = tf.constant(np.asarray(spec.word_start_V, bool))
-  prev_maskable_BxL = tf.pad(maskable_BxL[:, :-1], [[0, 0], [1, 0]])
-  # A piece after a special token starts a word even if the vocabulary calls it a continuation.
-  starts_BxL = tf.logical_and(maskable_BxL, tf.logical_or(tf.gather(word_start_V, ids_BxL),
-                                                          tf.logical_not(prev_maskable_BxL)))
-  word_BxL = tf.cumsum(tf.cast(starts_BxL, tf.int32), axis=1)
+  word_BxL = tf.cumsum(tf.cast(word_starts(ids_BxL, maskable_BxL, spec), tf.int32), axis=1)
   # Only maskable positions count: [SEP] and padding share the index of the word before them.
   flat_word = tf.reshape(tf.range(B)[:, None] * (L + 1) + word_BxL, [-1])
   len_BxU = tf.reshape(tf.math.unsorted_segment_sum(

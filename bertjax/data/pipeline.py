@@ -367,11 +367,11 @@ def _make_parse_and_mask(spec: masking.MaskingSpec, L: int, seed: int, include_i
                                 tf.TensorSpec([], tf.int64)], autograph=False)
   def parse_and_mask(ids_B, records_B, epoch):
     ex = tf.io.parse_example(records_B, schema)
-    # Shorter sequences are zero-filled, and zero is [PAD]: padding comes for free.
+    # Shorter sequences are zero-filled: padding comes for free.
     input_ids_BxL = tf.cast(tf.io.decode_raw(ex["input_ids"], raw_dtype, little_endian=True,
                                              fixed_length=L * raw_dtype.size), tf.int32)
     pos_1xL = tf.range(L, dtype=tf.int32)[None, :]
-    input_mask_BxL = tf.cast(input_ids_BxL != 0, tf.int32)
+    input_mask_BxL = real_positions(input_ids_BxL)
     segment_ids_BxL = tf.cast(pos_1xL >= tf.cast(ex["num_a"], tf.int32)[:, None],
                               tf.int32) * input_mask_BxL
     masked_BxL, positions_BxM, labels_BxM, weights_BxM = masking.mask_batch(
@@ -387,6 +387,14 @@ def _make_parse_and_mask(spec: masking.MaskingSpec, L: int, seed: int, include_i
   return parse_and_mask
 
 
+def real_positions(ids_BxL):
+  """input_mask of zero-filled rows: every position up to the last non-zero id (a sequence's
+  closing [SEP]). Where [PAD] is 0 no zero lies inside a sequence, so this is `ids != 0`; a
+  tokenizer.json's id 0 may be a real piece (its [PAD] elsewhere), kept here."""
+  nonzero_BxL = tf.cast(tf.not_equal(ids_BxL, 0), tf.int32)
+  return tf.cast(tf.cumsum(nonzero_BxL, axis=1, reverse=True) > 0, tf.int32)
+
+
 @functools.lru_cache(maxsize=8)
 def _make_lengths(L: int, id_dtype: str):
   raw_dtype = tf.uint16 if id_dtype == "uint16" else tf.int32
@@ -398,9 +406,9 @@ def _make_lengths(L: int, id_dtype: str):
     del epoch
     ids_BxL = tf.io.decode_raw(tf.io.parse_example(records_B, schema)["input_ids"], raw_dtype,
                                little_endian=True, fixed_length=L * raw_dtype.size)
-    # Counted as the masking counts input_mask (non-zero ids), so both passes pack alike.
+    # Counted as the masking counts input_mask, so both passes pack alike.
     return {"example_ids": ids_B,
-            "lengths": tf.math.count_nonzero(ids_BxL, axis=1, dtype=tf.int64)}
+            "lengths": tf.reduce_sum(tf.cast(real_positions(ids_BxL), tf.int64), axis=1)}
 
   return lengths
 

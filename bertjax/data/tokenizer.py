@@ -1,31 +1,35 @@
-"""Tokenizers: SentencePiece (trained here) and WordPiece `vocab.txt` (Google's released checkpoints).
+"""Tokenizers: SentencePiece (trained here), WordPiece `vocab.txt` (Google's released checkpoints)
+and a Hugging Face `tokenizer.json` (ModernBERT's byte-level BPE; bertjax/data/hf_tokenizer.py).
 
-Both expose the same small interface (`Tokenizer`): the BERT special ids, a vocabulary fingerprint
+All expose the same small interface (`Tokenizer`): the BERT special ids, a vocabulary fingerprint
 that prepared shards record, `encode`, `encode_with_offsets` (character spans in the original text,
-for span extraction), and a per-id word-start table for whole-word masking.
+for span extraction), the layout of a row's special tokens (`template`) and per-id tables of where
+words start, for whole-word masking.
 
 Train a SentencePiece vocabulary:
   python -m bertjax.data.tokenizer train --corpus=builtin --vocab_size=8000 --output=/tmp/spm
 """
 
-import functools
 import hashlib
-import json
 import logging
 import os
 import re
 import tempfile
-import unicodedata
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from bertjax import files
-from bertjax.data import corpus, storage
+from bertjax.data import corpus, hf_tokenizer, storage
 from bertjax.data.config import DataConfig
+# original_normalize and normalize_with_source are also read from here (their first home).
+from bertjax.data.normalize import (  # pylint: disable=unused-import
+    normalize_with_source, original_normalize, read_wordpiece_vocab)
+from bertjax.data.template import Template
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
+KINDS = ("sentencepiece", "wordpiece", hf_tokenizer.KIND)
 # The original WordPiece gives up on longer words (one [UNK]).
 MAX_WORD_CHARS = 200
 # SentencePiece's trainer skips longer sentences (in bytes); with none left it fails obscurely.
@@ -33,28 +37,40 @@ SPM_MAX_SENTENCE_BYTES = 1 << 16
 
 
 class Tokenizer:
-  """Text -> ids with the BERT special tokens; built by `load_tokenizer`."""
+  """Text -> ids with the BERT special tokens; built by `load_tokenizer`.
+
+  Rows are padded with zeros and `input_mask` says which positions are real, whatever `pad_id` is:
+  a tokenizer.json may put [PAD] elsewhere (ModernBERT's is 50283), its id 0 then a real piece
+  (prepared shards find a sequence's end at its last non-zero id, its closing [SEP]).
+  """
 
   def __init__(self, kind: str, pieces: Sequence[str], encode_batch_fn, word_start_V: np.ndarray,
-               options: str, offsets_batch_fn=None):
+               options: str, offsets_batch_fn=None, *, template: Template | None = None,
+               word_tables=None, encode_words_fn=None, where: str = ""):
     self.kind = kind
     self.pieces = list(pieces)
     self.vocab_size = len(self.pieces)
     self._encode_batch_fn = encode_batch_fn
     self._offsets_batch_fn = offsets_batch_fn
+    self._encode_words_fn = encode_words_fn
     index = {p: i for i, p in enumerate(self.pieces)}
     missing = [t for t in SPECIAL_TOKENS if t not in index]
     if missing:
-      raise ValueError(f"{kind} vocabulary of {self.vocab_size} pieces lacks the special token(s) "
-                       f"{missing}; BERT needs all of {list(SPECIAL_TOKENS)}.")
+      raise ValueError(f"{kind} vocabulary {where}of {self.vocab_size} pieces lacks the special "
+                       f"token(s) {missing}; BERT needs all of {list(SPECIAL_TOKENS)}.")
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
         index[t] for t in SPECIAL_TOKENS)
-    if self.pad_id != 0:
+    if self.pad_id != 0 and kind != hf_tokenizer.KIND:
       raise ValueError(f"[PAD] must have id 0 (padding is zeros everywhere); this vocabulary has "
                        f"it at {self.pad_id}.")
+    if self.sep_id == 0:
+      raise ValueError(f"{kind} vocabulary {where}has [SEP] at id 0; a prepared sequence ends at "
+                       "its last non-zero id, its closing [SEP]: give [SEP] another id.")
     self.special_ids = (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
+    self.template = template or Template.bert(self.cls_id, self.sep_id)
     # Whole-word masking groups a piece with the word-start piece before it.
     self.word_start_V = np.asarray(word_start_V, bool)
+    self.word_tables = word_tables  # hf_tokenizer.WordTables: also where symbol classes change
     digest = hashlib.sha256(f"{kind}|{options}|".encode() + "\n".join(self.pieces).encode())
     self.fingerprint = f"{kind}-{self.vocab_size}-{digest.hexdigest()[:16]}"
 
@@ -63,6 +79,13 @@ class Tokenizer:
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return self._encode_batch_fn(list(texts))
+
+  def encode_words(self, sentences: Sequence[Sequence[str]]) -> list[list[int]]:
+    """The pieces of each word of each sentence (a flat list over all words), for tagging: each
+    word alone, or, for a tokenizer.json, each word after the first as it reads after a space."""
+    if self._encode_words_fn is not None:
+      return self._encode_words_fn([list(s) for s in sentences])
+    return self.encode_batch([w for s in sentences for w in s])
 
   def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray,
                                                                      np.ndarray]]:
@@ -121,107 +144,6 @@ def _sentencepiece_offsets(text: str, proto) -> tuple[np.ndarray, np.ndarray, np
   return ids, begin_N.astype(np.int32), end_N.astype(np.int32)
 
 
-# The original's CJK ideograph ranges; Hugging Face's normalizer has 0x2B920 for 0x2B820.
-_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
-               (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
-# ASCII text (most sentences of most corpora) needs only this: controls dropped, \t \n \r to spaces.
-_ASCII_CLEAN = {c: None for c in (*range(32), 127)} | {ord("\t"): " ", ord("\n"): " ",
-                                                         ord("\r"): " "}
-
-
-def _char_class(codes: Iterable[int]) -> str:
-  """A regex character class of code points, as ranges."""
-  codes, parts, i = sorted(codes), [], 0
-  while i < len(codes):
-    j = i
-    while j + 1 < len(codes) and codes[j + 1] == codes[j] + 1:
-      j += 1
-    parts.append(re.escape(chr(codes[i])) + ("-" + re.escape(chr(codes[j])) if j > i else ""))
-    i = j + 1
-  return "[" + "".join(parts) + "]"
-
-
-@functools.lru_cache(maxsize=1)
-def _original_patterns():
-  """Regexes of the original BasicTokenizer's character rules, from this Python's Unicode tables.
-
-  Planes 4 to 13 hold no assigned character, so they are not scanned (a quarter of a second).
-  """
-  by_cat = {"Cc": [], "Cf": [], "Zs": [], "Mn": []}
-  for c in (*range(0x40000), *range(0xE0000, 0xE1000)):
-    cat = unicodedata.category(chr(c))
-    if cat in by_cat:
-      by_cat[cat].append(c)
-  drop = {0, 0xFFFD, *by_cat["Cc"], *by_cat["Cf"]} - {ord("\t"), ord("\n"), ord("\r")}
-  space = {ord(" "), ord("\t"), ord("\n"), ord("\r"), *by_cat["Zs"]}
-  cjk = [c for lo, hi in _CJK_RANGES for c in range(lo, hi + 1)]
-  return (re.compile(_char_class(drop)), re.compile(_char_class(space)),
-          re.compile(_char_class(cjk)), re.compile(_char_class(by_cat["Mn"])))
-
-
-def original_normalize(text: str, do_lower_case: bool) -> str:
-  """The original BasicTokenizer up to its whitespace and punctuation split (which the Hugging Face
-  pre-tokenizer does alike): drop NUL, U+FFFD and Cc/Cf controls (vertical tab and form feed
-  included; tab and newlines become spaces, as Zs does); spaces around CJK ideographs; if uncased,
-  lower-case, NFD, drop Mn marks.
-  """
-  if text.isascii():
-    text = text.translate(_ASCII_CLEAN)
-    return text.lower() if do_lower_case else text
-  drop, space, cjk, marks = _original_patterns()
-  text = space.sub(" ", drop.sub("", text))
-  text = cjk.sub(r" \g<0> ", text)
-  if do_lower_case:
-    text = text.lower()
-    if not text.isascii():
-      text = marks.sub("", unicodedata.normalize("NFD", text))
-  return text
-
-
-# ASCII characters that `original_normalize` deletes (tab and line breaks become spaces, 1 for 1).
-_ASCII_DROPPED = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _normalized_length(char: str, do_lower_case: bool) -> int:
-  return len(original_normalize(char, do_lower_case))
-
-
-def normalize_with_source(text: str, do_lower_case: bool) -> tuple[str, np.ndarray | None]:
-  """`original_normalize(text)` and, per normalized character, the index of the original character
-  it came from (None when that is the identity: ASCII text without deleted controls).
-
-  Every rule of the normalization acts on one character at a time, so the map is the per-character
-  output lengths, repeated. Python's lower-casing of a final sigma depends on its neighbours but
-  keeps the length; should any rule ever disagree in length, the per-character text is used.
-  """
-  if text.isascii() and not _ASCII_DROPPED.search(text):
-    return original_normalize(text, do_lower_case), None
-  codes_N = np.frombuffer(text.encode("utf-32-le"), np.uint32)
-  length_N = np.ones(len(codes_N), np.int64)
-  length_N[(codes_N < 32) & (codes_N != 9) & (codes_N != 10) & (codes_N != 13)] = 0
-  length_N[codes_N == 127] = 0
-  wide = np.flatnonzero(codes_N >= 128)
-  if len(wide):
-    uniq, inverse = np.unique(codes_N[wide], return_inverse=True)
-    length_N[wide] = np.array([_normalized_length(chr(c), do_lower_case) for c in uniq])[inverse]
-  normalized = original_normalize(text, do_lower_case)
-  if int(length_N.sum()) != len(normalized):
-    normalized = "".join(original_normalize(c, do_lower_case) for c in text)
-  return normalized, np.repeat(np.arange(len(codes_N)), length_N)
-
-
-def read_wordpiece_vocab(path: str) -> list[str]:
-  """The lines of a vocab.txt as the original reads them: split on "\n" only (not on the other
-  line breaks `str.splitlines` knows), each stripped; a blank line is an (unused) entry."""
-  with files.open_file(path, "rb") as f:
-    text = f.read().decode("utf-8", errors="ignore")
-  lines = text.split("\n")
-  if lines and lines[-1] == "":
-    lines.pop()  # the newline that ends the last line
-  return [line.strip() for line in lines]
-
-
 def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
   from tokenizers import Tokenizer as HfTokenizer
   from tokenizers import models, pre_tokenizers
@@ -276,7 +198,7 @@ def vocab_path_of(data: DataConfig) -> str:
     return data.vocab_path
   if data.tokenizer != "sentencepiece":
     raise ValueError(f"config.data.vocab_path is empty; a {data.tokenizer} tokenizer needs "
-                     f"one (e.g. the vocab.txt of a released BERT checkpoint).")
+                     f"one (the vocab.txt of a released BERT checkpoint, a tokenizer.json).")
   return cached_sentencepiece_path(data.source, data.tfds_split, data.eval_fraction,
                                    data.cache_dir, data.spm_vocab_size, data.do_lower_case)
 
@@ -292,8 +214,9 @@ def cached_sentencepiece_path(source: str, tfds_split: str, eval_fraction: float
 
 
 def load_tokenizer(path_or_data: str | os.PathLike | DataConfig) -> Tokenizer:
-  """A `.model` path (SentencePiece), a `vocab.txt` path (WordPiece, uncased), or the run's data
-  config. A run loads its tokenizer once, where it starts, and passes it down."""
+  """A `.model` path (SentencePiece), a `vocab.txt` path (WordPiece, uncased), a Hugging Face
+  `tokenizer.json`, or the run's data config. A run loads its tokenizer once, where it starts,
+  and passes it down."""
   if isinstance(path_or_data, (str, os.PathLike)):
     return load_vocabulary(os.fspath(path_or_data))
   data = path_or_data
@@ -301,22 +224,26 @@ def load_tokenizer(path_or_data: str | os.PathLike | DataConfig) -> Tokenizer:
 
 
 def kind_of(path: str) -> str:
-  """The tokenizer a vocabulary file is for, by its name: .model is SentencePiece's."""
-  return "sentencepiece" if path.endswith(".model") else "wordpiece"
+  """The tokenizer a vocabulary file is for, by its name: .model is SentencePiece's, .json a
+  Hugging Face tokenizer.json, anything else a WordPiece vocab.txt."""
+  if path.endswith(".model"):
+    return "sentencepiece"
+  return hf_tokenizer.KIND if path.endswith(".json") else "wordpiece"
 
 
 def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = True) -> Tokenizer:
   """The tokenizer of a vocabulary file; `kind` None goes by the file's name (`kind_of`);
-  `do_lower_case` is WordPiece's (a SentencePiece model carries its own normalization)."""
+  `do_lower_case` is WordPiece's (a SentencePiece model and a tokenizer.json carry their own
+  normalization)."""
   if not path:
-    raise ValueError("No vocabulary: set config.data.vocab_path (a SentencePiece .model or a "
-                     "WordPiece vocab.txt).")
+    raise ValueError("No vocabulary: set config.data.vocab_path (a SentencePiece .model, a "
+                     "WordPiece vocab.txt or a Hugging Face tokenizer.json).")
   if not files.exists(path):
     raise FileNotFoundError(f"Vocabulary file {path} does not exist (train one with "
                             f"`python -m bertjax.data.tokenizer train ...`).")
   kind = kind or kind_of(path)
-  if kind not in ("sentencepiece", "wordpiece"):
-    raise ValueError(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+  if kind not in KINDS:
+    raise ValueError(f"Unknown tokenizer {kind!r}: use one of {list(KINDS)}.")
   # Once per process: preparation, the pipeline, init_from and the converters each ask for the
   # run's vocabulary, and building one (a 30k-piece WordPiece, a SentencePiece model) costs far
   # more than reading its file. Keyed by the file's bytes, not its name or time, so a vocabulary
@@ -325,30 +252,59 @@ def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = Tr
     digest = hashlib.sha256(f.read()).hexdigest()
   key = (path, kind, kind == "wordpiece" and bool(do_lower_case), digest)
   if key not in _LOADED:
-    _LOADED[key] = (_load_sentencepiece(path) if kind == "sentencepiece"
-                    else _load_wordpiece(path, do_lower_case))
+    if kind == "sentencepiece":
+      _LOADED[key] = _load_sentencepiece(path)
+    elif kind == "wordpiece":
+      _LOADED[key] = _load_wordpiece(path, do_lower_case)
+    else:
+      _LOADED[key] = _load_hf(path)
     while len(_LOADED) > 8:  # a long test session loads many; a run, one or two
       _LOADED.pop(next(iter(_LOADED)))
   return _LOADED[key]
 
 
+def _load_hf(path: str) -> Tokenizer:
+  parts = hf_tokenizer.load_parts(path)
+  tables = parts["word_tables"]
+  return Tokenizer(hf_tokenizer.KIND, parts["pieces"], parts["encode_batch_fn"], tables.start_V,
+                   parts["options"], parts["offsets_batch_fn"], template=parts["template"],
+                   word_tables=tables, encode_words_fn=parts["encode_words_fn"],
+                   where=f"{path} ")
+
+
 _LOADED: dict[tuple, Tokenizer] = {}
 
 
-# A run's vocabulary is copied into its workdir, named here, so the workdir alone can be
-# fine-tuned or served: a cached SentencePiece model lives under a cache_dir another machine lacks.
+# A run's vocabulary is copied into its workdir, with a record named here, so the workdir alone can
+# be fine-tuned or served: a cached SentencePiece model lives under a cache_dir another machine
+# lacks. The record keeps the name older workdirs have; a Hugging Face tokenizer.json is copied as
+# HF_COPY beside it, and readers tell the two apart by content (`read_record`).
 WORKDIR_RECORD = "tokenizer.json"
+COPY_NAMES = {"sentencepiece": "vocab.model", "wordpiece": "vocab.txt",
+              hf_tokenizer.KIND: "hf_tokenizer.json"}
+
+
+def read_record(folder: str) -> dict | None:
+  """The vocabulary record of a workdir or converted folder, None where there is none (no
+  tokenizer.json, or Hugging Face's own under that name)."""
+  path = os.path.join(folder, WORKDIR_RECORD)
+  if not files.exists(path) or hf_tokenizer.is_hf_tokenizer_json(path):
+    return None
+  return files.read_json(path, "the vocabulary's record")
 
 
 def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
                     do_lower_case: bool = True, replace: bool = False) -> str:
-  """Copies the vocabulary into `workdir` (vocab.model or vocab.txt) with tokenizer.json naming
-  it, its kind, casing and fingerprint; returns the copy's path. Written once (unless `replace`,
-  for a converter's output): a later run in the same workdir finds its fingerprint already
-  checked against the checkpoints."""
-  name = "vocab.model" if kind == "sentencepiece" else "vocab.txt"
+  """Copies the vocabulary into `workdir` (vocab.model, vocab.txt or hf_tokenizer.json) with
+  tokenizer.json naming it, its kind, casing and fingerprint; returns the copy's path. Written
+  once (unless `replace`, for a converter's output): a later run in the same workdir finds its
+  fingerprint already checked against the checkpoints."""
+  name = COPY_NAMES[kind]
   target = os.path.join(workdir, name)
   record = os.path.join(workdir, WORKDIR_RECORD)
+  if files.exists(record) and hf_tokenizer.is_hf_tokenizer_json(record):
+    raise ValueError(f"{workdir} holds a Hugging Face tokenizer.json where bertjax records the "
+                     "run's vocabulary: give the run a folder of its own (not a model's folder).")
   if files.exists(record) and not replace:
     return target
   files.makedirs(workdir)

@@ -308,34 +308,34 @@ def truncate_pair(ids_a: list[int], ids_b: list[int], max_tokens: int) -> tuple[
 
 def encode_pairs(texts_a: Sequence[str], texts_b: Sequence[str] | None, tokenizer,
                  max_seq_length: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-  """`[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]` rows: input_ids, input_mask, segment_ids [N, L]
-  int32, and which rows were cut to fit, [N] bool (the longer text loses its last token first, B
-  on a tie)."""
+  """Rows framed by the tokenizer's template (`[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]` for
+  BERT's): input_ids, input_mask, segment_ids [N, L] int32, and which rows were cut to fit, [N]
+  bool (the longer text loses its last token first, B on a tie)."""
   pair = texts_b is not None
-  if max_seq_length < (3 if pair else 2) + 1:
-    raise ValueError(f"max_seq_length {max_seq_length} leaves no room for text beside [CLS] and "
-                     f"[SEP]; use at least {(3 if pair else 2) + 1} (128 is the usual).")
+  template = tokenizer.template
+  specials = template.specials(pair)
+  if max_seq_length < specials + 1:
+    raise ValueError(f"max_seq_length {max_seq_length} leaves no room for text beside the "
+                     f"{specials} special tokens; use at least {specials + 1} (128 is the usual).")
   n, length = len(texts_a), max_seq_length
   ids_a = tokenizer.encode_batch(list(texts_a))
   ids_b = tokenizer.encode_batch([t or "" for t in texts_b]) if pair else None
+  single_room = length - template.specials(False)
   input_ids_NxL = np.full((n, length), tokenizer.pad_id, np.int32)
   input_mask_NxL = np.zeros((n, length), np.int32)
   segment_ids_NxL = np.zeros((n, length), np.int32)
   truncated_N = np.zeros(n, bool)
   for i in range(n):
     if not pair or texts_b[i] is None:
-      a, b = ids_a[i][:length - 2], None
-      truncated_N[i] = len(ids_a[i]) > length - 2
+      a, b = ids_a[i][:single_room], None
+      truncated_N[i] = len(ids_a[i]) > single_room
     else:
-      a, b = truncate_pair(ids_a[i], ids_b[i], length - 3)
+      a, b = truncate_pair(ids_a[i], ids_b[i], length - specials)
       truncated_N[i] = len(a) + len(b) < len(ids_a[i]) + len(ids_b[i])
-    row = [tokenizer.cls_id, *a, tokenizer.sep_id]
-    segment_start = len(row)
-    if b is not None:
-      row += [*b, tokenizer.sep_id]
+    row, types, _, _ = template.frame(a, b)
     input_ids_NxL[i, :len(row)] = row
     input_mask_NxL[i, :len(row)] = 1
-    segment_ids_NxL[i, segment_start:len(row)] = 1
+    segment_ids_NxL[i, :len(row)] = types
   return ({"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
            "segment_ids": segment_ids_NxL}, truncated_N)
 

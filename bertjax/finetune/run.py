@@ -87,7 +87,7 @@ def resolve_tokenizer(data: FinetuneDataConfig, source: weights.Weights | None, 
     where = (f"checkpoint.init_from={source.path} records none" if source is not None
              else "there is no checkpoint.init_from")
     raise ValueError(f"No vocabulary for the task: {where}. Set config.data.vocab_path (a "
-                     "SentencePiece .model or a WordPiece vocab.txt).")
+                     "SentencePiece .model, a WordPiece vocab.txt or a tokenizer.json).")
   if data.do_lower_case is not None:
     lower = data.do_lower_case
   else:

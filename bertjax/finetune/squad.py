@@ -194,28 +194,30 @@ def make_features(examples: Sequence[SquadExample], tokenizer, *,
   none); example_index [F] int32; token_start_char, token_end_char [F, L] int32 (characters of the
   example's context, -1 outside the window's context part); token_is_max_context [F, L] bool.
   """
-  if max_seq_length - max_query_length - 3 < 1 or doc_stride < 1:
+  template = tokenizer.template
+  specials = template.specials(True)  # 3 for BERT's [CLS] query [SEP] context [SEP]
+  if max_seq_length - max_query_length - specials < 1 or doc_stride < 1:
     raise ValueError(f"max_seq_length {max_seq_length} leaves no room for context after a query "
-                     f"of max_query_length {max_query_length} and 3 special tokens (or doc_stride "
-                     f"{doc_stride} < 1); raise max_seq_length or lower max_query_length.")
-  if doc_stride >= max_seq_length - max_query_length - 3:
+                     f"of max_query_length {max_query_length} and {specials} special tokens (or "
+                     f"doc_stride {doc_stride} < 1); raise max_seq_length or lower "
+                     "max_query_length.")
+  if doc_stride >= max_seq_length - max_query_length - specials:
     logging.warning("doc_stride %d is not below the shortest window (max_seq_length %d - "
-                    "max_query_length %d - 3): windows may not overlap, and an answer across a "
+                    "max_query_length %d - %d): windows may not overlap, and an answer across a "
                     "window's end is then in no window.", doc_stride, max_seq_length,
-                    max_query_length)
+                    max_query_length, specials)
   ctx_index = {}
   for ex in examples:
     ctx_index.setdefault(ex.context, len(ctx_index))
   doc = tokenizer.encode_with_offsets(list(ctx_index))
   queries = tokenizer.encode_batch([ex.question for ex in examples])
-  cls, sep = tokenizer.cls_id, tokenizer.sep_id
 
   plans = []  # per example: (query ids, context index, windows, answer token span or None)
   for ex, query in zip(examples, queries):
     query = query[:max_query_length]
     c = ctx_index[ex.context]
     _, start_N, end_N = doc[c]
-    spans = _windows(len(start_N), max_seq_length - len(query) - 3, doc_stride)
+    spans = _windows(len(start_N), max_seq_length - len(query) - specials, doc_stride)
     target = None
     if ex.answer_span is not None and not ex.is_impossible:
       # First token ending after the answer's start, last token starting before its end.
@@ -235,15 +237,12 @@ def make_features(examples: Sequence[SquadExample], tokenizer, *,
   f = 0
   for e, (query, c, spans, target) in enumerate(plans):
     ids_N, start_N, end_N = doc[c]
-    head = np.array([cls, *query, sep], np.int32)
-    off = len(head)  # position of the first context token
     best_N = max_context_W(spans, len(ids_N)) if len(spans) > 1 else None
     for w, (s, n) in enumerate(spans):
-      out["input_ids"][f, :off] = head
-      out["input_ids"][f, off:off + n] = ids_N[s:s + n]
-      out["input_ids"][f, off + n] = sep
-      out["input_mask"][f, :off + n + 1] = 1
-      out["segment_ids"][f, off:off + n + 1] = 1
+      row, types, _, off = template.frame(query, ids_N[s:s + n].tolist())  # off: first context
+      out["input_ids"][f, :len(row)] = row
+      out["input_mask"][f, :len(row)] = 1
+      out["segment_ids"][f, :len(row)] = types
       out["token_start_char"][f, off:off + n] = start_N[s:s + n]
       out["token_end_char"][f, off:off + n] = end_N[s:s + n]
       out["token_is_max_context"][f, off:off + n] = True if best_N is None else best_N[s:s + n] == w

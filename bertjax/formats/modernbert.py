@@ -353,13 +353,15 @@ def load_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
 
 
 def save_dir(hf_dir: str, params: dict, config: BertConfig,
-             token_ids: dict | None = None) -> str:
+             token_ids: dict | None = None, write_more=None) -> str:
   """Writes config.json and model.safetensors that transformers' ModernBertForMaskedLM loads
-  (bertjax/formats/outfolder.py: nothing else left in the folder); returns what was removed."""
+  (bertjax/formats/outfolder.py: nothing else left in the folder), and what `write_more(folder)`
+  writes (the tokenizer's files); returns what was written besides, and removed."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   state_dict = params_to_modernbert(params, config)
   with outfolder.ExportFolder(hf_dir) as folder:
     with open(folder.path("config.json"), "w") as f:
       json.dump(config_to_modernbert(config, token_ids), f, indent=2)
     save_file(state_dict, folder.path("model.safetensors"), metadata={"format": "pt"})
-  return folder.said()
+    more = write_more(folder) if write_more is not None else ""
+  return more + folder.said()

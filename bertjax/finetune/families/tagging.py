@@ -102,17 +102,18 @@ def ner_features(sentences: Sequence[ner.Sentence], tokenizer, max_seq_length: i
   """input_ids, input_mask, segment_ids, label_ids [N, L] int32 and label_weights [N, L] float32
   (1 on each word's first piece), and per window sentence_index, first_word [N] int32.
 
-  N counts windows: a sentence of more than max_seq_length - 2 pieces takes several.
+  N counts windows: a sentence of more pieces than a row holds beside its special tokens (2 for
+  BERT's [CLS] and [SEP]) takes several.
   """
-  if max_seq_length < 3:
-    raise ValueError(f"max_seq_length {max_seq_length} leaves no room beside [CLS] and [SEP].")
+  room = max_seq_length - tokenizer.template.specials(False)
+  if room < 1:
+    raise ValueError(f"max_seq_length {max_seq_length} leaves no room beside the special tokens.")
   label_id = {t: k for k, t in enumerate(labels)}
   for s in sentences:
     unknown = set(s.tags) - set(label_id)
     if unknown:
       raise ValueError(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
-  room = max_seq_length - 2
-  pieces = tokenizer.encode_batch([w for s in sentences for w in s.words])
+  pieces = tokenizer.encode_words([s.words for s in sentences])
   # A window: (sentence, piece ids, each piece's label id or -1 after a word's first, first word).
   windows, empty, cut_words, split_sentences = [], 0, 0, 0
   at = 0
@@ -139,17 +140,19 @@ def ner_features(sentences: Sequence[ner.Sentence], tokenizer, max_seq_length: i
   shape = (len(windows), max_seq_length)
   input_ids_NxL = np.full(shape, tokenizer.pad_id, np.int32)
   input_mask_NxL = np.zeros(shape, np.int32)
+  segment_ids_NxL = np.zeros(shape, np.int32)
   label_ids_NxL = np.zeros(shape, np.int32)
   label_weights_NxL = np.zeros(shape, np.float32)
   for i, (_, ids, piece_labels, _) in enumerate(windows):
-    row = [tokenizer.cls_id, *ids, tokenizer.sep_id]
+    row, types, at, _ = tokenizer.template.frame(ids)
     input_ids_NxL[i, :len(row)] = row
     input_mask_NxL[i, :len(row)] = 1
+    segment_ids_NxL[i, :len(row)] = types
     piece_labels_P = np.array(piece_labels, np.int32)
-    label_ids_NxL[i, 1:1 + len(ids)] = np.maximum(piece_labels_P, 0)
-    label_weights_NxL[i, 1:1 + len(ids)] = piece_labels_P >= 0
+    label_ids_NxL[i, at:at + len(ids)] = np.maximum(piece_labels_P, 0)
+    label_weights_NxL[i, at:at + len(ids)] = piece_labels_P >= 0
   return {"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
-          "segment_ids": np.zeros(shape, np.int32), "label_ids": label_ids_NxL,
+          "segment_ids": segment_ids_NxL, "label_ids": label_ids_NxL,
           "label_weights": label_weights_NxL,
           "sentence_index": np.array([w[0] for w in windows], np.int32),
           "first_word": np.array([w[3] for w in windows], np.int32)}
