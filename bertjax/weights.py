@@ -16,7 +16,9 @@ Every caller that takes weights from a path goes through here: pre-training's an
   huggingface  a Hugging Face BERT folder: config.json (model_type "bert") and model.safetensors;
                vocab.txt, its casing from tokenizer_config.json
   modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
-               model.safetensors (bertjax/formats/modernbert.py); its BPE tokenizer is not read
+               model.safetensors (bertjax/formats/modernbert.py); a fine-tuned class's task
+               (its labels) as a workdir's (formats/modernbert_tasks.py); its BPE tokenizer is
+               not read
 
 Casing of a folder's vocabulary, in this order: what a tokenizer.json record says, what
 tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
@@ -36,9 +38,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, files
+from bertjax import checkpoint as checkpoint_lib, files, taskspec
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.formats import converted, google, hf, modernbert, tf_bundle
+from bertjax.formats import converted, google, hf, modernbert, modernbert_tasks, tf_bundle
 from bertjax.model import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
@@ -386,18 +388,21 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
+  hf_config = files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config")
+  names = _safetensors_names(folder, what)
   try:
-    config = modernbert.config_from_modernbert(
-        files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config"))
+    config = modernbert.config_from_modernbert(hf_config)
+    # A fine-tuned class (ModernBertFor...) carries its task as a workdir does: predict reads it.
+    spec = modernbert_tasks.spec_from_config(hf_config, config)
+    heads = modernbert.heads_in(names, hf_config)
   except ValueError as err:
     raise ValueError(f"{what}={folder}: {err}") from None
-  names = _safetensors_names(folder, what)
   # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
   # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.
   vocabulary = _vocabulary(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
       casing_why="a ModernBERT folder's BPE tokenizer is not read by bertjax")
-  return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
-                 **vocabulary)
+  return Weights(folder, "modernbert", config, (ENCODER,) + heads, **vocabulary,
+                 meta={taskspec.META_KEY: spec} if spec else {})
 
 
 # Reading ---------------------------------------------------------------------------------------

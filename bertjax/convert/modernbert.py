@@ -7,8 +7,12 @@ format.
 
 Command line:
   python -m bertjax.convert.modernbert import --hf_dir=DIR --output=OUT
-  python -m bertjax.convert.modernbert export --params=OUT --output=HF_DIR
-A ModernBERT folder is also read as it is by every `init_from` (bertjax/weights.py).
+  python -m bertjax.convert.modernbert export --params=OUT --output=HF_DIR [--checkpoint=best]
+A ModernBERT folder is also read as it is by every `init_from` (bertjax/weights.py), and a
+fine-tuned one (ModernBertForSequenceClassification, ...ForTokenClassification,
+...ForQuestionAnswering) by `bertjax.predict` as a fine-tuning workdir. `export` writes a
+fine-tuning workdir of a modern model as its task's class with id2label, label2id, problem_type
+and classifier_pooling; the vocabulary goes beside it as `convert.hf export` writes it.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 
-from bertjax import weights
-from bertjax.formats import converted, modernbert
+from bertjax import taskspec, weights
+from bertjax.convert import hf as convert_hf
+from bertjax.finetune import families  # pylint: disable=unused-import  (registers the families)
+from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -32,17 +38,43 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
           "keep the folder's tokenizer files beside your data config)")
 
 
-def export_folder(params_path: str, output: str) -> str:
-  """Writes a ModernBERT folder from any folder bertjax/weights.py reads."""
-  source = weights.inspect(params_path, what="--params")
+def export_folder(params_path: str, output: str, checkpoint: str = "best") -> str:
+  """Writes a ModernBERT folder from any folder bertjax/weights.py reads: a fine-tuning workdir
+  (its best epoch by default) as its task's class (ModernBertForSequenceClassification,
+  ...ForTokenClassification, ...ForQuestionAnswering) with its labels, anything else as
+  ModernBertForMaskedLM."""
+  source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
+  spec = taskspec.of(source)
   token_ids = None
   if source.kind == modernbert.MODEL_TYPE:  # a round trip keeps the tokenizer's ids
     with open(os.path.join(source.path, "config.json")) as f:
       token_ids = {k: v for k, v in json.load(f).items() if k in modernbert.TOKEN_ID_KEYS}
-  said = modernbert.save_dir(output, weights.read(source), source.config, token_ids)
-  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors{said})"
+  # Refused before anything is read or written: a model ModernBERT cannot express, a head its
+  # classes do not have, an output folder of somebody's files.
+  hf_config = modernbert.config_to_modernbert(source.config, token_ids)
+  if spec is not None:
+    hf_config.update(modernbert_tasks.task_config(spec, source.config))
+  folder = outfolder.ExportFolder(output)
+  params = weights.read(source)
+  if spec is not None:
+    params = {k: params[k] for k in (weights.ENCODER, modernbert.PREDICTION_HEAD, spec.head)}
+  with folder:
+    hf.write_hf_dir(folder, modernbert.params_to_modernbert(params, source.config), hf_config)
+    said = convert_hf.write_tokenizer_files(source, folder, source.config)
+  what = hf_config["architectures"][0] + (f", {len(spec.labels)} labels" if spec and spec.labels
+                                          else "")
+  return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
+          f"{said}{folder.said()})")
+
+
+def _define_own_flags(command: str | None) -> None:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if command in ("export", None):
+    flags.DEFINE_string("checkpoint", "best", "export: of a fine-tuning workdir: best (its best "
+                        "epoch), latest or a step.")
 
 
 if __name__ == "__main__":
   from bertjax.convert import command  # pylint: disable=ungrouped-imports
-  command.start("hf_dir", "ModernBERT", import_folder, export_folder)
+  command.start("hf_dir", "ModernBERT", import_folder, export_folder, _define_own_flags,
+                export_flags={"checkpoint": str})
