@@ -99,15 +99,13 @@ def _texts(tokenizer, pairs: bool, length=24):
 
 
 def _batches(tokenizer):
-  """(ids, mask, segments) of single texts and of pairs, padded (rows of 5 to 24 tokens) and
-  unpadded (every row full)."""
-  out = []
-  for pairs in (False, True):
-    f = _texts(tokenizer, pairs)
-    out.append((f["input_ids"], f["input_mask"], f["segment_ids"]))
-  full = np.random.default_rng(4).integers(7, VOCAB, size=(2, 24)).astype(np.int32)
-  out.append((full, np.ones_like(full), np.zeros_like(full)))
-  return out
+  """(ids, mask, segments) of one batch: three single texts and three pairs, padded (rows of 5
+  to 24 tokens), and three rows without padding (every row full)."""
+  singles, pairs = _texts(tokenizer, False), _texts(tokenizer, True)
+  full = np.random.default_rng(4).integers(7, VOCAB, size=(3, 24)).astype(np.int32)
+  return tuple(np.concatenate([singles[k], pairs[k], v]) for k, v in (
+      ("input_ids", full), ("input_mask", np.ones_like(full)),
+      ("segment_ids", np.zeros_like(full))))
 
 
 def _theirs(model, ids, mask):
@@ -147,10 +145,10 @@ def test_imported_heads_match_transformers(folders, vocab, name):
   if spec.family in ("classification", "tagging"):
     assert spec.labels == (LABELS if spec.family == "classification" else TAGS)
   params = weights.read(source)
-  tokenizer = tokenizer_lib.load_vocabulary(vocab, "wordpiece", True)
-  for ids, mask, segments in _batches(tokenizer):
-    _assert_close(_ours(source, params, ids, mask, segments), _theirs(model, ids, mask), mask,
-                  per_token=spec.family in ("tagging", "span"))
+  ids, mask, segments = _batches(tokenizer_lib.load_vocabulary(vocab, "wordpiece", True))
+  assert segments.any() and not mask.all() and mask[-3:].all()
+  _assert_close(_ours(source, params, ids, mask, segments), _theirs(model, ids, mask), mask,
+                per_token=spec.family in ("tagging", "span"))
 
 
 def test_pooling_and_the_head_norm_each_count(folders):
@@ -160,7 +158,7 @@ def test_pooling_and_the_head_norm_each_count(folders):
   source = weights.inspect(folder)
   params = weights.read(source)
   ids, mask, segments = _batches(tokenizer_lib.load_vocabulary(
-      os.path.join(folder, "vocab.txt"), "wordpiece", True))[0]
+      os.path.join(folder, "vocab.txt"), "wordpiece", True))
   import dataclasses  # pylint: disable=import-outside-toplevel
   cls = _ours(source, params, ids, mask, segments)
   mean = _ours(dataclasses.replace(source, config=dataclasses.replace(
@@ -292,25 +290,11 @@ def _finetune(tmp_path, monkeypatch, init_from, words, length, **model):
   return workdir, builds
 
 
-def test_finetune_from_a_modernbert_folder_then_export(tmp_path, monkeypatch, vocab):
-  """A classification run from a ModernBERT masked LM: the prediction head starts as the MLM
-  transform (as transformers starts it), mean pooling as asked; the workdir exports as
-  ModernBertForSequenceClassification, which transformers loads without a warning to the logits
-  bertjax computes."""
-  folder = _mlm_folder(tmp_path, vocab)
-  workdir, builds = _finetune(tmp_path, monkeypatch, folder, 12, 32, classifier_pooling="mean")
-  mlm = modernbert.load_dir(folder)[1]["mlm"]
-  first = builds.first_params[heads.PREDICTION_HEAD]
-  for part in ("transform", "transform_layer_norm"):
-    for k, v in mlm[part].items():
-      np.testing.assert_array_equal(first[part][k], v)
-  out = tmp_path / "export"
+def _export_and_load(workdir, out):
+  """The workdir exported as ModernBertForSequenceClassification and loaded by transformers,
+  with what transformers logged at WARNING or above while loading it."""
   said = convert_modernbert.export_folder(workdir, str(out))
   assert "ModernBertForSequenceClassification, 2 labels" in said
-  hf_config = json.loads((out / "config.json").read_text())
-  assert hf_config["classifier_pooling"] == "mean"
-  assert hf_config["problem_type"] == "single_label_classification"
-  assert hf_config["label2id"] == {"neg": 0, "pos": 1}
   records = []
   handler = logging.Handler()
   handler.emit = records.append
@@ -322,37 +306,44 @@ def test_finetune_from_a_modernbert_folder_then_export(tmp_path, monkeypatch, vo
   finally:
     hf_logger.removeHandler(handler)
   assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-  assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
-  source = weights.inspect_trained(workdir)
-  assert source.config.task_head == "modernbert"
-  params = weights.read(source)
-  tokenizer = tokenizer_lib.load_vocabulary(vocab, "wordpiece", True)
-  for ids, mask, segments in _batches(tokenizer)[:2]:
-    # A new classifier starts at 0.02: small logits, still 100 times the tolerance.
-    _assert_close(_ours(source, params, ids, mask, segments), _theirs(model.eval(), ids, mask),
-                  mask, per_token=False, substance=0.01)
+  return model.eval(), [r.getMessage() for r in records if r.levelno >= logging.WARNING]
 
 
-def test_long_inputs_beyond_512_with_local_layers(tmp_path, monkeypatch, vocab):
-  """1,024 tokens, a window of 128 in the local layers: transformers' logits at that length,
-  and a fine-tuning run and its predictions at it (nothing truncated)."""
+def test_finetune_long_inputs_from_a_modernbert_folder_then_export(tmp_path, monkeypatch, vocab):
+  """A classification run from a ModernBERT masked LM at 1,024 tokens (beyond BERT's 512), its
+  local layers' window 128: the prediction head starts as the MLM transform (as transformers
+  starts it), mean pooling as asked; predictions at that length (nothing truncated under it);
+  the workdir exports as ModernBertForSequenceClassification, which transformers loads without a
+  warning to the logits bertjax computes at 1,024 tokens (padded and not)."""
   long = dict(max_position_embeddings=2048, local_attention=128, num_hidden_layers=2,
               hidden_size=16, intermediate_size=24)
-  model = _torch_model(*HEADS["cls"], **long)
-  folder = tmp_path / "long"
-  model.save_pretrained(folder)
-  source = weights.inspect(str(folder))
-  ids = np.random.default_rng(6).integers(7, VOCAB, size=(2, 1024)).astype(np.int32)
-  mask = np.ones_like(ids)
-  mask[1, 700:] = 0
-  ours = _ours(source, weights.read(source), ids, mask, np.zeros_like(ids))
-  _assert_close(ours, _theirs(model, ids, mask), mask, per_token=False)
-
   folder = _mlm_folder(tmp_path, vocab, **long)
-  workdir, _ = _finetune(tmp_path, monkeypatch, folder, 1000, 1024)
+  workdir, builds = _finetune(tmp_path, monkeypatch, folder, 1000, 1024, classifier_pooling="mean")
+  mlm = modernbert.load_dir(folder)[1]["mlm"]
+  first = builds.first_params[heads.PREDICTION_HEAD]
+  for part in ("transform", "transform_layer_norm"):
+    for k, v in mlm[part].items():
+      np.testing.assert_array_equal(first[part][k], v)
+
   predictor = predict.Predictor.from_workdir(workdir, rows_per_device=2,
                                              devices=jax.devices()[:1])
+  assert predictor.spec.max_seq_length == 1024 and predictor.config.local_window == 128
   texts = [text for text, _ in _classification_rows(2, 2, 1000)]
   records = predictor(texts + [texts[0] + " " + texts[1]])  # 1,002 tokens, 1,002, 2,002
   assert [bool(r.get("truncated")) for r in records] == [False, False, True]
-  assert predictor.spec.max_seq_length == 1024
+
+  model, warned = _export_and_load(workdir, tmp_path / "export")
+  assert not warned, warned
+  hf_config = json.loads((tmp_path / "export" / "config.json").read_text())
+  assert hf_config["classifier_pooling"] == "mean" and hf_config["local_attention"] == 128
+  assert hf_config["problem_type"] == "single_label_classification"
+  assert hf_config["label2id"] == {"neg": 0, "pos": 1}
+  source = weights.inspect_trained(workdir)
+  assert source.config.task_head == "modernbert"
+  params = weights.read(source)
+  ids = np.random.default_rng(6).integers(7, VOCAB, size=(2, 1024)).astype(np.int32)
+  mask = np.ones_like(ids)
+  mask[1, 700:] = 0
+  # A new classifier starts at 0.02: small logits, still 100 times the tolerance.
+  _assert_close(_ours(source, params, ids, mask, np.zeros_like(ids)), _theirs(model, ids, mask),
+                mask, per_token=False, substance=0.01)
