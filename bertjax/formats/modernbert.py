@@ -145,18 +145,16 @@ def _normalise_names(state_dict: dict) -> dict:
           for k, v in state_dict.items()}
 
 
-# transformers' task classes, by the family bertjax fine-tunes each as (bertjax/taskspec.py), and
-# the subtree of bertjax's parameters their `classifier` goes to; `head` (ModernBertPredictionHead)
-# goes to PREDICTION_HEAD (bertjax/heads.py) in each.
-TASK_CLASSES = {"classification": "ModernBertForSequenceClassification",
-                "regression": "ModernBertForSequenceClassification",
-                "tagging": "ModernBertForTokenClassification",
-                "span": "ModernBertForQuestionAnswering"}
+# transformers' task classes, by the subtree of bertjax's parameters their `classifier` goes to;
+# `head` (ModernBertPredictionHead) goes to PREDICTION_HEAD (bertjax/heads.py) in each. Which
+# family each class is fine-tuned as is formats/modernbert_tasks.py's.
+QA_HEAD = "span"  # the span head's subtree (question answering)
+_CLASSIFIERS = ("classifier", QA_HEAD)
 _CLASSIFIER_SUBTREES = {"ModernBertForSequenceClassification": "classifier",
                         "ModernBertForTokenClassification": "classifier",
-                        "ModernBertForQuestionAnswering": "span"}
+                        "ModernBertForQuestionAnswering": QA_HEAD}
 PREDICTION_HEAD = "prediction_head"
-_TASK_SUBTREES = (PREDICTION_HEAD, "classifier", "span")
+_TASK_SUBTREES = (PREDICTION_HEAD,) + _CLASSIFIERS
 
 
 def task_class(hf_config: dict | None) -> str | None:
@@ -213,7 +211,7 @@ def _expected_shapes(config: BertConfig, heads, num_labels: int = 0
       shapes["head.dense.bias"] = (d,)
     norms.append("head.norm")
     # The labels are config.json's; their count is the stored one, but the span head's (2).
-    labels = 2 if "span" in heads else int(num_labels)
+    labels = 2 if QA_HEAD in heads else int(num_labels)
     shapes.update({"classifier.weight": (labels, d), "classifier.bias": (labels,)})
   for prefix in norms:
     for name in _norm_names(prefix, c):
@@ -339,7 +337,7 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
       transform["bias"] = sd["head.dense.bias"]
     params[PREDICTION_HEAD] = {"transform": transform,
                                "transform_layer_norm": _norm_from(sd, "head.norm", config)}
-    classifier = next(h for h in heads if h in ("classifier", "span"))
+    classifier = next(h for h in heads if h in _CLASSIFIERS)
     params[classifier] = {"kernel": sd["classifier.weight"].T, "bias": sd["classifier.bias"]}
   dtype = np.dtype(config.param_dtype)
   return jax.tree.map(lambda x: np.ascontiguousarray(x, dtype=dtype), params)
@@ -401,7 +399,7 @@ def params_to_modernbert(params: dict, config: BertConfig) -> dict[str, np.ndarr
     if c.head_bias:
       sd["head.dense.bias"] = head["transform"]["bias"]
     norm("head.norm", head["transform_layer_norm"])
-    classifier = p32["span"] if "span" in p32 else p32["classifier"]
+    classifier = p32[next(h for h in _CLASSIFIERS if h in p32)]
     sd["classifier.weight"] = classifier["kernel"].T
     sd["classifier.bias"] = classifier["bias"]
   return {k: np.ascontiguousarray(v) for k, v in sd.items()}

@@ -16,6 +16,13 @@ from typing import Any
 from bertjax.formats import modernbert
 from bertjax.model import BertConfig
 
+# A fine-tuned model's class by its task family (bertjax/taskspec.py); like formats/hf.py's
+# TASK_CLASSES, a table of the families below fine-tuning, held to their registry by
+# tests/test_finetune_families.py.
+TASK_CLASSES = {"classification": "ModernBertForSequenceClassification",
+                "regression": "ModernBertForSequenceClassification",
+                "tagging": "ModernBertForTokenClassification",
+                "span": "ModernBertForQuestionAnswering"}
 _FAMILIES = {"ModernBertForTokenClassification": "tagging",
              "ModernBertForQuestionAnswering": "span"}
 
@@ -69,11 +76,11 @@ def task_config(spec, config: BertConfig) -> dict[str, Any]:
         "activation, norm -> dense). Fine-tune it again with --config.model.task_head=modernbert "
         "to export it.")
   family = spec.family
-  if family not in modernbert.TASK_CLASSES:
+  if family not in TASK_CLASSES:
     raise ValueError(f"A {family} model has no ModernBERT class; those exported are "
-                     f"{sorted(modernbert.TASK_CLASSES)}")
+                     f"{sorted(TASK_CLASSES)}")
   labels = {"regression": ("LABEL_0",), "span": ("LABEL_0", "LABEL_1")}.get(family, spec.labels)
-  out = {"architectures": [modernbert.TASK_CLASSES[family]],
+  out = {"architectures": [TASK_CLASSES[family]],
          "id2label": {str(i): name for i, name in enumerate(labels)},
          "label2id": {name: i for i, name in enumerate(labels)},
          "classifier_pooling": config.classifier_pooling,
