@@ -311,11 +311,12 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
   origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
             else "scratch")
   if source is not None and not config.checkpoint.random_init:
-    origin = f"the encoder of checkpoint.init_from={source.describe()}"
     head = (init_heads.start_from(source) if model_config.task_head == "modernbert" else "")
-    init = loop.Initialiser(f"encoder{' and prediction head (' + head + ')' if head else ''} "
-                            f"from checkpoint.init_from={source.describe()}, {task_name} "
-                            f"{'classifier' if head else 'head'} new", _encoder_loader(source))
+    also = f" and prediction head ({head})" if head else ""
+    origin = f"the encoder{also} of checkpoint.init_from={source.describe()}"
+    init = loop.Initialiser(f"encoder{also} from checkpoint.init_from={source.describe()}, "
+                            f"{task_name} {'classifier' if head else 'head'} new",
+                            _encoder_loader(source))
   return Setup(ft, task_name, source, tokenizer, vocab_file, lower, model_config, data,
                tasks.model_features(data.train), origin, init)
 
