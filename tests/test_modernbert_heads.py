@@ -23,7 +23,7 @@ import transformers
 from bertjax import heads, predict, taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import families, glue
+from bertjax.finetune import families, glue, textfiles
 from bertjax.formats import modernbert
 from test_data_fixtures import WORDS, write_vocab
 
@@ -169,6 +169,12 @@ def test_pooling_and_the_head_norm_each_count(folders):
   assert np.abs(_ours(source, scaled, ids, mask, segments) - cls).max() > 1e-2
 
 
+def _row(values):
+  row = textfiles.Row(values)
+  row.where = "a test's row"
+  return row
+
+
 def test_predict_takes_the_folder_as_a_workdir(folders, vocab):
   """`bertjax.predict` on the Hugging Face folder as it is: its labels, and probabilities equal
   to the softmax of transformers' logits on the same ids (single texts and pairs)."""
@@ -182,8 +188,7 @@ def test_predict_takes_the_folder_as_a_workdir(folders, vocab):
     records = predictor(texts if b is None else list(zip(texts, b)))
     if b is not None:  # a pair reads its second text from the column --text_b names
       records = list(predictor.predict_rows(
-          [predict._as_row({"text": x, "second": y}, predictor.spec, k)  # pylint: disable=protected-access
-           for k, (x, y) in enumerate(zip(texts, b))], {"text_b": "second"}))
+          [_row({"text": x, "second": y}) for x, y in zip(texts, b)], {"text_b": "second"}))
     f, _ = glue.encode_pairs(texts, b, tokenizer, 64)
     logits = _theirs(model, f["input_ids"], f["input_mask"])
     probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -204,18 +209,15 @@ def test_span_windows_shorter_than_the_context(folders, vocab):
   spec = taskspec.TaskSpec(**{**predictor.spec.to_dict(), "labels": (), "max_seq_length": 24,
                               "doc_stride": 8, "max_query_length": 6})
   got = []
-  real_run = predictor.run
 
-  def run(features, kind="head"):
+  def run(features):
     got.append(features)
-    return real_run(features, kind)
+    return predictor.run(features)
 
-  predictor.run = run
-  records = families.get("span").records(
-      [predict._as_row(row, spec, 0)], spec, predictor.tokenizer, run)  # pylint: disable=protected-access
+  records = families.get("span").records([_row(row)], spec, predictor.tokenizer, run)
   f = got[0]
   assert len(f["input_ids"]) > 3  # several windows
-  ours = real_run(f)
+  ours = predictor.run(f)
   start, end = _theirs(model, f["input_ids"], f["input_mask"])
   real = f["input_mask"].astype(bool)
   np.testing.assert_allclose(ours["start_logits"][real], start[real], atol=1e-4, rtol=0)
