@@ -10,6 +10,7 @@ Inputs longer than 512 tokens go through the local/global layers alike (fine-tun
 prediction at 1,024 tokens, local window 128).
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -159,7 +160,6 @@ def test_pooling_and_the_head_norm_each_count(folders):
   params = weights.read(source)
   ids, mask, segments = _batches(tokenizer_lib.load_vocabulary(
       os.path.join(folder, "vocab.txt"), "wordpiece", True))
-  import dataclasses  # pylint: disable=import-outside-toplevel
   cls = _ours(source, params, ids, mask, segments)
   mean = _ours(dataclasses.replace(source, config=dataclasses.replace(
       source.config, classifier_pooling="mean")), params, ids, mask, segments)
@@ -349,3 +349,26 @@ def test_finetune_long_inputs_from_a_modernbert_folder_then_export(tmp_path, mon
   # A new classifier starts at 0.02: small logits, still 100 times the tolerance.
   _assert_close(_ours(source, params, ids, mask, np.zeros_like(ids)), _theirs(model, ids, mask),
                 mask, per_token=False, substance=0.01)
+
+
+def test_what_has_no_form_is_refused_naming_the_fix():
+  from bertjax.formats import hf, modernbert_tasks  # pylint: disable=import-outside-toplevel
+  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="classifier_pooling='mean' is the ModernBERT head's"):
+    BertConfig(classifier_pooling="mean")
+  modern = modernbert.config_from_modernbert(BASE)
+  assert modern.task_head == "modernbert" and modern.classifier_pooling == "cls"
+  spec = taskspec.TaskSpec("classification", "classification", LABELS)
+  with pytest.raises(ValueError, match="task_head=modernbert to export"):
+    modernbert_tasks.task_config(spec, dataclasses.replace(modern, task_head="bert"))
+  with pytest.raises(ValueError, match="convert.modernbert export"):
+    hf.task_to_hf({}, dataclasses.replace(BertConfig(), task_head="modernbert"), spec)
+  with pytest.raises(ValueError, match="multi_label_classification"):
+    modernbert_tasks.spec_from_config(
+        {**BASE, "architectures": [HEADS["cls"][0]], "problem_type": "multi_label_classification",
+         "id2label": {"0": "a", "1": "b"}}, modern)
+  with pytest.raises(ValueError, match="names none of"):
+    modernbert.heads_in(["classifier.weight"], {"architectures": ["ModernBertForMaskedLM"]})
+  with pytest.raises(ValueError, match="id2label has ids"):
+    modernbert_tasks.spec_from_config(
+        {"architectures": [HEADS["tagging"][0]], "id2label": {"0": "O", "2": "B-X"}}, modern)
