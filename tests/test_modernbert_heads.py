@@ -230,9 +230,11 @@ def test_span_windows_shorter_than_the_context(folders, vocab):
 
 
 def test_exported_task_folder_round_trips(folders, tmp_path):
-  """An imported task class exports as the same class: its tensors bit for bit, its labels."""
+  """A task class imported (with its labels, as task.json) exports as the same class: its
+  tensors bit for bit, its labels."""
   model, folder = folders["tagging"]
-  said = convert_modernbert.export_folder(folder, str(tmp_path / "out"))
+  convert_modernbert.import_folder(folder, str(tmp_path / "imported"), scan_layers=True)
+  said = convert_modernbert.export_folder(str(tmp_path / "imported"), str(tmp_path / "out"))
   assert "ModernBertForTokenClassification, 3 labels" in said
   back = json.loads((tmp_path / "out" / "config.json").read_text())
   assert back["id2label"] == {str(i): t for i, t in enumerate(TAGS)}

@@ -33,6 +33,9 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
     raise ValueError(f"--hf_dir={hf_dir} is a {source.kind} folder, not a ModernBERT one")
   config, params = modernbert.load_dir(hf_dir, scan_layers=scan_layers)
   converted.save_params(output, params, config)
+  spec = taskspec.of(source)
+  if spec is not None:  # a fine-tuned class: its labels go along, as a workdir's task.json
+    taskspec.write(spec, output)
   return (f"Imported {hf_dir} -> {output} ({config.num_layers} layers, hidden "
           f"{config.hidden_size}, vocab {config.vocab_size}; the tokenizer is not copied: "
           "keep the folder's tokenizer files beside your data config)")
