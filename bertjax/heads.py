@@ -1,4 +1,5 @@
-"""Pre-training heads (masked LM, next sentence) and fine-tuning heads over `BertModel`.
+"""Pre-training heads (masked LM, next sentence) and fine-tuning heads over `BertModel`: BERT's,
+or with task_head="modernbert" ModernBERT's (its prediction head before the classifier).
 
 The MLM head gathers the masked positions first and only then applies its transform and the
 vocabulary projection, so pre-training never builds a [B, L, V] tensor: at 15% masking that is
@@ -148,16 +149,17 @@ class PredictionHead(nn.Module):
   """ModernBERT's transform before a task's classifier (transformers' ModernBertPredictionHead):
   dense(D) -> activation -> norm, with the MLM transform's options (head_bias, head_act). Its
   parameters are named as MlmHead's transform: fine-tuning starts it from a pre-trained MLM
-  transform, as transformers loads `head.*` of a ModernBertForMaskedLM into a task class."""
+  transform, as transformers loads `head.*` of a ModernBertForMaskedLM into a task class.
+  Pooled states [B, D] or every position's [B, L, D] alike."""
 
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxD):
+  def __call__(self, x_xD):
     cfg = self.config
-    h_BxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(x_BxD)
-    h_BxD = ACTIVATIONS[cfg.head_act or cfg.hidden_act](h_BxD)
-    return layer_norm(cfg, "transform_layer_norm")(h_BxD)
+    h_xD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(x_xD)
+    h_xD = ACTIVATIONS[cfg.head_act or cfg.hidden_act](h_xD)
+    return layer_norm(cfg, "transform_layer_norm")(h_xD)
 
 
 PREDICTION_HEAD = "prediction_head"  # its subtree beside "bert" and the classifier
