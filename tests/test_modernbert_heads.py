@@ -15,6 +15,7 @@ import json
 import logging
 import os
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -378,3 +379,25 @@ def test_what_has_no_form_is_refused_naming_the_fix():
   with pytest.raises(ValueError, match="id2label has ids"):
     modernbert_tasks.spec_from_config(
         {"architectures": [HEADS["tagging"][0]], "id2label": {"0": "O", "2": "B-X"}}, modern)
+
+
+@pytest.mark.parametrize("family", ["tagging", "span"])
+def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, vocab, family):
+  """What a tagging or span run starts from (the classification run above trains): the folder's
+  encoder, the prediction head from its MLM transform, a new classifier of the family's width."""
+  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  folder = _mlm_folder(tmp_path, vocab)
+  source = weights.inspect(folder)
+  spec = taskspec.TaskSpec(family, family, TAGS if family == "tagging" else ())
+  model = families.get(family).objective(spec).make_model(source.config)
+  ids = np.zeros((1, 8), np.int32)
+  fresh = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids, ids, ids)["params"])
+  start = run._encoder_loader(source)(fresh)  # pylint: disable=protected-access
+  stored = weights.read(source)
+  for part in ("bert", heads.PREDICTION_HEAD):
+    want = stored["bert"] if part == "bert" else {k: stored["mlm"][k] for k in start[part]}
+    assert len(jax.tree.leaves(want)) == len(jax.tree.leaves(start[part])) > 1
+    for (path, value), got in zip(jax.tree_util.tree_leaves_with_path(want),
+                                  jax.tree.leaves(start[part])):
+      np.testing.assert_array_equal(np.asarray(got), value, err_msg=f"{part}{path}")
+  assert start[spec.head]["kernel"].shape == (BASE["hidden_size"], spec.num_outputs)
