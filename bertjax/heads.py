@@ -1,4 +1,5 @@
-"""Pre-training heads (masked LM, next sentence) and fine-tuning heads over `BertModel`.
+"""Pre-training heads (masked LM, next sentence) and fine-tuning heads over `BertModel`: BERT's,
+or with task_head="modernbert" ModernBERT's (its prediction head before the classifier).
 
 The MLM head gathers the masked positions first and only then applies its transform and the
 vocabulary projection, so pre-training never builds a [B, L, V] tensor: at 15% masking that is
@@ -144,24 +145,70 @@ class BertForPreTraining(nn.Module):
     return mlm_logits_BxMxV, self.nsp(pooled_BxSxD)
 
 
+class PredictionHead(nn.Module):
+  """ModernBERT's transform before a task's classifier (transformers' ModernBertPredictionHead):
+  dense(D) -> activation -> norm, with the MLM transform's options (head_bias, head_act). Its
+  parameters are named as MlmHead's transform: fine-tuning starts it from a pre-trained MLM
+  transform, as transformers loads `head.*` of a ModernBertForMaskedLM into a task class.
+  Pooled states [B, D] or every position's [B, L, D] alike."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_xD):
+    cfg = self.config
+    h_xD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(x_xD)
+    h_xD = ACTIVATIONS[cfg.head_act or cfg.hidden_act](h_xD)
+    return layer_norm(cfg, "transform_layer_norm")(h_xD)
+
+
+PREDICTION_HEAD = "prediction_head"  # its subtree beside "bert" and the classifier
+
+
+def mean_pool(seq_BxLxD: jax.Array, input_mask_BxL) -> jax.Array:
+  """The mean of each row's states over its real tokens (float32 sums). A row with none (the
+  rows that pad an evaluation batch) gives zeros, not a division by zero."""
+  m_BxLx1 = jnp.asarray(input_mask_BxL)[..., None].astype(jnp.float32)
+  total_BxD = jnp.sum(seq_BxLxD.astype(jnp.float32) * m_BxLx1, axis=1)
+  return (total_BxD / jnp.maximum(jnp.sum(m_BxLx1, axis=1), 1.0)).astype(seq_BxLxD.dtype)
+
+
+def _classify(config: BertConfig, x, num_labels: int, deterministic: bool, name: str,
+              *, modern: bool, dropout_first: bool = True):
+  """[prediction head ->] dropout -> dense(num_labels), float32 logits."""
+  if modern:
+    x = PredictionHead(config, name=PREDICTION_HEAD)(x)
+  if dropout_first:
+    x = dropout.Dropout(config.hidden_dropout)(x, deterministic=deterministic)
+  return dense(config, num_labels, ("embed", None), name, out_dtype=jnp.float32)(x)
+
+
 class BertForSequenceClassification(nn.Module):
-  """pooled -> dropout -> dense(num_labels): logits [B, num_labels] (GLUE-style tasks)."""
+  """pooled -> dropout -> dense(num_labels): logits [B, num_labels] (GLUE-style tasks).
+
+  task_head="modernbert": the [CLS] state (or, classifier_pooling="mean", the mean over real
+  tokens) -> PredictionHead -> dropout -> dense, as ModernBertForSequenceClassification."""
 
   config: BertConfig
   num_labels: int
 
   @nn.compact
   def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
-    _, pooled_BxD = BertModel(self.config, name="bert")(
+    cfg = self.config
+    seq_BxLxD, pooled_BxD = BertModel(cfg, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    pooled_BxD = dropout.Dropout(self.config.hidden_dropout)(pooled_BxD,
-                                                            deterministic=deterministic)
-    return dense(self.config, self.num_labels, ("embed", None), "classifier",
-                 out_dtype=jnp.float32)(pooled_BxD)
+    modern = cfg.task_head == "modernbert"
+    if modern and cfg.classifier_pooling == "mean":
+      pooled_BxD = mean_pool(seq_BxLxD, jnp.ones(seq_BxLxD.shape[:2], jnp.int32)
+                             if input_mask is None else input_mask)
+    elif modern:
+      pooled_BxD = seq_BxLxD[:, 0]
+    return _classify(cfg, pooled_BxD, self.num_labels, deterministic, "classifier", modern=modern)
 
 
 class BertForTokenClassification(nn.Module):
-  """sequence -> dropout -> dense(num_labels): logits [B, L, num_labels] (tagging, NER)."""
+  """sequence -> dropout -> dense(num_labels): logits [B, L, num_labels] (tagging, NER);
+  task_head="modernbert": PredictionHead at every position first."""
 
   config: BertConfig
   num_labels: int
@@ -170,14 +217,13 @@ class BertForTokenClassification(nn.Module):
   def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
     seq_BxLxD, _ = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    seq_BxLxD = dropout.Dropout(self.config.hidden_dropout)(seq_BxLxD,
-                                                           deterministic=deterministic)
-    return dense(self.config, self.num_labels, ("embed", None), "classifier",
-                 out_dtype=jnp.float32)(seq_BxLxD)
+    return _classify(self.config, seq_BxLxD, self.num_labels, deterministic, "classifier",
+                     modern=self.config.task_head == "modernbert")
 
 
 class BertForSpanExtraction(nn.Module):
-  """sequence -> dense(2): (start_logits [B, L], end_logits [B, L]) (SQuAD-style answers)."""
+  """sequence -> dense(2): (start_logits [B, L], end_logits [B, L]) (SQuAD-style answers);
+  task_head="modernbert": PredictionHead -> dropout first, as ModernBertForQuestionAnswering."""
 
   config: BertConfig
 
@@ -185,5 +231,7 @@ class BertForSpanExtraction(nn.Module):
   def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
     seq_BxLxD, _ = BertModel(self.config, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    logits_BxLx2 = dense(self.config, 2, ("embed", None), "span", out_dtype=jnp.float32)(seq_BxLxD)
+    modern = self.config.task_head == "modernbert"
+    logits_BxLx2 = _classify(self.config, seq_BxLxD, 2, deterministic, "span", modern=modern,
+                             dropout_first=modern)
     return logits_BxLx2[..., 0], logits_BxLx2[..., 1]

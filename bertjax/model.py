@@ -73,7 +73,9 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "interme
 # computes; a new head is initialized with init_from's initializer_range.
 INHERITED_FIELDS = SHAPE_FIELDS[:-1] + (
     "initializer_range", "layer_norm_eps", "hidden_act", "dtype", "param_dtype", "remat_policy",
-    "attention_impl", "position_init", "query_key_init")
+    "attention_impl", "position_init", "query_key_init", "task_head", "classifier_pooling")
+TASK_HEADS = ("bert", "modernbert")
+CLASSIFIER_POOLINGS = ("cls", "mean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,11 @@ class BertConfig:
   head_bias: bool = True  # bias of the MLM transform's dense layer
   decoder_bias: bool = True  # the MLM output bias over the vocabulary
   tie_word_embeddings: bool = True  # decoder = word-embedding table; False: its own [V, D] matrix
+  # Fine-tuning heads (bertjax/heads.py): "bert", the original's (pooled -> dropout -> dense), or
+  # "modernbert", transformers' ModernBertFor* (dense, activation, norm -> dropout -> dense) over
+  # the [CLS] state or, classifier_pooling="mean", the mean over real tokens.
+  task_head: str = "bert"
+  classifier_pooling: str = "cls"
 
   def __post_init__(self):
     problems = []
@@ -131,6 +138,12 @@ class BertConfig:
                           ("mlp_type", MLP_TYPES), ("position_embedding", POSITION_EMBEDDINGS)):
       if getattr(self, name) not in allowed:
         problems.append(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
+    for name, allowed in (("task_head", TASK_HEADS), ("classifier_pooling", CLASSIFIER_POOLINGS)):
+      if getattr(self, name) not in allowed:
+        problems.append(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
+    if self.classifier_pooling == "mean" and self.task_head != "modernbert":
+      problems.append("classifier_pooling='mean' is the ModernBERT head's; BERT's pools [CLS] "
+                      "(set task_head='modernbert' or classifier_pooling='cls')")
     if self.head_act and self.head_act not in ACTIVATIONS:
       problems.append(f"head_act={self.head_act!r}; choose one of {sorted(ACTIVATIONS)} or ''")
     if self.global_every > 1 and self.local_window < 2:

@@ -17,7 +17,8 @@ Every caller that takes weights from a path goes through here: pre-training's an
                vocab.txt, its casing from tokenizer_config.json (else its tokenizer.json)
   modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
                model.safetensors (bertjax/formats/modernbert.py); its tokenizer.json (byte-level
-               BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file
+               BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file; a
+               fine-tuned class's task (its labels) as a workdir's (formats/modernbert_tasks.py)
 
 Casing of a folder's vocabulary, in this order: what bertjax's tokenizer.json record says (told
 from Hugging Face's file of that name by content), what a Hugging Face tokenizer.json's normalizer
@@ -38,9 +39,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, files
+from bertjax import checkpoint as checkpoint_lib, files, taskspec
 from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
-from bertjax.formats import converted, google, hf, modernbert, tf_bundle
+from bertjax.formats import converted, google, hf, modernbert, modernbert_tasks, tf_bundle
 from bertjax.model import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
@@ -385,15 +386,18 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
+  hf_config = files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config")
+  names = _safetensors_names(folder, what)
   try:
-    config = modernbert.config_from_modernbert(
-        files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config"))
+    config = modernbert.config_from_modernbert(hf_config)
+    # A fine-tuned class (ModernBertFor...) carries its task as a workdir does: predict reads it.
+    spec = modernbert_tasks.spec_from_config(hf_config, config)
+    heads = modernbert.heads_in(names, hf_config)
   except ValueError as err:
     raise ValueError(f"{what}={folder}: {err}") from None
-  names = _safetensors_names(folder, what)
   # Its tokenizer.json (byte-level BPE), as a BERT folder's vocab.txt; a vocab.txt wins.
-  return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
-                 **_vocabulary(folder))
+  return Weights(folder, "modernbert", config, (ENCODER,) + heads, **_vocabulary(folder),
+                 meta={taskspec.META_KEY: spec} if spec else {})
 
 
 # Reading ---------------------------------------------------------------------------------------

@@ -54,6 +54,10 @@ def get_config():
   m.head_bias = True  # bias of the MLM transform
   m.decoder_bias = True  # the MLM output bias
   m.tie_word_embeddings = True  # MLM decoder = the word-embedding table
+  # Fine-tuning heads: "bert" (pooled -> dropout -> dense) or "modernbert" (transformers'
+  # ModernBertFor*: dense, activation, norm -> dropout -> dense); fine-tuning takes init_from's.
+  m.task_head = "bert"
+  m.classifier_pooling = "cls"  # modernbert head: "cls" (the [CLS] state) or "mean" (real tokens)
 
   # --- data: see bertjax/data. ---------------------------------------------------------------------
   d = config.data = ml_collections.ConfigDict()

@@ -72,7 +72,9 @@ def get_config(task: str = "next"):
   e.main_metric = ""
 
   # The encoder: 0 / "" takes init_from's value (shape keys must then match it): its shape,
-  # dtype (compute) and param_dtype, ..., and the new head's initializer_range (0.02 for BERT).
+  # dtype (compute) and param_dtype, ..., and the new head's initializer_range (0.02 for BERT);
+  # the head's kind (task_head: a ModernBERT folder or modern run gives "modernbert") and its
+  # classifier_pooling ("cls", or "mean" over real tokens for the modernbert head).
   m = config.model = ml_collections.ConfigDict()
   for key in INHERITED_FIELDS:
     m[key] = type(_DEFAULTS[key])()  # 0, 0.0 or ""

@@ -32,6 +32,7 @@ def set_modern_recipe(config):
   m.position_embedding = "rope"
   m.pooler = False
   m.head_bias = False
+  m.task_head = "modernbert"  # fine-tuned as transformers' ModernBertFor* classes are
   d = config.data
   d.nsp = False
   d.masked_lm_prob = 0.3

@@ -14,16 +14,18 @@ import pytest
 
 from bertjax import predict, taskspec as spec_lib
 from bertjax.finetune import families, objectives, tasks
-from bertjax.formats import hf
+from bertjax.formats import hf, modernbert_tasks
 from bertjax.finetune.families import regression
 from bertjax.model import BertConfig
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
 FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")
 # Below fine-tuning (docs/contributing.md#layers), these keep the names of the families they write:
-# formats/hf.py the transformers class and head of each, configs/finetune.py one's own tasks. The
+# formats/hf.py the transformers class and head of each (modernbert_tasks.py ModernBERT's class),
+# configs/finetune.py one's own tasks. The
 # tests below hold them to the registry.
 ALLOWED = {os.path.join(ROOT, "formats", "hf.py"),
+           os.path.join(ROOT, "formats", "modernbert_tasks.py"),
            os.path.join(os.path.dirname(ROOT), "configs", "finetune.py")}
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "dog", "ran", "."]
 
@@ -96,6 +98,7 @@ def test_the_names_kept_below_agree_with_the_families():
   for name, family in families.FAMILIES.items():
     assert hf.TASK_CLASSES[name] == family.HF_CLASS
     assert hf._TASK_HEADS[name] == family.HF_HEAD  # pylint: disable=protected-access
+  assert set(modernbert_tasks.TASK_CLASSES) == set(families.FAMILIES)
 
 
 @pytest.fixture

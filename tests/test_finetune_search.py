@@ -218,6 +218,23 @@ def test_the_trials_program_compiles_ahead_of_time_and_grows_with_the_trials():
   assert sizes[1] > 1.5 * sizes[0], sizes
 
 
+def test_one_runs_step_compiles_ahead_of_time_and_grows_with_the_length():
+  """search_aot --run: one fine-tuning run's step of a modern model (its ModernBERT head), the
+  batch over 4 devices; its memory per device grows with the rows' length."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from bertjax import aot  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
+  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from configs import modern_tiny  # pylint: disable=import-outside-toplevel
+  config = modern_tiny.get_config()
+  model = BertConfig.from_dict(config.model, vocab_size=128, hidden_size=32, num_heads=2,
+                               intermediate_size=48, max_position_embeddings=512)
+  assert model.task_head == "modernbert"
+  sizes = [aot.Memory.of(search_aot.compile_run(config, model, jax.devices()[:4], 8, n)).total
+           for n in (64, 512)]
+  assert sizes[1] > 2 * sizes[0], sizes
+
+
 def test_trials_side_by_side_equal_trials_one_after_another():
   """The accelerators' way (vmap: batched matmuls) against the CPU's (lax.map), one step of 2
   trials of a tiny model: the same parameters to float32 reordering."""

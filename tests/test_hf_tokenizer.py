@@ -277,8 +277,26 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
   # Prediction with the workdir alone: its copy of the tokenizer, the same ids.
   p = predict_lib.Predictor.from_workdir(workdir)
   assert p.tokenizer.fingerprint == tok.fingerprint
-  out = p(["déjà Café naïve 3", "quick Café"])
+  texts = ["déjà Café naïve 3", "quick Café", "  Naïve   déjà\tvu 🙂"]
+  out = p(texts)
   assert all(set(r["probabilities"]) == {"déjà", "quick"} for r in out)
+  # And back out to transformers with nothing but the workdir: its class, labels and tokenizer
+  # give the probabilities bertjax.predict gave, text for text.
+  import torch
+  import transformers
+  from bertjax.convert import modernbert as convert_modernbert
+  exported = str(tmp_path / "exported")
+  convert_modernbert.export_folder(workdir, exported)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+  hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(
+      exported, attn_implementation="eager").eval()
+  assert type(hf_model).__name__ == "ModernBertForSequenceClassification"
+  with torch.no_grad():
+    logits = hf_model(**hf_tok(texts, return_tensors="pt", padding=True)).logits
+  probs = torch.softmax(logits, -1).numpy()
+  for row, want in zip(out, probs):
+    got = [row["probabilities"][hf_model.config.id2label[i]] for i in range(len(want))]
+    np.testing.assert_allclose(got, want, atol=1e-4)
   # Tagging from the same folder: windows framed by the file's template, each word as it reads.
   sentences = [ner.Sentence("s", ("Café", "naïve", "résumé"), ("B-LOC", "I-LOC", "O"))]
   feats = tagging.ner_features(sentences, tok, 16, ("O", "B-LOC", "I-LOC"))

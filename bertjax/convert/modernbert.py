@@ -7,9 +7,12 @@ format.
 
 Command line:
   python -m bertjax.convert.modernbert import --hf_dir=DIR --output=OUT
-  python -m bertjax.convert.modernbert export --params=OUT --output=HF_DIR
+  python -m bertjax.convert.modernbert export --params=OUT --output=HF_DIR [--checkpoint=best]
 A ModernBERT folder is also read as it is by every `init_from` (bertjax/weights.py), its
-tokenizer.json with it; an export writes the tokenizer's files beside the weights.
+tokenizer.json with it, and a fine-tuned one (ModernBertForSequenceClassification,
+...ForTokenClassification, ...ForQuestionAnswering) by `bertjax.predict` as a fine-tuning
+workdir. `export` writes a fine-tuning workdir of a modern model as its task's class with
+id2label, label2id, problem_type and classifier_pooling; the tokenizer's files go beside it.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from __future__ import annotations
 import json
 import os
 
-from bertjax import weights
-from bertjax.convert import hf
+from bertjax import taskspec, weights
+from bertjax.convert import hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.formats import converted, modernbert
+from bertjax.finetune import families  # pylint: disable=unused-import  (registers the families)
+from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -37,6 +41,9 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
     tokenizer_lib.copy_to_workdir(source.vocab_file, tok.kind, tok.fingerprint, output,
                                   source.lower, replace=True)
     said = f"{os.path.basename(source.vocab_file)} ({tok.kind})"
+  spec = taskspec.of(source)
+  if spec is not None:  # a fine-tuned class: its labels go along, as a workdir's task.json
+    taskspec.write(spec, output)
   return (f"Imported {hf_dir} -> {output} ({config.num_layers} layers, hidden "
           f"{config.hidden_size}, vocab {config.vocab_size}; {said})")
 
@@ -54,17 +61,41 @@ def _token_ids(source: weights.Weights) -> dict | None:
   return None
 
 
-def export_folder(params_path: str, output: str) -> str:
-  """Writes a ModernBERT folder, with its tokenizer's files, from any folder bertjax/weights.py
-  reads."""
-  source = weights.inspect(params_path, what="--params")
-  said = modernbert.save_dir(
-      output, weights.read(source), source.config, _token_ids(source),
-      lambda folder: hf.write_tokenizer_files(source, folder, source.config,
-                                              ("input_ids", "attention_mask")))
-  return f"Exported {source.describe()} -> {output} (config.json, model.safetensors{said})"
+def export_folder(params_path: str, output: str, checkpoint: str = "best") -> str:
+  """Writes a ModernBERT folder from any folder bertjax/weights.py reads: a fine-tuning workdir
+  (its best epoch by default) as its task's class (ModernBertForSequenceClassification,
+  ...ForTokenClassification, ...ForQuestionAnswering) with its labels, anything else as
+  ModernBertForMaskedLM."""
+  source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
+  spec = taskspec.of(source)
+  token_ids = _token_ids(source)
+  # Refused before anything is read or written: a model ModernBERT cannot express, a head its
+  # classes do not have, an output folder of somebody's files.
+  hf_config = modernbert.config_to_modernbert(source.config, token_ids)
+  if spec is not None:
+    hf_config.update(modernbert_tasks.task_config(spec, source.config))
+  folder = outfolder.ExportFolder(output)
+  params = weights.read(source)
+  if spec is not None:
+    params = {k: params[k] for k in (weights.ENCODER, modernbert.PREDICTION_HEAD, spec.head)}
+  with folder:
+    hf.write_hf_dir(folder, modernbert.params_to_modernbert(params, source.config), hf_config)
+    said = convert_hf.write_tokenizer_files(source, folder, source.config,
+                                            ("input_ids", "attention_mask"))
+  what = hf_config["architectures"][0] + (f", {len(spec.labels)} labels" if spec and spec.labels
+                                          else "")
+  return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
+          f"{said}{folder.said()})")
+
+
+def _define_own_flags(command: str | None) -> None:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if command in ("export", None):
+    flags.DEFINE_string("checkpoint", "best", "export: of a fine-tuning workdir: best (its best "
+                        "epoch), latest or a step.")
 
 
 if __name__ == "__main__":
   from bertjax.convert import command  # pylint: disable=ungrouped-imports
-  command.start("hf_dir", "ModernBERT", import_folder, export_folder)
+  command.start("hf_dir", "ModernBERT", import_folder, export_folder, _define_own_flags,
+                export_flags={"checkpoint": str})

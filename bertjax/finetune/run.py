@@ -32,7 +32,7 @@ import numpy as np
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import tasks
+from bertjax.finetune import init_heads, tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
 from bertjax.finetune.evaluations import Evaluations
 from bertjax.model import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
@@ -103,10 +103,14 @@ def resolve_tokenizer(data: FinetuneDataConfig, source: weights.Weights | None, 
 
 
 def _encoder_loader(source: weights.Weights):
-  """fresh params -> the same params with `bert` (the encoder) read from init_from."""
+  """fresh params -> the same params with `bert` (the encoder) read from init_from (and a
+  ModernBERT prediction head: bertjax/finetune/init_heads.py)."""
   def load(fresh):
     like = {weights.ENCODER: checkpoint_lib.abstract_like(fresh[weights.ENCODER])}
-    return {**fresh, **weights.read(source, like=like)}
+    out = {**fresh, **weights.read(source, like=like)}
+    if init_heads.HEAD in fresh:  # ModernBERT's task head: as transformers starts it
+      out[init_heads.HEAD] = init_heads.prediction_head(source, fresh[init_heads.HEAD])
+    return out
   return load
 
 
@@ -307,9 +311,12 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
   origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
             else "scratch")
   if source is not None and not config.checkpoint.random_init:
-    origin = f"the encoder of checkpoint.init_from={source.describe()}"
-    init = loop.Initialiser(f"encoder from checkpoint.init_from={source.describe()}, "
-                            f"{task_name} head new", _encoder_loader(source))
+    head = (init_heads.start_from(source) if model_config.task_head == "modernbert" else "")
+    also = f" and prediction head ({head})" if head else ""
+    origin = f"the encoder{also} of checkpoint.init_from={source.describe()}"
+    init = loop.Initialiser(f"encoder{also} from checkpoint.init_from={source.describe()}, "
+                            f"{task_name} {'classifier' if head else 'head'} new",
+                            _encoder_loader(source))
   return Setup(ft, task_name, source, tokenizer, vocab_file, lower, model_config, data,
                tasks.model_features(data.train), origin, init)
 

@@ -8,16 +8,25 @@ Compiles the trials' program (bertjax/finetune/trials.py: a classification head,
 matmuls as the config says) for T = chips x 1, 2, 4, ... trials, the trial axis over the chips,
 and prints each one's memory per chip from XLA's buffer assignment against the chip's HBM, until
 one does not fit: the last that fits is the answer, per chip.
+
+With --run, the step of one fine-tuning run instead (bertjax.finetune's program: train.build
+with a classification head, the batch of --batch_size rows over the slice's chips, the config's
+mesh, microbatches and remat), and its memory per chip; e.g. ModernBERT-base at 8,192 tokens
+(docs/modern.md):
+
+    python -m bertjax.finetune.search_aot --config=configs/modern_base.py:phase=2 \
+        --topology=v5p-8 --run --batch_size=32 --seq_len=8192
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
 from absl import app, flags
 
-from bertjax import aot, cli, train
+from bertjax import aot, cli, sharding, train
 from bertjax.finetune import trials as trials_lib
 from bertjax.finetune.families import classification
 from bertjax.model import BertConfig
@@ -44,15 +53,47 @@ def compile_trials(model_config: BertConfig, devices, num_trials: int, batch_siz
   return training.train_step.lower(training.abstract_state, batch, key).compile()
 
 
+def compile_run(config, model_config: BertConfig, devices, batch_size: int, seq_len: int):
+  """The compiled step of one fine-tuning run (a two-label classification head) of `batch_size`
+  rows of `seq_len` tokens over `devices`, with the config's mesh and train settings."""
+  t = config.train
+  base = train.TrainConfig(batch_size=batch_size, num_train_steps=100, warmup_steps=10,
+                           learning_rate=2e-5, num_microbatches=t.num_microbatches,
+                           weight_decay=0.01)
+  objective = classification.objective_of(2)
+  training = train.build(model_config, base, sharding.MeshConfig.from_dict(config.mesh),
+                         devices, objective)
+  one = objective.dummy_batch(1)
+  batch = {k: jax.ShapeDtypeStruct((batch_size,) + ((seq_len,) if v.ndim == 2 else ()), v.dtype,
+                                   sharding=training.batch_sharding) for k, v in one.items()}
+  key = jax.eval_shape(jax.random.PRNGKey, 0)
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(training.mesh))
+  return training.train_step.lower(training.abstract_state, batch, key).compile()
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   args = flags.FLAGS
   topology = aot.parse_topology(args.topology)
+  # libtpu asks its environment which TPU it runs on; answer for the slice (as bertjax.aot).
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   devices = aot.topology_devices(topology)
   model_config = BertConfig.from_dict(args.config.model,
                                       vocab_size=args.config.model.vocab_size or args.vocab_size)
   hbm = topology.slice_type.generation.hbm_gib * GIB
+  if args.run:
+    memory = aot.Memory.of(compile_run(args.config, model_config, devices, args.batch_size,
+                                       args.seq_len))
+    ok = memory.total <= hbm
+    print(f"{topology.name}: one fine-tuning run, batch {args.batch_size} x {args.seq_len} over "
+          f"{len(devices)} chips ({model_config.task_head} head, {model_config.attention_impl} "
+          f"attention, remat {model_config.remat_policy}): {memory.total / GIB:.2f} GiB of "
+          f"{hbm / GIB:.0f} GiB HBM per chip (arguments {memory.arguments / GIB:.2f}, "
+          f"temporaries {memory.temporaries / GIB:.2f}) {'fits' if ok else 'does not fit'}")
+    sys.exit(0 if ok else 1)
   chips, fits = len(devices), 0
   per_chip = 1
   while per_chip <= args.max_per_chip:
@@ -85,4 +126,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("seq_len", 128, "Tokens per row.")
   flags.DEFINE_integer("max_per_chip", 64, "The most trials per chip tried.")
   flags.DEFINE_integer("vocab_size", 30522, "Where the config leaves it 0 (the released BERT's).")
+  flags.DEFINE_bool("run", False, "One fine-tuning run's step (its batch over the chips), not "
+                    "trials.")
   cli.run(main)

@@ -385,6 +385,9 @@ def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.nda
   the encoder, the head (bertjax's "classifier" or "span" dense, [D, C] kernel, as a [C, D]
   Linear; span's two outputs are start then end, as transformers splits qa_outputs), and the
   labels by id."""
+  if config.task_head != "bert":
+    raise ValueError(f"task_head={config.task_head!r}: transformers' Bert* task classes have "
+                     "BERT's head alone; export with `python -m bertjax.convert.modernbert export`")
   sd = params_to_hf({"bert": params["bert"]}, config)
   if spec.family not in _POOLED:
     sd = {k: v for k, v in sd.items() if not k.startswith("bert.pooler.")}

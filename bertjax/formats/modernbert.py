@@ -36,7 +36,7 @@ MODEL_TYPE = "modernbert"
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                 "silu": "silu", "swish": "silu"}
 _ACTIVATIONS_BACK = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}
-_HEAD_PREFIXES = ("head.", "decoder.")
+_HEAD_PREFIXES = ("head.", "decoder.", "classifier.")
 
 
 def config_from_modernbert(c: dict, **overrides) -> BertConfig:
@@ -52,6 +52,9 @@ def config_from_modernbert(c: dict, **overrides) -> BertConfig:
     if value not in _ACTIVATIONS:
       problems.append(f"{key}={value!r} (supported: {sorted(_ACTIVATIONS)})")
     acts[key] = _ACTIVATIONS.get(value)
+  if c.get("classifier_pooling", "cls") not in ("cls", "mean"):
+    problems.append(f"classifier_pooling={c['classifier_pooling']!r} (ModernBERT's are 'cls' "
+                    "and 'mean')")
   if problems:
     raise ValueError("This ModernBERT config.json uses what bertjax does not implement: "
                      + "; ".join(problems))
@@ -74,7 +77,8 @@ def config_from_modernbert(c: dict, **overrides) -> BertConfig:
       global_every=every, local_window=int(c.get("local_attention", 128)) if every > 1 else 0,
       embedding_norm=True, pooler=False, head_bias=bool(c.get("classifier_bias", False)),
       decoder_bias=bool(c.get("decoder_bias", True)),
-      tie_word_embeddings=bool(c.get("tie_word_embeddings", True)))
+      tie_word_embeddings=bool(c.get("tie_word_embeddings", True)), task_head="modernbert",
+      classifier_pooling=c.get("classifier_pooling", "cls"))
   return BertConfig.from_dict(values, **overrides)
 
 
@@ -141,15 +145,44 @@ def _normalise_names(state_dict: dict) -> dict:
           for k, v in state_dict.items()}
 
 
-def heads_in(names) -> tuple[str, ...]:
-  return ("mlm",) if any(str(n).startswith("head.") for n in names) else ()
+# transformers' task classes, by the subtree of bertjax's parameters their `classifier` goes to;
+# `head` (ModernBertPredictionHead) goes to PREDICTION_HEAD (bertjax/heads.py) in each. Which
+# family each class is fine-tuned as is formats/modernbert_tasks.py's.
+QA_HEAD = "span"  # the span head's subtree (question answering)
+_CLASSIFIERS = ("classifier", QA_HEAD)
+_CLASSIFIER_SUBTREES = {"ModernBertForSequenceClassification": "classifier",
+                        "ModernBertForTokenClassification": "classifier",
+                        "ModernBertForQuestionAnswering": QA_HEAD}
+PREDICTION_HEAD = "prediction_head"
+_TASK_SUBTREES = (PREDICTION_HEAD,) + _CLASSIFIERS
+
+
+def task_class(hf_config: dict | None) -> str | None:
+  """The task class a config.json's `architectures` names (None: a masked LM or a bare encoder)."""
+  return next((a for a in (hf_config or {}).get("architectures") or ()
+               if a in _CLASSIFIER_SUBTREES), None)
+
+
+def heads_in(names, hf_config: dict | None = None) -> tuple[str, ...]:
+  """The subtrees beside the encoder that a state dict holds: the MLM head ("mlm"), or a task
+  class's prediction head and classifier (config.json's `architectures` says which class)."""
+  names = [str(n) for n in names]
+  if any(n.startswith("classifier.") for n in names):
+    cls = task_class(hf_config)
+    if cls is None:
+      raise ValueError("model.safetensors holds a task head (classifier.*) but config.json's "
+                       f"architectures={(hf_config or {}).get('architectures')} names none of "
+                       f"{sorted(_CLASSIFIER_SUBTREES)}; write the class there")
+    return (PREDICTION_HEAD, _CLASSIFIER_SUBTREES[cls])
+  return ("mlm",) if any(n.startswith("head.") for n in names) else ()
 
 
 def _norm_names(prefix: str, config: BertConfig) -> list[str]:
   return [f"{prefix}.weight"] + ([f"{prefix}.bias"] if config.norm_bias else [])
 
 
-def _expected_shapes(config: BertConfig, heads) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: BertConfig, heads, num_labels: int = 0
+                     ) -> dict[str, tuple[int, ...]]:
   c = config
   d, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
   shapes = {"model.embeddings.tok_embeddings.weight": (v, d)}
@@ -172,6 +205,14 @@ def _expected_shapes(config: BertConfig, heads) -> dict[str, tuple[int, ...]]:
       shapes["decoder.bias"] = (v,)
     if not c.tie_word_embeddings:
       shapes["decoder.weight"] = (v, d)
+  if PREDICTION_HEAD in heads:
+    shapes["head.dense.weight"] = (d, d)
+    if c.head_bias:
+      shapes["head.dense.bias"] = (d,)
+    norms.append("head.norm")
+    # The labels are config.json's; their count is the stored one, but the span head's (2).
+    labels = 2 if QA_HEAD in heads else int(num_labels)
+    shapes.update({"classifier.weight": (labels, d), "classifier.bias": (labels,)})
   for prefix in norms:
     for name in _norm_names(prefix, c):
       shapes[name] = (d,)
@@ -179,9 +220,11 @@ def _expected_shapes(config: BertConfig, heads) -> dict[str, tuple[int, ...]]:
 
 
 def _check(sd: dict, config: BertConfig, heads) -> None:
-  expected = _expected_shapes(config, heads)
+  stored = sd.get("classifier.weight")
+  expected = _expected_shapes(config, heads, stored.shape[0] if stored is not None else 0)
+  task = PREDICTION_HEAD in heads
   present = {k: v for k, v in sd.items()
-             if "mlm" in heads or not k.startswith(_HEAD_PREFIXES)}
+             if "mlm" in heads or task or not k.startswith(_HEAD_PREFIXES)}
   tied = {"decoder.weight"} if config.tie_word_embeddings else set()
   missing = sorted(set(expected) - set(present))
   unexpected = sorted(set(present) - set(expected) - tied)
@@ -253,16 +296,20 @@ def _identity_norm(config: BertConfig) -> dict:
   return out
 
 
-def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None) -> dict:
-  """`BertForPreTraining`-shaped parameters (numpy) from a ModernBERT state dict: the encoder
-  (`bert`) and the MLM head (`mlm`) when asked for or, with heads None, when present. Raises
-  ValueError naming every missing, unexpected and mis-shaped tensor at once."""
+def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
+                           hf_config: dict | None = None) -> dict:
+  """bertjax parameters (numpy) from a ModernBERT state dict: the encoder (`bert`), and the MLM
+  head (`mlm`) or a task class's heads (PREDICTION_HEAD and "classifier" or "span", as
+  bertjax/heads.py names them) when asked for or, with heads None, when present (`hf_config`,
+  the folder's config.json, names the task class). Raises ValueError naming every missing,
+  unexpected and mis-shaped tensor at once."""
   import jax  # pylint: disable=import-outside-toplevel
   sd = _normalise_names(state_dict)
-  heads = heads_in(sd) if heads is None else tuple(heads)
-  if set(heads) - {"mlm"}:
-    raise ValueError(f"A ModernBERT folder holds no {sorted(set(heads) - {'mlm'})} head; it has "
-                     "the MLM head only (no next-sentence prediction)")
+  heads = heads_in(sd, hf_config) if heads is None else tuple(heads)
+  unknown = set(heads) - {"mlm", *_TASK_SUBTREES}
+  if unknown:
+    raise ValueError(f"A ModernBERT folder holds no {sorted(unknown)} head; it has the MLM head "
+                     "or a task class's (no next-sentence prediction)")
   _check(sd, config, heads)
   layers = [_layer_from(sd, config, i) for i in range(config.num_layers)]
   if config.scan_layers:
@@ -284,13 +331,22 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None) -> 
     if not config.tie_word_embeddings:
       mlm["decoder"] = sd["decoder.weight"]
     params["mlm"] = mlm
+  if PREDICTION_HEAD in heads:
+    transform = {"kernel": sd["head.dense.weight"].T}
+    if config.head_bias:
+      transform["bias"] = sd["head.dense.bias"]
+    params[PREDICTION_HEAD] = {"transform": transform,
+                               "transform_layer_norm": _norm_from(sd, "head.norm", config)}
+    classifier = next(h for h in heads if h in _CLASSIFIERS)
+    params[classifier] = {"kernel": sd["classifier.weight"].T, "bias": sd["classifier.bias"]}
   dtype = np.dtype(config.param_dtype)
   return jax.tree.map(lambda x: np.ascontiguousarray(x, dtype=dtype), params)
 
 
 def params_to_modernbert(params: dict, config: BertConfig) -> dict[str, np.ndarray]:
   """The ModernBertForMaskedLM state dict (float32 numpy) of bertjax parameters; the head's
-  tensors only when `params` holds "mlm". A tied decoder is not written (transformers ties it)."""
+  tensors only when `params` holds "mlm". A tied decoder is not written (transformers ties it).
+  Parameters with PREDICTION_HEAD give a task class's state dict (`head.*`, `classifier.*`)."""
   import jax  # pylint: disable=import-outside-toplevel
   config_to_modernbert(config)  # refuses a model without a ModernBERT form
   c = config
@@ -337,6 +393,15 @@ def params_to_modernbert(params: dict, config: BertConfig) -> dict[str, np.ndarr
       sd["decoder.bias"] = mlm["output_bias"]
     if not c.tie_word_embeddings:
       sd["decoder.weight"] = mlm["decoder"]
+  if PREDICTION_HEAD in p32:
+    head = p32[PREDICTION_HEAD]
+    sd["head.dense.weight"] = head["transform"]["kernel"].T
+    if c.head_bias:
+      sd["head.dense.bias"] = head["transform"]["bias"]
+    norm("head.norm", head["transform_layer_norm"])
+    classifier = p32[next(h for h in _CLASSIFIERS if h in p32)]
+    sd["classifier.weight"] = classifier["kernel"].T
+    sd["classifier.bias"] = classifier["bias"]
   return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
@@ -347,9 +412,11 @@ def load_dir(hf_dir: str, **config_overrides) -> tuple[BertConfig, dict]:
       raise FileNotFoundError(f"{os.path.join(hf_dir, name)} not found: a ModernBERT folder holds "
                               "config.json and model.safetensors (save_pretrained writes both)")
   with open(os.path.join(hf_dir, "config.json")) as f:
-    config = config_from_modernbert(json.load(f), **config_overrides)
+    hf_config = json.load(f)
+  config = config_from_modernbert(hf_config, **config_overrides)
   return config, params_from_modernbert(
-      hf.read_safetensors(os.path.join(hf_dir, "model.safetensors")), config)
+      hf.read_safetensors(os.path.join(hf_dir, "model.safetensors")), config,
+      hf_config=hf_config)
 
 
 def save_dir(hf_dir: str, params: dict, config: BertConfig,
