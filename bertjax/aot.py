@@ -8,7 +8,7 @@
 libtpu (`pip install -e '.[tpu]'`) has a compile-only client: from a topology name it makes devices
 that run nothing but that XLA's TPU compiler targets exactly as it would a real slice. What is
 compiled is `train.from_config(config, devices=...).train_step` with its shardings and donation,
-lowered on `jax.ShapeDtypeStruct`s: the program `bertjax.main` compiles on the pod, so a config
+lowered on `jax.ShapeDtypeStruct`s: the program `bertjax.pretrain` compiles on the pod, so a config
 that fits here fits there.
 
 Prints per-chip memory from XLA's buffer assignment (arguments, outputs, temporaries, code, less

@@ -85,7 +85,7 @@ def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", n
 
 
 def define_run_flags() -> None:
-  """The flags of a training run (`bertjax.main`, `bertjax.finetune`): the locked config, the
+  """The flags of a training run (`bertjax.pretrain`, `bertjax.finetune`): the locked config, the
   workdir and the multi-process join; `start` reads them."""
   define_config_flag()
   flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard logs and metrics go here "
@@ -171,9 +171,16 @@ def _misspelled_keys_in_one_line(argv: Sequence[str]):
              + " (every key and its meaning: configs/base.py).")
 
 
+# The command's name where it runs under another's (`bertjax.benchmark predict` runs the module
+# bertjax.benchmark_predict as its `__main__`): set by that command.
+PROGRAM: str | None = None
+
+
 def program() -> str:
   """The running command as its user typed it, for messages: `bertjax.convert.hf` for
   `python -m bertjax.convert.hf`, else the script's name."""
+  if PROGRAM is not None:
+    return PROGRAM
   spec = getattr(sys.modules.get("__main__"), "__spec__", None)
   if spec is not None and spec.name:
     return spec.name.removesuffix(".__main__")

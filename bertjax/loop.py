@@ -3,7 +3,7 @@
 `execute(config, workdir, job)` is the one loop of every run: restore or initialise, the steps
 (`control.run_steps`), saves, logs, stop signals, evaluations. A `Job` says what differs between
 runs: the `train.Training` (its objective), the batches, the evaluation, where new parameters come
-from. `train_and_evaluate(config, workdir)` is pre-training's job, what `python -m bertjax.main`
+from. `train_and_evaluate(config, workdir)` is pre-training's job, what `python -m bertjax.pretrain`
 runs; fine-tuning's is `bertjax.finetune.run.finetune`. Resume is exact: the
 state is (step, params, opt_state); dropout keys are fold_in(seed, step) and the input pipeline
 restarts at any step with the same batches, so an interrupted-and-resumed run computes what an

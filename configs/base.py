@@ -1,7 +1,7 @@
 """Every configuration key of bertjax, each with a one-line comment.
 
 Size configs (`bert_base.py`, `bert_large.py`, `tiny.py`) import this file and only override.
-Run a config with `python -m bertjax.main --config=configs/<name>.py --workdir=DIR`; override any key
+Run a config with `python -m bertjax.pretrain --config=configs/<name>.py --workdir=DIR`; override any key
 from the command line, e.g. `--config.train.batch_size=256`. Unknown keys are an error.
 """
 

@@ -1,6 +1,6 @@
 """A tiny BERT (2 layers, 128 wide) sized for a CPU: `make pretrain`, smoke runs and tests.
 
-Run: python -m bertjax.main --config=configs/tiny.py --workdir=workdirs/tiny   (= `make pretrain`)
+Run: python -m bertjax.pretrain --config=configs/tiny.py --workdir=workdirs/tiny   (= `make pretrain`)
 Model: 2 layers, hidden 128, 2 heads, FFN 512, no dropout, on the built-in corpus (Python's own
 documentation) with an 8,000-piece SentencePiece vocabulary: 1.5M parameters, 1.0M of them in the
 word embeddings. Sequence length 64, batch 8, AdamW at 1e-3 (5% warmup, linear decay), 18,000

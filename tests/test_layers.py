@@ -12,7 +12,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
             folder an export writes) and
             taskspec (the task spec a checkpoint carries): parsing, no reader of folders
   weights   weights (the one reader of a weights folder)
-  runs      loop, pretrained, aot, benchmark, benchmark_hf, evaluate_mlm, main
+  runs      loop, pretrained, aot, benchmark, benchmark_hf, benchmark_commands, evaluate_mlm,
+            pretrain, main
   finetune  finetune/
   commands  predict, benchmark_predict, convert/ (import and export), launch/
 
@@ -43,7 +44,8 @@ LAYERS = (
     ("formats", ("bertjax.formats", "bertjax.taskspec")),
     ("weights", ("bertjax.weights",)),
     ("runs", ("bertjax.loop", "bertjax.pretrained", "bertjax.aot", "bertjax.benchmark",
-              "bertjax.benchmark_hf", "bertjax.evaluate_mlm", "bertjax.main")),
+              "bertjax.benchmark_hf", "bertjax.benchmark_commands", "bertjax.evaluate_mlm",
+              "bertjax.pretrain", "bertjax.main")),
     ("finetune", ("bertjax.finetune",)),
     ("commands", ("bertjax.predict", "bertjax.benchmark_predict", "bertjax.convert", "launch")),
 )
