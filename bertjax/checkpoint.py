@@ -30,7 +30,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bertjax import files
+from bertjax import errors, files
 from bertjax.model import SHAPE_FIELDS, BertConfig
 
 
@@ -77,11 +77,11 @@ def _abspath(path: str) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(errors.Refusal):
   """The checkpoint was written by another model, optimizer or vocabulary than the config's."""
 
 
-class CheckpointDamagedError(ValueError):
+class CheckpointDamagedError(errors.Refusal):
   """A checkpoint's files are missing, cut short or unparsable (said with the step and the fix)."""
 
 

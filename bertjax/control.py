@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bertjax import metrics as metrics_lib, watchdog
+from bertjax import errors, metrics as metrics_lib, watchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Schedule:
         ("checkpoint.save_every_steps", self.save_every, 1),
         ("train.eval_every_steps", self.eval_every, 0)) if int(value) < low]
     if problems:
-      raise ValueError("Invalid intervals: " + "; ".join(problems)
+      raise errors.Refusal("Invalid intervals: " + "; ".join(problems)
                        + " (eval_every_steps 0 means: evaluate at the end only)")
 
   def at_log(self, step: int) -> bool:

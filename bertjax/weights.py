@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, files
+from bertjax import checkpoint as checkpoint_lib, errors, files
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.formats import converted, google, hf, modernbert, tf_bundle
 from bertjax.model import BertConfig
@@ -159,7 +159,7 @@ def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") 
     try:
       step = int(checkpoint)
     except ValueError:
-      raise ValueError(f"checkpoint={checkpoint!r}: use best, latest or a step number.") from None
+      raise errors.Refusal(f"checkpoint={checkpoint!r}: use best, latest or a step number.") from None
   best = os.path.join(path, "best")
   if checkpoint == "best" and files.isdir(best) and any(
       name.isdigit() for name in files.listdir(best)):
@@ -288,7 +288,7 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
   finally:
     ckpt.close()
   if "model" not in meta:
-    raise ValueError(f"{what}={folder} step {step} records no model shape (its record has "
+    raise errors.Refusal(f"{what}={folder} step {step} records no model shape (its record has "
                      f"{sorted(meta)}); it was not written by bertjax's training loop")
   vocab = _workdir_vocabulary(workdir)
   if vocab.get("fingerprint") is None:
@@ -390,7 +390,7 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
     config = modernbert.config_from_modernbert(
         files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config"))
   except ValueError as err:
-    raise ValueError(f"{what}={folder}: {err}") from None
+    raise errors.Refusal(f"{what}={folder}: {err}") from None
   names = _safetensors_names(folder, what)
   # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
   # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.

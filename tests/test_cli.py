@@ -211,3 +211,30 @@ def test_no_module_reaches_into_another_ones_private_names():
            for path in sorted(pathlib.Path(ROOT, folder).rglob("*.py"))
            for hit in _private_names_used_across_modules(path)]
   assert not found, found
+
+
+def test_only_a_refusal_is_one_line_a_plain_value_error_keeps_its_traceback():
+  """cli.explained ends the command in one line on errors.Refusal (and the project's refusals
+  built on it, a missing file, a file that is not text); a plain ValueError is a fault of the code
+  (an unpacking gone wrong, a library called wrongly) and reaches the user with its traceback."""
+  from bertjax import checkpoint, errors  # pylint: disable=import-outside-toplevel
+
+  def raising(error):
+    def run():
+      raise error
+    return run
+
+  for error, said in ((errors.Refusal("config.x=1: use 2"), "bertjax: ValueError: config.x=1: use 2"),
+                      (checkpoint.CheckpointMismatchError("hidden_size: 32 vs 64"),
+                       "bertjax: CheckpointMismatchError: hidden_size: 32 vs 64"),
+                      (FileNotFoundError("no.csv"), "bertjax: FileNotFoundError: no.csv")):
+    with pytest.raises(SystemExit) as exited:
+      cli.explained(raising(error))
+    assert exited.value.code == said
+  with pytest.raises(SystemExit):
+    cli.explained(lambda: b"\xff".decode("utf-8"))  # a file that is not UTF-8: its input's fault
+  bug = ValueError("too many values to unpack (expected 2)")
+  with pytest.raises(ValueError) as raised:
+    cli.explained(raising(bug))
+  assert raised.value is bug
+  assert isinstance(errors.Refusal("x"), ValueError)  # `except ValueError` still catches one

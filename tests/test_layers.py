@@ -2,7 +2,7 @@
 
 Lowest first; a module imports from its own layer or the ones below it, never from one above:
 
-  base      files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
+  base      errors, files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
             opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention
   model     model, heads, nnx
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 PACKAGES = ("bertjax", "launch", "configs")
 
 LAYERS = (
-    ("base", ("bertjax.files", "bertjax.cli", "bertjax.distributed", "bertjax.hostmem",
+    ("base", ("bertjax.errors", "bertjax.files", "bertjax.cli", "bertjax.distributed", "bertjax.hostmem",
               "bertjax.platforms", "bertjax.versions", "bertjax.topologies", "bertjax.opprofile",
               "bertjax.watchdog",
               "bertjax.metrics",

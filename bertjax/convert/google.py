@@ -28,7 +28,7 @@ import os
 
 from absl import logging
 
-from bertjax import files, weights
+from bertjax import errors, files, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.formats import converted, google, tf_bundle
 
@@ -78,7 +78,7 @@ def import_folder(ckpt_dir: str, output: str, *, do_lower_case: bool | None = No
   lower, why = resolve_do_lower_case(ckpt_dir, do_lower_case)
   tokenizer = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower)
   if tokenizer.vocab_size > config.vocab_size:
-    raise ValueError(f"{vocab} has {tokenizer.vocab_size} pieces, more than the model's "
+    raise errors.Refusal(f"{vocab} has {tokenizer.vocab_size} pieces, more than the model's "
                      f"{config.vocab_size} embedding rows: it is not this checkpoint's vocabulary")
   params = google.params_from_google(reader, config)
   ignored = google.ignored_variables(reader.keys())
@@ -101,7 +101,7 @@ def export_folder(params_path: str, output: str) -> str:
   source = weights.inspect(params_path, what="--params")
   lacking = sorted({"bert", "mlm", "nsp"} - set(source.subtrees))
   if lacking:
-    raise ValueError(f"--params={params_path} holds parameters {list(source.subtrees)}, without "
+    raise errors.Refusal(f"--params={params_path} holds parameters {list(source.subtrees)}, without "
                      f"{lacking}: a fine-tuning run keeps no MLM and NSP heads; export a "
                      "pre-training workdir or a converted folder (or a fine-tuning run to Hugging "
                      "Face: python -m bertjax.convert.hf export)")

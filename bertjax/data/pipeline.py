@@ -30,6 +30,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from bertjax import errors
 from bertjax.data import masking, packing, prepare
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
@@ -146,7 +147,7 @@ class Pipeline:
     if process_count < 1 or not 0 <= process_index < process_count:
       raise ValueError(f"process_index {process_index} is not within process_count {process_count}.")
     if global_batch_size <= 0 or global_batch_size % process_count:
-      raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
+      raise errors.Refusal(f"global_batch_size {global_batch_size} must be a positive multiple of "
                        f"process_count {process_count}.")
     if start_step < 0:
       raise ValueError(f"start_step must be >= 0, got {start_step}.")
@@ -172,7 +173,7 @@ class Pipeline:
     n = self.manifest["splits"][split]["instances"]
     first = self.plan(0)
     if first.steps == 0:
-      raise ValueError(f"The {split} split holds {n} sequence(s) in "
+      raise errors.Refusal(f"The {split} split holds {n} sequence(s) in "
                        f"{len(self.manifest['splits'][split]['files'])} shard(s): not one batch of "
                        f"{self.host_batch} per host x {process_count} host(s). Use a smaller batch, "
                        f"more data or (for eval) a larger eval_fraction.")

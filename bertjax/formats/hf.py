@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from bertjax import files
+from bertjax import errors, files
 from bertjax.formats import outfolder
 from bertjax.model import BertConfig
 
@@ -53,11 +53,11 @@ _IGNORED_KEYS = ("bert.embeddings.position_ids",)
 def config_from_hf(hf_config: dict, **overrides) -> BertConfig:
   """A BertConfig from the dict of a Hugging Face BERT `config.json`."""
   if hf_config.get("position_embedding_type", "absolute") != "absolute":
-    raise ValueError(f"position_embedding_type={hf_config['position_embedding_type']!r} is not "
+    raise errors.Refusal(f"position_embedding_type={hf_config['position_embedding_type']!r} is not "
                      "supported; bertjax implements the original absolute positions")
   act = hf_config.get("hidden_act", "gelu")
   if act not in _HF_ACTIVATIONS:
-    raise ValueError(f"hidden_act={act!r} has no bertjax equivalent; "
+    raise errors.Refusal(f"hidden_act={act!r} has no bertjax equivalent; "
                      f"supported: {sorted(_HF_ACTIVATIONS)}")
   values = {ours: hf_config[theirs] for theirs, ours in HF_CONFIG_KEYS.items()
             if theirs in hf_config}
@@ -70,7 +70,7 @@ def config_to_hf(config: BertConfig) -> dict:
   which Hugging Face's BERT cannot express."""
   modern = config.modern_options()
   if modern:
-    raise ValueError(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
+    raise errors.Refusal(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
                      "model has none of them); a ModernBERT-shaped model exports with "
                      "`python -m bertjax.convert.modernbert export`")
   out = {theirs: getattr(config, ours) for theirs, ours in HF_CONFIG_KEYS.items()}
@@ -257,7 +257,7 @@ def _check(state_dict: dict, config: BertConfig, heads) -> None:
     problems.append(f"keys that should equal their tied source but differ: {untied} "
                     "(bertjax ties the MLM decoder to the word embeddings)")
   if problems:
-    raise ValueError(
+    raise errors.Refusal(
         f"The Hugging Face state dict does not fit BertConfig(vocab_size={config.vocab_size}, "
         f"hidden_size={config.hidden_size}, num_layers={config.num_layers}, "
         f"intermediate_size={config.intermediate_size}, max_position_embeddings="

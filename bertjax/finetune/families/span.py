@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-from bertjax import heads, losses, taskspec as spec_lib, train
+from bertjax import errors, heads, losses, taskspec as spec_lib, train
 from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad, squad_metrics
 from bertjax.finetune import squad_postprocess, textfiles
 from bertjax.finetune.config import TaskConfig
@@ -128,7 +128,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   training question is unanswerable."""
   data = cfg.data
   if not (data.train_file and data.dev_file):
-    raise ValueError("A span task from one's own files needs config.data.train_file and "
+    raise errors.Refusal("A span task from one's own files needs config.data.train_file and "
                      "config.data.dev_file, each in SQuAD's JSON layout.")
   train_set = squad.read_squad_json(data.train_file, is_training=True)
   said = data.version_2_with_negative
