@@ -15,6 +15,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
   runs      loop, pretrained, aot, benchmark, benchmark_hf, benchmark_commands, evaluate_mlm,
             pretrain, main
   finetune  finetune/
+  finetune-config  configs/finetune.py (one's own tasks are the families' names, read from them)
   commands  predict, benchmark_predict, convert/ (import and export), launch/
 
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
@@ -47,6 +48,7 @@ LAYERS = (
               "bertjax.benchmark_hf", "bertjax.benchmark_commands", "bertjax.evaluate_mlm",
               "bertjax.pretrain", "bertjax.main")),
     ("finetune", ("bertjax.finetune",)),
+    ("finetune-config", ("configs.finetune",)),
     ("commands", ("bertjax.predict", "bertjax.benchmark_predict", "bertjax.convert", "launch")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
@@ -210,5 +212,5 @@ def test_a_project_import_inside_a_function_says_why():
 def test_the_docs_state_the_same_order():
   text = (ROOT / "docs" / "contributing.md").read_text()
   section = re.search(r"^## Layers\n(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
-  named = re.findall(r"^\d+\. \*\*(\w+)\*\*", section, re.M)
+  named = re.findall(r"^\d+\. \*\*([\w-]+)\*\*", section, re.M)
   assert named == [name for name, _ in LAYERS], named

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from bertjax import errors, files
+from bertjax import errors, files, taskspec
 from bertjax.formats import outfolder
 from bertjax.model import BertConfig
 
@@ -369,40 +369,32 @@ def save_hf_dir(hf_dir: str, params: dict, config: BertConfig) -> None:
             metadata={"format": "pt"})
 
 
-# A fine-tuned model's transformers class by its task family (bertjax/taskspec.py), and the
-# name of its head there. Token classification and QA build no pooler: its weights are left out,
-# or transformers would warn of unused weights.
-TASK_CLASSES = {"classification": "BertForSequenceClassification",
-                "regression": "BertForSequenceClassification",
-                "tagging": "BertForTokenClassification", "span": "BertForQuestionAnswering"}
-_TASK_HEADS = {"classification": "classifier", "regression": "classifier",
-               "tagging": "classifier", "span": "qa_outputs"}
-_POOLED = ("classification", "regression")
+# The transformers class of sequence classification, the one that builds the pooler: its token
+# classification and QA classes build none, so the pooler's weights are left out there, or
+# transformers would warn of unused weights.
+_SEQUENCE_CLASS = "BertForSequenceClassification"
 
 
 def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.ndarray], dict]:
-  """The state dict and the config.json entries of a fine-tuned model in its transformers class:
-  the encoder, the head (bertjax's "classifier" or "span" dense, [D, C] kernel, as a [C, D]
-  Linear; span's two outputs are start then end, as transformers splits qa_outputs), and the
-  labels by id."""
+  """The state dict and the config.json entries of a fine-tuned model in the transformers class
+  its family names (`HF_CLASS`, its head there `HF_HEAD`: bertjax/finetune/families/): the
+  encoder, the head (bertjax's "classifier" or "span" dense, [D, C] kernel, as a [C, D] Linear;
+  span's two outputs are start then end, as transformers splits qa_outputs), its width, and the
+  labels by id where the head's outputs are the task's label names."""
+  family = taskspec.family_of(spec.family)
   sd = params_to_hf({"bert": params["bert"]}, config)
-  if spec.family not in _POOLED:
+  if family.HF_CLASS != _SEQUENCE_CLASS:
     sd = {k: v for k, v in sd.items() if not k.startswith("bert.pooler.")}
   head = params[spec.head]["dense"] if "dense" in params[spec.head] else params[spec.head]
-  name = _TASK_HEADS[spec.family]
-  sd[f"{name}.weight"] = np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T)
-  sd[f"{name}.bias"] = np.asarray(head["bias"], np.float32)
-  extra = {"architectures": [TASK_CLASSES[spec.family]]}
-  if spec.family == "regression":
-    extra.update(num_labels=1, problem_type="regression")
-  elif spec.family == "span":
-    extra.update(num_labels=2)
-  else:
-    extra.update(num_labels=len(spec.labels),
-                 id2label={str(i): name for i, name in enumerate(spec.labels)},
+  sd[f"{family.HF_HEAD}.weight"] = np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T)
+  sd[f"{family.HF_HEAD}.bias"] = np.asarray(head["bias"], np.float32)
+  outputs = family.num_outputs(spec)
+  extra = {"architectures": [family.HF_CLASS], "num_labels": outputs}
+  if spec.labels and len(spec.labels) == outputs:  # the head's outputs are the label names
+    extra.update(id2label={str(i): name for i, name in enumerate(spec.labels)},
                  label2id={name: i for i, name in enumerate(spec.labels)})
-    if spec.family == "classification":
-      extra["problem_type"] = "single_label_classification"
+  if family.HF_CLASS == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
+    extra["problem_type"] = "regression" if outputs == 1 else "single_label_classification"
   return sd, extra
 
 
