@@ -2,7 +2,8 @@
 
 Every caller that takes weights from a path goes through here: pre-training's and fine-tuning's
 `checkpoint.init_from`, `pretrained.load_pretrained`, the exporters of `bertjax.convert` and
-`bertjax.predict`. A path is one of four kinds, tested in this order (the first that fits decides):
+`bertjax.predict`. A path is one of five kinds (KINDS), tested in this order (the first that fits
+decides):
 
   workdir      a bertjax run (pre-training or fine-tuning), or its checkpoints/ folder: the
                newest checkpoint (or the step asked for) and the model recorded beside it; the
@@ -18,11 +19,11 @@ Every caller that takes weights from a path goes through here: pre-training's an
   modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
                model.safetensors (bertjax/formats/modernbert.py); its BPE tokenizer is not read
 
-Casing of a folder's vocabulary, in this order: what a tokenizer.json record says, what
-tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
-`validate_case_matches_checkpoint` reading: uncased_*, cased_*, ...), else unknown (a run then
-lower-cases, as the original's flag defaults). Local paths are read without TensorFlow
-(bertjax/files.py).
+Casing of a folder's vocabulary (bertjax/formats/vocabulary.py), in this order: what a
+tokenizer.json record says, what tokenizer_config.json says (Hugging Face), what the folder's name
+says (the original's `validate_case_matches_checkpoint` reading: uncased_*, cased_*, ...), else
+unknown (a run then lower-cases, as the original's flag defaults). Local paths are read without
+TensorFlow (bertjax/files.py).
 """
 
 from __future__ import annotations
@@ -38,13 +39,11 @@ from absl import logging
 
 from bertjax import checkpoint as checkpoint_lib, errors, files
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.formats import converted, google, hf, modernbert, tf_bundle
+from bertjax.formats import converted, google, hf, modernbert, tf_bundle, vocabulary
 from bertjax.model import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
-TOKENIZER_RECORD = "tokenizer.json"  # written beside a vocabulary copy (data.tokenizer)
-HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,60 +170,6 @@ def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") 
 
 # Vocabulary and casing -------------------------------------------------------------------------
 
-def _record(folder: str) -> dict | None:
-  path = os.path.join(folder, TOKENIZER_RECORD)
-  if not files.exists(path):
-    return None
-  return files.read_json(path, "the vocabulary's record")
-
-
-def lower_case_from_name(name: str) -> bool | None:
-  """The casing a release's folder name says, as the original's check reads it; None if it says
-  nothing. Also covers the names it predates (wwm_*, the small BERTs, TF Hub's bert_en_*)."""
-  if "://" not in name:
-    name = os.path.abspath(name)  # "." names the folder it is
-  name = os.path.basename(name.rstrip("/")).lower()
-  if "uncased" in name or "multilingual_l" in name or "chinese" in name or "bert_zh" in name:
-    return True
-  if "cased" in name:
-    return False
-  return None
-
-
-def _vocabulary(folder: str, hf_config: dict | None = None) -> dict:
-  """Weights fields of a folder's vocabulary: its record, else vocab.txt with the casing of a
-  Hugging Face tokenizer_config.json or of the folder's name."""
-  record = _record(folder)
-  if record is not None:
-    vocab = os.path.join(folder, record.get("file", "vocab.txt"))
-    return dict(vocab_file=vocab if files.exists(vocab) else None,
-                tokenizer_kind=record.get("kind", "wordpiece"),
-                do_lower_case=bool(record.get("do_lower_case", True)),
-                casing_why=f"recorded in {os.path.join(folder, TOKENIZER_RECORD)}",
-                fingerprint=record.get("fingerprint"))
-  vocab = os.path.join(folder, "vocab.txt")
-  out = dict(vocab_file=vocab if files.exists(vocab) else None,
-             tokenizer_kind="wordpiece" if files.exists(vocab) else None)
-  if hf_config is not None and "do_lower_case" in hf_config:
-    return {**out, "do_lower_case": bool(hf_config["do_lower_case"]),
-            "casing_why": f"{os.path.join(folder, HF_TOKENIZER_CONFIG)} says so"}
-  by_name = lower_case_from_name(folder)
-  name = os.path.basename(os.path.abspath(folder).rstrip("/"))
-  if by_name is not None:
-    return {**out, "do_lower_case": by_name,
-            "casing_why": f"the name {name} says {'uncased' if by_name else 'cased'}"}
-  return {**out, "casing_why": f"the name {name} does not say; lower-cased as the original's "
-                               "default (rename the folder or set data.do_lower_case)"}
-
-
-def folder_casing(folder: str) -> tuple[bool, str]:
-  """(do_lower_case, why) of a folder's vocabulary as `inspect` gives it, without reading its
-  weights (a Google folder of several checkpoints, one of which is named)."""
-  found = _vocabulary(folder)
-  lower = found.get("do_lower_case")
-  return (True if lower is None else lower), found["casing_why"]
-
-
 def fingerprint_of(source: Weights, do_lower_case: bool) -> str | None:
   """The vocabulary's fingerprint: as recorded with the weights, else computed from its file
   under `do_lower_case` (the casing is part of a WordPiece fingerprint)."""
@@ -317,8 +262,8 @@ def _damaged(where: str, folder: str, step: int, steps, err: BaseException
 def _workdir_vocabulary(workdir: str) -> dict:
   """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
   names (pre-training runs from before the copy; relative cache paths resolve from here)."""
-  found = _vocabulary(workdir)
-  if found["vocab_file"] is not None or _record(workdir) is not None:
+  found = vocabulary.of_folder(workdir)
+  if found["vocab_file"] is not None or vocabulary.record(workdir) is not None:
     return found
   config_path = os.path.join(workdir, "config.json")
   data = files.read_json(config_path, "the run's config").get("data") if files.exists(
@@ -348,7 +293,7 @@ def _inspect_converted(folder: str, what: str) -> Weights:
       raise checkpoint_lib.CheckpointDamagedError(
           f"{what}={folder}: its params/ cannot be read ({checkpoint_lib.damage_summary(err)}); "
           "import the weights again") from None
-  return Weights(folder, "converted", config, tuple(sorted(stored)), **_vocabulary(folder))
+  return Weights(folder, "converted", config, tuple(sorted(stored)), **vocabulary.of_folder(folder))
 
 
 def _inspect_google(folder: str, what: str) -> Weights:
@@ -356,7 +301,7 @@ def _inspect_google(folder: str, what: str) -> Weights:
   config = google.read_google_config(folder)
   names = tf_bundle.CheckpointReader(folder).keys()
   return Weights(folder, "google", config, (ENCODER,) + google.heads_in(names),
-                 **_vocabulary(folder))
+                 **vocabulary.of_folder(folder))
 
 
 def _safetensors_names(folder: str, what: str) -> list[str]:
@@ -378,11 +323,11 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
                           "this reader takes model_type 'bert'")
   config = hf.config_from_hf(hf_config)
   names = _safetensors_names(folder, what)
-  tokenizer_config = os.path.join(folder, HF_TOKENIZER_CONFIG)
+  tokenizer_config = os.path.join(folder, vocabulary.HF_TOKENIZER_CONFIG)
   casing = files.read_json(tokenizer_config, "the tokenizer's config") if files.exists(
       tokenizer_config) else {}
   return Weights(folder, "huggingface", config, (ENCODER,) + hf.heads_in(names),
-                 **_vocabulary(folder, casing))
+                 **vocabulary.of_folder(folder, casing))
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
@@ -394,7 +339,7 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
   names = _safetensors_names(folder, what)
   # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
   # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.
-  vocabulary = _vocabulary(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
+  vocabulary = vocabulary.of_folder(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
       casing_why="a ModernBERT folder's BPE tokenizer is not read by bertjax")
   return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
                  **vocabulary)

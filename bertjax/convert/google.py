@@ -30,16 +30,16 @@ from absl import logging
 
 from bertjax import errors, files, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.formats import converted, google, tf_bundle
+from bertjax.formats import converted, google, tf_bundle, vocabulary
 
 
 def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, str]:
   """The casing for a Google folder's vocabulary: `requested` if given (warned when the name
   says otherwise, as the original's check would refuse it), else what the folder says
-  (bertjax/weights.py: its record, else its name, else lower-cased as the original's default)."""
+  (bertjax/formats/vocabulary.py: its record, else its name, else lower-cased as the original's default)."""
   if requested is None:
-    return weights.folder_casing(folder)
-  by_name = weights.lower_case_from_name(folder)
+    return vocabulary.folder_casing(folder)
+  by_name = vocabulary.lower_case_from_name(folder)
   if by_name is not None and by_name != requested:
     logging.warning(
         "do_lower_case=%s, but %s seems to be a%s model: its pieces were made from %s text, so "
