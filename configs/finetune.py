@@ -115,8 +115,8 @@ def get_config(task: str = "next"):
   s.memory_gb = 0.0  # what the trials may take; 0 = what the devices (or a CPU host) have free
 
   c = config.checkpoint = ml_collections.ConfigDict()
-  c.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder, a Google folder or a
-  #                   Hugging Face BERT folder (bertjax/weights.py); "" = random init
+  c.init_from = ""  # any folder of weights bertjax reads (the kinds: bertjax/weights.py); "" =
+  #                   random init
   c.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
   c.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary
   c.save_every_steps = 0  # 0 = at the end of every epoch (also on SIGTERM and at the end)
