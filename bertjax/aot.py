@@ -46,8 +46,9 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, errors, flops, sharding, topologies, train, versions
+from bertjax import cli, flops, sharding, topologies, train, versions
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 GIB = 2**30
 
@@ -87,9 +88,9 @@ def parse_topology(name: str, num_slices: int = 1) -> Topology:
   try:
     slice_type = topologies.parse(name)
   except ValueError as e:
-    raise errors.Refusal(str(e).replace("Unknown accelerator type", "Unknown TPU topology", 1)) from None
+    raise Refusal(str(e).replace("Unknown accelerator type", "Unknown TPU topology", 1)) from None
   if num_slices < 1:
-    raise errors.Refusal(f"num_slices={num_slices} must be >= 1")
+    raise Refusal(f"num_slices={num_slices} must be >= 1")
   gen = slice_type.generation
   short_name = f"{gen.short}-{slice_type.cores}"
   return Topology(short_name, gen.short, slice_type.shape, num_slices, slice_type)

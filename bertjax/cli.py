@@ -23,7 +23,8 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import errors, files, hostmem, platforms, watchdog
+from bertjax import files, hostmem, platforms, watchdog
+from bertjax.errors import Refusal
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -288,12 +289,12 @@ class Stopped(Exception):
 
 
 def explained(run, *args, **kwargs):
-  """Runs `run(*args, **kwargs)`; a refusal of the input (an `errors.Refusal`: a bad config value,
-  a malformed file, a checkpoint of another run; a missing file or folder; a file that is not text
-  or JSON; a non-finite loss) or a full disk ends the command with its message alone and exit
-  status 1, as `bertjax.aot` does: the message names the problem and the fix, and a traceback
-  would only bury it. Other errors keep their traceback: a plain ValueError is a fault of the
-  code, not of its input."""
+  """Runs `run(*args, **kwargs)`; a refusal of the input (a `Refusal` of bertjax/errors.py: a bad
+  config value, a malformed file, a checkpoint of another run; a missing file or folder; a file
+  that is not text or JSON; a non-finite loss) or a full disk ends the command with its message
+  alone and exit status 1, as `bertjax.aot` does: the message names the problem and the fix, and
+  a traceback would only bury it. Other errors keep their traceback: a plain ValueError is a
+  fault of the code, not of its input."""
   # lazy: control imports jax (as `start` says of distributed).
   from bertjax import control  # pylint: disable=import-outside-toplevel
   try:
@@ -312,10 +313,10 @@ def explained(run, *args, **kwargs):
         program(), err, "what it wrote before is kept (each file is written whole or not at "
         "all)")):
       sys.exit(f"bertjax: {said}")
-    if type(err) is errors.Refusal:  # pylint: disable=unidiomatic-typecheck
+    if type(err) is Refusal:  # pylint: disable=unidiomatic-typecheck
       sys.exit(f"bertjax: ValueError: {err}")  # as said before Refusal was its own class
     # A file that is not UTF-8 or not JSON: what bertjax read is at fault, not bertjax.
-    if isinstance(err, (errors.Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+    if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                         UnicodeDecodeError, json.JSONDecodeError, control.NonFiniteError)):
       sys.exit(f"bertjax: {type(err).__name__}: {err}")
     if isinstance(err, OSError):

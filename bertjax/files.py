@@ -19,7 +19,8 @@ import os
 import shutil
 from typing import Any, Callable, Iterator
 
-from bertjax import errors
+from bertjax.errors import Refusal
+
 
 
 def _is_url(path: str) -> bool:
@@ -58,7 +59,7 @@ def makedirs(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
-class DamagedFileError(errors.Refusal):
+class DamagedFileError(Refusal):
   """A file bertjax wrote is cut short or not what it should hold (said with the file's path)."""
 
 

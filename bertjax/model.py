@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import attention, dropout, errors, sharding
+from bertjax import attention, dropout, sharding
+from bertjax.errors import Refusal
 
 
 def gelu(x):
@@ -173,7 +174,7 @@ class BertConfig:
       except TypeError:
         problems.append(f"{name}={getattr(self, name)!r} is not a dtype name (e.g. 'bfloat16')")
     if problems:
-      raise errors.Refusal("Invalid BertConfig: " + "; ".join(problems))
+      raise Refusal("Invalid BertConfig: " + "; ".join(problems))
 
   @property
   def head_size(self) -> int:
@@ -222,7 +223,7 @@ class BertConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-      raise errors.Refusal(f"Unknown BertConfig keys {unknown}; known keys are {sorted(known)}")
+      raise Refusal(f"Unknown BertConfig keys {unknown}; known keys are {sorted(known)}")
     return cls(**values)
 
 

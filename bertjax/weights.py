@@ -37,8 +37,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, errors, files
+from bertjax import checkpoint as checkpoint_lib, files
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.errors import Refusal
 from bertjax.formats import converted, google, hf, modernbert, tf_bundle, vocabulary
 from bertjax.model import BertConfig
 
@@ -158,7 +159,7 @@ def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") 
     try:
       step = int(checkpoint)
     except ValueError:
-      raise errors.Refusal(f"checkpoint={checkpoint!r}: use best, latest or a step number.") from None
+      raise Refusal(f"checkpoint={checkpoint!r}: use best, latest or a step number.") from None
   best = os.path.join(path, "best")
   if checkpoint == "best" and files.isdir(best) and any(
       name.isdigit() for name in files.listdir(best)):
@@ -233,8 +234,8 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
   finally:
     ckpt.close()
   if "model" not in meta:
-    raise errors.Refusal(f"{what}={folder} step {step} records no model shape (its record has "
-                     f"{sorted(meta)}); it was not written by bertjax's training loop")
+    raise Refusal(f"{what}={folder} step {step} records no model shape (its record has "
+                  f"{sorted(meta)}); it was not written by bertjax's training loop")
   vocab = _workdir_vocabulary(workdir)
   if vocab.get("fingerprint") is None:
     vocab["fingerprint"] = meta.get("tokenizer_fingerprint")
@@ -335,14 +336,13 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
     config = modernbert.config_from_modernbert(
         files.read_json(os.path.join(folder, "config.json"), "the ModernBERT config"))
   except ValueError as err:
-    raise errors.Refusal(f"{what}={folder}: {err}") from None
+    raise Refusal(f"{what}={folder}: {err}") from None
   names = _safetensors_names(folder, what)
   # ModernBERT's own tokenizer (BPE, tokenizer.json) is not one bertjax's data pipeline reads
   # yet: a vocab.txt put beside the weights is read as in a BERT folder, else none is taken.
-  vocabulary = vocabulary.of_folder(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
+  vocab = vocabulary.of_folder(folder) if files.exists(os.path.join(folder, "vocab.txt")) else dict(
       casing_why="a ModernBERT folder's BPE tokenizer is not read by bertjax")
-  return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names),
-                 **vocabulary)
+  return Weights(folder, "modernbert", config, (ENCODER,) + modernbert.heads_in(names), **vocab)
 
 
 # Reading ---------------------------------------------------------------------------------------

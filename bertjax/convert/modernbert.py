@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 
-from bertjax import errors, weights
+from bertjax import weights
+from bertjax.errors import Refusal
 from bertjax.formats import converted, modernbert
 
 
@@ -24,7 +25,7 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
   """Writes a converted folder (bert_config.json + params/) from a ModernBERT folder."""
   source = weights.inspect(hf_dir, what="--hf_dir")
   if source.kind != modernbert.MODEL_TYPE:
-    raise errors.Refusal(f"--hf_dir={hf_dir} is a {source.kind} folder, not a ModernBERT one")
+    raise Refusal(f"--hf_dir={hf_dir} is a {source.kind} folder, not a ModernBERT one")
   config, params = modernbert.load_dir(hf_dir, scan_layers=scan_layers)
   converted.save_params(output, params, config)
   return (f"Imported {hf_dir} -> {output} ({config.num_layers} layers, hidden "

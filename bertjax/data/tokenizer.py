@@ -20,9 +20,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from bertjax import errors, files
+from bertjax import files
 from bertjax.data import corpus, storage
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
@@ -45,13 +46,13 @@ class Tokenizer:
     index = {p: i for i, p in enumerate(self.pieces)}
     missing = [t for t in SPECIAL_TOKENS if t not in index]
     if missing:
-      raise errors.Refusal(f"{kind} vocabulary of {self.vocab_size} pieces lacks the special token(s) "
-                       f"{missing}; BERT needs all of {list(SPECIAL_TOKENS)}.")
+      raise Refusal(f"{kind} vocabulary of {self.vocab_size} pieces lacks the special token(s) "
+                    f"{missing}; BERT needs all of {list(SPECIAL_TOKENS)}.")
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
         index[t] for t in SPECIAL_TOKENS)
     if self.pad_id != 0:
-      raise errors.Refusal(f"[PAD] must have id 0 (padding is zeros everywhere); this vocabulary has "
-                       f"it at {self.pad_id}.")
+      raise Refusal(f"[PAD] must have id 0 (padding is zeros everywhere); this vocabulary has "
+                    f"it at {self.pad_id}.")
     self.special_ids = (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
     # Whole-word masking groups a piece with the word-start piece before it.
     self.word_start_V = np.asarray(word_start_V, bool)
@@ -230,8 +231,8 @@ def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
   for i, p in enumerate(pieces):
     vocab[p] = i  # a duplicate maps to its last line, as the original's dict; ids = line numbers
   if UNK not in vocab:
-    raise errors.Refusal(f"WordPiece vocabulary {path} ({len(pieces)} lines) lacks {UNK}; BERT needs "
-                     f"all of {list(SPECIAL_TOKENS)}.")
+    raise Refusal(f"WordPiece vocabulary {path} ({len(pieces)} lines) lacks {UNK}; BERT needs "
+                  f"all of {list(SPECIAL_TOKENS)}.")
   hf = HfTokenizer(models.WordPiece(vocab=vocab, unk_token=UNK,
                                     max_input_chars_per_word=MAX_WORD_CHARS))
   # Normalized here, not by Hugging Face's BertNormalizer, which differs from the original:
@@ -275,8 +276,8 @@ def vocab_path_of(data: DataConfig) -> str:
   if data.vocab_path:
     return data.vocab_path
   if data.tokenizer != "sentencepiece":
-    raise errors.Refusal(f"config.data.vocab_path is empty; a {data.tokenizer} tokenizer needs "
-                     f"one (e.g. the vocab.txt of a released BERT checkpoint).")
+    raise Refusal(f"config.data.vocab_path is empty; a {data.tokenizer} tokenizer needs "
+                  f"one (e.g. the vocab.txt of a released BERT checkpoint).")
   return cached_sentencepiece_path(data.source, data.tfds_split, data.eval_fraction,
                                    data.cache_dir, data.spm_vocab_size, data.do_lower_case)
 
@@ -309,14 +310,14 @@ def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = Tr
   """The tokenizer of a vocabulary file; `kind` None goes by the file's name (`kind_of`);
   `do_lower_case` is WordPiece's (a SentencePiece model carries its own normalization)."""
   if not path:
-    raise errors.Refusal("No vocabulary: set config.data.vocab_path (a SentencePiece .model or a "
-                     "WordPiece vocab.txt).")
+    raise Refusal("No vocabulary: set config.data.vocab_path (a SentencePiece .model or a "
+                  "WordPiece vocab.txt).")
   if not files.exists(path):
     raise FileNotFoundError(f"Vocabulary file {path} does not exist (train one with "
                             f"`python -m bertjax.data.tokenizer train ...`).")
   kind = kind or kind_of(path)
   if kind not in ("sentencepiece", "wordpiece"):
-    raise errors.Refusal(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
+    raise Refusal(f"Unknown tokenizer {kind!r}: use 'sentencepiece' or 'wordpiece'.")
   # Once per process: preparation, the pipeline, init_from and the converters each ask for the
   # run's vocabulary, and building one (a 30k-piece WordPiece, a SentencePiece model) costs far
   # more than reading its file. Keyed by the file's bytes, not its name or time, so a vocabulary
@@ -388,9 +389,9 @@ def train_sentencepiece(sentences: Iterable[str], *, vocab_size: int, output: st
       logging.warning("SentencePiece training leaves out %d sentence(s) longer than %d bytes.",
                       too_long, SPM_MAX_SENTENCE_BYTES)
     if count == 0:
-      raise errors.Refusal(f"Cannot train SentencePiece: the corpus yielded no sentence of at most "
-                       f"{SPM_MAX_SENTENCE_BYTES} bytes ({too_long} longer one(s)). The format "
-                       f"wants one sentence per line, a blank line between documents.")
+      raise Refusal(f"Cannot train SentencePiece: the corpus yielded no sentence of at most "
+                    f"{SPM_MAX_SENTENCE_BYTES} bytes ({too_long} longer one(s)). The format "
+                    f"wants one sentence per line, a blank line between documents.")
     spm.set_random_generator_seed(seed)
     try:
       spm.SentencePieceTrainer.train(
@@ -420,12 +421,12 @@ def _spm_error(err: RuntimeError, vocab_size: int, count: int) -> Exception:
   sizes = re.search(r"(\d+) vs (\d+)", text)
   if "required_chars" in text and sizes:
     needed = max(int(x) for x in sizes.groups())
-    return ValueError(f"A SentencePiece vocabulary of {vocab_size} pieces (spm_vocab_size, or "
-                      f"--vocab_size) cannot hold the {needed} distinct characters and special "
-                      f"pieces this corpus needs; ask for at least {needed} pieces (thousands, for "
-                      f"a useful vocabulary).")
-  return ValueError(f"SentencePiece could not train a vocabulary of {vocab_size} pieces on {count} "
-                    f"sentence(s): {text}")
+    return Refusal(f"A SentencePiece vocabulary of {vocab_size} pieces (spm_vocab_size, or "
+                   f"--vocab_size) cannot hold the {needed} distinct characters and special "
+                   f"pieces this corpus needs; ask for at least {needed} pieces (thousands, for "
+                   f"a useful vocabulary).")
+  return Refusal(f"SentencePiece could not train a vocabulary of {vocab_size} pieces on {count} "
+                 f"sentence(s): {text}")
 
 
 def ensure_sentencepiece(data: DataConfig) -> str:
@@ -433,9 +434,9 @@ def ensure_sentencepiece(data: DataConfig) -> str:
   import tensorflow as tf
   path = vocab_path_of(data)
   if data.tokenizer != "sentencepiece":
-    raise errors.Refusal(f"Only SentencePiece vocabularies are trained here, not {data.tokenizer!r}.")
+    raise Refusal(f"Only SentencePiece vocabularies are trained here, not {data.tokenizer!r}.")
   if not path.endswith(".model"):
-    raise errors.Refusal(f"SentencePiece vocab_path must end in .model, got {path!r}.")
+    raise Refusal(f"SentencePiece vocab_path must end in .model, got {path!r}.")
   if not tf.io.gfile.exists(path):
     storage.make_dirs(os.path.dirname(path) or ".",
                       "vocab_path" if data.vocab_path else "cache_dir")

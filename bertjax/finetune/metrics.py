@@ -17,7 +17,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from bertjax import errors
+from bertjax.errors import Refusal
+
 
 
 def check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -152,8 +153,8 @@ def main_value(family: str, choices: Sequence[str], lower: Sequence[str],
   """scores[main], higher is better (negated where `lower` says lower is); main must be one of
   the family's `choices` (its MAIN_METRICS)."""
   if main not in choices:
-    raise errors.Refusal(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
-                     f"choose one of {list(choices)}.")
+    raise Refusal(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
+                  f"choose one of {list(choices)}.")
   return -scores[main] if main in lower else scores[main]
 
 

@@ -20,7 +20,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from bertjax import errors, files, taskspec
+from bertjax import files, taskspec
+from bertjax.errors import Refusal
 from bertjax.formats import outfolder
 from bertjax.model import BertConfig
 
@@ -53,12 +54,12 @@ _IGNORED_KEYS = ("bert.embeddings.position_ids",)
 def config_from_hf(hf_config: dict, **overrides) -> BertConfig:
   """A BertConfig from the dict of a Hugging Face BERT `config.json`."""
   if hf_config.get("position_embedding_type", "absolute") != "absolute":
-    raise errors.Refusal(f"position_embedding_type={hf_config['position_embedding_type']!r} is not "
-                     "supported; bertjax implements the original absolute positions")
+    raise Refusal(f"position_embedding_type={hf_config['position_embedding_type']!r} is not "
+                  "supported; bertjax implements the original absolute positions")
   act = hf_config.get("hidden_act", "gelu")
   if act not in _HF_ACTIVATIONS:
-    raise errors.Refusal(f"hidden_act={act!r} has no bertjax equivalent; "
-                     f"supported: {sorted(_HF_ACTIVATIONS)}")
+    raise Refusal(f"hidden_act={act!r} has no bertjax equivalent; "
+                  f"supported: {sorted(_HF_ACTIVATIONS)}")
   values = {ours: hf_config[theirs] for theirs, ours in HF_CONFIG_KEYS.items()
             if theirs in hf_config}
   values["hidden_act"] = _HF_ACTIVATIONS[act]
@@ -70,9 +71,9 @@ def config_to_hf(config: BertConfig) -> dict:
   which Hugging Face's BERT cannot express."""
   modern = config.modern_options()
   if modern:
-    raise errors.Refusal(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
-                     "model has none of them); a ModernBERT-shaped model exports with "
-                     "`python -m bertjax.convert.modernbert export`")
+    raise Refusal(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
+                  "model has none of them); a ModernBERT-shaped model exports with "
+                  "`python -m bertjax.convert.modernbert export`")
   out = {theirs: getattr(config, ours) for theirs, ours in HF_CONFIG_KEYS.items()}
   out.update(model_type="bert", architectures=["BertForPreTraining"],
              hidden_act={"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[config.hidden_act],
@@ -257,7 +258,7 @@ def _check(state_dict: dict, config: BertConfig, heads) -> None:
     problems.append(f"keys that should equal their tied source but differ: {untied} "
                     "(bertjax ties the MLM decoder to the word embeddings)")
   if problems:
-    raise errors.Refusal(
+    raise Refusal(
         f"The Hugging Face state dict does not fit BertConfig(vocab_size={config.vocab_size}, "
         f"hidden_size={config.hidden_size}, num_layers={config.num_layers}, "
         f"intermediate_size={config.intermediate_size}, max_position_embeddings="

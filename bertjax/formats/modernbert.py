@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from bertjax import errors
+from bertjax.errors import Refusal
 from bertjax.formats import hf, outfolder
 from bertjax.model import BertConfig
 
@@ -54,8 +54,8 @@ def config_from_modernbert(c: dict, **overrides) -> BertConfig:
       problems.append(f"{key}={value!r} (supported: {sorted(_ACTIVATIONS)})")
     acts[key] = _ACTIVATIONS.get(value)
   if problems:
-    raise errors.Refusal("This ModernBERT config.json uses what bertjax does not implement: "
-                     + "; ".join(problems))
+    raise Refusal("This ModernBERT config.json uses what bertjax does not implement: "
+                  + "; ".join(problems))
   every = int(c.get("global_attn_every_n_layers", 3))
   local_theta = c.get("local_rope_theta")
   values = dict(
@@ -105,8 +105,8 @@ def config_to_modernbert(config: BertConfig, token_ids: dict | None = None) -> d
     if act not in _ACTIVATIONS_BACK:
       wrong.append(f"{key}={act!r} (ModernBERT takes {sorted(_ACTIVATIONS_BACK)})")
   if wrong:
-    raise errors.Refusal("This model has no ModernBERT form: " + "; ".join(wrong)
-                     + ". Export it with `python -m bertjax.convert.hf export` if it is BERT's")
+    raise Refusal("This model has no ModernBERT form: " + "; ".join(wrong)
+                  + ". Export it with `python -m bertjax.convert.hf export` if it is BERT's")
   every = config.global_every
   if token_ids is None:
     token_ids = (_DEFAULT_TOKEN_IDS if config.vocab_size > max(_DEFAULT_TOKEN_IDS.values())
@@ -198,7 +198,7 @@ def _check(sd: dict, config: BertConfig, heads) -> None:
     problems.append("decoder.weight differs from the word embeddings although config.json ties "
                     "them (tie_word_embeddings); set tie_word_embeddings=false in config.json")
   if problems:
-    raise errors.Refusal(
+    raise Refusal(
         f"The ModernBERT state dict does not fit its config (hidden_size={config.hidden_size}, "
         f"num_layers={config.num_layers}, intermediate_size={config.intermediate_size}, "
         f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}, norm_bias="
@@ -262,8 +262,8 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None) -> 
   sd = _normalise_names(state_dict)
   heads = heads_in(sd) if heads is None else tuple(heads)
   if set(heads) - {"mlm"}:
-    raise errors.Refusal(f"A ModernBERT folder holds no {sorted(set(heads) - {'mlm'})} head; it has "
-                     "the MLM head only (no next-sentence prediction)")
+    raise Refusal(f"A ModernBERT folder holds no {sorted(set(heads) - {'mlm'})} head; it has "
+                  "the MLM head only (no next-sentence prediction)")
   _check(sd, config, heads)
   layers = [_layer_from(sd, config, i) for i in range(config.num_layers)]
   if config.scan_layers:

@@ -36,8 +36,8 @@ def lower_case_from_name(name: str) -> bool | None:
 
 
 def of_folder(folder: str, hf_config: dict | None = None) -> dict:
-  """The vocabulary fields of weights.Weights for a folder: its record, else vocab.txt with the casing of a
-  Hugging Face tokenizer_config.json or of the folder's name."""
+  """The vocabulary fields of weights.Weights for a folder: its record, else vocab.txt with the
+  casing of a Hugging Face tokenizer_config.json or of the folder's name."""
   recorded = record(folder)
   if recorded is not None:
     vocab = os.path.join(folder, recorded.get("file", "vocab.txt"))

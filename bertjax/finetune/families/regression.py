@@ -14,7 +14,8 @@ from typing import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import errors, heads, taskspec as spec_lib, train
+from bertjax import heads, taskspec as spec_lib, train
+from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
@@ -69,8 +70,8 @@ def label_of(row, column: str) -> float:
   except (TypeError, ValueError):
     number = float("nan")
   if not np.isfinite(number):
-    raise errors.Refusal(f"{row.where}: column {column!r} holds {value!r}, not a number; a "
-                     "regression task needs a number on every row.")
+    raise Refusal(f"{row.where}: column {column!r} holds {value!r}, not a number; a "
+                  "regression task needs a number on every row.")
   return number
 
 
@@ -108,7 +109,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   notes: list[str] = []
   train = features(train_rows)
   if cfg.class_weights:
-    raise errors.Refusal("train.class_weights applies to classification, not regression.")
+    raise Refusal("train.class_weights applies to classification, not regression.")
   evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode, notes,
                                      label_of=label_of)
   return TaskData("regression", objective(spec), train, evals, predicts, main, notes, spec=spec)

@@ -16,7 +16,8 @@ import functools
 
 import numpy as np
 
-from bertjax import errors, heads, losses, taskspec as spec_lib, train
+from bertjax import heads, losses, taskspec as spec_lib, train
+from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad, squad_metrics
 from bertjax.finetune import squad_postprocess, textfiles
 from bertjax.finetune.config import TaskConfig
@@ -128,8 +129,8 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   training question is unanswerable."""
   data = cfg.data
   if not (data.train_file and data.dev_file):
-    raise errors.Refusal("A span task from one's own files needs config.data.train_file and "
-                     "config.data.dev_file, each in SQuAD's JSON layout.")
+    raise Refusal("A span task from one's own files needs config.data.train_file and "
+                  "config.data.dev_file, each in SQuAD's JSON layout.")
   train_set = squad.read_squad_json(data.train_file, is_training=True)
   said = data.version_2_with_negative
   version_2 = bool(said) if said is not None else any(e.is_impossible for e in train_set.examples)

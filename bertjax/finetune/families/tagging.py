@@ -24,7 +24,8 @@ from typing import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import errors, heads, taskspec as spec_lib, train
+from bertjax import heads, taskspec as spec_lib, train
+from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, ner, objectives, textfiles
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
@@ -105,12 +106,12 @@ def ner_features(sentences: Sequence[ner.Sentence], tokenizer, max_seq_length: i
   N counts windows: a sentence of more than max_seq_length - 2 pieces takes several.
   """
   if max_seq_length < 3:
-    raise errors.Refusal(f"max_seq_length {max_seq_length} leaves no room beside [CLS] and [SEP].")
+    raise Refusal(f"max_seq_length {max_seq_length} leaves no room beside [CLS] and [SEP].")
   label_id = {t: k for k, t in enumerate(labels)}
   for s in sentences:
     unknown = set(s.tags) - set(label_id)
     if unknown:
-      raise errors.Refusal(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
+      raise Refusal(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
   room = max_seq_length - 2
   pieces = tokenizer.encode_batch([w for s in sentences for w in s.words])
   # A window: (sentence, piece ids, each piece's label id or -1 after a word's first, first word).
@@ -267,13 +268,13 @@ def read_tagged(path: str, spec: spec_lib.TaskSpec, fmt: str
   for row in textfiles.read_rows(path, [spec.tokens, spec.tags], fmt):
     words, tags = textfiles.list_of(row, spec.tokens), textfiles.list_of(row, spec.tags)
     if len(words) != len(tags):
-      raise errors.Refusal(f"{row.where}: {len(words)} word(s) in {spec.tokens!r} but {len(tags)} "
-                       f"tag(s) in {spec.tags!r}; a tagging row has one tag per word.")
+      raise Refusal(f"{row.where}: {len(words)} word(s) in {spec.tokens!r} but {len(tags)} "
+                    f"tag(s) in {spec.tags!r}; a tagging row has one tag per word.")
     if not words:
-      raise errors.Refusal(f"{row.where}: no words in column {spec.tokens!r}.")
+      raise Refusal(f"{row.where}: no words in column {spec.tokens!r}.")
     out.append((row.where, words, tags))
   if not out:
-    raise errors.Refusal(f"{path}: no sentences.")
+    raise Refusal(f"{path}: no sentences.")
   return out
 
 
@@ -284,9 +285,9 @@ def tagged_sentences(raw, scheme: str, labels: Sequence[str]) -> list[ner.Senten
     iob2 = ner.scheme_to_iob2(tags, scheme, where)
     for i, tag in enumerate(iob2):
       if tag not in known:
-        raise errors.Refusal(f"{where} word {i + 1}: entity type of tag {tags[i]!r} is not in the "
-                         f"label map {list(labels)}; add the type to config.data.labels or fix "
-                         "the tag.")
+        raise Refusal(f"{where} word {i + 1}: entity type of tag {tags[i]!r} is not in the "
+                      f"label map {list(labels)}; add the type to config.data.labels or fix "
+                      "the tag.")
     sentences.append(ner.Sentence(where, tuple(words), tuple(iob2)))
   return sentences
 
@@ -304,8 +305,8 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   if scheme == "IOB2":
     scheme = "BIO"
   if scheme not in spec_lib.TAG_SCHEMES:
-    raise errors.Refusal(f"config.data.tag_scheme={cfg.data.tag_scheme!r}: use one of "
-                     f"{spec_lib.TAG_SCHEMES} or '' to detect it from the training file.")
+    raise Refusal(f"config.data.tag_scheme={cfg.data.tag_scheme!r}: use one of "
+                  f"{spec_lib.TAG_SCHEMES} or '' to detect it from the training file.")
   given = custom.labels_given(cfg.data)
   if given:
     kinds = [ner.scheme_tag(t)[1] for t in given if t != "O"]
@@ -313,7 +314,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
     kinds = [ner.scheme_tag(t)[1] for _, _, tags in raw_train for t in tags if t != "O"]
   labels = ner.tag_labels(kinds)
   if len(labels) < 2:
-    raise errors.Refusal(f"{train_path}: no entity tags (every word is O); nothing to learn.")
+    raise Refusal(f"{train_path}: no entity tags (every word is O); nothing to learn.")
   spec = custom.spec_of("tagging", cfg, labels, scheme)
 
   def features(sentences):
