@@ -1,4 +1,4 @@
-"""What the commands (main, finetune, aot, benchmark, data.prepare, convert, predict, launch.tpu)
+"""What the commands (pretrain, finetune, aot, benchmark, data.prepare, convert, predict, launch.tpu)
 share: the `--config` flag, a run's flags and start-up, `run` (absl's app.run with usage errors in
 one line), subcommands, quiet logs, refusals reported without a traceback.
 
@@ -315,7 +315,8 @@ def explained(run, *args, **kwargs):
       sys.exit(f"bertjax: {said}")
     if type(err) is Refusal:  # pylint: disable=unidiomatic-typecheck
       sys.exit(f"bertjax: ValueError: {err}")  # as said before Refusal was its own class
-    # A file that is not UTF-8 or not JSON: what bertjax read is at fault, not bertjax.
+    # The project's refusals; a missing file or folder; a file that is not UTF-8 or not JSON (what
+    # was read is at fault, not bertjax); a non-finite loss.
     if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                         UnicodeDecodeError, json.JSONDecodeError, control.NonFiniteError)):
       sys.exit(f"bertjax: {type(err).__name__}: {err}")

@@ -5,7 +5,7 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-Usage: launch/local.sh [-n N] [-d D] [-p PORT] [--python PY] [-m MODULE] -- BERTJAX_MAIN_FLAGS...
+Usage: launch/local.sh [-n N] [-d D] [-p PORT] [--python PY] [-m MODULE] -- FLAGS...
 
 Runs N processes of `python -m bertjax.pretrain` on this machine as the hosts of a pod: each sees D
 emulated CPU devices, and together they form one global mesh of N x D devices (collectives over
