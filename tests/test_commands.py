@@ -73,6 +73,8 @@ def test_every_command_is_in_the_readme_table_and_every_entry_exists():
   readme = (ROOT / "README.md").read_text()
   for old in ALIASES:  # an old name a user may still type is said to run
     assert f"`{old}`" in readme, old
+  row = next(line for line in readme.splitlines() if line.startswith("| `python -m bertjax.benchmark`"))
+  assert re.findall(r"`(\w+)`", row.split("|")[2]) == list(benchmark_commands.SUBCOMMANDS)
 
 
 def test_every_benchmark_module_is_a_subcommand():
