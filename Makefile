@@ -38,7 +38,7 @@ test: $(VENV)/.installed-test
 # Running it again resumes, or reports that the run is complete.
 WORKDIR ?= workdirs/tiny
 pretrain: $(VENV)/.installed
-	JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(HUGE_PAGES) $(PY) -m bertjax.main --config=configs/tiny.py \
+	JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=2 $(HUGE_PAGES) $(PY) -m bertjax.pretrain --config=configs/tiny.py \
 	  --workdir=$(WORKDIR) $(ARGS)
 
 # Fine-tunes the encoder of $(WORKDIR) (pre-training it first if it has no checkpoint) on the

@@ -8,7 +8,7 @@
 libtpu (`pip install -e '.[tpu]'`) has a compile-only client: from a topology name it makes devices
 that run nothing but that XLA's TPU compiler targets exactly as it would a real slice. What is
 compiled is `train.from_config(config, devices=...).train_step` with its shardings and donation,
-lowered on `jax.ShapeDtypeStruct`s: the program `bertjax.main` compiles on the pod, so a config
+lowered on `jax.ShapeDtypeStruct`s: the program `bertjax.pretrain` compiles on the pod, so a config
 that fits here fits there.
 
 Prints per-chip memory from XLA's buffer assignment (arguments, outputs, temporaries, code, less
@@ -48,6 +48,7 @@ from absl import app, flags
 
 from bertjax import cli, flops, sharding, topologies, train, versions
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 GIB = 2**30
 
@@ -87,9 +88,9 @@ def parse_topology(name: str, num_slices: int = 1) -> Topology:
   try:
     slice_type = topologies.parse(name)
   except ValueError as e:
-    raise ValueError(str(e).replace("Unknown accelerator type", "Unknown TPU topology", 1)) from None
+    raise Refusal(str(e).replace("Unknown accelerator type", "Unknown TPU topology", 1)) from None
   if num_slices < 1:
-    raise ValueError(f"num_slices={num_slices} must be >= 1")
+    raise Refusal(f"num_slices={num_slices} must be >= 1")
   gen = slice_type.generation
   short_name = f"{gen.short}-{slice_type.cores}"
   return Topology(short_name, gen.short, slice_type.shape, num_slices, slice_type)

@@ -30,6 +30,9 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
+from bertjax.errors import Refusal
+
+
 IMPLS = ("xla", "cudnn", "splash")
 # The splash kernel works on blocks of the sequence whose kv side must be a multiple of the TPU's
 # 128 lanes; larger blocks are fewer grid steps. The largest of these dividing L is used.
@@ -120,7 +123,7 @@ def splash_block_size(length: int) -> int:
   for block in SPLASH_BLOCKS:
     if length % block == 0:
       return block
-  raise ValueError(
+  raise Refusal(
       f"attention_impl='splash' needs a sequence length that is a multiple of "
       f"{SPLASH_BLOCKS[-1]} (the kernel's smallest block); got {length}. Set data.max_seq_length "
       f"to a multiple of {SPLASH_BLOCKS[-1]} (e.g. {max(128, -(-length // 128) * 128)}), or use "

@@ -1,4 +1,6 @@
 """Throughput of the real train step on synthetic batches: `python -m bertjax.benchmark --config=...`
+(`python -m bertjax.benchmark train`; the other benchmarks are its other subcommands,
+bertjax/benchmark_commands.py).
 
     python -m bertjax.benchmark --config=configs/bert_base.py --config.train.batch_size=8 \
         --config.data.max_seq_length=128 --steps=5
@@ -33,7 +35,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import cli, flops, hostmem, opprofile, train
+from bertjax import benchmark_commands, cli, flops, hostmem, opprofile, train
 from bertjax.data.config import DataConfig
 from bertjax.flops import peak_tflops, train_flops
 
@@ -222,6 +224,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  benchmark_commands.dispatch(sys.argv)  # another subcommand runs there; train goes on here
   hostmem.restart_with_huge_pages()
   define_flags()
   cli.run(main)

@@ -1,6 +1,6 @@
 """bertjax's train step side by side with Hugging Face's FlaxBertForPreTraining, in one process.
 
-    python -m bertjax.benchmark_hf --config=configs/bert_base.py --config.train.batch_size=8 \
+    python -m bertjax.benchmark hf --config=configs/bert_base.py --config.train.batch_size=8 \
         --config.data.max_seq_length=128 --steps=3
 
 Same model shape, dropout, batch, sequence length and masking density (M = max_predictions_per_seq

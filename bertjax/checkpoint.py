@@ -31,6 +31,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from bertjax import files
+from bertjax.errors import Refusal
 from bertjax.model import SHAPE_FIELDS, BertConfig
 
 
@@ -77,11 +78,11 @@ def _abspath(path: str) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(Refusal):
   """The checkpoint was written by another model, optimizer or vocabulary than the config's."""
 
 
-class CheckpointDamagedError(ValueError):
+class CheckpointDamagedError(Refusal):
   """A checkpoint's files are missing, cut short or unparsable (said with the step and the fix)."""
 
 

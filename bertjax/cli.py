@@ -1,4 +1,4 @@
-"""What the commands (main, finetune, aot, benchmark, data.prepare, convert, predict, launch.tpu)
+"""What the commands (pretrain, finetune, aot, benchmark, data.prepare, convert, predict, launch.tpu)
 share: the `--config` flag, a run's flags and start-up, `run` (absl's app.run with usage errors in
 one line), subcommands, quiet logs, refusals reported without a traceback.
 
@@ -12,6 +12,7 @@ working directory, the folder holding `configs/` (the config file's grandparent)
 """
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
 from bertjax import files, hostmem, platforms, watchdog
+from bertjax.errors import Refusal
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,7 +87,7 @@ def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", n
 
 
 def define_run_flags() -> None:
-  """The flags of a training run (`bertjax.main`, `bertjax.finetune`): the locked config, the
+  """The flags of a training run (`bertjax.pretrain`, `bertjax.finetune`): the locked config, the
   workdir and the multi-process join; `start` reads them."""
   define_config_flag()
   flags.DEFINE_string("workdir", None, "Checkpoints, TensorBoard logs and metrics go here "
@@ -171,9 +173,16 @@ def _misspelled_keys_in_one_line(argv: Sequence[str]):
              + " (every key and its meaning: configs/base.py).")
 
 
+# The command's name where it runs under another's (`bertjax.benchmark predict` runs the module
+# bertjax.benchmark_predict as its `__main__`): set by that command.
+PROGRAM: str | None = None
+
+
 def program() -> str:
   """The running command as its user typed it, for messages: `bertjax.convert.hf` for
   `python -m bertjax.convert.hf`, else the script's name."""
+  if PROGRAM is not None:
+    return PROGRAM
   spec = getattr(sys.modules.get("__main__"), "__spec__", None)
   if spec is not None and spec.name:
     return spec.name.removesuffix(".__main__")
@@ -280,10 +289,12 @@ class Stopped(Exception):
 
 
 def explained(run, *args, **kwargs):
-  """Runs `run(*args, **kwargs)`; a refusal of the input (a bad config value, a missing or
-  malformed file, a checkpoint of another run, a non-finite loss) or a full disk ends the command
-  with its message alone and exit status 1, as `bertjax.aot` does: the message names the problem
-  and the fix, and a traceback would only bury it. Other errors keep their traceback."""
+  """Runs `run(*args, **kwargs)`; a refusal of the input (a `Refusal` of bertjax/errors.py: a bad
+  config value, a malformed file, a checkpoint of another run; a missing file or folder; a file
+  that is not text or JSON; a non-finite loss) or a full disk ends the command with its message
+  alone and exit status 1, as `bertjax.aot` does: the message names the problem and the fix, and
+  a traceback would only bury it. Other errors keep their traceback: a plain ValueError is a
+  fault of the code, not of its input."""
   # lazy: control imports jax (as `start` says of distributed).
   from bertjax import control  # pylint: disable=import-outside-toplevel
   try:
@@ -302,8 +313,12 @@ def explained(run, *args, **kwargs):
         program(), err, "what it wrote before is kept (each file is written whole or not at "
         "all)")):
       sys.exit(f"bertjax: {said}")
-    if isinstance(err, (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-                        control.NonFiniteError)):
+    if type(err) is Refusal:  # pylint: disable=unidiomatic-typecheck
+      sys.exit(f"bertjax: ValueError: {err}")  # as said before Refusal was its own class
+    # The project's refusals; a missing file or folder; a file that is not UTF-8 or not JSON (what
+    # was read is at fault, not bertjax); a non-finite loss.
+    if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                        UnicodeDecodeError, json.JSONDecodeError, control.NonFiniteError)):
       sys.exit(f"bertjax: {type(err).__name__}: {err}")
     if isinstance(err, OSError):
       if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...

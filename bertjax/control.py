@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bertjax import metrics as metrics_lib, watchdog
+from bertjax.errors import Refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,8 @@ class Schedule:
         ("checkpoint.save_every_steps", self.save_every, 1),
         ("train.eval_every_steps", self.eval_every, 0)) if int(value) < low]
     if problems:
-      raise ValueError("Invalid intervals: " + "; ".join(problems)
-                       + " (eval_every_steps 0 means: evaluate at the end only)")
+      raise Refusal("Invalid intervals: " + "; ".join(problems)
+                    + " (eval_every_steps 0 means: evaluate at the end only)")
 
   def at_log(self, step: int) -> bool:
     return step % self.log_every == 0 or step == self.total_steps

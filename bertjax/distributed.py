@@ -21,6 +21,9 @@ import os
 
 import jax
 
+from bertjax.errors import Refusal
+
+
 ENV_COORDINATOR = "BERTJAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "BERTJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "BERTJAX_PROCESS_ID"
@@ -42,7 +45,7 @@ def _int_or_none(value, name: str) -> int | None:
   try:
     return int(value)
   except ValueError:
-    raise ValueError(f"{name}={value!r} is not an integer") from None
+    raise Refusal(f"{name}={value!r} is not an integer") from None
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -60,12 +63,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
   if coordinator_address:
     if num_processes is None or process_id is None:
-      raise ValueError(
+      raise Refusal(
           f"A coordinator address ({coordinator_address}) needs the number of processes and this "
           f"process's id too; got num_processes={num_processes}, process_id={process_id} (flags "
           f"or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})")
     if not 0 <= process_id < num_processes:
-      raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+      raise Refusal(f"process_id={process_id} must be in [0, num_processes={num_processes})")
     # Only read by the CPU client: without it, CPU computations cannot span processes.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address,
@@ -73,8 +76,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     logging.info("Process %d of %d joined %s", process_id, num_processes, coordinator_address)
     return True
   if num_processes not in (None, 1):
-    raise ValueError(f"num_processes={num_processes} needs a coordinator address (flag or "
-                     f"{ENV_COORDINATOR}), e.g. localhost:12345")
+    raise Refusal(f"num_processes={num_processes} needs a coordinator address (flag or "
+                  f"{ENV_COORDINATOR}), e.g. localhost:12345")
   if on_cloud_tpu():
     jax.distributed.initialize(**extra)
     return True

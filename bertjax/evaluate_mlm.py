@@ -20,6 +20,7 @@ from absl import app, flags
 
 from bertjax import checkpoint as checkpoint_lib, cli, loop, train, weights
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 
 def _config(path: str):
@@ -34,7 +35,7 @@ def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:
   config = _config("configs/tiny.py")  # its model, train and mesh sections; `data` is the data
   tok, manifest = loop.prepare_data(data)
   if source.fingerprint and source.fingerprint != manifest["settings"]["tokenizer_fingerprint"]:
-    raise ValueError(f"{workdir} was trained with another vocabulary than --data_config's.")
+    raise Refusal(f"{workdir} was trained with another vocabulary than --data_config's.")
   for key, value in dataclasses.asdict(source.config).items():
     if key in config.model:
       config.model[key] = value

@@ -19,6 +19,9 @@ import os
 import shutil
 from typing import Any, Callable, Iterator
 
+from bertjax.errors import Refusal
+
+
 
 def _is_url(path: str) -> bool:
   return "://" in path
@@ -56,7 +59,7 @@ def makedirs(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
-class DamagedFileError(ValueError):
+class DamagedFileError(Refusal):
   """A file bertjax wrote is cut short or not what it should hold (said with the file's path)."""
 
 

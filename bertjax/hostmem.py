@@ -9,7 +9,7 @@ pages, which matters where transparent huge pages are in "madvise" mode (a commo
 step then faults under a thousand times instead, its peak memory unchanged.
 
 glibc reads its tunables once, when the process starts, so the setting belongs to whoever starts
-it: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m bertjax.main ...` (the Makefile's targets and
+it: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m bertjax.pretrain ...` (the Makefile's targets and
 launch/local.sh set it). Nothing restarts a process behind its user's back: an entry point only
 says once, on a CPU run where the setting would help and is missing, how to set it
 (`hint_line`). `BERTJAX_HUGE_PAGES=restart` opts into the old convenience: the entry point then

@@ -3,7 +3,7 @@
 `execute(config, workdir, job)` is the one loop of every run: restore or initialise, the steps
 (`control.run_steps`), saves, logs, stop signals, evaluations. A `Job` says what differs between
 runs: the `train.Training` (its objective), the batches, the evaluation, where new parameters come
-from. `train_and_evaluate(config, workdir)` is pre-training's job, what `python -m bertjax.main`
+from. `train_and_evaluate(config, workdir)` is pre-training's job, what `python -m bertjax.pretrain`
 runs; fine-tuning's is `bertjax.finetune.run.finetune`. Resume is exact: the
 state is (step, params, opt_state); dropout keys are fold_in(seed, step) and the input pipeline
 restarts at any step with the same batches, so an interrupted-and-resumed run computes what an
@@ -34,6 +34,7 @@ from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as met
 from bertjax import files, watchdog as watchdog_lib, weights
 from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 from bertjax.model import BertConfig
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class LoopConfig:
         ("train.eval_sequences", t.eval_sequences, 0), ("checkpoint.keep", c.keep, 1),
         ("train.profile_num_steps", t.profile_num_steps, 1)) if int(value) < low]
     if problems:
-      raise ValueError("Invalid config: " + "; ".join(problems))
+      raise Refusal("Invalid config: " + "; ".join(problems))
     return cls(schedule=schedule, eval_sequences=t.eval_sequences,
                profile_start_step=t.profile_start_step, profile_num_steps=t.profile_num_steps,
                keep=c.keep, async_save=c.async_save, init_from=c.init_from,
@@ -85,8 +86,8 @@ def resolve_vocab_size(config_vocab: int, tokenizer_vocab: int) -> int:
   if config_vocab == 0:
     return tokenizer_vocab
   if config_vocab < tokenizer_vocab:
-    raise ValueError(f"config.model.vocab_size={config_vocab} is smaller than the tokenizer's "
-                     f"{tokenizer_vocab} pieces; set it to 0 (use the tokenizer's size) or larger")
+    raise Refusal(f"config.model.vocab_size={config_vocab} is smaller than the tokenizer's "
+                  f"{tokenizer_vocab} pieces; set it to 0 (use the tokenizer's size) or larger")
   return config_vocab
 
 
@@ -205,8 +206,8 @@ def evaluate(training: train.Training, state, batches: Iterator[Mapping[str, np.
       break
   scalars = total.take()
   if scalars is None:
-    raise ValueError("The held-out split yielded no batch: lower train.batch_size or hold out "
-                     "more documents (data.eval_fraction)")
+    raise Refusal("The held-out split yielded no batch: lower train.batch_size or hold out "
+                  "more documents (data.eval_fraction)")
   if jax.process_count() > 1:
     # Counts as float32 (jax without x64 would narrow float64 anyway): exact below 2**24 pairs.
     gathered = multihost_utils.process_allgather(np.array([not_next, pairs], np.float32))
@@ -354,8 +355,8 @@ def watchdog_seconds(config) -> float:
   """`train.watchdog_seconds`, checked: 0 (off) or at least 5 (the heartbeats' resolution)."""
   seconds = float(config.train.get("watchdog_seconds", 0) or 0)
   if seconds < 0 or 0 < seconds < 5:
-    raise ValueError(f"Invalid config: train.watchdog_seconds={seconds:g} must be 0 (off) or "
-                     ">= 5")
+    raise Refusal(f"Invalid config: train.watchdog_seconds={seconds:g} must be 0 (off) or "
+                  ">= 5")
   return seconds
 
 

@@ -1,27 +1,9 @@
-"""Entry point: `python -m bertjax.main --config=configs/tiny.py --workdir=/tmp/run`.
+"""`python -m bertjax.main`: the old name of `python -m bertjax.pretrain`, kept so that scripts and
+the command lines of jobs started before keep working: the same flags, the same run."""
 
-Any config key can be overridden with a dotted flag (`--config.train.batch_size=256`); the config
-is locked, so a misspelled key is an error. Third-party INFO logs are off unless absl's
---verbosity (or -v), --logtostderr or --alsologtostderr is given. Several processes (a TPU pod, or `launch/local.sh`)
-join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordinator_address,
---num_processes and --process_id (or the BERTJAX_* environment variables of bertjax.distributed).
-"""
-
-from absl import flags
-
-from bertjax import cli, hostmem
-
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  cli.start(argv)
-  # lazy: loop imports TensorFlow (tf.data); cli.start sets its log level and oneDNN switch first.
-  from bertjax import loop  # pylint: disable=import-outside-toplevel
-  cli.explained(loop.train_and_evaluate, FLAGS.config, FLAGS.workdir)
-
+from bertjax import cli, hostmem, pretrain
 
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
   cli.define_run_flags()
-  cli.run(main)
+  cli.run(pretrain.main)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import attention, dropout, sharding
+from bertjax.errors import Refusal
 
 
 def gelu(x):
@@ -186,7 +187,7 @@ class BertConfig:
       except TypeError:
         problems.append(f"{name}={getattr(self, name)!r} is not a dtype name (e.g. 'bfloat16')")
     if problems:
-      raise ValueError("Invalid BertConfig: " + "; ".join(problems))
+      raise Refusal("Invalid BertConfig: " + "; ".join(problems))
 
   @property
   def head_size(self) -> int:
@@ -235,7 +236,7 @@ class BertConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-      raise ValueError(f"Unknown BertConfig keys {unknown}; known keys are {sorted(known)}")
+      raise Refusal(f"Unknown BertConfig keys {unknown}; known keys are {sorted(known)}")
     return cls(**values)
 
 

@@ -36,6 +36,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bertjax.errors import Refusal
+
+
 MaskOrFn = Union[Any, Callable[[Any], Any]]
 
 # Substrings of a parameter's path that exclude it from weight decay (and from LAMB's trust ratio).
@@ -191,8 +194,8 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> 
   those of the same run alone. Only Python numbers are checked here."""
   numbers = all(isinstance(x, (int, float)) for x in (warmup_steps, total_steps))
   if numbers and (total_steps < 1 or warmup_steps < 0 or warmup_steps > total_steps):
-    raise ValueError(f"Need 0 <= warmup_steps ({warmup_steps}) <= total_steps ({total_steps}) "
-                     "and total_steps >= 1")
+    raise Refusal(f"Need 0 <= warmup_steps ({warmup_steps}) <= total_steps ({total_steps}) "
+                  "and total_steps >= 1")
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32)
@@ -209,9 +212,9 @@ def wsd_schedule(peak: float, warmup_steps: int, decay_steps: int,
                  total_steps: int) -> optax.Schedule:
   """Warmup to `peak` (linear), hold, then 1 - sqrt decay to 0 over the last `decay_steps`."""
   if not (decay_steps >= 1 and warmup_steps >= 0 and warmup_steps + decay_steps <= total_steps):
-    raise ValueError(f"schedule='wsd' needs decay_steps >= 1 and warmup_steps ({warmup_steps}) + "
-                     f"decay_steps ({decay_steps}) <= num_train_steps ({total_steps}); set "
-                     "train.decay_steps (ModernBERT's decay was about 3% of its steps)")
+    raise Refusal(f"schedule='wsd' needs decay_steps >= 1 and warmup_steps ({warmup_steps}) + "
+                  f"decay_steps ({decay_steps}) <= num_train_steps ({total_steps}); set "
+                  "train.decay_steps (ModernBERT's decay was about 3% of its steps)")
   decay_start = total_steps - decay_steps
 
   def schedule(count):
@@ -239,7 +242,7 @@ def create_optimizer(train_config, *, learning_rate=None, warmup_steps=None, tot
   """
   c = train_config
   if c.optimizer not in OPTIMIZERS:
-    raise ValueError(f"optimizer={c.optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
+    raise Refusal(f"optimizer={c.optimizer!r}; choose one of {sorted(OPTIMIZERS)}")
   peak = c.learning_rate if learning_rate is None else learning_rate
   warmup = c.warmup_steps if warmup_steps is None else warmup_steps
   total = c.num_train_steps if total_steps is None else total_steps

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bertjax import cli, files, taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.errors import Refusal
 from bertjax.finetune import families, glue, textfiles
 from bertjax.model import BertConfig, BertModel
 
@@ -68,12 +69,12 @@ class Predictor:
     self.config, self.tokenizer, self.spec, self.source = config, tokenizer, spec, source
     if jax.process_count() > 1:
       # Each process would read and write the whole file: one process, all its local devices.
-      raise ValueError("bertjax.predict runs in one process (all of its local devices); this "
-                       f"is process {jax.process_index()} of {jax.process_count()}. Run it on one "
-                       "host, or split the input file across hosts.")
+      raise Refusal("bertjax.predict runs in one process (all of its local devices); this "
+                    f"is process {jax.process_index()} of {jax.process_count()}. Run it on one "
+                    "host, or split the input file across hosts.")
     devices = list(jax.local_devices() if devices is None else devices)
     if rows_per_device < 1:
-      raise ValueError(f"rows_per_device={rows_per_device} must be >= 1.")
+      raise Refusal(f"rows_per_device={rows_per_device} must be >= 1.")
     self.batch_size = rows_per_device * len(devices)  # rows per call, over all devices
     self.mesh = Mesh(np.array(devices), ("data",))
     self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
@@ -92,14 +93,14 @@ class Predictor:
     source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
     spec = spec_lib.of(source)
     if spec is None and not embed:
-      raise ValueError(
+      raise Refusal(
           f"{path} is a {'pre-training run' if source.kind == 'workdir' else source.kind + ' folder'}"
           f" with no task head (no {spec_lib.FILE}, no task in its checkpoint's record): predict "
           "needs a fine-tuning workdir (python -m bertjax.finetune); for sentence vectors use "
           "--mode=embed.")
     if source.vocab_file is None:
-      raise ValueError(f"{path} records no vocabulary; predict needs the one the model was "
-                       "trained with (a workdir copies it in when its run starts).")
+      raise Refusal(f"{path} records no vocabulary; predict needs the one the model was "
+                    "trained with (a workdir copies it in when its run starts).")
     tokenizer = tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind,
                                               source.lower)
     if embed:
@@ -108,8 +109,8 @@ class Predictor:
     else:
       params = weights.read(source)
       if spec.head not in params:
-        raise ValueError(f"{source.describe()} holds no {spec.head!r} head for its {spec.family} "
-                         f"task (subtrees: {sorted(params)}).")
+        raise Refusal(f"{source.describe()} holds no {spec.head!r} head for its {spec.family} "
+                      f"task (subtrees: {sorted(params)}).")
     return cls(source.config, params, tokenizer, spec, rows_per_device=rows_per_device,
                devices=devices, source=source.describe())
 
@@ -209,7 +210,7 @@ class Predictor:
             ) -> Iterator[np.ndarray]:
     """[n, hidden] float32 vectors, a chunk at a time, for strings or rows' text_a (and text_b)."""
     if pooling not in POOLINGS:
-      raise ValueError(f"pooling={pooling!r}: use one of {POOLINGS}.")
+      raise Refusal(f"pooling={pooling!r}: use one of {POOLINGS}.")
     max_seq_length = min(max_seq_length, self.config.max_position_embeddings)
     chunk = []
 
@@ -235,9 +236,9 @@ def _check_columns(row: textfiles.Row, spec: spec_lib.TaskSpec, source: str) -> 
   needed = families.get(spec.family).columns(spec, row)
   missing = [c for c in needed if c not in row]
   if missing:
-    raise ValueError(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}, the model "
-                     f"({source}) reads {needed} as it was trained. Rename the columns, or name "
-                     "them with --text_a / --text_b / --tokens.")
+    raise Refusal(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}, the model "
+                  f"({source}) reads {needed} as it was trained. Rename the columns, or name "
+                  "them with --text_a / --text_b / --tokens.")
 
 
 def _as_row(x, spec: spec_lib.TaskSpec, k: int) -> textfiles.Row:
@@ -309,16 +310,16 @@ def check_output(input_path: str, output_path: str, *, overwrite: bool, embed: b
     same = os.path.exists(output_path) and os.path.exists(input_path) and os.path.samefile(
         output_path, input_path)
   if same:
-    raise ValueError(f"--output={output_path} is the input file: the predictions would replace "
-                     "its texts. Name another output file.")
+    raise Refusal(f"--output={output_path} is the input file: the predictions would replace "
+                  "its texts. Name another output file.")
   if files.isdir(output_path):
-    raise ValueError(f"--output={output_path} is a folder; name a file in it "
-                     f"({'OUT.npy' if embed else 'OUT.jsonl'}).")
+    raise Refusal(f"--output={output_path} is a folder; name a file in it "
+                  f"({'OUT.npy' if embed else 'OUT.jsonl'}).")
   if "://" not in output_path and os.path.exists(output_path) and not overwrite and (
       not _written_by_us(output_path, embed)):
-    raise ValueError(f"--output={output_path} exists and is not a file bertjax.predict wrote "
-                     f"({'an .npy of vectors' if embed else 'JSON Lines of predictions'}): "
-                     "name another file, or pass --overwrite to replace it.")
+    raise Refusal(f"--output={output_path} exists and is not a file bertjax.predict wrote "
+                  f"({'an .npy of vectors' if embed else 'JSON Lines of predictions'}): "
+                  "name another file, or pass --overwrite to replace it.")
   part = output_path + ".part"
   if "://" not in part and os.path.exists(part):
     print(f"predict: removing {part}, the unfinished output of an earlier run that was stopped "
@@ -355,7 +356,7 @@ def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: s
         n += 1
         progress.update(n)
     if n == 0:
-      raise ValueError(f"{input_path}: no rows to predict (only a header, or blank lines).")
+      raise Refusal(f"{input_path}: no rows to predict (only a header, or blank lines).")
   progress.update(n, final=True)
   return n
 
@@ -365,7 +366,7 @@ def embed_file(predictor: Predictor, input_path: str, output_path: str, *, pooli
   """Writes an [N, hidden] float32 .npy, filled a chunk at a time (N counted first)."""
   n = sum(1 for _ in textfiles.iter_rows(input_path, fmt))
   if n == 0:
-    raise ValueError(f"{input_path}: no rows to embed.")
+    raise Refusal(f"{input_path}: no rows to embed.")
   progress, at = _Progress(predictor), 0
   with _part_file(output_path) as tmp:
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,

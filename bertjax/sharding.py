@@ -32,6 +32,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from bertjax.errors import Refusal
+
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the mesh axes the batch dimension is split over
 
@@ -79,7 +82,7 @@ class MeshConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-      raise ValueError(f"Unknown mesh config keys {unknown}; known keys are {sorted(known)}")
+      raise Refusal(f"Unknown mesh config keys {unknown}; known keys are {sorted(known)}")
     if "logical_axis_rules" in values:  # absent: the field's own default, DEFAULT_RULES
       values["logical_axis_rules"] = rules_from_config(values["logical_axis_rules"])
     return cls(**values)
@@ -108,18 +111,18 @@ def fill_sizes(sizes: Sequence[int], total: int, group: str) -> tuple[int, ...]:
   sizes = [int(s) for s in sizes]
   named = ", ".join(f"{group}_{a}={s}" for a, s in zip(MESH_AXES, sizes))
   if sum(s == -1 for s in sizes) > 1:
-    raise ValueError(f"At most one {group} mesh size may be -1; got {named}")
+    raise Refusal(f"At most one {group} mesh size may be -1; got {named}")
   if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f"{group} mesh sizes must be positive or -1; got {named}")
+    raise Refusal(f"{group} mesh sizes must be positive or -1; got {named}")
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if total % known:
-      raise ValueError(f"The {group} mesh ({named}) needs a multiple of {known} devices, but "
-                       f"there are {total}")
+      raise Refusal(f"The {group} mesh ({named}) needs a multiple of {known} devices, but "
+                    f"there are {total}")
     sizes[sizes.index(-1)] = total // known
   elif known != total:
-    raise ValueError(f"The {group} mesh ({named}) has {known} devices but there are {total}; "
-                     f"make the product {total} or set one size to -1")
+    raise Refusal(f"The {group} mesh ({named}) has {known} devices but there are {total}; "
+                  f"make the product {total} or set one size to -1")
   return tuple(sizes)
 
 
@@ -130,7 +133,7 @@ def _num_slices(devices) -> int:
 def mesh_shape(config: MeshConfig, num_devices: int, num_slices: int = 1) -> dict[str, int]:
   """The size of each mesh axis, -1 filled. Raises if the sizes cannot match the devices."""
   if num_devices % num_slices:
-    raise ValueError(f"{num_devices} devices cannot be split into {num_slices} slices evenly")
+    raise Refusal(f"{num_devices} devices cannot be split into {num_slices} slices evenly")
   dcn = fill_sizes(config.dcn, num_slices, "dcn")
   ici = fill_sizes(config.ici, num_devices // num_slices, "ici")
   return {a: i * d for a, i, d in zip(MESH_AXES, ici, dcn)}
@@ -168,7 +171,7 @@ def check_auto_axes(mesh: Mesh | AbstractMesh | None, where: str = "") -> None:
               if kind == AxisType.Explicit]
   if explicit:
     n = len(mesh.axis_names)
-    raise ValueError(
+    raise Refusal(
         f"{where or 'The mesh'} has Explicit axes {explicit} (mesh {dict(mesh.shape)}, axis types "
         f"{tuple(t.name for t in mesh.axis_types)}); bertjax's modules shard by logical names, "
         "which needs Auto axes. Build the mesh with bertjax.sharding.create_mesh(MeshConfig(...)), or "
@@ -223,7 +226,7 @@ def check_batch_size(global_batch_size: int, mesh: Mesh, num_microbatches: int =
   need = n * num_microbatches
   if global_batch_size % need:
     fix = global_batch_size - global_batch_size % need
-    raise ValueError(
+    raise Refusal(
         f"Global batch size {global_batch_size} is not divisible by data x fsdp x microbatches = "
         f"{mesh.shape['data']} x {mesh.shape['fsdp']} x {num_microbatches} = {need}; "
         f"use a multiple of {need} such as {max(fix, need)}")
@@ -239,8 +242,8 @@ def check_model_fits(model_config, mesh: Mesh) -> None:
     problems.append(
         f"intermediate_size={model_config.intermediate_size} is not divisible by tensor={t}")
   if problems:
-    raise ValueError("The model does not split over the mesh: " + "; ".join(problems)
-                     + f" (mesh {dict(mesh.shape)})")
+    raise Refusal("The model does not split over the mesh: " + "; ".join(problems)
+                  + f" (mesh {dict(mesh.shape)})")
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -271,7 +274,7 @@ def check_spec_divides(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, 
       problems.append(f"dimension {i} of size {dim}{logical} does not split {ways} ways over "
                       f"{sizes} (sizes that divide {dim}: {fits})")
   if problems:
-    raise ValueError(
+    raise Refusal(
         f"Parameter {where} of shape {tuple(shape)} does not fit the mesh {dict(mesh.shape)}: "
         + "; ".join(problems) + ". Choose mesh sizes (mesh.ici_* x mesh.dcn_*) that divide it, "
         "or map its logical name to another mesh axis or to None in mesh.logical_axis_rules")

@@ -19,6 +19,7 @@ import os
 from typing import Any, Mapping
 
 from bertjax import files
+from bertjax.errors import Refusal
 
 FILE = "task.json"
 META_KEY = "task_spec"  # in the record saved beside every checkpoint
@@ -60,7 +61,7 @@ class TaskSpec:
     if self.tag_scheme and self.tag_scheme not in TAG_SCHEMES:
       problems.append(f"tag_scheme={self.tag_scheme!r} is not one of {TAG_SCHEMES}")
     if problems:
-      raise ValueError("Invalid task spec: " + "; ".join(problems))
+      raise Refusal("Invalid task spec: " + "; ".join(problems))
 
   @property
   def num_outputs(self) -> int:
@@ -88,8 +89,8 @@ class TaskSpec:
 def family_of(name: str):
   """The registered family of this name (bertjax/finetune/families/)."""
   if name not in FAMILIES:
-    raise ValueError(f"family={name!r} is not one of {tuple(FAMILIES)}"
-                     + ("" if FAMILIES else " (import bertjax.finetune.families, which registers "
+    raise Refusal(f"family={name!r} is not one of {tuple(FAMILIES)}"
+                  + ("" if FAMILIES else " (import bertjax.finetune.families, which registers "
                         "them)"))
   return FAMILIES[name]
 

@@ -24,6 +24,9 @@ import dataclasses
 import math
 import re
 
+from bertjax.errors import Refusal
+
+
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
@@ -129,8 +132,8 @@ def parse(name: str) -> SliceType:
   generation = ALIASES.get(found.group(1), found.group(1)) if found else None
   if generation not in GENERATIONS:
     known = "; ".join(f"{g}: {describe_known(g)}" for g in GENERATIONS)
-    raise ValueError(f"Unknown accelerator type {name!r}: the generations known here are "
-                     f"{', '.join(GENERATIONS)} (v5e is v5litepod). Known types: {known}")
+    raise Refusal(f"Unknown accelerator type {name!r}: the generations known here are "
+                  f"{', '.join(GENERATIONS)} (v5e is v5litepod). Known types: {known}")
   gen = GENERATIONS[generation]
   size = int(found.group(2))
   canonical = f"{gen.name}-{size}"
@@ -141,5 +144,5 @@ def parse(name: str) -> SliceType:
   near = sorted(types, key=lambda n: (abs(types[n].cores - size), types[n].cores))[:2]
   near = sorted(near, key=lambda n: types[n].cores)
   shapes = ", ".join(f"{n} ({'x'.join(map(str, types[n].shape))})" for n in near)
-  raise ValueError(f"Unknown accelerator type {name!r}: {gen.name} has no slice of {size} {unit}; "
-                   f"nearest: {shapes}. Known {gen.name} types: {describe_known(generation)}")
+  raise Refusal(f"Unknown accelerator type {name!r}: {gen.name} has no slice of {size} {unit}; "
+                f"nearest: {shapes}. Known {gen.name} types: {describe_known(generation)}")

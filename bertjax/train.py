@@ -45,6 +45,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax import losses, optimizer as optimizer_lib, sharding
+from bertjax.errors import Refusal
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig
 
@@ -98,7 +99,7 @@ class TrainConfig:
       problems.append(f"warmup_steps={self.warmup_steps} must be in [0, num_train_steps="
                       f"{self.num_train_steps}]")
     if problems:
-      raise ValueError("Invalid train config: " + "; ".join(problems))
+      raise Refusal("Invalid train config: " + "; ".join(problems))
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "TrainConfig":
@@ -143,7 +144,7 @@ def check_step_counters(state: TrainState) -> None:
   counts = [int(c) for stacked in jax.device_get(optimizer_lib.step_counts(state.opt_state))
             for c in np.ravel(stacked)]
   if any(c != step for c in counts):
-    raise ValueError(
+    raise Refusal(
         f"The train state's step is {step} but its optimizer counts {counts} updates; the step "
         f"and the optimizer state come from different points of a run. Restore both from the "
         f"same checkpoint step, or keep only the parameters and start the optimizer fresh")
@@ -253,7 +254,7 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
   else:
     rows = batch["input_ids"].shape[0]
     if rows % num_microbatches:  # at trace time, before anything compiles
-      raise ValueError(f"Batch of {rows} rows does not split into {num_microbatches} microbatches")
+      raise Refusal(f"Batch of {rows} rows does not split into {num_microbatches} microbatches")
     micro = _split_microbatches(batch, num_microbatches, mesh)
 
     def accumulate(carry, xs):

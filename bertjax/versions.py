@@ -14,6 +14,9 @@ import importlib.metadata
 import os
 import re
 
+from bertjax.errors import Refusal
+
+
 LOCK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch",
                     "requirements-tpu.lock")
 
@@ -33,7 +36,7 @@ def read_lock(path: str = LOCK) -> dict[str, str]:
         continue
       found = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s=;]+)", line)
       if not found:
-        raise ValueError(f"{path}:{number}: {line!r} is not an exact pin (name==version)")
+        raise Refusal(f"{path}:{number}: {line!r} is not an exact pin (name==version)")
       pins[canonical(found.group(1))] = found.group(2)
   return pins
 

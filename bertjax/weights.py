@@ -2,7 +2,8 @@
 
 Every caller that takes weights from a path goes through here: pre-training's and fine-tuning's
 `checkpoint.init_from`, `pretrained.load_pretrained`, the exporters of `bertjax.convert` and
-`bertjax.predict`. A path is one of four kinds, tested in this order (the first that fits decides):
+`bertjax.predict`. A path is one of five kinds (KINDS), tested in this order (the first that fits
+decides):
 
   workdir      a bertjax run (pre-training or fine-tuning), or its checkpoints/ folder: the
                newest checkpoint (or the step asked for) and the model recorded beside it; the
@@ -20,12 +21,13 @@ Every caller that takes weights from a path goes through here: pre-training's an
                BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file; a
                fine-tuned class's task (its labels) as a workdir's (formats/modernbert_tasks.py)
 
-Casing of a folder's vocabulary, in this order: what bertjax's tokenizer.json record says (told
-from Hugging Face's file of that name by content), what a Hugging Face tokenizer.json's normalizer
-does where it is the folder's only vocabulary, what tokenizer_config.json says (Hugging Face),
-what the folder's name says (the original's `validate_case_matches_checkpoint` reading:
-uncased_*, cased_*, ...), else unknown (a run then lower-cases, as the original's flag defaults).
-Local paths are read without TensorFlow (bertjax/files.py).
+Casing of a folder's vocabulary (bertjax/formats/vocabulary.py), in this order: what bertjax's
+tokenizer.json record says (told from Hugging Face's file of that name by content), what
+tokenizer_config.json says (Hugging Face), what the folder's name says (the original's
+`validate_case_matches_checkpoint` reading: uncased_*, cased_*, ...), what a Hugging Face
+tokenizer.json's normalizer does where it is the folder's only vocabulary, else unknown (a run
+then lower-cases, as the original's flag defaults). Local paths are read without TensorFlow
+(bertjax/files.py).
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from bertjax import checkpoint as checkpoint_lib, files, taskspec
-from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
+from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.errors import Refusal
 from bertjax.formats import converted, google, hf, modernbert, modernbert_tasks, tf_bundle
+from bertjax.formats import vocabulary
 from bertjax.model import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
-TOKENIZER_RECORD = tokenizer_lib.WORKDIR_RECORD  # beside a vocabulary copy; or Hugging Face's
-HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +164,7 @@ def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") 
     try:
       step = int(checkpoint)
     except ValueError:
-      raise ValueError(f"checkpoint={checkpoint!r}: use best, latest or a step number.") from None
+      raise Refusal(f"checkpoint={checkpoint!r}: use best, latest or a step number.") from None
   best = os.path.join(path, "best")
   if checkpoint == "best" and files.isdir(best) and any(
       name.isdigit() for name in files.listdir(best)):
@@ -173,57 +175,6 @@ def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") 
 
 
 # Vocabulary and casing -------------------------------------------------------------------------
-
-def lower_case_from_name(name: str) -> bool | None:
-  """The casing a release's folder name says, as the original's check reads it; None if it says
-  nothing. Also covers the names it predates (wwm_*, the small BERTs, TF Hub's bert_en_*)."""
-  if "://" not in name:
-    name = os.path.abspath(name)  # "." names the folder it is
-  name = os.path.basename(name.rstrip("/")).lower()
-  if "uncased" in name or "multilingual_l" in name or "chinese" in name or "bert_zh" in name:
-    return True
-  if "cased" in name:
-    return False
-  return None
-
-
-def _vocabulary(folder: str, hf_config: dict | None = None) -> dict:
-  """Weights fields of a folder's vocabulary: its record, else vocab.txt with the casing of a
-  Hugging Face tokenizer_config.json or of the folder's name."""
-  record = tokenizer_lib.read_record(folder)
-  if record is not None:
-    vocab = os.path.join(folder, record.get("file", "vocab.txt"))
-    return dict(vocab_file=vocab if files.exists(vocab) else None,
-                tokenizer_kind=record.get("kind", "wordpiece"),
-                do_lower_case=bool(record.get("do_lower_case", True)),
-                casing_why=f"recorded in {os.path.join(folder, TOKENIZER_RECORD)}",
-                fingerprint=record.get("fingerprint"))
-  vocab, hf_file = os.path.join(folder, "vocab.txt"), os.path.join(folder, TOKENIZER_RECORD)
-  if not files.exists(vocab) and files.exists(hf_file):  # Hugging Face's (read_record said)
-    lower = hf_tokenizer.lower_cases(hf_file)
-    return dict(vocab_file=hf_file, tokenizer_kind=hf_tokenizer.KIND, do_lower_case=lower,
-                casing_why=f"{hf_file}'s normalizer {'lower-cases' if lower else 'keeps case'}")
-  out = dict(vocab_file=vocab if files.exists(vocab) else None,
-             tokenizer_kind="wordpiece" if files.exists(vocab) else None)
-  if hf_config is not None and "do_lower_case" in hf_config:
-    return {**out, "do_lower_case": bool(hf_config["do_lower_case"]),
-            "casing_why": f"{os.path.join(folder, HF_TOKENIZER_CONFIG)} says so"}
-  by_name = lower_case_from_name(folder)
-  name = os.path.basename(os.path.abspath(folder).rstrip("/"))
-  if by_name is not None:
-    return {**out, "do_lower_case": by_name,
-            "casing_why": f"the name {name} says {'uncased' if by_name else 'cased'}"}
-  return {**out, "casing_why": f"the name {name} does not say; lower-cased as the original's "
-                               "default (rename the folder or set data.do_lower_case)"}
-
-
-def folder_casing(folder: str) -> tuple[bool, str]:
-  """(do_lower_case, why) of a folder's vocabulary as `inspect` gives it, without reading its
-  weights (a Google folder of several checkpoints, one of which is named)."""
-  found = _vocabulary(folder)
-  lower = found.get("do_lower_case")
-  return (True if lower is None else lower), found["casing_why"]
-
 
 def fingerprint_of(source: Weights, do_lower_case: bool) -> str | None:
   """The vocabulary's fingerprint: as recorded with the weights, else computed from its file
@@ -288,8 +239,8 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
   finally:
     ckpt.close()
   if "model" not in meta:
-    raise ValueError(f"{what}={folder} step {step} records no model shape (its record has "
-                     f"{sorted(meta)}); it was not written by bertjax's training loop")
+    raise Refusal(f"{what}={folder} step {step} records no model shape (its record has "
+                  f"{sorted(meta)}); it was not written by bertjax's training loop")
   vocab = _workdir_vocabulary(workdir)
   if vocab.get("fingerprint") is None:
     vocab["fingerprint"] = meta.get("tokenizer_fingerprint")
@@ -317,8 +268,8 @@ def _damaged(where: str, folder: str, step: int, steps, err: BaseException
 def _workdir_vocabulary(workdir: str) -> dict:
   """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
   names (pre-training runs from before the copy; relative cache paths resolve from here)."""
-  found = _vocabulary(workdir)
-  if found["vocab_file"] is not None or tokenizer_lib.read_record(workdir) is not None:
+  found = vocabulary.of_folder(workdir)
+  if found["vocab_file"] is not None or vocabulary.record(workdir) is not None:
     return found
   config_path = os.path.join(workdir, "config.json")
   data = files.read_json(config_path, "the run's config").get("data") if files.exists(
@@ -348,7 +299,7 @@ def _inspect_converted(folder: str, what: str) -> Weights:
       raise checkpoint_lib.CheckpointDamagedError(
           f"{what}={folder}: its params/ cannot be read ({checkpoint_lib.damage_summary(err)}); "
           "import the weights again") from None
-  return Weights(folder, "converted", config, tuple(sorted(stored)), **_vocabulary(folder))
+  return Weights(folder, "converted", config, tuple(sorted(stored)), **vocabulary.of_folder(folder))
 
 
 def _inspect_google(folder: str, what: str) -> Weights:
@@ -356,7 +307,7 @@ def _inspect_google(folder: str, what: str) -> Weights:
   config = google.read_google_config(folder)
   names = tf_bundle.CheckpointReader(folder).keys()
   return Weights(folder, "google", config, (ENCODER,) + google.heads_in(names),
-                 **_vocabulary(folder))
+                 **vocabulary.of_folder(folder))
 
 
 def _safetensors_names(folder: str, what: str) -> list[str]:
@@ -378,11 +329,11 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
                           "this reader takes model_type 'bert'")
   config = hf.config_from_hf(hf_config)
   names = _safetensors_names(folder, what)
-  tokenizer_config = os.path.join(folder, HF_TOKENIZER_CONFIG)
+  tokenizer_config = os.path.join(folder, vocabulary.HF_TOKENIZER_CONFIG)
   casing = files.read_json(tokenizer_config, "the tokenizer's config") if files.exists(
       tokenizer_config) else {}
   return Weights(folder, "huggingface", config, (ENCODER,) + hf.heads_in(names),
-                 **_vocabulary(folder, casing))
+                 **vocabulary.of_folder(folder, casing))
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
@@ -394,9 +345,9 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
     spec = modernbert_tasks.spec_from_config(hf_config, config)
     heads = modernbert.heads_in(names, hf_config)
   except ValueError as err:
-    raise ValueError(f"{what}={folder}: {err}") from None
+    raise Refusal(f"{what}={folder}: {err}") from None
   # Its tokenizer.json (byte-level BPE), as a BERT folder's vocab.txt; a vocab.txt wins.
-  return Weights(folder, "modernbert", config, (ENCODER,) + heads, **_vocabulary(folder),
+  return Weights(folder, "modernbert", config, (ENCODER,) + heads, **vocabulary.of_folder(folder),
                  meta={taskspec.META_KEY: spec} if spec else {})
 
 

@@ -1,7 +1,7 @@
 """Every configuration key of bertjax, each with a one-line comment.
 
 Size configs (`bert_base.py`, `bert_large.py`, `tiny.py`) import this file and only override.
-Run a config with `python -m bertjax.main --config=configs/<name>.py --workdir=DIR`; override any key
+Run a config with `python -m bertjax.pretrain --config=configs/<name>.py --workdir=DIR`; override any key
 from the command line, e.g. `--config.train.batch_size=256`. Unknown keys are an error.
 """
 
@@ -129,10 +129,9 @@ def get_config():
   c.save_every_steps = 5_000  # also saved at the end and on SIGTERM (preemption)
   c.keep = 3  # newest checkpoints kept in workdir/checkpoints
   c.async_save = True  # write in the background while training goes on
-  c.init_from = ""  # parameters to start from when the workdir has no checkpoint: another run's
-  #                   workdir (e.g. phase 1), a folder from `python -m bertjax.convert.hf import` or
-  #                   `convert.google import`, or a Google folder as released (its vocab.txt
-  #                   becomes the run's when data.vocab_path is "")
+  c.init_from = ""  # parameters to start from when the workdir has no checkpoint: any folder of
+  #                   weights bertjax reads (another run's workdir, e.g. phase 1; the kinds:
+  #                   bertjax/weights.py); its vocabulary becomes the run's when data.vocab_path is ""
   c.init_from_other_vocab = False  # True: take init_from's weights although its tokenizer differs
 
   # --- mesh: see bertjax/sharding.py. ----------------------------------------------------------------

@@ -1,8 +1,8 @@
 """BERT-Base as released: 12 layers, hidden 768, 12 heads, FFN 3072.
 
 Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 1's weights:
-  python -m bertjax.main --config=configs/bert_base.py --workdir=gs://BUCKET/base_p1
-  python -m bertjax.main --config=configs/bert_base.py:phase=2 --workdir=gs://BUCKET/base_p2 \
+  python -m bertjax.pretrain --config=configs/bert_base.py --workdir=gs://BUCKET/base_p1
+  python -m bertjax.pretrain --config=configs/bert_base.py:phase=2 --workdir=gs://BUCKET/base_p2 \
       --config.checkpoint.init_from=gs://BUCKET/base_p1
 Parameters at vocabulary 30522: 109,482,240 in the encoder with pooler, 110,106,428 with the
 pre-training heads (decoder tied to the word embeddings). The paper trained it for 1M steps at

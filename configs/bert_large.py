@@ -1,8 +1,8 @@
 """BERT-Large as released: 24 layers, hidden 1024, 16 heads, FFN 4096.
 
 Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 1's weights:
-  python -m bertjax.main --config=configs/bert_large.py --workdir=gs://BUCKET/large_p1
-  python -m bertjax.main --config=configs/bert_large.py:phase=2 --workdir=gs://BUCKET/large_p2 \
+  python -m bertjax.pretrain --config=configs/bert_large.py --workdir=gs://BUCKET/large_p1
+  python -m bertjax.pretrain --config=configs/bert_large.py:phase=2 --workdir=gs://BUCKET/large_p2 \
       --config.checkpoint.init_from=gs://BUCKET/large_p1
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
 pre-training heads. Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm

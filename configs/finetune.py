@@ -19,15 +19,15 @@ import dataclasses
 
 import ml_collections
 
+from bertjax.finetune import families
 from bertjax.model import INHERITED_FIELDS, BertConfig
 from configs import base
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BertConfig)}
 
 SQUAD = ("squad_v1.1", "squad_v2.0")
-# One's own tasks, named by their family (bertjax/finetune/families/, a layer above configs/:
-# tests/test_finetune_families.py holds this to its FAMILIES).
-OWN_TASKS = ("classification", "regression", "tagging", "span")
+# One's own tasks are named by their family: a name of the registry (bertjax/finetune/families/),
+# read here, so this file sits above fine-tuning (docs/contributing.md#layers).
 
 
 def get_config(task: str = "next"):
@@ -117,8 +117,8 @@ def get_config(task: str = "next"):
   s.memory_gb = 0.0  # what the trials may take; 0 = what the devices (or a CPU host) have free
 
   c = config.checkpoint = ml_collections.ConfigDict()
-  c.init_from = ""  # a bertjax workdir, a `convert.hf|google import` folder, a Google folder or a
-  #                   Hugging Face BERT folder (bertjax/weights.py); "" = random init
+  c.init_from = ""  # any folder of weights bertjax reads (the kinds: bertjax/weights.py); "" =
+  #                   random init
   c.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
   c.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary
   c.save_every_steps = 0  # 0 = at the end of every epoch (also on SIGTERM and at the end)
@@ -132,7 +132,7 @@ def get_config(task: str = "next"):
     d.max_seq_length = 384
     t.num_epochs = 2.0
     t.learning_rate = 3e-5
-  elif key in OWN_TASKS:
+  elif key in families.FAMILIES:
     # No rate known in advance for one's own task: None has the command choose it on dev among
     # rates scaled to the encoder's width (bertjax/finetune/search.py auto_learning_rates), 4
     # trials in one program; a rate given on the command line runs that rate alone.

@@ -2,8 +2,8 @@
 `python -m bertjax.convert.modernbert export` writes as transformers' ModernBertForMaskedLM.
 
 Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
-  python -m bertjax.main --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
-  python -m bertjax.main --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
+  python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
+  python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
 Compile check without a TPU (8 microbatches and full remat, as set: 40 of 95 GiB a chip on a
 v5p-8's 4 chips in both phases, 4,600 and 7,094 model TFLOP a step, 5.6 and 8.6 s at 45% MFU;

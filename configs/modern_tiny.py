@@ -1,6 +1,6 @@
 """configs/tiny.py's size and data with ModernBERT's architecture, for a CPU.
 
-Run: python -m bertjax.main --config=configs/modern_tiny.py --workdir=workdirs/modern_tiny
+Run: python -m bertjax.pretrain --config=configs/modern_tiny.py --workdir=workdirs/modern_tiny
 Model: 2 layers (global attention in layer 0, a 16-token window in layer 1), hidden 128,
 2 heads, GeGLU 344 (the dense 512 FFN's parameters), pre-LN with a final norm, no biases but the
 decoder's, RoPE (10,000 global, 10,000 local: at length 64 a larger global base changes little),

@@ -1,14 +1,12 @@
 """A tiny BERT (2 layers, 128 wide) sized for a CPU: `make pretrain`, smoke runs and tests.
 
-Run: python -m bertjax.main --config=configs/tiny.py --workdir=workdirs/tiny   (= `make pretrain`)
+Run: python -m bertjax.pretrain --config=configs/tiny.py --workdir=workdirs/tiny   (= `make pretrain`)
 Model: 2 layers, hidden 128, 2 heads, FFN 512, no dropout, on the built-in corpus (Python's own
 documentation) with an 8,000-piece SentencePiece vocabulary: 1.5M parameters, 1.0M of them in the
 word embeddings. Sequence length 64, batch 8, AdamW at 1e-3 (5% warmup, linear decay), 18,000
-steps = 144,000 sequences: 12 minutes of training at 200 sequences/s, 9 at 280.
-Held-out accuracy over seeds 0-4 on two 2-core machines (all 3,272 held-out sequences, the same
-masks for every seed): MLM 0.250-0.312, NSP 0.725-0.769 (majority-label baseline 0.586); on
-another CPU expect about MLM 0.24-0.32, NSP 0.72-0.78.
-From a fresh clone on an idle 2-core machine: 7 min 42 s to about 10 min, setup included.
+steps = 144,000 sequences.
+What to expect (its minutes on a 2-core machine, held-out MLM and NSP accuracy over seeds), stated
+once: docs/pretraining.md#make-pretrain.
 It departs from BERT-Base's recipe only at the start: stddev 0.088 rather than 0.02, a
 sinusoidal position table, W_K starting as a copy of W_Q. Why, what else was tried and every
 seed's figures: docs/lab-notes.md#configstinypy.
@@ -38,7 +36,7 @@ def get_config():
 
   t = config.train
   t.batch_size = 8
-  t.num_train_steps = 18_000  # 144,000 sequences: 12 minutes at 200 seq/s, 9 at 280
+  t.num_train_steps = 18_000  # 144,000 sequences (its time: docs/pretraining.md#make-pretrain)
   t.learning_rate = 1e-3  # 7e-4 does as well; 2e-3 never leaves the plateau
   t.warmup_steps = 900  # 5%
   t.log_every_steps = 500

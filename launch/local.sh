@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# A pod on one machine: N processes of `python -m bertjax.main` that join one global mesh.
+# A pod on one machine: N processes of `python -m bertjax.pretrain` that join one global mesh.
 # Usage and options: launch/local.sh -h.
 set -euo pipefail
 
 usage() {
   cat <<'EOF'
-Usage: launch/local.sh [-n N] [-d D] [-p PORT] [--python PY] [-m MODULE] -- BERTJAX_MAIN_FLAGS...
+Usage: launch/local.sh [-n N] [-d D] [-p PORT] [--python PY] [-m MODULE] -- FLAGS...
 
-Runs N processes of `python -m bertjax.main` on this machine as the hosts of a pod: each sees D
+Runs N processes of `python -m bertjax.pretrain` on this machine as the hosts of a pod: each sees D
 emulated CPU devices, and together they form one global mesh of N x D devices (collectives over
 gloo, process 0 coordinating on 127.0.0.1:PORT). Every flag after `--` goes to each process
 unchanged; the launcher adds --coordinator_address, --num_processes and --process_id itself.
@@ -16,7 +16,7 @@ unchanged; the launcher adds --coordinator_address, --num_processes and --proces
   -d D         emulated CPU devices per process (default 4)
   -p PORT      coordinator port (default: a free port)
   --python PY  interpreter (default: $PYTHON, else .venv/bin/python of this checkout, else python3)
-  -m MODULE    the command each process runs (default bertjax.main; bertjax.finetune for a
+  -m MODULE    the command each process runs (default bertjax.pretrain; bertjax.finetune for a
                fine-tuning pod)
   -h, --help   this text
 
@@ -31,7 +31,7 @@ Ctrl-C kills them.
 
 Example (8 devices in 2 processes; then resume the same run on 1 process):
   launch/local.sh -n 2 -d 4 -- --config=configs/tiny.py --workdir=/tmp/pod
-  python -m bertjax.main --config=configs/tiny.py --workdir=/tmp/pod
+  python -m bertjax.pretrain --config=configs/tiny.py --workdir=/tmp/pod
 EOF
 }
 
@@ -52,7 +52,7 @@ num_processes=2
 devices=4
 port=""
 python=${PYTHON:-}
-module=bertjax.main
+module=bertjax.pretrain
 saw_dashdash=0
 while (($#)); do
   case $1 in
@@ -70,12 +70,12 @@ while (($#)); do
     --) shift; saw_dashdash=1; break ;;
     *)
       for arg in "$@"; do [[ $arg == -- ]] && die_usage "unknown option '$1'"; done
-      die_usage "missing '--' before the flags of bertjax.main ('$1'), e.g." \
+      die_usage "missing '--' before the flags of bertjax.pretrain ('$1'), e.g." \
         "launch/local.sh -n 2 -- --config=configs/tiny.py --workdir=/tmp/pod" ;;
   esac
 done
 
-((saw_dashdash)) || die_usage "missing '--' before the flags of bertjax.main, e.g." \
+((saw_dashdash)) || die_usage "missing '--' before the flags of bertjax.pretrain, e.g." \
   "launch/local.sh -n 2 -- --config=configs/tiny.py --workdir=/tmp/pod"
 (($#)) || die_usage "no flags after '--': give at least --config and --workdir"
 is_uint "$num_processes" && ((10#$num_processes >= 1)) ||
@@ -119,7 +119,7 @@ done
 xla_flags+="--xla_force_host_platform_device_count=$devices"
 
 fifos=$(mktemp -d "${TMPDIR:-/tmp}/bertjax-local.XXXXXX")
-pids=()       # bertjax.main of process i; each leads its own process group
+pids=()       # bertjax.pretrain of process i; each leads its own process group
 alive=()      # 1 while process i has not been reaped
 prefixers=()  # the awk that prefixes process i's lines
 stopping=""   # the signal passed on, once Ctrl-C / SIGTERM arrived

@@ -7,12 +7,12 @@
 
 Subcommands: create (a queued resource, waits until ACTIVE), setup (project + venv + the locked
 packages of launch/requirements-tpu.lock on every worker), run (pre-flight on every worker, then
-bertjax.main in the background with a log per worker copied to WORKDIR/logs, then a check of
+bertjax.pretrain in the background with a log per worker copied to WORKDIR/logs, then a check of
 every worker after --check-after seconds), status, logs (--worker=N|all), stop (SIGTERM: the loop
 saves a checkpoint and exits), delete (collects the logs first), and up (create unless it exists
 + setup + run + logs; --watch recreates a preempted Spot slice and restarts the job). Every
 command is printed before it runs; --dry-run prints them and runs nothing (no subprocess at all).
-Flags after `--` go to `python -m bertjax.main` unchanged. The inputs are checked before anything
+Flags after `--` go to `python -m bertjax.pretrain` unchanged. The inputs are checked before anything
 is created: the accelerator type, a gs:// workdir and shared data for multi-host jobs, the
 config's mesh against the slice (ICI) and the slices (DCN). `SUBCOMMAND --help` lists a
 subcommand's flags. See launch/README.md.
@@ -178,7 +178,7 @@ def run(args, runner: Runner, plan: RunPlan | None = None) -> None:
   _, out, _ = runner.run(ssh(args, preflight_script(clean=not args.skip_preflight)), capture=True)
   sys.stdout.writelines(l for l in out.splitlines(keepends=True) if not l.startswith(VERSIONS))
   check_versions(args, runner, out)
-  runner.say(f"run: on {where}, python -m bertjax.main in the background, log {REMOTE_LOG}"
+  runner.say(f"run: on {where}, python -m bertjax.pretrain in the background, log {REMOTE_LOG}"
              + (f", copied to {logs_dir(plan.workdir)}/HOSTNAME.log every "
                 f"{args.sync_logs_every:g} s" if args.sync_logs_every > 0 else "")
              + ("; the multi-slice coordinator and slice ids come from the queued resource's "
@@ -381,14 +381,14 @@ SUBCOMMANDS = {  # name: (function, its flags, what it does)
                "ACTIVE"),
     "setup": (setup, COMMON + PROJECT, "project, venv, the locked packages on every worker"),
     "run": (run, COMMON + JOB + ("lines", "accelerator-type"), "pre-flight, then python -m "
-            "bertjax.main on every worker in the background (nohup), a log on each copied to the "
+            "bertjax.pretrain on every worker in the background (nohup), a log on each copied to the "
             "workdir, then a check of every worker"),
     "status": (status, COMMON + ("lines",), "the resource's state and every worker's: running, "
                "exited:STATUS, vanished, not-started; with its log's last lines"),
     "logs": (logs, COMMON + ("worker", "node"), "follow a worker's log, or every worker's "
              "(--worker=all)"),
     "stop": (stop, COMMON + ("wait-seconds", "kill"), "SIGTERM to the job on every worker (pkill "
-             "-f of bertjax.main): the loop saves a checkpoint at its next logging step and exits; "
+             "-f of bertjax.pretrain): the loop saves a checkpoint at its next logging step and exits; "
              "`run` with the same --workdir resumes"),
     "delete": (delete, COMMON + ("no-collect-logs",), "copy every worker's log to WORKDIR/logs, "
                "then delete the queued resource and its TPU VMs (--force --quiet); the workdir "
@@ -420,7 +420,7 @@ def usage(command: str | None, values: flags.FlagValues) -> str:
         f"  {name}: {text}\n" for name, (_, _, text) in SUBCOMMANDS.items())
             + "\nEvery subcommand's flags:\n" + values.get_help(include_special_flags=False))
   return (f"{PROG} {command}: {SUBCOMMANDS[command][2]}.\n\nFlags after `--` go to python -m "
-          f"bertjax.main (run, up).\n\n{values.get_help(include_special_flags=False)}")
+          f"bertjax.pretrain (run, up).\n\n{values.get_help(include_special_flags=False)}")
 
 
 def parse(argv: list[str]) -> types.SimpleNamespace:
@@ -445,7 +445,7 @@ def parse(argv: list[str]) -> types.SimpleNamespace:
   if rest[1:]:
     cli.usage_error(f"unexpected arguments {rest[1:]}", prog)
   if job_flags and command not in ("run", "up"):
-    cli.usage_error(f"flags after -- are for bertjax.main; `{command}` takes none", prog)
+    cli.usage_error(f"flags after -- are for bertjax.pretrain; `{command}` takes none", prog)
   args = types.SimpleNamespace(command=command, flags=job_flags, **{
       name.replace("-", "_"): values[name].value for name in SUBCOMMANDS[command][1]})
   for key in ("accelerator_type", "config", "workdir", "extra_create_flags", "repo", "ref",

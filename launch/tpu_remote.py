@@ -20,10 +20,11 @@ REMOTE_PID = f"{REMOTE_LOGS}/train.pid"  # the job's wrapper: lives as long as t
 REMOTE_EXIT = f"{REMOTE_LOGS}/train.exit"  # the job's exit status, written by the wrapper
 REMOTE_TARBALL = "bertjax.tar.gz"  # relative to the remote home directory
 LOCK = "launch/requirements-tpu.lock"  # relative to the project
-# Matches the training process's command line from its start (".../python -m bertjax.main ..."),
+# Matches the training process's command line from its start (".../python -m bertjax.pretrain ..."),
 # never the remote shell whose script text merely contains these words, nor the job's wrapper
-# (`bash -c ... python -m bertjax.main`), which ends when the job does.
-TRAINING_PROCESS = "^[^ ]*python[^ ]* -m bertjax[.]main"
+# (`bash -c ... python -m bertjax.pretrain`), which ends when the job does. `bertjax.main`, the
+# command's name before, too: a job started under it is found, stopped and refused alike.
+TRAINING_PROCESS = "^[^ ]*python[^ ]* -m bertjax[.](pretrain|main)"
 REFUSE_IF_RUNNING = (f'if pgrep -f "{TRAINING_PROCESS}" >/dev/null; then echo "$(hostname): training '
                      'is running; stop it first (python -m launch.tpu stop)" >&2; exit 1; fi')
 # What holds a TPU: /dev/accel* on v4 and v5p, /dev/vfio/N on v5e and v6e; libtpu's lock file.
@@ -110,7 +111,7 @@ def logs_dir(workdir: str) -> str:
 
 
 def run_script(plan: RunPlan, sync_every: float = 60) -> str:
-  """Starts bertjax.main detached (setsid + nohup: a dropped ssh connection does not stop it),
+  """Starts bertjax.pretrain detached (setsid + nohup: a dropped ssh connection does not stop it),
   in a wrapper that records its exit status, and a copier of its log into WORKDIR/logs."""
   job = " ".join(remote_quote(a) for a in
                  [f"--config={plan.config}", f"--workdir={plan.workdir}", *plan.flags])
@@ -124,7 +125,7 @@ def run_script(plan: RunPlan, sync_every: float = 60) -> str:
       f'echo "=== $(date -u +%FT%TZ) start" >> {REMOTE_LOG}',
       # "$@" is the job's argv, so its quoting is the one above; $? is its exit status.
       f'setsid nohup bash -c "\\"\\$@\\" >> {REMOTE_LOG} 2>&1; echo \\$? > {REMOTE_EXIT}" '
-      f"bertjax-job {REMOTE_VENV}/bin/python -m bertjax.main {job} < /dev/null > /dev/null 2>&1 &",
+      f"bertjax-job {REMOTE_VENV}/bin/python -m bertjax.pretrain {job} < /dev/null > /dev/null 2>&1 &",
       "PID=$!",
       f"echo $PID > {REMOTE_PID}",
   ]
@@ -144,7 +145,7 @@ def check_script(lines: int = 20) -> str:
       "H=$(hostname)",
       f"PID=$(cat {REMOTE_PID} 2>/dev/null || true)",
       'if [ -z "$PID" ]; then S=not-started',
-      'elif ps -o args= -p "$PID" 2>/dev/null | grep -q "bertjax[.]main"; then S=running',
+      'elif ps -o args= -p "$PID" 2>/dev/null | grep -qE "bertjax[.](pretrain|main)"; then S=running',
       f'elif [ -f {REMOTE_EXIT} ]; then S="exited:$(cat {REMOTE_EXIT})"',
       "else S=vanished; fi",
       f'echo "{WORKER} $H $S"',

@@ -39,7 +39,7 @@ def test_make_config_folder_importable(tmp_path, monkeypatch):
 @pytest.mark.parametrize("module, extra", [
     ("bertjax.benchmark", ["--steps=1", "--warmup_steps=0", "--config.model.vocab_size=512",
                            "--config.train.batch_size=2"]),
-    ("bertjax.main", ["--workdir=unused", "--config.train.batch_sise=2"]),
+    ("bertjax.pretrain", ["--workdir=unused", "--config.train.batch_sise=2"]),
 ])
 def test_commands_load_configs_from_another_directory(tmp_path, module, extra):
   """`configs/tiny.py` imports `configs.base`; run from elsewhere, that import still resolves."""
@@ -59,7 +59,7 @@ def test_commands_load_configs_from_another_directory(tmp_path, module, extra):
                         cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
   out = done.stdout + done.stderr
   assert "No module named 'configs'" not in out, out[-2000:]
-  if module == "bertjax.main":  # the config loaded; the misspelled override key is named
+  if module == "bertjax.pretrain":  # the config loaded; the misspelled override key is named
     assert done.returncode != 0 and "batch_sise" in out, out[-2000:]
   else:
     assert done.returncode == 0, out[-2000:]
@@ -116,18 +116,24 @@ def test_subcommands_are_read_before_the_flags(capsys):
     assert "one of import, export" in err
 
 
-@pytest.mark.parametrize("args, said", [
-    (["--wokdir=x"], "Unknown command line flag 'wokdir'. Did you mean: workdir ?"),
-    (["--config=configs/tiny.py"], "flag --workdir=None: Flag --workdir must have a value"),
-    (["--config=configs/tiny.py", "--workdir=w", "extra"], "Unexpected arguments: ['extra']"),
+@pytest.mark.parametrize("module, args, said", [
+    ("bertjax.pretrain", ["--wokdir=x"], "Unknown command line flag 'wokdir'. Did you mean: workdir ?"),
+    ("bertjax.pretrain", ["--config=configs/tiny.py"],
+     "flag --workdir=None: Flag --workdir must have a value"),
+    ("bertjax.pretrain", ["--config=configs/tiny.py", "--workdir=w", "extra"],
+     "Unexpected arguments: ['extra']"),
+    # bertjax.main, pre-training's name before: the same command, its flags and refusals.
+    ("bertjax.main", ["--wokdir=x"], "Unknown command line flag 'wokdir'. Did you mean: workdir ?"),
+    ("bertjax.main", ["--config=configs/tiny.py", "--workdir=w", "extra"],
+     "Unexpected arguments: ['extra']"),
 ])
-def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(args, said):
+def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(module, args, said):
   """absl would print two lines (FATAL ...) or the module's whole docstring, with exit status 1."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  done = subprocess.run([sys.executable, "-m", "bertjax.main", *args], cwd=ROOT, env=env,
+  done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 2, done.stderr[-2000:]
-  assert done.stderr.startswith(f"bertjax.main: error: {said}"), done.stderr[-2000:]
+  assert done.stderr.startswith(f"{module}: error: {said}"), done.stderr[-2000:]
   assert done.stderr.count("\n") == 1, done.stderr[-2000:]
 
 
@@ -205,3 +211,30 @@ def test_no_module_reaches_into_another_ones_private_names():
            for path in sorted(pathlib.Path(ROOT, folder).rglob("*.py"))
            for hit in _private_names_used_across_modules(path)]
   assert not found, found
+
+
+def test_only_a_refusal_is_one_line_a_plain_value_error_keeps_its_traceback():
+  """cli.explained ends the command in one line on errors.Refusal (and the project's refusals
+  built on it, a missing file, a file that is not text); a plain ValueError is a fault of the code
+  (an unpacking gone wrong, a library called wrongly) and reaches the user with its traceback."""
+  from bertjax import checkpoint, errors  # pylint: disable=import-outside-toplevel
+
+  def raising(error):
+    def run():
+      raise error
+    return run
+
+  for error, said in ((errors.Refusal("config.x=1: use 2"), "bertjax: ValueError: config.x=1: use 2"),
+                      (checkpoint.CheckpointMismatchError("hidden_size: 32 vs 64"),
+                       "bertjax: CheckpointMismatchError: hidden_size: 32 vs 64"),
+                      (FileNotFoundError("no.csv"), "bertjax: FileNotFoundError: no.csv")):
+    with pytest.raises(SystemExit) as exited:
+      cli.explained(raising(error))
+    assert exited.value.code == said
+  with pytest.raises(SystemExit):
+    cli.explained(lambda: b"\xff".decode("utf-8"))  # a file that is not UTF-8: its input's fault
+  bug = ValueError("too many values to unpack (expected 2)")
+  with pytest.raises(ValueError) as raised:
+    cli.explained(raising(bug))
+  assert raised.value is bug
+  assert isinstance(errors.Refusal("x"), ValueError)  # `except ValueError` still catches one

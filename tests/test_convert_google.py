@@ -18,7 +18,7 @@ from flax.traverse_util import unflatten_dict
 
 from bertjax import cli, weights
 from bertjax.convert import google as convert_google
-from bertjax.formats import converted, google, tf_bundle
+from bertjax.formats import converted, google, tf_bundle, vocabulary
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertModel
 from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save, shapes, slots
@@ -276,7 +276,7 @@ def test_do_lower_case_from_the_name_and_the_warning(tmp_path, caplog):
                       ("chinese_L-12_H-768_A-12", True), ("cased_L-12_H-768_A-12", False),
                       ("wwm_cased_L-24_H-1024_A-16", False), ("multi_cased_L-12_H-768_A-12", False),
                       ("/models/cased_L-24_H-1024_A-16/", False), ("my_bert", None)):
-    assert weights.lower_case_from_name(name) == lower, name
+    assert vocabulary.lower_case_from_name(name) == lower, name
   small = dict(GOOGLE_CONFIG, hidden_size=8, intermediate_size=8, num_hidden_layers=1)
   cased = google_folder(tmp_path, small, "multi_cased_L-12_H-768_A-12")
   assert convert_google.resolve_do_lower_case(cased, None) == (

@@ -177,11 +177,11 @@ def test_hugging_faces_tokenizer_json_is_not_taken_for_bertjaxs_record(tok_file,
   write_vocab(str(folder / "vocab.txt"), ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
   shutil.copyfile(tok_file, folder / "tokenizer.json")
   assert tokenizer_lib.read_record(str(folder)) is None
-  assert weights.folder_casing(str(folder))[0] is False
+  assert vocabulary.folder_casing(str(folder))[0] is False
   (folder / "tokenizer.json").write_text(json.dumps(
       {"file": "vocab.txt", "kind": "wordpiece", "do_lower_case": True, "fingerprint": "x"}))
   assert tokenizer_lib.read_record(str(folder))["fingerprint"] == "x"
-  assert weights.folder_casing(str(folder))[0] is True
+  assert vocabulary.folder_casing(str(folder))[0] is True
 
 
 def test_modernbert_ids_fit_uint16_shards_and_zero_is_a_real_id():

@@ -14,13 +14,13 @@ from test_data_fixtures import data_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "launch", "local.sh")
-TIMEOUT = 300  # one bertjax.main run, generous: the 2 cores of a test machine are shared
+TIMEOUT = 300  # one bertjax.pretrain run, generous: the 2 cores of a test machine are shared
 DATA_KEYS = ("tokenizer", "vocab_path", "source", "cache_dir", "max_seq_length",
              "max_predictions_per_seq", "num_shards", "num_eval_shards", "prepare_workers")
 
 
 def _flags(tmp_path) -> list[str]:
-  """bertjax.main flags of a tiny run on a tiny corpus (the built-in one takes too long)."""
+  """bertjax.pretrain flags of a tiny run on a tiny corpus (the built-in one takes too long)."""
   data = data_section(tmp_path / "data", n_docs=30, sents_per_doc=12)
   return (["--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}"]
           + [f"--config.data.{k}={data[k]}" for k in DATA_KEYS]
@@ -50,7 +50,7 @@ class _Run:
     self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
     self.lines = []
-    self.children = {}  # process id -> pid of the bertjax.main processes seen so far
+    self.children = {}  # process id -> pid of the bertjax.pretrain processes seen so far
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
 
@@ -83,7 +83,7 @@ class _Run:
     return self.proc.returncode
 
   def find_children(self) -> dict[int, int]:
-    """The launcher's bertjax.main children, by their --process_id (0 when there is one)."""
+    """The launcher's bertjax.pretrain children, by their --process_id (0 when there is one)."""
     pids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
                           text=True).stdout.split()
     for pid in map(int, pids):
@@ -92,7 +92,8 @@ class _Run:
           args = f.read().decode().split("\0")
       except FileNotFoundError:
         continue
-      if {"bertjax.main", "bertjax.finetune", "tests.killed_finetune"} & set(args):
+      if {"bertjax.pretrain", "bertjax.main", "bertjax.finetune",
+          "tests.killed_finetune"} & set(args):
         ids = [a.split("=", 1)[1] for a in args if a.startswith("--process_id=")]
         self.children[int(ids[0]) if ids else 0] = pid
     return dict(self.children)
@@ -125,7 +126,7 @@ def runs():
     def main(flags, devices):
       env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
              "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-      started.append(_Run([sys.executable, "-m", "bertjax.main", *flags], env=env))
+      started.append(_Run([sys.executable, "-m", "bertjax.pretrain", *flags], env=env))
       return started[-1]
 
   yield Runs

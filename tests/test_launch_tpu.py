@@ -20,7 +20,7 @@ from launch import tpu, tpu_plan, tpu_remote
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SLICE = ["--name=bert-large", "--zone=us-east5-a", "--project=my-project"]
 JOB = ["--config=configs/bert_large.py", "--workdir=gs://bucket/run"]
-# Flags for bertjax.main that need quoting on the remote shell: a glob, a space, a dollar sign.
+# Flags for bertjax.pretrain that need quoting on the remote shell: a glob, a space, a dollar sign.
 EXTRA = ["--config.data.cache_dir=gs://bucket/bertjax-cache",
          "--config.data.source=gs://bucket/text/wiki-*.txt.gz,gs://bucket/my books/*.txt",
          "--config.train.batch_size=4096", "--config.data.vocab_path=gs://bucket/$odd/vocab.txt"]
@@ -112,10 +112,10 @@ def test_up_dry_run_multi_host_spot_prints_every_step():
 
   # The job's argv on each worker, after the local shell and the remote shell have parsed it.
   script = remote(run)
-  assert "bertjax-job $HOME/bertjax-venv/bin/python -m bertjax.main --config=configs/bert_large.py" \
+  assert "bertjax-job $HOME/bertjax-venv/bin/python -m bertjax.pretrain --config=configs/bert_large.py" \
          " --workdir=gs://bucket/run" in script
   assert "< /dev/null > /dev/null 2>&1 &" in script and ">> $HOME/bertjax-logs/train.log 2>&1" in script
-  assert remote_argv(script, "-m bertjax.main") == [
+  assert remote_argv(script, "-m bertjax.pretrain") == [
       "--config=configs/bert_large.py", "--workdir=gs://bucket/run", *EXTRA]
   assert "-m launch.logsync" in script and '--dest=gs://bucket/run/logs/"$(hostname)".log' in script
   assert "bertjax-worker" in remote(check) and "after 120 s" in r.stdout
@@ -141,7 +141,7 @@ def test_multi_slice_uses_node_count_and_every_node():
   setup, _, run, _, logs = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "ssh",
                                 "bert-large", "--node=all", "--worker=all")
   assert "[tpu]" in remote(setup)
-  assert "--config.mesh.dcn_data=2" in remote_argv(remote(run), "-m bertjax.main")
+  assert "--config.mesh.dcn_data=2" in remote_argv(remote(run), "-m bertjax.pretrain")
   assert "tail" in remote(logs)
   assert "32 hosts" in r.stderr  # 16 shards for 2 x 16 hosts: a warning, not an error
 
@@ -254,10 +254,12 @@ def test_stop_signals_only_the_training_process():
   (cmd,) = commands(r.stdout)
   script = remote(cmd)
   assert script.startswith(f'if pkill -TERM -f "{tpu_remote.TRAINING_PROCESS}"')
-  # The pattern finds the job (python ... -m bertjax.main ...), never a remote shell running one
+  # The pattern finds the job (python ... -m bertjax.pretrain ...), never a remote shell running one
   # of these scripts (whose command line holds the same words), so pkill spares its own shell.
-  job = "/home/u/bertjax-venv/bin/python -m bertjax.main --config=configs/bert_large.py"
+  job = "/home/u/bertjax-venv/bin/python -m bertjax.pretrain --config=configs/bert_large.py"
   assert re.search(tpu_remote.TRAINING_PROCESS, job)
+  assert re.search(tpu_remote.TRAINING_PROCESS, "python3 -m bertjax.pretrain --config=c --workdir=w")
+  # A job started under the command's old name is found too.
   assert re.search(tpu_remote.TRAINING_PROCESS, "python3 -m bertjax.main --config=c --workdir=w")
   plan = tpu_remote.RunPlan("configs/bert_large.py", "gs://b/r", [], [])
   for text in (script, tpu_remote.run_script(plan), "bash -c " + tpu_remote.run_script(plan)):
@@ -357,7 +359,7 @@ def test_remote_scripts_are_valid_shell():
 
 def stand_in_worker(tmp_path, body: str):
   """A worker's home with the project (this one's launch/ and bertjax/ folders), a venv (this
-  Python) and a stand-in for bertjax.main under a unique module name, so that only this test's
+  Python) and a stand-in for bertjax.pretrain under a unique module name, so that only this test's
   processes match the scripts' patterns. Returns (home, env, mine: the scripts with the
   stand-in's name)."""
   module = f"bjtest{os.getpid()}x{abs(hash(str(tmp_path))) % 10**8}"
@@ -366,13 +368,13 @@ def stand_in_worker(tmp_path, body: str):
   for folder in ("launch", "bertjax"):
     (home / "bertjax" / folder).symlink_to(REPO / folder)
   (home / "bertjax" / module / "__init__.py").write_text("")
-  (home / "bertjax" / module / "main.py").write_text(body)
+  (home / "bertjax" / module / "pretrain.py").write_text(body)
   (home / "bertjax-venv" / "bin").mkdir(parents=True)
   venv_python = home / "bertjax-venv" / "bin" / "python"
   venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # a symlink would lose the venv
   venv_python.chmod(0o755)
-  mine = lambda s: s.replace("bertjax.main", f"{module}.main").replace("bertjax[.]main",
-                                                                        f"{module}[.]main")
+  mine = lambda s: s.replace("bertjax.pretrain", f"{module}.pretrain").replace(
+      "bertjax[.](pretrain|main)", f"{module}[.](pretrain|main)")
   return home, {"HOME": str(home), "PATH": os.environ["PATH"]}, mine
 
 
@@ -414,7 +416,7 @@ def test_run_check_stop_on_a_stand_in_worker(tmp_path):
   plan = tpu_remote.RunPlan("configs/bert_large.py", str(bucket), EXTRA, [])
   start = bash(mine(tpu_remote.run_script(plan, sync_every=0.2)), env)
   found = re.search(r"pid (\d+)", start.stdout)
-  module = mine("bertjax.main").split(".")[0]
+  module = mine("bertjax.pretrain").split(".")[0]
   copy = bucket / "logs" / f"{os.uname().nodename}.log"
   try:
     assert start.returncode == 0 and found, start.stderr

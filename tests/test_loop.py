@@ -291,7 +291,7 @@ def test_bad_input_is_refused_before_compiling(tmp_path, monkeypatch):
 
 def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
-  base_cmd = [sys.executable, "-m", "bertjax.main", "--config=configs/tiny.py",
+  base_cmd = [sys.executable, "-m", "bertjax.pretrain", "--config=configs/tiny.py",
               f"--workdir={tmp_path / 'run'}"]
   bad = subprocess.run(base_cmd + ["--config.train.batch_sise=3"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)

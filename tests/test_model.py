@@ -399,7 +399,7 @@ def test_config_files_only_override_and_are_locked():
     assert (cfg.num_layers, cfg.hidden_size) == (layers, hidden)
     if module is not tiny:  # the accelerator configs: bfloat16 matmuls, one compiled layer
       assert (cfg.dtype, cfg.param_dtype, cfg.scan_layers) == ("bfloat16", "float32", True)
-    assert module.__doc__ and "python -m bertjax.main" in module.__doc__
+    assert module.__doc__ and "python -m bertjax.pretrain" in module.__doc__
   locked = base.get_config()
   locked.lock()
   with pytest.raises(AttributeError, match="hiden_size"):

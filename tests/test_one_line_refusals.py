@@ -27,7 +27,7 @@ def test_a_workdir_under_a_file_is_one_line_and_a_cpu_host_sees_no_tpu_errors(tm
   its backends: stderr holds the refusal alone (was NotADirectoryError's traceback, after libtpu's
   `E0000 ... unexpected worker hostname` lines)."""
   (tmp_path / "afile").write_text("x")
-  done = _command("bertjax.main", "--config=configs/tiny.py",
+  done = _command("bertjax.pretrain", "--config=configs/tiny.py",
                   f"--workdir={tmp_path / 'afile' / 'run'}", env={"JAX_PLATFORMS": None})
   assert done.returncode == 1
   lines = done.stderr.strip().splitlines()
@@ -37,7 +37,7 @@ def test_a_workdir_under_a_file_is_one_line_and_a_cpu_host_sees_no_tpu_errors(tm
 
 
 def test_a_folder_as_the_corpus_and_a_misspelled_fine_tuning_key_are_one_line(tmp_path):
-  done = _command("bertjax.main", "--config=configs/tiny.py", f"--workdir={tmp_path / 'w'}",
+  done = _command("bertjax.pretrain", "--config=configs/tiny.py", f"--workdir={tmp_path / 'w'}",
                   f"--config.data.source={tmp_path}", "--config.data.cache_dir=" + str(tmp_path),
                   env={"JAX_PLATFORMS": "cpu"})
   assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]

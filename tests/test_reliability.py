@@ -243,7 +243,7 @@ def test_a_second_run_is_refused_and_a_dead_holders_lock_taken_over(tmp_path):
   holder = _holder(tmp_path)
   try:
     # The command itself, refused in one line before any work.
-    done = subprocess.run([sys.executable, "-m", "bertjax.main", "--config=configs/tiny.py",
+    done = subprocess.run([sys.executable, "-m", "bertjax.pretrain", "--config=configs/tiny.py",
                            f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 1
@@ -381,7 +381,7 @@ def test_the_tpu_launcher_refuses_before_creating_anything(tmp_path, args, messa
 
 
 def test_sigterm_during_data_preparation_exits_143(capsys):
-  # What bertjax.main does when ensure_prepared raises on SIGTERM: the README's 143 and the
+  # What bertjax.pretrain does when ensure_prepared raises on SIGTERM: the README's 143 and the
   # preparation's own line, no traceback.
   from bertjax import cli
   from bertjax.data import processes

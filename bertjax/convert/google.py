@@ -30,16 +30,18 @@ from absl import logging
 
 from bertjax import files, weights
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.formats import converted, google, tf_bundle
+from bertjax.errors import Refusal
+from bertjax.formats import converted, google, tf_bundle, vocabulary
 
 
 def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, str]:
   """The casing for a Google folder's vocabulary: `requested` if given (warned when the name
   says otherwise, as the original's check would refuse it), else what the folder says
-  (bertjax/weights.py: its record, else its name, else lower-cased as the original's default)."""
+  (bertjax/formats/vocabulary.py: its record, else its name, else lower-cased as the original's
+  default)."""
   if requested is None:
-    return weights.folder_casing(folder)
-  by_name = weights.lower_case_from_name(folder)
+    return vocabulary.folder_casing(folder)
+  by_name = vocabulary.lower_case_from_name(folder)
   if by_name is not None and by_name != requested:
     logging.warning(
         "do_lower_case=%s, but %s seems to be a%s model: its pieces were made from %s text, so "
@@ -78,8 +80,8 @@ def import_folder(ckpt_dir: str, output: str, *, do_lower_case: bool | None = No
   lower, why = resolve_do_lower_case(ckpt_dir, do_lower_case)
   tokenizer = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower)
   if tokenizer.vocab_size > config.vocab_size:
-    raise ValueError(f"{vocab} has {tokenizer.vocab_size} pieces, more than the model's "
-                     f"{config.vocab_size} embedding rows: it is not this checkpoint's vocabulary")
+    raise Refusal(f"{vocab} has {tokenizer.vocab_size} pieces, more than the model's "
+                  f"{config.vocab_size} embedding rows: it is not this checkpoint's vocabulary")
   params = google.params_from_google(reader, config)
   ignored = google.ignored_variables(reader.keys())
   converted.save_params(output, params, config)
@@ -101,10 +103,10 @@ def export_folder(params_path: str, output: str) -> str:
   source = weights.inspect(params_path, what="--params")
   lacking = sorted({"bert", "mlm", "nsp"} - set(source.subtrees))
   if lacking:
-    raise ValueError(f"--params={params_path} holds parameters {list(source.subtrees)}, without "
-                     f"{lacking}: a fine-tuning run keeps no MLM and NSP heads; export a "
-                     "pre-training workdir or a converted folder (or a fine-tuning run to Hugging "
-                     "Face: python -m bertjax.convert.hf export)")
+    raise Refusal(f"--params={params_path} holds parameters {list(source.subtrees)}, without "
+                  f"{lacking}: a fine-tuning run keeps no MLM and NSP heads; export a "
+                  "pre-training workdir or a converted folder (or a fine-tuning run to Hugging "
+                  "Face: python -m bertjax.convert.hf export)")
   vocab = source.vocab_file
   if vocab is not None and source.tokenizer_kind != "wordpiece":
     logging.warning("%s's vocabulary is %s, which Google's tokenization.py cannot read: no "

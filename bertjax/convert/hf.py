@@ -26,6 +26,7 @@ import shutil
 
 from bertjax import files, taskspec, weights
 from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
+from bertjax.errors import Refusal
 from bertjax.finetune import families  # registers the task families the spec reads
 from bertjax.formats import converted, hf, outfolder
 from bertjax.model import BertConfig
@@ -36,8 +37,8 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
   recorded) from a Hugging Face BERT folder; returns a line saying what was done."""
   source = weights.inspect(hf_dir, what="--hf_dir")
   if source.kind != "huggingface":
-    raise ValueError(f"--hf_dir={hf_dir} is a {source.kind} folder, not a Hugging Face one "
-                     "(config.json + model.safetensors); bertjax reads it as it is")
+    raise Refusal(f"--hf_dir={hf_dir} is a {source.kind} folder, not a Hugging Face one "
+                  "(config.json + model.safetensors); bertjax reads it as it is")
   config, params = hf.load_hf_dir(hf_dir, scan_layers=scan_layers)
   converted.save_params(output, params, config)
   said = "no vocab.txt"
@@ -61,7 +62,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
   spec = taskspec.of(source)
   task_heads = sorted(set(source.subtrees) - {weights.ENCODER, *hf.HEAD_PREFIXES})
   if task_heads and spec is None:
-    raise ValueError(
+    raise Refusal(
         f"--params={params_path} holds a fine-tuned head ({', '.join(task_heads)}) but no label "
         f"map: neither {taskspec.FILE} nor a task in its checkpoint's record. Without it the "
         "outputs have no names; put the run's task.json back (rerunning its fine-tuning command "
@@ -128,9 +129,9 @@ def sentencepiece_to_tokenizer_json(model_path: str, output: str) -> None:
     proto = sentencepiece_model_pb2.ModelProto.FromString(f.read())
   model_types = sentencepiece_model_pb2.TrainerSpec.ModelType
   if proto.trainer_spec.model_type != model_types.UNIGRAM:
-    raise ValueError(f"{model_path}: a {model_types.Name(proto.trainer_spec.model_type)} "
-                     "SentencePiece model; the export writes unigram models (bertjax trains "
-                     "those) as tokenizer.json.")
+    raise Refusal(f"{model_path}: a {model_types.Name(proto.trainer_spec.model_type)} "
+                  "SentencePiece model; the export writes unigram models (bertjax trains "
+                  "those) as tokenizer.json.")
   spec = proto.normalizer_spec
   pieces = [(p.piece, p.score) for p in proto.pieces]
   ids = {p: i for i, (p, _) in enumerate(pieces)}

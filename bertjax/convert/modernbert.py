@@ -23,6 +23,7 @@ import os
 from bertjax import taskspec, weights
 from bertjax.convert import hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.errors import Refusal
 from bertjax.finetune import families  # pylint: disable=unused-import  (registers the families)
 from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
 
@@ -32,7 +33,7 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
   from a ModernBERT folder."""
   source = weights.inspect(hf_dir, what="--hf_dir")
   if source.kind != modernbert.MODEL_TYPE:
-    raise ValueError(f"--hf_dir={hf_dir} is a {source.kind} folder, not a ModernBERT one")
+    raise Refusal(f"--hf_dir={hf_dir} is a {source.kind} folder, not a ModernBERT one")
   config, params = modernbert.load_dir(hf_dir, scan_layers=scan_layers)
   converted.save_params(output, params, config)
   said = "no tokenizer"

@@ -21,6 +21,7 @@ import logging
 import re
 
 from bertjax.data import shards
+from bertjax.errors import Refusal
 
 # How a worker's refusal of the input reads inside the error Beam raises: the exception's line of
 # the worker's traceback, with the step Beam appends.
@@ -35,8 +36,8 @@ def pipeline_options(spec: str, num_workers: int):
   for item in filter(None, (x.strip() for x in spec.split(","))):
     key, sep, value = item.partition("=")
     if not sep or not key:
-      raise ValueError(f"config.data.beam_pipeline_options: {item!r} is not key=value; write "
-                       f"e.g. 'runner=DataflowRunner,project=my-project,region=us-central1'.")
+      raise Refusal(f"config.data.beam_pipeline_options: {item!r} is not key=value; write "
+                    f"e.g. 'runner=DataflowRunner,project=my-project,region=us-central1'.")
     args.append(f"--{key.lstrip('-')}={value}")
   options = PipelineOptions(args)
   if is_local(options):

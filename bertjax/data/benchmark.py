@@ -1,7 +1,7 @@
 """Throughput of the data side: preparation (MB of text/s), the online pipeline (sequences/s), and
 what packing gains (fill, useful tokens/s).
 
-  python -m bertjax.data.benchmark [--seq_lengths=128,512] [--batch_size=256] [--seconds=20]
+  python -m bertjax.benchmark data [--seq_lengths=128,512] [--batch_size=256] [--seconds=20]
 
 Uses the default SentencePiece vocabulary (trained into .cache if absent) and two texts in the
 original format, each written `--copies` times: the built-in corpus (its documents as they are:

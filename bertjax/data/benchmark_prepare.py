@@ -1,7 +1,7 @@
 """Preparation's throughput (MB of text per second, end to end) by driver and worker count.
 
-  python -m bertjax.data.benchmark_prepare --corpus=builtin --drivers=local,beam --workers=1,2
-  python -m bertjax.data.benchmark_prepare --corpus=generated --mb=200 --files=16
+  python -m bertjax.benchmark prepare --corpus=builtin --drivers=local,beam --workers=1,2
+  python -m bertjax.benchmark prepare --corpus=generated --mb=200 --files=16
 
 Corpora, written once under --dir: `builtin` is the built-in corpus as one text file (Python's
 docstrings and help topics, mostly short documents); `generated` is --files files of about --mb MB

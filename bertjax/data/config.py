@@ -15,6 +15,9 @@ import dataclasses
 import typing
 from typing import Any, Mapping
 
+from bertjax.errors import Refusal
+
+
 
 def from_section(cls, section: Mapping[str, Any], name: str):
   """`cls(**section)`, naming every key of the config section `name` that `cls` does not know and
@@ -30,7 +33,7 @@ def from_section(cls, section: Mapping[str, Any], name: str):
   if missing:
     problems.append(f"missing key(s) {[f'{name}.{k}' for k in missing]}")
   if problems:
-    raise ValueError(f"{cls.__name__}: " + "; ".join(problems))
+    raise Refusal(f"{cls.__name__}: " + "; ".join(problems))
   return cls(**values)
 
 
@@ -52,7 +55,7 @@ def check_types(obj, name: str) -> None:
       types = " or ".join(t.__name__ for t in allowed)
       wrong.append(f"config.{name}.{f.name}={value!r} must be {types}")
   if wrong:
-    raise ValueError(f"Invalid {name} config: {'; '.join(wrong)}")
+    raise Refusal(f"Invalid {name} config: {'; '.join(wrong)}")
 
 
 @dataclasses.dataclass(frozen=True)

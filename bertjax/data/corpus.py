@@ -22,6 +22,7 @@ import zlib
 from typing import Iterable, Iterator
 
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 Document = list[str]
 
@@ -75,7 +76,7 @@ class _InputCheck:
   def line(self, text: str, replaced: int, where: str):
     n = len(text)
     if self.limits.max_line_chars and n > self.limits.max_line_chars:
-      raise ValueError(
+      raise Refusal(
           f"{self.name}, {where}: {n:,} characters, above config.data.max_line_chars="
           f"{self.limits.max_line_chars:,}. The format wants one sentence per line; one line this "
           f"long would be cut into thousands of one-sentence pieces that dominate the training "
@@ -97,7 +98,7 @@ class _InputCheck:
   def _check_share(self):
     share = self.replaced / max(self.chars, 1)
     if share > self.limits.max_replaced_char_share:
-      raise ValueError(
+      raise Refusal(
           f"{self.name}: {self.replaced:,} of the first {self.chars:,} characters ({share:.1%}) are "
           f"not valid UTF-8, above config.data.max_replaced_char_share="
           f"{self.limits.max_replaced_char_share}: it is binary data{self.hint} or text in another "
@@ -160,8 +161,8 @@ def check_not_misnamed_gzip(path: str):
     return
   with tf.io.gfile.GFile(path, "rb") as raw:
     if raw.read(2) == b"\x1f\x8b":
-      raise ValueError(f"{path} is gzip-compressed but its name does not end in .gz, so it would "
-                       f"be read as text. Rename it to end in .gz (e.g. .txt.gz) or decompress it.")
+      raise Refusal(f"{path} is gzip-compressed but its name does not end in .gz, so it would "
+                    f"be read as text. Rename it to end in .gz (e.g. .txt.gz) or decompress it.")
 
 
 def _lines(path: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
@@ -175,9 +176,9 @@ def _lines(path: str, start: int = 0, end: int | None = None) -> Iterator[bytes]
       try:
         yield from gzip.GzipFile(fileobj=raw)
       except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-        raise ValueError(f"{path} is not a valid gzip file ({type(err).__name__}: {err}): "
-                         f"truncated or corrupt. Check it with `gzip -t {path}`, then copy or "
-                         f"compress it again, or leave it out of config.data.source.") from None
+        raise Refusal(f"{path} is not a valid gzip file ({type(err).__name__}: {err}): "
+                      f"truncated or corrupt. Check it with `gzip -t {path}`, then copy or "
+                      f"compress it again, or leave it out of config.data.source.") from None
       return
     if end is None:
       yield from raw
@@ -221,7 +222,7 @@ def plan_inputs(source: str, split_bytes: int) -> list[dict]:
   files cut at document boundaries, whole gzip files; a TFDS split or the built-in corpus is one."""
   import tensorflow as tf
   if not source:
-    raise ValueError("config.data.source is empty: use 'builtin', file globs or tfds:name:feature.")
+    raise Refusal("config.data.source is empty: use 'builtin', file globs or tfds:name:feature.")
   if source == "builtin" or source.startswith("tfds:"):
     return [{"input": source, "start": 0, "end": 0}]
   units = []
@@ -302,8 +303,8 @@ def tfds_documents(spec: str, stats: CorpusStats | None = None, *, data_dir: str
   body = spec[len("tfds:"):]
   name, sep, feature = body.rpartition(":")
   if not sep or not name or not feature:
-    raise ValueError(f"TFDS source {spec!r} must look like tfds:name/config:feature, "
-                     f"e.g. tfds:wikipedia/20230601.en:text.")
+    raise Refusal(f"TFDS source {spec!r} must look like tfds:name/config:feature, "
+                  f"e.g. tfds:wikipedia/20230601.en:text.")
   builder = built_tfds(name, data_dir, "set config.data.tfds_data_dir to where it is built")
   features = builder.info.features
   if feature not in features:
@@ -393,7 +394,7 @@ def documents_from_source(source: str, stats: CorpusStats | None = None, *,
                           tfds_data_dir: str | None = None, tfds_split: str = "train",
                           limits: InputLimits = InputLimits()) -> Iterator[Document]:
   if not source:
-    raise ValueError("config.data.source is empty: use 'builtin', file globs or tfds:name:feature.")
+    raise Refusal("config.data.source is empty: use 'builtin', file globs or tfds:name:feature.")
   if source == "builtin":
     return builtin_documents(stats)
   if source.startswith("tfds:"):

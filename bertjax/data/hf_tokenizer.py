@@ -28,6 +28,7 @@ import numpy as np
 
 from bertjax import files
 from bertjax.data.template import Template
+from bertjax.errors import Refusal
 
 KIND = "huggingface"
 
@@ -161,8 +162,8 @@ def probe_template(hf, where: str) -> Template:
   b = next((e for e in (hf.encode(t, add_special_tokens=False) for t in ("a b", "a b c", "b b b b"))
             if len(e.ids) not in (0, len(a.ids))), None)
   if not a.ids or b is None:
-    raise ValueError(f"{where}: its post-processor's layout cannot be probed (the probe texts "
-                     "'a', 'a b' give no pieces)")
+    raise Refusal(f"{where}: its post-processor's layout cannot be probed (the probe texts "
+                  "'a', 'a b' give no pieces)")
   items = {}
   for pair in (False, True):
     out = hf.post_process(a, b if pair else None, add_special_tokens=True)
@@ -184,8 +185,8 @@ def probe_template(hf, where: str) -> Template:
     ids, types, _, _ = template.frame(a.ids, b.ids if pair else None)
     out = hf.post_process(a, b if pair else None, add_special_tokens=True)
     if ids != out.ids or types != out.type_ids:
-      raise ValueError(f"{where}: its post-processor's layout is not a fixed frame around the "
-                       "texts (bertjax frames rows itself); use a TemplateProcessing one")
+      raise Refusal(f"{where}: its post-processor's layout is not a fixed frame around the "
+                    "texts (bertjax frames rows itself); use a TemplateProcessing one")
   return template
 
 
@@ -210,8 +211,8 @@ def load_parts(path: str) -> dict:
     spec = json.loads(raw)
     hf = HfTokenizer.from_str(raw.decode("utf-8"))
   except Exception as err:  # pylint: disable=broad-except  (tokenizers raises its own)
-    raise ValueError(f"{path} is not a Hugging Face tokenizer.json the tokenizers library reads "
-                     f"({str(err).splitlines()[0][:200]})") from None
+    raise Refusal(f"{path} is not a Hugging Face tokenizer.json the tokenizers library reads "
+                  f"({str(err).splitlines()[0][:200]})") from None
   hf.no_truncation()
   hf.no_padding()
   vocab = hf.get_vocab(with_added_tokens=True)

@@ -9,6 +9,9 @@ import dataclasses
 import random
 from typing import Iterator, Sequence
 
+from bertjax.errors import Refusal
+
+
 TokenDoc = Sequence[Sequence[int]]
 Instance = tuple[list[int], int, int]
 
@@ -56,8 +59,8 @@ def nsp_instances(docs: Sequence[TokenDoc], doc_index: int, *, max_seq_length: i
                   stats: InstanceStats) -> Iterator[Instance]:
   """The pairs of one document, as the original `create_instances_from_document`."""
   if len(docs) < 2:
-    raise ValueError(f"NSP needs at least 2 documents to draw NotNext segments from, got "
-                     f"{len(docs)}; add documents or set config.data.nsp=False.")
+    raise Refusal(f"NSP needs at least 2 documents to draw NotNext segments from, got "
+                  f"{len(docs)}; add documents or set config.data.nsp=False.")
   document = docs[doc_index]
   max_num_tokens = max_seq_length - 3
   target_seq_length = max_num_tokens
@@ -142,7 +145,7 @@ def create_instances(docs: Sequence[TokenDoc], *, max_seq_length: int, nsp: bool
   """
   num_own = len(docs) if num_own is None else num_own
   if max_seq_length < 5:
-    raise ValueError(f"max_seq_length {max_seq_length} leaves no room for [CLS] A [SEP] B [SEP].")
+    raise Refusal(f"max_seq_length {max_seq_length} leaves no room for [CLS] A [SEP] B [SEP].")
   max_tokens = max_seq_length - 3 if nsp else max_seq_length - 2
   own_split = [split_long_sentences(doc, max_tokens, stats) for doc in docs[:num_own]]
   own_index = [i for i, d in enumerate(own_split) if d]

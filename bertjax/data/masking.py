@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 _GOLDEN = 0x9E3779B1
 # Salts that make the streams of the different random decisions independent.
@@ -45,7 +46,7 @@ def spec_from_tokenizer(tok, data: DataConfig) -> MaskingSpec:
   real = tuple(i for i in range(tok.vocab_size) if i not in specials)
   p = data.mask_token_prob + data.random_token_prob
   if not 0.0 <= p <= 1.0:
-    raise ValueError(f"mask_token_prob + random_token_prob = {p} must be within [0, 1].")
+    raise Refusal(f"mask_token_prob + random_token_prob = {p} must be within [0, 1].")
   return MaskingSpec(
       max_predictions=data.max_predictions_per_seq, vocab_size=tok.vocab_size,
       masked_lm_prob=data.masked_lm_prob, mask_token_prob=data.mask_token_prob,
@@ -145,7 +146,7 @@ def mask_batch(input_ids_BxL, input_mask_BxL, example_id_B, *, seed: int, epoch,
   L = input_ids_BxL.shape[1]
   M = spec.max_predictions
   if M > L:
-    raise ValueError(f"max_predictions_per_seq {M} exceeds the sequence length {L}.")
+    raise Refusal(f"max_predictions_per_seq {M} exceeds the sequence length {L}.")
   ids_BxL = tf.cast(input_ids_BxL, tf.int32)
   special_V = np.zeros(max(max(spec.special_ids) + 1, spec.vocab_size), bool)
   special_V[list(spec.special_ids)] = True

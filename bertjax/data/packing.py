@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 
 def best_fit_decreasing(lengths_N: np.ndarray, capacity: int, max_per_row: int):
@@ -166,6 +167,6 @@ def settings(data: DataConfig) -> tuple[bool, int]:
   (their types were checked when it was built)."""
   on, per_row = data.packing, data.max_sequences_per_row
   if per_row < 1:
-    raise ValueError(f"config.data.max_sequences_per_row={per_row!r} must be an integer >= 1 "
-                     f"(2 or 3 pack most of the room that padding leaves).")
+    raise Refusal(f"config.data.max_sequences_per_row={per_row!r} must be an integer >= 1 "
+                  f"(2 or 3 pack most of the room that padding leaves).")
   return on, per_row

@@ -33,6 +33,7 @@ import tensorflow as tf
 from bertjax.data import masking, packing, prepare
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
             "masked_lm_weights", "next_sentence_labels")
@@ -146,8 +147,8 @@ class Pipeline:
     if process_count < 1 or not 0 <= process_index < process_count:
       raise ValueError(f"process_index {process_index} is not within process_count {process_count}.")
     if global_batch_size <= 0 or global_batch_size % process_count:
-      raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
-                       f"process_count {process_count}.")
+      raise Refusal(f"global_batch_size {global_batch_size} must be a positive multiple of "
+                    f"process_count {process_count}.")
     if start_step < 0:
       raise ValueError(f"start_step must be >= 0, got {start_step}.")
     # Shard sizes were checked by ensure_prepared; damage found while reading is reported then.
@@ -172,10 +173,10 @@ class Pipeline:
     n = self.manifest["splits"][split]["instances"]
     first = self.plan(0)
     if first.steps == 0:
-      raise ValueError(f"The {split} split holds {n} sequence(s) in "
-                       f"{len(self.manifest['splits'][split]['files'])} shard(s): not one batch of "
-                       f"{self.host_batch} per host x {process_count} host(s). Use a smaller batch, "
-                       f"more data or (for eval) a larger eval_fraction.")
+      raise Refusal(f"The {split} split holds {n} sequence(s) in "
+                    f"{len(self.manifest['splits'][split]['files'])} shard(s): not one batch of "
+                    f"{self.host_batch} per host x {process_count} host(s). Use a smaller batch, "
+                    f"more data or (for eval) a larger eval_fraction.")
     self.steps_per_epoch = first.steps
     dropped = n - first.steps * global_batch_size
     if dropped and process_index == 0 and not self.packing:  # packing reads every record
@@ -215,11 +216,11 @@ class Pipeline:
       epoch, skip = epoch + 1, 0
       plan = self.plan(epoch)
 
-  def _damaged(self, plan: EpochPlan, e: tf.errors.DataLossError) -> ValueError:
+  def _damaged(self, plan: EpochPlan, e: tf.errors.DataLossError) -> Refusal:
     bad = _first_damaged(plan.files) or f"A {self.split} shard in {self.manifest['dir']}"
-    return ValueError(f"{bad} is corrupt or truncated ({e.message.splitlines()[0]}). Delete it, "
-                      f"its .json and {self.manifest['dir']}/manifest.json, then prepare again "
-                      f"(only that shard is redone).")
+    return Refusal(f"{bad} is corrupt or truncated ({e.message.splitlines()[0]}). Delete it, "
+                   f"its .json and {self.manifest['dir']}/manifest.json, then prepare again "
+                   f"(only that shard is redone).")
 
   # --- packing (module docstring) -----------------------------------------------------------------
 

@@ -28,6 +28,7 @@ import time
 from bertjax.data import corpus, packing, processes, shards, storage
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
 # int64 list: three times faster to write and parsed without ragged tensors.
@@ -76,10 +77,10 @@ def _refuse_other_settings(out_dir: str, found: dict, want: dict, what: str):
   """An unfinished preparation is resumed only with the settings it was started with."""
   diff = {k: (found.get(k), v) for k, v in want.items() if found.get(k) != v}
   if diff:
-    raise ValueError(f"{out_dir} holds {what} made with other settings (key: (found, configured)): "
-                     f"{diff}; resuming would mix the two. Delete {out_dir} to prepare anew, or "
-                     f"set config.data.prepared_dir to another folder (empty: a settings-named "
-                     f"folder under cache_dir).")
+    raise Refusal(f"{out_dir} holds {what} made with other settings (key: (found, configured)): "
+                  f"{diff}; resuming would mix the two. Delete {out_dir} to prepare anew, or "
+                  f"set config.data.prepared_dir to another folder (empty: a settings-named "
+                  f"folder under cache_dir).")
 
 
 _write_atomic = shards.write_atomic
@@ -200,8 +201,8 @@ def run_task(kind: str, task: dict, data: DataConfig, tok=None):
   # builds it once) and checks it is the one the shards record.
   tok = tok or tokenizer_lib.load_vocabulary(*task["tok"])
   if tok.fingerprint != task["settings"]["tokenizer_fingerprint"]:
-    raise ValueError(f"{task['tok'][0]} changed while shards were prepared: {tok.fingerprint}, "
-                     f"not {task['settings']['tokenizer_fingerprint']}.")
+    raise Refusal(f"{task['tok'][0]} changed while shards were prepared: {tok.fingerprint}, "
+                  f"not {task['settings']['tokenizer_fingerprint']}.")
   return shards.build_shard(task, tok)
 
 
@@ -251,8 +252,8 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
                    min(num_workers, max(1, len(tasks))))
       _run([("build", t) for t in tasks], pool, data, tok)
   else:
-    raise ValueError(f"config.data.prepare_engine={data.prepare_engine!r}: use 'local' (processes "
-                     f"of this machine, or of each pod host) or 'beam' (Apache Beam).")
+    raise Refusal(f"config.data.prepare_engine={data.prepare_engine!r}: use 'local' (processes "
+                  f"of this machine, or of each pod host) or 'beam' (Apache Beam).")
   # The one wait of a pod: for the other hosts' last shards.
   barrier("bertjax data: shards built")
   if host == 0:
@@ -283,10 +284,10 @@ def _write_manifest(data, tok, out_dir, units, s, t0) -> dict:
             for split in SPLITS}
   docs = {split: splits[split]["documents"] for split in SPLITS}
   if splits["train"]["instances"] == 0:
-    raise ValueError(f"Source {data.source!r} gave {docs['train']} training and "
-                     f"{docs['eval']} held-out document(s) (eval_fraction "
-                     f"{data.eval_fraction}) but no training instance: all held out, or "
-                     f"every document empty after tokenization.")
+    raise Refusal(f"Source {data.source!r} gave {docs['train']} training and "
+                  f"{docs['eval']} held-out document(s) (eval_fraction "
+                  f"{data.eval_fraction}) but no training instance: all held out, or "
+                  f"every document empty after tokenization.")
   seconds = time.time() - t0
   corpus_stats = shards.merge_corpus_stats(markers)
   manifest = {"settings": s, "splits": splits, "corpus": corpus_stats, "documents": docs,
@@ -332,21 +333,21 @@ def load_manifest(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
     manifest = json.load(f)
   have = manifest["settings"]
   if have.get("tokenizer_fingerprint") != tok.fingerprint:
-    raise ValueError(f"Prepared shards in {out_dir} were tokenized with "
-                     f"{have.get('tokenizer_fingerprint')}, but the configured vocabulary "
-                     f"{tokenizer_lib.vocab_path_of(data)} is {tok.fingerprint}. Prepare "
-                     f"again into another "
-                     f"prepared_dir (or leave prepared_dir empty to use a settings-named cache).")
+    raise Refusal(f"Prepared shards in {out_dir} were tokenized with "
+                  f"{have.get('tokenizer_fingerprint')}, but the configured vocabulary "
+                  f"{tokenizer_lib.vocab_path_of(data)} is {tok.fingerprint}. Prepare "
+                  f"again into another "
+                  f"prepared_dir (or leave prepared_dir empty to use a settings-named cache).")
   if have.get("format_version") != FORMAT_VERSION:
-    raise ValueError(f"Prepared shards in {out_dir} are of format {have.get('format_version')}, "
-                     f"this bertjax reads format {FORMAT_VERSION} (documents now go to shards by "
-                     f"a hash of their text). Delete {out_dir} and prepare again, or leave "
-                     f"prepared_dir empty (a settings-named cache folder is prepared anew).")
+    raise Refusal(f"Prepared shards in {out_dir} are of format {have.get('format_version')}, "
+                  f"this bertjax reads format {FORMAT_VERSION} (documents now go to shards by "
+                  f"a hash of their text). Delete {out_dir} and prepare again, or leave "
+                  f"prepared_dir empty (a settings-named cache folder is prepared anew).")
   want = settings_of(data, tok)
   diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
   if diff:
-    raise ValueError(f"Prepared shards in {out_dir} were made with other settings "
-                     f"(key: (prepared, configured)): {diff}.")
+    raise Refusal(f"Prepared shards in {out_dir} were made with other settings "
+                  f"(key: (prepared, configured)): {diff}.")
   manifest["dir"] = out_dir
   if check_files:
     for split in SPLITS:
@@ -354,9 +355,9 @@ def load_manifest(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
         p = os.path.join(out_dir, name)
         actual = gf.stat(p).length if gf.exists(p) else -1
         if actual != size:
-          raise ValueError(f"Shard {p} has {actual} bytes but the manifest says {size}: it is "
-                           f"missing, truncated or corrupt. Delete it and its .json and "
-                           f"{path}, then prepare again (only that shard is redone).")
+          raise Refusal(f"Shard {p} has {actual} bytes but the manifest says {size}: it is "
+                        f"missing, truncated or corrupt. Delete it and its .json and "
+                        f"{path}, then prepare again (only that shard is redone).")
   return manifest
 
 
@@ -364,18 +365,18 @@ def check_config(data: DataConfig, model_config=None):
   """Refuses, before any work, lengths that preparation would accept and training could not use."""
   L, M = data.max_seq_length, data.max_predictions_per_seq
   if L < 5:
-    raise ValueError(f"config.data.max_seq_length={L} leaves no room for [CLS] A [SEP] B [SEP]; "
-                     f"use at least 5 (128 or 512 as the original).")
+    raise Refusal(f"config.data.max_seq_length={L} leaves no room for [CLS] A [SEP] B [SEP]; "
+                  f"use at least 5 (128 or 512 as the original).")
   if not 1 <= M <= L:
-    raise ValueError(f"config.data.max_predictions_per_seq={M} must be within 1 and "
-                     f"max_seq_length={L}: it is the number of masked slots per sequence. Use "
-                     f"about 0.15 x max_seq_length (20 at 128, 76 at 512).")
+    raise Refusal(f"config.data.max_predictions_per_seq={M} must be within 1 and "
+                  f"max_seq_length={L}: it is the number of masked slots per sequence. Use "
+                  f"about 0.15 x max_seq_length (20 at 128, 76 at 512).")
   packing.settings(data)  # its keys are refused here too, before anything is prepared
   if model_config is not None and L > model_config.max_position_embeddings:
-    raise ValueError(f"config.data.max_seq_length={L} exceeds config.model."
-                     f"max_position_embeddings={model_config.max_position_embeddings}: the model "
-                     f"has no position for the tokens beyond. Lower max_seq_length or raise "
-                     f"max_position_embeddings.")
+    raise Refusal(f"config.data.max_seq_length={L} exceeds config.model."
+                  f"max_position_embeddings={model_config.max_position_embeddings}: the model "
+                  f"has no position for the tokens beyond. Lower max_seq_length or raise "
+                  f"max_position_embeddings.")
 
 
 def ensure_prepared(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,

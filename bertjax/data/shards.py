@@ -27,6 +27,7 @@ import numpy as np
 
 from bertjax.data import corpus, instances
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 SPLITS = ("train", "eval")
 # Settings that decide which document goes to which shard (checked when a run resumes).
@@ -63,7 +64,7 @@ def num_shards(data: DataConfig | dict, split: str) -> int:
   get = data.get if isinstance(data, dict) else lambda key: getattr(data, key)
   n = get("num_shards") if split == "train" else get("num_eval_shards")
   if n < 1:
-    raise ValueError(f"{split} shard count must be >= 1, got {n}.")
+    raise Refusal(f"{split} shard count must be >= 1, got {n}.")
   return n
 
 
@@ -149,8 +150,8 @@ def shard_tasks(out_dir: str, markers: list[dict], num_units: int, settings: dic
   if total_docs == 0:
     files = sum(m["corpus"]["files"] for m in markers)
     text = sum(m["corpus"]["bytes"] for m in markers)
-    raise ValueError(f"Source {source!r} yielded no document ({files} file(s), {text} bytes): "
-                     f"nothing to prepare.")
+    raise Refusal(f"Source {source!r} yielded no document ({files} file(s), {text} bytes): "
+                  f"nothing to prepare.")
   for split in SPLITS:
     n = num_shards(settings, split)
     chunks = [[] for _ in range(n)]
@@ -164,10 +165,10 @@ def shard_tasks(out_dir: str, markers: list[dict], num_units: int, settings: dic
     biggest = max(text)
     if biggest > max_shard_bytes:
       need = -(-sum(text) // max_shard_bytes)
-      raise ValueError(f"A {split} shard would hold {biggest:,} bytes of text, above "
-                       f"config.data.max_shard_bytes={max_shard_bytes} (what one worker holds "
-                       f"while building it). Raise num_{'eval_' if split == 'eval' else ''}shards "
-                       f"to about {2 * need} or more, or raise max_shard_bytes.")
+      raise Refusal(f"A {split} shard would hold {biggest:,} bytes of text, above "
+                    f"config.data.max_shard_bytes={max_shard_bytes} (what one worker holds "
+                    f"while building it). Raise num_{'eval_' if split == 'eval' else ''}shards "
+                    f"to about {2 * need} or more, or raise max_shard_bytes.")
     for k in range(n):
       lend = []
       if docs[k] == 1:  # NotNext needs another document: the next non-empty shard lends its own
@@ -224,8 +225,8 @@ def build_shard(task: dict, tok) -> dict:
   if s["nsp"] and num_own == 1:
     docs += _read_chunks(out_dir, task["lend"])
     if len(docs) == 1:
-      raise ValueError(f"The {split} split has a single document; NSP draws NotNext segments "
-                       f"from other documents. Add documents or set nsp=False.")
+      raise Refusal(f"The {split} split has a single document; NSP draws NotNext segments "
+                    f"from other documents. Add documents or set nsp=False.")
   flat = [sent for d in docs for sent in d]
   ids = tok.encode_batch(flat)
   token_docs, pos = [], 0

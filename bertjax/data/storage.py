@@ -15,6 +15,7 @@ import secrets
 import numpy as np
 
 from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
 
 
 def _gfile():
@@ -82,7 +83,7 @@ def check_shared_storage(data: DataConfig, process_index: int, process_count: in
   for j, (key, root) in enumerate(local.items()):
     short = {p: int(n) for p, n in enumerate(seen_all[:, j]) if n != process_count}
     if short:
-      raise ValueError(
+      raise Refusal(
           f"config.data.{key}={root!r} is not shared by the {process_count} processes of this "
           f"run: each wrote a probe file there, but some process(es) see fewer than "
           f"{process_count} ({{process: probes seen}} = {short}). Process 0 prepares the data "

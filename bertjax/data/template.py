@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from bertjax.errors import Refusal
+
 # An item: ("A" | "B", type id) for a text's pieces, or (token id, type id) for a special token.
 Item = tuple
 
@@ -30,9 +32,9 @@ class Template:
     if not pair:
       return self.single
     if self.pair is None:
-      raise ValueError(f"{self.where} has no post-processor saying how two texts are joined "
-                       "(e.g. [CLS] A [SEP] B [SEP]): give one text per example, or use a "
-                       "tokenizer.json with a TemplateProcessing post-processor.")
+      raise Refusal(f"{self.where} has no post-processor saying how two texts are joined "
+                    "(e.g. [CLS] A [SEP] B [SEP]): give one text per example, or use a "
+                    "tokenizer.json with a TemplateProcessing post-processor.")
     return self.pair
 
   def specials(self, pair: bool) -> int:

@@ -26,6 +26,7 @@ from bertjax.data.config import DataConfig
 from bertjax.data.normalize import (  # pylint: disable=unused-import
     normalize_with_source, original_normalize, read_wordpiece_vocab)
 from bertjax.data.template import Template
+from bertjax.errors import Refusal
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)
@@ -56,16 +57,16 @@ class Tokenizer:
     index = {p: i for i, p in enumerate(self.pieces)}
     missing = [t for t in SPECIAL_TOKENS if t not in index]
     if missing:
-      raise ValueError(f"{kind} vocabulary {where}of {self.vocab_size} pieces lacks the special "
-                       f"token(s) {missing}; BERT needs all of {list(SPECIAL_TOKENS)}.")
+      raise Refusal(f"{kind} vocabulary {where}of {self.vocab_size} pieces lacks the special "
+                    f"token(s) {missing}; BERT needs all of {list(SPECIAL_TOKENS)}.")
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
         index[t] for t in SPECIAL_TOKENS)
     if self.pad_id != 0 and kind != hf_tokenizer.KIND:
-      raise ValueError(f"[PAD] must have id 0 (padding is zeros everywhere); this vocabulary has "
-                       f"it at {self.pad_id}.")
+      raise Refusal(f"[PAD] must have id 0 (padding is zeros everywhere); this vocabulary has "
+                    f"it at {self.pad_id}.")
     if self.sep_id == 0:
-      raise ValueError(f"{kind} vocabulary {where}has [SEP] at id 0; a prepared sequence ends at "
-                       "its last non-zero id, its closing [SEP]: give [SEP] another id.")
+      raise Refusal(f"{kind} vocabulary {where}has [SEP] at id 0; a prepared sequence ends at "
+                    "its last non-zero id, its closing [SEP]: give [SEP] another id.")
     self.special_ids = (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
     self.template = template or Template.bert(self.cls_id, self.sep_id)
     # Whole-word masking groups a piece with the word-start piece before it.
@@ -152,8 +153,8 @@ def _load_wordpiece(path: str, do_lower_case: bool) -> Tokenizer:
   for i, p in enumerate(pieces):
     vocab[p] = i  # a duplicate maps to its last line, as the original's dict; ids = line numbers
   if UNK not in vocab:
-    raise ValueError(f"WordPiece vocabulary {path} ({len(pieces)} lines) lacks {UNK}; BERT needs "
-                     f"all of {list(SPECIAL_TOKENS)}.")
+    raise Refusal(f"WordPiece vocabulary {path} ({len(pieces)} lines) lacks {UNK}; BERT needs "
+                  f"all of {list(SPECIAL_TOKENS)}.")
   hf = HfTokenizer(models.WordPiece(vocab=vocab, unk_token=UNK,
                                     max_input_chars_per_word=MAX_WORD_CHARS))
   # Normalized here, not by Hugging Face's BertNormalizer, which differs from the original:
@@ -197,8 +198,8 @@ def vocab_path_of(data: DataConfig) -> str:
   if data.vocab_path:
     return data.vocab_path
   if data.tokenizer != "sentencepiece":
-    raise ValueError(f"config.data.vocab_path is empty; a {data.tokenizer} tokenizer needs "
-                     f"one (the vocab.txt of a released BERT checkpoint, a tokenizer.json).")
+    raise Refusal(f"config.data.vocab_path is empty; a {data.tokenizer} tokenizer needs "
+                  f"one (the vocab.txt of a released BERT checkpoint, a tokenizer.json).")
   return cached_sentencepiece_path(data.source, data.tfds_split, data.eval_fraction,
                                    data.cache_dir, data.spm_vocab_size, data.do_lower_case)
 
@@ -236,14 +237,14 @@ def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = Tr
   `do_lower_case` is WordPiece's (a SentencePiece model and a tokenizer.json carry their own
   normalization)."""
   if not path:
-    raise ValueError("No vocabulary: set config.data.vocab_path (a SentencePiece .model, a "
-                     "WordPiece vocab.txt or a Hugging Face tokenizer.json).")
+    raise Refusal("No vocabulary: set config.data.vocab_path (a SentencePiece .model, a "
+                  "WordPiece vocab.txt or a Hugging Face tokenizer.json).")
   if not files.exists(path):
     raise FileNotFoundError(f"Vocabulary file {path} does not exist (train one with "
                             f"`python -m bertjax.data.tokenizer train ...`).")
   kind = kind or kind_of(path)
   if kind not in KINDS:
-    raise ValueError(f"Unknown tokenizer {kind!r}: use one of {list(KINDS)}.")
+    raise Refusal(f"Unknown tokenizer {kind!r}: use one of {list(KINDS)}.")
   # Once per process: preparation, the pipeline, init_from and the converters each ask for the
   # run's vocabulary, and building one (a 30k-piece WordPiece, a SentencePiece model) costs far
   # more than reading its file. Keyed by the file's bytes, not its name or time, so a vocabulary
@@ -303,8 +304,8 @@ def copy_to_workdir(vocab_file: str, kind: str, fingerprint: str, workdir: str,
   target = os.path.join(workdir, name)
   record = os.path.join(workdir, WORKDIR_RECORD)
   if files.exists(record) and hf_tokenizer.is_hf_tokenizer_json(record):
-    raise ValueError(f"{workdir} holds a Hugging Face tokenizer.json where bertjax records the "
-                     "run's vocabulary: give the run a folder of its own (not a model's folder).")
+    raise Refusal(f"{workdir} holds a Hugging Face tokenizer.json where bertjax records the "
+                  "run's vocabulary: give the run a folder of its own (not a model's folder).")
   if files.exists(record) and not replace:
     return target
   files.makedirs(workdir)
@@ -344,9 +345,9 @@ def train_sentencepiece(sentences: Iterable[str], *, vocab_size: int, output: st
       logging.warning("SentencePiece training leaves out %d sentence(s) longer than %d bytes.",
                       too_long, SPM_MAX_SENTENCE_BYTES)
     if count == 0:
-      raise ValueError(f"Cannot train SentencePiece: the corpus yielded no sentence of at most "
-                       f"{SPM_MAX_SENTENCE_BYTES} bytes ({too_long} longer one(s)). The format "
-                       f"wants one sentence per line, a blank line between documents.")
+      raise Refusal(f"Cannot train SentencePiece: the corpus yielded no sentence of at most "
+                    f"{SPM_MAX_SENTENCE_BYTES} bytes ({too_long} longer one(s)). The format "
+                    f"wants one sentence per line, a blank line between documents.")
     spm.set_random_generator_seed(seed)
     try:
       spm.SentencePieceTrainer.train(
@@ -376,12 +377,12 @@ def _spm_error(err: RuntimeError, vocab_size: int, count: int) -> Exception:
   sizes = re.search(r"(\d+) vs (\d+)", text)
   if "required_chars" in text and sizes:
     needed = max(int(x) for x in sizes.groups())
-    return ValueError(f"A SentencePiece vocabulary of {vocab_size} pieces (spm_vocab_size, or "
-                      f"--vocab_size) cannot hold the {needed} distinct characters and special "
-                      f"pieces this corpus needs; ask for at least {needed} pieces (thousands, for "
-                      f"a useful vocabulary).")
-  return ValueError(f"SentencePiece could not train a vocabulary of {vocab_size} pieces on {count} "
-                    f"sentence(s): {text}")
+    return Refusal(f"A SentencePiece vocabulary of {vocab_size} pieces (spm_vocab_size, or "
+                   f"--vocab_size) cannot hold the {needed} distinct characters and special "
+                   f"pieces this corpus needs; ask for at least {needed} pieces (thousands, for "
+                   f"a useful vocabulary).")
+  return Refusal(f"SentencePiece could not train a vocabulary of {vocab_size} pieces on {count} "
+                 f"sentence(s): {text}")
 
 
 def ensure_sentencepiece(data: DataConfig) -> str:
@@ -389,9 +390,9 @@ def ensure_sentencepiece(data: DataConfig) -> str:
   import tensorflow as tf
   path = vocab_path_of(data)
   if data.tokenizer != "sentencepiece":
-    raise ValueError(f"Only SentencePiece vocabularies are trained here, not {data.tokenizer!r}.")
+    raise Refusal(f"Only SentencePiece vocabularies are trained here, not {data.tokenizer!r}.")
   if not path.endswith(".model"):
-    raise ValueError(f"SentencePiece vocab_path must end in .model, got {path!r}.")
+    raise Refusal(f"SentencePiece vocab_path must end in .model, got {path!r}.")
   if not tf.io.gfile.exists(path):
     storage.make_dirs(os.path.dirname(path) or ".",
                       "vocab_path" if data.vocab_path else "cache_dir")

@@ -2,7 +2,7 @@
 --config.checkpoint.init_from=PATH`
 
 Fine-tunes init_from's encoder on TASK (GLUE's names, squad_v1.1, squad_v2.0, conll2003, next)
-with the same conventions as `python -m bertjax.main`: dotted overrides of a locked config,
+with the same conventions as `python -m bertjax.pretrain`: dotted overrides of a locked config,
 config.json in the workdir, console progress, TensorBoard + metrics.jsonl, orbax checkpoints, exact
 resume (run the same command again), a save on SIGTERM, several processes, the mesh from
 config.mesh. See bertjax/finetune/run.py for what the workdir holds.

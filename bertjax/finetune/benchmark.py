@@ -1,6 +1,6 @@
 """Host-side speed of fine-tuning data, on synthetic data of realistic size (nothing downloaded).
 
-  python -m bertjax.finetune.benchmark squad
+  python -m bertjax.benchmark finetune squad
 
 SQuAD: a SQuAD-v1.1-sized training file (87,599 questions over 18,896 contexts of about 120 words)
 and dev set (10,570 questions over 2,067 contexts) in the official JSON format, with a WordPiece

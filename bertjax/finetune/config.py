@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from bertjax.data.config import check_types, from_section
+from bertjax.errors import Refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,7 @@ class SearchConfig:
     section = config.search
     unknown = sorted(set(section) - set(SEARCH_KEYS) - {"trials_per_program", "memory_gb"})
     if unknown:  # the locked config already refuses these; a config file could still add one
-      raise ValueError(f"config.search.{unknown[0]}: a search lists {sorted(SEARCH_KEYS)}.")
+      raise Refusal(f"config.search.{unknown[0]}: a search lists {sorted(SEARCH_KEYS)}.")
     values = {}
     for key in SEARCH_KEYS:
       raw = section[key]
@@ -113,26 +114,26 @@ class SearchConfig:
       items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
       texts = [str(x).strip() for x in items if str(x).strip()]
       if not texts:
-        raise ValueError(f"config.search.{key}={raw!r} names no value; give numbers separated by "
-                         f"commas (e.g. {_EXAMPLES[key]}) or leave it empty for train.{key}.")
+        raise Refusal(f"config.search.{key}={raw!r} names no value; give numbers separated by "
+                      f"commas (e.g. {_EXAMPLES[key]}) or leave it empty for train.{key}.")
       numbers = []
       for text in texts:
         try:
           number = float(text)
         except ValueError:
-          raise ValueError(f"config.search.{key}: {text!r} is not a number; give numbers "
-                           f"separated by commas (e.g. {_EXAMPLES[key]}).") from None
+          raise Refusal(f"config.search.{key}: {text!r} is not a number; give numbers "
+                        f"separated by commas (e.g. {_EXAMPLES[key]}).") from None
         if key in ("seed", "batch_size") and number != int(number):
-          raise ValueError(f"config.search.{key}: {text!r} is not a whole number.")
+          raise Refusal(f"config.search.{key}: {text!r} is not a whole number.")
         numbers.append(int(number) if key in ("seed", "batch_size") else number)
       if len(set(numbers)) != len(numbers):
-        raise ValueError(f"config.search.{key}={raw!r} names a value twice.")
+        raise Refusal(f"config.search.{key}={raw!r} names a value twice.")
       values[key] = tuple(numbers)
     if section.trials_per_program < 0:
-      raise ValueError(f"config.search.trials_per_program={section.trials_per_program} must be "
-                       ">= 0 (0: as many as memory allows).")
+      raise Refusal(f"config.search.trials_per_program={section.trials_per_program} must be "
+                    ">= 0 (0: as many as memory allows).")
     if section.memory_gb < 0:
-      raise ValueError(f"config.search.memory_gb={section.memory_gb} must be >= 0.")
+      raise Refusal(f"config.search.memory_gb={section.memory_gb} must be >= 0.")
     return cls(values, int(section.trials_per_program), float(section.memory_gb))
 
   def wanted(self, config) -> bool:

@@ -30,6 +30,7 @@ import numpy as np
 
 from bertjax import files
 from bertjax import taskspec as spec_lib
+from bertjax.errors import Refusal
 from bertjax.finetune import glue, textfiles
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet
@@ -92,8 +93,8 @@ def text_label(row, column: str) -> str:
     value = int(value)
   text = "" if value is None else str(value).strip()
   if not text:
-    raise ValueError(f"{row.where}: empty label in column {column!r}; every training and dev row "
-                     "needs one (leave a row out, or give it its label).")
+    raise Refusal(f"{row.where}: empty label in column {column!r}; every training and dev row "
+                  "needs one (leave a row out, or give it its label).")
   return text
 
 
@@ -143,13 +144,13 @@ def spec_of(family: str, cfg: TaskConfig, labels: Sequence[str] = (), scheme: st
 def paths(d: FinetuneDataConfig, family: str) -> tuple[str, str, str]:
   """data.train_file, dev_file and test_file of one's own task (read from files only)."""
   if d.source != "files":
-    raise ValueError(f"config.data.source={d.source!r}: one's own {family} task reads "
-                     "its files (data.train_file, data.dev_file); TFDS serves the benchmarks.")
+    raise Refusal(f"config.data.source={d.source!r}: one's own {family} task reads "
+                  "its files (data.train_file, data.dev_file); TFDS serves the benchmarks.")
   missing = [k for k in ("train_file", "dev_file") if not getattr(d, k)]
   if missing:
-    raise ValueError(f"A {family} task from one's own files needs "
-                     + " and ".join(f"config.data.{k}" for k in missing)
-                     + " (CSV, TSV or JSON Lines; data.test_file is optional).")
+    raise Refusal(f"A {family} task from one's own files needs "
+                  + " and ".join(f"config.data.{k}" for k in missing)
+                  + " (CSV, TSV or JSON Lines; data.test_file is optional).")
   return d.train_file, d.dev_file, d.test_file
 
 

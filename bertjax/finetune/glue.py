@@ -21,6 +21,7 @@ import numpy as np
 
 from bertjax import files
 from bertjax.data import corpus
+from bertjax.errors import Refusal
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -139,12 +140,12 @@ def get_task(name: str) -> GlueTask:
   for task in TASKS.values():
     if key in (task.name.lower().replace("-", ""), task.tfds_name or None):
       return task
-  raise ValueError(f"Unknown GLUE task {name!r}; known: {list(TASKS)}.")
+  raise Refusal(f"Unknown GLUE task {name!r}; known: {list(TASKS)}.")
 
 
 def _split_layout(task: GlueTask, split: str) -> Layout:
   if split not in task.splits:
-    raise ValueError(f"{task.name} has no split {split!r}; its splits: {list(task.splits)}.")
+    raise Refusal(f"{task.name} has no split {split!r}; its splits: {list(task.splits)}.")
   return task.splits[split]
 
 
@@ -169,11 +170,11 @@ def _label_of(task: GlueTask, raw: str, where: str) -> str | float:
     except ValueError:
       score = float("nan")
     if not 0.0 <= score <= 5.0:  # nan fails too
-      raise ValueError(f"{where}: {task.name} label {raw!r} is not a similarity score in [0, 5].")
+      raise Refusal(f"{where}: {task.name} label {raw!r} is not a similarity score in [0, 5].")
     return score
   if raw not in task.labels:
-    raise ValueError(f"{where}: label {raw!r} is not one of {task.name}'s labels "
-                     f"{list(task.labels)}; is this the right file for the task?")
+    raise Refusal(f"{where}: label {raw!r} is not one of {task.name}'s labels "
+                  f"{list(task.labels)}; is this the right file for the task?")
   return raw
 
 
@@ -198,7 +199,7 @@ def read_glue_tsv(data_dir: str, task: str | GlueTask, split: str,
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as err:
-    raise ValueError(f"{path}: not UTF-8 at byte {err.start}; GLUE's files are UTF-8.") from None
+    raise Refusal(f"{path}: not UTF-8 at byte {err.start}; GLUE's files are UTF-8.") from None
   # MRPC's train.tsv keeps the byte-order mark of Microsoft's original file.
   text = text.removeprefix("\ufeff")
   # Fields are split on tabs with no quoting (quotes are part of the text in GLUE's files).
@@ -206,13 +207,13 @@ def read_glue_tsv(data_dir: str, task: str | GlueTask, split: str,
   while lines and not lines[-1].strip():
     lines.pop()  # the newline ending the last row, or trailing blank lines
   if not lines:
-    raise ValueError(f"{path}: the file is empty; expected {task.name} {split} rows.")
+    raise Refusal(f"{path}: the file is empty; expected {task.name} {split} rows.")
   first = 0
   if layout.header is not None:
     found = lines[0].rstrip("\r").split("\t")[0]
     if found != layout.header:
-      raise ValueError(f"{path}:1: expected a header row starting with {layout.header!r} "
-                       f"(GLUE's {layout.file}), found {found[:40]!r}.")
+      raise Refusal(f"{path}:1: expected a header row starting with {layout.header!r} "
+                    f"(GLUE's {layout.file}), found {found[:40]!r}.")
     first = 1
   examples, skipped = [], []
   for i in range(first, len(lines)):
@@ -222,7 +223,7 @@ def read_glue_tsv(data_dir: str, task: str | GlueTask, split: str,
       why = (f"{where}: {len(fields)} column(s), {task.name} {split} rows have {layout.columns}"
              f"{' (a blank line)' if not lines[i].strip() else ''}")
       if not skip:
-        raise ValueError(why + "; fix the row, or pass skip_bad_rows=True to leave such rows out.")
+        raise Refusal(why + "; fix the row, or pass skip_bad_rows=True to leave such rows out.")
       skipped.append(why)
       continue
     label = None if layout.label is None else _label_of(task, fields[layout.label], where)
@@ -232,14 +233,14 @@ def read_glue_tsv(data_dir: str, task: str | GlueTask, split: str,
       try:
         index = int(fields[layout.index])
       except ValueError:
-        raise ValueError(f"{where}: index {fields[layout.index]!r} is not an integer.") from None
+        raise Refusal(f"{where}: index {fields[layout.index]!r} is not an integer.") from None
     examples.append(Example(where, fields[layout.text_a],
                             None if layout.text_b is None else fields[layout.text_b], label, index))
   if skipped:
     logging.warning("%s %s: left out %d malformed row(s) of %d; first: %s", task.name, split,
                     len(skipped), len(lines) - first, "; ".join(skipped[:3]))
   if not examples:
-    raise ValueError(f"{path}: no {task.name} {split} rows (only a header, or every row malformed).")
+    raise Refusal(f"{path}: no {task.name} {split} rows (only a header, or every row malformed).")
   return GlueSplit(examples, skipped)
 
 
@@ -252,9 +253,9 @@ def examples_from_tfds(task: GlueTask, split: str, rows: Iterable[Mapping],
   names = tuple(label_names or ())
   if not task.is_regression and (len(names) != len(task.tfds_labels) or
                                  (task.labels != BINARY and names != task.tfds_labels)):
-    raise ValueError(f"{where}: TFDS label names {list(names)} are not the "
-                     f"{list(task.tfds_labels)} this reader maps to {task.name}'s labels; this "
-                     f"TFDS version of the dataset is not supported.")
+    raise Refusal(f"{where}: TFDS label names {list(names)} are not the "
+                  f"{list(task.tfds_labels)} this reader maps to {task.name}'s labels; this "
+                  f"TFDS version of the dataset is not supported.")
   unlabeled = task.splits[split].label is None
   examples = []
   for n, row in enumerate(rows):
@@ -268,12 +269,12 @@ def examples_from_tfds(task: GlueTask, split: str, rows: Iterable[Mapping],
     elif 0 <= int(raw) < len(task.tfds_labels):
       label = task.tfds_labels[int(raw)]
     else:
-      raise ValueError(f"{where} #{n}: label id {raw} is outside {task.name}'s "
-                       f"{len(task.labels)} labels.")
+      raise Refusal(f"{where} #{n}: label id {raw} is outside {task.name}'s "
+                    f"{len(task.labels)} labels.")
     examples.append(Example(f"{where} #{n}", texts[0], texts[1] if len(texts) > 1 else None,
                             label, int(row["idx"])))
   if not examples:
-    raise ValueError(f"{where}: the split holds no examples.")
+    raise Refusal(f"{where}: the split holds no examples.")
   return GlueSplit(examples, [])
 
 
@@ -286,7 +287,7 @@ def read_glue_tfds(data_dir: str | None, task: str | GlueTask, split: str) -> Gl
   task = task if isinstance(task, GlueTask) else get_task(task)
   _split_layout(task, split)
   if not task.tfds_name:
-    raise ValueError(f"{task.name} has no TFDS dataset; read its TSV files (source='files').")
+    raise Refusal(f"{task.name} has no TFDS dataset; read its TSV files (source='files').")
   name = f"glue/{task.tfds_name}"
   builder = corpus.built_tfds(name, data_dir, "read GLUE's TSV files instead")
   feature = builder.info.features["label"]
@@ -315,8 +316,8 @@ def encode_pairs(texts_a: Sequence[str], texts_b: Sequence[str] | None, tokenize
   template = tokenizer.template
   specials = template.specials(pair)
   if max_seq_length < specials + 1:
-    raise ValueError(f"max_seq_length {max_seq_length} leaves no room for text beside the "
-                     f"{specials} special tokens; use at least {specials + 1} (128 is the usual).")
+    raise Refusal(f"max_seq_length {max_seq_length} leaves no room for text beside the "
+                  f"{specials} special tokens; use at least {specials + 1} (128 is the usual).")
   n, length = len(texts_a), max_seq_length
   ids_a = tokenizer.encode_batch(list(texts_a))
   ids_b = tokenizer.encode_batch([t or "" for t in texts_b]) if pair else None
@@ -359,8 +360,8 @@ def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
     label_id = {name: k for k, name in enumerate(task.labels)}
     bad = next((e for e in examples if e.label is not None and e.label not in label_id), None)
     if bad is not None:
-      raise ValueError(f"{bad.guid}: label {bad.label!r} is not one of {task.name}'s labels "
-                       f"{list(task.labels)}.")
+      raise Refusal(f"{bad.guid}: label {bad.label!r} is not one of {task.name}'s labels "
+                    f"{list(task.labels)}.")
     label_N = np.array([-1 if e.label is None else label_id[e.label] for e in examples], np.int32)
   return {**inputs, "label": label_N, "index": np.array([e.index for e in examples], np.int64)}
 

@@ -17,6 +17,9 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from bertjax.errors import Refusal
+
+
 
 def check_pair(predictions, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
   predictions_N, labels_N = np.asarray(predictions).reshape(-1), np.asarray(labels).reshape(-1)
@@ -150,8 +153,8 @@ def main_value(family: str, choices: Sequence[str], lower: Sequence[str],
   """scores[main], higher is better (negated where `lower` says lower is); main must be one of
   the family's `choices` (its MAIN_METRICS)."""
   if main not in choices:
-    raise ValueError(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
-                     f"choose one of {list(choices)}.")
+    raise Refusal(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
+                  f"choose one of {list(choices)}.")
   return -scores[main] if main in lower else scores[main]
 
 

@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Sequence
 
 from bertjax import files
 from bertjax.data import corpus
+from bertjax.errors import Refusal
 
 CONLL2003_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
 DOCSTART = "-DOCSTART-"
@@ -54,7 +55,7 @@ def chunks(tags: Sequence[str]) -> list[tuple[str, int, int]]:
   for i, tag in enumerate(tags):
     prefix, this_kind = _split_tag(tag)
     if not prefix:
-      raise ValueError(f"Tag {tag!r} (position {i}) is not O, B-TYPE or I-TYPE.")
+      raise Refusal(f"Tag {tag!r} (position {i}) is not O, B-TYPE or I-TYPE.")
     if start is not None and (prefix in ("B", "O") or this_kind != kind):
       found.append((kind, start, i))
       start = None
@@ -69,8 +70,8 @@ def _check_tags(tags: Sequence[str], kinds: set[str], where_of, labels) -> None:
   for i, tag in enumerate(tags):
     prefix, kind = _split_tag(tag)
     if not prefix or (prefix != "O" and kind not in kinds):
-      raise ValueError(f"{where_of(i)}: tag {tag!r} is not one of {list(labels)} (IOB1 or IOB2); "
-                       f"pass labels=... for another tag set.")
+      raise Refusal(f"{where_of(i)}: tag {tag!r} is not one of {list(labels)} (IOB1 or IOB2); "
+                    f"pass labels=... for another tag set.")
 
 
 LONG_SENTENCE = 250  # words: past this a "sentence" is taken for a file without blank lines
@@ -91,8 +92,8 @@ def read_columns(path: str, word_column: int = 0, tag_column: int = -1
     try:
       lines = f.read().decode("utf-8-sig").splitlines()
     except UnicodeDecodeError as err:
-      raise ValueError(f"{path}: not UTF-8 at byte {err.start} (the original CoNLL-2003 English "
-                       f"files are ASCII; convert Latin-1 files with iconv).") from None
+      raise Refusal(f"{path}: not UTF-8 at byte {err.start} (the original CoNLL-2003 English "
+                    f"files are ASCII; convert Latin-1 files with iconv).") from None
   sentences, words, tags, first_line, width = [], [], [], 0, None
   for number, line in enumerate(lines, start=1):
     fields = line.split()
@@ -104,11 +105,11 @@ def read_columns(path: str, word_column: int = 0, tag_column: int = -1
     if width is None:
       width = len(fields)
       if width < 2:
-        raise ValueError(f"{path}:{number}: one column ({line.strip()[:40]!r}); a CoNLL file has "
-                         f"the word first and the tag last on each line.")
+        raise Refusal(f"{path}:{number}: one column ({line.strip()[:40]!r}); a CoNLL file has "
+                      f"the word first and the tag last on each line.")
     if len(fields) != width:
-      raise ValueError(f"{path}:{number}: {len(fields)} column(s), expected {width} as on the "
-                       f"first word line; a word or tag holding a space, or a damaged line?")
+      raise Refusal(f"{path}:{number}: {len(fields)} column(s), expected {width} as on the "
+                    f"first word line; a word or tag holding a space, or a damaged line?")
     if not words:
       first_line = number
     words.append(fields[word_column])
@@ -116,8 +117,8 @@ def read_columns(path: str, word_column: int = 0, tag_column: int = -1
   if words:
     sentences.append((first_line, words, tags))
   if not sentences:
-    raise ValueError(f"{path}: no sentences (the file is empty or holds only {DOCSTART} and blank "
-                     f"lines).")
+    raise Refusal(f"{path}: no sentences (the file is empty or holds only {DOCSTART} and blank "
+                  f"lines).")
   longest = max(sentences, key=lambda s: len(s[1]))
   if len(longest[1]) > LONG_SENTENCE:
     # CoNLL-2003's longest sentence has 124 words: far more means sentences run together.
@@ -195,12 +196,12 @@ def scheme_to_iob2(tags: Sequence[str], scheme: str, where: str) -> list[str]:
   for i, tag in enumerate(tags):
     prefix, kind = scheme_tag(tag)
     if prefix == "" and scheme != "IO":
-      raise ValueError(f"{where} word {i + 1}: tag {tag!r} has no B-/I- prefix; in {scheme} every "
-                       "entity tag has one (set config.data.tag_scheme='IO' for bare types).")
+      raise Refusal(f"{where} word {i + 1}: tag {tag!r} has no B-/I- prefix; in {scheme} every "
+                    "entity tag has one (set config.data.tag_scheme='IO' for bare types).")
     if prefix not in allowed | {"O", ""}:
-      raise ValueError(f"{where} word {i + 1}: tag {tag!r} is not {scheme} (its prefixes: "
-                       f"{sorted(allowed)}, and O); set config.data.tag_scheme to the file's "
-                       "scheme, or leave it '' to detect it.")
+      raise Refusal(f"{where} word {i + 1}: tag {tag!r} is not {scheme} (its prefixes: "
+                    f"{sorted(allowed)}, and O); set config.data.tag_scheme to the file's "
+                    "scheme, or leave it '' to detect it.")
     out.append("O" if prefix == "O" else f"{'B' if prefix in ('B', 'S') else 'I'}-{kind}")
   return to_iob2(out)
 
@@ -223,7 +224,7 @@ def sentences_from_tfds(rows: Iterable[Mapping], tag_names: Sequence[str], where
     _check_tags(tags, kinds, lambda i: f"{where} #{n} word {i}", labels)
     sentences.append(Sentence(f"{where} #{n}", words, tuple(to_iob2(tags))))
   if not sentences:
-    raise ValueError(f"{where}: the split holds no sentences.")
+    raise Refusal(f"{where}: the split holds no sentences.")
   return sentences
 
 

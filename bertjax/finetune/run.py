@@ -32,6 +32,7 @@ import numpy as np
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.errors import Refusal
 from bertjax.finetune import init_heads, tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
 from bertjax.finetune.evaluations import Evaluations
@@ -59,9 +60,9 @@ def resolve_model(config, source: weights.Weights | None) -> BertConfig:
   if source is None:
     unset = [k for k in SHAPE_FIELDS if k != "scan_layers" and not wanted[k]]
     if unset:
-      raise ValueError("Without init_from the model's shape must be given: set "
-                       + ", ".join(f"config.model.{k}" for k in unset)
-                       + " (or checkpoint.init_from, to copy a run's model).")
+      raise Refusal("Without init_from the model's shape must be given: set "
+                    + ", ".join(f"config.model.{k}" for k in unset)
+                    + " (or checkpoint.init_from, to copy a run's model).")
   merged = dict(base)
   for key, value in wanted.items():
     if key in INHERITED_FIELDS and value in (0, 0.0, ""):
@@ -69,8 +70,8 @@ def resolve_model(config, source: weights.Weights | None) -> BertConfig:
     fixed = SHAPE_FIELDS + checkpoint_lib.ARCHITECTURE_FIELDS
     if source is not None and key in fixed and key in base and (
         base[key] != value):
-      raise ValueError(f"config.model.{key}={value!r} but checkpoint.init_from={source.path} "
-                       f"has {base[key]!r}; leave it at 0 to take init_from's.")
+      raise Refusal(f"config.model.{key}={value!r} but checkpoint.init_from={source.path} "
+                    f"has {base[key]!r}; leave it at 0 to take init_from's.")
     merged[key] = value
   known = {f.name for f in dataclasses.fields(BertConfig)}
   return BertConfig(**{k: v for k, v in merged.items() if k in known})
@@ -86,8 +87,8 @@ def resolve_tokenizer(data: FinetuneDataConfig, source: weights.Weights | None, 
   if not path:
     where = (f"checkpoint.init_from={source.path} records none" if source is not None
              else "there is no checkpoint.init_from")
-    raise ValueError(f"No vocabulary for the task: {where}. Set config.data.vocab_path (a "
-                     "SentencePiece .model, a WordPiece vocab.txt or a tokenizer.json).")
+    raise Refusal(f"No vocabulary for the task: {where}. Set config.data.vocab_path (a "
+                  "SentencePiece .model, a WordPiece vocab.txt or a tokenizer.json).")
   if data.do_lower_case is not None:
     lower = data.do_lower_case
   else:
@@ -237,7 +238,7 @@ class FinetuneConfig:
         ("eval.max_answer_length", e.max_answer_length, e.max_answer_length >= 1,
          ">= 1")) if not ok]
     if problems:
-      raise ValueError("Invalid config: " + "; ".join(problems))
+      raise Refusal("Invalid config: " + "; ".join(problems))
     return cls(t.batch_size, t.eval_batch_size or t.batch_size, float(t.num_epochs),
                float(t.warmup_proportion), t.log_every_steps, c.save_every_steps, c.keep,
                c.async_save)
@@ -290,18 +291,18 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
   loop.check_workdir(workdir)
   init_from = config.checkpoint.init_from
   if config.checkpoint.random_init and not init_from:
-    raise ValueError("checkpoint.random_init=True copies init_from's architecture and vocabulary "
-                     "with fresh weights: set config.checkpoint.init_from too.")
+    raise Refusal("checkpoint.random_init=True copies init_from's architecture and vocabulary "
+                  "with fresh weights: set config.checkpoint.init_from too.")
   source = weights.inspect(init_from, what="checkpoint.init_from") if init_from else None
   tokenizer, vocab_file, lower = resolve_tokenizer(
       task.data, source, allow_other_vocab=config.checkpoint.init_from_other_vocab)
   model_config = resolve_model(config, source)
   if model_config.vocab_size < tokenizer.vocab_size:
-    raise ValueError(f"The model's {model_config.vocab_size} embedding rows are fewer than the "
-                     f"vocabulary's {tokenizer.vocab_size} pieces ({vocab_file}).")
+    raise Refusal(f"The model's {model_config.vocab_size} embedding rows are fewer than the "
+                  f"vocabulary's {tokenizer.vocab_size} pieces ({vocab_file}).")
   if task.data.max_seq_length > model_config.max_position_embeddings:
-    raise ValueError(f"data.max_seq_length={task.data.max_seq_length} exceeds the model's "
-                     f"max_position_embeddings={model_config.max_position_embeddings}.")
+    raise Refusal(f"data.max_seq_length={task.data.max_seq_length} exceeds the model's "
+                  f"max_position_embeddings={model_config.max_position_embeddings}.")
   data = tasks.load(task, tokenizer)
   data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]))
   for note in data.notes:
@@ -326,9 +327,9 @@ def finetune(config, workdir: str) -> dict:
   ({} when a stop signal ended the run early). A config whose `search` names several settings
   is a search: the command runs it (bertjax/finetune/search.py), this function refuses it."""
   if SearchConfig.from_config(config).wanted(config):
-    raise ValueError("config.search lists settings to try (or train.learning_rate is None): a "
-                     "search, which bertjax.finetune.search.run runs (python -m bertjax.finetune "
-                     "does); run.finetune runs one setting.")
+    raise Refusal("config.search lists settings to try (or train.learning_rate is None): a "
+                  "search, which bertjax.finetune.search.run runs (python -m bertjax.finetune "
+                  "does); run.finetune runs one setting.")
   s = setup(config, workdir)
   ft, task_name, data, tokenizer = s.ft, s.task_name, s.data, s.tokenizer
   source, vocab_file, lower, init, origin = s.source, s.vocab_file, s.lower, s.init, s.origin
@@ -419,8 +420,8 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec | None = N
         loop.say(f"{str(err).split(': it was')[0]}; it is rewritten by this run.")
         continue
       if recorded and tasks.canonical(recorded) != task_name:
-        raise ValueError(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
-                         "needs its own workdir.")
+        raise Refusal(f"--workdir={workdir} holds a {recorded} run; fine-tuning {task_name} "
+                      "needs its own workdir.")
   try:
     recorded_spec = spec_lib.read(workdir)
   except files.DamagedFileError as err:
@@ -428,9 +429,9 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec | None = N
     loop.say(f"{str(err).split(': it was')[0]}; it is rewritten by this run.")
     recorded_spec = None
   if spec is not None and recorded_spec is not None and recorded_spec.labels != spec.labels:
-    raise ValueError(f"--workdir={workdir} holds a run with the labels {list(recorded_spec.labels)}"
-                     f"; these files give {list(spec.labels)}. Fine-tune them in a workdir of "
-                     "their own (or set config.data.labels to the run's).")
+    raise Refusal(f"--workdir={workdir} holds a run with the labels {list(recorded_spec.labels)}"
+                  f"; these files give {list(spec.labels)}. Fine-tune them in a workdir of "
+                  "their own (or set config.data.labels to the run's).")
 
 
 def finish(config, workdir, training, data: tasks.TaskData, evaluations: Evaluations, state, ft,

@@ -33,6 +33,7 @@ import numpy as np
 
 from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, weights
+from bertjax.errors import Refusal
 from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
 from bertjax.finetune.config import SEARCH_KEYS, SearchConfig
 from bertjax.finetune.evaluations import Evaluations
@@ -64,9 +65,9 @@ def expand(config, search: SearchConfig, model_config) -> list[trials_lib.Trial]
     bad = [v for v in listed if v is None or not np.isfinite(v) or (
         v <= 0 if key in ("learning_rate", "num_epochs", "batch_size") else v < 0)]
     if bad or (key == "warmup_proportion" and max(listed) > 1):
-      raise ValueError(f"config.search.{key}: {bad or listed} out of range (learning_rate, "
-                       "num_epochs, batch_size > 0; warmup_proportion in [0, 1]; weight_decay, "
-                       "seed >= 0).")
+      raise Refusal(f"config.search.{key}: {bad or listed} out of range (learning_rate, "
+                    "num_epochs, batch_size > 0; warmup_proportion in [0, 1]; weight_decay, "
+                    "seed >= 0).")
   combos = itertools.product(*(axes[k] for k in SEARCH_KEYS))
   return [trials_lib.Trial(index=k, **{key: (int(v) if key in ("seed", "batch_size") else
                                               float(v)) for key, v in zip(SEARCH_KEYS, combo)})
@@ -91,13 +92,13 @@ def program_size(search: SearchConfig, count: int, one_trial: int, budget: int, 
   fits = int(0.7 * budget // max(one_trial, 1))
   mb = lambda b: f"{b / 2**20:,.0f} MB"
   if fits < 1:
-    raise ValueError(f"One trial needs about {mb(one_trial)} (parameters, optimizer and "
-                     f"activations, trials.per_trial_bytes) and {where} has {mb(budget)}: none "
-                     "fits. Lower train.batch_size or data.max_seq_length.")
+    raise Refusal(f"One trial needs about {mb(one_trial)} (parameters, optimizer and "
+                  f"activations, trials.per_trial_bytes) and {where} has {mb(budget)}: none "
+                  "fits. Lower train.batch_size or data.max_seq_length.")
   if search.trials_per_program > fits:
-    raise ValueError(f"config.search.trials_per_program={search.trials_per_program}: one trial "
-                     f"needs about {mb(one_trial)} and {where} has {mb(budget)}, so at most "
-                     f"{fits} fit in a program; set {fits} or less (0: decided for you).")
+    raise Refusal(f"config.search.trials_per_program={search.trials_per_program}: one trial "
+                  f"needs about {mb(one_trial)} and {where} has {mb(budget)}, so at most "
+                  f"{fits} fit in a program; set {fits} or less (0: decided for you).")
   return min(count, search.trials_per_program or fits)
 
 
@@ -122,9 +123,9 @@ def _check_same_grid(workdir: str, record: list[dict]) -> None:
     except files.DamagedFileError:
       found = None  # rewritten below; the programs' own checkpoints say what they hold
     if found is not None and found != record:
-      raise ValueError(f"--workdir={workdir} holds a search over other settings "
-                       f"({len(found)} trials); a search of {len(record)} trials needs its own "
-                       "workdir (or the same config.search as before, to resume).")
+      raise Refusal(f"--workdir={workdir} holds a search over other settings "
+                    f"({len(found)} trials); a search of {len(record)} trials needs its own "
+                    "workdir (or the same config.search as before, to resume).")
 
 
 def _run_program(config, s: run_lib.Setup, group, number: int, workdir: str, mesh_config,
@@ -241,8 +242,8 @@ def summarise(all_trials, records: dict[int, Evaluations], main_metric: str) -> 
   ranked = sorted((e for e in settings if e["median"] is not None),
                   key=lambda e: -e["median"])
   if not ranked:
-    raise ValueError("Every trial of the search diverged or scored NaN on dev: lower the "
-                     "learning rates (config.search.learning_rate).")
+    raise Refusal("Every trial of the search diverged or scored NaN on dev: lower the "
+                  "learning rates (config.search.learning_rate).")
   top = ranked[0]
   winner = max(zip(top["scores"], top["trials"]),
                key=lambda x: x[0] if np.isfinite(x[0]) else -np.inf)[1]
@@ -265,9 +266,9 @@ def run(config, workdir: str) -> dict:
   """Runs (or resumes) the search of `config` in `workdir`; returns results.json's dict (the
   winner's, as a run alone writes it, with `search` added); {} when stopped early."""
   if jax.process_count() > 1:
-    raise ValueError("A search runs in one process (its trials spread over that host's devices); "
-                     f"this is process {jax.process_index()} of {jax.process_count()}. Run it on "
-                     "one host, or fine-tune single settings across the pod.")
+    raise Refusal("A search runs in one process (its trials spread over that host's devices); "
+                  f"this is process {jax.process_index()} of {jax.process_count()}. Run it on "
+                  "one host, or fine-tune single settings across the pod.")
   search = SearchConfig.from_config(config)
   ft = run_lib.FinetuneConfig.from_config(config, searched=True)
   s = run_lib.setup(config, workdir, ft)

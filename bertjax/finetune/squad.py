@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from bertjax.data import corpus
+from bertjax.errors import Refusal
 
 # Defaults of the original run_squad.py.
 MAX_SEQ_LENGTH, DOC_STRIDE, MAX_QUERY_LENGTH = 384, 128, 64
@@ -53,11 +54,11 @@ class SquadSet:
 
 def _field(obj, key: str, kind, where: str):
   if not isinstance(obj, dict) or key not in obj:
-    raise ValueError(f"{where} lacks {key!r}; {_FORMAT}.")
+    raise Refusal(f"{where} lacks {key!r}; {_FORMAT}.")
   value = obj[key]
   if not isinstance(value, kind) or isinstance(value, bool):
     names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-    raise ValueError(f"{where}: {key!r} is a {type(value).__name__}, not a {names}; {_FORMAT}.")
+    raise Refusal(f"{where}: {key!r} is a {type(value).__name__}, not a {names}; {_FORMAT}.")
   return value
 
 
@@ -69,12 +70,12 @@ def read_squad_json(path: str, *, is_training: bool) -> SquadSet:
   with tf.io.gfile.GFile(path, "rb") as f:
     raw = f.read()
   if not raw.strip():
-    raise ValueError(f"SQuAD file {path} is empty; {_FORMAT}.")
+    raise Refusal(f"SQuAD file {path} is empty; {_FORMAT}.")
   try:
     doc = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as err:
     where = f"{path}:{err.lineno}:{err.colno}" if hasattr(err, "lineno") else path
-    raise ValueError(f"{where}: not JSON ({err}); {_FORMAT}.") from None
+    raise Refusal(f"{where}: not JSON ({err}); {_FORMAT}.") from None
   articles = _field(doc, "data", list, f"SQuAD file {path}")
 
   def records():
@@ -100,12 +101,12 @@ def read_squad_tfds(name: str, split: str, *, data_dir: str | None = None,
   """The questions of a TFDS `squad/v1.1` or `squad/v2.0` split already built under `data_dir`;
   nothing is ever downloaded."""
   if name not in TFDS_NAMES:
-    raise ValueError(f"Unknown SQuAD TFDS name {name!r}; use one of {list(TFDS_NAMES)}.")
+    raise Refusal(f"Unknown SQuAD TFDS name {name!r}; use one of {list(TFDS_NAMES)}.")
   import tensorflow_datasets as tfds
   builder = corpus.built_tfds(name, data_dir, "read the SQuAD JSON files with read_squad_json")
   if split not in builder.info.splits:
-    raise ValueError(f"TFDS dataset {name} has no split {split!r}; it has "
-                     f"{sorted(builder.info.splits)}.")
+    raise Refusal(f"TFDS dataset {name} has no split {split!r}; it has "
+                  f"{sorted(builder.info.splits)}.")
 
   def records():
     for r in tfds.as_numpy(builder.as_dataset(split=split, shuffle_files=False)):
@@ -127,7 +128,7 @@ def _squad_set(records: Iterable[dict], source: str, is_training: bool) -> Squad
   for r in records:
     qid, context = r["id"], contexts.setdefault(r["context"], r["context"])
     if qid in seen:
-      raise ValueError(f"{source}: question id {qid!r} appears twice; ids name predictions.")
+      raise Refusal(f"{source}: question id {qid!r} appears twice; ids name predictions.")
     seen.add(qid)
     span, problem = None, None
     if r["is_impossible"]:
@@ -155,7 +156,7 @@ def _squad_set(records: Iterable[dict], source: str, is_training: bool) -> Squad
                       "answer'), e.g. %s", source, what, len(items),
                       "; ".join(f"{q}: {why}" for q, why in items[:3]))
   if not examples:
-    raise ValueError(f"{source} holds no usable question ({len(skipped)} skipped); {_FORMAT}.")
+    raise Refusal(f"{source} holds no usable question ({len(skipped)} skipped); {_FORMAT}.")
   return SquadSet(source, examples, skipped, unmatched)
 
 
@@ -197,10 +198,10 @@ def make_features(examples: Sequence[SquadExample], tokenizer, *,
   template = tokenizer.template
   specials = template.specials(True)  # 3 for BERT's [CLS] query [SEP] context [SEP]
   if max_seq_length - max_query_length - specials < 1 or doc_stride < 1:
-    raise ValueError(f"max_seq_length {max_seq_length} leaves no room for context after a query "
-                     f"of max_query_length {max_query_length} and {specials} special tokens (or "
-                     f"doc_stride {doc_stride} < 1); raise max_seq_length or lower "
-                     "max_query_length.")
+    raise Refusal(f"max_seq_length {max_seq_length} leaves no room for context after a query "
+                  f"of max_query_length {max_query_length} and {specials} special tokens (or "
+                  f"doc_stride {doc_stride} < 1); raise max_seq_length or lower "
+                  "max_query_length.")
   if doc_stride >= max_seq_length - max_query_length - specials:
     logging.warning("doc_stride %d is not below the shortest window (max_seq_length %d - "
                     "max_query_length %d - %d): windows may not overlap, and an answer across a "

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from bertjax import files, taskspec as spec_lib
+from bertjax.errors import Refusal
 from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
@@ -60,10 +61,10 @@ def canonical(name: str) -> str:
   try:
     task = glue.get_task(key)
   except ValueError:
-    raise ValueError(f"Unknown fine-tuning task {name!r}; choose one of {list(names())}.") from None
+    raise Refusal(f"Unknown fine-tuning task {name!r}; choose one of {list(names())}.") from None
   if task.name == "AX":
-    raise ValueError("AX (GLUE's diagnostic set) has no training data: GLUE scores it with the "
-                     "MNLI model, so task=mnli writes AX.tsv beside MNLI's test predictions.")
+    raise Refusal("AX (GLUE's diagnostic set) has no training data: GLUE scores it with the "
+                  "MNLI model, so task=mnli writes AX.tsv beside MNLI's test predictions.")
   return task.name
 
 
@@ -84,8 +85,8 @@ def _tfds_dir(data: FinetuneDataConfig) -> str | None:
 
 def _check_source(data: FinetuneDataConfig) -> None:
   if data.source not in ("files", "tfds"):
-    raise ValueError(f"config.data.source={data.source!r}: use 'files' (the task's original files) "
-                     "or 'tfds' (a TFDS dataset already built under tfds_data_dir).")
+    raise Refusal(f"config.data.source={data.source!r}: use 'files' (the task's original files) "
+                  "or 'tfds' (a TFDS dataset already built under tfds_data_dir).")
 
 
 # GLUE ------------------------------------------------------------------------------------------
@@ -94,8 +95,8 @@ def _glue_split(name: str, data: FinetuneDataConfig, split: str):
   if data.source == "tfds":
     return glue.read_glue_tfds(_tfds_dir(data), name, split)
   if not data.data_dir:
-    raise ValueError(f"{name} from files needs config.data.data_dir: the folder of GLUE's download "
-                     f"(holding {glue.get_task(name).splits[split].file}).")
+    raise Refusal(f"{name} from files needs config.data.data_dir: the folder of GLUE's download "
+                  f"(holding {glue.get_task(name).splits[split].file}).")
   return glue.read_glue_tsv(data.data_dir, name, split)
 
 
@@ -166,9 +167,9 @@ def _squad_set(name: str, data: FinetuneDataConfig, split: str,
                                  is_training=is_training)
   path = data.train_file if split == "train" else data.dev_file
   if not path:
-    raise ValueError(f"{name} from files needs config.data.{'train' if split == 'train' else 'dev'}"
-                     f"_file: the SQuAD JSON ({'train' if split == 'train' else 'dev'}-"
-                     f"{name.split('_v')[1]}.json).")
+    raise Refusal(f"{name} from files needs config.data.{'train' if split == 'train' else 'dev'}"
+                  f"_file: the SQuAD JSON ({'train' if split == 'train' else 'dev'}-"
+                  f"{name.split('_v')[1]}.json).")
   return squad.read_squad_json(path, is_training=is_training)
 
 
@@ -177,9 +178,9 @@ def _check_squad_version(name: str, squad_set: squad.SquadSet) -> squad.SquadSet
   on as if answerable and score with no gold answer. Refused before any step."""
   impossible = [e.qas_id for e in squad_set.examples if e.is_impossible]
   if name == "squad_v1.1" and impossible:
-    raise ValueError(f"{squad_set.source}: {len(impossible)} question(s) marked is_impossible "
-                     f"(e.g. id {impossible[0]!r}): a SQuAD v2.0 file. Fine-tune it with "
-                     "configs/finetune.py:squad_v2.0, or give squad_v1.1 a v1.1 file.")
+    raise Refusal(f"{squad_set.source}: {len(impossible)} question(s) marked is_impossible "
+                  f"(e.g. id {impossible[0]!r}): a SQuAD v2.0 file. Fine-tune it with "
+                  "configs/finetune.py:squad_v2.0, or give squad_v1.1 a v1.1 file.")
   return squad_set
 
 
@@ -198,8 +199,8 @@ def _ner_split(data: FinetuneDataConfig, split: str) -> list[ner.Sentence]:
     return ner.read_conll_tfds(_tfds_dir(data), {"dev": "validation"}.get(split, split))
   path = {"train": data.train_file, "dev": data.dev_file, "test": data.test_file}[split]
   if not path:
-    raise ValueError(f"conll2003 from files needs config.data.{split}_file (eng.train, eng.testa, "
-                     f"eng.testb in the original release).")
+    raise Refusal(f"conll2003 from files needs config.data.{split}_file (eng.train, eng.testa, "
+                  f"eng.testb in the original release).")
   return ner.read_conll(path)
 
 

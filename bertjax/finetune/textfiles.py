@@ -25,6 +25,7 @@ import os
 from typing import Any, Iterator, Sequence
 
 from bertjax import files
+from bertjax.errors import Refusal
 
 FORMATS = ("csv", "tsv", "jsonl")
 _EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl",
@@ -40,14 +41,14 @@ class Row(dict):
 def format_of(path: str, fmt: str = "") -> str:
   if fmt:
     if fmt not in FORMATS:
-      raise ValueError(f"config.data.format={fmt!r}: use one of {FORMATS} or '' (from the file's "
-                       "extension).")
+      raise Refusal(f"config.data.format={fmt!r}: use one of {FORMATS} or '' (from the file's "
+                    "extension).")
     return fmt
   ext = os.path.splitext(path.lower().removesuffix(".gz"))[1]
   if ext not in _EXTENSIONS:
-    raise ValueError(f"{path}: cannot tell the format from the extension {ext or '(none)'!r}; "
-                     f"name it .csv, .tsv or .jsonl, or set config.data.format to one of "
-                     f"{FORMATS}.")
+    raise Refusal(f"{path}: cannot tell the format from the extension {ext or '(none)'!r}; "
+                  f"name it .csv, .tsv or .jsonl, or set config.data.format to one of "
+                  f"{FORMATS}.")
   return _EXTENSIONS[ext]
 
 
@@ -62,11 +63,11 @@ def _text_stream(path: str):
 def _header(path: str, fields: Sequence[str]) -> list[str]:
   names = [f.strip() for f in fields]
   if not any(names):
-    raise ValueError(f"{path}:1: the first row names no columns; a {format_of(path)} file's first "
-                     "row is its header (e.g. text,label).")
+    raise Refusal(f"{path}:1: the first row names no columns; a {format_of(path)} file's first "
+                  "row is its header (e.g. text,label).")
   dupes = sorted({n for n in names if names.count(n) > 1 and n})
   if dupes:
-    raise ValueError(f"{path}:1: the header names the column(s) {dupes} more than once.")
+    raise Refusal(f"{path}:1: the header names the column(s) {dupes} more than once.")
   return names
 
 
@@ -89,18 +90,18 @@ def _first_bad_byte(path: str) -> tuple[int, int, bytes]:
   return 0, 0, b""
 
 
-def _decode_error(path: str) -> ValueError:
+def _decode_error(path: str) -> Refusal:
   with files.open_file(path, "rb") as f:
     head = f.read(4)
   for bom, name in _BOMS:
     if head.startswith(bom):
-      return ValueError(f"{path}: {name} (its byte-order mark), not UTF-8; save it as UTF-8 "
-                        f"(e.g. iconv -f {name} -t UTF-8 {os.path.basename(path)} > new.csv, or "
-                        "your editor's 'UTF-8' choice).")
+      return Refusal(f"{path}: {name} (its byte-order mark), not UTF-8; save it as UTF-8 "
+                     f"(e.g. iconv -f {name} -t UTF-8 {os.path.basename(path)} > new.csv, or "
+                     "your editor's 'UTF-8' choice).")
   line, byte, found = _first_bad_byte(path)
-  return ValueError(f"{path}:{line}: not UTF-8 (byte {byte} of the line: {found!r}); save the file "
-                    "as UTF-8 (from Windows-1252/Latin-1: iconv -f cp1252 -t utf-8; check the "
-                    "encoding your program wrote first).")
+  return Refusal(f"{path}:{line}: not UTF-8 (byte {byte} of the line: {found!r}); save the file "
+                 "as UTF-8 (from Windows-1252/Latin-1: iconv -f cp1252 -t utf-8; check the "
+                 "encoding your program wrote first).")
 
 
 def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
@@ -120,26 +121,26 @@ def _csv_rows(path: str, delimiter: str) -> Iterator[Row]:
           # (what csv writes for an empty string): skipping those would shift every later row.
           continue
         if len(fields) != len(names):
-          raise ValueError(f"{path}:{line}: {len(fields)} field(s) where the header has "
-                           f"{len(names)} ({names}); "
-                           + ("quote a field holding a comma or a newline (\"...\")"
+          raise Refusal(f"{path}:{line}: {len(fields)} field(s) where the header has "
+                        f"{len(names)} ({names}); "
+                        + ("quote a field holding a comma or a newline (\"...\")"
                               if delimiter == "," else "a field holding a tab?"))
         row = Row(zip(names, fields))
         row.where = f"{path}:{line}"
         yield row
     except csv.Error as err:
       if "field larger than field limit" in str(err):
-        raise ValueError(
+        raise Refusal(
             f"{path}:{start}: a field longer than {csv.field_size_limit():,} characters, the "
             "limit of Python's csv reader (and nothing past max_seq_length tokens is read); "
             "shorten the text, or write the file as JSON Lines, which has no such limit."
         ) from None
-      raise ValueError(f"{path}:{reader.line_num}: {err} (a quote opened and not closed?)"
-                       ) from None
+      raise Refusal(f"{path}:{reader.line_num}: {err} (a quote opened and not closed?)"
+                    ) from None
     except UnicodeDecodeError:
       raise _decode_error(path) from None
   if names is None:
-    raise ValueError(f"{path}: the file is empty; its first row names the columns.")
+    raise Refusal(f"{path}: the file is empty; its first row names the columns.")
 
 
 def _jsonl_rows(path: str) -> Iterator[Row]:
@@ -152,11 +153,11 @@ def _jsonl_rows(path: str) -> Iterator[Row]:
         try:
           value = json.loads(text)
         except json.JSONDecodeError as err:
-          raise ValueError(f"{path}:{line}: not JSON ({err.msg} at column {err.colno}); JSON Lines "
-                           "holds one object per line.") from None
+          raise Refusal(f"{path}:{line}: not JSON ({err.msg} at column {err.colno}); JSON Lines "
+                        "holds one object per line.") from None
         if not isinstance(value, dict):
-          raise ValueError(f"{path}:{line}: a {type(value).__name__}, not an object; JSON Lines "
-                           'holds one object per line ({"text": ..., "label": ...}).')
+          raise Refusal(f"{path}:{line}: a {type(value).__name__}, not an object; JSON Lines "
+                        'holds one object per line ({"text": ..., "label": ...}).')
         row = Row(value)
         row.where = f"{path}:{line}"
         yield row
@@ -176,8 +177,8 @@ def require(row: Row, columns: Sequence[str], what: str = "config.data") -> None
   """Every one of `columns` is in `row`, or an error listing the columns found."""
   missing = [c for c in columns if c not in row]
   if missing:
-    raise ValueError(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}. Name "
-                     f"the columns with {what}.text_a / text_b / label (tagging: tokens / tags).")
+    raise Refusal(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}. Name "
+                  f"the columns with {what}.text_a / text_b / label (tagging: tokens / tags).")
 
 
 def read_rows(path: str, columns: Sequence[str], fmt: str = "") -> list[Row]:
@@ -187,7 +188,7 @@ def read_rows(path: str, columns: Sequence[str], fmt: str = "") -> list[Row]:
     require(row, columns)
     rows.append(row)
   if not rows:
-    raise ValueError(f"{path}: no examples (only a header, or blank lines).")
+    raise Refusal(f"{path}: no examples (only a header, or blank lines).")
   return rows
 
 
@@ -196,7 +197,7 @@ def text_of(row: Row, column: str) -> str:
   if value is None:
     return ""
   if isinstance(value, (list, dict)):
-    raise ValueError(f"{row.where}: column {column!r} holds a {type(value).__name__}, not text.")
+    raise Refusal(f"{row.where}: column {column!r} holds a {type(value).__name__}, not text.")
   return str(value)
 
 
@@ -209,10 +210,10 @@ def list_of(row: Row, column: str) -> list[str]:
       try:
         value = json.loads(text)
       except json.JSONDecodeError as err:
-        raise ValueError(f"{row.where}: column {column!r} is not a JSON list ({err.msg}); write "
-                         'it as ["w1", "w2", ...] or as words separated by spaces.') from None
+        raise Refusal(f"{row.where}: column {column!r} is not a JSON list ({err.msg}); write "
+                      'it as ["w1", "w2", ...] or as words separated by spaces.') from None
     else:
       value = text.split()
   if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
-    raise ValueError(f"{row.where}: column {column!r} is not a list of words or tags.")
+    raise Refusal(f"{row.where}: column {column!r} is not a list of words or tags.")
   return [str(v) for v in value]

@@ -22,6 +22,7 @@ import numpy as np
 from absl import logging
 
 from bertjax import files
+from bertjax.errors import Refusal
 from bertjax.formats import hf, tf_bundle
 from bertjax.model import ACTIVATIONS, BertConfig
 
@@ -56,8 +57,8 @@ _STEP = "global_step"
 def config_from_google(google_config: dict, **overrides) -> BertConfig:
   """A BertConfig from the dict of a Google `bert_config.json`."""
   if "vocab_size" not in google_config:
-    raise ValueError(f"bert_config.json has no vocab_size (keys: {sorted(google_config)}); it is "
-                     "not a BERT config of Google's release")
+    raise Refusal(f"bert_config.json has no vocab_size (keys: {sorted(google_config)}); it is "
+                  "not a BERT config of Google's release")
   values = {**_CONFIG_DEFAULTS, **google_config}
   unknown = sorted(set(values) - set(_CONFIG_KEYS) - {"hidden_act"} - set(_UNREAD_KEYS))
   if unknown:
@@ -69,9 +70,9 @@ def config_from_google(google_config: dict, **overrides) -> BertConfig:
   # gelu_tanh computes the same function.
   act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
   if act not in ("gelu", "gelu_tanh"):
-    raise ValueError(f"hidden_act={values['hidden_act']!r} has no bertjax equivalent (bertjax "
-                     f"offers {sorted(ACTIVATIONS)}; Google's 'gelu' is bertjax's 'gelu', "
-                     "'gelu_new' and 'gelu_pytorch_tanh' its 'gelu_tanh')")
+    raise Refusal(f"hidden_act={values['hidden_act']!r} has no bertjax equivalent (bertjax "
+                  f"offers {sorted(ACTIVATIONS)}; Google's 'gelu' is bertjax's 'gelu', "
+                  "'gelu_new' and 'gelu_pytorch_tanh' its 'gelu_tanh')")
   ours = {mine: values[theirs] for theirs, mine in _CONFIG_KEYS.items()}
   return BertConfig.from_dict({**ours, "hidden_act": act}, **overrides)
 
@@ -79,9 +80,9 @@ def config_from_google(google_config: dict, **overrides) -> BertConfig:
 def config_to_google(config: BertConfig) -> dict:
   """The `bert_config.json` dict of a BertConfig, in Google's keys."""
   if config.modern_options():
-    raise ValueError(f"Google's BERT format has no form for {', '.join(config.modern_options())}"
-                     " (the paper's model has none of them); a ModernBERT-shaped model exports "
-                     "with `python -m bertjax.convert.modernbert export`")
+    raise Refusal(f"Google's BERT format has no form for {', '.join(config.modern_options())}"
+                  " (the paper's model has none of them); a ModernBERT-shaped model exports "
+                  "with `python -m bertjax.convert.modernbert export`")
   if config.hidden_act != "gelu":
     logging.warning("hidden_act=%r is written as 'gelu', the only GELU name of Google's format "
                     "(which its later code computes as the tanh form); imported back, it reads "
@@ -201,7 +202,7 @@ def params_from_google(source, config: BertConfig, *, scan_layers: bool | None =
   if absent:
     # A fine-tuned model of the original's scripts (run_classifier.py keeps bert/* and its own
     # output_weights), not a model of another shape: the config is not what to fix.
-    raise ValueError(
+    raise Refusal(
         f"The checkpoint holds no {' and no '.join(_HEAD_PREFIXES[h] + '*' for h in absent)} (the "
         f"pre-training head(s) {absent}): it is a fine-tuned or encoder-only checkpoint, from "
         "which only the encoder (bert/*) can be taken (heads=() here; as checkpoint.init_from of "
@@ -220,7 +221,7 @@ def params_from_google(source, config: BertConfig, *, scan_layers: bool | None =
     problems.append("the names are those of a TF2 object-based checkpoint (tf.train.Checkpoint), "
                     "not the TF1 names of Google's releases")
   if problems:
-    raise ValueError(
+    raise Refusal(
         f"The checkpoint does not fit BertConfig(vocab_size={config.vocab_size}, hidden_size="
         f"{config.hidden_size}, num_layers={config.num_layers}, intermediate_size="
         f"{config.intermediate_size}, max_position_embeddings={config.max_position_embeddings}, "

@@ -20,7 +20,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from bertjax import files
+from bertjax import files, taskspec
+from bertjax.errors import Refusal
 from bertjax.formats import outfolder
 from bertjax.model import BertConfig
 
@@ -53,12 +54,12 @@ _IGNORED_KEYS = ("bert.embeddings.position_ids",)
 def config_from_hf(hf_config: dict, **overrides) -> BertConfig:
   """A BertConfig from the dict of a Hugging Face BERT `config.json`."""
   if hf_config.get("position_embedding_type", "absolute") != "absolute":
-    raise ValueError(f"position_embedding_type={hf_config['position_embedding_type']!r} is not "
-                     "supported; bertjax implements the original absolute positions")
+    raise Refusal(f"position_embedding_type={hf_config['position_embedding_type']!r} is not "
+                  "supported; bertjax implements the original absolute positions")
   act = hf_config.get("hidden_act", "gelu")
   if act not in _HF_ACTIVATIONS:
-    raise ValueError(f"hidden_act={act!r} has no bertjax equivalent; "
-                     f"supported: {sorted(_HF_ACTIVATIONS)}")
+    raise Refusal(f"hidden_act={act!r} has no bertjax equivalent; "
+                  f"supported: {sorted(_HF_ACTIVATIONS)}")
   values = {ours: hf_config[theirs] for theirs, ours in HF_CONFIG_KEYS.items()
             if theirs in hf_config}
   values["hidden_act"] = _HF_ACTIVATIONS[act]
@@ -70,9 +71,9 @@ def config_to_hf(config: BertConfig) -> dict:
   which Hugging Face's BERT cannot express."""
   modern = config.modern_options()
   if modern:
-    raise ValueError(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
-                     "model has none of them); a ModernBERT-shaped model exports with "
-                     "`python -m bertjax.convert.modernbert export`")
+    raise Refusal(f"Hugging Face's BERT has no form for {', '.join(modern)} (the paper's "
+                  "model has none of them); a ModernBERT-shaped model exports with "
+                  "`python -m bertjax.convert.modernbert export`")
   out = {theirs: getattr(config, ours) for theirs, ours in HF_CONFIG_KEYS.items()}
   out.update(model_type="bert", architectures=["BertForPreTraining"],
              hidden_act={"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[config.hidden_act],
@@ -257,7 +258,7 @@ def _check(state_dict: dict, config: BertConfig, heads) -> None:
     problems.append(f"keys that should equal their tied source but differ: {untied} "
                     "(bertjax ties the MLM decoder to the word embeddings)")
   if problems:
-    raise ValueError(
+    raise Refusal(
         f"The Hugging Face state dict does not fit BertConfig(vocab_size={config.vocab_size}, "
         f"hidden_size={config.hidden_size}, num_layers={config.num_layers}, "
         f"intermediate_size={config.intermediate_size}, max_position_embeddings="
@@ -369,43 +370,35 @@ def save_hf_dir(hf_dir: str, params: dict, config: BertConfig) -> None:
             metadata={"format": "pt"})
 
 
-# A fine-tuned model's transformers class by its task family (bertjax/taskspec.py), and the
-# name of its head there. Token classification and QA build no pooler: its weights are left out,
-# or transformers would warn of unused weights.
-TASK_CLASSES = {"classification": "BertForSequenceClassification",
-                "regression": "BertForSequenceClassification",
-                "tagging": "BertForTokenClassification", "span": "BertForQuestionAnswering"}
-_TASK_HEADS = {"classification": "classifier", "regression": "classifier",
-               "tagging": "classifier", "span": "qa_outputs"}
-_POOLED = ("classification", "regression")
+# The transformers class of sequence classification, the one that builds the pooler: its token
+# classification and QA classes build none, so the pooler's weights are left out there, or
+# transformers would warn of unused weights.
+_SEQUENCE_CLASS = "BertForSequenceClassification"
 
 
 def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.ndarray], dict]:
-  """The state dict and the config.json entries of a fine-tuned model in its transformers class:
-  the encoder, the head (bertjax's "classifier" or "span" dense, [D, C] kernel, as a [C, D]
-  Linear; span's two outputs are start then end, as transformers splits qa_outputs), and the
-  labels by id."""
+  """The state dict and the config.json entries of a fine-tuned model in the transformers class
+  its family names (`HF_CLASS`, its head there `HF_HEAD`: bertjax/finetune/families/): the
+  encoder, the head (bertjax's "classifier" or "span" dense, [D, C] kernel, as a [C, D] Linear;
+  span's two outputs are start then end, as transformers splits qa_outputs), its width, and the
+  labels by id where the head's outputs are the task's label names."""
   if config.task_head != "bert":
-    raise ValueError(f"task_head={config.task_head!r}: transformers' Bert* task classes have "
-                     "BERT's head alone; export with `python -m bertjax.convert.modernbert export`")
+    raise Refusal(f"task_head={config.task_head!r}: transformers' Bert* task classes have "
+                  "BERT's head alone; export with `python -m bertjax.convert.modernbert export`")
+  family = taskspec.family_of(spec.family)
   sd = params_to_hf({"bert": params["bert"]}, config)
-  if spec.family not in _POOLED:
+  if family.HF_CLASS != _SEQUENCE_CLASS:
     sd = {k: v for k, v in sd.items() if not k.startswith("bert.pooler.")}
   head = params[spec.head]["dense"] if "dense" in params[spec.head] else params[spec.head]
-  name = _TASK_HEADS[spec.family]
-  sd[f"{name}.weight"] = np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T)
-  sd[f"{name}.bias"] = np.asarray(head["bias"], np.float32)
-  extra = {"architectures": [TASK_CLASSES[spec.family]]}
-  if spec.family == "regression":
-    extra.update(num_labels=1, problem_type="regression")
-  elif spec.family == "span":
-    extra.update(num_labels=2)
-  else:
-    extra.update(num_labels=len(spec.labels),
-                 id2label={str(i): name for i, name in enumerate(spec.labels)},
+  sd[f"{family.HF_HEAD}.weight"] = np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T)
+  sd[f"{family.HF_HEAD}.bias"] = np.asarray(head["bias"], np.float32)
+  outputs = family.num_outputs(spec)
+  extra = {"architectures": [family.HF_CLASS], "num_labels": outputs}
+  if spec.labels and len(spec.labels) == outputs:  # the head's outputs are the label names
+    extra.update(id2label={str(i): name for i, name in enumerate(spec.labels)},
                  label2id={name: i for i, name in enumerate(spec.labels)})
-    if spec.family == "classification":
-      extra["problem_type"] = "single_label_classification"
+  if family.HF_CLASS == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
+    extra["problem_type"] = "regression" if outputs == 1 else "single_label_classification"
   return sd, extra
 
 

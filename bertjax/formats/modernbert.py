@@ -28,6 +28,7 @@ import os
 
 import numpy as np
 
+from bertjax.errors import Refusal
 from bertjax.formats import hf, outfolder
 from bertjax.model import BertConfig
 
@@ -56,8 +57,8 @@ def config_from_modernbert(c: dict, **overrides) -> BertConfig:
     problems.append(f"classifier_pooling={c['classifier_pooling']!r} (ModernBERT's are 'cls' "
                     "and 'mean')")
   if problems:
-    raise ValueError("This ModernBERT config.json uses what bertjax does not implement: "
-                     + "; ".join(problems))
+    raise Refusal("This ModernBERT config.json uses what bertjax does not implement: "
+                  + "; ".join(problems))
   every = int(c.get("global_attn_every_n_layers", 3))
   local_theta = c.get("local_rope_theta")
   values = dict(
@@ -108,8 +109,8 @@ def config_to_modernbert(config: BertConfig, token_ids: dict | None = None) -> d
     if act not in _ACTIVATIONS_BACK:
       wrong.append(f"{key}={act!r} (ModernBERT takes {sorted(_ACTIVATIONS_BACK)})")
   if wrong:
-    raise ValueError("This model has no ModernBERT form: " + "; ".join(wrong)
-                     + ". Export it with `python -m bertjax.convert.hf export` if it is BERT's")
+    raise Refusal("This model has no ModernBERT form: " + "; ".join(wrong)
+                  + ". Export it with `python -m bertjax.convert.hf export` if it is BERT's")
   every = config.global_every
   if token_ids is None:
     token_ids = (_DEFAULT_TOKEN_IDS if config.vocab_size > max(_DEFAULT_TOKEN_IDS.values())
@@ -170,9 +171,9 @@ def heads_in(names, hf_config: dict | None = None) -> tuple[str, ...]:
   if any(n.startswith("classifier.") for n in names):
     cls = task_class(hf_config)
     if cls is None:
-      raise ValueError("model.safetensors holds a task head (classifier.*) but config.json's "
-                       f"architectures={(hf_config or {}).get('architectures')} names none of "
-                       f"{sorted(_CLASSIFIER_SUBTREES)}; write the class there")
+      raise Refusal("model.safetensors holds a task head (classifier.*) but config.json's "
+                    f"architectures={(hf_config or {}).get('architectures')} names none of "
+                    f"{sorted(_CLASSIFIER_SUBTREES)}; write the class there")
     return (PREDICTION_HEAD, _CLASSIFIER_SUBTREES[cls])
   return ("mlm",) if any(n.startswith("head.") for n in names) else ()
 
@@ -240,7 +241,7 @@ def _check(sd: dict, config: BertConfig, heads) -> None:
     problems.append("decoder.weight differs from the word embeddings although config.json ties "
                     "them (tie_word_embeddings); set tie_word_embeddings=false in config.json")
   if problems:
-    raise ValueError(
+    raise Refusal(
         f"The ModernBERT state dict does not fit its config (hidden_size={config.hidden_size}, "
         f"num_layers={config.num_layers}, intermediate_size={config.intermediate_size}, "
         f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}, norm_bias="
@@ -308,8 +309,8 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
   heads = heads_in(sd, hf_config) if heads is None else tuple(heads)
   unknown = set(heads) - {"mlm", *_TASK_SUBTREES}
   if unknown:
-    raise ValueError(f"A ModernBERT folder holds no {sorted(unknown)} head; it has the MLM head "
-                     "or a task class's (no next-sentence prediction)")
+    raise Refusal(f"A ModernBERT folder holds no {sorted(unknown)} head; it has the MLM head "
+                  "or a task class's (no next-sentence prediction)")
   _check(sd, config, heads)
   layers = [_layer_from(sd, config, i) for i in range(config.num_layers)]
   if config.scan_layers:

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from bertjax import taskspec
+from bertjax.errors import Refusal
 from bertjax.formats import modernbert
 from bertjax.model import BertConfig
 
-# A fine-tuned model's class by its task family (bertjax/taskspec.py); like formats/hf.py's
-# TASK_CLASSES, a table of the families below fine-tuning, held to their registry by
-# tests/test_finetune_families.py.
-TASK_CLASSES = {"classification": "ModernBertForSequenceClassification",
-                "regression": "ModernBertForSequenceClassification",
-                "tagging": "ModernBertForTokenClassification",
-                "span": "ModernBertForQuestionAnswering"}
-_FAMILIES = {"ModernBertForTokenClassification": "tagging",
-             "ModernBertForQuestionAnswering": "span"}
+_SEQUENCE_CLASS = "ModernBertForSequenceClassification"
+
+
+def _classes() -> list[str]:
+  """The ModernBERT classes of the registered families."""
+  return sorted({getattr(f, "MODERNBERT_CLASS", None) for f in taskspec.FAMILIES.values()} - {None})
 
 
 def _labels(hf_config: dict) -> tuple[str, ...]:
@@ -32,11 +31,11 @@ def _labels(hf_config: dict) -> tuple[str, ...]:
   try:
     by_id = {int(k): str(v) for k, v in id2label.items()}
   except ValueError:
-    raise ValueError(f"config.json's id2label={id2label} has keys that are not label ids; write "
-                     "them as \"0\", \"1\", ...") from None
+    raise Refusal(f"config.json's id2label={id2label} has keys that are not label ids; write "
+                  "them as \"0\", \"1\", ...") from None
   if sorted(by_id) != list(range(len(by_id))):
-    raise ValueError(f"config.json's id2label has ids {sorted(by_id)}; a head's labels are "
-                     f"0 to {len(by_id) - 1}, each named once")
+    raise Refusal(f"config.json's id2label has ids {sorted(by_id)}; a head's labels are "
+                  f"0 to {len(by_id) - 1}, each named once")
   return tuple(by_id[i] for i in range(len(by_id)))
 
 
@@ -49,19 +48,27 @@ def spec_from_config(hf_config: dict, config: BertConfig) -> dict[str, Any] | No
   if cls is None:
     return None
   labels = _labels(hf_config)
-  family = _FAMILIES.get(cls, "classification")
   problem = hf_config.get("problem_type")
-  if family == "classification":
-    if problem == "multi_label_classification":
-      raise ValueError("config.json's problem_type='multi_label_classification': bertjax's "
-                       "classification gives one label per text; fine-tune a single-label head "
-                       "(problem_type 'single_label_classification')")
-    if problem == "regression" or len(labels) == 1:
-      family, labels = "regression", ()
-  out = {"task": family, "family": family, "labels": list(labels),
+  if cls == _SEQUENCE_CLASS and problem == "multi_label_classification":
+    raise Refusal("config.json's problem_type='multi_label_classification': bertjax's "
+                  "classification gives one label per text; fine-tune a single-label head "
+                  "(problem_type 'single_label_classification')")
+  # The families of this class (each family says its class: bertjax/finetune/families/); a
+  # sequence's class is two, told apart by transformers' own rule: one output is a regression.
+  names = [n for n, f in taskspec.FAMILIES.items() if getattr(f, "MODERNBERT_CLASS", None) == cls]
+  if len(names) > 1:
+    one = problem == "regression" or len(labels) == 1
+    names = [n for n in names if (taskspec.family_of(n).MIN_LABELS == 0) == one] or names
+  if not names:
+    raise Refusal(f"config.json's class {cls} is not one a task family of bertjax reads; those "
+                  f"are {_classes()}")
+  family = taskspec.family_of(names[0])
+  labels = labels if family.MIN_LABELS else ()
+  out = {"task": names[0], "family": names[0], "labels": list(labels),
          "max_seq_length": config.max_position_embeddings}
-  if family == "span":  # SQuAD's columns, as a span workdir reads them
-    out.update(labels=[], text_a="question", text_b="context")
+  columns = getattr(family, "COLUMNS", None)
+  if columns:  # a family with columns of its own (span: SQuAD's question and context)
+    out.update(text_a=columns[0], text_b=columns[1])
   return out
 
 
@@ -70,23 +77,24 @@ def task_config(spec, config: BertConfig) -> dict[str, Any]:
   the class, the labels, problem_type, classifier_pooling and classifier_dropout (the dropout
   the run fine-tuned with)."""
   if config.task_head != "modernbert":
-    raise ValueError(
+    raise Refusal(
         f"This model was fine-tuned with BERT's task head (task_head={config.task_head!r}: pooled "
         "-> dense), which transformers' ModernBertFor* classes do not have (theirs: dense, "
         "activation, norm -> dense). Fine-tune it again with --config.model.task_head=modernbert "
         "to export it.")
-  family = spec.family
-  if family not in TASK_CLASSES:
-    raise ValueError(f"A {family} model has no ModernBERT class; those exported are "
-                     f"{sorted(TASK_CLASSES)}")
-  labels = {"regression": ("LABEL_0",), "span": ("LABEL_0", "LABEL_1")}.get(family, spec.labels)
-  out = {"architectures": [TASK_CLASSES[family]],
+  family = taskspec.family_of(spec.family)
+  cls = getattr(family, "MODERNBERT_CLASS", None)
+  if cls is None:
+    raise Refusal(f"A {spec.family} model has no ModernBERT class; those exported are "
+                  f"{_classes()}")
+  outputs = family.num_outputs(spec)
+  labels = (spec.labels if spec.labels and len(spec.labels) == outputs
+            else tuple(f"LABEL_{i}" for i in range(outputs)))
+  out = {"architectures": [cls],
          "id2label": {str(i): name for i, name in enumerate(labels)},
          "label2id": {name: i for i, name in enumerate(labels)},
          "classifier_pooling": config.classifier_pooling,
          "classifier_dropout": config.hidden_dropout}
-  if family == "regression":
-    out["problem_type"] = "regression"
-  elif family == "classification":
-    out["problem_type"] = "single_label_classification"
+  if cls == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
+    out["problem_type"] = "regression" if outputs == 1 else "single_label_classification"
   return out

@@ -16,6 +16,9 @@ from __future__ import annotations
 import os
 import shutil
 
+from bertjax.errors import Refusal
+
+
 # What a model folder of transformers (and so of an export) may hold: weights, configs and every
 # tokenizer's files. Nothing here is a user's own file.
 MODEL_FILES = frozenset({
@@ -34,15 +37,15 @@ class ExportFolder:
 
   def __init__(self, output: str, flag: str = "--output"):
     if os.path.exists(output) and not os.path.isdir(output):
-      raise ValueError(f"{flag}={output} is a file; an export writes a folder (config.json, "
-                       "model.safetensors, the tokenizer's files). Name a new or empty folder.")
+      raise Refusal(f"{flag}={output} is a file; an export writes a folder (config.json, "
+                    "model.safetensors, the tokenizer's files). Name a new or empty folder.")
     found = sorted(os.listdir(output)) if os.path.isdir(output) else []
     foreign = [name for name in found if name not in MODEL_FILES]
     if foreign:
       shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-      raise ValueError(f"{flag}={output} holds files an export does not write ({shown}); an "
-                       "export would mix its files with them. Name a new or empty folder, or one "
-                       "holding an earlier export only.")
+      raise Refusal(f"{flag}={output} holds files an export does not write ({shown}); an "
+                    "export would mix its files with them. Name a new or empty folder, or one "
+                    "holding an earlier export only.")
     self.output, self.found, self.written, self.removed = output, set(found), set(), []
 
   @property

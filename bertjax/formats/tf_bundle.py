@@ -22,6 +22,7 @@ import struct
 import numpy as np
 
 from bertjax import files
+from bertjax.errors import Refusal
 
 _MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
@@ -35,7 +36,7 @@ _DTYPES = {1: "<f4", 2: "<f8", 3: "<i4", 4: "u1", 5: "<i2", 6: "i1", 8: "<c8", 9
 _DT_STRING, _DT_BFLOAT16 = 7, 14
 
 
-class BundleError(ValueError):
+class BundleError(Refusal):
   """The files are not a TensorFlow checkpoint this reader can read (said how and why)."""
 
 

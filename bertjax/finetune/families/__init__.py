@@ -13,6 +13,8 @@ The hooks, as each module defines them:
   HEAD             the head's parameter subtree beside the encoder's ("bert")
   HF_CLASS         the transformers class an export writes ...
   HF_HEAD          ... and the name of its head there (bertjax/formats/hf.py writes both)
+  MODERNBERT_CLASS the transformers ModernBERT class of the family (formats/modernbert_tasks.py
+                   reads and writes it; None where ModernBERT has none)
   MIN_LABELS       the fewest label names a spec of the family holds
   MAIN_METRICS     the dev numbers that may pick the best checkpoint (the first by default) ...
   LOWER_IS_BETTER  ... and those of them where lower is better
@@ -44,7 +46,7 @@ FAMILIES.update({
     "span": span,
 })
 
-HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MIN_LABELS", "MAIN_METRICS", "LOWER_IS_BETTER",
+HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MODERNBERT_CLASS", "MIN_LABELS", "MAIN_METRICS", "LOWER_IS_BETTER",
          "BATCH_KEYS", "RECORD_KEYS", "num_outputs", "objective", "columns", "as_row", "records",
          "load")
 

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from bertjax import heads, taskspec as spec_lib, train
+from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
@@ -23,6 +24,7 @@ from bertjax.finetune.taskdata import TaskData
 HEAD = "classifier"
 HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
+MODERNBERT_CLASS = "ModernBertForSequenceClassification"
 MIN_LABELS = 2
 MAIN_METRICS = ("accuracy", "macro_f1", "micro_f1")
 BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
@@ -109,9 +111,9 @@ def label_ids(rows: custom.Rows, labels: Sequence[str]) -> np.ndarray:
   index = {name: k for k, name in enumerate(labels)}
   for where, label in zip(rows.where, rows.labels):
     if label not in index:
-      raise ValueError(f"{where}: label {label!r} is not in the label map {list(labels)} (read "
-                       "from the training file, or config.data.labels); add it there, or fix "
-                       "the row.")
+      raise Refusal(f"{where}: label {label!r} is not in the label map {list(labels)} (read "
+                    "from the training file, or config.data.labels); add it there, or fix "
+                    "the row.")
   return np.array([index[label] for label in rows.labels], np.int32)
 
 
@@ -130,22 +132,22 @@ def class_weights(raw: str, labels: Sequence[str], train_ids_N: np.ndarray) -> l
   if raw == "balanced":
     absent = [labels[k] for k in np.flatnonzero(counts_C == 0)]
     if absent:
-      raise ValueError(f"train.class_weights='balanced': the label(s) {absent} have no training "
-                       "example, so no weight; drop them from config.data.labels or give weights.")
+      raise Refusal(f"train.class_weights='balanced': the label(s) {absent} have no training "
+                    "example, so no weight; drop them from config.data.labels or give weights.")
     return [float(w) for w in len(train_ids_N) / (len(labels) * counts_C)]
   weights = [1.0] * len(labels)
   for item in raw.split(","):
     name, eq, value = item.partition("=")
     name = name.strip()
     if not eq or name not in labels:
-      raise ValueError(f"train.class_weights={raw!r}: {item.strip()!r} is not label=weight with "
-                       f"a label of {list(labels)}; or use 'balanced'.")
+      raise Refusal(f"train.class_weights={raw!r}: {item.strip()!r} is not label=weight with "
+                    f"a label of {list(labels)}; or use 'balanced'.")
     try:
       weights[labels.index(name)] = float(value)
     except ValueError:
-      raise ValueError(f"train.class_weights: {value!r} (for {name!r}) is not a number.") from None
+      raise Refusal(f"train.class_weights: {value!r} (for {name!r}) is not a number.") from None
   if min(weights) < 0 or max(weights) <= 0:
-    raise ValueError(f"train.class_weights={raw!r}: weights must be >= 0, one at least > 0.")
+    raise Refusal(f"train.class_weights={raw!r}: weights must be >= 0, one at least > 0.")
   return weights
 
 
@@ -191,8 +193,8 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   train_rows = custom.Rows(train_path, probe, cfg.data.format, need_labels=True)
   labels = custom.labels_given(cfg.data) or sorted_labels(train_rows.labels)
   if len(labels) < 2:
-    raise ValueError(f"{train_path}: one label ({labels[0]!r}) in the whole file; "
-                     "classification needs at least two.")
+    raise Refusal(f"{train_path}: one label ({labels[0]!r}) in the whole file; "
+                  "classification needs at least two.")
   spec = custom.spec_of("classification", cfg, labels)
 
   def features(rows: custom.Rows) -> dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import heads, taskspec as spec_lib, train
+from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
@@ -22,6 +23,7 @@ from bertjax.finetune.taskdata import TaskData
 HEAD = "classifier"
 HF_CLASS = "BertForSequenceClassification"
 HF_HEAD = "classifier"
+MODERNBERT_CLASS = "ModernBertForSequenceClassification"
 MIN_LABELS = 0
 MAIN_METRICS = ("pearson", "spearman", "mse")
 BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
@@ -69,8 +71,8 @@ def label_of(row, column: str) -> float:
   except (TypeError, ValueError):
     number = float("nan")
   if not np.isfinite(number):
-    raise ValueError(f"{row.where}: column {column!r} holds {value!r}, not a number; a "
-                     "regression task needs a number on every row.")
+    raise Refusal(f"{row.where}: column {column!r} holds {value!r}, not a number; a "
+                  "regression task needs a number on every row.")
   return number
 
 
@@ -108,7 +110,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   notes: list[str] = []
   train = features(train_rows)
   if cfg.class_weights:
-    raise ValueError("train.class_weights applies to classification, not regression.")
+    raise Refusal("train.class_weights applies to classification, not regression.")
   evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode, notes,
                                      label_of=label_of)
   return TaskData("regression", objective(spec), train, evals, predicts, main, notes, spec=spec)

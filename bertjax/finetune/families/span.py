@@ -17,6 +17,7 @@ import functools
 import numpy as np
 
 from bertjax import heads, losses, taskspec as spec_lib, train
+from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad, squad_metrics
 from bertjax.finetune import squad_postprocess, textfiles
 from bertjax.finetune.config import TaskConfig
@@ -25,6 +26,9 @@ from bertjax.finetune.taskdata import EvalSet, TaskData
 HEAD = "span"
 HF_CLASS = "BertForQuestionAnswering"
 HF_HEAD = "qa_outputs"
+MODERNBERT_CLASS = "ModernBertForQuestionAnswering"
+# The columns of a span example (SQuAD's): what an imported fine-tuned folder's spec reads.
+COLUMNS = ("question", "context")
 MIN_LABELS = 0
 MAIN_METRICS = ("f1", "exact")
 BATCH_KEYS = ("start_positions", "end_positions")  # the targets a batch carries (objective)
@@ -128,8 +132,8 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   training question is unanswerable."""
   data = cfg.data
   if not (data.train_file and data.dev_file):
-    raise ValueError("A span task from one's own files needs config.data.train_file and "
-                     "config.data.dev_file, each in SQuAD's JSON layout.")
+    raise Refusal("A span task from one's own files needs config.data.train_file and "
+                  "config.data.dev_file, each in SQuAD's JSON layout.")
   train_set = squad.read_squad_json(data.train_file, is_training=True)
   said = data.version_2_with_negative
   version_2 = bool(said) if said is not None else any(e.is_impossible for e in train_set.examples)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import heads, taskspec as spec_lib, train
+from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, ner, objectives, textfiles
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
@@ -32,6 +33,7 @@ from bertjax.finetune.taskdata import EvalSet, TaskData
 HEAD = "classifier"
 HF_CLASS = "BertForTokenClassification"
 HF_HEAD = "classifier"
+MODERNBERT_CLASS = "ModernBertForTokenClassification"
 MIN_LABELS = 2
 MAIN_METRICS = ("f1", "precision", "recall", "accuracy")
 BATCH_KEYS = ("label_ids", "label_weights")  # the targets a batch carries (objective)
@@ -107,12 +109,12 @@ def ner_features(sentences: Sequence[ner.Sentence], tokenizer, max_seq_length: i
   """
   room = max_seq_length - tokenizer.template.specials(False)
   if room < 1:
-    raise ValueError(f"max_seq_length {max_seq_length} leaves no room beside the special tokens.")
+    raise Refusal(f"max_seq_length {max_seq_length} leaves no room beside the special tokens.")
   label_id = {t: k for k, t in enumerate(labels)}
   for s in sentences:
     unknown = set(s.tags) - set(label_id)
     if unknown:
-      raise ValueError(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
+      raise Refusal(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
   pieces = tokenizer.encode_words([s.words for s in sentences])
   # A window: (sentence, piece ids, each piece's label id or -1 after a word's first, first word).
   windows, empty, cut_words, split_sentences = [], 0, 0, 0
@@ -270,13 +272,13 @@ def read_tagged(path: str, spec: spec_lib.TaskSpec, fmt: str
   for row in textfiles.read_rows(path, [spec.tokens, spec.tags], fmt):
     words, tags = textfiles.list_of(row, spec.tokens), textfiles.list_of(row, spec.tags)
     if len(words) != len(tags):
-      raise ValueError(f"{row.where}: {len(words)} word(s) in {spec.tokens!r} but {len(tags)} "
-                       f"tag(s) in {spec.tags!r}; a tagging row has one tag per word.")
+      raise Refusal(f"{row.where}: {len(words)} word(s) in {spec.tokens!r} but {len(tags)} "
+                    f"tag(s) in {spec.tags!r}; a tagging row has one tag per word.")
     if not words:
-      raise ValueError(f"{row.where}: no words in column {spec.tokens!r}.")
+      raise Refusal(f"{row.where}: no words in column {spec.tokens!r}.")
     out.append((row.where, words, tags))
   if not out:
-    raise ValueError(f"{path}: no sentences.")
+    raise Refusal(f"{path}: no sentences.")
   return out
 
 
@@ -287,9 +289,9 @@ def tagged_sentences(raw, scheme: str, labels: Sequence[str]) -> list[ner.Senten
     iob2 = ner.scheme_to_iob2(tags, scheme, where)
     for i, tag in enumerate(iob2):
       if tag not in known:
-        raise ValueError(f"{where} word {i + 1}: entity type of tag {tags[i]!r} is not in the "
-                         f"label map {list(labels)}; add the type to config.data.labels or fix "
-                         "the tag.")
+        raise Refusal(f"{where} word {i + 1}: entity type of tag {tags[i]!r} is not in the "
+                      f"label map {list(labels)}; add the type to config.data.labels or fix "
+                      "the tag.")
     sentences.append(ner.Sentence(where, tuple(words), tuple(iob2)))
   return sentences
 
@@ -307,8 +309,8 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   if scheme == "IOB2":
     scheme = "BIO"
   if scheme not in spec_lib.TAG_SCHEMES:
-    raise ValueError(f"config.data.tag_scheme={cfg.data.tag_scheme!r}: use one of "
-                     f"{spec_lib.TAG_SCHEMES} or '' to detect it from the training file.")
+    raise Refusal(f"config.data.tag_scheme={cfg.data.tag_scheme!r}: use one of "
+                  f"{spec_lib.TAG_SCHEMES} or '' to detect it from the training file.")
   given = custom.labels_given(cfg.data)
   if given:
     kinds = [ner.scheme_tag(t)[1] for t in given if t != "O"]
@@ -316,7 +318,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
     kinds = [ner.scheme_tag(t)[1] for _, _, tags in raw_train for t in tags if t != "O"]
   labels = ner.tag_labels(kinds)
   if len(labels) < 2:
-    raise ValueError(f"{train_path}: no entity tags (every word is O); nothing to learn.")
+    raise Refusal(f"{train_path}: no entity tags (every word is O); nothing to learn.")
   spec = custom.spec_of("tagging", cfg, labels, scheme)
 
   def features(sentences):

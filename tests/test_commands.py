@@ -1,0 +1,120 @@
+"""One command surface: every module that runs as a command (an `if __name__ == "__main__":`
+block in bertjax/ or launch/) is in the README's commands table, or is an old name kept as an
+alias, or is internal with a reason; every entry of the table exists and its page speaks of it;
+the benchmarks are subcommands of `python -m bertjax.benchmark`, each module's own name still
+running it."""
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from bertjax import benchmark_commands
+
+ROOT = pathlib.Path(__file__).parent.parent
+# Commands no user types, and why.
+INTERNAL = {"launch.logsync": "launch.tpu starts it on each worker to copy the job's log"}
+# Old names that still run, and the command each is now.
+ALIASES = {"bertjax.main": "bertjax.pretrain",
+           **{module: f"bertjax.benchmark {name}"
+              for name, (module, _) in benchmark_commands.SUBCOMMANDS.items()
+              if module != "bertjax.benchmark"}}
+
+
+def _runs_as_a_command(tree: ast.Module) -> bool:
+  return any(isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+             and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+             and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                     for c in node.test.comparators)
+             for node in tree.body)
+
+
+def _commands() -> set[str]:
+  """`python -m NAME` of every module with a `__main__` block (a package's __main__.py: NAME is
+  the package)."""
+  found = set()
+  for folder in ("bertjax", "launch"):
+    for path in (ROOT / folder).rglob("*.py"):
+      if _runs_as_a_command(ast.parse(path.read_text())):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found.add(name.removesuffix(".__main__"))
+  return found
+
+
+def _table() -> list[tuple[str, str]]:
+  """(command, link) of each row of the README's `## Commands` table: a module (`python -m
+  NAME`) or a script's path."""
+  section = (ROOT / "README.md").read_text().split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+  rows = re.findall(r"^\| `(?:python -m )?([\w./]+)[^`]*` \| [^|]+ \| \[[^]]+\]\(([^)]+)\) \|$",
+                    section, re.M)
+  assert len(rows) == section.count("\n| `"), "a row of the table is not `command` | ... | [page](link)"
+  return rows
+
+
+def test_every_command_is_in_the_readme_table_and_every_entry_exists():
+  table = _table()
+  listed = [command for command, _ in table]
+  assert len(listed) == len(set(listed)), listed
+  modules = {c for c in listed if "/" not in c}
+  commands = _commands()
+  assert len(commands) >= 20, commands  # the walk still finds them
+  missing = commands - modules - set(ALIASES) - set(INTERNAL)
+  assert not missing, f"commands not in the README's table (add a row, or list them here): {missing}"
+  stale = modules - commands
+  assert not stale, f"the README's table names commands that do not exist: {stale}"
+  assert not (modules & set(ALIASES)) and not (modules & set(INTERNAL))
+  for script in {c for c in listed if "/" in c}:
+    assert os.access(ROOT / script, os.X_OK), script
+  for command, link in table:
+    page = (ROOT / link.split("#")[0]).read_text()
+    assert command in page, f"{link} does not mention {command}"
+  readme = (ROOT / "README.md").read_text()
+  for old in ALIASES:  # an old name a user may still type is said to run
+    assert f"`{old}`" in readme, old
+  row = next(line for line in readme.splitlines() if line.startswith("| `python -m bertjax.benchmark`"))
+  assert re.findall(r"`(\w+)`", row.split("|")[2]) == list(benchmark_commands.SUBCOMMANDS)
+
+
+def test_every_benchmark_module_is_a_subcommand():
+  benchmarks = {c for c in _commands() if c.rsplit(".", 1)[-1].startswith("benchmark")}
+  assert benchmarks == {module for module, _ in benchmark_commands.SUBCOMMANDS.values()}
+  for module, _ in benchmark_commands.SUBCOMMANDS.values():
+    assert module != "bertjax.benchmark_commands"
+
+
+def _run(*args):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_benchmark_subcommands_run_their_module_and_the_old_names_still_run():
+  # A subcommand's flags are its module's own (a flag of another is refused by name), its
+  # messages name it as typed; the module's old name gives the same refusal under that name.
+  done = _run("bertjax.benchmark", "finetune", "--seq_lengths=128")
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.startswith("bertjax.benchmark finetune: error: Unknown command line flag "
+                                "'seq_lengths'"), done.stderr[-2000:]
+  done = _run("bertjax.finetune.benchmark", "--seq_lengths=128")
+  assert done.returncode == 2
+  assert done.stderr.startswith("bertjax.finetune.benchmark: error: Unknown command line flag "
+                                "'seq_lengths'"), done.stderr[-2000:]
+  done = _run("bertjax.benchmark", "trian", "--steps=1")
+  assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+  assert done.stderr.startswith("bertjax.benchmark: error: unknown benchmark 'trian'")
+  assert "one of train, hf, predict, data, prepare, finetune" in done.stderr
+
+
+def test_train_is_the_benchmark_without_a_subcommand(monkeypatch, capsys):
+  # `train` is taken off the command line and bertjax/benchmark.py goes on with its own flags;
+  # a first word that is a flag is the old command line, left as it is.
+  for argv, left in ((["b", "train", "--steps=1"], ["b", "--steps=1"]),
+                     (["b", "--steps=1"], ["b", "--steps=1"]), (["b"], ["b"])):
+    monkeypatch.setattr(sys, "argv", list(argv))
+    assert benchmark_commands.dispatch(sys.argv) is None
+    assert sys.argv == left
+  monkeypatch.setattr(sys, "argv", ["b", "--help"])
+  benchmark_commands.dispatch(sys.argv)
+  assert "predict: bertjax.predict side by side with PyTorch" in capsys.readouterr().out
