@@ -15,6 +15,7 @@ import pytest
 from bertjax import predict as predict_lib, weights
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib
 from bertjax.finetune import glue, run, squad
+from bertjax.formats import vocabulary
 from bertjax.finetune.families import tagging
 from bertjax.finetune import ner
 import finetune_fixtures as fx

@@ -19,6 +19,7 @@ from bertjax.formats import modernbert
 from bertjax.model import BertConfig
 
 _SEQUENCE_CLASS = "ModernBertForSequenceClassification"
+_REGRESSION = "regression"  # transformers' problem_type of a one-output sequence head
 
 
 def _classes() -> list[str]:
@@ -57,7 +58,7 @@ def spec_from_config(hf_config: dict, config: BertConfig) -> dict[str, Any] | No
   # sequence's class is two, told apart by transformers' own rule: one output is a regression.
   names = [n for n, f in taskspec.FAMILIES.items() if getattr(f, "MODERNBERT_CLASS", None) == cls]
   if len(names) > 1:
-    one = problem == "regression" or len(labels) == 1
+    one = problem == _REGRESSION or len(labels) == 1
     names = [n for n in names if (taskspec.family_of(n).MIN_LABELS == 0) == one] or names
   if not names:
     raise Refusal(f"config.json's class {cls} is not one a task family of bertjax reads; those "
@@ -96,5 +97,5 @@ def task_config(spec, config: BertConfig) -> dict[str, Any]:
          "classifier_pooling": config.classifier_pooling,
          "classifier_dropout": config.hidden_dropout}
   if cls == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
-    out["problem_type"] = "regression" if outputs == 1 else "single_label_classification"
+    out["problem_type"] = _REGRESSION if outputs == 1 else "single_label_classification"
   return out
