@@ -68,7 +68,7 @@ def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
   return 2 * size ** 3 * reps / (time.perf_counter() - start) / 1e9
 
 
-def bertjax_predictor(cfg: BertConfig):
+def bertjax_predictor(cfg: BertConfig, devices=None):
   spec = taskspec.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
                            MAX_LEN)
   model = families.get(spec.family).objective(spec).make_model(cfg)
@@ -77,7 +77,7 @@ def bertjax_predictor(cfg: BertConfig):
                                       dummy["input_mask"], dummy["segment_ids"])["params"])()
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                         is_leaf=lambda x: hasattr(x, "unbox"))
-  return predict.Predictor(cfg, params, None, spec, rows_per_device=64 // len(jax.local_devices()))
+  return predict.Predictor(cfg, params, None, spec, devices=devices)
 
 
 def torch_model(cfg: BertConfig):
@@ -111,7 +111,10 @@ def speed(shape: str, n: int, rounds: int) -> None:
   lengths_N = lengths(n)
   f = features(lengths_N)
   ours, theirs = bertjax_predictor(cfg), torch_model(cfg)
-  ours_widths = [predict.bucket_width(int(k), MAX_LEN) for k in lengths_N]
+  # Every position a call computes, the empty rows that fill a group included (one device).
+  ours_widths = [width for _, width, rows in
+                 predict.length_groups(lengths_N, MAX_LEN, ours.tokens_per_device)
+                 for _ in range(rows)]
   theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_N[at:at + 64]]
   # PyTorch again with the texts sorted by length first, so its batches pad as little as ours:
