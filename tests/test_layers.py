@@ -14,7 +14,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
   weights   weights (the one reader of a weights folder)
   runs      loop, pretrained, aot, benchmark, benchmark_hf, evaluate_mlm, main
   finetune  finetune/
-  commands  predict, benchmark_predict, convert/ (import and export), launch/
+  commands  predict, benchmark_predict, benchmark_accel, convert/ (import and export), launch/
 
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
@@ -45,7 +45,8 @@ LAYERS = (
     ("runs", ("bertjax.loop", "bertjax.pretrained", "bertjax.aot", "bertjax.benchmark",
               "bertjax.benchmark_hf", "bertjax.evaluate_mlm", "bertjax.main")),
     ("finetune", ("bertjax.finetune",)),
-    ("commands", ("bertjax.predict", "bertjax.benchmark_predict", "bertjax.convert", "launch")),
+    ("commands", ("bertjax.predict", "bertjax.benchmark_predict", "bertjax.benchmark_accel",
+                  "bertjax.convert", "launch")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 
