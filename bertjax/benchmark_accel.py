@@ -13,7 +13,8 @@ Prints one line per measured case, all in bfloat16 matmuls (parameters float32),
   predict bertjax.predict's pass over texts of real lengths (bertjax/benchmark_predict.py's
           log-normal spread) against transformers' PyTorch model on the GPU, where torch with
           CUDA and transformers are installed (said where not).
-Batches hold --tokens_per_device positions per device (64 rows of 128, 16 of 512).
+Train batches hold --tokens_per_device positions per device (64 rows of 128, 16 of 512), and so
+do prediction's calls (bertjax/predict.py: length_groups).
 
 MFU = model FLOPs (bertjax/flops.py: matmuls, 3x forward) / step time / (devices x peak). The
 peaks are dense bfloat16 TFLOP/s per chip from the vendors' data sheets, flops.PEAK_TFLOPS (the
@@ -142,7 +143,7 @@ def run_train(case: Case, size: str, tokens_per_device: int, steps: int, devices
           "step_s": figures["step_s"], "compile_s": figures["compile_s"]}
 
 
-def run_predict(case: Case, size: str, steps: int, devices=None) -> dict:
+def run_predict(case: Case, size: str, tokens_per_device: int, steps: int, devices=None) -> dict:
   shape = TINY if size == "tiny" else benchmark_predict.SHAPES["base"]
   cfg = BertConfig(**{"vocab_size": benchmark_predict.VOCAB, **shape, "dtype": "bfloat16",
                       "max_position_embeddings": 512, "hidden_dropout": 0.0,
@@ -151,7 +152,7 @@ def run_predict(case: Case, size: str, steps: int, devices=None) -> dict:
   lengths_N = np.minimum(benchmark_predict.lengths(n), case.seq_len)
   f = benchmark_predict.features(lengths_N)
   f = {k: v[:, :case.seq_len] for k, v in f.items()}
-  ours = benchmark_predict.bertjax_predictor(cfg, devices)
+  ours = benchmark_predict.bertjax_predictor(cfg, devices, tokens_per_device)
   ours.run(f)  # compiles every width
   rates = []
   for _ in range(steps):
@@ -221,7 +222,7 @@ def check(size: str = "full", tokens_per_device: int = 8192, steps: int = 3, dev
   results = []
   for case in cases(size, fused):
     if case.kind == "predict":
-      figures = run_predict(case, size, steps, devices)
+      figures = run_predict(case, size, tokens_per_device, steps, devices)
     else:
       figures = run_train(case, size, tokens_per_device, steps, devices)
     results.append((describe(case), figures))

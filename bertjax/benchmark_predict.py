@@ -74,7 +74,8 @@ def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
   return 2 * size ** 3 * reps / (time.perf_counter() - start) / 1e9
 
 
-def bertjax_predictor(cfg: BertConfig, devices=None):
+def bertjax_predictor(cfg: BertConfig, devices=None,
+                      tokens_per_device: int = predict.TOKENS_PER_DEVICE):
   spec = taskspec.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
                            MAX_LEN)
   model = families.get(spec.family).objective(spec).make_model(cfg)
@@ -83,7 +84,8 @@ def bertjax_predictor(cfg: BertConfig, devices=None):
                                       dummy["input_mask"], dummy["segment_ids"])["params"])()
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                         is_leaf=lambda x: hasattr(x, "unbox"))
-  return predict.Predictor(cfg, params, None, spec, devices=devices)
+  return predict.Predictor(cfg, params, None, spec, devices=devices,
+                           tokens_per_device=tokens_per_device)
 
 
 def torch_model(cfg: BertConfig):

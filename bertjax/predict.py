@@ -18,8 +18,8 @@ The weights are the best checkpoint's (best/) unless --checkpoint=latest or a st
 The file is read in chunks of CHUNK_ROWS rows, so memory stays flat whatever its size. Each chunk
 is ordered by length and cut into groups of neighbours: a group is padded to its longest row's
 width (multiples of 8 up to 64, then four widths per doubling: 80, 96, 112, 128, 160, ...) and holds
-as many rows as --tokens_per_device positions allow at that width (256 rows of 8 tokens, 16 of
-128), so short texts pay neither for the longest nor for small matmuls. The outputs go back to
+as many rows as --tokens_per_device positions allow at that width (1,024: 128 rows of 8 tokens,
+8 of 128), so short texts pay neither for the longest nor for small matmuls. The outputs go back to
 the input's order. A group is what one device computes in one call, and the groups depend on the
 chunk alone: the output file is the same bits on 1 or 8 devices.
 
@@ -55,7 +55,9 @@ from bertjax.model import BertConfig, BertModel
 # Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
 # the groups (and so the bits of every output) must not depend on how many devices there are.
 CHUNK_ROWS = 4096
-TOKENS_PER_DEVICE = 2048  # positions (rows x width) one device computes per call
+# Positions (rows x width) one device computes per call: on a CPU 1,024 ran faster than 2,048 and
+# 4,096 (docs/performance.md#prediction-on-a-cpu); an accelerator wants more (the flag).
+TOKENS_PER_DEVICE = 1024
 POOLINGS = ("cls", "mean")
 
 
