@@ -22,8 +22,9 @@ table is printed first); a device without an entry (a CPU) gets none. Memory is 
 the case's own executable (arguments + outputs + temporaries - aliased), and at the end the
 device's measured peak over the whole run where it reports one.
 
-It imports jax, flax, optax, orbax and ml_collections only; TensorFlow and transformers are not
-needed (tests/test_without_tensorflow.py runs it so, at --size=tiny, as tests/test_benchmark.py does).
+It imports jax, flax, optax, orbax and ml_collections only (tests/test_benchmark.py checks that
+importing it loads no TensorFlow, transformers or torch; torch and transformers are looked for
+only by the prediction case, where installed).
 """
 
 from __future__ import annotations

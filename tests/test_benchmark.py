@@ -91,7 +91,7 @@ def test_synthetic_batch_masks_distinct_real_positions():
 
 
 def test_benchmark_imports_no_tensorflow_or_transformers():
-  code = ("import sys, bertjax.benchmark; "
+  code = ("import sys, bertjax.benchmark, bertjax.benchmark_accel; "
           "bad = sorted({m.split('.')[0] for m in sys.modules} & "
           "{'tensorflow', 'transformers', 'torch'}); print(bad); assert not bad")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
