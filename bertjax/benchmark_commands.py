@@ -28,6 +28,8 @@ SUBCOMMANDS = {
     "prepare": ("bertjax.data.benchmark_prepare",
                 "preparation's MB/s by driver (local, beam) and worker count"),
     "finetune": ("bertjax.finetune.benchmark", "fine-tuning's host-side data speed (SQuAD)"),
+    "accel": ("bertjax.benchmark_accel", "the accelerator check: BERT-Base/Large train steps (MFU, "
+              "memory, attention kernels, packing), ModernBERT's windows, prediction vs PyTorch"),
 }
 DEFAULT = "train"
 

@@ -3,18 +3,23 @@
 
     python -m bertjax.benchmark_predict --shape=small --rounds=5     # 4 layers x 256
     python -m bertjax.benchmark_predict --shape=base --rounds=3      # BERT-Base
+    python -m bertjax.benchmark_predict --extras=compile,bf16,bertjax_bf16   # more sides
     python -m bertjax.benchmark_predict --rss --lines=10000,1000000  # memory while streaming
 
 Inputs: N sequences of real lengths (log-normal around 24 tokens, 4 to max_seq_length 128, the
-spread of short support messages and reviews), 8 labels, batch 64 on each side. PyTorch pads each
-batch to its longest sequence (transformers' DataCollatorWithPadding: the usual way); bertjax pads
-each sequence to its length's bucket (bertjax/predict.py). Both run with every core of the
+spread of short support messages and reviews), 8 labels. PyTorch takes batches of 64 padded to
+their longest sequence (transformers' DataCollatorWithPadding: the usual way); bertjax groups
+texts of near lengths (bertjax/predict.py: length_groups). Both run with every core of the
 machine (torch's intra-op threads = the cores, XLA's CPU client alike), weights random (speed does
 not depend on them), one warm-up pass each, then rounds interleaved so background load hits both
 alike; PyTorch also runs the texts sorted by length (its batches then pad as little as bertjax's,
-so what is left is the engine). Printed: sequences/s of each per round, the ratios' range, and the FLOP/s achieved (the
-matmul FLOPs of the lengths computed, bertjax/flops.py) against a large jitted float32 matmul's on
-this machine, the practical ceiling.
+so what is left is the engine). `--extras` adds what a user tries next on a CPU: the sorted
+PyTorch loop under `torch.compile` (inductor, dynamic shapes; it needs a C++ compiler, not the
+network) or bf16 autocast, and bertjax with bf16 matmuls (with how far its probabilities move).
+Printed: sequences/s of each per round, the ratios' range, the FLOP/s achieved (the matmul FLOPs
+of the positions computed, bertjax/flops.py) against a large jitted float32 matmul's on this
+machine, the practical ceiling, and the load average (the machine's other work moves the figures;
+the interleaved rounds share it out, but PyTorch's threads suffer more from it than XLA's).
 
 `--rss` runs `python -m bertjax.predict` in a subprocess per line count on a 2-layer model and
 prints its peak resident memory: flat in the number of lines if the input streams.
@@ -22,6 +27,7 @@ prints its peak resident memory: flat in the number of lines if the input stream
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -68,7 +74,8 @@ def matmul_gflops(size: int = 2048, reps: int = 10) -> float:
   return 2 * size ** 3 * reps / (time.perf_counter() - start) / 1e9
 
 
-def bertjax_predictor(cfg: BertConfig):
+def bertjax_predictor(cfg: BertConfig, devices=None,
+                      tokens_per_device: int = predict.TOKENS_PER_DEVICE):
   spec = taskspec.TaskSpec("bench", "classification", tuple(f"l{k}" for k in range(LABELS)),
                            MAX_LEN)
   model = families.get(spec.family).objective(spec).make_model(cfg)
@@ -77,7 +84,8 @@ def bertjax_predictor(cfg: BertConfig):
                                       dummy["input_mask"], dummy["segment_ids"])["params"])()
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                         is_leaf=lambda x: hasattr(x, "unbox"))
-  return predict.Predictor(cfg, params, None, spec, rows_per_device=64 // len(jax.local_devices()))
+  return predict.Predictor(cfg, params, None, spec, devices=devices,
+                           tokens_per_device=tokens_per_device)
 
 
 def torch_model(cfg: BertConfig):
@@ -105,13 +113,35 @@ def computed_flops(cfg: BertConfig, widths) -> float:
   return sum(flops.forward_flops_per_sequence(cfg, int(w), 0) for w in widths)
 
 
-def speed(shape: str, n: int, rounds: int) -> None:
+EXTRAS = ("compile", "bf16", "bertjax_bf16")
+
+
+def torch_extra(model, extra: str):
+  """What a user tries next on a CPU, as a pass like torch_pass: `torch.compile` (inductor,
+  shapes marked dynamic: one graph for every batch width) or bf16 autocast."""
+  import torch  # pylint: disable=import-outside-toplevel
+  if extra == "compile":
+    compiled = torch.compile(model, dynamic=True)
+    return lambda f, lengths_N: torch_pass(compiled, f, lengths_N)
+
+  def autocast(f, lengths_N):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+      torch_pass(model, f, lengths_N)
+  return autocast
+
+
+def speed(shape: str, n: int, rounds: int, extras=()) -> dict:
+  """Prints (and returns) each side's seq/s per round and the ratios; `extras` adds sides of
+  EXTRAS: PyTorch compiled or in bf16 autocast (sorted texts), bertjax with bf16 matmuls."""
   cfg = BertConfig(vocab_size=VOCAB, max_position_embeddings=512, hidden_dropout=0.0,
                    attention_dropout=0.0, **SHAPES[shape])
   lengths_N = lengths(n)
   f = features(lengths_N)
   ours, theirs = bertjax_predictor(cfg), torch_model(cfg)
-  ours_widths = [predict.bucket_width(int(k), MAX_LEN) for k in lengths_N]
+  # Every position a call computes, the empty rows that fill a group included (one device).
+  ours_widths = [width for _, width, rows in
+                 predict.length_groups(lengths_N, MAX_LEN, ours.tokens_per_device)
+                 for _ in range(rows)]
   theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_N[at:at + 64]]
   # PyTorch again with the texts sorted by length first, so its batches pad as little as ours:
@@ -120,31 +150,51 @@ def speed(shape: str, n: int, rounds: int) -> None:
   f_sorted, lengths_sorted = {k: v[order] for k, v in f.items()}, lengths_N[order]
   sorted_widths = [int(lengths_sorted[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_sorted[at:at + 64]]
-  ours.run(f)  # warm-up: compiles every bucket
-  torch_pass(theirs, f, lengths_N)
-  rates = {"bertjax": [], "torch": [], "torch sorted": []}
+  sides = {"bertjax": (lambda: ours.run(f), ours_widths),
+           "torch": (lambda: torch_pass(theirs, f, lengths_N), theirs_widths),
+           "torch sorted": (lambda: torch_pass(theirs, f_sorted, lengths_sorted), sorted_widths)}
+  notes = {}
+  for extra in extras:
+    if extra == "bertjax_bf16":
+      bf16 = bertjax_predictor(dataclasses.replace(cfg, dtype="bfloat16"))
+      sides["bertjax bf16"] = (lambda: bf16.run(f), ours_widths)
+      # The same weights (seed 0): how far bf16 matmuls move the class probabilities.
+      p32, p16 = (jax.nn.softmax(p.run(f)["logits"], -1) for p in (ours, bf16))
+      notes["bertjax bf16"] = f"max |probability - float32's| {float(jnp.abs(p32 - p16).max()):.4f}"
+    else:
+      run_extra = torch_extra(theirs, extra)
+      sides[f"torch sorted {extra}"] = (
+          lambda run_extra=run_extra: run_extra(f_sorted, lengths_sorted), sorted_widths)
+  compile_s = {}
+  for name, (fn, _) in sides.items():  # warm-up: compiles every width (and torch.compile's graph)
+    start = time.perf_counter()
+    fn()
+    compile_s[name] = time.perf_counter() - start
+  rates = {name: [] for name in sides}
   for _ in range(rounds):
-    for name, fn in (("bertjax", lambda: ours.run(f)),
-                     ("torch", lambda: torch_pass(theirs, f, lengths_N)),
-                     ("torch sorted", lambda: torch_pass(theirs, f_sorted, lengths_sorted))):
+    for name, (fn, _) in sides.items():
       start = time.perf_counter()
       fn()
       rates[name].append(n / (time.perf_counter() - start))
   peak = matmul_gflops()
   print(f"{shape}: {cfg.num_layers} layers x {cfg.hidden_size}, {n} sequences "
         f"(lengths {int(lengths_N.min())}-{int(lengths_N.max())}, median "
-        f"{int(np.median(lengths_N))}), batch 64, {os.cpu_count()} cores")
-  for name, widths in (("bertjax", ours_widths), ("torch", theirs_widths),
-                       ("torch sorted", sorted_widths)):
+        f"{int(np.median(lengths_N))}), PyTorch batch 64, bertjax {ours.tokens_per_device} "
+        f"positions a call, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
+  for name, (_, widths) in sides.items():
     r = rates[name]
     gf = computed_flops(cfg, widths) * statistics.median(r) / n / 1e9
-    print(f"  {name:12s} {min(r):8.1f}-{max(r):8.1f} seq/s (median {statistics.median(r):.1f}); "
+    print(f"  {name:20s} {min(r):8.1f}-{max(r):8.1f} seq/s (median {statistics.median(r):.1f}); "
           f"padded positions {sum(widths) / lengths_N.sum():.2f}x the real ones; "
-          f"{gf:.1f} GFLOP/s computed")
-  for other in ("torch", "torch sorted"):
-    ratios = [a / b for a, b in zip(rates["bertjax"], rates[other])]
-    print(f"  bertjax / {other}: {min(ratios):.2f}-{max(ratios):.2f}x over {rounds} rounds")
+          f"{gf:.1f} GFLOP/s computed; first pass {compile_s[name]:.0f} s"
+          + (f"; {notes[name]}" if name in notes else ""))
+  ratios = {}
+  for other in (k for k in sides if k.startswith("torch")):
+    ratios[other] = [a / b for a, b in zip(rates["bertjax"], rates[other])]
+    print(f"  bertjax / {other}: {min(ratios[other]):.2f}-{max(ratios[other]):.2f}x over "
+          f"{rounds} rounds")
   print(f"  a jitted 2048^2 float32 matmul: {peak:.1f} GFLOP/s")
+  return {"rates": rates, "ratios": ratios}
 
 
 def rss(lines: str) -> None:
@@ -203,6 +253,8 @@ def define_flags() -> None:
                     "(BERT-Base).")
   flags.DEFINE_integer("n", 1024, "Sequences per round.", lower_bound=1)
   flags.DEFINE_integer("rounds", 5, "Rounds of each side, interleaved.", lower_bound=1)
+  flags.DEFINE_list("extras", [], f"More sides, of {', '.join(EXTRAS)}: PyTorch with "
+                    "torch.compile or bf16 autocast (sorted texts), bertjax with bf16 matmuls.")
   flags.DEFINE_bool("rss", False, "Measure memory while streaming instead (--lines).")
   flags.DEFINE_string("lines", "10000,1000000", "--rss: the input files' line counts.")
 
@@ -214,7 +266,10 @@ def main(argv) -> None:
   if args.rss:
     rss(args.lines)
   else:
-    speed(args.shape, args.n, args.rounds)
+    unknown = sorted(set(args.extras) - set(EXTRAS))
+    if unknown:
+      raise app.UsageError(f"--extras={','.join(unknown)}: choose among {','.join(EXTRAS)}")
+    speed(args.shape, args.n, args.rounds, args.extras)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ per input row, in order:
                   "score": the answer's n-best probability}; "" is v2.0's null answer
 
 The weights are the best checkpoint's (best/) unless --checkpoint=latest or a step says otherwise.
-Batches are spread over every local device (data-parallel) and the file is read in chunks, so
-memory stays flat whatever its size; each example is padded only to its length's bucket (16, 32,
-64, ... up to max_seq_length) and batched with examples of that bucket, so short texts do not pay
-for the longest. Each device takes --rows_per_device rows per call, so an example is computed in
-the same shapes whatever the number of devices: the output file is the same bits on 1 or 8.
+The file is read in chunks of CHUNK_ROWS rows, so memory stays flat whatever its size. Each chunk
+is ordered by length and cut into groups of neighbours: a group is padded to its longest row's
+width (multiples of 8 up to 64, then four widths per doubling: 80, 96, 112, 128, 160, ...) and holds
+as many rows as --tokens_per_device positions allow at that width (1,024: 128 rows of 8 tokens,
+8 of 128), so short texts pay neither for the longest nor for small matmuls. The outputs go back to
+the input's order. A group is what one device computes in one call, and the groups depend on the
+chunk alone: the output file is the same bits on 1 or 8 devices.
 
 `--mode=embed` writes an [N, hidden] float32 .npy of the pooled [CLS] vector (`--pooling=cls`) or
 the mean of the last layer over real tokens (`--pooling=mean`) for each row's text_a (and text_b)
@@ -51,21 +53,47 @@ from bertjax.errors import Refusal
 from bertjax.finetune import families, glue, textfiles
 from bertjax.model import BertConfig, BertModel
 
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-CHUNK_BATCHES = 16  # batches read, sorted by length and run together
+# Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
+# the groups (and so the bits of every output) must not depend on how many devices there are.
+CHUNK_ROWS = 4096
+# Positions (rows x width) one device computes per call: on a CPU 1,024 ran faster than 2,048 and
+# 4,096 (docs/performance.md#prediction-on-a-cpu); an accelerator wants more (the flag).
+TOKENS_PER_DEVICE = 1024
 POOLINGS = ("cls", "mean")
 
 
 def bucket_width(length: int, cap: int) -> int:
-  return min(next((b for b in BUCKETS if b >= length), length), cap)
+  """The width a row of `length` tokens is padded to: a multiple of 8 up to 64, then of a quarter
+  of the power of two below (80, 96, 112, 128, 160, ...): at most 8 tokens or 25% of padding,
+  with few enough widths (12 up to 128, 20 up to 512) to compile each once."""
+  length = max(int(length), 1)
+  step = max(8, (1 << (length - 1).bit_length()) // 8)
+  return min(-(-length // step) * step, cap)
+
+
+def length_groups(lengths_N: np.ndarray, cap: int, tokens: int) -> list[tuple[np.ndarray, int, int]]:
+  """(row indices, width, rows) of each group: rows ordered by length (then index), cut greedily
+  so that a group's count fits its capacity `tokens // width` at the width of its longest row.
+  A function of the lengths alone: the same rows meet in the same shapes on any device count."""
+  order_N = np.lexsort((np.arange(len(lengths_N)), lengths_N))
+  widths_N = np.array([bucket_width(k, cap) for k in lengths_N[order_N]], np.int64)
+  capacity_N = np.maximum(1, tokens // widths_N)
+  groups, start, n = [], 0, len(order_N)
+  while start < n:
+    stop = start + 1  # widths grow along the order, capacities shrink: stop where one is full
+    while stop < n and stop - start + 1 <= capacity_N[stop]:
+      stop += 1
+    groups.append((order_N[start:stop], int(widths_N[stop - 1]), int(capacity_N[stop - 1])))
+    start = stop
+  return groups
 
 
 class Predictor:
   """A fine-tuned model (or, for `embed`, any encoder) with its tokenizer, on every local device."""
 
   def __init__(self, config: BertConfig, params, tokenizer: tokenizer_lib.Tokenizer,
-               spec: spec_lib.TaskSpec | None, *, rows_per_device: int = 32, devices=None,
-               source: str = ""):
+               spec: spec_lib.TaskSpec | None, *, tokens_per_device: int = TOKENS_PER_DEVICE,
+               devices=None, source: str = ""):
     self.config, self.tokenizer, self.spec, self.source = config, tokenizer, spec, source
     if jax.process_count() > 1:
       # Each process would read and write the whole file: one process, all its local devices.
@@ -73,9 +101,9 @@ class Predictor:
                     f"is process {jax.process_index()} of {jax.process_count()}. Run it on one "
                     "host, or split the input file across hosts.")
     devices = list(jax.local_devices() if devices is None else devices)
-    if rows_per_device < 1:
-      raise Refusal(f"rows_per_device={rows_per_device} must be >= 1.")
-    self.batch_size = rows_per_device * len(devices)  # rows per call, over all devices
+    if tokens_per_device < 1:
+      raise Refusal(f"tokens_per_device={tokens_per_device} must be >= 1.")
+    self.tokens_per_device = tokens_per_device
     self.mesh = Mesh(np.array(devices), ("data",))
     self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
     self._rows = NamedSharding(self.mesh, P("data"))
@@ -86,8 +114,9 @@ class Predictor:
   # Construction ---------------------------------------------------------------------------------
 
   @classmethod
-  def from_workdir(cls, path: str, *, checkpoint: str = "best", rows_per_device: int = 32,
-                   devices=None, embed: bool = False) -> "Predictor":
+  def from_workdir(cls, path: str, *, checkpoint: str = "best",
+                   tokens_per_device: int = TOKENS_PER_DEVICE, devices=None,
+                   embed: bool = False) -> "Predictor":
     """From a fine-tuning workdir (its best checkpoint by default; "latest" or a step number), or,
     with embed=True, any weights folder bertjax reads (bertjax/weights.py)."""
     source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
@@ -111,7 +140,7 @@ class Predictor:
       if spec.head not in params:
         raise Refusal(f"{source.describe()} holds no {spec.head!r} head for its {spec.family} "
                       f"task (subtrees: {sorted(params)}).")
-    return cls(source.config, params, tokenizer, spec, rows_per_device=rows_per_device,
+    return cls(source.config, params, tokenizer, spec, tokens_per_device=tokens_per_device,
                devices=devices, source=source.describe())
 
   # The forward pass -----------------------------------------------------------------------------
@@ -142,36 +171,44 @@ class Predictor:
 
   def run(self, features: dict[str, np.ndarray], kind: str = "head") -> dict[str, np.ndarray]:
     """The outputs for every row of `features` (input_ids, input_mask, segment_ids [N, L]), in
-    order. Each row is padded to its own length's bucket and batched with rows of that bucket, and
-    every device takes `rows_per_device` rows per call: so a row is computed in the same shapes,
-    and to the same bits, whatever the number of devices and whatever else the file holds."""
-    ids_NxL = features["input_ids"]
-    n, max_len = ids_NxL.shape
+    order. Rows are grouped with the rows nearest in length (length_groups); a group is one
+    device's share of a call, and calls take as many groups of one width as there are devices. So
+    a row is computed in the same shapes and with the same neighbours, and to the same bits,
+    whatever the number of devices."""
+    n, max_len = features["input_ids"].shape
     if n == 0:
       return {}
-    width_N = np.array([bucket_width(int(k), max_len) for k in features["input_mask"].sum(1)])
-    order = np.lexsort((np.arange(n), width_N))  # by bucket, then as given
-    fn, parts, batch = self._function(kind), {}, self.batch_size
-    starts = [at for width in np.unique(width_N)
-              for at in range(int(np.searchsorted(width_N[order], width)),
-                              int(np.searchsorted(width_N[order], width, side="right")), batch)]
-    for at in starts:
-      width = int(width_N[order[at]])
-      rows = order[at:at + batch]
-      rows = rows[width_N[rows] == width]
-      pad = batch - len(rows)
-      arrays = [np.pad(features[k][rows, :width], ((0, pad), (0, 0)))
-                for k in ("input_ids", "input_mask", "segment_ids")]
-      out = jax.device_get(fn(self.params, *(jax.device_put(a, self._rows) for a in arrays)))
-      for k, v in out.items():
-        v = np.asarray(v)[:len(rows)]
-        if v.ndim == 2 and k not in ("logits", "vector"):  # per token: back to [B, max_len]
-          fill = -1e9 if v.dtype.kind == "f" else 0
-          v = np.pad(v, ((0, 0), (0, max_len - width)), constant_values=fill)
-        parts.setdefault(k, []).append(v)
-      self.sequences += len(rows)
+    groups = length_groups(features["input_mask"].sum(1), max_len, self.tokens_per_device)
+    fn, devices = self._function(kind), self.mesh.devices.size
+    by_width: dict[int, list] = {}
+    for group in groups:
+      by_width.setdefault(group[1], []).append(group)
+    pending = []  # every call is dispatched before the first result is read: no idle device
+    for width, same in by_width.items():
+      for at in range(0, len(same), devices):
+        calls = same[at:at + devices]
+        capacity = calls[0][2]
+        arrays = []
+        for key in ("input_ids", "input_mask", "segment_ids"):
+          a = np.zeros((devices * capacity, width), features[key].dtype)
+          for slot, (rows, _, _) in enumerate(calls):
+            a[slot * capacity:slot * capacity + len(rows)] = features[key][rows, :width]
+          arrays.append(jax.device_put(a, self._rows))
+        pending.append((calls, width, capacity, fn(self.params, *arrays)))
+    parts, index = {}, []
+    for calls, width, capacity, out in pending:
+      out = jax.device_get(out)
+      for slot, (rows, _, _) in enumerate(calls):
+        index.append(rows)
+        for k, v in out.items():
+          v = np.asarray(v)[slot * capacity:slot * capacity + len(rows)]
+          if v.ndim == 2 and k not in ("logits", "vector"):  # per token: back to [B, max_len]
+            fill = -1e9 if v.dtype.kind == "f" else 0
+            v = np.pad(v, ((0, 0), (0, max_len - width)), constant_values=fill)
+          parts.setdefault(k, []).append(v)
+      self.sequences += sum(len(rows) for rows, _, _ in calls)
     restore = np.empty(n, np.int64)
-    restore[order] = np.arange(n)
+    restore[np.concatenate(index)] = np.arange(n)
     return {k: np.concatenate(v)[restore] for k, v in parts.items()}
 
   # Rows -> records ------------------------------------------------------------------------------
@@ -185,7 +222,7 @@ class Predictor:
       if not chunk:
         _check_columns(row, spec, self.source)
       chunk.append(row)
-      if len(chunk) >= self.batch_size * CHUNK_BATCHES:
+      if len(chunk) >= CHUNK_ROWS:
         yield from self._records(chunk, spec)
         chunk = []
     if chunk:
@@ -225,7 +262,7 @@ class Predictor:
       if not chunk and not isinstance(row, str):
         textfiles.require(row, [text_a] + ([text_b] if text_b else []), "--")
       chunk.append(row)
-      if len(chunk) >= self.batch_size * CHUNK_BATCHES:
+      if len(chunk) >= CHUNK_ROWS:
         yield flush()
         chunk = []
     if chunk:
@@ -383,7 +420,7 @@ def embed_file(predictor: Predictor, input_path: str, output_path: str, *, pooli
 
 
 def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
-        checkpoint: str = "best", rows_per_device: int = 32, fmt: str = "", pooling: str = "cls",
+        checkpoint: str = "best", tokens_per_device: int = TOKENS_PER_DEVICE, fmt: str = "", pooling: str = "cls",
         max_seq_length: int = 128, columns: dict[str, str] | None = None,
         overwrite: bool = False) -> int:
   """What `python -m bertjax.predict` does with its flags (see the module docstring; columns: the
@@ -393,7 +430,7 @@ def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
   embed = mode == "embed"
   check_output(input_path, output, overwrite=overwrite, embed=embed)
   predictor = Predictor.from_workdir(workdir, checkpoint=checkpoint,
-                                     rows_per_device=rows_per_device, embed=embed)
+                                     tokens_per_device=tokens_per_device, embed=embed)
   if embed:
     n = embed_file(predictor, input_path, output, pooling=pooling,
                    text_a=columns.get("text_a") or "text", text_b=columns.get("text_b") or "",
@@ -417,8 +454,8 @@ def define_flags() -> None:
   flags.DEFINE_enum("mode", "predict", ["predict", "embed"], "Predictions of the fine-tuned "
                     "task, or sentence vectors.")
   flags.DEFINE_string("checkpoint", "best", "best, latest or a step.")
-  flags.DEFINE_integer("rows_per_device", 32, "Rows each device takes per call (a call takes "
-                       "this x devices).", lower_bound=1)
+  flags.DEFINE_integer("tokens_per_device", TOKENS_PER_DEVICE, "Token positions (rows x padded "
+                       "width) each device takes per call.", lower_bound=1)
   flags.DEFINE_string("format", "", "csv, tsv or jsonl ('' = from the extension).")
   flags.DEFINE_enum("pooling", "cls", list(POOLINGS), "embed: the vector.")
   flags.DEFINE_integer("max_seq_length", 128, "embed: tokens kept.", lower_bound=1)
@@ -435,7 +472,7 @@ def main(argv) -> None:
   args = flags.FLAGS
   columns = {k: args[k].value for k in ("text_a", "text_b", "tokens") if args[k].value is not None}
   cli.explained(run, args.workdir, args.input, args.output, mode=args.mode,
-                checkpoint=args.checkpoint, rows_per_device=args.rows_per_device, fmt=args.format,
+                checkpoint=args.checkpoint, tokens_per_device=args.tokens_per_device, fmt=args.format,
                 pooling=args.pooling, max_seq_length=args.max_seq_length, columns=columns,
                 overwrite=args.overwrite)
 

@@ -1,5 +1,6 @@
 """The benchmark: analytic FLOPs vs XLA's count, the peak table, the report, no TensorFlow."""
 
+import io
 import math
 import os
 import subprocess
@@ -90,7 +91,7 @@ def test_synthetic_batch_masks_distinct_real_positions():
 
 
 def test_benchmark_imports_no_tensorflow_or_transformers():
-  code = ("import sys, bertjax.benchmark; "
+  code = ("import sys, bertjax.benchmark, bertjax.benchmark_accel; "
           "bad = sorted({m.split('.')[0] for m in sys.modules} & "
           "{'tensorflow', 'transformers', 'torch'}); print(bad); assert not bad")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,3 +156,34 @@ def test_a_packed_benchmark_counts_the_sequences_of_its_rows():
   assert float(metrics["nsp_loss"][1]) == 6  # three pairs a row, each with its own label
   figures = benchmark.report(packed, [1.0])
   assert figures["sequences_per_row"] == 3 and figures["sequences_per_s"] == 6.0
+
+
+def test_the_accelerator_check_runs_every_case_at_a_tiny_size():
+  """bertjax.benchmark_accel at --size=tiny on one CPU device: a line per case with its figures,
+  so the GPU/TPU command cannot rot where the suite runs (TensorFlow-free:
+  tests/test_without_tensorflow.py)."""
+  from bertjax import benchmark_accel  # pylint: disable=import-outside-toplevel
+  full = benchmark_accel.cases("full", "cudnn")
+  names = [benchmark_accel.describe(c) for c in full]
+  for wanted in ("bert_base L128 xla unpacked", "bert_large L512 cudnn packed x4",
+                 "modern_base L1024 cudnn local windows", "modern_base L1024 cudnn all global"):
+    assert wanted in names, names
+  assert len(full) == 2 * 2 * 4 + 2 + 1
+  printed = io.StringIO()
+  results = dict(benchmark_accel.check("tiny", tokens_per_device=64, steps=1,
+                                       devices=jax.devices()[:1], out=printed))
+  text = printed.getvalue()
+  assert "H100 989" in text and "none known (MFU not computed)" in text, text
+  assert list(results) == [benchmark_accel.describe(c) for c in benchmark_accel.cases("tiny", None)]
+  for name, figures in results.items():
+    assert figures["seq_per_s"] > 0 and name in text, (name, figures)
+  packed = results["bert_base L16 xla packed x2"]
+  assert packed["batch"] == 4  # 64 positions / 16 per row
+  # Two sequences a row: 8 a step.
+  assert packed["seq_per_s"] == pytest.approx(8 / packed["step_s"], rel=0.05)
+  assert packed["mfu"] is None and packed["memory_gib"] > 0
+  assert results["predict bert_base (texts up to 16 tokens)"]["torch_cuda_seq_per_s"] is None
+  local = benchmark_accel.Case("local", "modern_base", 32, "xla", 0, True)
+  m = benchmark_accel.step_config(local, "tiny", 64, 1).model
+  assert "modern_base L32 xla local windows" in results
+  assert (m.num_layers, m.global_every, m.local_window) == (2, 2, 8)

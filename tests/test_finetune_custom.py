@@ -133,7 +133,7 @@ def test_predict_on_one_and_eight_devices_writes_the_same_file(routing, tmp_path
   workdir, _, test, _ = routing
   outs = []
   for devices in (jax.devices()[:1], jax.devices()):
-    p = predict_lib.Predictor.from_workdir(workdir, rows_per_device=2, devices=devices)
+    p = predict_lib.Predictor.from_workdir(workdir, tokens_per_device=24, devices=devices)
     assert p.mesh.devices.size == len(devices)
     outs.append(str(tmp_path / f"{len(devices)}.jsonl"))
     predict_lib.predict_file(p, test, outs[-1])

@@ -118,7 +118,7 @@ def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_pre
   model = families.get(toy).objective(spec).make_model(config)
   ids = np.zeros((1, 8), np.int32)
   params = model.init(jax.random.PRNGKey(0), ids, ids, ids)["params"]
-  predictor = predict.Predictor(config, params, tokenizer, spec, rows_per_device=4,
+  predictor = predict.Predictor(config, params, tokenizer, spec, tokens_per_device=32,
                                 devices=jax.devices()[:1])
   records = predictor(["the cat sat", "a dog ran .", {"text": "the dog"}])
   assert [sorted(r) for r in records] == [["value"]] * 3

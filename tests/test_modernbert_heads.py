@@ -184,7 +184,7 @@ def test_predict_takes_the_folder_as_a_workdir(folders, vocab):
   """`bertjax.predict` on the Hugging Face folder as it is: its labels, and probabilities equal
   to the softmax of transformers' logits on the same ids (single texts and pairs)."""
   model, folder = folders["cls"]
-  predictor = predict.Predictor.from_workdir(folder, rows_per_device=2,
+  predictor = predict.Predictor.from_workdir(folder, tokens_per_device=64,
                                              devices=jax.devices()[:1])
   tokenizer = predictor.tokenizer
   texts = [" ".join(WORDS[i:i + n]) for i, n in ((0, 3), (10, 12))]
@@ -207,7 +207,7 @@ def test_span_windows_shorter_than_the_context(folders, vocab):
   """A context longer than the window is read in windows (doc_stride): each window's logits are
   transformers' on the same ids, and the answer is a span of the context."""
   model, folder = folders["span"]
-  predictor = predict.Predictor.from_workdir(folder, rows_per_device=4,
+  predictor = predict.Predictor.from_workdir(folder, tokens_per_device=128,
                                              devices=jax.devices()[:1])
   context = " ".join(WORDS[100:150])
   row = {"question": " ".join(WORDS[:3]), "context": context}
@@ -334,7 +334,7 @@ def test_finetune_long_inputs_from_a_modernbert_folder_then_export(tmp_path, mon
     for k, v in mlm[part].items():
       np.testing.assert_array_equal(first[part][k], v)
 
-  predictor = predict.Predictor.from_workdir(workdir, rows_per_device=2,
+  predictor = predict.Predictor.from_workdir(workdir, tokens_per_device=2048,
                                              devices=jax.devices()[:1])
   assert predictor.spec.max_seq_length == 1024 and predictor.config.local_window == 128
   texts = [text for text, _ in _classification_rows(2, 2, 1000)]
