@@ -25,8 +25,8 @@ from bertjax.errors import Refusal
 
 # How a worker's refusal of the input reads inside the error Beam raises: the exception's line of
 # the worker's traceback, with the step Beam appends.
-_REFUSAL = re.compile(r"^(ValueError|FileNotFoundError): (.+?)(?: \[while running '[^']*'\])?$",
-                      re.M)
+_REFUSAL = re.compile(r"^((?:bertjax\.errors\.)?Refusal|ValueError|FileNotFoundError): "
+                      r"(.+?)(?: \[while running '[^']*'\])?$", re.M)
 
 
 def pipeline_options(spec: str, num_workers: int):
@@ -79,7 +79,7 @@ def run(data, out_dir: str, todo: list[dict], steps, num_workers: int):
     if not found or isinstance(err, (ValueError, FileNotFoundError)):
       raise
     kind, message = found[-1]
-    raise (ValueError if kind == "ValueError" else FileNotFoundError)(message) from None
+    raise (FileNotFoundError if kind == "FileNotFoundError" else Refusal)(message) from None
 
 
 def _run_pipeline(pipeline, todo, data, steps):
