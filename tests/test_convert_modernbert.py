@@ -39,16 +39,19 @@ LENGTH = 24
 def _torch_model(variant: str, seed: int = 0):
   torch.manual_seed(seed)
   config = transformers.ModernBertConfig(**{**BASE, **VARIANTS[variant]})
-  model = transformers.ModernBertForMaskedLM(config).eval()
-  # The init's 0.02 weights leave every layer near the identity; larger ones make each part of
-  # the computation show in the logits. Norm scales stay near 1.
+  return randomised(transformers.ModernBertForMaskedLM(config))
+
+
+def randomised(model):
+  """Weights large enough that every part of the computation shows in the logits (the init's
+  0.02 leaves each layer near the identity); norm scales near 1. Draws from torch's generator."""
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name and name.endswith("weight"):
         p.copy_(1.0 + 0.1 * torch.randn_like(p))
       else:
         p.copy_(0.2 * torch.randn_like(p))
-  return model
+  return model.eval()
 
 
 def _inputs():

@@ -27,6 +27,7 @@ from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import families, glue, textfiles
 from bertjax.formats import modernbert
+from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
 
 VOCAB = 5 + 2 + len(WORDS) + 3  # test_data_fixtures.write_vocab's pieces
@@ -56,16 +57,8 @@ FAMILY = {"cls": "classification", "mean": "classification", "regression": "regr
 
 
 def _randomised(model, seed=0):
-  """Weights large enough that every part of the computation shows in the logits (the init's
-  0.02 leaves each layer near the identity); norm scales near 1."""
   torch.manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name and name.endswith("weight"):
-        p.copy_(1.0 + 0.1 * torch.randn_like(p))
-      else:
-        p.copy_(0.2 * torch.randn_like(p))
-  return model.eval()
+  return randomised(model)
 
 
 def _torch_model(cls_name, extra, **base):
