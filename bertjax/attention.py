@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
+from bertjax import dropout
 from bertjax.errors import Refusal
 
 
@@ -219,3 +220,39 @@ def apply_rope(x_BxLxNxK: jax.Array, cos_BxLxK: jax.Array, sin_BxLxK: jax.Array)
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   out = x * cos_BxLxK[:, :, None, :] + rotated * sin_BxLxK[:, :, None, :]
   return out.astype(x_BxLxNxK.dtype)
+
+
+def select_local(is_local, local_value, global_value):
+  """jnp.where for a traced choice; the value itself for a static one (no broadcast to both)."""
+  if isinstance(is_local, (bool, np.bool_)):
+    return local_value if is_local else global_value
+  return jnp.where(is_local, local_value, global_value)
+
+
+def choose_local(is_local, local_fn, global_fn, *args):
+  """local_fn(*args) or global_fn(*args): decided now for an unrolled layer, by lax.cond for a
+  scanned one (whose index is traced)."""
+  if isinstance(is_local, (bool, np.bool_)):
+    return (local_fn if is_local else global_fn)(*args)
+  return jax.lax.cond(is_local, local_fn, global_fn, *args)
+
+
+def gather_positions(x_BxLxD: jax.Array, positions_BxM: jax.Array) -> jax.Array:
+  """x at the given positions of each row: [B, M, D]."""
+  return jnp.take_along_axis(x_BxLxD, positions_BxM[..., None].astype(jnp.int32), axis=1)
+
+
+def attention_with_dropout(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate: float, rng):
+  """Softmax attention with dropout on the probabilities, as the original trains.
+
+  The same arithmetic as jax.nn.dot_product_attention's XLA path (float32 logits and softmax),
+  which is used whenever dropout is off; that path has no dropout.
+  """
+  scale = 1.0 / np.sqrt(q_BxLxNxK.shape[-1])
+  logits_BxNxLxL = jnp.einsum("bqnk,bsnk->bnqs", q_BxLxNxK, k_BxLxNxK,
+                              preferred_element_type=jnp.float32) * scale
+  big_negative = 0.7 * float(jnp.finfo(jnp.float32).min)
+  logits_BxNxLxL = jnp.where(mask_Bx1xLxL, logits_BxNxLxL, big_negative)
+  probs_BxNxLxL = jax.nn.softmax(logits_BxNxLxL, axis=-1)
+  probs_BxNxLxL = dropout.apply(probs_BxNxLxL, rng, rate)
+  return jnp.einsum("bnqs,bsnk->bqnk", probs_BxNxLxL.astype(v_BxLxNxK.dtype), v_BxLxNxK)

@@ -8,10 +8,10 @@
 
 Inputs: N sequences of real lengths (log-normal around 24 tokens, 4 to max_seq_length 128, the
 spread of short support messages and reviews), 8 labels. PyTorch takes batches of 64 padded to
-their longest sequence (transformers' DataCollatorWithPadding: the usual way); bertjax groups
-texts of near lengths (bertjax/predict.py: length_groups). Both run with every core of the
-machine (torch's intra-op threads = the cores, XLA's CPU client alike), weights random (speed does
-not depend on them), one warm-up pass each, then rounds interleaved so background load hits both
+their longest sequence (transformers' DataCollatorWithPadding: the usual way); bertjax packs
+texts into rows and computes the last layer at their [CLS] alone (bertjax/prediction_rows.py).
+Both run with every core of the machine (torch's intra-op threads = the cores, XLA's CPU client
+alike), weights random (speed does not depend on them), one warm-up pass each, then rounds interleaved so background load hits both
 alike; PyTorch also runs the texts sorted by length (its batches then pad as little as bertjax's,
 so what is left is the engine). `--extras` adds what a user tries next on a CPU: the sorted
 PyTorch loop under `torch.compile` (inductor, dynamic shapes; it needs a C++ compiler, not the
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, flops, predict, taskspec
+from bertjax import cli, flops, predict, prediction_rows, taskspec
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import families
 from bertjax.formats import converted
@@ -113,6 +113,21 @@ def computed_flops(cfg: BertConfig, widths) -> float:
   return sum(flops.forward_flops_per_sequence(cfg, int(w), 0) for w in widths)
 
 
+def packed_plan(cfg: BertConfig, f: dict[str, np.ndarray], tokens: int) -> tuple[int, float]:
+  """The positions and matmul FLOPs bertjax's packed prediction computes (one device; empty rows
+  counted): every layer at every position of a row but the last, which computes keys and values
+  at every position and the rest at the row's [CLS] slots."""
+  d, mlp = cfg.hidden_size, 4 * cfg.hidden_size * cfg.intermediate_size
+  positions, total = 0, 0.0
+  for arrays, _, _ in prediction_rows.packed_calls(f, tokens, 1):
+    (rows, width), n_slots = arrays[0].shape, arrays[4].shape[1]
+    layer = width * (8 * d * d + mlp) + 4 * width * width * d
+    last = width * 4 * d * d + n_slots * (4 * d * d + mlp + 4 * width * d)
+    positions += rows * width
+    total += rows * ((cfg.num_layers - 1) * layer + last)
+  return positions, total
+
+
 EXTRAS = ("compile", "bf16", "bertjax_bf16")
 
 
@@ -139,9 +154,7 @@ def speed(shape: str, n: int, rounds: int, extras=()) -> dict:
   f = features(lengths_N)
   ours, theirs = bertjax_predictor(cfg), torch_model(cfg)
   # Every position a call computes, the empty rows that fill a group included (one device).
-  ours_widths = [width for _, width, rows in
-                 predict.length_groups(lengths_N, MAX_LEN, ours.tokens_per_device)
-                 for _ in range(rows)]
+  ours_plan = packed_plan(cfg, f, ours.tokens_per_device)
   theirs_widths = [int(lengths_N[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_N[at:at + 64]]
   # PyTorch again with the texts sorted by length first, so its batches pad as little as ours:
@@ -150,21 +163,24 @@ def speed(shape: str, n: int, rounds: int, extras=()) -> dict:
   f_sorted, lengths_sorted = {k: v[order] for k, v in f.items()}, lengths_N[order]
   sorted_widths = [int(lengths_sorted[at:at + 64].max()) for at in range(0, n, 64)
                    for _ in lengths_sorted[at:at + 64]]
-  sides = {"bertjax": (lambda: ours.run(f), ours_widths),
-           "torch": (lambda: torch_pass(theirs, f, lengths_N), theirs_widths),
-           "torch sorted": (lambda: torch_pass(theirs, f_sorted, lengths_sorted), sorted_widths)}
+  # Each side: (run, (positions, FLOPs) computed).
+  plan = lambda widths: (sum(widths), computed_flops(cfg, widths))
+  sides = {"bertjax": (lambda: ours.run(f), ours_plan),
+           "torch": (lambda: torch_pass(theirs, f, lengths_N), plan(theirs_widths)),
+           "torch sorted": (lambda: torch_pass(theirs, f_sorted, lengths_sorted),
+                            plan(sorted_widths))}
   notes = {}
   for extra in extras:
     if extra == "bertjax_bf16":
       bf16 = bertjax_predictor(dataclasses.replace(cfg, dtype="bfloat16"))
-      sides["bertjax bf16"] = (lambda: bf16.run(f), ours_widths)
+      sides["bertjax bf16"] = (lambda: bf16.run(f), ours_plan)
       # The same weights (seed 0): how far bf16 matmuls move the class probabilities.
       p32, p16 = (jax.nn.softmax(p.run(f)["logits"], -1) for p in (ours, bf16))
       notes["bertjax bf16"] = f"max |probability - float32's| {float(jnp.abs(p32 - p16).max()):.4f}"
     else:
       run_extra = torch_extra(theirs, extra)
       sides[f"torch sorted {extra}"] = (
-          lambda run_extra=run_extra: run_extra(f_sorted, lengths_sorted), sorted_widths)
+          lambda run_extra=run_extra: run_extra(f_sorted, lengths_sorted), plan(sorted_widths))
   compile_s = {}
   for name, (fn, _) in sides.items():  # warm-up: compiles every width (and torch.compile's graph)
     start = time.perf_counter()
@@ -181,11 +197,11 @@ def speed(shape: str, n: int, rounds: int, extras=()) -> dict:
         f"(lengths {int(lengths_N.min())}-{int(lengths_N.max())}, median "
         f"{int(np.median(lengths_N))}), PyTorch batch 64, bertjax {ours.tokens_per_device} "
         f"positions a call, {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
-  for name, (_, widths) in sides.items():
+  for name, (_, (positions, flops_computed)) in sides.items():
     r = rates[name]
-    gf = computed_flops(cfg, widths) * statistics.median(r) / n / 1e9
+    gf = flops_computed * statistics.median(r) / n / 1e9
     print(f"  {name:20s} {min(r):8.1f}-{max(r):8.1f} seq/s (median {statistics.median(r):.1f}); "
-          f"padded positions {sum(widths) / lengths_N.sum():.2f}x the real ones; "
+          f"padded positions {positions / lengths_N.sum():.2f}x the real ones; "
           f"{gf:.1f} GFLOP/s computed; first pass {compile_s[name]:.0f} s"
           + (f"; {notes[name]}" if name in notes else ""))
   ratios = {}

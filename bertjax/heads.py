@@ -15,13 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from bertjax import dropout
+# Picking rows' states at positions is attention's (the encoder's last layer does it too).
+from bertjax.attention import gather_positions
 from bertjax.model import (ACTIVATIONS, EMBED_TO_EMBED, BertConfig, BertModel, dense,
                            layer_norm, zeros)
-
-
-def gather_positions(x_BxLxD: jax.Array, positions_BxM: jax.Array) -> jax.Array:
-  """x at the given positions of each row: [B, M, D]."""
-  return jnp.take_along_axis(x_BxLxD, positions_BxM[..., None].astype(jnp.int32), axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -187,17 +184,29 @@ class BertForSequenceClassification(nn.Module):
   """pooled -> dropout -> dense(num_labels): logits [B, num_labels] (GLUE-style tasks).
 
   task_head="modernbert": the [CLS] state (or, classifier_pooling="mean", the mean over real
-  tokens) -> PredictionHead -> dropout -> dense, as ModernBertForSequenceClassification."""
+  tokens) -> PredictionHead -> dropout -> dense, as ModernBertForSequenceClassification.
+
+  Packed rows (prediction): `sequence_ids` number each row's sequences and `cls_positions` [B, S]
+  are their [CLS] positions; the logits are then [B, S, num_labels], and the encoder's last layer
+  computes those positions alone (BertModel's query_positions). Not with mean pooling."""
 
   config: BertConfig
   num_labels: int
 
   @nn.compact
-  def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
+  def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True,
+               sequence_ids=None, cls_positions=None):
     cfg = self.config
+    modern = cfg.task_head == "modernbert"
+    if cls_positions is not None:
+      if modern and cfg.classifier_pooling == "mean":
+        raise ValueError("cls_positions need classifier_pooling='cls': a mean reads every token")
+      cls_BxSxD, pooled_BxSxD = BertModel(cfg, name="bert")(
+          input_ids, input_mask, segment_ids, None, sequence_ids, deterministic, cls_positions)
+      return _classify(cfg, cls_BxSxD if modern else pooled_BxSxD, self.num_labels,
+                       deterministic, "classifier", modern=modern)
     seq_BxLxD, pooled_BxD = BertModel(cfg, name="bert")(
         input_ids, input_mask, segment_ids, deterministic=deterministic)
-    modern = cfg.task_head == "modernbert"
     if modern and cfg.classifier_pooling == "mean":
       pooled_BxD = mean_pool(seq_BxLxD, jnp.ones(seq_BxLxD.shape[:2], jnp.int32)
                              if input_mask is None else input_mask)

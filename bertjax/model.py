@@ -181,21 +181,6 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
-def _select(is_local, local_value, global_value):
-  """jnp.where for a traced choice; the value itself for a static one (no broadcast to both)."""
-  if isinstance(is_local, (bool, np.bool_)):
-    return local_value if is_local else global_value
-  return jnp.where(is_local, local_value, global_value)
-
-
-def _choose(is_local, local_fn, global_fn, *args):
-  """local_fn(*args) or global_fn(*args): decided now for an unrolled layer, by lax.cond for a
-  scanned one (whose index is traced)."""
-  if isinstance(is_local, (bool, np.bool_)):
-    return (local_fn if is_local else global_fn)(*args)
-  return jax.lax.cond(is_local, local_fn, global_fn, *args)
-
-
 class SelfAttention(nn.Module):
   """Multi-head self-attention with its output projection (before the residual).
 
@@ -207,19 +192,24 @@ class SelfAttention(nn.Module):
   must first find one, on a plateau whose length varies from run to run (configs/tiny.py).
 
   `layer_id` (an int, or a traced index under nn.scan) picks global or local attention and the
-  RoPE table; `rope` holds the tables BertModel built once per batch.
+  RoPE table; `rope` holds the tables BertModel built once per batch. `query_positions` [B, S]
+  (XLA path): only those positions ask (keys and values are every position's); the output is
+  theirs, [B, S, D].
   """
 
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, layer_id=0):
+  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, layer_id=0,
+               query_positions=None):
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
     names = ("embed", "heads", "kv")
     bias = cfg.attention_bias
     query = dense(cfg, shape, names, "query", use_bias=bias)
-    q_BxLxNxK = query(x_BxLxD)
+    at_queries = ((lambda a: a) if query_positions is None
+                  else lambda a: attention.gather_positions(a, query_positions))
+    q_BxLxNxK = query(at_queries(x_BxLxD))  # L: S with query_positions
     key_init = None
     if cfg.query_key_init == "shared" and self.is_initializing():
       # A copy (not the same array): the train step donates every buffer of the state once.
@@ -231,9 +221,10 @@ class SelfAttention(nn.Module):
     if rope is not None:
       cos_BxLxK, sin_BxLxK = rope["global"]
       if cfg.has_local_layers and "local" in rope:
-        cos_BxLxK, sin_BxLxK = (_select(is_local, rope["local"][0], cos_BxLxK),
-                                _select(is_local, rope["local"][1], sin_BxLxK))
-      q_BxLxNxK = apply_rope(q_BxLxNxK, cos_BxLxK, sin_BxLxK)
+        pick = attention.select_local
+        cos_BxLxK, sin_BxLxK = (pick(is_local, rope["local"][0], cos_BxLxK),
+                                pick(is_local, rope["local"][1], sin_BxLxK))
+      q_BxLxNxK = apply_rope(q_BxLxNxK, at_queries(cos_BxLxK), at_queries(sin_BxLxK))
       k_BxLxNxK = apply_rope(k_BxLxNxK, cos_BxLxK, sin_BxLxK)
     q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
                                                        "activation_heads", "activation_kv"))
@@ -245,21 +236,26 @@ class SelfAttention(nn.Module):
       splash = (attention.splash_equivalent if self.is_initializing()
                 else attention.splash_attention)
       run = lambda w: lambda q, k, v, ids: splash(q, k, v, ids, local_window=w)
-      out_BxLxNxK = _choose(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK, v_BxLxNxK,
-                            masks["segment_ids"])
+      out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
+                                           v_BxLxNxK, masks["segment_ids"])
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: jax.nn.dot_product_attention(
           q, k, v, **m, implementation="cudnn", local_window_size=attention.cudnn_window(w))
-      out_BxLxNxK = _choose(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK, v_BxLxNxK,
-                            masks)
+      out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
+                                           v_BxLxNxK, masks)
     else:
       mask_Bx1xLxL = masks["mask"]
+      if query_positions is not None and mask_Bx1xLxL.shape[2] > 1:  # the queries' rows
+        mask_Bx1xLxL = jnp.take_along_axis(mask_Bx1xLxL, query_positions[:, None, :, None], 2)
       if window:
         # A [B, 1, 1, L] key mask broadcasts up to [B, 1, L, L] here, for local layers only.
         band_1x1xLxL = attention.local_band(x_BxLxD.shape[1], window)[None, None]
-        mask_Bx1xLxL = _select(is_local, mask_Bx1xLxL & band_1x1xLxL, mask_Bx1xLxL)
+        if query_positions is not None:
+          band_1x1xLxL = jnp.asarray(band_1x1xLxL[0, 0])[query_positions][:, None]
+        mask_Bx1xLxL = attention.select_local(is_local, mask_Bx1xLxL & band_1x1xLxL,
+                                              mask_Bx1xLxL)
       if not deterministic and cfg.attention_dropout > 0:
-        out_BxLxNxK = attention_with_dropout(
+        out_BxLxNxK = attention.attention_with_dropout(
             q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, cfg.attention_dropout,
             self.make_rng("dropout"))
       else:
@@ -267,22 +263,6 @@ class SelfAttention(nn.Module):
             q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL, implementation="xla")
     return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
                  use_bias=bias)(out_BxLxNxK)
-
-
-def attention_with_dropout(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate: float, rng):
-  """Softmax attention with dropout on the probabilities, as the original trains.
-
-  The same arithmetic as jax.nn.dot_product_attention's XLA path (float32 logits and softmax),
-  which is used whenever dropout is off; that path has no dropout.
-  """
-  scale = 1.0 / np.sqrt(q_BxLxNxK.shape[-1])
-  logits_BxNxLxL = jnp.einsum("bqnk,bsnk->bnqs", q_BxLxNxK, k_BxLxNxK,
-                              preferred_element_type=jnp.float32) * scale
-  big_negative = 0.7 * float(jnp.finfo(jnp.float32).min)
-  logits_BxNxLxL = jnp.where(mask_Bx1xLxL, logits_BxNxLxL, big_negative)
-  probs_BxNxLxL = jax.nn.softmax(logits_BxNxLxL, axis=-1)
-  probs_BxNxLxL = dropout.apply(probs_BxNxLxL, rng, rate)
-  return jnp.einsum("bnqs,bsnk->bqnk", probs_BxNxLxL.astype(v_BxLxNxK.dtype), v_BxLxNxK)
 
 
 class Mlp(nn.Module):
@@ -316,6 +296,10 @@ class EncoderLayer(nn.Module):
 
   Pre-LN (norm_position="pre"): h = x + drop(attn(LN(x))); out = h + drop(mlp(LN(h))), with
   BertModel's final norm after the last layer.
+
+  `query_positions` [B, S]: the layer's output at those positions only, [B, S, D] (the last
+  layer when only a few positions are read, e.g. each sequence's [CLS]): every position is still
+  a key and a value, but the queries, the output projection and the MLP run on S rows, not L.
   """
 
   config: BertConfig
@@ -323,11 +307,15 @@ class EncoderLayer(nn.Module):
   layer_id: int | None = None  # set when unrolled; None under nn.scan (the index comes traced)
 
   @nn.compact
-  def __call__(self, x_BxLxD, masks, rope=None, layer_id=None):
+  def __call__(self, x_BxLxD, masks, rope=None, layer_id=None, query_positions=None):
     cfg = self.config
     layer_id = self.layer_id if layer_id is None else layer_id
     drop = dropout.Dropout(cfg.hidden_dropout)
-    attention_fn = SelfAttention(cfg, name="attention")
+    self_attention = SelfAttention(cfg, name="attention")
+    attention_fn = lambda x, *a: self_attention(x, *a, query_positions=query_positions)
+    # The residual stream at the positions computed (all of them, or the queries').
+    res_BxLxD = (x_BxLxD if query_positions is None
+                 else attention.gather_positions(x_BxLxD, query_positions))
     if cfg.norm_position == "pre":
       if cfg.skips_first_attention_norm and isinstance(layer_id, int):
         in_BxLxD = (x_BxLxD if layer_id == 0
@@ -339,13 +327,13 @@ class EncoderLayer(nn.Module):
       else:
         in_BxLxD = layer_norm(cfg, "attention_layer_norm")(x_BxLxD)
       attn_BxLxD = attention_fn(in_BxLxD, masks, self.deterministic, rope, layer_id)
-      h_BxLxD = x_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic)
+      h_BxLxD = res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic)
       mlp_BxLxD = Mlp(cfg, name="mlp")(layer_norm(cfg, "output_layer_norm")(h_BxLxD))
       out_BxLxD = h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic)
     else:
       attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id)
       h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
-          x_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
+          res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
       mlp_BxLxD = Mlp(cfg, name="mlp")(h_BxLxD)
       out_BxLxD = layer_norm(cfg, "output_layer_norm")(
           h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic))
@@ -380,13 +368,14 @@ class Encoder(nn.Module):
   """The stack of layers: unrolled (`layer_0`, `layer_1`, ...) or one scanned `layers` module.
 
   With `scan_layers`, parameters gain a leading [num_layers] axis named "layers" and XLA compiles
-  one layer instead of num_layers (compile time independent of depth).
+  one layer instead of num_layers (compile time independent of depth). `query_positions`: the
+  last layer computes those positions only (BertModel says when).
   """
 
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None):
+  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, query_positions=None):
     cfg = self.config
     if cfg.scan_layers:
       scanned = nn.scan(
@@ -402,7 +391,9 @@ class Encoder(nn.Module):
       return x_BxLxD
     layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=False)
     for i in range(cfg.num_layers):
-      x_BxLxD = layer_cls(cfg, deterministic, i, name=f"layer_{i}")(x_BxLxD, masks, rope)
+      last = i == cfg.num_layers - 1
+      x_BxLxD = layer_cls(cfg, deterministic, i, name=f"layer_{i}")(
+          x_BxLxD, masks, rope, None, query_positions if last else None)
     return x_BxLxD
 
 
@@ -423,6 +414,11 @@ class BertModel(nn.Module):
   Inputs use the original feature names. `sequence_ids` (optional) packs several sequences into a
   row: tokens attend only within their sequence id and, unless `position_ids` are given, positions
   restart at 0 at each new id (for learned positions and RoPE alike).
+
+  `query_positions` [B, S]: only those positions are read (each packed sequence's [CLS], for a
+  sequence-level head): the output is theirs, ([B, S, D], pooled [B, S, D]), and the last layer
+  computes them alone (with attention_impl="xla" and unrolled layers; otherwise every position,
+  then those picked).
   """
 
   config: BertConfig
@@ -440,7 +436,7 @@ class BertModel(nn.Module):
     return self.pooler(x_BxLxD) if self.config.pooler else x_BxLxD[:, 0]
 
   def __call__(self, input_ids, input_mask=None, segment_ids=None, position_ids=None,
-               sequence_ids=None, deterministic: bool = True):
+               sequence_ids=None, deterministic: bool = True, query_positions=None):
     cfg = self.config
     input_ids_BxL = jnp.asarray(input_ids)
     # Refused here, at trace time, rather than as a ShardingTypeError inside the embedding gather.
@@ -475,10 +471,19 @@ class BertModel(nn.Module):
     x_BxLxD = self.embeddings(input_ids_BxL, segment_ids_BxL, position_ids_BxL, deterministic)
     x_BxLxD = nn.with_logical_constraint(
         x_BxLxD, ("activation_batch", "activation_length", "activation_embed"))
-    x_BxLxD = self.encoder(x_BxLxD, masks, deterministic, rope)
+    narrow = (query_positions is not None and cfg.attention_impl == "xla"
+              and not cfg.scan_layers)
+    qp_BxS = None if query_positions is None else jnp.asarray(query_positions, jnp.int32)
+    x_BxLxD = self.encoder(x_BxLxD, masks, deterministic, rope, qp_BxS if narrow else None)
+    if qp_BxS is not None and not narrow:
+      x_BxLxD = attention.gather_positions(x_BxLxD, qp_BxS)
     if cfg.norm_position == "pre":
       x_BxLxD = self.final_layer_norm(x_BxLxD)
-    return x_BxLxD, self.pool(x_BxLxD)
+    if qp_BxS is None:
+      return x_BxLxD, self.pool(x_BxLxD)
+    # Each picked state as a length-1 row of its own: the pooler reads position 0.
+    b, s, d = x_BxLxD.shape
+    return x_BxLxD, self.pool(x_BxLxD.reshape(b * s, 1, d)).reshape(b, s, d)
 
   def word_embedding_table(self) -> jax.Array:
     return self.embeddings.word_embedding_table()

@@ -19,9 +19,12 @@ The file is read in chunks of CHUNK_ROWS rows, so memory stays flat whatever its
 is ordered by length and cut into groups of neighbours: a group is padded to its longest row's
 width (multiples of 8 up to 64, then four widths per doubling: 80, 96, 112, 128, 160, ...) and holds
 as many rows as --tokens_per_device positions allow at that width (1,024: 128 rows of 8 tokens,
-8 of 128), so short texts pay neither for the longest nor for small matmuls. The outputs go back to
-the input's order. A group is what one device computes in one call, and the groups depend on the
-chunk alone: the output file is the same bits on 1 or 8 devices.
+8 of 128), so short texts pay neither for the longest nor for small matmuls. For classification
+and regression the rows are first packed (bertjax/prediction_rows.py): several texts in a row of
+up to 64 tokens, each attending to itself alone, and the last layer computed at their [CLS]
+positions only. The outputs go back to the input's order. A group is what one device computes in
+one call, and the groups depend on the chunk alone: the output file is the same bits on 1 or 8
+devices.
 
 `--mode=embed` writes an [N, hidden] float32 .npy of the pooled [CLS] vector (`--pooling=cls`) or
 the mean of the last layer over real tokens (`--pooling=mean`) for each row's text_a (and text_b)
@@ -47,11 +50,13 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import cli, files, taskspec as spec_lib, weights
+from bertjax import cli, files, prediction_rows, taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families, glue, textfiles
 from bertjax.model import BertConfig, BertModel
+# How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
+from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
 
 # Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
 # the groups (and so the bits of every output) must not depend on how many devices there are.
@@ -60,32 +65,6 @@ CHUNK_ROWS = 4096
 # 4,096 (docs/performance.md#prediction-on-a-cpu); an accelerator wants more (the flag).
 TOKENS_PER_DEVICE = 1024
 POOLINGS = ("cls", "mean")
-
-
-def bucket_width(length: int, cap: int) -> int:
-  """The width a row of `length` tokens is padded to: a multiple of 8 up to 64, then of a quarter
-  of the power of two below (80, 96, 112, 128, 160, ...): at most 8 tokens or 25% of padding,
-  with few enough widths (12 up to 128, 20 up to 512) to compile each once."""
-  length = max(int(length), 1)
-  step = max(8, (1 << (length - 1).bit_length()) // 8)
-  return min(-(-length // step) * step, cap)
-
-
-def length_groups(lengths_N: np.ndarray, cap: int, tokens: int) -> list[tuple[np.ndarray, int, int]]:
-  """(row indices, width, rows) of each group: rows ordered by length (then index), cut greedily
-  so that a group's count fits its capacity `tokens // width` at the width of its longest row.
-  A function of the lengths alone: the same rows meet in the same shapes on any device count."""
-  order_N = np.lexsort((np.arange(len(lengths_N)), lengths_N))
-  widths_N = np.array([bucket_width(k, cap) for k in lengths_N[order_N]], np.int64)
-  capacity_N = np.maximum(1, tokens // widths_N)
-  groups, start, n = [], 0, len(order_N)
-  while start < n:
-    stop = start + 1  # widths grow along the order, capacities shrink: stop where one is full
-    while stop < n and stop - start + 1 <= capacity_N[stop]:
-      stop += 1
-    groups.append((order_N[start:stop], int(widths_N[stop - 1]), int(capacity_N[stop - 1])))
-    start = stop
-  return groups
 
 
 class Predictor:
@@ -162,12 +141,41 @@ class Predictor:
         objective = families.get(self.spec.family).objective(self.spec)
         model = objective.make_model(self.config)
 
-        def fn(params, ids, mask, segments):
-          out = model.apply({"params": params}, ids, mask, segments, deterministic=True)
-          return objective.outputs(out)
-      self._forward[kind] = jax.jit(fn, in_shardings=(NamedSharding(self.mesh, P()),
-                                                      self._rows, self._rows, self._rows))
+        def fn(params, ids, mask, segments, *packing):
+          if not packing:
+            out = model.apply({"params": params}, ids, mask, segments, deterministic=True)
+            return objective.outputs(out)
+          sequence_ids, cls_positions = packing  # one output per [CLS] slot: [B x S, ...]
+          out = model.apply({"params": params}, ids, mask, segments, deterministic=True,
+                            sequence_ids=sequence_ids, cls_positions=cls_positions)
+          return objective.outputs(out.reshape((-1,) + out.shape[2:]))
+      inputs = 5 if kind == "packed" else 3
+      self._forward[kind] = jax.jit(fn, in_shardings=(NamedSharding(self.mesh, P()),)
+                                    + (self._rows,) * inputs)
     return self._forward[kind]
+
+  def packs(self, kind: str = "head") -> bool:
+    """Whether the head's calls pack several texts into a row (prediction_rows.py)."""
+    return (kind == "head" and families.get(self.spec.family).PACKED
+            and not (self.config.task_head == "modernbert"
+                     and self.config.classifier_pooling == "mean"))
+
+  def _run_packed(self, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """run() for a sequence-level head: texts packed into rows (prediction_rows.pack), the rows
+    grouped by their used length as run() groups texts, one output per text."""
+    fn = self._function("packed")
+    pending = [(texts, at_out, fn(self.params, *(jax.device_put(a, self._rows) for a in arrays)))
+               for arrays, texts, at_out in prediction_rows.packed_calls(
+                   features, self.tokens_per_device, self.mesh.devices.size)]
+    parts, index = {}, []
+    for texts, at_out, out in pending:
+      for k, v in jax.device_get(out).items():
+        parts.setdefault(k, []).append(np.asarray(v)[at_out])
+      index.append(texts)
+      self.sequences += len(texts)
+    restore = np.empty(len(features["input_ids"]), np.int64)
+    restore[np.concatenate(index)] = np.arange(len(restore))
+    return {k: np.concatenate(v)[restore] for k, v in parts.items()}
 
   def run(self, features: dict[str, np.ndarray], kind: str = "head") -> dict[str, np.ndarray]:
     """The outputs for every row of `features` (input_ids, input_mask, segment_ids [N, L]), in
@@ -178,6 +186,8 @@ class Predictor:
     n, max_len = features["input_ids"].shape
     if n == 0:
       return {}
+    if self.packs(kind):
+      return self._run_packed(features)
     groups = length_groups(features["input_mask"].sum(1), max_len, self.tokens_per_device)
     fn, devices = self._function(kind), self.mesh.devices.size
     by_width: dict[int, list] = {}

@@ -11,7 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from bertjax import losses, train
 from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel, attention_with_dropout, positions_from_sequence_ids
+from bertjax.attention import attention_with_dropout
+from bertjax.model import BertConfig, BertModel, positions_from_sequence_ids
 from configs import base
 
 SMALL = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,

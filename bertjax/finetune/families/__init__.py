@@ -20,6 +20,9 @@ The hooks, as each module defines them:
   LOWER_IS_BETTER  ... and those of them where lower is better
   BATCH_KEYS       the feature arrays of targets a batch carries to the device, beside the inputs
   RECORD_KEYS      the keys of a prediction record (how predict knows a file it wrote)
+  PACKED           one output per text from its [CLS]: the objective's model takes sequence_ids
+                   and cls_positions, and prediction packs several texts into a row
+                   (bertjax/prediction_rows.py); False for per-token heads
   num_outputs(spec)                  the head's width
   objective(spec)                    the head, its loss and outputs (a `train.Objective`)
   columns(spec, row)                 the input columns `predict` needs of a row
@@ -46,9 +49,9 @@ FAMILIES.update({
     "span": span,
 })
 
-HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MODERNBERT_CLASS", "MIN_LABELS", "MAIN_METRICS", "LOWER_IS_BETTER",
-         "BATCH_KEYS", "RECORD_KEYS", "num_outputs", "objective", "columns", "as_row", "records",
-         "load")
+HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MODERNBERT_CLASS", "MIN_LABELS", "MAIN_METRICS",
+         "LOWER_IS_BETTER", "BATCH_KEYS", "RECORD_KEYS", "PACKED", "num_outputs", "objective",
+         "columns", "as_row", "records", "load")
 
 
 def get(name: str) -> ModuleType:

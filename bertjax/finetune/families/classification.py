@@ -29,6 +29,7 @@ MIN_LABELS = 2
 MAIN_METRICS = ("accuracy", "macro_f1", "micro_f1")
 BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
 RECORD_KEYS = ("label", "probabilities", "truncated")  # of a prediction record (records)
+PACKED = True  # texts packed into rows at prediction (one [CLS] each)
 LOWER_IS_BETTER = ()
 columns = custom.pair_columns
 as_row = custom.pair_row

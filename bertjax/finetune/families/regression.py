@@ -28,6 +28,7 @@ MIN_LABELS = 0
 MAIN_METRICS = ("pearson", "spearman", "mse")
 BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
 RECORD_KEYS = ("value", "truncated")  # of a prediction record (records)
+PACKED = True  # texts packed into rows at prediction (one [CLS] each)
 LOWER_IS_BETTER = ("mse",)
 columns = custom.pair_columns
 as_row = custom.pair_row

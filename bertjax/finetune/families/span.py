@@ -33,6 +33,7 @@ MIN_LABELS = 0
 MAIN_METRICS = ("f1", "exact")
 BATCH_KEYS = ("start_positions", "end_positions")  # the targets a batch carries (objective)
 RECORD_KEYS = ("answer", "start", "score")  # of a prediction record (records)
+PACKED = False  # an output per token: one text per row
 LOWER_IS_BETTER = ()
 columns = custom.pair_columns
 as_row = custom.pair_row

@@ -38,6 +38,7 @@ MIN_LABELS = 2
 MAIN_METRICS = ("f1", "precision", "recall", "accuracy")
 BATCH_KEYS = ("label_ids", "label_weights")  # the targets a batch carries (objective)
 RECORD_KEYS = ("text", "entities", "tags")  # of a prediction record (records)
+PACKED = False  # an output per token: one text per row
 LOWER_IS_BETTER = ()
 
 
