@@ -19,8 +19,8 @@ The file is read in chunks of CHUNK_ROWS rows, so memory stays flat whatever its
 is ordered by length and cut into groups of neighbours: a group is padded to its longest row's
 width (multiples of 8 up to 64, then four widths per doubling: 80, 96, 112, 128, 160, ...) and holds
 as many rows as --tokens_per_device positions allow at that width (1,024: 128 rows of 8 tokens,
-8 of 128), so short texts pay neither for the longest nor for small matmuls. For classification
-and regression the rows are first packed (bertjax/prediction_rows.py): several texts in a row of
+8 of 128), so short texts pay neither for the longest nor for small matmuls. For classification,
+regression and [CLS] vectors the rows are first packed (bertjax/prediction_rows.py): several texts in a row of
 up to 64 tokens, each attending to itself alone, and the last layer computed at their [CLS]
 positions only. The outputs go back to the input's order. A group is what one device computes in
 one call, and the groups depend on the chunk alone: the output file is the same bits on 1 or 8
@@ -125,15 +125,21 @@ class Predictor:
   # The forward pass -----------------------------------------------------------------------------
 
   def _function(self, kind: str):
+    """The jitted forward pass of `kind` (a pooling, "head"; "packed_" + either: with the
+    sequence_ids and cls_positions of packed rows, one output per [CLS] slot)."""
     if kind not in self._forward:
-      if kind in POOLINGS:
+      if kind == "packed_cls":
+        model = BertModel(self.config)
+
+        def fn(params, ids, mask, segments, sequence_ids, cls_positions):
+          _, pooled_BxSxD = model.apply({"params": params}, ids, mask, segments, None,
+                                        sequence_ids, True, cls_positions)
+          return {"vector": pooled_BxSxD.reshape(-1, pooled_BxSxD.shape[-1]).astype(jnp.float32)}
+      elif kind == "mean":  # ("cls" always packs)
         model = BertModel(self.config)
 
         def fn(params, ids, mask, segments):
-          seq_BxLxD, pooled_BxD = model.apply({"params": params}, ids, mask, segments,
-                                              deterministic=True)
-          if kind == "cls":
-            return {"vector": pooled_BxD.astype(jnp.float32)}
+          seq_BxLxD, _ = model.apply({"params": params}, ids, mask, segments, deterministic=True)
           m_BxLx1 = mask[..., None].astype(jnp.float32)
           total_BxD = jnp.sum(seq_BxLxD.astype(jnp.float32) * m_BxLx1, axis=1)
           return {"vector": total_BxD / jnp.maximum(jnp.sum(m_BxLx1, axis=1), 1.0)}
@@ -149,21 +155,22 @@ class Predictor:
           out = model.apply({"params": params}, ids, mask, segments, deterministic=True,
                             sequence_ids=sequence_ids, cls_positions=cls_positions)
           return objective.outputs(out.reshape((-1,) + out.shape[2:]))
-      inputs = 5 if kind == "packed" else 3
+      inputs = 5 if kind.startswith("packed_") else 3
       self._forward[kind] = jax.jit(fn, in_shardings=(NamedSharding(self.mesh, P()),)
                                     + (self._rows,) * inputs)
     return self._forward[kind]
 
   def packs(self, kind: str = "head") -> bool:
-    """Whether the head's calls pack several texts into a row (prediction_rows.py)."""
-    return (kind == "head" and families.get(self.spec.family).PACKED
-            and not (self.config.task_head == "modernbert"
-                     and self.config.classifier_pooling == "mean"))
+    """Whether `kind`'s calls pack several texts into a row (prediction_rows.py): [CLS] vectors,
+    and the head of a family that reads one state per text (not a mean over the tokens)."""
+    return kind == "cls" or (kind == "head" and families.get(self.spec.family).PACKED
+                             and not (self.config.task_head == "modernbert"
+                                      and self.config.classifier_pooling == "mean"))
 
-  def _run_packed(self, features: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """run() for a sequence-level head: texts packed into rows (prediction_rows.pack), the rows
-    grouped by their used length as run() groups texts, one output per text."""
-    fn = self._function("packed")
+  def _run_packed(self, features: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
+    """run() for one output per text: texts packed into rows (prediction_rows.pack), the rows
+    grouped by their used length as run() groups texts."""
+    fn = self._function("packed_" + kind)
     pending = [(texts, at_out, fn(self.params, *(jax.device_put(a, self._rows) for a in arrays)))
                for arrays, texts, at_out in prediction_rows.packed_calls(
                    features, self.tokens_per_device, self.mesh.devices.size)]
@@ -187,7 +194,7 @@ class Predictor:
     if n == 0:
       return {}
     if self.packs(kind):
-      return self._run_packed(features)
+      return self._run_packed(features, kind)
     groups = length_groups(features["input_mask"].sum(1), max_len, self.tokens_per_device)
     fn, devices = self._function(kind), self.mesh.devices.size
     by_width: dict[int, list] = {}

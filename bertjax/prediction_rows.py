@@ -1,7 +1,7 @@
 """How prediction lays texts into a device's calls: groups of rows of near lengths, and packed rows.
 
-A sequence-level head (classification, regression: the family's PACKED) reads one state per text,
-its [CLS]. Prediction then packs several texts into a row of up to PACK_WIDTH tokens, each
+A sequence-level head (classification, regression: the family's PACKED) and an embedding by [CLS]
+read one state per text. Prediction then packs several texts into a row of up to PACK_WIDTH tokens, each
 attending to itself alone (the encoder's `sequence_ids`, positions restarting at each text), and
 the last layer computes the [CLS] positions only (BertModel's query_positions): a row wastes no
 padding on short texts and the last layer costs a few positions instead of every one

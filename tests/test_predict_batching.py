@@ -131,3 +131,25 @@ def test_run_restores_the_order_and_matches_a_row_alone(family, kw):
   perm = rng.permutation(37)
   again = predictor.run({key: v[perm] for key, v in features.items()})[out]
   np.testing.assert_allclose(again, logits[perm], atol=1e-6)
+
+
+def test_cls_vectors_are_packed_and_each_text_s_own():
+  cfg = BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2,
+                   intermediate_size=32, max_position_embeddings=64)
+  model = BertModel(cfg)
+  z = jnp.zeros((1, 8), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
+  predictor = predict.Predictor(cfg, params, None, None, tokens_per_device=64)
+  rng = np.random.default_rng(2)
+  lengths = rng.integers(1, 30, 21)
+  mask = (np.arange(32)[None] < lengths[:, None]).astype(np.int32)
+  features = {"input_ids": rng.integers(1, 40, (21, 32)).astype(np.int32) * mask,
+              "input_mask": mask, "segment_ids": np.zeros_like(mask)}
+  assert predictor.packs("cls") and not predictor.packs("mean")
+  vectors = predictor.run(features, "cls")["vector"]
+  assert vectors.shape == (21, 16)
+  for k in (0, 7, 20):
+    n = int(lengths[k])
+    _, pooled = model.apply({"params": params}, *(features[key][k:k + 1, :n] for key in
+                                                  ("input_ids", "input_mask", "segment_ids")))
+    np.testing.assert_allclose(vectors[k], np.asarray(pooled)[0], atol=1e-5)
