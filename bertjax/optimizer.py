@@ -199,11 +199,20 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> 
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32)
-    decayed = peak * (1.0 - jnp.minimum(step, total_steps) / total_steps)
+    # The numbers pass a barrier, so the rate is computed from them at run time whether they are
+    # Python's or traced. Python numbers were constants, and XLA rewrote `peak * step / warmup`
+    # as `step * (peak * (1 / warmup))`, folded; a traced rate (a trial's: its program slices it
+    # per trial) kept the order, 1 ulp apart at some warmup steps, which a high rate amplified
+    # into other dev scores after a few epochs. The operations are written in the rewritten
+    # order, so a run's rates are the bits they were.
+    p, w, t = jax.lax.optimization_barrier(tuple(
+        jnp.asarray(x, jnp.float32) for x in (peak, warmup_steps, total_steps)))
+    # From the end on, t * (1/t) may round above 1 (150 does): 0 there, not -1e-11.
+    decayed = jnp.maximum(p * (1.0 - jnp.minimum(step, t) * (1.0 / t)), 0.0)
     if numbers and warmup_steps == 0:
       return decayed
     # A traced warmup of 0 takes `decayed` at every step (step < 0 never holds).
-    return jnp.where(step < warmup_steps, peak * step / warmup_steps, decayed)
+    return jnp.where(step < w, step * (p * (1.0 / w)), decayed)
 
   return schedule
 

@@ -34,6 +34,10 @@ def grid_config(files, **grid):
   config = custom_config("classification", pretrained, train, dev)
   config.train.num_epochs = 2
   config.train.log_every_steps = 8
+  # A warmup of 7 of the 16 steps: 1/7 rounds, so a rate computed from a Python warmup and one
+  # from a trial's traced warmup could part (they did, before optimizer.learning_rate_schedule's
+  # barrier); 1 step, or a power of 2, would hide it.
+  config.train.warmup_proportion = 0.45
   for key, value in (grid or GRID).items():
     config.search[key] = value
   return config
@@ -66,14 +70,14 @@ def test_a_trial_in_the_grid_equals_the_same_settings_run_alone(files, grid):
     assert a.keys() == b.keys()
     for k in a:  # a vmapped matmul may sum in another order: scores within one example's worth
       assert a[k] == pytest.approx(b[k], abs=1.5 / 32), (k, a, b)
-  # The weights of the trial's best epoch against the run's: within float32 reordering.
+  # The weights of the trial's best epoch against the run's: the same bits.
   from bertjax import weights  # pylint: disable=import-outside-toplevel
   mine = weights.read(weights.inspect_trained(
       os.path.join(workdir, "search", f"trial-{trial['index']}")))
   alone_params = weights.read(weights.inspect_trained(str(files[0] / "alone")))
   diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
              for a, b in zip(jax_leaves(mine), jax_leaves(alone_params)))
-  assert diff < 1e-6, diff  # 0.0 seen: a CPU runs the trials one after another (lax.map)
+  assert diff == 0.0, diff  # bit for bit: a CPU runs the trials one after another (lax.map)
 
 
 def jax_leaves(tree):
