@@ -46,8 +46,8 @@ def auto_learning_rates(model_config) -> tuple[float, ...]:
   A.3) for an encoder of BERT-Base's width or more; for a narrower one, which takes larger rates,
   4 rates a factor 2 apart from 2e-5 x 768 / hidden, so the span moves up with the width and is
   wider than the paper's. A 128-wide encoder (configs/tiny.py) gets 1.2e-4 to 9.6e-4: on the
-  routing example its best rate of a wide search (3e-5 to 1e-3) was 1e-3, on NEXT 3e-4
-  (docs/finetuning.md#settings-chosen-on-dev)."""
+  routing example its best rate of a wide search (3e-5 to 1e-3) was 1e-3, on NEXT 3e-5 (1e-4 and
+  3e-4 within a point) (docs/finetuning.md#settings-chosen-on-dev)."""
   if model_config.hidden_size >= 768:
     return (2e-5, 3e-5, 4e-5, 5e-5)
   scale = 768 / model_config.hidden_size
