@@ -201,6 +201,11 @@ def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
   assert [t.learning_rate for t in search.expand(config, s, base)] == [2e-5, 3e-5, 4e-5, 5e-5]
   config.train.learning_rate = 3e-4  # given: that rate, one run
   assert not ft_config.SearchConfig.from_config(config).wanted(config)
+  config.search.learning_rate = "auto"  # ... unless the scaled rates are asked for by name
+  s = ft_config.SearchConfig.from_config(config)
+  assert s.wanted(config)
+  assert [t.learning_rate for t in search.expand(config, s, tiny)] == rates
+  config.search.learning_rate = ""
   with pytest.raises(ValueError, match="a search, which bertjax.finetune.search.run runs"):
     config.train.learning_rate = None
     run.finetune(config, "/nonexistent")

@@ -91,12 +91,17 @@ SEARCH_KEYS = {"learning_rate": True, "num_epochs": True, "warmup_proportion": T
                "weight_decay": True, "seed": True, "batch_size": False}
 
 
+# `config.search.learning_rate=auto`: the rates scaled to the encoder's width
+# (search.auto_learning_rates), where the task's config gives a rate of its own (NEXT, GLUE).
+AUTO = "auto"
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
   """Typed form of `config.search`: the values of each `train` key to try (empty: the train
   section's one value), and how many trials one program may hold (0: as many as memory allows)."""
 
-  values: dict  # key -> tuple of numbers, for the keys that list any
+  values: dict  # key -> tuple of numbers, for the keys that list any (learning_rate: or AUTO)
   trials_per_program: int
   memory_gb: float  # what the trials may take; 0: what the devices (or the host) have
 
@@ -113,6 +118,9 @@ class SearchConfig:
         continue
       items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
       texts = [str(x).strip() for x in items if str(x).strip()]
+      if key == "learning_rate" and [t.lower() for t in texts] == [AUTO]:
+        values[key] = AUTO
+        continue
       if not texts:
         raise Refusal(f"config.search.{key}={raw!r} names no value; give numbers separated by "
                       f"commas (e.g. {_EXAMPLES[key]}) or leave it empty for train.{key}.")
@@ -122,7 +130,8 @@ class SearchConfig:
           number = float(text)
         except ValueError:
           raise Refusal(f"config.search.{key}: {text!r} is not a number; give numbers "
-                        f"separated by commas (e.g. {_EXAMPLES[key]}).") from None
+                        f"separated by commas (e.g. {_EXAMPLES[key]})"
+                        + (", or auto alone" if key == "learning_rate" else "") + ".") from None
         if key in ("seed", "batch_size") and number != int(number):
           raise Refusal(f"config.search.{key}: {text!r} is not a whole number.")
         numbers.append(int(number) if key in ("seed", "batch_size") else number)

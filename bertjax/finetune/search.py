@@ -35,7 +35,7 @@ from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, weights
 from bertjax.errors import Refusal
 from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
-from bertjax.finetune.config import SEARCH_KEYS, SearchConfig
+from bertjax.finetune.config import AUTO, SEARCH_KEYS, SearchConfig
 from bertjax.finetune.evaluations import Evaluations
 
 SEARCH_FILE = "search.json"
@@ -58,7 +58,8 @@ def expand(config, search: SearchConfig, model_config) -> list[trials_lib.Trial]
   """Every combination of the listed values (the train section's one value elsewhere)."""
   t = config.train
   values = dict(search.values)
-  if t.learning_rate is None and "learning_rate" not in values:
+  if values.get("learning_rate") == AUTO or (t.learning_rate is None
+                                             and "learning_rate" not in values):
     values["learning_rate"] = auto_learning_rates(model_config)
   axes = {key: values.get(key, (t[key],)) for key in SEARCH_KEYS}
   for key, listed in axes.items():
