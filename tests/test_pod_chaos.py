@@ -55,13 +55,15 @@ def _pod_env(tmp_path, monkeypatch):
     monkeypatch.setenv(key, value)
 
 
-def test_kills_and_a_hang_of_either_process_end_where_a_straight_pod_run_ends(
+def test_a_kill_and_a_hang_of_either_process_end_where_a_straight_pod_run_ends(
     tmp_path, runs, pod_env):  # pylint: disable=redefined-outer-name
   del pod_env
   seed = int(os.environ.get("BERTJAX_CHAOS_SEED", time.time_ns() % 10**6))
   rng = random.Random(seed)
-  # Two kills and a hang, in a drawn order, each of a drawn process at a drawn step.
-  events = rng.sample(["kill", "kill", "hang"], 3)
+  # A kill and a hang, in a drawn order, each of a drawn process at a drawn step (one kill, not
+  # the two of before: each launch costs the suite 20-30 s, and the second kill met no code the
+  # first had not).
+  events = rng.sample(["kill", "hang"], 2)
   plan = [(what, rng.randrange(2), rng.randrange(3, STEPS - 8)) for what in events]
   print(f"BERTJAX_CHAOS_SEED={seed}: {plan}")
   base = [f for f in _flags(tmp_path) if not f.startswith("--workdir=")] + [
