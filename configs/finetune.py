@@ -105,7 +105,8 @@ def get_config(task: str = "next"):
   # Settings chosen on dev (bertjax/finetune/search.py, docs/finetuning.md#settings-chosen-on-dev):
   # each key lists the values of its `train` key to try ("5e-5,3e-5"; "" = train's one value);
   # every combination is a trial, the best on dev is kept in best/. Trials of one batch size train
-  # together as one program.
+  # together as one program. learning_rate=auto: the four rates scaled to the encoder's width
+  # that a task without a rate runs (search.auto_learning_rates), here where the task sets one.
   s = config.search = ml_collections.ConfigDict()
   s.learning_rate = ""
   s.num_epochs = ""
