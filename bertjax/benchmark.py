@@ -120,10 +120,15 @@ def time_steps(run_one, steps: int) -> list[float]:
 
 
 class StepRunner:
-  """Compiles bertjax's train step for one synthetic batch and runs it, keeping the state."""
+  """Compiles bertjax's train step for one synthetic batch and runs it, keeping the state.
+
+  `allocate=False` lowers the step against the state's shapes alone and stops there: `compile()`
+  may then run on another thread (XLA releases the GIL while it compiles, so several cases
+  compile at once), and `allocate()` creates the state when the case's turn comes, so only one
+  case's state is on the device at a time."""
 
   def __init__(self, config, seq_len: int, max_predictions: int, devices=None,
-               sequences_per_row: int = 0):
+               sequences_per_row: int = 0, allocate: bool = True):
     # vocab_size 0 means "the tokenizer's"; there is none here, so take the released English one.
     vocab = int(config.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE
     self.training = train.from_config(config, devices=devices, vocab_size=vocab)
@@ -135,11 +140,27 @@ class StepRunner:
                            self.cfg.vocab_size, seed=jax.process_index(),
                            sequences_per_row=sequences_per_row)
     self.batch = self.training.to_global(host)
-    init_rng, self.rng = train.rng_streams(tc.seed)  # self.rng: the dropout stream
-    self.state = self.training.init_state(init_rng)
+    self._init_rng, self.rng = train.rng_streams(tc.seed)  # self.rng: the dropout stream
+    # The abstract state carries the step's shardings, so this is the executable the real
+    # state would have lowered to.
+    self.lowered = self.training.train_step.lower(self.training.abstract_state, self.batch,
+                                                  self.rng)
+    self.state = self.compiled = None
+    if allocate:
+      self.compile()
+      self.allocate()
+
+  def compile(self):
     start = time.perf_counter()
-    self.compiled = self.training.train_step.lower(self.state, self.batch, self.rng).compile()
+    self.compiled = self.lowered.compile()
     self.compile_seconds = time.perf_counter() - start
+    return self
+
+  def allocate(self) -> None:
+    self.state = self.training.init_state(self._init_rng)
+
+  def release(self) -> None:
+    self.state = None
 
   def step(self):
     self.state, metrics = self.compiled(self.state, self.batch, self.rng)

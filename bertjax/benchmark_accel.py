@@ -29,6 +29,7 @@ only by the prediction case, where installed).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
 import importlib.util
@@ -37,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -131,13 +133,22 @@ def memory_gib(compiled) -> float | None:
   return round(total / 2**30, 3)
 
 
-def run_train(case: Case, size: str, tokens_per_device: int, steps: int, devices=None) -> dict:
+def prepare_train(case: Case, size: str, tokens_per_device: int, devices=None):
+  """The case's StepRunner, lowered but neither compiled nor holding a state (see StepRunner)."""
   config = step_config(case, size, tokens_per_device, len(devices or jax.devices()))
   slots = config.data.max_predictions_per_seq * max(case.per_row, 1)
-  runner = benchmark.StepRunner(config, case.seq_len, slots, devices=devices,
-                                sequences_per_row=case.per_row)
-  benchmark.time_steps(runner.step, 1)
-  figures = benchmark.report(runner, benchmark.time_steps(runner.step, steps))
+  return benchmark.StepRunner(config, case.seq_len, slots, devices=devices,
+                              sequences_per_row=case.per_row, allocate=False)
+
+
+def run_train(runner, steps: int) -> dict:
+  """Times a compiled runner's step; its state lives on the device only meanwhile."""
+  runner.allocate()
+  try:
+    benchmark.time_steps(runner.step, 1)
+    figures = benchmark.report(runner, benchmark.time_steps(runner.step, steps))
+  finally:
+    runner.release()
   return {"seq_per_s": figures["sequences_per_s"], "mfu": figures["mfu"],
           "tflops_per_device": figures["model_tflops_per_device"],
           "memory_gib": memory_gib(runner.compiled), "batch": figures["batch_size"],
@@ -208,31 +219,80 @@ def describe(case: Case) -> str:
   return f"{case.model} L{case.seq_len} {case.attention} {packed}"
 
 
+def versions() -> str:
+  out = []
+  for name in ("jax", "jaxlib", "flax", "optax", "orbax.checkpoint"):
+    try:
+      out.append(f"{name} {importlib.import_module(name).__version__}")
+    except Exception:  # pylint: disable=broad-except
+      out.append(f"{name} ?")
+  return ", ".join(out)
+
+
+def _error(e: BaseException) -> dict:
+  return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+
+
 def check(size: str = "full", tokens_per_device: int = 8192, steps: int = 3, devices=None,
-          out=None) -> list:
-  """Runs every case, printing a line each; returns [(description, figures), ...]."""
+          out=None, budget_s: float = 0.0, compile_threads: int = 4, json_path: str = "") -> list:
+  """Runs every case, printing a line each; returns [(description, figures), ...].
+
+  The train cases are lowered one after another, then compiled `compile_threads` at a time while
+  the earlier ones run (a fresh accelerator host spends most of the check compiling). A case
+  that fails prints its error and the rest go on; after `budget_s` seconds (0: none) the cases
+  not yet started are reported as skipped, so a check inside a time-limited lease still returns
+  what it measured. `json_path` is rewritten after every case."""
+  started = time.perf_counter()
   device = (devices or jax.devices())[0]
   fused = fused_attention()
-  print(f"{len(devices or jax.devices())} x {device.device_kind} ({device.platform}); bf16 peaks used for "
-        "MFU (TFLOP/s per chip): " + ", ".join(f"{k} {v:g}" for k, v in flops.PEAK_TFLOPS),
-        file=out, flush=True)
+  print(f"{len(devices or jax.devices())} x {device.device_kind} ({device.platform}); "
+        f"{versions()}", file=out, flush=True)
+  print("bf16 peaks used for MFU (TFLOP/s per chip): "
+        + ", ".join(f"{k} {v:g}" for k, v in flops.PEAK_TFLOPS), file=out, flush=True)
   peak = flops.peak_tflops(device.device_kind)
   print(f"this device's peak: {peak if peak else 'none known (MFU not computed)'}; fused "
         f"attention: {fused or 'none on this platform (XLA rows only)'}",
         file=out, flush=True)
-  results = []
-  for case in cases(size, fused):
+  all_cases = cases(size, fused)
+  pending: dict[int, Any] = {}
+  pool = concurrent.futures.ThreadPoolExecutor(max(1, compile_threads))
+  for i, case in enumerate(all_cases):
     if case.kind == "predict":
-      figures = run_predict(case, size, tokens_per_device, steps, devices)
-    else:
-      figures = run_train(case, size, tokens_per_device, steps, devices)
-    results.append((describe(case), figures))
-    print(f"  {describe(case):<44} " + "  ".join(f"{k} {v}" for k, v in figures.items()),
-          file=out, flush=True)
+      continue
+    try:
+      runner = prepare_train(case, size, tokens_per_device, devices)
+      pending[i] = pool.submit(runner.compile)
+    except Exception as e:  # pylint: disable=broad-except
+      pending[i] = e
+  results = []
+  try:
+    for i, case in enumerate(all_cases):
+      if budget_s and time.perf_counter() - started > budget_s:
+        figures = {"skipped": f"over the {budget_s:g} s budget"}
+      else:
+        try:
+          if case.kind == "predict":
+            figures = run_predict(case, size, tokens_per_device, steps, devices)
+          elif isinstance(pending[i], Exception):
+            raise pending[i]
+          else:
+            figures = run_train(pending.pop(i).result(), steps)
+        except Exception as e:  # pylint: disable=broad-except
+          figures = _error(e)
+      pending.pop(i, None)
+      results.append((describe(case), figures))
+      print(f"  {describe(case):<44} " + "  ".join(f"{k} {v}" for k, v in figures.items()),
+            file=out, flush=True)
+      if json_path:
+        with open(json_path, "w") as f:
+          json.dump([{"case": name, **fig} for name, fig in results], f, indent=1)
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)
   stats = device.memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     print(f"device peak memory over the run: {stats['peak_bytes_in_use'] / 2**30:.2f} GiB",
           file=out, flush=True)
+  print(f"{time.perf_counter() - started:.0f} s in all", file=out, flush=True)
   return results
 
 
@@ -244,17 +304,22 @@ def define_flags() -> None:
                        "(rows = this / L).", lower_bound=1)
   flags.DEFINE_integer("steps", 3, "Timed steps (or prediction passes) per case; the median "
                        "is printed.", lower_bound=1)
-  flags.DEFINE_string("json", "", "Also write the figures to this file.")
+  flags.DEFINE_string("json", "", "Also write the figures to this file (after every case).")
+  flags.DEFINE_float("budget_s", 0.0, "Start no case after this many seconds (0: no limit); the "
+                     "rest are reported as skipped.", lower_bound=0.0)
+  flags.DEFINE_integer("compile_threads", 4, "Train cases compiled at once, ahead of their "
+                       "turn.", lower_bound=1)
 
 
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   args = flags.FLAGS
-  results = check(args.size, args.tokens_per_device, args.steps)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump([{"case": name, **figures} for name, figures in results], f, indent=1)
+  results = check(args.size, args.tokens_per_device, args.steps, budget_s=args.budget_s,
+                  compile_threads=args.compile_threads, json_path=args.json)
+  failed = [name for name, figures in results if "error" in figures]
+  if failed:
+    raise SystemExit(f"{len(failed)} case(s) failed: {'; '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The benchmark: analytic FLOPs vs XLA's count, the peak table, the report, no TensorFlow."""
 
 import io
+import json
 import math
 import os
 import subprocess
@@ -158,7 +159,7 @@ def test_a_packed_benchmark_counts_the_sequences_of_its_rows():
   assert figures["sequences_per_row"] == 3 and figures["sequences_per_s"] == 6.0
 
 
-def test_the_accelerator_check_runs_every_case_at_a_tiny_size():
+def test_the_accelerator_check_runs_every_case_at_a_tiny_size(tmp_path):
   """bertjax.benchmark_accel at --size=tiny on one CPU device: a line per case with its figures,
   so the GPU/TPU command cannot rot where the suite runs (TensorFlow-free:
   tests/test_without_tensorflow.py)."""
@@ -171,7 +172,10 @@ def test_the_accelerator_check_runs_every_case_at_a_tiny_size():
   assert len(full) == 2 * 2 * 4 + 2 + 1
   printed = io.StringIO()
   results = dict(benchmark_accel.check("tiny", tokens_per_device=64, steps=1,
-                                       devices=jax.devices()[:1], out=printed))
+                                       devices=jax.devices()[:1], out=printed,
+                                       json_path=str(tmp_path / "accel.json")))
+  written = json.loads((tmp_path / "accel.json").read_text())
+  assert [row["case"] for row in written] == list(results)
   text = printed.getvalue()
   assert "H100 989" in text and "none known (MFU not computed)" in text, text
   assert list(results) == [benchmark_accel.describe(c) for c in benchmark_accel.cases("tiny", None)]
@@ -187,3 +191,30 @@ def test_the_accelerator_check_runs_every_case_at_a_tiny_size():
   m = benchmark_accel.step_config(local, "tiny", 64, 1).model
   assert "modern_base L32 xla local windows" in results
   assert (m.num_layers, m.global_every, m.local_window) == (2, 2, 8)
+
+
+def test_the_accelerator_check_reports_a_failed_case_and_goes_on_and_skips_past_its_budget(
+    monkeypatch):
+  """A case that fails prints its error and the next still runs; once the budget is spent the
+  rest are skipped, not lost: a time-limited lease still returns what was measured."""
+  from bertjax import benchmark_accel  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(benchmark_accel, "cases", lambda size, fused: [
+      benchmark_accel.Case("predict", "bert_base", n) for n in (16, 32, 64)])
+  calls = []
+
+  def run_predict(case, *args):
+    calls.append(case.seq_len)
+    time.sleep(0.3)
+    if case.seq_len == 16:
+      raise ValueError("cuDNN refused the shape")
+    return {"seq_per_s": 1.0}
+
+  monkeypatch.setattr(benchmark_accel, "run_predict", run_predict)
+  printed = io.StringIO()
+  results = dict(benchmark_accel.check("tiny", budget_s=0.5, out=printed))
+  assert calls == [16, 32]
+  assert results["predict bert_base (texts up to 16 tokens)"] == {
+      "error": "ValueError: cuDNN refused the shape"}
+  assert results["predict bert_base (texts up to 32 tokens)"] == {"seq_per_s": 1.0}
+  assert "skipped" in results["predict bert_base (texts up to 64 tokens)"]
+  assert "cuDNN refused the shape" in printed.getvalue()
