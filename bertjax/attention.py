@@ -67,10 +67,21 @@ def local_band(length: int, window: int) -> np.ndarray:
   return np.abs(idx[:, None] - idx[None, :]) <= window // 2
 
 
-def cudnn_window(window: int):
-  """jax.nn.dot_product_attention's `local_window_size` for local_band's window: keys at most
-  window // 2 before and after the query (cuDNN's sliding window; None: global)."""
-  return (window // 2, window // 2) if window else None
+def cudnn_local_arguments(masks: dict, length: int, window: int) -> dict:
+  """jax.nn.dot_product_attention's keyword arguments for a local layer on cuDNN.
+
+  cuDNN's own sliding window (`local_window_size`) is refused without a causal mask ("cuDNN
+  doesn't support right window ... when causal mask is not used", jax 0.11 on an H200), and
+  ModernBERT's window looks both ways. So local_band goes in with the padding or packing as one
+  boolean [B, 1, L, L] mask, which cuDNN reads as a bias: `masks` is what cudnn_arguments built
+  for the global layers (key lengths, or the packed mask).
+  """
+  if "mask" in masks:
+    mask_Bx1xLxL = masks["mask"]
+  else:
+    lengths_B = masks["key_value_seq_lengths"]
+    mask_Bx1xLxL = (jnp.arange(length)[None, :] < lengths_B[:, None])[:, None, None, :]
+  return {"mask": mask_Bx1xLxL & local_band(length, window)[None, None]}
 
 
 def splash_segment_ids(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None):

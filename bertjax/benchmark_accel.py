@@ -2,8 +2,10 @@
 
     python -m bertjax.benchmark accel                     # BERT-Base and -Large, L 128 and 512
     python -m bertjax.benchmark accel --size=tiny         # a 1-layer model: any machine
+    python -m bertjax.benchmark accel --budget_s=300 --json=accel.json --profile="cudnn unpacked"
 
-Prints one line per measured case, all in bfloat16 matmuls (parameters float32), scanned layers:
+Prints one line per measured case, all in bfloat16 matmuls (parameters float32), scanned layers
+(--noscan_layers: unrolled):
   train   the real train step (bertjax/benchmark.py's StepRunner) of BERT-Base and BERT-Large at
           L 128 and 512: sequences/s, MFU, memory; attention by XLA ("xla": [B, N, L, L] logits
           in memory) and by the platform's fused kernel ("cudnn" on NVIDIA GPUs, "splash" on
@@ -21,6 +23,11 @@ peaks are dense bfloat16 TFLOP/s per chip from the vendors' data sheets, flops.P
 table is printed first); a device without an entry (a CPU) gets none. Memory is XLA's figure for
 the case's own executable (arguments + outputs + temporaries - aliased), and at the end the
 device's measured peak over the whole run where it reports one.
+
+A fresh GPU host spends most of the check compiling (18 train cases, 14-68 s each on an H200):
+they compile --compile_threads at a time before the first is timed; the whole check took 384 s
+there. --budget_s bounds it inside a time-limited lease (later cases are reported as skipped);
+a case that fails prints its error and the rest still run (the command then exits non-zero).
 
 It imports jax, flax, optax, orbax and ml_collections only (tests/test_benchmark.py checks that
 importing it loads no TensorFlow, transformers or torch; torch and transformers are looked for
@@ -44,7 +51,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import benchmark, benchmark_predict, cli, flops
+from bertjax import benchmark, benchmark_predict, cli, flops, opprofile
 from bertjax.model import BertConfig
 
 SIZES = ("full", "tiny")
@@ -87,8 +94,10 @@ def cases(size: str, fused: str | None) -> list[Case]:
   return out
 
 
-def step_config(case: Case, size: str, tokens_per_device: int, devices: int):
-  """The ml_collections config of a train-step case (the released config, bf16, scanned)."""
+def step_config(case: Case, size: str, tokens_per_device: int, devices: int,
+                scan_layers: bool = True):
+  """The ml_collections config of a train-step case (the released config, bf16, scanned unless
+  `scan_layers` is False)."""
   config = released_config(case.model)
   m, d, t = config.model, config.data, config.train
   if size == "tiny":
@@ -97,7 +106,7 @@ def step_config(case: Case, size: str, tokens_per_device: int, devices: int):
     if case.model == "modern_base":  # one global layer, one local: the window still acts
       m.num_layers, m.global_every, m.local_window = 2, 2, 8
   m.vocab_size = m.vocab_size or flops.DEFAULT_VOCAB_SIZE
-  m.dtype, m.scan_layers, m.remat_policy = "bfloat16", True, "none"
+  m.dtype, m.scan_layers, m.remat_policy = "bfloat16", scan_layers, "none"
   m.attention_impl = case.attention
   m.attention_dropout = 0.0  # the fused kernels have none; the XLA rows match them
   if case.model == "modern_base" and not case.window:
@@ -133,23 +142,27 @@ def memory_gib(compiled) -> float | None:
   return round(total / 2**30, 3)
 
 
-def prepare_train(case: Case, size: str, tokens_per_device: int, devices=None):
+def prepare_train(case: Case, size: str, tokens_per_device: int, devices=None,
+                  scan_layers: bool = True):
   """The case's StepRunner, lowered but neither compiled nor holding a state (see StepRunner)."""
-  config = step_config(case, size, tokens_per_device, len(devices or jax.devices()))
+  config = step_config(case, size, tokens_per_device, len(devices or jax.devices()), scan_layers)
   slots = config.data.max_predictions_per_seq * max(case.per_row, 1)
   return benchmark.StepRunner(config, case.seq_len, slots, devices=devices,
                               sequences_per_row=case.per_row, allocate=False)
 
 
-def run_train(runner, steps: int) -> dict:
-  """Times a compiled runner's step; its state lives on the device only meanwhile."""
+def run_train(runner, steps: int, profile_steps: int = 0) -> tuple[dict | None, dict]:
+  """(the op profile or None, the figures) of a compiled runner's step, profiled by kind of
+  operation when `profile_steps`; its state lives on the device only meanwhile."""
   runner.allocate()
   try:
     benchmark.time_steps(runner.step, 1)
     figures = benchmark.report(runner, benchmark.time_steps(runner.step, steps))
+    profiled = (opprofile.profile(runner.step, runner.compiled.as_text(), profile_steps)
+                if profile_steps else None)
   finally:
     runner.release()
-  return {"seq_per_s": figures["sequences_per_s"], "mfu": figures["mfu"],
+  return profiled, {"seq_per_s": figures["sequences_per_s"], "mfu": figures["mfu"],
           "tflops_per_device": figures["model_tflops_per_device"],
           "memory_gib": memory_gib(runner.compiled), "batch": figures["batch_size"],
           "step_s": figures["step_s"], "compile_s": figures["compile_s"]}
@@ -234,14 +247,18 @@ def _error(e: BaseException) -> dict:
 
 
 def check(size: str = "full", tokens_per_device: int = 8192, steps: int = 3, devices=None,
-          out=None, budget_s: float = 0.0, compile_threads: int = 4, json_path: str = "") -> list:
+          out=None, budget_s: float = 0.0, compile_threads: int = 4, json_path: str = "",
+          profile: str = "", scan_layers: bool = True) -> list:
   """Runs every case, printing a line each; returns [(description, figures), ...].
 
-  The train cases are lowered one after another, then compiled `compile_threads` at a time while
-  the earlier ones run (a fresh accelerator host spends most of the check compiling). A case
-  that fails prints its error and the rest go on; after `budget_s` seconds (0: none) the cases
-  not yet started are reported as skipped, so a check inside a time-limited lease still returns
-  what it measured. `json_path` is rewritten after every case."""
+  The train cases are lowered one after another and compiled `compile_threads` at a time (a
+  fresh accelerator host spends most of the check compiling), all before the first is timed:
+  XLA's GPU autotuner runs kernels on the device while it compiles, which would slow a step
+  timed meanwhile (seen on an H200). A case that fails prints its error and the rest go on;
+  after `budget_s` seconds (0: none) the cases not yet started are reported as skipped, so a
+  check inside a time-limited lease still returns what it measured. `json_path` is rewritten
+  after every case. Train cases whose description contains `profile` are also profiled
+  (bertjax/opprofile.py: time by kind of operation)."""
   started = time.perf_counter()
   device = (devices or jax.devices())[0]
   fused = fused_attention()
@@ -260,11 +277,15 @@ def check(size: str = "full", tokens_per_device: int = 8192, steps: int = 3, dev
     if case.kind == "predict":
       continue
     try:
-      runner = prepare_train(case, size, tokens_per_device, devices)
+      runner = prepare_train(case, size, tokens_per_device, devices, scan_layers)
       pending[i] = pool.submit(runner.compile)
     except Exception as e:  # pylint: disable=broad-except
       pending[i] = e
-  results = []
+  compiling = [f for f in pending.values() if not isinstance(f, Exception)]
+  remaining = budget_s - (time.perf_counter() - started) if budget_s else None
+  concurrent.futures.wait(compiling, timeout=max(remaining, 0) if budget_s else None)
+  print(f"compiled in {time.perf_counter() - started:.0f} s", file=out, flush=True)
+  results, profiled = [], None
   try:
     for i, case in enumerate(all_cases):
       if budget_s and time.perf_counter() - started > budget_s:
@@ -276,13 +297,18 @@ def check(size: str = "full", tokens_per_device: int = 8192, steps: int = 3, dev
           elif isinstance(pending[i], Exception):
             raise pending[i]
           else:
-            figures = run_train(pending.pop(i).result(), steps)
+            profiled, figures = run_train(
+                pending.pop(i).result(), steps,
+                profile_steps=2 if profile and profile in describe(case) else 0)
         except Exception as e:  # pylint: disable=broad-except
           figures = _error(e)
       pending.pop(i, None)
       results.append((describe(case), figures))
       print(f"  {describe(case):<44} " + "  ".join(f"{k} {v}" for k, v in figures.items()),
             file=out, flush=True)
+      if profiled:
+        opprofile.print_profile(profiled, out)
+        profiled = None
       if json_path:
         with open(json_path, "w") as f:
           json.dump([{"case": name, **fig} for name, fig in results], f, indent=1)
@@ -307,8 +333,12 @@ def define_flags() -> None:
   flags.DEFINE_string("json", "", "Also write the figures to this file (after every case).")
   flags.DEFINE_float("budget_s", 0.0, "Start no case after this many seconds (0: no limit); the "
                      "rest are reported as skipped.", lower_bound=0.0)
-  flags.DEFINE_integer("compile_threads", 4, "Train cases compiled at once, ahead of their "
-                       "turn.", lower_bound=1)
+  flags.DEFINE_integer("compile_threads", 4, "Train cases compiled at once, all before the "
+                       "first is timed.", lower_bound=1)
+  flags.DEFINE_bool("scan_layers", True, "Train cases with the layers under one scan (the "
+                    "released configs); --noscan_layers unrolls them.")
+  flags.DEFINE_string("profile", "", "Also profile the train cases whose description contains "
+                      "this (e.g. 'bert_large L512 cudnn unpacked'): time by kind of operation.")
 
 
 def main(argv) -> None:
@@ -316,7 +346,8 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   args = flags.FLAGS
   results = check(args.size, args.tokens_per_device, args.steps, budget_s=args.budget_s,
-                  compile_threads=args.compile_threads, json_path=args.json)
+                  compile_threads=args.compile_threads, json_path=args.json,
+                  profile=args.profile, scan_layers=args.scan_layers)
   failed = [name for name, figures in results if "error" in figures]
   if failed:
     raise SystemExit(f"{len(failed)} case(s) failed: {'; '.join(failed)}")

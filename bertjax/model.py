@@ -240,7 +240,8 @@ class SelfAttention(nn.Module):
                                            v_BxLxNxK, masks["segment_ids"])
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: jax.nn.dot_product_attention(
-          q, k, v, **m, implementation="cudnn", local_window_size=attention.cudnn_window(w))
+          q, k, v, **(attention.cudnn_local_arguments(m, q.shape[1], w) if w else m),
+          implementation="cudnn")
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks)
     else:

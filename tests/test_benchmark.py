@@ -130,18 +130,22 @@ ENTRY %main (x: f32[4,4], k: u32[4]) -> f32[4] {
   %bits = u32[4]{0} xor(%k, %k)
   %zero = f32[] constant(0)
   %red = f32[4]{0} reduce(%tr, %zero), dimensions={1}, to_apply=%add
+  %loop = (f32[4]{0}) while(%red), condition=%add, body=%add
   ROOT %out = f32[4]{0} exponential(%red)
 }
 """
   kinds = opprofile.classify(hlo)
   assert [kinds[n] for n in ("mm", "tr", "bits", "red", "out")] == [
       "matmul", "layout", "rng", "reduce", "elementwise"]
+  # A loop's own event spans its body's, which are counted one by one (a scanned encoder).
+  assert "loop" not in kinds
 
   # The real step: every traced operation lands in a kind, and the matmuls are among them.
   result = opprofile.profile(runner.step, runner.compiled.as_text(), steps=1)
   assert set(result["ms_per_step"]) == set(opprofile.KINDS)
   assert result["ms_per_step"]["matmul"] > 0
   assert abs(sum(result["share"].values()) - 1) < 0.01
+  assert result["wall_ms_per_step"] > 0
 
 
 def test_a_packed_benchmark_counts_the_sequences_of_its_rows():

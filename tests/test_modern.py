@@ -281,7 +281,7 @@ def test_a_sharded_scanned_remat_step_equals_one_device():
 @pytest.mark.parametrize("packed", [True, False])
 def test_cudnn_window_arguments_match_the_explicit_reference(packed):
   """What SelfAttention hands cuDNN for a local layer (its padding/packing arguments and the
-  sliding window), run by the XLA implementation: no GPU here."""
+  sliding window, as one mask), run by the XLA implementation: no GPU here."""
   length, window = 24, 6
   rng = np.random.default_rng(7)
   q, k, v = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.float32) for _ in range(3))
@@ -289,10 +289,11 @@ def test_cudnn_window_arguments_match_the_explicit_reference(packed):
   seq[0, :9], seq[0, 9:20] = 1, 2
   seq[1, :15] = 1
   mask = (seq > 0).astype(np.int32)
-  args = attention.attention_masks("cudnn", jnp.asarray(mask),
-                                   jnp.asarray(seq) if packed else None)
-  got = jax.nn.dot_product_attention(q, k, v, **args, implementation="xla",
-                                     local_window_size=attention.cudnn_window(window))
+  args = attention.cudnn_local_arguments(
+      attention.attention_masks("cudnn", jnp.asarray(mask), jnp.asarray(seq) if packed else None),
+      length, window)
+  assert set(args) == {"mask"}  # cuDNN's own window is causal only: the band is in the mask
+  got = jax.nn.dot_product_attention(q, k, v, **args, implementation="xla")
   ref = _reference_attention(q, k, v, _explicit_allowed(mask, seq if packed else None, window))
   real = mask.astype(bool)
   np.testing.assert_allclose(np.asarray(got)[real], ref[real], atol=2e-5)
