@@ -36,6 +36,7 @@ In Python: `Predictor.from_workdir(path)(["a text", ...])` gives the same record
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -64,6 +65,10 @@ CHUNK_ROWS = 4096
 # Positions (rows x width) one device computes per call: on a CPU 1,024 ran faster than 2,048 and
 # 4,096 (docs/performance.md#prediction-on-a-cpu); an accelerator wants more (the flag).
 TOKENS_PER_DEVICE = 1024
+# XLA's CPU client runs the calls one thread dispatches one after another, and a call alone keeps
+# 2 cores 1.1 busy; calls waited for on two threads overlap: 1.2-1.35x at the small shape
+# (docs/performance.md#prediction-on-a-cpu). An accelerator queues them either way.
+CONCURRENT_CALLS = 2
 POOLINGS = ("cls", "mean")
 
 
@@ -167,16 +172,23 @@ class Predictor:
                              and not (self.config.task_head == "modernbert"
                                       and self.config.classifier_pooling == "mean"))
 
+  def _outputs(self, fn, calls: list) -> Iterator[dict]:
+    """fn(params, *arrays) of each call's host arrays, on the host, in order; CONCURRENT_CALLS
+    calls in flight, each waited for on a thread of its own (the same bits as one at a time)."""
+    def one(arrays):
+      return jax.device_get(fn(self.params, *(jax.device_put(a, self._rows) for a in arrays)))
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT_CALLS) as pool:
+      yield from pool.map(one, calls)
+
   def _run_packed(self, features: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
     """run() for one output per text: texts packed into rows (prediction_rows.pack), the rows
     grouped by their used length as run() groups texts."""
-    fn = self._function("packed_" + kind)
-    pending = [(texts, at_out, fn(self.params, *(jax.device_put(a, self._rows) for a in arrays)))
-               for arrays, texts, at_out in prediction_rows.packed_calls(
-                   features, self.tokens_per_device, self.mesh.devices.size)]
+    plan = list(prediction_rows.packed_calls(features, self.tokens_per_device,
+                                             self.mesh.devices.size))
     parts, index = {}, []
-    for texts, at_out, out in pending:
-      for k, v in jax.device_get(out).items():
+    for (_, texts, at_out), out in zip(plan, self._outputs(self._function("packed_" + kind),
+                                                           [arrays for arrays, _, _ in plan])):
+      for k, v in out.items():
         parts.setdefault(k, []).append(np.asarray(v)[at_out])
       index.append(texts)
       self.sequences += len(texts)
@@ -195,26 +207,11 @@ class Predictor:
       return {}
     if self.packs(kind):
       return self._run_packed(features, kind)
-    groups = length_groups(features["input_mask"].sum(1), max_len, self.tokens_per_device)
-    fn, devices = self._function(kind), self.mesh.devices.size
-    by_width: dict[int, list] = {}
-    for group in groups:
-      by_width.setdefault(group[1], []).append(group)
-    pending = []  # every call is dispatched before the first result is read: no idle device
-    for width, same in by_width.items():
-      for at in range(0, len(same), devices):
-        calls = same[at:at + devices]
-        capacity = calls[0][2]
-        arrays = []
-        for key in ("input_ids", "input_mask", "segment_ids"):
-          a = np.zeros((devices * capacity, width), features[key].dtype)
-          for slot, (rows, _, _) in enumerate(calls):
-            a[slot * capacity:slot * capacity + len(rows)] = features[key][rows, :width]
-          arrays.append(jax.device_put(a, self._rows))
-        pending.append((calls, width, capacity, fn(self.params, *arrays)))
+    plan = list(prediction_rows.grouped_calls(features, self.tokens_per_device,
+                                              self.mesh.devices.size))
     parts, index = {}, []
-    for calls, width, capacity, out in pending:
-      out = jax.device_get(out)
+    for (_, calls, width, capacity), out in zip(plan, self._outputs(self._function(kind),
+                                                                    [p[0] for p in plan])):
       for slot, (rows, _, _) in enumerate(calls):
         index.append(rows)
         for k, v in out.items():
