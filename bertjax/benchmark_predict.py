@@ -117,14 +117,13 @@ def packed_plan(cfg: BertConfig, f: dict[str, np.ndarray], tokens: int) -> tuple
   """The positions and matmul FLOPs bertjax's packed prediction computes (one device; empty rows
   counted): every layer at every position of a row but the last, which computes keys and values
   at every position and the rest at the row's [CLS] slots."""
-  d, mlp = cfg.hidden_size, 4 * cfg.hidden_size * cfg.intermediate_size
   positions, total = 0, 0.0
+  last = cfg.num_layers - 1
   for arrays, _, _ in prediction_rows.packed_calls(f, tokens, 1):
     (rows, width), n_slots = arrays[0].shape, arrays[4].shape[1]
-    layer = width * (8 * d * d + mlp) + 4 * width * width * d
-    last = width * 4 * d * d + n_slots * (4 * d * d + mlp + 4 * width * d)
     positions += rows * width
-    total += rows * ((cfg.num_layers - 1) * layer + last)
+    total += rows * (sum(flops.layer_flops(cfg, i, width) for i in range(last))
+                     + flops.layer_flops(cfg, last, width, n_slots))
   return positions, total
 
 

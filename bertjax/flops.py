@@ -55,15 +55,23 @@ def peak_tflops(device_kind: str) -> float | None:
   return None
 
 
+def layer_flops(cfg: BertConfig, layer: int, keys: int, queries: int | None = None) -> float:
+  """Matmul FLOPs of encoder layer `layer` on a row of `keys` positions whose outputs are wanted
+  at `queries` of them (all by default): keys and values at every position; the queries, the
+  attention products, the output projection and the MLP at the queries alone (prediction's last
+  layer at the [CLS] slots, BertModel's query_positions). A local layer's query attends to at
+  most local_window + 1 keys."""
+  d, f = cfg.hidden_size, cfg.intermediate_size
+  queries = keys if queries is None else queries
+  mlp = (6 if cfg.mlp_type == "gated" else 4) * d * f
+  attended = min(keys, cfg.local_window + 1) if cfg.is_local(layer) else keys
+  return float(4 * d * d * keys + queries * (4 * d * d + mlp + 4 * attended * d))
+
+
 def forward_flops_per_sequence(cfg: BertConfig, seq_len: int, max_predictions: int) -> float:
   """Matmul FLOPs of one sequence's forward pass (see the module docstring)."""
-  d, f, v, length = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, seq_len
-  mlp = (6 if cfg.mlp_type == "gated" else 4) * d * f
-  local_layers = sum(bool(cfg.is_local(i)) for i in range(cfg.num_layers))
-  keys_local = min(length, cfg.local_window + 1)
-  encoder = (cfg.num_layers * length * (8 * d * d + mlp)
-             + (cfg.num_layers - local_layers) * length * 4 * length * d
-             + local_layers * length * 4 * keys_local * d)
+  d, v = cfg.hidden_size, cfg.vocab_size
+  encoder = sum(layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
   pooler_nsp = (2 * d * d if cfg.pooler else 0) + 4 * d
   mlm = max_predictions * (2 * d * d + 2 * d * v)
   return float(encoder + pooler_nsp + mlm)
