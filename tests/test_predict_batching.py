@@ -98,7 +98,7 @@ def test_the_last_layer_at_query_positions_is_every_position_then_picked(kw):
 @pytest.mark.parametrize("family,kw", [("classification", {}), ("regression", {}),
                                        ("classification", MODERN)],
                          ids=["classification", "regression", "modern"])
-def test_run_restores_the_order_and_matches_a_row_alone(family, kw):
+def test_run_restores_the_order_and_matches_a_row_alone(family, kw, monkeypatch):
   cfg = BertConfig(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2,
                    intermediate_size=32, max_position_embeddings=64, hidden_dropout=0.0,
                    attention_dropout=0.0, **kw)
@@ -121,6 +121,9 @@ def test_run_restores_the_order_and_matches_a_row_alone(family, kw):
   logits = predictor.run(features)[out]
   assert logits.shape == ((37, 3) if family == "classification" else (37,))
   assert predictor.sequences == 37
+  # Calls waited for on two threads give the bits of calls made one at a time.
+  monkeypatch.setattr(predict, "CONCURRENT_CALLS", 1)
+  np.testing.assert_array_equal(predictor.run(features)[out], logits)
   # Each row's logits are its own: the model on that row alone, at its own length, agrees.
   for k in (0, 5, 36):
     n = int(lengths[k])
