@@ -56,6 +56,10 @@ logging_std.getLogger("absl").addFilter(_ReaderNoiseFilter())
 ARCHITECTURE_FIELDS = ("norm_position", "norm_type", "norm_bias", "attention_bias", "mlp_bias",
                        "mlp_type", "position_embedding", "embedding_norm", "pooler", "head_bias",
                        "decoder_bias", "tie_word_embeddings")
+# Model keys of the fine-tuning head. A run's checkpoints hold its head, so resuming them under
+# another would fail inside the restore (or, for the pooling, change the run silently); init_from
+# reads the encoder alone and may change them (docs/modern.md), so only a resume compares them.
+HEAD_FIELDS = ("task_head", "classifier_pooling")
 # Train keys that shape the optimizer state or what one step means; resuming under other values
 # would continue another run's moments (or its data position) silently.
 OPTIMIZER_FIELDS = ("optimizer", "max_grad_norm", "num_microbatches", "bias_correction")
@@ -93,6 +97,7 @@ class Expected:
   model: BertConfig | None = None
   optimizer: Mapping[str, Any] | None = None  # OPTIMIZER_FIELDS of the train config
   tokenizer_fingerprint: str | None = None
+  heads: bool = False  # compare HEAD_FIELDS too: a fine-tuning run resuming its own checkpoints
 
   def meta(self) -> dict:
     """The same facts, to be written beside a checkpoint."""
@@ -112,7 +117,7 @@ class Expected:
     if self.model is not None:
       current, have = dataclasses.asdict(self.model), saved.get("model", {})
       diffs += [f"model.{k}: checkpoint {have[k]!r} vs config {current[k]!r}"
-                for k in SHAPE_FIELDS + ARCHITECTURE_FIELDS
+                for k in SHAPE_FIELDS + ARCHITECTURE_FIELDS + (HEAD_FIELDS if self.heads else ())
                 if k in have and have[k] != current[k]]
     if self.optimizer is not None:
       have = saved.get("optimizer", {})

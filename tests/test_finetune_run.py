@@ -356,7 +356,7 @@ def test_init_from_refuses_another_vocabulary_or_shape(pretrained, rte_dir, tmp_
                  for d in ("vocab", "hidden_size", "num_layers", "vocab_size", "random"))
 
 
-def test_a_workdir_of_another_task_is_refused(rte_run, pretrained, tmp_path, monkeypatch):
+def test_a_workdir_of_another_task_is_refused(rte_run, pretrained, rte_dir, tmp_path, monkeypatch):
   fx.write_stsb(str(tmp_path / "glue"), n_train=32, n_dev=8)
   config = fx.ft_config("sts-b", pretrained)
   config.data.data_dir = str(tmp_path / "glue")
@@ -365,6 +365,12 @@ def test_a_workdir_of_another_task_is_refused(rte_run, pretrained, tmp_path, mon
   fx.Builds(monkeypatch)
   with pytest.raises(ValueError, match=f"--workdir={rte_run.workdir} holds a RTE run; "
                      "fine-tuning STS-B needs its own workdir"):
+    run.finetune(config, rte_run.workdir)
+  # The same task under another head: its checkpoints hold the old head, named, not restored.
+  config = rte_config(pretrained, rte_dir[0])
+  config.model.task_head = "modernbert"
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+                     match=re.escape("model.task_head: checkpoint 'bert' vs config 'modernbert'")):
     run.finetune(config, rte_run.workdir)
   assert before == {name: os.path.getmtime(os.path.join(rte_run.workdir, name)) for name in before}
 

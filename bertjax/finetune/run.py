@@ -350,7 +350,7 @@ def finetune(config, workdir: str) -> dict:
                                 init_from=init_from, init_from_other_vocab=False)
   expected = checkpoint_lib.Expected(model=model_config,
                                      optimizer=checkpoint_lib.optimizer_fields(tcfg),
-                                     tokenizer_fingerprint=tokenizer.fingerprint)
+                                     tokenizer_fingerprint=tokenizer.fingerprint, heads=True)
   meta = s.meta()
   # best/ records what the loop's checkpoints do (the model and vocabulary it was trained with),
   # so every reader of weights takes it alone (bertjax.predict's default, convert.hf export).

@@ -143,7 +143,7 @@ def _run_program(config, s: run_lib.Setup, group, number: int, workdir: str, mes
   directory = os.path.join(workdir, "search", f"program-{number}")
   expected = checkpoint_lib.Expected(model=s.model_config,
                                      optimizer=checkpoint_lib.optimizer_fields(base),
-                                     tokenizer_fingerprint=s.tokenizer.fingerprint)
+                                     tokenizer_fingerprint=s.tokenizer.fingerprint, heads=True)
   schedule = control.Schedule(total_steps=total, log_every=ft.log_every_steps,
                               save_every=per_epoch, eval_every=per_epoch)
   loop_config = loop.LoopConfig(schedule=schedule, eval_sequences=0, profile_start_step=-1,
