@@ -192,9 +192,7 @@ class Predictor:
         parts.setdefault(k, []).append(np.asarray(v)[at_out])
       index.append(texts)
       self.sequences += len(texts)
-    restore = np.empty(len(features["input_ids"]), np.int64)
-    restore[np.concatenate(index)] = np.arange(len(restore))
-    return {k: np.concatenate(v)[restore] for k, v in parts.items()}
+    return prediction_rows.in_input_order(parts, index)
 
   def run(self, features: dict[str, np.ndarray], kind: str = "head") -> dict[str, np.ndarray]:
     """The outputs for every row of `features` (input_ids, input_mask, segment_ids [N, L]), in
@@ -221,9 +219,7 @@ class Predictor:
             v = np.pad(v, ((0, 0), (0, max_len - width)), constant_values=fill)
           parts.setdefault(k, []).append(v)
       self.sequences += sum(len(rows) for rows, _, _ in calls)
-    restore = np.empty(n, np.int64)
-    restore[np.concatenate(index)] = np.arange(n)
-    return {k: np.concatenate(v)[restore] for k, v in parts.items()}
+    return prediction_rows.in_input_order(parts, index)
 
   # Rows -> records ------------------------------------------------------------------------------
 

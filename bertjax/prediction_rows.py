@@ -110,6 +110,13 @@ def packed_arrays(features: dict[str, np.ndarray], lengths_N: np.ndarray, rows: 
 INPUTS = ("input_ids", "input_mask", "segment_ids", "sequence_ids", "cls_positions")
 
 
+def _by_call(groups_by_shape: dict, devices: int):
+  """(shape key, groups, rows a group) per call: the groups of one shape, `devices` at a time."""
+  for key, same in groups_by_shape.items():
+    for at in range(0, len(same), devices):
+      yield key, same[at:at + devices], same[at][2]
+
+
 def grouped_calls(features: dict[str, np.ndarray], tokens: int, devices: int):
   """Yields (arrays, groups, width, rows) per call of an unpacked prediction: the call's
   ("input_ids", "input_mask", "segment_ids") arrays [devices x rows, width], each device's share
@@ -118,16 +125,14 @@ def grouped_calls(features: dict[str, np.ndarray], tokens: int, devices: int):
   by_shape: dict[tuple[int, int], list] = {}
   for group in length_groups(features["input_mask"].sum(1), max_len, tokens):
     by_shape.setdefault(group[1:], []).append(group)
-  for (width, _), same in by_shape.items():
-    for at in range(0, len(same), devices):
-      calls, capacity = same[at:at + devices], same[at][2]
-      arrays = []
-      for key in INPUTS[:3]:
-        a = np.zeros((devices * capacity, width), features[key].dtype)
-        for slot, (rows, _, _) in enumerate(calls):
-          a[slot * capacity:slot * capacity + len(rows)] = features[key][rows, :width]
-        arrays.append(a)
-      yield arrays, calls, width, capacity
+  for (width, _), calls, capacity in _by_call(by_shape, devices):
+    arrays = []
+    for key in INPUTS[:3]:
+      a = np.zeros((devices * capacity, width), features[key].dtype)
+      for slot, (rows, _, _) in enumerate(calls):
+        a[slot * capacity:slot * capacity + len(rows)] = features[key][rows, :width]
+      arrays.append(a)
+    yield arrays, calls, width, capacity
 
 
 def packed_calls(features: dict[str, np.ndarray], tokens: int, devices: int):
@@ -135,7 +140,7 @@ def packed_calls(features: dict[str, np.ndarray], tokens: int, devices: int):
   the call's INPUTS arrays, [devices x rows, ...], each device's share one group of packed rows
   (grouped by used length as length_groups groups texts, and by their [CLS] slots), the texts it
   computes, and where each text's output is among the call's [devices x rows x slots] outputs."""
-  n, max_len = features["input_ids"].shape
+  max_len = features["input_ids"].shape[1]
   lengths_N = features["input_mask"].sum(1)
   rows = pack(lengths_N, min(PACK_WIDTH, max_len))
   used_R = np.array([lengths_N[r].sum() for r in rows])
@@ -144,14 +149,20 @@ def packed_calls(features: dict[str, np.ndarray], tokens: int, devices: int):
     n_slots = slots(max(len(rows[r]) for r in group[0]))
     by_shape.setdefault((group[1], group[2], n_slots), []).append(group)
   empty = np.zeros(0, np.int64)
-  for (width, _, n_slots), same in by_shape.items():
-    for at in range(0, len(same), devices):
-      calls, capacity = same[at:at + devices], same[at][2]
-      call_rows = [empty] * (devices * capacity)
-      for slot, (group_rows, _, _) in enumerate(calls):
-        call_rows[slot * capacity:slot * capacity + len(group_rows)] = [rows[r]
-                                                                        for r in group_rows]
-      a = packed_arrays(features, lengths_N, call_rows, len(call_rows), width, n_slots)
-      # Text k of call row p is output p * n_slots + k.
-      at_out = np.concatenate([p * n_slots + np.arange(len(r)) for p, r in enumerate(call_rows)])
-      yield [a[key] for key in INPUTS], np.concatenate(call_rows), at_out
+  for (width, _, n_slots), calls, capacity in _by_call(by_shape, devices):
+    call_rows = [empty] * (devices * capacity)
+    for slot, (group_rows, _, _) in enumerate(calls):
+      call_rows[slot * capacity:slot * capacity + len(group_rows)] = [rows[r] for r in group_rows]
+    a = packed_arrays(features, lengths_N, call_rows, len(call_rows), width, n_slots)
+    # Text k of call row p is output p * n_slots + k.
+    at_out = np.concatenate([p * n_slots + np.arange(len(r)) for p, r in enumerate(call_rows)])
+    yield [a[key] for key in INPUTS], np.concatenate(call_rows), at_out
+
+
+def in_input_order(parts: dict[str, list], index: list[np.ndarray]) -> dict[str, np.ndarray]:
+  """Each output's pieces joined and put back in the input's order: index[i] names the input
+  rows of the pieces parts[k][i]."""
+  taken = np.concatenate(index)
+  restore = np.empty(len(taken), np.int64)
+  restore[taken] = np.arange(len(taken))
+  return {k: np.concatenate(v)[restore] for k, v in parts.items()}
