@@ -290,3 +290,28 @@ class Builds:
   @property
   def mesh_shape(self):
     return dict(self.trainings[-1].mesh.shape)
+
+
+# Prediction records compared across calls ------------------------------------------------------
+
+# Prediction promises the same file on 1 and 8 devices (the same calls), not the same bits whatever
+# else shares a call: a row predicted beside other rows runs in another program shape, whose
+# vectorised loops may sum in another order on another CPU (seen: 0.670143 against 0.670142 on an
+# AVX2 machine). A rounded score may move by its last printed digit; everything else is exact.
+RECORD_ATOL = 1e-5
+
+
+def assert_same_records(got, want, atol=RECORD_ATOL, where="record"):
+  """Records equal but for floats, which agree within atol: keys, strings, ints, labels exact."""
+  if isinstance(want, dict):
+    assert isinstance(got, dict) and sorted(got) == sorted(want), (where, got, want)
+    for key in want:
+      assert_same_records(got[key], want[key], atol, f"{where}.{key}")
+  elif isinstance(want, (list, tuple)):
+    assert isinstance(got, (list, tuple)) and len(got) == len(want), (where, got, want)
+    for k, (g, w) in enumerate(zip(got, want)):
+      assert_same_records(g, w, atol, f"{where}[{k}]")
+  elif isinstance(want, float):
+    assert isinstance(got, float) and abs(got - want) <= atol, (where, got, want)
+  else:
+    assert type(got) is type(want) and got == want, (where, got, want)

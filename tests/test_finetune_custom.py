@@ -333,7 +333,8 @@ def test_tagging_from_conll_columns_and_json_lines_in_iobes(pretrained, tmp_path
     assert text[e["start"]:e["end"]] == e["text"]
   # A blank text is a row like any other: its record, in its place.
   blank = p([{"text": "x"}, {"text": ""}, {"text": "  "}, {"text": text}])
-  assert [r["entities"] for r in blank[1:3]] == [[], []] and blank[3] == got
+  assert [r["entities"] for r in blank[1:3]] == [[], []]
+  fx.assert_same_records(blank[3], got)  # another call's shape: floats within RECORD_ATOL
   _export(str(tmp_path / "run"), tmp_path / "hf")
   model = _same_outputs(str(tmp_path / "run"), tmp_path / "hf", "BertForTokenClassification",
                         [" ".join(w for w, _ in s) for s in gold[:4]])
@@ -521,7 +522,8 @@ def test_span_from_own_files_detects_v2_and_predicts_offsets(pretrained, tmp_pat
   blank = predict_lib.Predictor.from_workdir(str(tmp_path / "run"))(
       rows[:1] + [{"id": "e", "question": "", "context": ""}] + rows[1:2])
   assert [r["id"] for r in blank] == [rows[0]["id"], "e", rows[1]["id"]]
-  assert blank[1]["answer"] == "" and blank[0] == got[0] and blank[2] == got[1]
+  assert blank[1]["answer"] == ""
+  fx.assert_same_records([blank[0], blank[2]], got[:2])  # another call's shape: RECORD_ATOL
   _export(str(tmp_path / "run"), tmp_path / "hf")
   _same_outputs(str(tmp_path / "run"), tmp_path / "hf", "BertForQuestionAnswering",
                 [r["question"] for r in rows[:4]], [r["context"] for r in rows[:4]])
