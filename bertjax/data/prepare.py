@@ -21,8 +21,6 @@ import json
 import logging
 import os
 import re
-import signal
-import sys
 import time
 
 from bertjax.data import corpus, packing, processes, shards, storage
@@ -400,11 +398,9 @@ def main(argv):
   check_config(data, config.model)
   if data.tokenizer == "sentencepiece":
     tokenizer_lib.ensure_sentencepiece(data)
-  try:
-    m = ensure_prepared(data, tokenizer_lib.load_tokenizer(data))
-  except processes.PreparationStopped as err:
-    print(f"bertjax.data.prepare: {err}", file=sys.stderr, flush=True)
-    sys.exit(128 + signal.SIGTERM)  # what a shell reports for SIGTERM: scripts do not go on
+  # A refusal, and SIGTERM's stop, end the command in one line (cli.run runs main under
+  # cli.explained).
+  m = ensure_prepared(data, tokenizer_lib.load_tokenizer(data))
   print(f"prepared {m['dir']}: train {m['splits']['train']['instances']} instances in "
         f"{len(m['splits']['train']['files'])} shard(s), eval {m['splits']['eval']['instances']}; "
         f"{m['corpus']['bytes'] / 1e6:.1f} MB of text at {m['mb_per_s']:.2f} MB/s")
