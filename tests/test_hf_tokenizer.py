@@ -169,6 +169,28 @@ def test_preparation_refuses_a_post_processor_framing_otherwise_than_berts(tmp_p
   assert not os.path.exists(c.cache_dir)  # refused before any work
 
 
+def test_a_tokenizer_json_given_as_another_kind_names_the_kind_and_a_record_its_file(
+    tok_file, tmp_path):
+  """tokenizer=wordpiece with a tokenizer.json said it "lacks [UNK]" (its lines read as pieces);
+  bertjax's own record of a run's vocabulary, given as a tokenizer.json, was "not a tokenizer.json
+  the tokenizers library reads"."""
+  for kind in ("wordpiece", "sentencepiece"):
+    with pytest.raises(ValueError, match=re.escape(
+        f"is a Hugging Face tokenizer.json, given as a {kind} vocabulary (config.data.tokenizer="
+        f"'{kind}'): set config.data.tokenizer=huggingface.")):
+      tokenizer_lib.load_vocabulary(tok_file, kind)
+  record = tmp_path / "run" / "tokenizer.json"
+  record.parent.mkdir()
+  record.write_text(json.dumps({"file": "vocab.txt", "kind": "wordpiece", "do_lower_case": True,
+                                "fingerprint": "wordpiece-412-0", "copied_from": "v.txt"}))
+  for kind in ("huggingface", "wordpiece", None):
+    with pytest.raises(ValueError, match=re.escape(
+        f"is bertjax's record of a run's vocabulary, not a vocabulary: give the file it names, "
+        f"config.data.vocab_path={tmp_path / 'run' / 'vocab.txt'} with "
+        f"config.data.tokenizer=wordpiece.")):
+      tokenizer_lib.load_vocabulary(str(record), kind)
+
+
 def test_offsets_are_exact_substrings_and_squad_answers_too(tok_file):
   tok = tokenizer_lib.load_vocabulary(tok_file)
   chars = hf_tokenizer.byte_of_char()
