@@ -1,11 +1,12 @@
 """Where the special tokens go around one text or a pair, and each position's segment (type) id.
 
 BERT's layout is `[CLS] A [SEP]` and `[CLS] A [SEP] B [SEP]` (segments 0, then 1 from B on); a
-Hugging Face tokenizer.json says its own in its post-processor (bertjax/data/hf_tokenizer.py; one
-without a post-processor gets BERT's), and every feature builder of fine-tuning and prediction
-frames its rows with the tokenizer's template, so a row's ids are those transformers' fast
-tokenizer gives for the same file. Pre-training's preparation builds BERT's layout and refuses a
-tokenizer whose template is another (`prepare.check_layout`): a text is framed one way.
+Hugging Face tokenizer.json says its own in its post-processor (bertjax/data/hf_tokenizer.py), and
+every feature builder of fine-tuning and prediction frames its rows with the tokenizer's template,
+so a row's ids are those transformers' fast tokenizer gives for the same file. A file without a
+post-processor gets BERT's (transformers would add no special token; an export's copy of it
+carries BERT's). Pre-training's preparation builds BERT's layout and refuses a tokenizer whose
+template is another (`prepare.check_layout`): a text is framed one way.
 """
 
 from __future__ import annotations
