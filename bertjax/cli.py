@@ -218,8 +218,9 @@ def run(main: Callable[[list[str]], Any]) -> None:
   """app.run(main) as every command's `__main__` block ends: flags parsed by `parse_flags`,
   third-party INFO logs off (`quiet_third_party_logs`: app.run sets absl's verbosity to INFO), an
   app.UsageError raised by main said in one line with exit status 2 (absl would print the module's
-  docstring), and the flags a command takes from bertjax modules (this module's run flags, the
-  converters' shared ones) listed by its --help as its own."""
+  docstring), a refused input in one line with exit status 1 (`explained`), and the flags a
+  command takes from bertjax modules (this module's run flags, the converters' shared ones)
+  listed by its --help as its own."""
   from absl import app  # pylint: disable=import-outside-toplevel
   quiet_tensorflow()
   platforms.skip_absent_tpu()
@@ -232,7 +233,9 @@ def run(main: Callable[[list[str]], Any]) -> None:
   def main_with_usage_in_one_line(argv):
     quiet_third_party_logs()
     try:
-      return main(argv)
+      # Under `explained`, so that every command refuses its input in one line, whatever part of
+      # it refuses (bertjax.data.prepare's main had ended every refusal in a traceback).
+      return explained(main, argv)
     except app.UsageError as err:
       usage_error(str(err))
 
@@ -288,15 +291,44 @@ class Stopped(Exception):
   a rerun resumes. `explained` says it and ends with the status a shell reports for SIGTERM."""
 
 
+def one_line(err: BaseException) -> str | None:
+  """The line a command ends on, alone, for `err`: a refusal of the input (a `Refusal` of
+  bertjax/errors.py: a bad config value, a malformed file, a checkpoint of another run; a missing
+  file or folder; a file that is not text or JSON; a non-finite loss) or a full disk. None for
+  anything else, which keeps its traceback: a plain ValueError is a fault of the code, not of
+  its input. The data workers ask it too, to hand a refusal back rather than print it."""
+  if isinstance(err, files.DiskFullError):  # names the workdir, the file and what is kept
+    return f"bertjax: {err}"
+  # A full disk or a failed write (EIO), however the library that wrote says it (safetensors'
+  # own error, tensorstore's ValueError): one line naming the file.
+  if (said := files.storage_fault_line(
+      program(), err, "what it wrote before is kept (each file is written whole or not at "
+      "all)")):
+    return f"bertjax: {said}"
+  if type(err) is Refusal:  # pylint: disable=unidiomatic-typecheck
+    return f"bertjax: ValueError: {err}"  # as said before Refusal was its own class
+  # control imports jax, which a data worker or the launcher need not load: a process that never
+  # imported it raised none of its errors.
+  control = sys.modules.get("bertjax.control")
+  # The project's refusals; a missing file or folder; a file that is not UTF-8 or not JSON (what
+  # was read is at fault, not bertjax); a non-finite loss.
+  if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                      UnicodeDecodeError, json.JSONDecodeError)) or (
+                          control is not None and isinstance(err, control.NonFiniteError)):
+    return f"bertjax: {type(err).__name__}: {err}"
+  if isinstance(err, OSError):
+    if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...
+      return f"bertjax: {type(err).__name__}: {said}"
+    if isinstance(err, PermissionError):
+      return f"bertjax: {type(err).__name__}: {err}"
+  return None
+
+
 def explained(run, *args, **kwargs):
-  """Runs `run(*args, **kwargs)`; a refusal of the input (a `Refusal` of bertjax/errors.py: a bad
-  config value, a malformed file, a checkpoint of another run; a missing file or folder; a file
-  that is not text or JSON; a non-finite loss) or a full disk ends the command with its message
-  alone and exit status 1, as `bertjax.aot` does: the message names the problem and the fix, and
-  a traceback would only bury it. Other errors keep their traceback: a plain ValueError is a
-  fault of the code, not of its input."""
-  # lazy: control imports jax (as `start` says of distributed).
-  from bertjax import control  # pylint: disable=import-outside-toplevel
+  """Runs `run(*args, **kwargs)`; an error `one_line` says ends the command with that line alone
+  and exit status 1, as `bertjax.aot` does: the message names the problem and the fix, and a
+  traceback would only bury it. Other errors keep their traceback. `run` (below) runs every
+  command's main so; a command may also wrap a part of its work."""
   try:
     return run(*args, **kwargs)
   except Stopped as err:
@@ -304,25 +336,7 @@ def explained(run, *args, **kwargs):
     # `bertjax.data.prepare` exits), so a script does not go on as if the run had ended.
     print(f"bertjax: {err}", file=sys.stderr, flush=True)
     sys.exit(128 + signal.SIGTERM)
-  except files.DiskFullError as err:  # names the workdir, the file and what is kept
-    sys.exit(f"bertjax: {err}")
   except Exception as err:  # pylint: disable=broad-except
-    # A full disk or a failed write (EIO), however the library that wrote says it (safetensors'
-    # own error, tensorstore's ValueError): one line naming the file.
-    if (said := files.storage_fault_line(
-        program(), err, "what it wrote before is kept (each file is written whole or not at "
-        "all)")):
-      sys.exit(f"bertjax: {said}")
-    if type(err) is Refusal:  # pylint: disable=unidiomatic-typecheck
-      sys.exit(f"bertjax: ValueError: {err}")  # as said before Refusal was its own class
-    # The project's refusals; a missing file or folder; a file that is not UTF-8 or not JSON (what
-    # was read is at fault, not bertjax); a non-finite loss.
-    if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-                        UnicodeDecodeError, json.JSONDecodeError, control.NonFiniteError)):
-      sys.exit(f"bertjax: {type(err).__name__}: {err}")
-    if isinstance(err, OSError):
-      if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...
-        sys.exit(f"bertjax: {type(err).__name__}: {said}")
-      if isinstance(err, PermissionError):
-        sys.exit(f"bertjax: {type(err).__name__}: {err}")
+    if (line := one_line(err)) is not None:
+      sys.exit(line)
     raise

@@ -276,6 +276,37 @@ def test_sigterm_stops_the_workers_and_says_the_preparation_resumes(tmp_path):
   assert _prepared(c, num_workers=1)["splits"]["train"]["instances"] > 0
 
 
+def test_a_workers_refusal_is_raised_by_the_parent_as_the_worker_raised_it(capfd):
+  """A refusal of the input in a preparation worker process (a file not UTF-8, a missing file) is
+  raised by the command's process as the worker raised it, which the command says in one line:
+  it was the worker's traceback, then "1 of 2 preparation process(es) failed" and the parent's. A
+  fault of the code keeps both."""
+  from bertjax.errors import Refusal  # pylint: disable=import-outside-toplevel
+  code = ("from bertjax.data import processes\nfrom bertjax.errors import Refusal\n"
+          "def work(item):\n"
+          "  if item == 'refuse':\n"
+          "    raise Refusal('x.txt: 9 of 10 characters are not valid UTF-8; convert it')\n"
+          "  if item == 'missing':\n"
+          "    raise FileNotFoundError(2, 'No such file or directory', 'y.txt')\n"
+          "  if item == 'bug':\n"
+          "    raise ValueError('too many values to unpack (expected 2)')\n"
+          "processes.serve(work)\n")
+  with processes.Workers(2, code) as workers:
+    with pytest.raises(Refusal) as refused:
+      workers.round(["ok", "refuse"])
+    assert str(refused.value) == "x.txt: 9 of 10 characters are not valid UTF-8; convert it"
+    workers.round(["ok", "ok"])  # both still serve
+    with pytest.raises(FileNotFoundError) as missing:
+      workers.round(["missing"])
+    assert missing.value.filename == "y.txt" and missing.value.errno == 2
+  assert "Traceback" not in capfd.readouterr().err
+  with processes.Workers(1, code) as workers:
+    with pytest.raises(RuntimeError, match=r"1 of 1 preparation process\(es\) failed"):
+      workers.round(["bug"])
+  err = capfd.readouterr().err
+  assert "Traceback" in err and "ValueError: too many values to unpack" in err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--config.data.max_predictions_per_seq=200"],
      "max_predictions_per_seq=200 must be within 1 and max_seq_length=128"),

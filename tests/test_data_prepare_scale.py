@@ -8,6 +8,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -125,15 +126,24 @@ def test_beam_equals_local_and_a_failed_worker_retried_changes_nothing(tmp_path,
   assert {f: os.stat(d / f).st_mtime_ns for f in before} == before
 
 
-def test_beam_refuses_bad_input_as_the_local_driver_does(tmp_path):
+def test_beam_refuses_bad_input_as_the_local_driver_does(tmp_path, capfd):
+  """A refusal raised in a Beam worker comes back as its own message (no step of Beam's), with
+  nothing of Beam's output (its workers' logs: 227 to 272 lines and 6 tracebacks for one refusal);
+  the command then says it in one line."""
   pytest.importorskip("apache_beam")  # the `beam` extra (make test installs it)
+  from bertjax.errors import Refusal  # pylint: disable=import-outside-toplevel
   c = data_config(tmp_path, prepare_engine="beam", prepare_workers=1)
   (tmp_path / "packed.txt").write_bytes(gzip.compress(b"Baba bebe.\n"))
   with pytest.raises(ValueError, match="packed.txt is gzip-compressed but its name does not end"):
     _prepare(dataclasses.replace(c, source=str(tmp_path / "packed.txt")))
   (tmp_path / "empty.txt").write_text("\n\n   \n")
-  with pytest.raises(ValueError, match=r"^Source '.*empty.txt' yielded no document \(1 file"):
+  capfd.readouterr()
+  with pytest.raises(Refusal) as refused:  # raised in a worker, at the step "shard tasks"
     _prepare(dataclasses.replace(c, source=str(tmp_path / "empty.txt")))
+  assert re.fullmatch(r"Source '.*empty.txt' yielded no document \(1 file\(s\), \d+ bytes\): "
+                      r"nothing to prepare\.", str(refused.value)), str(refused.value)
+  said = capfd.readouterr().err
+  assert "Traceback" not in said and "apache_beam" not in said, said[-3000:]
 
 
 def test_beam_options_pass_through():
@@ -147,6 +157,25 @@ def test_beam_options_pass_through():
   assert o["direct_num_workers"] == 1  # Beam's default, untouched for another runner
   with pytest.raises(ValueError, match="'oops' is not key=value"):
     beam_prepare.pipeline_options("runner=DirectRunner,oops", 2)
+
+
+def test_beams_own_refusals_of_the_options_name_the_config_key(capfd):
+  """Beam's ValueError for an unknown runner named no config key; a value of the wrong type came
+  after Beam's usage text (argparse's, 120 lines) and ended the process."""
+  pytest.importorskip("apache_beam")  # the `beam` extra (make test installs it)
+  from bertjax.data import beam_prepare
+  from bertjax.errors import Refusal  # pylint: disable=import-outside-toplevel
+  with pytest.raises(Refusal, match=re.escape(
+      "config.data.beam_pipeline_options='runner=NoSuchRunner': Unexpected pipeline runner: "
+      "NoSuchRunner. Valid values are ")) as refused:
+    beam_prepare.pipeline_of("runner=NoSuchRunner", 2)
+  assert str(refused.value).endswith("Name one of those as runner=, or none to run here.")
+  with pytest.raises(Refusal, match=re.escape(
+      "config.data.beam_pipeline_options='direct_num_workers=two': Beam refuses it (argument "
+      "--direct_num_workers: invalid int value: 'two'): give that option a value of its kind, "
+      "or leave it out.")):
+    beam_prepare.pipeline_of("direct_num_workers=two", 2)
+  assert "usage:" not in capfd.readouterr().err
 
 
 def host(address: str, process_id: int, config_json: str) -> None:

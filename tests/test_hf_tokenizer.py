@@ -7,6 +7,7 @@ ModernBERT's special tokens after the pieces ([PAD] not at 0) and its template."
 import csv
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -81,18 +82,113 @@ def test_ids_and_type_ids_equal_transformers_singles_and_pairs(tok_file):
   assert tok.encode("x[CLS]y") == [ref.convert_tokens_to_ids(t) for t in ("x", "[CLS]", "y")]
 
 
-def test_the_files_template_decides_the_frame_and_pairs_need_one(tmp_path):
+def test_the_files_template_decides_the_frame_and_a_file_without_one_frames_berts(tmp_path):
   # No final [SEP]: the file's frame, not BERT's (red when bertjax framed rows as BERT does).
   path = train_tokenizer(tmp_path / "short.json", single="[CLS] $A", pair="[CLS] $A [SEP] $B:1")
   tok = tokenizer_lib.load_vocabulary(path)
   rows_equal_transformers(tok, fast(path), TEXTS)
   rows_equal_transformers(tok, fast(path), [a for a, _ in PAIRS], [b for _, b in PAIRS])
   assert tok.template.specials(False) == 1 and tok.template.specials(True) == 2
+  # No post-processor: BERT's frame, as pre-training's rows (transformers would frame a text
+  # bare and refuse a pair).
+  tok = tokenizer_lib.load_vocabulary(train_tokenizer(tmp_path / "bare.json", post=False))
+  features, _ = glue.encode_pairs(["Who is here?"], ["The fox."], tok, 32)
+  a, b = tok.encode("Who is here?"), tok.encode("The fox.")
+  n = len(a) + len(b) + 3
+  assert features["input_ids"][0, :n].tolist() == [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
+  assert features["segment_ids"][0, :n].tolist() == [0] * (len(a) + 2) + [1] * (len(b) + 1)
+  features, _ = glue.encode_pairs(["Who is here?"], None, tok, 32)
+  assert features["input_ids"][0, :len(a) + 2].tolist() == [tok.cls_id, *a, tok.sep_id]
+
+
+def test_a_pair_is_framed_alike_in_pre_training_and_fine_tuning_without_a_post_processor(
+    tmp_path):
+  """A tokenizer.json without a post-processor: a pre-training row (prepared with NSP, read by
+  the input pipeline, its masked ids put back), the fine-tuning row of its two texts, and
+  transformers' on an export's tokenizer.json have the same ids and segment ids. Red when such a
+  file framed pairs only in preparation (fine-tuning refused them, and framed a single text
+  without [CLS]; the export's copy, as trained, framed none)."""
+  from bertjax.data import pipeline
+  from test_data_fixtures import WORDS, data_config, write_corpus
   bare = train_tokenizer(tmp_path / "bare.json", post=False)
-  tok = tokenizer_lib.load_vocabulary(bare)
-  rows_equal_transformers(tok, fast(bare), TEXTS[:3])
-  with pytest.raises(ValueError, match="bare.json has no post-processor"):
-    glue.encode_pairs(["a"], ["b"], tok, 16)
+  # Two sentences a document: an IsNext pair is (first, second); a NotNext one, (first, one or
+  # both of another document's). Short, so no pair is cut.
+  sentences = [" ".join(WORDS[3 * k:3 * k + 3]).capitalize() + "." for k in range(24)]
+  docs = [sentences[2 * d:2 * d + 2] for d in range(12)]
+  c = data_config(tmp_path, n_docs=0, tokenizer="huggingface", vocab_path=bare,
+                  source=write_corpus(str(tmp_path / "corpus.txt"), docs), nsp=True,
+                  short_seq_prob=0.0, eval_fraction=0.0, max_seq_length=64)
+  tok = tokenizer_lib.load_tokenizer(c)
+  prepare.ensure_prepared(c, tok)
+  text_of = {tuple(tok.encode(s)): s for s in sentences}
+  batch = next(pipeline.make_pipeline(c, tok, split="train", global_batch_size=16))
+  compared = 0
+  for r in range(16):
+    ids = batch["input_ids"][r].copy()
+    weights = batch["masked_lm_weights"][r] > 0
+    ids[batch["masked_lm_positions"][r][weights]] = batch["masked_lm_ids"][r][weights]
+    n = int(batch["input_mask"][r].sum())
+    segments = batch["segment_ids"][r][:n].tolist()
+    num_a = segments.index(1)
+    a, b = text_of.get(tuple(ids[1:num_a - 1])), text_of.get(tuple(ids[num_a:n - 1]))
+    if a is None or b is None:
+      continue  # B holds two sentences: no one text of the corpus to fine-tune on
+    features, _ = glue.encode_pairs([a], [b], tok, 64)
+    assert features["input_ids"][0, :n].tolist() == ids[:n].tolist(), (a, b)
+    assert features["segment_ids"][0, :n].tolist() == segments, (a, b)
+    assert int(features["input_mask"][0].sum()) == n
+    compared += 1
+    pair, row = (a, b), (ids[:n].tolist(), segments)
+  assert compared >= 8, compared
+  # An export writes the file with BERT's layout: transformers frames the pair alike too.
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  from bertjax.convert import hf as convert_hf  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "export"
+  out.mkdir()
+  said = convert_hf.write_tokenizer_files(
+      SimpleNamespace(vocab_file=bare, tokenizer_kind="huggingface", lower=False),
+      SimpleNamespace(path=lambda name: str(out / name)), SimpleNamespace(
+          max_position_embeddings=64))
+  assert "layout added" in said
+  loaded = AutoTokenizer.from_pretrained(str(out))(*pair)
+  assert (loaded["input_ids"], loaded["token_type_ids"]) == row
+
+
+def test_preparation_refuses_a_post_processor_framing_otherwise_than_berts(tmp_path):
+  """Preparation builds BERT's rows; a file whose post-processor frames its texts otherwise would
+  be fine-tuned on rows unlike pre-training's (red when it was prepared without a word)."""
+  from test_data_fixtures import data_config
+  short = train_tokenizer(tmp_path / "short.json", single="[CLS] $A", pair="[CLS] $A [SEP] $B:1")
+  for nsp, said in ((True, "a pair as '[CLS] $A [SEP] $B:1'"), (False, "a text as '[CLS] $A'")):
+    c = data_config(tmp_path, tokenizer="huggingface", vocab_path=short, nsp=nsp)
+    with pytest.raises(ValueError, match=re.escape(
+        f"short.json frames {said} (its post-processor), pre-training's rows as BERT's '[CLS] "
+        f"$A [SEP]{' $B:1 [SEP]:1' if nsp else ''}'")):
+      prepare.ensure_prepared(c, tokenizer_lib.load_tokenizer(c))
+  assert not os.path.exists(c.cache_dir)  # refused before any work
+
+
+def test_a_tokenizer_json_given_as_another_kind_names_the_kind_and_a_record_its_file(
+    tok_file, tmp_path):
+  """tokenizer=wordpiece with a tokenizer.json said it "lacks [UNK]" (its lines read as pieces);
+  bertjax's own record of a run's vocabulary, given as a tokenizer.json, was "not a tokenizer.json
+  the tokenizers library reads"."""
+  for kind in ("wordpiece", "sentencepiece"):
+    with pytest.raises(ValueError, match=re.escape(
+        f"is a Hugging Face tokenizer.json, given as a {kind} vocabulary (config.data.tokenizer="
+        f"'{kind}'): set config.data.tokenizer=huggingface.")):
+      tokenizer_lib.load_vocabulary(tok_file, kind)
+  record = tmp_path / "run" / "tokenizer.json"
+  record.parent.mkdir()
+  record.write_text(json.dumps({"file": "vocab.txt", "kind": "wordpiece", "do_lower_case": True,
+                                "fingerprint": "wordpiece-412-0", "copied_from": "v.txt"}))
+  for kind in ("huggingface", "wordpiece", None):
+    with pytest.raises(ValueError, match=re.escape(
+        f"is bertjax's record of a run's vocabulary, not a vocabulary: give the file it names, "
+        f"config.data.vocab_path={tmp_path / 'run' / 'vocab.txt'} with "
+        f"config.data.tokenizer=wordpiece.")):
+      tokenizer_lib.load_vocabulary(str(record), kind)
 
 
 def test_offsets_are_exact_substrings_and_squad_answers_too(tok_file):

@@ -1,6 +1,7 @@
 """Refusals of the newer surfaces in one line, first on stderr, with no error that is not one:
-a workdir that cannot be made, a folder given as the corpus, a misspelled fine-tuning key (before
-TensorFlow's banner), and libtpu's TPU discovery errors on a host with no accelerator."""
+a workdir that cannot be made, a folder given as the corpus (to pre-training and to the prepare
+command), a misspelled fine-tuning key (before TensorFlow's banner), and libtpu's TPU discovery
+errors on a host with no accelerator."""
 
 import os
 import subprocess
@@ -51,6 +52,25 @@ def test_a_folder_as_the_corpus_and_a_misspelled_fine_tuning_key_are_one_line(tm
   assert (done.stdout + done.stderr).strip().splitlines() == [
       "bertjax: --config.train.learning_rat: the config has no key 'learning_rat'; did you mean "
       "'learning_rate'? (every key and its meaning: configs/base.py)."]
+
+
+def test_the_prepare_command_refuses_in_one_line(tmp_path):
+  """`python -m bertjax.data.prepare` ended every refusal in a traceback (its main ran outside
+  cli.explained): every command's main now runs under it (cli.run). A refusal raised in a worker
+  process reaches the command as the worker raised it: tests/test_data_prepare.py (local
+  processes), tests/test_data_prepare_scale.py (Beam)."""
+  from test_data_fixtures import write_vocab  # pylint: disable=import-outside-toplevel
+  vocab = write_vocab(str(tmp_path / "vocab.txt"))
+  (tmp_path / "texts").mkdir()
+  done = _command("bertjax.data.prepare", "--config=configs/base.py",
+                  "--config.data.tokenizer=wordpiece", f"--config.data.vocab_path={vocab}",
+                  f"--config.data.source={tmp_path / 'texts'}",
+                  f"--config.data.cache_dir={tmp_path / 'cache'}", env={"JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines() == [
+      f"bertjax: IsADirectoryError: {tmp_path / 'texts'} (from source '{tmp_path / 'texts'}') is "
+      f"a directory; config.data.source takes files: use e.g. '{tmp_path / 'texts'}/*.txt' (or "
+      f"'{tmp_path / 'texts'}/*.txt.gz')."], done.stderr[-3000:]
 
 
 def test_the_unawaited_reads_of_a_failed_restore_are_not_printed():

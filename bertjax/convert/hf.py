@@ -88,9 +88,10 @@ def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertCo
                           input_names: tuple[str, ...] | None = None) -> str:
   """The vocabulary beside exported weights, as transformers reads it: vocab.txt (BertTokenizer)
   for WordPiece, tokenizer.json (a fast tokenizer) for SentencePiece and for a tokenizer.json
-  (copied as it is), with the casing and the special tokens; returns what was written, for the
-  console. `input_names`: the model's inputs where they are not BERT's three (ModernBERT takes
-  no token_type_ids)."""
+  (copied as it is; one without a post-processor gets BERT's layout, as bertjax framed its rows),
+  with the casing and the special tokens; returns what was written, for the console.
+  `input_names`: the model's inputs where they are not BERT's three (ModernBERT takes no
+  token_type_ids)."""
   if source.vocab_file is None:
     return ""
   specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
@@ -98,11 +99,13 @@ def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertCo
   files.write_json(folder.path("special_tokens_map.json"), specials)
   names = {"model_input_names": list(input_names)} if input_names else {}
   if source.tokenizer_kind == hf_tokenizer.KIND:
-    shutil.copyfile(source.vocab_file, folder.path("tokenizer.json"))
+    # A file without a post-processor gets BERT's layout, as bertjax framed its rows.
+    added = hf_tokenizer.copy_framed(source.vocab_file, folder.path("tokenizer.json"))
     files.write_json(folder.path("tokenizer_config.json"), {
         "tokenizer_class": "PreTrainedTokenizerFast", **specials,
         "model_max_length": config.max_position_embeddings, **names})
-    return ", tokenizer.json (as trained), tokenizer_config.json"
+    return (", tokenizer.json (as trained" + (", with BERT's [CLS] A [SEP] B [SEP] layout added"
+                                             if added else "") + "), tokenizer_config.json")
   if source.tokenizer_kind == "sentencepiece":
     sentencepiece_to_tokenizer_json(source.vocab_file, folder.path("tokenizer.json"))
     files.write_json(folder.path("tokenizer_config.json"), {

@@ -6,7 +6,9 @@
   (bertjax cuts and pads rows itself).
 - Layout: the file's post-processor, read by running it on two probe texts (`template.Template`):
   `[CLS] A [SEP] B [SEP]` and its type ids for ModernBERT's TemplateProcessing, whatever another
-  file's says. A file without a post-processor frames a single text as it is and refuses pairs.
+  file's says. A file without a post-processor says none: its rows are BERT's, `[CLS] A [SEP]`
+  and `[CLS] A [SEP] B [SEP]` (segment 1 from B on), as pre-training's preparation builds them
+  for every tokenizer, so that fine-tuning and prediction frame a text as pre-training did.
 - Offsets: `tokenizers`' character spans in the original text, spaces at either end left out (a
   byte-level piece "Ġword" holds the space before it, which no answer wants); a character that
   byte-level BPE splits into two pieces lies in both.
@@ -153,11 +155,13 @@ def _metaspace(spec) -> str | None:
                if p.get("type") == "Metaspace"), None)
 
 
-def probe_template(hf, where: str) -> Template:
+def probe_template(hf, where: str) -> Template | None:
   """The post-processor's layout, read off its output for two probe texts of different lengths;
-  checked by framing the probes again."""
+  checked by framing the probes again. None without a post-processor: BERT's layout (the
+  Tokenizer's default), not the bare texts transformers would give, whose rows would hold no
+  [CLS] for the pooler and none of the [SEP]s the encoder was pre-trained with."""
   if hf.post_processor is None:
-    return Template(single=(("A", 0),), pair=None, where=where)
+    return None
   a = hf.encode("a", add_special_tokens=False)
   b = next((e for e in (hf.encode(t, add_special_tokens=False) for t in ("a b", "a b c", "b b b b"))
             if len(e.ids) not in (0, len(a.ids))), None)
@@ -180,7 +184,7 @@ def probe_template(hf, where: str) -> Template:
         got.append((out.ids[at], out.type_ids[at]))
         at += 1
     items[pair] = tuple(got)
-  template = Template(single=items[False], pair=items[True], where=where)
+  template = Template(single=items[False], pair=items[True])
   for pair in (False, True):
     ids, types, _, _ = template.frame(a.ids, b.ids if pair else None)
     out = hf.post_process(a, b if pair else None, add_special_tokens=True)
@@ -240,6 +244,26 @@ def load_parts(path: str) -> dict:
               encode_words_fn=encode_words, word_tables=word_tables(hf, spec, pieces),
               template=probe_template(hf, path), options=options,
               lower_case=_lower_cases(spec.get("normalizer")))
+
+
+def copy_framed(path: str, output: str) -> bool:
+  """Writes the tokenizer.json at `path` to `output` framing rows as bertjax does (an export's, for
+  transformers): as it is where it has a post-processor; with BERT's TemplateProcessing where it
+  has none, which transformers would frame bare. Returns whether that was added."""
+  from tokenizers import Tokenizer as HfTokenizer  # pylint: disable=import-outside-toplevel
+  from tokenizers import processors  # pylint: disable=import-outside-toplevel
+  with files.open_file(path, "rb") as f:
+    raw = f.read()
+  hf = HfTokenizer.from_str(raw.decode("utf-8"))
+  if hf.post_processor is not None:
+    with open(output, "wb") as f:
+      f.write(raw)
+    return False
+  hf.post_processor = processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+      special_tokens=[(t, hf.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
+  hf.save(output)
+  return True
 
 
 def lower_cases(path: str) -> bool:

@@ -21,13 +21,12 @@ import json
 import logging
 import os
 import re
-import signal
-import sys
 import time
 
 from bertjax.data import corpus, packing, processes, shards, storage
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
+from bertjax.data.template import Template
 from bertjax.errors import Refusal
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
@@ -379,11 +378,29 @@ def check_config(data: DataConfig, model_config=None):
                   f"max_position_embeddings.")
 
 
+def check_layout(data: DataConfig, tok: tokenizer_lib.Tokenizer) -> None:
+  """Refuses a tokenizer whose template frames rows otherwise than preparation builds them
+  (BERT's `[CLS] A [SEP] B [SEP]` with NSP, `[CLS] A [SEP]` without): fine-tuning and prediction
+  frame with the template, and an encoder would be fine-tuned on a layout it was not pre-trained
+  on. A tokenizer.json without a post-processor has BERT's (bertjax/data/hf_tokenizer.py)."""
+  bert = Template.bert(tok.cls_id, tok.sep_id)
+  if tok.template.items(data.nsp) != bert.items(data.nsp):
+    raise Refusal(
+        f"config.data.vocab_path={tokenizer_lib.vocab_path_of(data)} frames "
+        f"{'a pair' if data.nsp else 'a text'} as {tok.template.text(data.nsp, tok.pieces)!r} "
+        f"(its post-processor), pre-training's rows as BERT's "
+        f"{bert.text(data.nsp, tok.pieces)!r}: the encoder would be fine-tuned on rows framed "
+        f"otherwise than it was pre-trained on. Give a tokenizer.json whose post-processor is "
+        f"BERT's TemplateProcessing (single='[CLS] $A [SEP]', pair='[CLS] $A [SEP] $B:1 "
+        f"[SEP]:1') or that has none (bertjax then frames rows as BERT's).")
+
+
 def ensure_prepared(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
                     num_workers: int | None = None, **pod) -> dict:
   """Prepares shards unless a matching manifest exists (cached, resumable); returns the manifest.
   `pod`: host_index, host_count and barrier (`prepare`), where every host of a pod prepares."""
   check_config(data)
+  check_layout(data, tok)
   out_dir = prepared_dir(data, tok)
   if _gfile().exists(os.path.join(out_dir, "manifest.json")):
     return load_manifest(data, tok)
@@ -400,11 +417,9 @@ def main(argv):
   check_config(data, config.model)
   if data.tokenizer == "sentencepiece":
     tokenizer_lib.ensure_sentencepiece(data)
-  try:
-    m = ensure_prepared(data, tokenizer_lib.load_tokenizer(data))
-  except processes.PreparationStopped as err:
-    print(f"bertjax.data.prepare: {err}", file=sys.stderr, flush=True)
-    sys.exit(128 + signal.SIGTERM)  # what a shell reports for SIGTERM: scripts do not go on
+  # A refusal, and SIGTERM's stop, end the command in one line (cli.run runs main under
+  # cli.explained).
+  m = ensure_prepared(data, tokenizer_lib.load_tokenizer(data))
   print(f"prepared {m['dir']}: train {m['splits']['train']['instances']} instances in "
         f"{len(m['splits']['train']['files'])} shard(s), eval {m['splits']['eval']['instances']}; "
         f"{m['corpus']['bytes'] / 1e6:.1f} MB of text at {m['mb_per_s']:.2f} MB/s")

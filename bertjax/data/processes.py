@@ -4,9 +4,11 @@ Workers are fresh interpreters, not multiprocessing: forking a process holding T
 deadlock, and spawn re-imports the caller's main script (which may have no __main__ guard).
 """
 
+import base64
 import contextlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -62,8 +64,9 @@ class Workers:
   two steps: each interpreter imports the project and TensorFlow once, seconds of CPU apiece).
 
   A round sends each worker one JSON line (its share of the round) and waits for every worker's
-  reply line; the worker's code reads lines with `serve`. Interrupted (SIGTERM, Ctrl-C) or
-  failed, every worker is stopped with it."""
+  reply line; the worker's code reads lines with `serve`. A worker's refusal of the input is
+  raised here, as the worker raised it (`serve`). Interrupted (SIGTERM, Ctrl-C) or failed, every
+  worker is stopped with it."""
 
   def __init__(self, count: int, code: str):
     self._code, self.count, self._procs = code, count, []
@@ -94,19 +97,26 @@ class Workers:
         p.stdin.flush()
       except BrokenPipeError:
         pass  # it died; its missing reply says so below
-    failed = []
+    failed, refused = [], []
     for i, p in enumerate(busy):
-      if p.stdout.readline() != b"done\n":
+      reply = p.stdout.readline()
+      if reply.startswith(_REFUSED):
+        refused.append(pickle.loads(base64.b64decode(reply[len(_REFUSED):])))
+      elif reply != b"done\n":
         failed.append((i, p.wait()))
-    if failed:
+    if failed:  # a fault of the code first: its traceback is on the worker's stderr
       raise RuntimeError(f"{len(failed)} of {len(busy)} preparation process(es) failed (process, "
                          f"exit code): {failed}; see their errors above. Finished shards are "
                          f"kept: run again to resume.")
+    if refused:
+      raise refused[0]
 
   def __exit__(self, kind, value, tb):
     for p in self._procs:
-      if kind is None and p.poll() is None:
-        p.stdin.close()  # the end of its input: the worker returns
+      if p.poll() is None:
+        # The end of its input: an idle worker returns (one whose fellow refused its input too,
+        # at once rather than after the wait below); a busy one, once its task is done.
+        p.stdin.close()
     for p in self._procs:
       try:
         p.wait(timeout=None if kind is None else 10)
@@ -122,13 +132,26 @@ class Workers:
     return False
 
 
+# A reply: "done", or this and the worker's refusal, pickled, in base64.
+_REFUSED = b"refused "
+
+
 def serve(work) -> None:
   """A worker's loop: `work(item)` for each JSON line on stdin, a reply line after each. Anything
-  the work prints goes to stderr, so the replies alone travel on stdout."""
-  replies = os.fdopen(os.dup(1), "w")
+  the work prints goes to stderr, so the replies alone travel on stdout. A refusal of the input
+  (what `cli.one_line` says in one line) is the reply, raised again by the parent: the command
+  then ends on its line alone, not on this worker's traceback and the parent's "failed". Any
+  other error ends the worker with its traceback."""
+  replies = os.fdopen(os.dup(1), "wb")
   os.dup2(2, 1)
   sys.stdout = sys.stderr
   for line in sys.stdin:
-    work(json.loads(line))
-    replies.write("done\n")
+    try:
+      work(json.loads(line))
+      reply = b"done"
+    except Exception as err:  # pylint: disable=broad-except
+      if cli.one_line(err) is None:
+        raise
+      reply = _REFUSED + base64.b64encode(pickle.dumps(err))
+    replies.write(reply + b"\n")
     replies.flush()

@@ -245,6 +245,8 @@ def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = Tr
   kind = kind or kind_of(path)
   if kind not in KINDS:
     raise Refusal(f"Unknown tokenizer {kind!r}: use one of {list(KINDS)}.")
+  if path.endswith(".json"):
+    _refuse_json_of_another_kind(path, kind)
   # Once per process: preparation, the pipeline, init_from and the converters each ask for the
   # run's vocabulary, and building one (a 30k-piece WordPiece, a SentencePiece model) costs far
   # more than reading its file. Keyed by the file's bytes, not its name or time, so a vocabulary
@@ -262,6 +264,26 @@ def load_vocabulary(path: str, kind: str | None = None, do_lower_case: bool = Tr
     while len(_LOADED) > 8:  # a long test session loads many; a run, one or two
       _LOADED.pop(next(iter(_LOADED)))
   return _LOADED[key]
+
+
+def _refuse_json_of_another_kind(path: str, kind: str) -> None:
+  """Names what a .json given as a vocabulary is, where it is not one of `kind`: a Hugging Face
+  tokenizer.json read as WordPiece lines lacked [UNK] (the wrong cause), and bertjax's record of
+  a run's vocabulary (`WORKDIR_RECORD`) names the file to give instead."""
+  if hf_tokenizer.is_hf_tokenizer_json(path):
+    if kind != hf_tokenizer.KIND:
+      raise Refusal(f"{path} is a Hugging Face tokenizer.json, given as a {kind} vocabulary "
+                    f"(config.data.tokenizer={kind!r}): set config.data.tokenizer=huggingface.")
+    return
+  try:
+    record = files.read_json(path)
+  except ValueError:
+    return  # not JSON: the kind's reader names it
+  if isinstance(record, dict) and {"file", "kind", "fingerprint"} <= set(record):
+    raise Refusal(f"{path} is bertjax's record of a run's vocabulary, not a vocabulary: give "
+                  f"the file it names, config.data.vocab_path="
+                  f"{os.path.join(os.path.dirname(path), str(record['file']))} with "
+                  f"config.data.tokenizer={record['kind']}.")
 
 
 def _load_hf(path: str) -> Tokenizer:
