@@ -161,11 +161,12 @@ def _grouped_logits(q_QxD, p_QxCxD, valid_QxC, scale, bias, groups: int):
   q_GxRxD = q_QxD.astype(jnp.float32).reshape(groups, r, d)
   p_GxRCxD = p_QxCxD.astype(jnp.float32).reshape(groups, r * c, d)
   logits_GxRxRC = jnp.einsum("grd,gpd->grp", q_GxRxD, p_GxRCxD) * scale + bias
-  # One group: rows split like the batch, the columns (every passage) whole on each device, so
-  # the passages' vectors are what is gathered. Several: each group where its rows are.
-  names = ((None, "activation_batch", None) if groups == 1
-           else ("activation_batch", None, None))
-  logits_GxRxRC = nn.with_logical_constraint(logits_GxRxRC, names)
+  if groups == 1:
+    # Rows split like the batch, the columns (every passage) whole on each device: what is
+    # gathered is then the passages' vectors. Several groups stay where their rows are (XLA
+    # follows the queries' layout through the reshape; no group need match a device).
+    logits_GxRxRC = nn.with_logical_constraint(logits_GxRxRC,
+                                               (None, "activation_batch", None))
   valid_Gx1xRC = valid_QxC.reshape(groups, 1, r * c)
   return jnp.where(valid_Gx1xRC, logits_GxRxRC, _ABSENT), valid_Gx1xRC, r, c
 

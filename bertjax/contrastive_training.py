@@ -1,5 +1,5 @@
 """The bi-encoder (bertjax/contrastive.py) as a `train.Objective`: its batch, its loss over the
-global batch, its chunked gradient, and a jitted encoder of texts for evaluation and search.
+global batch and its chunked gradient.
 
 A batch (numpy, rows split over the batch's devices as any other):
   query_ids, query_mask      [Q, L]      a query per row
@@ -93,17 +93,3 @@ def objective(settings: ContrastiveConfig, name: str = "") -> train.Objective:
       denominators, dummy_batch,
       chunked_gradient=functools.partial(_chunked_gradient, settings=settings))
 
-
-def encoder(training: train.Training):
-  """A jitted (params, input_ids [B, L], input_mask [B, L]) -> vectors [B, D] float32 on the
-  training's mesh, rows split over the batch's devices, the vectors replicated (every host holds
-  them, to search or score). B: a multiple of the batch's devices."""
-  mesh, rules, model = training.mesh, training.rules, training.model
-
-  @sharding.logical_context(mesh, rules)
-  def fn(params, ids_BxL, mask_BxL):
-    return model.apply({"params": params}, ids_BxL, mask_BxL, method=BiEncoder.embed)
-
-  return jax.jit(fn, in_shardings=(training.state_shardings.params, training.batch_sharding,
-                                   training.batch_sharding),
-                 out_shardings=sharding.replicated(mesh))
