@@ -38,6 +38,12 @@ setuptools.setup(
             # exact pin: on these machines it installs the kept CPU build; a range or a bare
             # `torch` pulls a CUDA build of several GB.
             "torch==2.13.0",
+            # SentenceTransformer(folder) loading an export (tests/test_sentence_transformers.py).
+            # 5.x is the last major release on transformers 4 (6.x needs transformers 5); with the
+            # pins above 5.7.0 installs adding scikit-learn, joblib, threadpoolctl, narwhals and
+            # cloudpickle, and moves nothing. Importing it needs USE_TF=0 where TensorFlow is
+            # installed beside Keras 3 (tests/conftest.py sets it).
+            "sentence-transformers>=5.7,<6",
         ],
         # libtpu for jax on Cloud TPU, and for `python -m bertjax.aot` anywhere: its compile-only
         # client compiles for a TPU slice on a CPU machine. The version jax 0.10.2's jax[tpu] pins;

@@ -43,6 +43,9 @@ MaskOrFn = Union[Any, Callable[[Any], Any]]
 
 # Substrings of a parameter's path that exclude it from weight decay (and from LAMB's trust ratio).
 NO_DECAY_MODULES = ("layer_norm", "layernorm")
+# Parameters that do not decay by name: a contrastive loss's learned log temperature
+# (bertjax/contrastive.py), which decay would pull towards a scale of 1 (a temperature of 1).
+NO_DECAY_PARAMS = ("log_scale",)
 
 
 def _key_name(key) -> str:
@@ -76,7 +79,8 @@ def _map_names(fn: Callable[[list[str]], bool], params) -> Any:
 
 
 def default_decay_mask(params) -> Any:
-  """True where weight decay applies: everything but LayerNorm parameters and biases.
+  """True where weight decay applies: everything but LayerNorm parameters, biases and
+  NO_DECAY_PARAMS.
 
   Like the original's regex ("LayerNorm", "layer_norm", "bias"), embeddings and kernels decay.
   Works on bertjax's names and on Hugging Face Flax names (`LayerNorm`, `bias`), boxed or not,
@@ -84,7 +88,7 @@ def default_decay_mask(params) -> Any:
   """
   def decays(names):
     in_norm = any(n in part for part in names[:-1] for n in NO_DECAY_MODULES)
-    return not (in_norm or names[-1].endswith("bias"))
+    return not (in_norm or names[-1].endswith("bias") or names[-1] in NO_DECAY_PARAMS)
 
   return _map_names(decays, params)
 

@@ -202,6 +202,11 @@ class Objective:
   denominators: Callable[[Batch], dict]  # loss term name -> its denominator over the batch
   dummy_batch: Callable[[int], dict]  # zeros of a batch of this many rows, for init
   outputs: Callable[[Any], dict] | None = None  # model output -> {name: array}, for predictions
+  # With k > 1 microbatches, the gradient of an objective whose loss is not a sum over rows (a
+  # contrastive loss: every query against every passage of the batch), in place of summing
+  # microbatches' gradients: (params, model, batch, step_rng, denominators, k, mesh,
+  # param_shardings) -> ((loss, metrics), grads) of the whole batch (bertjax/gradcache.py).
+  chunked_gradient: Callable | None = None
 
 
 PRETRAINING = Objective(
@@ -227,7 +232,7 @@ def _loss_fn(params, model, batch, dropout_rng, denominators, objective=PRETRAIN
   return losses.total_loss(share), metrics
 
 
-def _split_microbatches(batch: Batch, k: int, mesh: Mesh | None) -> Batch:
+def split_microbatches(batch: Batch, k: int, mesh: Mesh | None) -> Batch:
   """[B, ...] -> [k, B/k, ...]; microbatch j takes rows j, j+k, ... so that every device holds a
   slice of every microbatch (a contiguous split would put microbatch 0 on the first devices)."""
   def split(x):
@@ -248,14 +253,18 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
   denominators = objective.denominators(batch)
   grad_fn = jax.value_and_grad(functools.partial(_loss_fn, objective=objective), has_aux=True)
 
+  rows = jax.tree.leaves(batch)[0].shape[0]
+  if rows % num_microbatches:  # at trace time, before anything compiles
+    raise Refusal(f"Batch of {rows} rows does not split into {num_microbatches} microbatches")
   if num_microbatches == 1:
     (loss, metrics), grads = grad_fn(state.params, model, batch, jax.random.fold_in(step_rng, 0),
                                      denominators)
+  elif objective.chunked_gradient is not None:
+    (loss, metrics), grads = objective.chunked_gradient(
+        state.params, model, batch, step_rng, denominators, num_microbatches, mesh,
+        param_shardings)
   else:
-    rows = batch["input_ids"].shape[0]
-    if rows % num_microbatches:  # at trace time, before anything compiles
-      raise Refusal(f"Batch of {rows} rows does not split into {num_microbatches} microbatches")
-    micro = _split_microbatches(batch, num_microbatches, mesh)
+    micro = split_microbatches(batch, num_microbatches, mesh)
 
     def accumulate(carry, xs):
       grads_acc, loss_acc, metrics_acc = carry

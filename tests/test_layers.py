@@ -3,11 +3,12 @@
 Lowest first; a module imports from its own layer or the ones below it, never from one above:
 
   base      errors, files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
-            opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention
-  model     model, heads, nnx
+            opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention,
+            gradcache
+  model     model, heads, nnx, contrastive
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
   data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
-  core      train, flops, checkpoint
+  core      train, flops, checkpoint, contrastive_training
   formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
             folder an export writes) and
             taskspec (the task spec a checkpoint carries): parsing, no reader of folders
@@ -37,11 +38,13 @@ LAYERS = (
               "bertjax.watchdog",
               "bertjax.metrics",
               "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
-              "bertjax.dropout", "bertjax.attention")),
-    ("model", ("bertjax.model_config", "bertjax.model", "bertjax.heads", "bertjax.nnx")),
+              "bertjax.dropout", "bertjax.attention", "bertjax.gradcache")),
+    ("model", ("bertjax.model_config", "bertjax.model", "bertjax.heads", "bertjax.nnx",
+               "bertjax.contrastive")),
     ("configs", ("configs",)),
     ("data", ("bertjax.data",)),
-    ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint")),
+    ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint",
+              "bertjax.contrastive_training")),
     ("formats", ("bertjax.formats", "bertjax.taskspec")),
     ("weights", ("bertjax.weights",)),
     ("runs", ("bertjax.loop", "bertjax.pretrained", "bertjax.aot", "bertjax.benchmark",

@@ -28,7 +28,7 @@ from bertjax import files, taskspec, weights
 from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families  # registers the task families the spec reads
-from bertjax.formats import converted, hf, outfolder
+from bertjax.formats import converted, hf, outfolder, sentence_transformers
 from bertjax.model import BertConfig
 
 
@@ -54,10 +54,12 @@ def _write_vocabulary(vocab: str, output: str, lower: bool) -> None:
   tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
 
 
-def export_folder(params_path: str, output: str, checkpoint: str = "best") -> str:
+def export_folder(params_path: str, output: str, checkpoint: str = "best",
+                  sentence: sentence_transformers.SentenceVectors | None = None) -> str:
   """Writes a Hugging Face folder (config.json, model.safetensors, the tokenizer's files) from any
   folder bertjax/weights.py reads; a fine-tuning workdir (its best epoch by default) as its task's
-  transformers class with its labels. Returns a line saying what was done."""
+  transformers class with its labels. `sentence`: also sentence-transformers' files, so that
+  SentenceTransformer(output) gives those vectors. Returns a line saying what was done."""
   source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
   spec = taskspec.of(source)
   task_heads = sorted(set(source.subtrees) - {weights.ENCODER, *hf.HEAD_PREFIXES})
@@ -80,6 +82,8 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
       what = families.get(spec.family).HF_CLASS + (f", {len(spec.labels)} labels"
                                                    if spec.labels else "")
     said = write_tokenizer_files(source, folder, source.config)
+    if sentence is not None:
+      said += sentence_transformers.write(folder, sentence, source.config.hidden_size)
   return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
           f"{said}{folder.said()})")
 
@@ -113,9 +117,11 @@ def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertCo
         "model_max_length": config.max_position_embeddings, **names})
     return ", tokenizer.json (the SentencePiece model as a fast tokenizer), tokenizer_config.json"
   shutil.copyfile(source.vocab_file, folder.path("vocab.txt"))
+  # The input names here too: ModernBERT's forward takes no token_type_ids, which a BertTokenizer
+  # returns unless told (its folder's `model(**tokenizer(texts))` failed).
   files.write_json(folder.path("tokenizer_config.json"), {
       "tokenizer_class": "BertTokenizer", "do_lower_case": source.lower, **specials,
-      "model_max_length": config.max_position_embeddings})
+      "model_max_length": config.max_position_embeddings, **names})
   return f", vocab.txt, tokenizer_config.json (do_lower_case={source.lower})"
 
 

@@ -25,7 +25,8 @@ from bertjax.convert import hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families  # pylint: disable=unused-import  (registers the families)
-from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
+from bertjax.formats import (converted, hf, modernbert, modernbert_tasks, outfolder,
+                             sentence_transformers)
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -62,11 +63,12 @@ def _token_ids(source: weights.Weights) -> dict | None:
   return None
 
 
-def export_folder(params_path: str, output: str, checkpoint: str = "best") -> str:
+def export_folder(params_path: str, output: str, checkpoint: str = "best",
+                  sentence: sentence_transformers.SentenceVectors | None = None) -> str:
   """Writes a ModernBERT folder from any folder bertjax/weights.py reads: a fine-tuning workdir
   (its best epoch by default) as its task's class (ModernBertForSequenceClassification,
   ...ForTokenClassification, ...ForQuestionAnswering) with its labels, anything else as
-  ModernBertForMaskedLM."""
+  ModernBertForMaskedLM. `sentence`: also sentence-transformers' files (as the BERT export)."""
   source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
   spec = taskspec.of(source)
   token_ids = _token_ids(source)
@@ -83,6 +85,8 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
     hf.write_hf_dir(folder, modernbert.params_to_modernbert(params, source.config), hf_config)
     said = convert_hf.write_tokenizer_files(source, folder, source.config,
                                             ("input_ids", "attention_mask"))
+    if sentence is not None:
+      said += sentence_transformers.write(folder, sentence, source.config.hidden_size)
   what = hf_config["architectures"][0] + (f", {len(spec.labels)} labels" if spec and spec.labels
                                           else "")
   return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"

@@ -20,13 +20,16 @@ from bertjax.errors import Refusal
 
 
 # What a model folder of transformers (and so of an export) may hold: weights, configs and every
-# tokenizer's files. Nothing here is a user's own file.
+# tokenizer's files; and sentence-transformers' files and module folders beside them
+# (bertjax/formats/sentence_transformers.py). Nothing here is a user's own file.
 MODEL_FILES = frozenset({
     "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
     "pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
     "tokenizer.model", "README.md", ".gitattributes",
+    "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
+    "1_Pooling", "2_Normalize",
 })
 
 
@@ -53,7 +56,19 @@ class ExportFolder:
     return os.path.normpath(self.output) + ".part"
 
   def path(self, name: str) -> str:
+    """Where to write `name`, a file of the folder or of a subfolder ("1_Pooling/config.json");
+    a subfolder is moved in whole."""
+    top, _, rest = name.partition("/")
+    self.written.add(top)
+    if rest:
+      os.makedirs(os.path.join(self.staging, top, os.path.dirname(rest)), exist_ok=True)
+    return os.path.join(self.staging, name)
+
+  def folder(self, name: str) -> str:
+    """An (empty) subfolder of the export, made now: sentence-transformers' Normalize module is a
+    folder without files."""
     self.written.add(name)
+    os.makedirs(os.path.join(self.staging, name), exist_ok=True)
     return os.path.join(self.staging, name)
 
   def __enter__(self) -> "ExportFolder":
@@ -67,10 +82,17 @@ class ExportFolder:
       return
     os.makedirs(self.output, exist_ok=True)
     for name in sorted(self.written):  # renames: no space needed, each file whole
-      os.replace(os.path.join(self.staging, name), os.path.join(self.output, name))
+      target = os.path.join(self.output, name)
+      if os.path.isdir(target):  # an earlier export's subfolder: a rename cannot replace it
+        shutil.rmtree(target)
+      os.replace(os.path.join(self.staging, name), target)
     shutil.rmtree(self.staging, ignore_errors=True)
     for name in sorted(self.found - self.written):
-      os.remove(os.path.join(self.output, name))
+      target = os.path.join(self.output, name)
+      if os.path.isdir(target):
+        shutil.rmtree(target)
+      else:
+        os.remove(target)
       self.removed.append(name)
 
   def said(self) -> str:
