@@ -1,7 +1,7 @@
 """A fine-tuned model on new text: `python -m bertjax.predict --workdir=FT_WORKDIR --input=FILE
 --output=OUT.jsonl`, or sentence vectors with `--mode=embed --output=OUT.npy`.
 
-The input is CSV, TSV or JSON Lines (bertjax/finetune/textfiles.py) with the columns the model was
+The input is CSV, TSV or JSON Lines (bertjax/inputs/textfiles.py) with the columns the model was
 trained with (its task.json: text_a / text_b, tagging's tokens; span: question and context, an `id`
 column is carried over where present); `--text_a=...` etc. name others. The output has one JSON line
 per input row, in order:
@@ -54,7 +54,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from bertjax import cli, files, prediction_rows, taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import families, glue, textfiles
+from bertjax.finetune import families, glue
+from bertjax.inputs import textfiles
 from bertjax.model import BertConfig, BertModel
 # How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
 from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import

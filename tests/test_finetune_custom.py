@@ -21,8 +21,8 @@ import pytest
 from bertjax import predict as predict_lib
 from bertjax import taskspec as spec_lib
 from bertjax.finetune import custom, families, ner, run
-from bertjax.finetune import textfiles
 from bertjax.finetune.families import classification, tagging
+from bertjax.inputs import textfiles
 import finetune_fixtures as fx
 
 ROUTES = ("billing", "delivery", "login", "refund")  # the label names

@@ -6,7 +6,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
             opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention
   model     model, heads, nnx
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
-  data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
+  data      data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a user's
+            text to features): nothing of the model
   core      train, flops, checkpoint
   formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
             folder an export writes) and
@@ -40,7 +41,7 @@ LAYERS = (
               "bertjax.dropout", "bertjax.attention")),
     ("model", ("bertjax.model_config", "bertjax.model", "bertjax.heads", "bertjax.nnx")),
     ("configs", ("configs",)),
-    ("data", ("bertjax.data",)),
+    ("data", ("bertjax.data", "bertjax.inputs")),
     ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint")),
     ("formats", ("bertjax.formats", "bertjax.taskspec")),
     ("weights", ("bertjax.weights",)),

@@ -25,8 +25,9 @@ import transformers
 from bertjax import heads, predict, taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import families, glue, textfiles
+from bertjax.finetune import families, glue
 from bertjax.formats import modernbert
+from bertjax.inputs import textfiles
 from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
 

@@ -2,7 +2,7 @@
 a task family (bertjax/finetune/families/: classification, regression, tagging, span); each
 family's `load` reads its files with the pieces here.
 
-Classification, regression and tagging read CSV, TSV or JSON Lines (bertjax/finetune/textfiles.py)
+Classification, regression and tagging read CSV, TSV or JSON Lines (bertjax/inputs/textfiles.py)
 with the columns named under config.data (text_a, text_b, label; tokens and tags for tagging, each
 a JSON list or words separated by spaces); tagging also reads CoNLL column files (format "conll",
 or a .conll file); span reads SQuAD's JSON layout (v1.1, or v2.0 with unanswerable questions).
@@ -31,9 +31,10 @@ import numpy as np
 from bertjax import files
 from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import glue, textfiles
+from bertjax.finetune import glue
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet
+from bertjax.inputs import textfiles
 
 CONLL = "conll"
 

@@ -19,9 +19,10 @@ import numpy as np
 from bertjax import heads, losses, taskspec as spec_lib, train
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad, squad_metrics
-from bertjax.finetune import squad_postprocess, textfiles
+from bertjax.finetune import squad_postprocess
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.inputs import textfiles
 
 HEAD = "span"
 HF_CLASS = "BertForQuestionAnswering"

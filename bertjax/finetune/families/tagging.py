@@ -26,9 +26,10 @@ import numpy as np
 
 from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, ner, objectives, textfiles
+from bertjax.finetune import custom, metrics as ft_metrics, ner, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.inputs import textfiles
 
 HEAD = "classifier"
 HF_CLASS = "BertForTokenClassification"

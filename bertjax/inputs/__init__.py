@@ -1,0 +1,3 @@
+"""A user's text on its way to the model, below the task families and prediction: reading rows
+(textfiles: CSV, TSV, JSON Lines). It imports nothing of the model, of fine-tuning or of the
+benchmarks; those build on it."""
