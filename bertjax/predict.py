@@ -54,8 +54,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from bertjax import cli, files, prediction_rows, taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import families, glue
-from bertjax.inputs import textfiles
+from bertjax.finetune import families
+from bertjax.inputs import pairs, textfiles
 from bertjax.model import BertConfig, BertModel
 # How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
 from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
@@ -265,7 +265,7 @@ class Predictor:
     def flush():
       a = [r if isinstance(r, str) else textfiles.text_of(r, text_a) for r in chunk]
       b = [textfiles.text_of(r, text_b) for r in chunk] if text_b else None
-      features, truncated_N = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      features, truncated_N = pairs.encode_pairs(a, b, self.tokenizer, max_seq_length)
       self.truncated += int(truncated_N.sum())
       return self.run(features, pooling)["vector"]
 

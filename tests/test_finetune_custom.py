@@ -22,7 +22,7 @@ from bertjax import predict as predict_lib
 from bertjax import taskspec as spec_lib
 from bertjax.finetune import custom, families, ner, run
 from bertjax.finetune.families import classification, tagging
-from bertjax.inputs import textfiles
+from bertjax.inputs import pairs, textfiles
 import finetune_fixtures as fx
 
 ROUTES = ("billing", "delivery", "login", "refund")  # the label names
@@ -557,8 +557,7 @@ def _same_outputs(workdir, folder, cls_name, texts, pair=None):
   model, warned = _loaded(folder, cls_name)
   assert not warned, warned  # no missing or unused weights, nothing else
   p = predict_lib.Predictor.from_workdir(workdir)
-  from bertjax.finetune import glue  # pylint: disable=import-outside-toplevel
-  f, _ = glue.encode_pairs(texts, pair, p.tokenizer, 32)
+  f, _ = pairs.encode_pairs(texts, pair, p.tokenizer, 32)
   head = families.get(p.spec.family).objective(p.spec).make_model(p.config)
   params = weights.read(weights.inspect_trained(workdir))
   ours = head.apply({"params": params}, f["input_ids"], f["input_mask"], f["segment_ids"])

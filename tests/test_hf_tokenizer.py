@@ -14,8 +14,9 @@ import pytest
 
 from bertjax import predict as predict_lib, weights
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib
-from bertjax.finetune import glue, run, squad
+from bertjax.finetune import run, squad
 from bertjax.formats import vocabulary
+from bertjax.inputs import pairs
 from bertjax.finetune.families import tagging
 from bertjax.finetune import ner
 import finetune_fixtures as fx
@@ -61,7 +62,7 @@ def fast(path):
 
 
 def rows_equal_transformers(tok, ref, texts_a, texts_b=None):
-  features, _ = glue.encode_pairs(texts_a, texts_b, tok, 64)
+  features, _ = pairs.encode_pairs(texts_a, texts_b, tok, 64)
   want = ref(list(texts_a), list(texts_b) if texts_b else None)
   for i in range(len(texts_a)):
     n = int(features["input_mask"][i].sum())
@@ -92,7 +93,7 @@ def test_the_files_template_decides_the_frame_and_pairs_need_one(tmp_path):
   tok = tokenizer_lib.load_vocabulary(bare)
   rows_equal_transformers(tok, fast(bare), TEXTS[:3])
   with pytest.raises(ValueError, match="bare.json has no post-processor"):
-    glue.encode_pairs(["a"], ["b"], tok, 16)
+    pairs.encode_pairs(["a"], ["b"], tok, 16)
 
 
 def test_offsets_are_exact_substrings_and_squad_answers_too(tok_file):
@@ -337,7 +338,7 @@ def test_padding_ids_do_not_reach_real_positions(modern_folder):
   tok = tokenizer_lib.load_vocabulary(os.path.join(modern_folder, "tokenizer.json"))
   source = weights.inspect(modern_folder)
   params = weights.read(source)[weights.ENCODER]
-  features, _ = glue.encode_pairs(["Café naïve", "a"], ["résumé", "déjà vu 🙂"], tok, 24)
+  features, _ = pairs.encode_pairs(["Café naïve", "a"], ["résumé", "déjà vu 🙂"], tok, 24)
   assert (features["input_ids"][features["input_mask"] == 0] == tok.pad_id).all()
   model = BertModel(source.config)
   apply = jax.jit(lambda ids: model.apply({"params": params}, ids, features["input_mask"],

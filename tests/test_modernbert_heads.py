@@ -25,9 +25,9 @@ import transformers
 from bertjax import heads, predict, taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import families, glue
+from bertjax.finetune import families
 from bertjax.formats import modernbert
-from bertjax.inputs import textfiles
+from bertjax.inputs import pairs, textfiles
 from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
 
@@ -86,20 +86,20 @@ def folders(tmp_path_factory, vocab):
   return out
 
 
-def _texts(tokenizer, pairs: bool, length=24):
+def _texts(tokenizer, pair: bool, length=24):
   rng = np.random.default_rng(3)
   a = [" ".join(rng.choice(WORDS, n)) for n in (3, 9, 30)]
-  b = [" ".join(rng.choice(WORDS, n)) for n in (4, 2, 12)] if pairs else None
-  features, _ = glue.encode_pairs(a, b, tokenizer, length)
+  b = [" ".join(rng.choice(WORDS, n)) for n in (4, 2, 12)] if pair else None
+  features, _ = pairs.encode_pairs(a, b, tokenizer, length)
   return features
 
 
 def _batches(tokenizer):
   """(ids, mask, segments) of one batch: three single texts and three pairs, padded (rows of 5
   to 24 tokens), and three rows without padding (every row full)."""
-  singles, pairs = _texts(tokenizer, False), _texts(tokenizer, True)
+  singles, doubles = _texts(tokenizer, False), _texts(tokenizer, True)
   full = np.random.default_rng(4).integers(7, VOCAB, size=(3, 24)).astype(np.int32)
-  return tuple(np.concatenate([singles[k], pairs[k], v]) for k, v in (
+  return tuple(np.concatenate([singles[k], doubles[k], v]) for k, v in (
       ("input_ids", full), ("input_mask", np.ones_like(full)),
       ("segment_ids", np.zeros_like(full))))
 
@@ -188,7 +188,7 @@ def test_predict_takes_the_folder_as_a_workdir(folders, vocab):
     if b is not None:  # a pair reads its second text from the column --text_b names
       records = list(predictor.predict_rows(
           [_row({"text": x, "second": y}) for x, y in zip(texts, b)], {"text_b": "second"}))
-    f, _ = glue.encode_pairs(texts, b, tokenizer, 64)
+    f, _ = pairs.encode_pairs(texts, b, tokenizer, 64)
     logits = _theirs(model, f["input_ids"], f["input_mask"])
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)

@@ -31,10 +31,9 @@ import numpy as np
 from bertjax import files
 from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import glue
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet
-from bertjax.inputs import textfiles
+from bertjax.inputs import pairs, textfiles
 
 CONLL = "conll"
 
@@ -64,7 +63,7 @@ def pair_inputs(rows: Sequence[Mapping], spec: spec_lib.TaskSpec, tokenizer
   rows were cut to fit, [N] bool."""
   texts_a = [textfiles.text_of(r, spec.text_a) for r in rows]
   texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
-  return glue.encode_pairs(texts_a, texts_b, tokenizer, spec.max_seq_length)
+  return pairs.encode_pairs(texts_a, texts_b, tokenizer, spec.max_seq_length)
 
 
 def pair_records(records: list[dict], truncated_N: np.ndarray) -> list[dict]:
