@@ -16,9 +16,7 @@ from bertjax import predict as predict_lib, weights
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib
 from bertjax.finetune import run, squad
 from bertjax.formats import vocabulary
-from bertjax.inputs import pairs
-from bertjax.finetune.families import tagging
-from bertjax.finetune import ner
+from bertjax.inputs import pairs, tagged, word_windows
 import finetune_fixtures as fx
 
 SPECIALS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")  # ModernBERT's order, after the pieces
@@ -300,8 +298,8 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
     got = [row["probabilities"][hf_model.config.id2label[i]] for i in range(len(want))]
     np.testing.assert_allclose(got, want, atol=1e-4)
   # Tagging from the same folder: windows framed by the file's template, each word as it reads.
-  sentences = [ner.Sentence("s", ("Café", "naïve", "résumé"), ("B-LOC", "I-LOC", "O"))]
-  feats = tagging.ner_features(sentences, tok, 16, ("O", "B-LOC", "I-LOC"))
+  sentences = [tagged.Sentence("s", ("Café", "naïve", "résumé"), ("B-LOC", "I-LOC", "O"))]
+  feats = word_windows.make_features(sentences, tok, 16, ("O", "B-LOC", "I-LOC"))
   want = fast(tok_file)("Café naïve résumé")["input_ids"]
   assert feats["input_ids"][0, :len(want)].tolist() == want
   assert feats["label_weights"][0].sum() == 3

@@ -36,6 +36,7 @@ from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objecti
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.inputs import tagged, word_windows
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
@@ -194,7 +195,7 @@ def _squad(name: str, cfg: TaskConfig, tokenizer) -> TaskData:
 
 # CoNLL-2003 ------------------------------------------------------------------------------------
 
-def _ner_split(data: FinetuneDataConfig, split: str) -> list[ner.Sentence]:
+def _ner_split(data: FinetuneDataConfig, split: str) -> list[tagged.Sentence]:
   if data.source == "tfds":
     return ner.read_conll_tfds(_tfds_dir(data), {"dev": "validation"}.get(split, split))
   path = {"train": data.train_file, "dev": data.dev_file, "test": data.test_file}[split]
@@ -210,7 +211,7 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
   spec = spec_lib.TaskSpec(name, "tagging", labels, data.max_seq_length, tag_scheme="BIO")
 
   def features(sentences):
-    return tagging.ner_features(sentences, tokenizer, data.max_seq_length, labels)
+    return word_windows.make_features(sentences, tokenizer, data.max_seq_length, labels)
 
   def scorer(sentences, f):
     full = tagging.scorer(sentences, f, labels, "f1")
@@ -222,7 +223,8 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 
   def writer(sentences, f, split):
     def write(outputs, output_dir):
-      predicted = tagging.tags_from_predictions(f, outputs["predicted"], sentences, labels)
+      predicted = word_windows.tags_from_predictions(f, outputs["predicted"], sentences,
+                                                     labels)
       files.makedirs(output_dir)
       path = os.path.join(output_dir, f"{split}_predictions.txt")
       # Atomic (temp file + rename): a kill mid-write never leaves half a predictions file.

@@ -1,3 +1,5 @@
 """A user's text on its way to the model, below the task families and prediction: reading rows
-(textfiles: CSV, TSV, JSON Lines) and encoding texts one or a pair to a row (pairs). It imports
-nothing of the model, of fine-tuning or of the benchmarks; those build on it."""
+(textfiles: CSV, TSV, JSON Lines), encoding texts one or a pair to a row (pairs), tagged words and
+their schemes (tagged: IOB1, IOB2, IO, IOBES; CoNLL column files) and their word windows
+(word_windows). It imports nothing of the model, of fine-tuning or of the benchmarks; those
+build on it."""
