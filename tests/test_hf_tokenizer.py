@@ -14,9 +14,9 @@ import pytest
 
 from bertjax import predict as predict_lib, weights
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib
-from bertjax.finetune import run, squad
+from bertjax.finetune import run
 from bertjax.formats import vocabulary
-from bertjax.inputs import pairs, tagged, word_windows
+from bertjax.inputs import pairs, questions, tagged, word_windows
 import finetune_fixtures as fx
 
 SPECIALS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")  # ModernBERT's order, after the pieces
@@ -114,11 +114,11 @@ def test_offsets_are_exact_substrings_and_squad_answers_too(tok_file):
         assert span == span.strip()
   context = "Ünïcödé façade:  déjà vu at 123 roads, then Café 🙂 naïve."
   answers = ["façade", "déjà vu", "123", "Café 🙂", "naïve"]
-  examples = [squad.SquadExample(str(k), "Where?", context, (a,), (context.index(a),),
-                                 answer_span=(context.index(a), context.index(a) + len(a)))
+  examples = [questions.SquadExample(str(k), "Where?", context, (a,), (context.index(a),),
+                                     answer_span=(context.index(a), context.index(a) + len(a)))
               for k, a in enumerate(answers)]
-  features = squad.make_features(examples, tok, max_seq_length=64, doc_stride=16,
-                                 max_query_length=8)
+  features = questions.make_features(examples, tok, max_seq_length=64, doc_stride=16,
+                                     max_query_length=8)
   for f, ex in enumerate(examples):
     s, e = features["start_positions"][f], features["end_positions"][f]
     got = context[features["token_start_char"][f, s]:features["token_end_char"][f, e]]

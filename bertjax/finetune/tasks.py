@@ -36,7 +36,7 @@ from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objecti
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData
-from bertjax.inputs import tagged, word_windows
+from bertjax.inputs import questions, tagged, word_windows
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
@@ -161,7 +161,7 @@ def _glue(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 # SQuAD -----------------------------------------------------------------------------------------
 
 def _squad_set(name: str, data: FinetuneDataConfig, split: str,
-               is_training: bool) -> squad.SquadSet:
+               is_training: bool) -> questions.SquadSet:
   if data.source == "tfds":
     tfds_split = "train" if split == "train" else "validation"
     return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(data),
@@ -171,10 +171,10 @@ def _squad_set(name: str, data: FinetuneDataConfig, split: str,
     raise Refusal(f"{name} from files needs config.data.{'train' if split == 'train' else 'dev'}"
                   f"_file: the SQuAD JSON ({'train' if split == 'train' else 'dev'}-"
                   f"{name.split('_v')[1]}.json).")
-  return squad.read_squad_json(path, is_training=is_training)
+  return questions.read_squad_json(path, is_training=is_training)
 
 
-def _check_squad_version(name: str, squad_set: squad.SquadSet) -> squad.SquadSet:
+def _check_squad_version(name: str, squad_set: questions.SquadSet) -> questions.SquadSet:
   """v1.1 has no unanswerable question: one in its file means a v2.0 file, which v1.1 would train
   on as if answerable and score with no gold answer. Refused before any step."""
   impossible = [e.qas_id for e in squad_set.examples if e.is_impossible]
