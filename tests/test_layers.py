@@ -22,6 +22,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
 the comment just above it (`# lazy: ...`). docs/contributing.md#layers states the same order.
+Neither prediction nor a task family imports a benchmark's reader (GLUE, SQuAD, CoNLL-2003).
 """
 
 import ast
@@ -216,6 +217,31 @@ def test_the_docs_state_the_same_order():
   section = re.search(r"^## Layers\n(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
   named = re.findall(r"^\d+\. \*\*([\w-]+)\*\*", section, re.M)
   assert named == [name for name, _ in LAYERS], named
+
+
+# The benchmarks' readers (GLUE, SQuAD, CoNLL-2003): they build on inputs/, as the task families
+# and prediction do; what every task reads must not come through one benchmark's files.
+BENCHMARK_READERS = ("bertjax.finetune.glue", "bertjax.finetune.squad", "bertjax.finetune.ner")
+
+
+def _closure(module: str) -> set[str]:
+  """Every project module `module` imports, directly or through others (in functions too)."""
+  _, imports = _graph()
+  seen, todo = set(), [module]
+  while todo:
+    for _, target, _ in imports.get(todo.pop(), ()):
+      if target not in seen:
+        seen.add(target)
+        todo.append(target)
+  return seen
+
+
+def test_prediction_and_the_families_import_no_benchmark_reader():
+  modules, _ = _graph()
+  readers = [m for m in modules if m.startswith("bertjax.finetune.families")] + ["bertjax.predict"]
+  assert len(readers) > 5, readers  # the walk still finds the families
+  through = {m: sorted(_closure(m) & set(BENCHMARK_READERS)) for m in readers}
+  assert not any(through.values()), {m: found for m, found in through.items() if found}
 
 
 # Past the limit, with the reason; a module leaves this list when it is split.
