@@ -241,7 +241,7 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
   if "model" not in meta:
     raise Refusal(f"{what}={folder} step {step} records no model shape (its record has "
                   f"{sorted(meta)}); it was not written by bertjax's training loop")
-  vocab = _workdir_vocabulary(workdir)
+  vocab = vocabulary.of_workdir(workdir)
   if vocab.get("fingerprint") is None:
     vocab["fingerprint"] = meta.get("tokenizer_fingerprint")
   return Weights(workdir, "workdir", BertConfig.from_dict(meta["model"]), tuple(sorted(stored)),
@@ -263,31 +263,6 @@ def _damaged(where: str, folder: str, step: int, steps, err: BaseException
     fix = "It holds no older step."
   return checkpoint_lib.CheckpointDamagedError(
       f"{where}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). " + fix)
-
-
-def _workdir_vocabulary(workdir: str) -> dict:
-  """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
-  names (pre-training runs from before the copy; relative cache paths resolve from here)."""
-  found = vocabulary.of_folder(workdir)
-  if found["vocab_file"] is not None or vocabulary.record(workdir) is not None:
-    return found
-  config_path = os.path.join(workdir, "config.json")
-  data = files.read_json(config_path, "the run's config").get("data") if files.exists(
-      config_path) else None
-  if not data or "spm_vocab_size" not in data:  # not a pre-training config
-    return {}
-  # Read key by key, not as a DataConfig: a run of an older bertjax records other keys.
-  if data["vocab_path"]:
-    vocab = data["vocab_path"]
-  elif data["tokenizer"] == "sentencepiece":
-    vocab = tokenizer_lib.cached_sentencepiece_path(
-        data["source"], data["tfds_split"], data["eval_fraction"], data["cache_dir"],
-        data["spm_vocab_size"], data["do_lower_case"])
-  else:
-    return {}  # a WordPiece run without vocab_path never ran
-  return dict(vocab_file=vocab if files.exists(vocab) else None,
-              tokenizer_kind=data.get("tokenizer"), do_lower_case=bool(data["do_lower_case"]),
-              casing_why=f"data.do_lower_case in {config_path}")
 
 
 def _inspect_converted(folder: str, what: str) -> Weights:
