@@ -105,7 +105,7 @@ class Predictor:
     """From a fine-tuning workdir (its best checkpoint by default; "latest" or a step number), or,
     with embed=True, any weights folder bertjax reads (bertjax/weights.py)."""
     source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
-    spec = spec_lib.of(source)
+    spec = families.spec_of(source)
     if spec is None and not embed:
       raise Refusal(
           f"{path} is a {'pre-training run' if source.kind == 'workdir' else source.kind + ' folder'}"
@@ -122,8 +122,9 @@ class Predictor:
       spec = None
     else:
       params = weights.read(source)
-      if spec.head not in params:
-        raise Refusal(f"{source.describe()} holds no {spec.head!r} head for its {spec.family} "
+      head = families.get(spec.family).head
+      if head not in params:
+        raise Refusal(f"{source.describe()} holds no {head!r} head for its {spec.family} "
                       f"task (subtrees: {sorted(params)}).")
     return cls(source.config, params, tokenizer, spec, tokens_per_device=tokens_per_device,
                devices=devices, source=source.describe())
@@ -169,7 +170,7 @@ class Predictor:
   def packs(self, kind: str = "head") -> bool:
     """Whether `kind`'s calls pack several texts into a row (prediction_rows.py): [CLS] vectors,
     and the head of a family that reads one state per text (not a mean over the tokens)."""
-    return kind == "cls" or (kind == "head" and families.get(self.spec.family).PACKED
+    return kind == "cls" or (kind == "head" and families.get(self.spec.family).packed
                              and not (self.config.task_head == "modernbert"
                                       and self.config.classifier_pooling == "mean"))
 
@@ -322,7 +323,7 @@ class _Progress:
 def record_keys() -> frozenset[str]:
   """The keys of a record predict writes (the module docstring), of every family: an existing
   file whose first line is such a record was written by predict, and may be written again."""
-  return frozenset({"id"}).union(*(f.RECORD_KEYS for f in families.FAMILIES.values()))
+  return frozenset({"id"}).union(*(f.record_keys for f in families.FAMILIES.values()))
 
 
 def _written_by_us(path: str, embed: bool) -> bool:

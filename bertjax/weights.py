@@ -18,8 +18,10 @@ decides):
                vocab.txt, its casing from tokenizer_config.json (else its tokenizer.json)
   modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
                model.safetensors (bertjax/formats/modernbert.py); its tokenizer.json (byte-level
-               BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file; a
-               fine-tuned class's task (its labels) as a workdir's (formats/modernbert_tasks.py)
+               BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file
+A fine-tuned transformers class (BertFor..., ModernBertFor...) is recorded as its config.json says
+it (`task_class`: the class, its labels, problem_type); which task family that is, fine-tuning
+says (bertjax/finetune/families/).
 
 Casing of a folder's vocabulary (bertjax/formats/vocabulary.py), in this order: what bertjax's
 tokenizer.json record says (told from Hugging Face's file of that name by content), what
@@ -41,10 +43,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, files, taskspec
+from bertjax import checkpoint as checkpoint_lib, files
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.formats import converted, google, hf, modernbert, modernbert_tasks, tf_bundle
+from bertjax.formats import converted, google, hf, modernbert, tf_bundle
 from bertjax.formats import vocabulary
 from bertjax.model import BertConfig
 
@@ -68,6 +70,7 @@ class Weights:
   checkpoints: str | None = None  # workdir: the checkpoints folder read
   step: int | None = None  # workdir: the checkpoint step read
   meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # workdir: its record
+  task_class: hf.TaskClass | None = None  # a fine-tuned transformers class: what it says
 
   @property
   def lower(self) -> bool:
@@ -307,8 +310,12 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
   tokenizer_config = os.path.join(folder, vocabulary.HF_TOKENIZER_CONFIG)
   casing = files.read_json(tokenizer_config, "the tokenizer's config") if files.exists(
       tokenizer_config) else {}
+  try:
+    task = hf.task_in(hf_config, names)
+  except ValueError as err:
+    raise Refusal(f"{what}={folder}: {err}") from None
   return Weights(folder, "huggingface", config, (ENCODER,) + hf.heads_in(names),
-                 **vocabulary.of_folder(folder, casing))
+                 **vocabulary.of_folder(folder, casing), task_class=task)
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
@@ -316,14 +323,15 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
   names = _safetensors_names(folder, what)
   try:
     config = modernbert.config_from_modernbert(hf_config)
-    # A fine-tuned class (ModernBertFor...) carries its task as a workdir does: predict reads it.
-    spec = modernbert_tasks.spec_from_config(hf_config, config)
+    cls = modernbert.task_class(hf_config)
+    # A fine-tuned class (ModernBertFor...) says its task as a workdir's task.json does.
+    task = None if cls is None else hf.task_class(hf_config, cls)
     heads = modernbert.heads_in(names, hf_config)
   except ValueError as err:
     raise Refusal(f"{what}={folder}: {err}") from None
   # Its tokenizer.json (byte-level BPE), as a BERT folder's vocab.txt; a vocab.txt wins.
   return Weights(folder, "modernbert", config, (ENCODER,) + heads, **vocabulary.of_folder(folder),
-                 meta={taskspec.META_KEY: spec} if spec else {})
+                 task_class=task)
 
 
 # Reading ---------------------------------------------------------------------------------------

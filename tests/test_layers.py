@@ -22,7 +22,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
 the comment just above it (`# lazy: ...`). docs/contributing.md#layers states the same order.
-Neither prediction nor a task family imports a benchmark's reader (GLUE, SQuAD, CoNLL-2003).
+Neither prediction nor a task family imports a benchmark's reader (GLUE, SQuAD, CoNLL-2003);
+nothing below fine-tuning reads a registry of the task families.
 """
 
 import ast
@@ -242,6 +243,24 @@ def test_prediction_and_the_families_import_no_benchmark_reader():
   assert len(readers) > 5, readers  # the walk still finds the families
   through = {m: sorted(_closure(m) & set(BENCHMARK_READERS)) for m in readers}
   assert not any(through.values()), {m: found for m, found in through.items() if found}
+
+
+def test_nothing_below_finetune_reads_a_registry_of_families():
+  # The registry is the families package's own (bertjax/finetune/families/); a module below it
+  # that read a registry would see it empty until something imported the families (as
+  # load_pretrained did, in a fresh interpreter, on a ModernBertFor* folder).
+  modules, _ = _graph()
+  finetune = [name for name, _ in LAYERS].index("finetune")
+  below = [m for m in modules if m not in FACES and _layer(m) < finetune]
+  assert len(below) > 60, len(below)
+  found = []
+  for module in below:
+    path = modules[module]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+      if name in ("FAMILIES", "family_of"):
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+  assert not found, found
 
 
 # Past the limit, with the reason; a module leaves this list when it is split.

@@ -114,7 +114,7 @@ def _theirs(model, ids, mask):
 
 
 def _ours(source, params, ids, mask, segments):
-  spec = taskspec.of(source)
+  spec = families.spec_of(source)
   model = families.get(spec.family).objective(spec).make_model(source.config)
   out = model.apply({"params": params}, ids, mask, segments)
   return tuple(np.asarray(o) for o in out) if isinstance(out, tuple) else np.asarray(out)
@@ -134,9 +134,9 @@ def _assert_close(ours, theirs, mask, per_token, substance=0.5):
 def test_imported_heads_match_transformers(folders, vocab, name):
   model, folder = folders[name]
   source = weights.inspect(folder)
-  spec = taskspec.of(source)
+  spec = families.spec_of(source)
   assert source.kind == "modernbert" and spec.family == FAMILY[name]
-  assert source.subtrees == ("bert", heads.PREDICTION_HEAD, spec.head)
+  assert source.subtrees == ("bert", heads.PREDICTION_HEAD, families.get(spec.family).head)
   assert source.config.task_head == "modernbert"
   if spec.family in ("classification", "tagging"):
     assert spec.labels == (LABELS if spec.family == "classification" else TAGS)
@@ -359,20 +359,25 @@ def test_what_has_no_form_is_refused_naming_the_fix():
     BertConfig(classifier_pooling="mean")
   modern = modernbert.config_from_modernbert(BASE)
   assert modern.task_head == "modernbert" and modern.classifier_pooling == "cls"
-  spec = taskspec.TaskSpec("classification", "classification", LABELS)
   with pytest.raises(ValueError, match="task_head=modernbert to export"):
-    modernbert_tasks.task_config(spec, dataclasses.replace(modern, task_head="bert"))
+    modernbert_tasks.task_config(dataclasses.replace(modern, task_head="bert"), cls=HEADS["cls"][0],
+                                 outputs=len(LABELS), labels=LABELS)
   with pytest.raises(ValueError, match="convert.modernbert export"):
-    hf.task_to_hf({}, dataclasses.replace(BertConfig(), task_head="modernbert"), spec)
+    hf.task_to_hf({}, dataclasses.replace(BertConfig(), task_head="modernbert"),
+                  head="classifier", hf_class="BertForSequenceClassification",
+                  hf_head="classifier", outputs=len(LABELS), labels=LABELS)
+  # A class's task is the folder's to say and fine-tuning's to read: a multi-label head has no
+  # family (its encoder is still taken).
+  multi_label = hf.task_class({**BASE, "problem_type": "multi_label_classification",
+                               "id2label": {"0": "a", "1": "b"}}, HEADS["cls"][0])
   with pytest.raises(ValueError, match="multi_label_classification"):
-    modernbert_tasks.spec_from_config(
-        {**BASE, "architectures": [HEADS["cls"][0]], "problem_type": "multi_label_classification",
-         "id2label": {"0": "a", "1": "b"}}, modern)
+    families.spec_of(weights.Weights("/nowhere", "modernbert", modern, ("bert",),
+                                     task_class=multi_label))
   with pytest.raises(ValueError, match="names none of"):
     modernbert.heads_in(["classifier.weight"], {"architectures": ["ModernBertForMaskedLM"]})
   with pytest.raises(ValueError, match="id2label has ids"):
-    modernbert_tasks.spec_from_config(
-        {"architectures": [HEADS["tagging"][0]], "id2label": {"0": "O", "2": "B-X"}}, modern)
+    hf.task_class({"architectures": [HEADS["tagging"][0]], "id2label": {"0": "O", "2": "B-X"}},
+                  HEADS["tagging"][0])
 
 
 @pytest.mark.parametrize("family", ["tagging", "span"])
@@ -383,7 +388,8 @@ def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, 
   folder = _mlm_folder(tmp_path, vocab)
   source = weights.inspect(folder)
   spec = taskspec.TaskSpec(family, family, TAGS if family == "tagging" else ())
-  model = families.get(family).objective(spec).make_model(source.config)
+  fam = families.get(family)
+  model = fam.objective(spec).make_model(source.config)
   ids = np.zeros((1, 8), np.int32)
   fresh = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids, ids, ids)["params"])
   start = run._encoder_loader(source)(fresh)  # pylint: disable=protected-access
@@ -394,4 +400,4 @@ def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, 
     for (path, value), got in zip(jax.tree_util.tree_leaves_with_path(want),
                                   jax.tree.leaves(start[part])):
       np.testing.assert_array_equal(np.asarray(got), value, err_msg=f"{part}{path}")
-  assert start[spec.head]["kernel"].shape == (BASE["hidden_size"], spec.num_outputs)
+  assert start[fam.head]["kernel"].shape == (BASE["hidden_size"], fam.num_outputs(spec))

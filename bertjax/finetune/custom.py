@@ -17,7 +17,7 @@ outside it is an error naming the file, line and label.
 
 Every family reports its numbers after every epoch (in evaluations.json and results.json; the full
 report of the best checkpoint in results.json's "dev_report"); config.eval.main_metric picks the
-best checkpoint among the family's MAIN_METRICS ("" = the first).
+best checkpoint among the family's main_metrics ("" = the first).
 """
 
 from __future__ import annotations

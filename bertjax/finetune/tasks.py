@@ -249,5 +249,5 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 
 def model_features(features: Mapping[str, np.ndarray]) -> dict[str, Any]:
   """The arrays a batch carries to the device (not indices, offsets or other host-side keys)."""
-  keep = set(objectives.INPUTS).union(*(f.BATCH_KEYS for f in families.FAMILIES.values()))
+  keep = set(objectives.INPUTS).union(*(f.batch_keys for f in families.FAMILIES.values()))
   return {k: v for k, v in features.items() if k in keep}

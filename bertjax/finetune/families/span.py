@@ -22,24 +22,9 @@ from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad_metrics
 from bertjax.finetune import squad_postprocess
 from bertjax.finetune.config import TaskConfig
+from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
 from bertjax.inputs import questions, textfiles
-
-HEAD = "span"
-HF_CLASS = "BertForQuestionAnswering"
-HF_HEAD = "qa_outputs"
-MODERNBERT_CLASS = "ModernBertForQuestionAnswering"
-# The columns of a span example (SQuAD's): what an imported fine-tuned folder's spec reads.
-COLUMNS = ("question", "context")
-MIN_LABELS = 0
-MAIN_METRICS = ("f1", "exact")
-BATCH_KEYS = ("start_positions", "end_positions")  # the targets a batch carries (objective)
-RECORD_KEYS = ("answer", "start", "score")  # of a prediction record (records)
-PACKED = False  # an output per token: one text per row
-LOWER_IS_BETTER = ()
-columns = custom.pair_columns
-as_row = custom.pair_row
-
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   del spec
@@ -141,6 +126,17 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   train_set = questions.read_squad_json(data.train_file, is_training=True)
   said = data.version_2_with_negative
   version_2 = bool(said) if said is not None else any(e.is_impossible for e in train_set.examples)
-  main = ft_metrics.main_metric(cfg.eval.main_metric, "span", MAIN_METRICS)
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "span", FAMILY.main_metrics)
   dev_set = questions.read_squad_json(data.dev_file, is_training=False)
   return task(spec_of("span", cfg, version_2), train_set, dev_set, main, tokenizer)
+
+
+FAMILY = Family(
+    "span", head="span", hf_class="BertForQuestionAnswering", hf_head="qa_outputs",
+    modernbert_class="ModernBertForQuestionAnswering", min_labels=0,
+    main_metrics=("f1", "exact"), lower_is_better=(),
+    batch_keys=("start_positions", "end_positions"), record_keys=("answer", "start", "score"),
+    packed=False, num_outputs=num_outputs, objective=objective, columns=custom.pair_columns,
+    as_row=custom.pair_row, records=records, load=load,
+    # The columns of a span example (SQuAD's): what a fine-tuned folder's spec reads.
+    folder_columns=("question", "context"))

@@ -26,20 +26,9 @@ from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
+from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
 from bertjax.inputs import tagged, textfiles, word_windows
-
-HEAD = "classifier"
-HF_CLASS = "BertForTokenClassification"
-HF_HEAD = "classifier"
-MODERNBERT_CLASS = "ModernBertForTokenClassification"
-MIN_LABELS = 2
-MAIN_METRICS = ("f1", "precision", "recall", "accuracy")
-BATCH_KEYS = ("label_ids", "label_weights")  # the targets a batch carries (objective)
-RECORD_KEYS = ("text", "entities", "tags")  # of a prediction record (records)
-PACKED = False  # an output per token: one text per row
-LOWER_IS_BETTER = ()
-
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   return len(spec.labels)
@@ -107,7 +96,7 @@ def scorer(sentences: Sequence[tagged.Sentence], features, labels: Sequence[str]
                                                    labels)
     out = conlleval(gold, predicted)
     return {**out, "main": ft_metrics.main_value(
-        "tagging", MAIN_METRICS, LOWER_IS_BETTER, out, main)}
+        "tagging", FAMILY.main_metrics, FAMILY.lower_is_better, out, main)}
   return score
 
 
@@ -220,7 +209,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   and tags; tags read in their scheme (config.data.tag_scheme, or detected from the training
   file) and learned as IOB2 tags of the entity types found."""
   train_path, dev_path, test_path = custom.paths(cfg.data, "tagging")
-  main = ft_metrics.main_metric(cfg.eval.main_metric, "tagging", MAIN_METRICS)
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "tagging", FAMILY.main_metrics)
   fmt = cfg.data.format
   probe = custom.spec_of("tagging", cfg, ("O", "B-X"))
   raw_train = read_tagged(train_path, probe, fmt)
@@ -259,3 +248,12 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   notes = [f"tags read as {scheme}" + ("" if cfg.data.tag_scheme else " (detected)")
            + f", learned as IOB2 over {len(labels)} tags"]
   return TaskData("tagging", objective(spec), train, evals, predicts, main, notes, spec=spec)
+
+
+FAMILY = Family(
+    "tagging", head="classifier", hf_class="BertForTokenClassification", hf_head="classifier",
+    modernbert_class="ModernBertForTokenClassification", min_labels=2,
+    main_metrics=("f1", "precision", "recall", "accuracy"), lower_is_better=(),
+    batch_keys=("label_ids", "label_weights"), record_keys=("text", "entities", "tags"),
+    packed=False, num_outputs=num_outputs, objective=objective, columns=columns, as_row=as_row,
+    records=records, load=load)
