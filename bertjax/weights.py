@@ -71,6 +71,9 @@ class Weights:
   step: int | None = None  # workdir: the checkpoint step read
   meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # workdir: its record
   task_class: hf.TaskClass | None = None  # a fine-tuned transformers class: what it says
+  # Parts of the encoder the folder does not hold, which a model with them starts fresh: the
+  # pooler of a task class that builds none (BertForTokenClassification, ...QuestionAnswering).
+  lacks: tuple[str, ...] = ()
 
   @property
   def lower(self) -> bool:
@@ -315,7 +318,8 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
   except ValueError as err:
     raise Refusal(f"{what}={folder}: {err}") from None
   return Weights(folder, "huggingface", config, (ENCODER,) + hf.heads_in(names),
-                 **vocabulary.of_folder(folder, casing), task_class=task)
+                 **vocabulary.of_folder(folder, casing), task_class=task,
+                 lacks=("pooler",) if hf.without_pooler(names) else ())
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
@@ -366,14 +370,16 @@ def restack(encoder: Mapping[str, Any], num_layers: int, scan: bool,
   return {**encoder, "encoder": stacked}
 
 
-def read(source: Weights, like: Mapping[str, Any] | None = None) -> dict:
+def read(source: Weights, like: Mapping[str, Any] | None = None, *,
+         fresh: Mapping[str, Any] | None = None) -> dict:
   """Parameters of `source`.
 
   `like` None: every stored subtree as numpy, in the stored layer layout. Else a dict of subtrees
   (`{"bert": ...}`, the heads) of arrays or ShapeDtypeStructs, each with a sharding or None: those
   subtrees of the source, in `like`'s layer layout, each array placed as its counterpart (read
   straight into its shards where the layouts agree). A subtree the source lacks, or an array
-  whose shape differs, is refused naming every one.
+  whose shape differs, is refused naming every one; but what it `lacks` (a pooler) is taken from
+  `fresh` (the model's new parameters, in `like`'s tree) where given.
   """
   if like is not None:
     lacking = sorted(set(like) - set(source.subtrees))
@@ -390,11 +396,12 @@ def read(source: Weights, like: Mapping[str, Any] | None = None) -> dict:
   if like is None:
     return host
   if ENCODER in like and "pooler" in like[ENCODER] and "pooler" not in host[ENCODER]:
-    raise checkpoint_lib.CheckpointMismatchError(
-        f"{source.describe()} has no pooler (a transformers BertForTokenClassification or "
-        "BertForQuestionAnswering builds none), and this model has one: take init_from from the "
-        "folder or workdir the fine-tuned model started from, or a BertForSequenceClassification "
-        "or BertForPreTraining folder")
+    if fresh is None:
+      raise checkpoint_lib.CheckpointMismatchError(
+          f"{source.describe()} has no pooler (a transformers BertForTokenClassification or "
+          "BertForQuestionAnswering builds none), and this model has one: pass its new pooler as "
+          "`fresh` (init_from and load_pretrained do)")
+    host[ENCODER] = {**host[ENCODER], "pooler": fresh[ENCODER]["pooler"]}
   return checkpoint_lib.put_like(host, checkpoint_lib.abstract_like(dict(like)))
 
 
@@ -473,4 +480,19 @@ def describe_heads(source: Weights, wanted) -> str:
   parts = ["encoder"] + given
   return " + ".join(parts) + (f" (heads {', '.join(fresh)} new: the source has none)"
                               if fresh else "")
+
+
+def unread(source: Weights, taken) -> str:
+  """What a reader of the subtrees `taken` leaves of a fine-tuned `source`, and starts fresh, for
+  the console ("" where nothing): its task head (named by its class where config.json names one;
+  pre-training's heads go unsaid) and the pooler its class never built."""
+  left = [s for s in source.subtrees if s not in (ENCODER, *hf.HEAD_PREFIXES, *taken)]
+  task, said = source.task_class, []
+  if left or task is not None:
+    what = ", ".join(left + ([f"{len(task.labels)} labels"] if task and task.labels else []))
+    name = f"its {task.architecture} head" if task and task.architecture else "its task head"
+    said.append(name + (f" ({what})" if what else "") + " not read")
+  if "pooler" in source.lacks:
+    said.append("its pooler new (the class builds none)")
+  return "; ".join(said)
 

@@ -211,12 +211,17 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
                                       else pooler)
   for key, value in after.items():
     np.testing.assert_array_equal(value, before[key], err_msg=key)
-  # As init_from reads it, into an encoder with a pooler: taken where the class has one, else
-  # refused by name (not a pytree error deep in the placement).
+  # Into an encoder with a pooler: taken where the class has one; else the model's new pooler
+  # where it is given (as init_from gives it), refused by name without one (not a pytree error
+  # deep in the placement).
   like = {"bert": jax.device_put(params["bert"])}
   if family in ("classification", "regression"):
     placed = flat(weights.read(source, like=like)["bert"])
-    assert all(np.array_equal(placed[k], v) for k, v in before.items())
+    assert all(np.array_equal(placed[k], v) for k, v in before.items()) and not source.lacks
   else:
-    with pytest.raises(ValueError, match="has no pooler .* take init_from from the folder"):
+    assert source.lacks == ("pooler",)
+    with pytest.raises(ValueError, match="has no pooler .* pass its new pooler as `fresh`"):
       weights.read(source, like=like)
+    fresh = jax.tree.map(np.zeros_like, params)
+    placed = flat(weights.read(source, like=like, fresh=fresh)["bert"])
+    assert all(np.array_equal(placed[k], 0 * v if k in pooler else v) for k, v in before.items())

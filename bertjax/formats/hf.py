@@ -224,16 +224,16 @@ TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 _POOLER = "bert.pooler."
 
 
-def _without_pooler(state_dict: dict) -> bool:
-  """Whether the state dict is one of a task class built without a pooler (token classification,
-  question answering): a task head, and no pooler tensor at all."""
+def without_pooler(state_dict) -> bool:
+  """Whether the state dict (or its names) is one of a task class built without a pooler (token
+  classification, question answering): a task head, and no pooler tensor at all."""
   return (any(k.startswith(TASK_HEAD_PREFIXES) for k in state_dict)
           and not any(k.startswith(_POOLER) for k in state_dict))
 
 
 def _check(state_dict: dict, config: BertConfig, heads) -> None:
   expected = expected_shapes(config, heads)
-  if _without_pooler(state_dict):
+  if without_pooler(state_dict):
     expected = {k: v for k, v in expected.items() if not k.startswith(_POOLER)}
   state_dict = {k: v for k, v in state_dict.items() if not k.startswith(TASK_HEAD_PREFIXES)}
   unread = tuple(HEAD_PREFIXES[h] for h in HEAD_PREFIXES if h not in heads)
@@ -297,7 +297,7 @@ def params_from_hf(state_dict: dict, config: BertConfig, heads=None) -> dict:
   _check(sd, config, heads)
   dtype = np.dtype(config.param_dtype)
   params: dict = {}
-  no_pooler = _without_pooler(sd)
+  no_pooler = without_pooler(sd)
   for entry in _root_entries():
     if entry.path[0] != "bert" and entry.path[0] not in heads:
       continue

@@ -338,8 +338,9 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
       transform["bias"] = sd["head.dense.bias"]
     params[PREDICTION_HEAD] = {"transform": transform,
                                "transform_layer_norm": _norm_from(sd, "head.norm", config)}
-    classifier = next(h for h in heads if h in _CLASSIFIERS)
-    params[classifier] = {"kernel": sd["classifier.weight"].T, "bias": sd["classifier.bias"]}
+    classifier = next((h for h in heads if h in _CLASSIFIERS), None)
+    if classifier is not None:  # not asked for where a new task starts from the class's head
+      params[classifier] = {"kernel": sd["classifier.weight"].T, "bias": sd["classifier.bias"]}
   dtype = np.dtype(config.param_dtype)
   return jax.tree.map(lambda x: np.ascontiguousarray(x, dtype=dtype), params)
 
