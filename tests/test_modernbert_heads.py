@@ -353,15 +353,15 @@ def test_finetune_long_inputs_from_a_modernbert_folder_then_export(tmp_path, mon
 
 
 def test_what_has_no_form_is_refused_naming_the_fix():
-  from bertjax.formats import hf, modernbert_tasks  # pylint: disable=import-outside-toplevel
+  from bertjax.formats import hf  # pylint: disable=import-outside-toplevel
   from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="classifier_pooling='mean' is the ModernBERT head's"):
     BertConfig(classifier_pooling="mean")
   modern = modernbert.config_from_modernbert(BASE)
   assert modern.task_head == "modernbert" and modern.classifier_pooling == "cls"
   with pytest.raises(ValueError, match="task_head=modernbert to export"):
-    modernbert_tasks.task_config(dataclasses.replace(modern, task_head="bert"), cls=HEADS["cls"][0],
-                                 outputs=len(LABELS), labels=LABELS)
+    modernbert.task_config(dataclasses.replace(modern, task_head="bert"), cls=HEADS["cls"][0],
+                           outputs=len(LABELS), labels=LABELS)
   with pytest.raises(ValueError, match="convert.modernbert export"):
     hf.task_to_hf({}, dataclasses.replace(BertConfig(), task_head="modernbert"),
                   head="classifier", hf_class="BertForSequenceClassification",

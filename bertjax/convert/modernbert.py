@@ -25,7 +25,7 @@ from bertjax.convert import hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
-from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
+from bertjax.formats import converted, hf, modernbert, outfolder
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -78,7 +78,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best") -> st
     if family.modernbert_class is None:
       classes = sorted(f.modernbert_class for f in families.FAMILIES.values() if f.modernbert_class)
       raise Refusal(f"A {spec.family} model has no ModernBERT class; those exported are {classes}")
-    hf_config.update(modernbert_tasks.task_config(
+    hf_config.update(modernbert.task_config(
         source.config, cls=family.modernbert_class, outputs=family.num_outputs(spec),
         labels=spec.labels))
   folder = outfolder.ExportFolder(output)

@@ -28,7 +28,7 @@ class Family:
   head: str  # the head's parameter subtree beside the encoder's ("bert")
   hf_class: str  # the transformers class an export writes ...
   hf_head: str  # ... and the name of its head there (bertjax/formats/hf.py writes both)
-  # The transformers ModernBERT class of the family (formats/modernbert_tasks.py writes it, and a
+  # The transformers ModernBERT class of the family (formats/modernbert.py writes it, and a
   # folder of it predicts as this family); None where ModernBERT has none.
   modernbert_class: str | None
   min_labels: int  # the fewest label names a spec of the family holds
