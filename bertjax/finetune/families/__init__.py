@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from bertjax import taskspec, weights
+from bertjax import taskspec
 from bertjax.errors import Refusal
 from bertjax.finetune import metrics as ft_metrics
 from bertjax.finetune.families import classification, regression, span, tagging
@@ -43,11 +43,12 @@ def main_value(family: str, scores: Mapping[str, float], main: str) -> float:
   return ft_metrics.main_value(family, fam.main_metrics, fam.lower_is_better, scores, main)
 
 
-def spec_of(source: weights.Weights) -> taskspec.TaskSpec | None:
-  """The task of a weights folder, checked against its family: the spec recorded with its
-  checkpoint or in its task.json, else the one a fine-tuned ModernBERT class's config.json says
-  (bertjax.predict then takes the folder as a fine-tuning workdir); None for a model with no task
-  a family reads (a pre-training run, an encoder, a BertFor* class)."""
+def spec_of(source) -> taskspec.TaskSpec | None:
+  """The task of a weights folder (a `weights.Weights`; the families import none of the reader),
+  checked against its family: the spec recorded with its checkpoint or in its task.json, else the
+  one a fine-tuned ModernBERT class's config.json says (bertjax.predict then takes the folder as a
+  fine-tuning workdir); None for a model with no task a family reads (a pre-training run, an
+  encoder, a BertFor* class)."""
   spec = taskspec.of(source)
   if spec is None and source.task_class is not None:
     spec = _spec_of_class(source.task_class, source.config)
