@@ -127,7 +127,10 @@ def test_finetuning_init_from_takes_the_encoder(folders, name):
   spec = taskspec.TaskSpec("tagging", "tagging", ("O", "B-X", "I-X"), 16)
   model = families.get("tagging").objective(spec).make_model(source.config)
   ids = np.zeros((1, 8), np.int32)
-  fresh = nn.unbox(model.init(jax.random.PRNGKey(0), ids, ids, ids)["params"])
+  # A run's new parameters, in the model's tree: filled with 1s (no init to run), so a value
+  # taken from the folder cannot pass for one left new.
+  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0), ids, ids, ids)))
+  fresh = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), shapes["params"])
   origin, init = run.initialiser(source, source.config, "tagging")
   got = init.load(fresh)
   _assert_the_encoder(_flat(got["bert"]), name, folders[name])
