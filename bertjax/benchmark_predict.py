@@ -43,6 +43,7 @@ from absl import app, flags
 from bertjax import cli, flops, predict, prediction_rows, taskspec
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import families
+from bertjax.finetune.families import classification
 from bertjax.formats import converted
 from bertjax.model import BertConfig
 
@@ -249,7 +250,7 @@ def _tiny_workdir(root: str) -> str:
                                                             "epsilon", "zeta", "eta", "theta"]))
   cfg = BertConfig(vocab_size=13, hidden_size=32, num_layers=2, num_heads=2,
                    intermediate_size=64, max_position_embeddings=128)
-  model = families.get("classification").objective_of(2).make_model(cfg)
+  model = classification.objective_of(2).make_model(cfg)
   z = jnp.zeros((1, 8), jnp.int32)
   params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
   params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,

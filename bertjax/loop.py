@@ -150,11 +150,12 @@ def init_from_source(source: weights.Weights, training: train.Training, data: Da
 
   def load(fresh):
     kept = {k: v for k, v in fresh.items() if k in source.subtrees}
-    return {**fresh, **weights.read(source, like=checkpoint_lib.abstract_like(kept))}
+    return {**fresh, **weights.read(source, like=checkpoint_lib.abstract_like(kept), fresh=kept)}
 
+  said = weights.unread(source, training.abstract_state.params)
   return Initialiser(f"parameters from checkpoint.init_from={source.describe()}: "
                      f"{weights.describe_heads(source, training.abstract_state.params)}, "
-                     "optimizer fresh", load)
+                     "optimizer fresh" + (f"; {said}" if said else ""), load)
 
 
 def _init_vocabulary(data: DataConfig, source: weights.Weights) -> DataConfig:

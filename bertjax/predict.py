@@ -1,7 +1,7 @@
 """A fine-tuned model on new text: `python -m bertjax.predict --workdir=FT_WORKDIR --input=FILE
 --output=OUT.jsonl`, or sentence vectors with `--mode=embed --output=OUT.npy`.
 
-The input is CSV, TSV or JSON Lines (bertjax/finetune/textfiles.py) with the columns the model was
+The input is CSV, TSV or JSON Lines (bertjax/inputs/textfiles.py) with the columns the model was
 trained with (its task.json: text_a / text_b, tagging's tokens; span: question and context, an `id`
 column is carried over where present); `--text_a=...` etc. name others. The output has one JSON line
 per input row, in order:
@@ -54,7 +54,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from bertjax import cli, files, prediction_rows, taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import families, glue, textfiles
+from bertjax.finetune import families
+from bertjax.inputs import pairs, textfiles
 from bertjax.model import BertConfig, BertModel
 # How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
 from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
@@ -104,7 +105,7 @@ class Predictor:
     """From a fine-tuning workdir (its best checkpoint by default; "latest" or a step number), or,
     with embed=True, any weights folder bertjax reads (bertjax/weights.py)."""
     source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
-    spec = spec_lib.of(source)
+    spec = families.spec_of(source)
     if spec is None and not embed:
       raise Refusal(
           f"{path} is a {'pre-training run' if source.kind == 'workdir' else source.kind + ' folder'}"
@@ -121,8 +122,9 @@ class Predictor:
       spec = None
     else:
       params = weights.read(source)
-      if spec.head not in params:
-        raise Refusal(f"{source.describe()} holds no {spec.head!r} head for its {spec.family} "
+      head = families.get(spec.family).head
+      if head not in params:
+        raise Refusal(f"{source.describe()} holds no {head!r} head for its {spec.family} "
                       f"task (subtrees: {sorted(params)}).")
     return cls(source.config, params, tokenizer, spec, tokens_per_device=tokens_per_device,
                devices=devices, source=source.describe())
@@ -168,7 +170,7 @@ class Predictor:
   def packs(self, kind: str = "head") -> bool:
     """Whether `kind`'s calls pack several texts into a row (prediction_rows.py): [CLS] vectors,
     and the head of a family that reads one state per text (not a mean over the tokens)."""
-    return kind == "cls" or (kind == "head" and families.get(self.spec.family).PACKED
+    return kind == "cls" or (kind == "head" and families.get(self.spec.family).packed
                              and not (self.config.task_head == "modernbert"
                                       and self.config.classifier_pooling == "mean"))
 
@@ -264,7 +266,7 @@ class Predictor:
     def flush():
       a = [r if isinstance(r, str) else textfiles.text_of(r, text_a) for r in chunk]
       b = [textfiles.text_of(r, text_b) for r in chunk] if text_b else None
-      features, truncated_N = glue.encode_pairs(a, b, self.tokenizer, max_seq_length)
+      features, truncated_N = pairs.encode_pairs(a, b, self.tokenizer, max_seq_length)
       self.truncated += int(truncated_N.sum())
       return self.run(features, pooling)["vector"]
 
@@ -321,7 +323,7 @@ class _Progress:
 def record_keys() -> frozenset[str]:
   """The keys of a record predict writes (the module docstring), of every family: an existing
   file whose first line is such a record was written by predict, and may be written again."""
-  return frozenset({"id"}).union(*(f.RECORD_KEYS for f in families.FAMILIES.values()))
+  return frozenset({"id"}).union(*(f.record_keys for f in families.FAMILIES.values()))
 
 
 def _written_by_us(path: str, embed: bool) -> bool:

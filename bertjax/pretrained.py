@@ -18,6 +18,10 @@ under the name of its `BertModel` submodule. The arrays are
 `scan_layers` (default: as stored) restacks the layers: unrolled `encoder/layer_N` or one scanned
 `encoder/layers/layer` with a leading [num_layers] axis; the config returned says which. The config
 is the source's, dropout and dtypes included: `dataclasses.replace` those for your training.
+
+A fine-tuned model's folder (a workdir, or transformers' BertFor... and ModernBertFor... classes)
+gives its encoder too; a warning says which head is left out, and that a class which built no
+pooler (token classification, question answering) gets a new one, as transformers starts it.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from bertjax import sharding, weights
-from bertjax.model import BertConfig, BertModel
+from bertjax.model import BertConfig, BertModel, Pooler
 
 ENCODER = weights.ENCODER  # the encoder's name inside BertForPreTraining and every head
 
@@ -76,8 +81,22 @@ def load_pretrained(path: str, *, scan_layers: bool | None = None,
   config = source.config if scan_layers is None else dataclasses.replace(
       source.config, scan_layers=bool(scan_layers))
   target = _target(config, _placements(config, mesh, rules), rules)
-  encoder = weights.read(source, like={ENCODER: target})[ENCODER]
+  fresh = None
+  if "pooler" in source.lacks and config.pooler:
+    fresh = {ENCODER: {"pooler": _new_pooler(config, rules)}}
+  encoder = weights.read(source, like={ENCODER: target}, fresh=fresh)[ENCODER]
+  said = weights.unread(source, (ENCODER,))
+  if said:
+    logging.warning("load_pretrained(%s): the encoder; %s", path, said)
   return config, _boxed(encoder, config, rules) if boxed else encoder
+
+
+def _new_pooler(config: BertConfig, rules) -> Any:
+  """A pooler initialised as BertModel's, for a folder whose class built none."""
+  x_1x1xD = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
+  init = sharding.logical_context(None, rules)(
+      lambda rng: Pooler(config).init({"params": rng}, x_1x1xD)["params"])
+  return nn.unbox(init(jax.random.key(0)))
 
 
 def _boxed(encoder, config: BertConfig, rules) -> Any:

@@ -6,10 +6,10 @@ spans or tags are decoded. A run writes it to `WORKDIR/task.json` before its fir
 the record of every checkpoint it saves (the key "task_spec"), so the weights never travel
 without their label map.
 
-The family names a module of bertjax/finetune/families/, which says the head (its parameter
-subtree beside "bert", its width), the objective, the prediction records and the export class.
-The families register themselves in FAMILIES when bertjax.finetune.families is imported: the spec
-sits below fine-tuning (docs/contributing.md#layers) and reads them there.
+The family is a name here. Its record (bertjax/finetune/families/: the head, its parameter subtree
+beside "bert" and its width, the objective, the prediction records, the export class) is
+fine-tuning's, a layer above this spec (docs/contributing.md#layers), and is looked up there
+(`families.get`), as is the task of a fine-tuned transformers folder (`families.spec_of`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from bertjax.errors import Refusal
 FILE = "task.json"
 META_KEY = "task_spec"  # in the record saved beside every checkpoint
 TAG_SCHEMES = ("IO", "BIO", "IOB1", "IOBES")
-FAMILIES: dict[str, Any] = {}  # name -> its module; filled by bertjax/finetune/families/
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
   task: str  # the run's task: "classification", ..., or a benchmark's name ("MRPC", "conll2003")
-  family: str  # a name of FAMILIES
+  family: str  # the name of a family of bertjax/finetune/families/
   labels: tuple[str, ...] = ()  # classification: class names by id; tagging: tag names by id
   max_seq_length: int = 128
   # Input columns `predict` reads (CSV/TSV header names or JSON Lines keys).
@@ -49,29 +48,9 @@ class TaskSpec:
   null_score_diff_threshold: float = 0.0
 
   def __post_init__(self):
-    problems = []
-    try:
-      need = family_of(self.family).MIN_LABELS
-    except ValueError as err:
-      problems.append(str(err))
-    else:
-      if len(self.labels) < need:
-        problems.append(f"a {self.family} task needs at least {need} labels, not "
-                        f"{list(self.labels)}")
     if self.tag_scheme and self.tag_scheme not in TAG_SCHEMES:
-      problems.append(f"tag_scheme={self.tag_scheme!r} is not one of {TAG_SCHEMES}")
-    if problems:
-      raise Refusal("Invalid task spec: " + "; ".join(problems))
-
-  @property
-  def num_outputs(self) -> int:
-    """Width of the head: one score per label, 1 for regression, 2 (start, end) for spans."""
-    return family_of(self.family).num_outputs(self)
-
-  @property
-  def head(self) -> str:
-    """The head's parameter subtree beside the encoder's ("bert")."""
-    return family_of(self.family).HEAD
+      raise Refusal(f"Invalid task spec: tag_scheme={self.tag_scheme!r} is not one of "
+                    f"{TAG_SCHEMES}")
 
   def to_dict(self) -> dict:
     out = dataclasses.asdict(self)
@@ -84,15 +63,6 @@ class TaskSpec:
     values = {k: v for k, v in values.items() if k in known}
     values["labels"] = tuple(values.get("labels", ()))
     return cls(**values)
-
-
-def family_of(name: str):
-  """The registered family of this name (bertjax/finetune/families/)."""
-  if name not in FAMILIES:
-    raise Refusal(f"family={name!r} is not one of {tuple(FAMILIES)}"
-                  + ("" if FAMILIES else " (import bertjax.finetune.families, which registers "
-                        "them)"))
-  return FAMILIES[name]
 
 
 def write(spec: TaskSpec, workdir: str) -> None:
@@ -109,7 +79,8 @@ def read(workdir: str) -> TaskSpec | None:
 
 def of(source) -> TaskSpec | None:
   """The spec of a weights folder (a `weights.Weights`): the one recorded with its checkpoint,
-  else its task.json; None for a model with no task (a pre-training run, an imported encoder)."""
+  else its task.json; None for a model with no task recorded (a pre-training run, an imported
+  encoder; a transformers task class says its own in config.json: `families.spec_of`)."""
   recorded = (source.meta or {}).get(META_KEY)
   if recorded:
     return TaskSpec.from_dict(recorded)

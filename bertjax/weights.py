@@ -18,8 +18,10 @@ decides):
                vocab.txt, its casing from tokenizer_config.json (else its tokenizer.json)
   modernbert   a Hugging Face ModernBERT folder: config.json (model_type "modernbert") and
                model.safetensors (bertjax/formats/modernbert.py); its tokenizer.json (byte-level
-               BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file; a
-               fine-tuned class's task (its labels) as a workdir's (formats/modernbert_tasks.py)
+               BPE, bertjax/data/hf_tokenizer.py), casing and special tokens in the file
+A fine-tuned transformers class (BertFor..., ModernBertFor...) is recorded as its config.json says
+it (`task_class`: the class, its labels, problem_type); which task family that is, fine-tuning
+says (bertjax/finetune/families/).
 
 Casing of a folder's vocabulary (bertjax/formats/vocabulary.py), in this order: what bertjax's
 tokenizer.json record says (told from Hugging Face's file of that name by content), what
@@ -41,10 +43,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, files, taskspec
+from bertjax import checkpoint as checkpoint_lib, files
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.formats import converted, google, hf, modernbert, modernbert_tasks, tf_bundle
+from bertjax.formats import converted, google, hf, modernbert, tf_bundle
 from bertjax.formats import vocabulary
 from bertjax.model import BertConfig
 
@@ -68,6 +70,10 @@ class Weights:
   checkpoints: str | None = None  # workdir: the checkpoints folder read
   step: int | None = None  # workdir: the checkpoint step read
   meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # workdir: its record
+  task_class: hf.TaskClass | None = None  # a fine-tuned transformers class: what it says
+  # Parts of the encoder the folder does not hold, which a model with them starts fresh: the
+  # pooler of a task class that builds none (BertForTokenClassification, ...QuestionAnswering).
+  lacks: tuple[str, ...] = ()
 
   @property
   def lower(self) -> bool:
@@ -241,7 +247,7 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
   if "model" not in meta:
     raise Refusal(f"{what}={folder} step {step} records no model shape (its record has "
                   f"{sorted(meta)}); it was not written by bertjax's training loop")
-  vocab = _workdir_vocabulary(workdir)
+  vocab = vocabulary.of_workdir(workdir)
   if vocab.get("fingerprint") is None:
     vocab["fingerprint"] = meta.get("tokenizer_fingerprint")
   return Weights(workdir, "workdir", BertConfig.from_dict(meta["model"]), tuple(sorted(stored)),
@@ -263,31 +269,6 @@ def _damaged(where: str, folder: str, step: int, steps, err: BaseException
     fix = "It holds no older step."
   return checkpoint_lib.CheckpointDamagedError(
       f"{where}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). " + fix)
-
-
-def _workdir_vocabulary(workdir: str) -> dict:
-  """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
-  names (pre-training runs from before the copy; relative cache paths resolve from here)."""
-  found = vocabulary.of_folder(workdir)
-  if found["vocab_file"] is not None or vocabulary.record(workdir) is not None:
-    return found
-  config_path = os.path.join(workdir, "config.json")
-  data = files.read_json(config_path, "the run's config").get("data") if files.exists(
-      config_path) else None
-  if not data or "spm_vocab_size" not in data:  # not a pre-training config
-    return {}
-  # Read key by key, not as a DataConfig: a run of an older bertjax records other keys.
-  if data["vocab_path"]:
-    vocab = data["vocab_path"]
-  elif data["tokenizer"] == "sentencepiece":
-    vocab = tokenizer_lib.cached_sentencepiece_path(
-        data["source"], data["tfds_split"], data["eval_fraction"], data["cache_dir"],
-        data["spm_vocab_size"], data["do_lower_case"])
-  else:
-    return {}  # a WordPiece run without vocab_path never ran
-  return dict(vocab_file=vocab if files.exists(vocab) else None,
-              tokenizer_kind=data.get("tokenizer"), do_lower_case=bool(data["do_lower_case"]),
-              casing_why=f"data.do_lower_case in {config_path}")
 
 
 def _inspect_converted(folder: str, what: str) -> Weights:
@@ -332,8 +313,13 @@ def _inspect_huggingface(folder: str, what: str) -> Weights:
   tokenizer_config = os.path.join(folder, vocabulary.HF_TOKENIZER_CONFIG)
   casing = files.read_json(tokenizer_config, "the tokenizer's config") if files.exists(
       tokenizer_config) else {}
+  try:
+    task = hf.task_in(hf_config, names)
+  except ValueError as err:
+    raise Refusal(f"{what}={folder}: {err}") from None
   return Weights(folder, "huggingface", config, (ENCODER,) + hf.heads_in(names),
-                 **vocabulary.of_folder(folder, casing))
+                 **vocabulary.of_folder(folder, casing), task_class=task,
+                 lacks=("pooler",) if hf.without_pooler(names) else ())
 
 
 def _inspect_modernbert(folder: str, what: str) -> Weights:
@@ -341,14 +327,15 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
   names = _safetensors_names(folder, what)
   try:
     config = modernbert.config_from_modernbert(hf_config)
-    # A fine-tuned class (ModernBertFor...) carries its task as a workdir does: predict reads it.
-    spec = modernbert_tasks.spec_from_config(hf_config, config)
+    cls = modernbert.task_class(hf_config)
+    # A fine-tuned class (ModernBertFor...) says its task as a workdir's task.json does.
+    task = None if cls is None else hf.task_class(hf_config, cls)
     heads = modernbert.heads_in(names, hf_config)
   except ValueError as err:
     raise Refusal(f"{what}={folder}: {err}") from None
   # Its tokenizer.json (byte-level BPE), as a BERT folder's vocab.txt; a vocab.txt wins.
   return Weights(folder, "modernbert", config, (ENCODER,) + heads, **vocabulary.of_folder(folder),
-                 meta={taskspec.META_KEY: spec} if spec else {})
+                 task_class=task)
 
 
 # Reading ---------------------------------------------------------------------------------------
@@ -383,14 +370,16 @@ def restack(encoder: Mapping[str, Any], num_layers: int, scan: bool,
   return {**encoder, "encoder": stacked}
 
 
-def read(source: Weights, like: Mapping[str, Any] | None = None) -> dict:
+def read(source: Weights, like: Mapping[str, Any] | None = None, *,
+         fresh: Mapping[str, Any] | None = None) -> dict:
   """Parameters of `source`.
 
   `like` None: every stored subtree as numpy, in the stored layer layout. Else a dict of subtrees
   (`{"bert": ...}`, the heads) of arrays or ShapeDtypeStructs, each with a sharding or None: those
   subtrees of the source, in `like`'s layer layout, each array placed as its counterpart (read
   straight into its shards where the layouts agree). A subtree the source lacks, or an array
-  whose shape differs, is refused naming every one.
+  whose shape differs, is refused naming every one; but what it `lacks` (a pooler) is taken from
+  `fresh` (the model's new parameters, in `like`'s tree) where given.
   """
   if like is not None:
     lacking = sorted(set(like) - set(source.subtrees))
@@ -407,11 +396,12 @@ def read(source: Weights, like: Mapping[str, Any] | None = None) -> dict:
   if like is None:
     return host
   if ENCODER in like and "pooler" in like[ENCODER] and "pooler" not in host[ENCODER]:
-    raise checkpoint_lib.CheckpointMismatchError(
-        f"{source.describe()} has no pooler (a transformers BertForTokenClassification or "
-        "BertForQuestionAnswering builds none), and this model has one: take init_from from the "
-        "folder or workdir the fine-tuned model started from, or a BertForSequenceClassification "
-        "or BertForPreTraining folder")
+    if fresh is None:
+      raise checkpoint_lib.CheckpointMismatchError(
+          f"{source.describe()} has no pooler (a transformers BertForTokenClassification or "
+          "BertForQuestionAnswering builds none), and this model has one: pass its new pooler as "
+          "`fresh` (init_from and load_pretrained do)")
+    host[ENCODER] = {**host[ENCODER], "pooler": fresh[ENCODER]["pooler"]}
   return checkpoint_lib.put_like(host, checkpoint_lib.abstract_like(dict(like)))
 
 
@@ -490,4 +480,19 @@ def describe_heads(source: Weights, wanted) -> str:
   parts = ["encoder"] + given
   return " + ".join(parts) + (f" (heads {', '.join(fresh)} new: the source has none)"
                               if fresh else "")
+
+
+def unread(source: Weights, taken) -> str:
+  """What a reader of the subtrees `taken` leaves of a fine-tuned `source`, and starts fresh, for
+  the console ("" where nothing): its task head (named by its class where config.json names one;
+  pre-training's heads go unsaid) and the pooler its class never built."""
+  left = [s for s in source.subtrees if s not in (ENCODER, *hf.HEAD_PREFIXES, *taken)]
+  task, said = source.task_class, []
+  if left or task is not None:
+    what = ", ".join(left + ([f"{len(task.labels)} labels"] if task and task.labels else []))
+    name = f"its {task.architecture} head" if task and task.architecture else "its task head"
+    said.append(name + (f" ({what})" if what else "") + " not read")
+  if "pooler" in source.lacks:
+    said.append("its pooler new (the class builds none)")
+  return "; ".join(said)
 

@@ -68,7 +68,7 @@ def get_config(task: str = "next"):
   e.max_answer_length = 30
   e.null_score_diff_threshold = 0.0  # v2.0: answer "" when null - best > this
   # One's own task: the dev score that picks the best checkpoint ("" = accuracy for classification,
-  # pearson for regression, f1 for tagging and span; each family's MAIN_METRICS, finetune/families/).
+  # pearson for regression, f1 for tagging and span; each family's main_metrics, finetune/families/).
   e.main_metric = ""
 
   # The encoder: 0 / "" takes init_from's value (shape keys must then match it): its shape,

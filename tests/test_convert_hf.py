@@ -182,19 +182,25 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
   (token classification, question answering) neither has the encoder read."""
   from bertjax import weights  # pylint: disable=import-outside-toplevel
   from bertjax import taskspec as spec_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import families  # pylint: disable=import-outside-toplevel
   config = reference["config"]
   params = hf.params_from_hf(reference["state_dict"], config, heads=())
   spec = spec_lib.TaskSpec("t", family, () if family in ("regression", "span") else ("a", "b", "c"))
+  fam = families.get(family)
   rng = np.random.default_rng(1)
-  params[spec.head] = {
-      "kernel": rng.normal(size=(config.hidden_size, spec.num_outputs)).astype(np.float32),
-      "bias": rng.normal(size=(spec.num_outputs,)).astype(np.float32)}
-  sd, extra = hf.task_to_hf(params, config, spec)
+  params[fam.head] = {
+      "kernel": rng.normal(size=(config.hidden_size, fam.num_outputs(spec))).astype(np.float32),
+      "bias": rng.normal(size=(fam.num_outputs(spec),)).astype(np.float32)}
+  sd, extra = hf.task_to_hf(params, config, head=fam.head, hf_class=fam.hf_class,
+                            hf_head=fam.hf_head, outputs=fam.num_outputs(spec), labels=spec.labels)
   with outfolder.ExportFolder(str(tmp_path)) as folder:
     hf.write_hf_dir(folder, sd, {**hf.config_to_hf(config), **extra})
   source = weights.inspect(str(tmp_path))
   back = weights.read(source)
   assert source.kind == "huggingface" and source.subtrees == ("bert",) and list(back) == ["bert"]
+  # What the folder says of its head is recorded as it says it: class, labels, problem_type.
+  assert source.task_class == hf.TaskClass(fam.hf_class, spec.labels,
+                                           extra.get("problem_type", ""))
 
   def flat(tree):
     return {jax.tree_util.keystr(p): np.asarray(x)
@@ -205,12 +211,17 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
                                       else pooler)
   for key, value in after.items():
     np.testing.assert_array_equal(value, before[key], err_msg=key)
-  # As init_from reads it, into an encoder with a pooler: taken where the class has one, else
-  # refused by name (not a pytree error deep in the placement).
+  # Into an encoder with a pooler: taken where the class has one; else the model's new pooler
+  # where it is given (as init_from gives it), refused by name without one (not a pytree error
+  # deep in the placement).
   like = {"bert": jax.device_put(params["bert"])}
   if family in ("classification", "regression"):
     placed = flat(weights.read(source, like=like)["bert"])
-    assert all(np.array_equal(placed[k], v) for k, v in before.items())
+    assert all(np.array_equal(placed[k], v) for k, v in before.items()) and not source.lacks
   else:
-    with pytest.raises(ValueError, match="has no pooler .* take init_from from the folder"):
+    assert source.lacks == ("pooler",)
+    with pytest.raises(ValueError, match="has no pooler .* pass its new pooler as `fresh`"):
       weights.read(source, like=like)
+    fresh = jax.tree.map(np.zeros_like, params)
+    placed = flat(weights.read(source, like=like, fresh=fresh)["bert"])
+    assert all(np.array_equal(placed[k], 0 * v if k in pooler else v) for k, v in before.items())

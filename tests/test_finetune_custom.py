@@ -20,9 +20,9 @@ import pytest
 
 from bertjax import predict as predict_lib
 from bertjax import taskspec as spec_lib
-from bertjax.finetune import custom, families, ner, run
-from bertjax.finetune import textfiles
+from bertjax.finetune import custom, families, run
 from bertjax.finetune.families import classification, tagging
+from bertjax.inputs import pairs, tagged, textfiles
 import finetune_fixtures as fx
 
 ROUTES = ("billing", "delivery", "login", "refund")  # the label names
@@ -286,7 +286,7 @@ def iobes(words_tags):
   """IOB1 fixture sentences rewritten in IOBES (an entity's last word E-, a one-word one S-)."""
   out = []
   for sentence in words_tags:
-    iob2 = ner.to_iob2([t for _, t in sentence])
+    iob2 = tagged.to_iob2([t for _, t in sentence])
     tags = []
     for i, t in enumerate(iob2):
       last = i + 1 == len(iob2) or not iob2[i + 1].startswith("I-")
@@ -422,19 +422,19 @@ def test_tagging_rows_with_mismatched_lengths_and_schemes(tmp_path):
   probe = spec_lib.TaskSpec("tagging", "tagging", ("O", "B-X"))
   with pytest.raises(ValueError, match=r"t.jsonl:1: 2 word\(s\) in 'tokens' but 1 tag"):
     tagging.read_tagged(str(path), probe, "")
-  assert ner.detect_scheme([["B-PER", "I-PER", "O", "B-LOC"]]) == "BIO"
-  assert ner.detect_scheme([["I-PER", "I-PER", "O", "B-PER"]]) == "IOB1"
-  assert ner.detect_scheme([["PER", "O", "LOC"]]) == "IO"
-  assert ner.detect_scheme([["B-PER", "E-PER", "S-LOC"]]) == "IOBES"
+  assert tagged.detect_scheme([["B-PER", "I-PER", "O", "B-LOC"]]) == "BIO"
+  assert tagged.detect_scheme([["I-PER", "I-PER", "O", "B-PER"]]) == "IOB1"
+  assert tagged.detect_scheme([["PER", "O", "LOC"]]) == "IO"
+  assert tagged.detect_scheme([["B-PER", "E-PER", "S-LOC"]]) == "IOBES"
   # One entity list, whatever the scheme it is written in.
   same = {"BIO": ["B-PER", "I-PER", "B-PER", "O", "B-LOC"],
           "IOB1": ["I-PER", "I-PER", "B-PER", "O", "I-LOC"],
           "IOBES": ["B-PER", "E-PER", "S-PER", "O", "S-LOC"]}
   for scheme, tags in same.items():
-    assert ner.chunks(ner.scheme_to_iob2(tags, scheme, "x")) == [("PER", 0, 2), ("PER", 2, 3),
+    assert tagged.chunks(tagged.scheme_to_iob2(tags, scheme, "x")) == [("PER", 0, 2), ("PER", 2, 3),
                                                                  ("LOC", 4, 5)], scheme
   with pytest.raises(ValueError, match=r"x word 2: tag 'E-PER' is not BIO"):
-    ner.scheme_to_iob2(["B-PER", "E-PER"], "BIO", "x")
+    tagged.scheme_to_iob2(["B-PER", "E-PER"], "BIO", "x")
 
 
 def test_classification_report_known_answers():
@@ -559,8 +559,7 @@ def _same_outputs(workdir, folder, cls_name, texts, pair=None):
   model, warned = _loaded(folder, cls_name)
   assert not warned, warned  # no missing or unused weights, nothing else
   p = predict_lib.Predictor.from_workdir(workdir)
-  from bertjax.finetune import glue  # pylint: disable=import-outside-toplevel
-  f, _ = glue.encode_pairs(texts, pair, p.tokenizer, 32)
+  f, _ = pairs.encode_pairs(texts, pair, p.tokenizer, 32)
   head = families.get(p.spec.family).objective(p.spec).make_model(p.config)
   params = weights.read(weights.inspect_trained(workdir))
   ours = head.apply({"params": params}, f["input_ids"], f["input_mask"], f["segment_ids"])

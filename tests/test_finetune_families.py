@@ -1,12 +1,12 @@
 """Task families as the one extension point (bertjax/finetune/families/): every registered family
-provides every hook; no table keyed by family names, and no comparison of a family name, stands
-outside families/ (in bertjax/ or configs/); a family defined here and registered in one line is
-taken by the spec, the task names, the fine-tuning config, the objective, prediction and the
-export to Hugging Face, with no other change."""
+is one typed record (`record.Family`), its fields filled and consistent; no table keyed by family
+names, and no comparison of a family name, stands outside families/ (in bertjax/ or configs/); a
+family defined here and registered in one line is taken by the task names, the fine-tuning config,
+the objective, prediction and the export to Hugging Face, with no other change."""
 
 import ast
+import dataclasses
 import os
-import types
 
 import flax.linen
 import jax
@@ -17,6 +17,7 @@ from bertjax import predict, taskspec as spec_lib
 from bertjax.finetune import families, objectives, tasks
 from bertjax.formats import hf
 from bertjax.finetune.families import regression
+from bertjax.finetune.families.record import Family
 from bertjax.model import BertConfig
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
@@ -24,17 +25,25 @@ FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "dog", "ran", "."]
 
 
-def test_every_family_provides_every_hook():
+def test_every_family_is_one_record_filled_in():
   assert set(families.FAMILIES) >= {"classification", "regression", "tagging", "span"}
+  functions = {"num_outputs", "objective", "columns", "as_row", "records", "load"}
   for name, family in families.FAMILIES.items():
-    missing = [h for h in families.HOOKS if not hasattr(family, h)]
-    assert not missing, f"family {name!r} lacks {missing}"
-    for hook in families.HOOKS:
-      assert callable(getattr(family, hook)) == hook.islower(), (name, hook)
-    assert family.MAIN_METRICS and set(family.LOWER_IS_BETTER) <= set(family.MAIN_METRICS)
-    spec = spec_lib.TaskSpec("t", name, ("O", "B-X", "I-X")[:family.MIN_LABELS])
+    assert isinstance(family, Family) and family.name == name, name
+    for field in dataclasses.fields(Family):  # the functions callable, the facts not
+      value = getattr(family, field.name)
+      assert callable(value) == (field.name in functions or (field.name == "predicted"
+                                                             and value is not None)), field.name
+    assert family.main_metrics and set(family.lower_is_better) <= set(family.main_metrics)
+    spec = spec_lib.TaskSpec("t", name, ("O", "B-X", "I-X")[:family.min_labels])
     batch = family.objective(spec).dummy_batch(2)
-    assert set(batch) == {*objectives.INPUTS, "weight", *family.BATCH_KEYS}, name
+    assert set(batch) == {*objectives.INPUTS, "weight", *family.batch_keys}, name
+    assert family.check(spec) is spec
+    if family.min_labels:  # one label short: a task.json written by hand
+      with pytest.raises(ValueError, match=f"a {name} task needs at least {family.min_labels}"):
+        family.check(dataclasses.replace(spec, labels=spec.labels[:-1]))
+  with pytest.raises(ValueError, match=r"family='nope' is not one of \('classification'"):
+    families.get("nope")
 
 
 def _family_names(node) -> list[str]:
@@ -85,29 +94,25 @@ def test_the_check_sees_a_table():
   os.remove(path)
 
 
-def test_the_spec_and_the_export_read_the_registry():
-  assert spec_lib.FAMILIES is families.FAMILIES  # the registry the spec (and formats/hf.py) read
-
-
 @pytest.fixture
 def toy(monkeypatch):
-  """A family registered in one line: regression's hooks under a new name."""
-  monkeypatch.setitem(families.FAMILIES, "toy",
-                      types.SimpleNamespace(**{h: getattr(regression, h) for h in families.HOOKS}))
+  """A family registered in one line: regression's record under a new name."""
+  monkeypatch.setitem(families.FAMILIES, "toy", dataclasses.replace(regression.FAMILY, name="toy"))
   return "toy"
 
 
 def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_predict(toy,
                                                                                        tmp_path):
   spec = spec_lib.TaskSpec("toy", toy, (), 16)
-  assert (spec.num_outputs, spec.head) == (1, "classifier")
+  family = families.get(toy)
+  assert (family.num_outputs(spec), family.head) == (1, "classifier")
   assert spec_lib.TaskSpec.from_dict(spec.to_dict()) == spec
   assert tasks.canonical("TOY") == toy and toy in tasks.names()
   # One's own task of the family: its learning rate chosen on dev, as for the four.
   from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   assert finetune_config.get_config(toy).train.learning_rate is None
   assert finetune_config.get_config("rte").train.learning_rate == 2e-5  # a benchmark's recipe
-  assert predict.record_keys() >= set(regression.RECORD_KEYS)
+  assert predict.record_keys() >= set(regression.FAMILY.record_keys)
   assert families.main_value(toy, {"mse": 0.5, "pearson": 0.1}, "mse") == -0.5
 
   from bertjax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
@@ -124,7 +129,9 @@ def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_pre
   assert [sorted(r) for r in records] == [["value"]] * 3
   assert all(np.isfinite(r["value"]) for r in records)
   # Its export: the transformers class and head the family names, its width.
-  sd, extra = hf.task_to_hf(flax.linen.unbox(params), config, spec)
+  sd, extra = hf.task_to_hf(flax.linen.unbox(params), config, head=family.head,
+                            hf_class=family.hf_class, hf_head=family.hf_head,
+                            outputs=family.num_outputs(spec), labels=spec.labels)
   assert extra == {"architectures": ["BertForSequenceClassification"], "num_labels": 1,
                    "problem_type": "regression"}
   assert sd["classifier.weight"].shape == (1, 16) and "bert.pooler.dense.weight" in sd
@@ -133,5 +140,6 @@ def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_pre
 def test_a_registered_family_is_a_task_its_load_reads(toy, monkeypatch):
   import finetune_fixtures as fx  # pylint: disable=import-outside-toplevel
   from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(families.get(toy), "load", lambda cfg, tokenizer: ("read", cfg.task))
+  monkeypatch.setitem(families.FAMILIES, toy, dataclasses.replace(
+      families.get(toy), load=lambda cfg, tokenizer: ("read", cfg.task)))
   assert tasks.load(TaskConfig.from_config(fx.ft_config("toy", "")), None) == ("read", "toy")

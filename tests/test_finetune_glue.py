@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from bertjax.finetune import glue
+from bertjax.inputs import pairs
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "dog", "ran", "a",
          "b", ".", "?", '"']
@@ -227,7 +228,7 @@ def _reference_truncate(a, b, budget):
     (1, 9, 6, (1, 5)), (3, 2, 10, (3, 2)), (0, 7, 3, (0, 3))])
 def test_longest_first_truncation(len_a, len_b, budget, expected):
   a, b = list(range(100, 100 + len_a)), list(range(200, 200 + len_b))
-  got_a, got_b = glue.truncate_pair(a, b, budget)
+  got_a, got_b = pairs.truncate_pair(a, b, budget)
   assert (len(got_a), len(got_b)) == expected
   assert (got_a, got_b) == _reference_truncate(a, b, budget)
   assert got_a == a[:len(got_a)] and got_b == b[:len(got_b)]  # from the end, never the front

@@ -8,6 +8,7 @@ import pytest
 
 from bertjax.finetune import ner
 from bertjax.finetune.families import tagging
+from bertjax.inputs import tagged, word_windows
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "eu", "reject", "##s", "german", "call",
          "to", "boy", "##cott", "british", "lamb", ".", "peter", "black", "##burn"]
@@ -113,8 +114,8 @@ def test_missing_file(tmp_path):
     (["O", "O"], ["O", "O"], []),
 ])
 def test_iob_conversion_and_conlleval_entities(tags, iob2, entities):
-  assert ner.to_iob2(tags) == iob2
-  assert ner.chunks(tags) == entities == ner.chunks(iob2)
+  assert tagged.to_iob2(tags) == iob2
+  assert tagged.chunks(tags) == entities == tagged.chunks(iob2)
 
 
 def _split(tag):
@@ -189,8 +190,8 @@ def test_conlleval_refuses_misaligned_input():
 
 
 def test_first_piece_labels_and_weights(tok):
-  s = ner.Sentence("x", ("EU", "rejects", "boycott", "."), ("B-ORG", "O", "B-MISC", "O"))
-  f = tagging.ner_features([s], tok, max_seq_length=10)
+  s = tagged.Sentence("x", ("EU", "rejects", "boycott", "."), ("B-ORG", "O", "B-MISC", "O"))
+  f = word_windows.make_features([s], tok, 10, ner.CONLL2003_LABELS)
   i = ID
   np.testing.assert_array_equal(f["input_ids"][0], [i["[CLS]"], i["eu"], i["reject"], i["##s"],
                                                     i["boy"], i["##cott"], i["."], i["[SEP]"], 0, 0])
@@ -204,9 +205,9 @@ def test_first_piece_labels_and_weights(tok):
 def test_long_sentence_splits_into_windows_and_joins_back(tok):
   words = ("Peter", "Blackburn", "rejects", "German", "lamb", "EU", "call", "boycott")
   tags = ("B-PER", "I-PER", "O", "B-MISC", "O", "B-ORG", "O", "O")
-  short = ner.Sentence("y", ("EU",), ("B-ORG",))
-  sentences = [ner.Sentence("x", words, tags), short]
-  f = tagging.ner_features(sentences, tok, max_seq_length=7)  # 5 pieces per window
+  short = tagged.Sentence("y", ("EU",), ("B-ORG",))
+  sentences = [tagged.Sentence("x", words, tags), short]
+  f = word_windows.make_features(sentences, tok, 7, ner.CONLL2003_LABELS)  # 5 pieces per window
   # Pieces per word: 1 2 2 1 1 1 1 2; whole words per window: 3 words | 4 | 1 -> 3 windows,
   # then the short sentence.
   np.testing.assert_array_equal(f["sentence_index"], [0, 0, 0, 1])
@@ -215,22 +216,25 @@ def test_long_sentence_splits_into_windows_and_joins_back(tok):
   assert (f["input_mask"].sum(1) <= 7).all()
   # Gold ids in, gold tags out; conlleval over the joined sentences then scores 1.
   predicted = np.where(f["label_weights"] > 0, f["label_ids"], L["I-LOC"])
-  joined = tagging.tags_from_predictions(f, predicted, sentences)
+  joined = word_windows.tags_from_predictions(f, predicted, sentences, ner.CONLL2003_LABELS)
   assert joined == [list(tags), ["B-ORG"]]
   assert tagging.conlleval([s.tags for s in sentences], joined)["f1"] == 1.0
   with pytest.raises(ValueError, match="keep the windows in order"):
-    tagging.tags_from_predictions({**f, "sentence_index": f["sentence_index"][[0, 0, 0, 1]],
-                               "first_word": f["first_word"][[1, 0, 2, 3]]}, predicted, sentences)
+    word_windows.tags_from_predictions({**f, "sentence_index": f["sentence_index"][[0, 0, 0, 1]],
+                                        "first_word": f["first_word"][[1, 0, 2, 3]]}, predicted,
+                                       sentences, ner.CONLL2003_LABELS)
 
 
 def test_word_without_pieces_and_word_longer_than_the_window(tok):
-  s = ner.Sentence("x", ("\u200b", "Blackburn"), ("O", "B-PER"))  # a zero-width space: no pieces
-  f = tagging.ner_features([s], tok, max_seq_length=3)
+  s = tagged.Sentence("x", ("\u200b", "Blackburn"), ("O", "B-PER"))  # a zero-width space: no pieces
+  f = word_windows.make_features([s], tok, 3, ner.CONLL2003_LABELS)
   np.testing.assert_array_equal(f["input_ids"], [[ID["[CLS]"], ID["[UNK]"], ID["[SEP]"]],
                                                  [ID["[CLS]"], ID["black"], ID["[SEP]"]]])
-  assert tagging.tags_from_predictions(f, f["label_ids"], [s]) == [["O", "B-PER"]]
+  assert word_windows.tags_from_predictions(f, f["label_ids"], [s], ner.CONLL2003_LABELS) == [
+      ["O", "B-PER"]]
   with pytest.raises(ValueError, match=r"here:3: tag\(s\) \['B-DATE'\] are not in the labels"):
-    tagging.ner_features([ner.Sentence("here:3", ("x",), ("B-DATE",))], tok, 8)
+    word_windows.make_features([tagged.Sentence("here:3", ("x",), ("B-DATE",))], tok, 8,
+                               ner.CONLL2003_LABELS)
 
 
 def test_tfds_not_built_and_rows(tmp_path):

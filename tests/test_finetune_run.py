@@ -23,7 +23,8 @@ import pytest
 from bertjax import checkpoint as checkpoint_lib, loop
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax import taskspec as spec_lib
-from bertjax.finetune import run, squad, squad_metrics, tasks
+from bertjax.finetune import run, squad_metrics, tasks
+from bertjax.inputs import questions
 import finetune_fixtures as fx
 from test_data_fixtures import write_vocab
 
@@ -181,7 +182,7 @@ def test_regression_learns_and_writes_stsb_submission(pretrained, tmp_path, monk
 def _constant_answer_f1(dev_file):
   """The official F1 of two answers that need no model: the context's first word, and the whole
   context."""
-  examples = squad.read_squad_json(dev_file, is_training=False).examples
+  examples = questions.read_squad_json(dev_file, is_training=False).examples
   gold = squad_metrics.gold_answers(examples)
   return max(squad_metrics.evaluate_v1(gold, {e.qas_id: guess(e.context) for e in examples})["f1"]
              for guess in (lambda c: c.split()[0], lambda c: c))
@@ -200,8 +201,8 @@ def test_span_learns_and_writes_squad_predictions(pretrained, tmp_path, monkeypa
   done = finetune(config, tmp_path / "run", monkeypatch)
   results = done.results
   # Contexts of up to 41 words take two windows at times; the steps count features, not questions.
-  n_features = len(tasks.model_features(squad.make_features(
-      squad.read_squad_json(config.data.train_file, is_training=True).examples,
+  n_features = len(tasks.model_features(questions.make_features(
+      questions.read_squad_json(config.data.train_file, is_training=True).examples,
       tokenizer_lib.load_tokenizer(os.path.join(pretrained, "vocab.txt")),
       max_seq_length=fx.SEQ, doc_stride=16, max_query_length=8))["input_ids"])
   assert n_features > N_TRAIN - 1

@@ -14,6 +14,7 @@ from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import squad
 from bertjax.finetune import squad_metrics as metrics
 from bertjax.finetune import squad_postprocess as post
+from bertjax.inputs import questions
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "q", "?", ",", ".", "!", "'", "new", "york",
@@ -30,10 +31,10 @@ def wp(tmp_path_factory):
 
 def _example(qid, question, context, answer=None, start=None, impossible=False):
   if answer is None:
-    return squad.SquadExample(qid, question, context, (), (), impossible, None)
+    return questions.SquadExample(qid, question, context, (), (), impossible, None)
   start = context.index(answer) if start is None else start
-  return squad.SquadExample(qid, question, context, (answer,), (start,), False,
-                            (start, start + len(answer)))
+  return questions.SquadExample(qid, question, context, (answer,), (start,), False,
+                                (start, start + len(answer)))
 
 
 def _write(path, paragraphs):
@@ -85,18 +86,18 @@ def test_sentencepiece_offsets_cover_every_non_space_character(tmp_path):
 def test_max_context_by_hand():
   # Windows 0..4, 2..6, 4..8 of 9 tokens; score = min(left, right) + 0.01 * 5. Token 3: 1.05 in
   # windows 0 and 1 (tie: the first); token 4: 2.05 in window 1; token 5: 1.05 in 1 and 2 (first).
-  assert list(squad.max_context_W([(0, 5), (2, 5), (4, 5)], 9)) == [0, 0, 0, 0, 1, 1, 2, 2, 2]
+  assert list(questions.max_context_W([(0, 5), (2, 5), (4, 5)], 9)) == [0, 0, 0, 0, 1, 1, 2, 2, 2]
   # Window lengths break ties of min(left, right): token 2 scores 1 + 0.04 in 0..3 and 1 + 0.05
   # in 1..5.
-  assert list(squad.max_context_W([(0, 4), (1, 5)], 6)) == [0, 0, 1, 1, 1, 1]
+  assert list(questions.max_context_W([(0, 4), (1, 5)], 6)) == [0, 0, 1, 1, 1, 1]
 
 
 def test_windows_by_hand():
   # 20 tokens, windows of 8 every 5: 0..7, 5..12, 10..17, then 15..19 reaches the end.
-  assert squad._windows(20, 8, 5) == [(0, 8), (5, 8), (10, 8), (15, 5)]
+  assert questions._windows(20, 8, 5) == [(0, 8), (5, 8), (10, 8), (15, 5)]
   # A stride over the window moves by the window: 0..3, 4..7, 8..9. No context: one empty window.
-  assert squad._windows(10, 4, 6) == [(0, 4), (4, 4), (8, 2)]
-  assert squad._windows(0, 4, 2) == [(0, 0)]
+  assert questions._windows(10, 4, 6) == [(0, 4), (4, 4), (8, 2)]
+  assert questions._windows(0, 4, 2) == [(0, 0)]
 
 
 def _original_windows(n, max_doc, stride):
@@ -126,8 +127,8 @@ def test_windows_reach_every_answer_and_mark_the_max_context(wp, max_seq_length,
   context = " ".join(f"w{i}" for i in range(60))  # 60 one-token words
   examples = [_example(f"q{i}", "q ?", context, " ".join(f"w{j}" for j in range(i, i + 3)))
               for i in range(58)]
-  feats = squad.make_features(examples, wp, max_seq_length=max_seq_length, doc_stride=doc_stride,
-                              max_query_length=8)
+  feats = questions.make_features(examples, wp, max_seq_length=max_seq_length,
+                                  doc_stride=doc_stride, max_query_length=8)
   word_starts = [context.index(f"w{i} ") if i < 59 else context.index("w59") for i in range(60)]
   max_doc = max_seq_length - 2 - 3  # the query "q ?" is 2 tokens
   spans = _original_windows(60, max_doc, doc_stride)
@@ -157,7 +158,7 @@ def test_windows_reach_every_answer_and_mark_the_max_context(wp, max_seq_length,
 
 def test_feature_layout(wp):
   ex = _example("a", "where born ?", "alpha beta gamma", "beta")
-  feats = squad.make_features([ex], wp, max_seq_length=12, max_query_length=2)
+  feats = questions.make_features([ex], wp, max_seq_length=12, max_query_length=2)
   # [CLS] where born [SEP] alpha beta gamma [SEP]: the query is cut to 2 tokens.
   assert [wp.pieces[i] for i in feats["input_ids"][0, :8]] == [
       "[CLS]", "where", "born", "[SEP]", "alpha", "beta", "gamma", "[SEP]"]
@@ -165,7 +166,7 @@ def test_feature_layout(wp):
   assert list(feats["input_mask"][0]) == [1] * 8 + [0] * 4
   assert (feats["start_positions"][0], feats["end_positions"][0]) == (5, 5)
   with pytest.raises(ValueError, match="max_seq_length 40 leaves no room"):
-    squad.make_features([ex], wp, max_seq_length=40, max_query_length=64)
+    questions.make_features([ex], wp, max_seq_length=40, max_query_length=64)
 
 
 CONTEXTS = [("Born in  New   York City, the Caf\u00e9  M\u00fcller was born in 1895.",
@@ -186,9 +187,9 @@ def test_decoded_answers_are_the_exact_original_substrings(wp, tmp_path):
   paragraphs = [{"context": c, "qas": [{"id": f"{p}-{i}", "question": "what ?", "answers": [
       {"text": a, "answer_start": c.index(a)}]} for i, a in enumerate(answers)]}
                 for p, (c, answers) in enumerate(CONTEXTS)]
-  data = squad.read_squad_json(_write(tmp_path / "dev.json", paragraphs), is_training=False)
-  feats = squad.make_features(data.examples, wp, max_seq_length=14, doc_stride=4,
-                              max_query_length=4)
+  data = questions.read_squad_json(_write(tmp_path / "dev.json", paragraphs), is_training=False)
+  feats = questions.make_features(data.examples, wp, max_seq_length=14, doc_stride=4,
+                                  max_query_length=4)
   assert feats["input_ids"].shape[0] > len(data.examples)  # several windows per question
   result = post.postprocess(data.examples, feats, *_oracle_logits(feats))
   assert result.predictions == {ex.qas_id: ex.answers[0] for ex in data.examples}
@@ -200,7 +201,7 @@ def test_decoded_answers_are_the_exact_original_substrings(wp, tmp_path):
 
 def _one_window(wp):
   ex = _example("x", "q", "alpha beta gamma delta epsilon w0 w1 w2", "beta gamma")
-  return ex, squad.make_features([ex], wp, max_seq_length=16, max_query_length=4)
+  return ex, questions.make_features([ex], wp, max_seq_length=16, max_query_length=4)
 
 
 def test_candidate_filters(wp):
@@ -236,7 +237,7 @@ def test_start_must_be_the_max_context_token(wp):
   # (min(5-4, 9-5) = 1 there, 0 in window 0).
   context = " ".join(f"w{i}" for i in range(10))
   ex = _example("m", "q", context, "w5 w6")
-  feats = squad.make_features([ex], wp, max_seq_length=10, doc_stride=4, max_query_length=1)
+  feats = questions.make_features([ex], wp, max_seq_length=10, doc_stride=4, max_query_length=1)
   assert feats["input_ids"].shape[0] == 2
   off = 3  # [CLS] q [SEP]
   start, end = np.full((2, 10), -100, np.float32), np.full((2, 10), -100, np.float32)
@@ -276,7 +277,7 @@ def test_nbest_and_v2_null_threshold(wp, tmp_path):
 
 def test_nbest_texts_are_unique(wp):
   ex = _example("u", "q", "w1 w2 w1", "w1")
-  feats = squad.make_features([ex], wp, max_seq_length=10, max_query_length=1)
+  feats = questions.make_features([ex], wp, max_seq_length=10, max_query_length=1)
   start, end = np.zeros((1, 10), np.float32), np.zeros((1, 10), np.float32)
   start[0, [3, 5]], end[0, [3, 5]] = [5, 4], [5, 4]  # "w1" at 3 (score 10) and at 5 (8)
   nbest = post.postprocess([ex], feats, start, end).nbest["u"]
@@ -289,7 +290,7 @@ def test_nbest_texts_are_unique(wp):
 def test_v2_null_score_is_the_lowest_over_the_windows(wp):
   context = " ".join(f"w{i}" for i in range(10))
   ex = _example("m", "q", context, "w5 w6")
-  feats = squad.make_features([ex], wp, max_seq_length=10, doc_stride=4, max_query_length=1)
+  feats = questions.make_features([ex], wp, max_seq_length=10, doc_stride=4, max_query_length=1)
   start, end = np.zeros((2, 10), np.float32), np.zeros((2, 10), np.float32)
   start[:, 0], end[:, 0] = [3, 1], [3, 1]  # null scores 6 and 2: the null is 2, from window 1
   start[1, 4], end[1, 5] = 0.5, 0.5  # best non-null "w5 w6" = 1
@@ -305,22 +306,22 @@ def test_bad_files_name_the_file_and_the_question(tmp_path, caplog):
   empty = tmp_path / "empty.json"
   empty.write_text("  \n")
   with pytest.raises(ValueError, match=re.escape(f"{empty} is empty")):
-    squad.read_squad_json(str(empty), is_training=True)
+    questions.read_squad_json(str(empty), is_training=True)
   broken = tmp_path / "broken.json"
   broken.write_text('{"data": [\n\n  {"paragraphs": }]}')
   with pytest.raises(ValueError, match=re.escape(f"{broken}:3:")):
-    squad.read_squad_json(str(broken), is_training=True)
+    questions.read_squad_json(str(broken), is_training=True)
   with pytest.raises(FileNotFoundError, match="nowhere.json"):
-    squad.read_squad_json(str(tmp_path / "nowhere.json"), is_training=True)
+    questions.read_squad_json(str(tmp_path / "nowhere.json"), is_training=True)
   no_question = _write(tmp_path / "nq.json",
                        [{"context": "c", "qas": [{"id": "q7", "answers": []}]}])
   with pytest.raises(ValueError, match=r"nq.json: data\[0\].paragraphs\[0\].qas\[0\] \(id 'q7'\) "
                                        r"lacks 'question'"):
-    squad.read_squad_json(no_question, is_training=False)
+    questions.read_squad_json(no_question, is_training=False)
   twice = _write(tmp_path / "twice.json", [{"context": "c", "qas": [
       {"id": "d", "question": "?", "answers": [], "is_impossible": True}] * 2}])
   with pytest.raises(ValueError, match="twice.json: question id 'd' appears twice"):
-    squad.read_squad_json(twice, is_training=False)
+    questions.read_squad_json(twice, is_training=False)
 
   context = "alpha beta gamma"
   path = _write(tmp_path / "train.json", [{"context": context, "qas": [
@@ -329,19 +330,19 @@ def test_bad_files_name_the_file_and_the_question(tmp_path, caplog):
       {"id": "none", "question": "?", "answers": []},
       {"id": "null", "question": "?", "answers": [], "is_impossible": True}]}])
   with caplog.at_level(logging.WARNING):
-    train = squad.read_squad_json(path, is_training=True)
+    train = questions.read_squad_json(path, is_training=True)
   assert [ex.qas_id for ex in train.examples] == ["good", "null"]
   assert [q for q, _ in train.skipped] == ["off", "none"]
   assert "'beta' does not match the context at answer_start 7 ('eta ')" in train.skipped[0][1]
   assert "train.json: skipped 2 question(s)" in caplog.text and "off:" in caplog.text
   # Evaluation keeps every question (the totals must not change), without a training target.
-  dev = squad.read_squad_json(path, is_training=False)
+  dev = questions.read_squad_json(path, is_training=False)
   assert [ex.qas_id for ex in dev.examples] == ["good", "off", "none", "null"]
   assert dev.examples[1].answer_span is None and [q for q, _ in dev.unmatched] == ["off", "none"]
   only_bad = _write(tmp_path / "bad.json", [{"context": "c", "qas": [
       {"id": "o", "question": "?", "answers": [{"text": "x", "answer_start": 0}]}]}])
   with pytest.raises(ValueError, match="bad.json holds no usable question"):
-    squad.read_squad_json(only_bad, is_training=True)
+    questions.read_squad_json(only_bad, is_training=True)
 
 
 def test_tfds_is_never_downloaded(tmp_path, monkeypatch):
@@ -371,8 +372,8 @@ def test_tfds_is_never_downloaded(tmp_path, monkeypatch):
   monkeypatch.setattr(tfds, "as_numpy", lambda ds: ds)
   got = squad.read_squad_tfds("squad/v2.0", "validation", data_dir=str(tmp_path),
                               is_training=False).examples
-  assert got == [squad.SquadExample("t1", "what ?", "Caf\u00e9 alpha", ("Caf\u00e9", "alpha"),
-                                    (0, 5), False, (0, 4))]
+  assert got == [questions.SquadExample("t1", "what ?", "Caf\u00e9 alpha", ("Caf\u00e9", "alpha"),
+                                        (0, 5), False, (0, 4))]
   with pytest.raises(ValueError, match=r"no split 'train'; it has \['validation'\]"):
     squad.read_squad_tfds("squad/v2.0", "train", data_dir=str(tmp_path), is_training=True)
 

@@ -15,10 +15,9 @@ import pytest
 
 from bertjax import predict as predict_lib, weights
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib
-from bertjax.finetune import glue, run, squad
+from bertjax.finetune import run
 from bertjax.formats import vocabulary
-from bertjax.finetune.families import tagging
-from bertjax.finetune import ner
+from bertjax.inputs import pairs, questions, tagged, word_windows
 import finetune_fixtures as fx
 
 SPECIALS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")  # ModernBERT's order, after the pieces
@@ -62,7 +61,7 @@ def fast(path):
 
 
 def rows_equal_transformers(tok, ref, texts_a, texts_b=None):
-  features, _ = glue.encode_pairs(texts_a, texts_b, tok, 64)
+  features, _ = pairs.encode_pairs(texts_a, texts_b, tok, 64)
   want = ref(list(texts_a), list(texts_b) if texts_b else None)
   for i in range(len(texts_a)):
     n = int(features["input_mask"][i].sum())
@@ -92,12 +91,12 @@ def test_the_files_template_decides_the_frame_and_a_file_without_one_frames_bert
   # No post-processor: BERT's frame, as pre-training's rows (transformers would frame a text
   # bare and refuse a pair).
   tok = tokenizer_lib.load_vocabulary(train_tokenizer(tmp_path / "bare.json", post=False))
-  features, _ = glue.encode_pairs(["Who is here?"], ["The fox."], tok, 32)
+  features, _ = pairs.encode_pairs(["Who is here?"], ["The fox."], tok, 32)
   a, b = tok.encode("Who is here?"), tok.encode("The fox.")
   n = len(a) + len(b) + 3
   assert features["input_ids"][0, :n].tolist() == [tok.cls_id, *a, tok.sep_id, *b, tok.sep_id]
   assert features["segment_ids"][0, :n].tolist() == [0] * (len(a) + 2) + [1] * (len(b) + 1)
-  features, _ = glue.encode_pairs(["Who is here?"], None, tok, 32)
+  features, _ = pairs.encode_pairs(["Who is here?"], None, tok, 32)
   assert features["input_ids"][0, :len(a) + 2].tolist() == [tok.cls_id, *a, tok.sep_id]
 
 
@@ -133,7 +132,7 @@ def test_a_pair_is_framed_alike_in_pre_training_and_fine_tuning_without_a_post_p
     a, b = text_of.get(tuple(ids[1:num_a - 1])), text_of.get(tuple(ids[num_a:n - 1]))
     if a is None or b is None:
       continue  # B holds two sentences: no one text of the corpus to fine-tune on
-    features, _ = glue.encode_pairs([a], [b], tok, 64)
+    features, _ = pairs.encode_pairs([a], [b], tok, 64)
     assert features["input_ids"][0, :n].tolist() == ids[:n].tolist(), (a, b)
     assert features["segment_ids"][0, :n].tolist() == segments, (a, b)
     assert int(features["input_mask"][0].sum()) == n
@@ -211,11 +210,11 @@ def test_offsets_are_exact_substrings_and_squad_answers_too(tok_file):
         assert span == span.strip()
   context = "Ünïcödé façade:  déjà vu at 123 roads, then Café 🙂 naïve."
   answers = ["façade", "déjà vu", "123", "Café 🙂", "naïve"]
-  examples = [squad.SquadExample(str(k), "Where?", context, (a,), (context.index(a),),
-                                 answer_span=(context.index(a), context.index(a) + len(a)))
+  examples = [questions.SquadExample(str(k), "Where?", context, (a,), (context.index(a),),
+                                     answer_span=(context.index(a), context.index(a) + len(a)))
               for k, a in enumerate(answers)]
-  features = squad.make_features(examples, tok, max_seq_length=64, doc_stride=16,
-                                 max_query_length=8)
+  features = questions.make_features(examples, tok, max_seq_length=64, doc_stride=16,
+                                     max_query_length=8)
   for f, ex in enumerate(examples):
     s, e = features["start_positions"][f], features["end_positions"][f]
     got = context[features["token_start_char"][f, s]:features["token_end_char"][f, e]]
@@ -395,8 +394,8 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
     got = [row["probabilities"][hf_model.config.id2label[i]] for i in range(len(want))]
     np.testing.assert_allclose(got, want, atol=1e-4)
   # Tagging from the same folder: windows framed by the file's template, each word as it reads.
-  sentences = [ner.Sentence("s", ("Café", "naïve", "résumé"), ("B-LOC", "I-LOC", "O"))]
-  feats = tagging.ner_features(sentences, tok, 16, ("O", "B-LOC", "I-LOC"))
+  sentences = [tagged.Sentence("s", ("Café", "naïve", "résumé"), ("B-LOC", "I-LOC", "O"))]
+  feats = word_windows.make_features(sentences, tok, 16, ("O", "B-LOC", "I-LOC"))
   want = fast(tok_file)("Café naïve résumé")["input_ids"]
   assert feats["input_ids"][0, :len(want)].tolist() == want
   assert feats["label_weights"][0].sum() == 3
@@ -433,7 +432,7 @@ def test_padding_ids_do_not_reach_real_positions(modern_folder):
   tok = tokenizer_lib.load_vocabulary(os.path.join(modern_folder, "tokenizer.json"))
   source = weights.inspect(modern_folder)
   params = weights.read(source)[weights.ENCODER]
-  features, _ = glue.encode_pairs(["Café naïve", "a"], ["résumé", "déjà vu 🙂"], tok, 24)
+  features, _ = pairs.encode_pairs(["Café naïve", "a"], ["résumé", "déjà vu 🙂"], tok, 24)
   assert (features["input_ids"][features["input_mask"] == 0] == tok.pad_id).all()
   model = BertModel(source.config)
   apply = jax.jit(lambda ids: model.apply({"params": params}, ids, features["input_mask"],

@@ -7,7 +7,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
             gradcache
   model     model, heads, nnx, contrastive
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
-  data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
+  data      data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a user's
+            text to features): nothing of the model
   core      train, flops, checkpoint, contrastive_training
   formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
             folder an export writes) and
@@ -22,6 +23,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
 the comment just above it (`# lazy: ...`). docs/contributing.md#layers states the same order.
+Neither prediction nor a task family imports a benchmark's reader (GLUE, SQuAD, CoNLL-2003);
+nothing below fine-tuning reads a registry of the task families.
 """
 
 import ast
@@ -42,7 +45,7 @@ LAYERS = (
     ("model", ("bertjax.model_config", "bertjax.model", "bertjax.heads", "bertjax.nnx",
                "bertjax.contrastive")),
     ("configs", ("configs",)),
-    ("data", ("bertjax.data",)),
+    ("data", ("bertjax.data", "bertjax.inputs")),
     ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint",
               "bertjax.contrastive_training")),
     ("formats", ("bertjax.formats", "bertjax.taskspec")),
@@ -218,6 +221,49 @@ def test_the_docs_state_the_same_order():
   section = re.search(r"^## Layers\n(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
   named = re.findall(r"^\d+\. \*\*([\w-]+)\*\*", section, re.M)
   assert named == [name for name, _ in LAYERS], named
+
+
+# The benchmarks' readers (GLUE, SQuAD, CoNLL-2003): they build on inputs/, as the task families
+# and prediction do; what every task reads must not come through one benchmark's files.
+BENCHMARK_READERS = ("bertjax.finetune.glue", "bertjax.finetune.squad", "bertjax.finetune.ner")
+
+
+def _closure(module: str) -> set[str]:
+  """Every project module `module` imports, directly or through others (in functions too)."""
+  _, imports = _graph()
+  seen, todo = set(), [module]
+  while todo:
+    for _, target, _ in imports.get(todo.pop(), ()):
+      if target not in seen:
+        seen.add(target)
+        todo.append(target)
+  return seen
+
+
+def test_prediction_and_the_families_import_no_benchmark_reader():
+  modules, _ = _graph()
+  readers = [m for m in modules if m.startswith("bertjax.finetune.families")] + ["bertjax.predict"]
+  assert len(readers) > 5, readers  # the walk still finds the families
+  through = {m: sorted(_closure(m) & set(BENCHMARK_READERS)) for m in readers}
+  assert not any(through.values()), {m: found for m, found in through.items() if found}
+
+
+def test_nothing_below_finetune_reads_a_registry_of_families():
+  # The registry is the families package's own (bertjax/finetune/families/); a module below it
+  # that read a registry would see it empty until something imported the families (as
+  # load_pretrained did, in a fresh interpreter, on a ModernBertFor* folder).
+  modules, _ = _graph()
+  finetune = [name for name, _ in LAYERS].index("finetune")
+  below = [m for m in modules if m not in FACES and _layer(m) < finetune]
+  assert len(below) > 60, len(below)
+  found = []
+  for module in below:
+    path = modules[module]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+      if name in ("FAMILIES", "family_of"):
+        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+  assert not found, found
 
 
 # Past the limit, with the reason; a module leaves this list when it is split.

@@ -25,8 +25,9 @@ import transformers
 from bertjax import heads, predict, taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import families, glue, textfiles
+from bertjax.finetune import families
 from bertjax.formats import modernbert
+from bertjax.inputs import pairs, textfiles
 from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
 
@@ -85,20 +86,20 @@ def folders(tmp_path_factory, vocab):
   return out
 
 
-def _texts(tokenizer, pairs: bool, length=24):
+def _texts(tokenizer, pair: bool, length=24):
   rng = np.random.default_rng(3)
   a = [" ".join(rng.choice(WORDS, n)) for n in (3, 9, 30)]
-  b = [" ".join(rng.choice(WORDS, n)) for n in (4, 2, 12)] if pairs else None
-  features, _ = glue.encode_pairs(a, b, tokenizer, length)
+  b = [" ".join(rng.choice(WORDS, n)) for n in (4, 2, 12)] if pair else None
+  features, _ = pairs.encode_pairs(a, b, tokenizer, length)
   return features
 
 
 def _batches(tokenizer):
   """(ids, mask, segments) of one batch: three single texts and three pairs, padded (rows of 5
   to 24 tokens), and three rows without padding (every row full)."""
-  singles, pairs = _texts(tokenizer, False), _texts(tokenizer, True)
+  singles, doubles = _texts(tokenizer, False), _texts(tokenizer, True)
   full = np.random.default_rng(4).integers(7, VOCAB, size=(3, 24)).astype(np.int32)
-  return tuple(np.concatenate([singles[k], pairs[k], v]) for k, v in (
+  return tuple(np.concatenate([singles[k], doubles[k], v]) for k, v in (
       ("input_ids", full), ("input_mask", np.ones_like(full)),
       ("segment_ids", np.zeros_like(full))))
 
@@ -113,7 +114,7 @@ def _theirs(model, ids, mask):
 
 
 def _ours(source, params, ids, mask, segments):
-  spec = taskspec.of(source)
+  spec = families.spec_of(source)
   model = families.get(spec.family).objective(spec).make_model(source.config)
   out = model.apply({"params": params}, ids, mask, segments)
   return tuple(np.asarray(o) for o in out) if isinstance(out, tuple) else np.asarray(out)
@@ -133,9 +134,9 @@ def _assert_close(ours, theirs, mask, per_token, substance=0.5):
 def test_imported_heads_match_transformers(folders, vocab, name):
   model, folder = folders[name]
   source = weights.inspect(folder)
-  spec = taskspec.of(source)
+  spec = families.spec_of(source)
   assert source.kind == "modernbert" and spec.family == FAMILY[name]
-  assert source.subtrees == ("bert", heads.PREDICTION_HEAD, spec.head)
+  assert source.subtrees == ("bert", heads.PREDICTION_HEAD, families.get(spec.family).head)
   assert source.config.task_head == "modernbert"
   if spec.family in ("classification", "tagging"):
     assert spec.labels == (LABELS if spec.family == "classification" else TAGS)
@@ -187,7 +188,7 @@ def test_predict_takes_the_folder_as_a_workdir(folders, vocab):
     if b is not None:  # a pair reads its second text from the column --text_b names
       records = list(predictor.predict_rows(
           [_row({"text": x, "second": y}) for x, y in zip(texts, b)], {"text_b": "second"}))
-    f, _ = glue.encode_pairs(texts, b, tokenizer, 64)
+    f, _ = pairs.encode_pairs(texts, b, tokenizer, 64)
     logits = _theirs(model, f["input_ids"], f["input_mask"])
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -352,26 +353,31 @@ def test_finetune_long_inputs_from_a_modernbert_folder_then_export(tmp_path, mon
 
 
 def test_what_has_no_form_is_refused_naming_the_fix():
-  from bertjax.formats import hf, modernbert_tasks  # pylint: disable=import-outside-toplevel
+  from bertjax.formats import hf  # pylint: disable=import-outside-toplevel
   from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="classifier_pooling='mean' is the ModernBERT head's"):
     BertConfig(classifier_pooling="mean")
   modern = modernbert.config_from_modernbert(BASE)
   assert modern.task_head == "modernbert" and modern.classifier_pooling == "cls"
-  spec = taskspec.TaskSpec("classification", "classification", LABELS)
   with pytest.raises(ValueError, match="task_head=modernbert to export"):
-    modernbert_tasks.task_config(spec, dataclasses.replace(modern, task_head="bert"))
+    modernbert.task_config(dataclasses.replace(modern, task_head="bert"), cls=HEADS["cls"][0],
+                           outputs=len(LABELS), labels=LABELS)
   with pytest.raises(ValueError, match="convert.modernbert export"):
-    hf.task_to_hf({}, dataclasses.replace(BertConfig(), task_head="modernbert"), spec)
+    hf.task_to_hf({}, dataclasses.replace(BertConfig(), task_head="modernbert"),
+                  head="classifier", hf_class="BertForSequenceClassification",
+                  hf_head="classifier", outputs=len(LABELS), labels=LABELS)
+  # A class's task is the folder's to say and fine-tuning's to read: a multi-label head has no
+  # family (its encoder is still taken).
+  multi_label = hf.task_class({**BASE, "problem_type": "multi_label_classification",
+                               "id2label": {"0": "a", "1": "b"}}, HEADS["cls"][0])
   with pytest.raises(ValueError, match="multi_label_classification"):
-    modernbert_tasks.spec_from_config(
-        {**BASE, "architectures": [HEADS["cls"][0]], "problem_type": "multi_label_classification",
-         "id2label": {"0": "a", "1": "b"}}, modern)
+    families.spec_of(weights.Weights("/nowhere", "modernbert", modern, ("bert",),
+                                     task_class=multi_label))
   with pytest.raises(ValueError, match="names none of"):
     modernbert.heads_in(["classifier.weight"], {"architectures": ["ModernBertForMaskedLM"]})
   with pytest.raises(ValueError, match="id2label has ids"):
-    modernbert_tasks.spec_from_config(
-        {"architectures": [HEADS["tagging"][0]], "id2label": {"0": "O", "2": "B-X"}}, modern)
+    hf.task_class({"architectures": [HEADS["tagging"][0]], "id2label": {"0": "O", "2": "B-X"}},
+                  HEADS["tagging"][0])
 
 
 @pytest.mark.parametrize("family", ["tagging", "span"])
@@ -382,7 +388,8 @@ def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, 
   folder = _mlm_folder(tmp_path, vocab)
   source = weights.inspect(folder)
   spec = taskspec.TaskSpec(family, family, TAGS if family == "tagging" else ())
-  model = families.get(family).objective(spec).make_model(source.config)
+  fam = families.get(family)
+  model = fam.objective(spec).make_model(source.config)
   ids = np.zeros((1, 8), np.int32)
   fresh = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ids, ids, ids)["params"])
   start = run._encoder_loader(source)(fresh)  # pylint: disable=protected-access
@@ -393,4 +400,4 @@ def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, 
     for (path, value), got in zip(jax.tree_util.tree_leaves_with_path(want),
                                   jax.tree.leaves(start[part])):
       np.testing.assert_array_equal(np.asarray(got), value, err_msg=f"{part}{path}")
-  assert start[spec.head]["kernel"].shape == (BASE["hidden_size"], spec.num_outputs)
+  assert start[fam.head]["kernel"].shape == (BASE["hidden_size"], fam.num_outputs(spec))

@@ -435,13 +435,14 @@ def _every_answer_is_a_substring(tokenizer, pool):
   none."""
   import random
   import numpy as np
-  from bertjax.finetune import squad, squad_postprocess
+  from bertjax.finetune import squad_postprocess
+  from bertjax.inputs import questions
   rng = random.Random(0)
   for trial in range(150):
     context = _random_context(rng, pool)
-    example = squad.SquadExample(f"q{trial}", "what", context, (), (), False, None)
-    features = squad.make_features([example], tokenizer, max_seq_length=32, doc_stride=8,
-                                   max_query_length=4)
+    example = questions.SquadExample(f"q{trial}", "what", context, (), (), False, None)
+    features = questions.make_features([example], tokenizer, max_seq_length=32, doc_stride=8,
+                                       max_query_length=4)
     logits = np.random.default_rng(trial).normal(size=(2, *features["input_ids"].shape))
     for version_2 in (False, True):
       result = squad_postprocess.postprocess([example], features, *logits,

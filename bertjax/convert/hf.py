@@ -27,7 +27,7 @@ import shutil
 from bertjax import files, taskspec, weights
 from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import families  # registers the task families the spec reads
+from bertjax.finetune import families
 from bertjax.formats import converted, hf, outfolder, sentence_transformers
 from bertjax.model import BertConfig
 
@@ -61,7 +61,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   transformers class with its labels. `sentence`: also sentence-transformers' files, so that
   SentenceTransformer(output) gives those vectors. Returns a line saying what was done."""
   source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
-  spec = taskspec.of(source)
+  spec = families.spec_of(source)
   task_heads = sorted(set(source.subtrees) - {weights.ENCODER, *hf.HEAD_PREFIXES})
   if task_heads and spec is None:
     raise Refusal(
@@ -77,10 +77,12 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
       hf.write_hf_dir(folder, hf.params_to_hf(params, source.config), hf_config)
       what = "BertForPreTraining"
     else:
-      sd, extra = hf.task_to_hf(params, source.config, spec)
+      family = families.get(spec.family)
+      sd, extra = hf.task_to_hf(params, source.config, head=family.head,
+                                hf_class=family.hf_class, hf_head=family.hf_head,
+                                outputs=family.num_outputs(spec), labels=spec.labels)
       hf.write_hf_dir(folder, sd, {**hf_config, **extra})
-      what = families.get(spec.family).HF_CLASS + (f", {len(spec.labels)} labels"
-                                                   if spec.labels else "")
+      what = family.hf_class + (f", {len(spec.labels)} labels" if spec.labels else "")
     said = write_tokenizer_files(source, folder, source.config)
     if sentence is not None:
       said += sentence_transformers.write(folder, sentence, source.config.hidden_size)

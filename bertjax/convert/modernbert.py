@@ -24,9 +24,8 @@ from bertjax import taskspec, weights
 from bertjax.convert import hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import families  # pylint: disable=unused-import  (registers the families)
-from bertjax.formats import (converted, hf, modernbert, modernbert_tasks, outfolder,
-                             sentence_transformers)
+from bertjax.finetune import families
+from bertjax.formats import converted, hf, modernbert, outfolder, sentence_transformers
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -43,7 +42,7 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
     tokenizer_lib.copy_to_workdir(source.vocab_file, tok.kind, tok.fingerprint, output,
                                   source.lower, replace=True)
     said = f"{os.path.basename(source.vocab_file)} ({tok.kind})"
-  spec = taskspec.of(source)
+  spec = families.spec_of(source)
   if spec is not None:  # a fine-tuned class: its labels go along, as a workdir's task.json
     taskspec.write(spec, output)
   return (f"Imported {hf_dir} -> {output} ({config.num_layers} layers, hidden "
@@ -70,17 +69,23 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   ...ForTokenClassification, ...ForQuestionAnswering) with its labels, anything else as
   ModernBertForMaskedLM. `sentence`: also sentence-transformers' files (as the BERT export)."""
   source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
-  spec = taskspec.of(source)
+  spec = families.spec_of(source)
   token_ids = _token_ids(source)
   # Refused before anything is read or written: a model ModernBERT cannot express, a head its
   # classes do not have, an output folder of somebody's files.
   hf_config = modernbert.config_to_modernbert(source.config, token_ids)
-  if spec is not None:
-    hf_config.update(modernbert_tasks.task_config(spec, source.config))
+  family = None if spec is None else families.get(spec.family)
+  if family is not None:
+    if family.modernbert_class is None:
+      classes = sorted(f.modernbert_class for f in families.FAMILIES.values() if f.modernbert_class)
+      raise Refusal(f"A {spec.family} model has no ModernBERT class; those exported are {classes}")
+    hf_config.update(modernbert.task_config(
+        source.config, cls=family.modernbert_class, outputs=family.num_outputs(spec),
+        labels=spec.labels))
   folder = outfolder.ExportFolder(output)
   params = weights.read(source)
-  if spec is not None:
-    params = {k: params[k] for k in (weights.ENCODER, modernbert.PREDICTION_HEAD, spec.head)}
+  if family is not None:
+    params = {k: params[k] for k in (weights.ENCODER, modernbert.PREDICTION_HEAD, family.head)}
   with folder:
     hf.write_hf_dir(folder, modernbert.params_to_modernbert(params, source.config), hf_config)
     said = convert_hf.write_tokenizer_files(source, folder, source.config,

@@ -18,7 +18,8 @@ import numpy as np
 from absl import app, flags
 
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import squad, squad_metrics, squad_postprocess
+from bertjax.finetune import squad_metrics, squad_postprocess
+from bertjax.inputs import questions
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "st", "er", "an"]
 # Real contexts are not all ASCII: names with accents, dashes, curly quotes.
@@ -92,9 +93,9 @@ def bench_squad(args) -> None:
           f"{os.cpu_count()} cpus", flush=True)
 
     t0 = time.perf_counter()
-    train = squad.read_squad_json(paths["train"], is_training=True)
+    train = questions.read_squad_json(paths["train"], is_training=True)
     t1 = time.perf_counter()
-    feats = squad.make_features(train.examples, tok)
+    feats = questions.make_features(train.examples, tok)
     t2 = time.perf_counter()
     n = len(train.examples)
     print(f"train features: {n} questions -> {feats['input_ids'].shape[0]} features; read "
@@ -102,8 +103,8 @@ def bench_squad(args) -> None:
           f"(target 2,000)", flush=True)
     del feats
 
-    dev = squad.read_squad_json(paths["dev"], is_training=False)
-    feats = squad.make_features(dev.examples, tok)
+    dev = questions.read_squad_json(paths["dev"], is_training=False)
+    feats = questions.make_features(dev.examples, tok)
     F, L = feats["input_ids"].shape
     start, end = rng.normal(size=(2, F, L)).astype(np.float32)
     gold = squad_metrics.gold_answers(dev.examples)

@@ -2,7 +2,7 @@
 a task family (bertjax/finetune/families/: classification, regression, tagging, span); each
 family's `load` reads its files with the pieces here.
 
-Classification, regression and tagging read CSV, TSV or JSON Lines (bertjax/finetune/textfiles.py)
+Classification, regression and tagging read CSV, TSV or JSON Lines (bertjax/inputs/textfiles.py)
 with the columns named under config.data (text_a, text_b, label; tokens and tags for tagging, each
 a JSON list or words separated by spaces); tagging also reads CoNLL column files (format "conll",
 or a .conll file); span reads SQuAD's JSON layout (v1.1, or v2.0 with unanswerable questions).
@@ -17,7 +17,7 @@ outside it is an error naming the file, line and label.
 
 Every family reports its numbers after every epoch (in evaluations.json and results.json; the full
 report of the best checkpoint in results.json's "dev_report"); config.eval.main_metric picks the
-best checkpoint among the family's MAIN_METRICS ("" = the first).
+best checkpoint among the family's main_metrics ("" = the first).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 from bertjax import files
 from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import glue, textfiles
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet
+from bertjax.inputs import pairs, textfiles
 
 CONLL = "conll"
 
@@ -63,7 +63,7 @@ def pair_inputs(rows: Sequence[Mapping], spec: spec_lib.TaskSpec, tokenizer
   rows were cut to fit, [N] bool."""
   texts_a = [textfiles.text_of(r, spec.text_a) for r in rows]
   texts_b = [textfiles.text_of(r, spec.text_b) for r in rows] if spec.text_b else None
-  return glue.encode_pairs(texts_a, texts_b, tokenizer, spec.max_seq_length)
+  return pairs.encode_pairs(texts_a, texts_b, tokenizer, spec.max_seq_length)
 
 
 def pair_records(records: list[dict], truncated_N: np.ndarray) -> list[dict]:

@@ -7,7 +7,8 @@ rules, are described in TASKS. Labels are kept as the strings the files and the 
 the original run_classifier.py so its fine-tuned classifiers load with the same meaning.
 
 Features follow the original: `[CLS] A [SEP] B [SEP]`, segment 0 up to the first `[SEP]`, 1 after;
-a pair too long loses one token at a time from the end of the longer text (B on a tie).
+a pair too long loses one token at a time from the end of the longer text (B on a tie), as every
+pair is encoded (bertjax/inputs/pairs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from bertjax import files
 from bertjax.data import corpus
 from bertjax.errors import Refusal
+from bertjax.inputs import pairs
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -296,51 +298,6 @@ def read_glue_tfds(data_dir: str | None, task: str | GlueTask, split: str) -> Gl
                             f"tfds {name} {task.tfds_splits[split]}")
 
 
-def truncate_pair(ids_a: list[int], ids_b: list[int], max_tokens: int) -> tuple[list, list]:
-  """Drop the last token of the longer list (of B on a tie) until both fit in `max_tokens`."""
-  len_a, len_b = len(ids_a), len(ids_b)
-  while len_a + len_b > max_tokens:
-    if len_a > len_b:
-      len_a -= 1
-    else:
-      len_b -= 1
-  return ids_a[:len_a], ids_b[:len_b]
-
-
-def encode_pairs(texts_a: Sequence[str], texts_b: Sequence[str] | None, tokenizer,
-                 max_seq_length: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-  """Rows framed by the tokenizer's template (`[CLS] A [SEP]` or `[CLS] A [SEP] B [SEP]` for
-  BERT's): input_ids, input_mask, segment_ids [N, L] int32, and which rows were cut to fit, [N]
-  bool (the longer text loses its last token first, B on a tie)."""
-  pair = texts_b is not None
-  template = tokenizer.template
-  specials = template.specials(pair)
-  if max_seq_length < specials + 1:
-    raise Refusal(f"max_seq_length {max_seq_length} leaves no room for text beside the "
-                  f"{specials} special tokens; use at least {specials + 1} (128 is the usual).")
-  n, length = len(texts_a), max_seq_length
-  ids_a = tokenizer.encode_batch(list(texts_a))
-  ids_b = tokenizer.encode_batch([t or "" for t in texts_b]) if pair else None
-  single_room = length - template.specials(False)
-  input_ids_NxL = np.full((n, length), tokenizer.pad_id, np.int32)
-  input_mask_NxL = np.zeros((n, length), np.int32)
-  segment_ids_NxL = np.zeros((n, length), np.int32)
-  truncated_N = np.zeros(n, bool)
-  for i in range(n):
-    if not pair or texts_b[i] is None:
-      a, b = ids_a[i][:single_room], None
-      truncated_N[i] = len(ids_a[i]) > single_room
-    else:
-      a, b = truncate_pair(ids_a[i], ids_b[i], length - specials)
-      truncated_N[i] = len(a) + len(b) < len(ids_a[i]) + len(ids_b[i])
-    row, types, _, _ = template.frame(a, b)
-    input_ids_NxL[i, :len(row)] = row
-    input_mask_NxL[i, :len(row)] = 1
-    segment_ids_NxL[i, :len(row)] = types
-  return ({"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
-           "segment_ids": segment_ids_NxL}, truncated_N)
-
-
 def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
                   max_seq_length: int) -> dict[str, np.ndarray]:
   """input_ids, input_mask, segment_ids [N, L] int32; label [N] (int32 ids, or float32 scores for
@@ -348,9 +305,9 @@ def glue_features(task: str | GlueTask, examples: Sequence[Example], tokenizer,
   task = task if isinstance(task, GlueTask) else get_task(task)
   pair = any(e.text_b is not None for e in examples)
   n = len(examples)
-  inputs, truncated_N = encode_pairs([e.text_a for e in examples],
-                                     [e.text_b for e in examples] if pair else None, tokenizer,
-                                     max_seq_length)
+  inputs, truncated_N = pairs.encode_pairs([e.text_a for e in examples],
+                                           [e.text_b for e in examples] if pair else None,
+                                           tokenizer, max_seq_length)
   if truncated_N.any():
     logging.info("%s: %d of %d example(s) truncated to max_seq_length %d.", task.name,
                  truncated_N.sum(), n, max_seq_length)

@@ -151,7 +151,7 @@ def glue_metrics(task: str, predictions: Sequence, labels: Sequence) -> dict[str
 def main_value(family: str, choices: Sequence[str], lower: Sequence[str],
                scores: Mapping[str, float], main: str) -> float:
   """scores[main], higher is better (negated where `lower` says lower is); main must be one of
-  the family's `choices` (its MAIN_METRICS)."""
+  the family's `choices` (its main_metrics)."""
   if main not in choices:
     raise Refusal(f"config.eval.main_metric={main!r} is not one a {family} task reports; "
                   f"choose one of {list(choices)}.")

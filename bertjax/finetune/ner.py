@@ -1,148 +1,45 @@
-"""Reading tagged words: CoNLL-2003 (column files or TFDS) and the tag schemes of one's own files,
-all to IOB2 `Sentence`s, the tagging family's examples (bertjax/finetune/families/tagging.py holds
-its word-piece features, conlleval scores and predictions).
-
-Tags inside bertjax are IOB2 (every entity starts with B-): the files come in IOB1 (the original
-CoNLL-2003 release, where B- only separates two adjacent entities of one type) or IOB2, and both
-read to the same entities, so IOB2 is the one scheme in which an entity's first tag is always the
-same and the classifier has one thing to learn for "starts an entity".
+"""CoNLL-2003, the benchmark of the tagging family: its label set, its column files (IOB1 or
+IOB2, the original release's and others') and its TFDS dataset, read to IOB2 `Sentence`s. The
+words, tag schemes and column files of any tagged text are bertjax/inputs/tagged.py's; the word
+windows, bertjax/inputs/word_windows.py's; the conlleval scores and predictions, the family's
+(bertjax/finetune/families/tagging.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Iterable, Mapping, Sequence
 
-from bertjax import files
 from bertjax.data import corpus
 from bertjax.errors import Refusal
+from bertjax.inputs import tagged
 
 CONLL2003_LABELS = ("O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC", "B-MISC", "I-MISC")
-DOCSTART = "-DOCSTART-"
-
-
-@dataclasses.dataclass(frozen=True)
-class Sentence:
-  where: str  # "file:line" of its first word (or "tfds ... #n")
-  words: tuple[str, ...]
-  tags: tuple[str, ...]  # IOB2
-
-
-def _split_tag(tag: str) -> tuple[str, str]:
-  """("B"|"I"|"O", type); a malformed tag is ("", tag)."""
-  if tag == "O":
-    return "O", ""
-  prefix, dash, kind = tag.partition("-")
-  return (prefix, kind) if dash and prefix in ("B", "I") and kind else ("", tag)
-
-
-def to_iob2(tags: Sequence[str]) -> list[str]:
-  """IOB1 or IOB2 -> IOB2: an I- that conlleval would read as starting an entity (after O, at the
-  start, or after another type) becomes B-. IOB2 input comes back unchanged."""
-  out, prev_kind = [], ""
-  for tag in tags:
-    prefix, kind = _split_tag(tag)
-    out.append(f"B-{kind}" if prefix == "I" and kind != prev_kind else tag)
-    prev_kind = kind if prefix in ("B", "I") else ""
-  return out
-
-
-def chunks(tags: Sequence[str]) -> list[tuple[str, int, int]]:
-  """Entities as (type, start, end exclusive), by conlleval's rules: B- starts an entity; I- starts
-  one after O or after another type; an entity ends before B-, O, or a change of type."""
-  found, start, kind = [], None, ""
-  for i, tag in enumerate(tags):
-    prefix, this_kind = _split_tag(tag)
-    if not prefix:
-      raise Refusal(f"Tag {tag!r} (position {i}) is not O, B-TYPE or I-TYPE.")
-    if start is not None and (prefix in ("B", "O") or this_kind != kind):
-      found.append((kind, start, i))
-      start = None
-    if prefix == "B" or (prefix == "I" and start is None):
-      start, kind = i, this_kind
-  if start is not None:
-    found.append((kind, start, len(tags)))
-  return found
 
 
 def _check_tags(tags: Sequence[str], kinds: set[str], where_of, labels) -> None:
   for i, tag in enumerate(tags):
-    prefix, kind = _split_tag(tag)
+    prefix, kind = tagged.split_tag(tag)
     if not prefix or (prefix != "O" and kind not in kinds):
       raise Refusal(f"{where_of(i)}: tag {tag!r} is not one of {list(labels)} (IOB1 or IOB2); "
                     f"pass labels=... for another tag set.")
 
 
-LONG_SENTENCE = 250  # words: past this a "sentence" is taken for a file without blank lines
-
-
-def read_columns(path: str, word_column: int = 0, tag_column: int = -1
-                 ) -> list[tuple[int, list[str], list[str]]]:
-  """(first line, words, tags as written) of each sentence of a CoNLL column file: one word per
-  line (`word POS chunk NER` in CoNLL-2003), a blank line between sentences, `-DOCSTART-` lines
-  between documents.
-
-  Every word line must have as many columns as the first; a line that does not is an error naming
-  the file and line (a shifted column would silently read a POS tag as an entity).
-  """
-  if not files.exists(path):
-    raise FileNotFoundError(f"No CoNLL file {path}.")
-  with files.open_file(path, "rb") as f:
-    try:
-      lines = f.read().decode("utf-8-sig").splitlines()
-    except UnicodeDecodeError as err:
-      raise Refusal(f"{path}: not UTF-8 at byte {err.start} (the original CoNLL-2003 English "
-                    f"files are ASCII; convert Latin-1 files with iconv).") from None
-  sentences, words, tags, first_line, width = [], [], [], 0, None
-  for number, line in enumerate(lines, start=1):
-    fields = line.split()
-    if not fields or fields[0] == DOCSTART:
-      if words:
-        sentences.append((first_line, words, tags))
-      words, tags = [], []
-      continue
-    if width is None:
-      width = len(fields)
-      if width < 2:
-        raise Refusal(f"{path}:{number}: one column ({line.strip()[:40]!r}); a CoNLL file has "
-                      f"the word first and the tag last on each line.")
-    if len(fields) != width:
-      raise Refusal(f"{path}:{number}: {len(fields)} column(s), expected {width} as on the "
-                    f"first word line; a word or tag holding a space, or a damaged line?")
-    if not words:
-      first_line = number
-    words.append(fields[word_column])
-    tags.append(fields[tag_column])
-  if words:
-    sentences.append((first_line, words, tags))
-  if not sentences:
-    raise Refusal(f"{path}: no sentences (the file is empty or holds only {DOCSTART} and blank "
-                  f"lines).")
-  longest = max(sentences, key=lambda s: len(s[1]))
-  if len(longest[1]) > LONG_SENTENCE:
-    # CoNLL-2003's longest sentence has 124 words: far more means sentences run together.
-    logging.warning("%s: a sentence of %d words (at %s:%d): are the blank lines between sentences "
-                    "missing? A CoNLL file holds one word per line and a blank line after each "
-                    "sentence.", path, len(longest[1]), path, longest[0])
-  return sentences
-
-
 def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
-               labels: Sequence[str] = CONLL2003_LABELS) -> list[Sentence]:
-  """Sentences of a CoNLL column file (`read_columns`) with tags of `labels` (IOB1 or IOB2), as
-  IOB2."""
-  kinds = {_split_tag(t)[1] for t in labels} - {""}
+               labels: Sequence[str] = CONLL2003_LABELS) -> list[tagged.Sentence]:
+  """Sentences of a CoNLL column file (`tagged.read_columns`) with tags of `labels` (IOB1 or
+  IOB2), as IOB2."""
+  kinds = {tagged.split_tag(t)[1] for t in labels} - {""}
   sentences, converted = [], 0
-  for first_line, words, tags in read_columns(path, word_column, tag_column):
+  for first_line, words, tags in tagged.read_columns(path, word_column, tag_column):
     _check_tags(tags, kinds, lambda i, at=first_line: f"{path}:{at + i}", labels)
-    iob2 = to_iob2(tags)
+    iob2 = tagged.to_iob2(tags)
     converted += sum(a != b for a, b in zip(tags, iob2))
-    sentences.append(Sentence(f"{path}:{first_line}", tuple(words), tuple(iob2)))
+    sentences.append(tagged.Sentence(f"{path}:{first_line}", tuple(words), tuple(iob2)))
   if converted:
     logging.info("%s: %d IOB1 tag(s) rewritten to IOB2.", path, converted)
   longest = max(sentences, key=lambda s: len(s.words))
-  if len(longest.words) > LONG_SENTENCE:
+  if len(longest.words) > tagged.LONG_SENTENCE:
     # CoNLL-2003's longest sentence has 124 words: far more means sentences run together.
     logging.warning("%s: a sentence of %d words (at %s): are the blank lines between sentences "
                     "missing? A CoNLL file holds one word per line and a blank line after each "
@@ -150,71 +47,10 @@ def read_conll(path: str, word_column: int = 0, tag_column: int = -1,
   return sentences
 
 
-# Tag schemes of one's own data ------------------------------------------------------------------
-#   IO     I-TYPE (or a bare TYPE) inside an entity, O outside; adjacent entities of one type merge
-#   BIO    (IOB2) B-TYPE starts every entity, I-TYPE continues it
-#   IOB1   I-TYPE starts an entity; B-TYPE only where one follows another of the same type
-#   IOBES  B- begins, I- continues, E- ends a multi-word entity; S- is a one-word entity
-# All read to IOB2 (what the classifier learns, see the module docstring): each names the same
-# entities in IOB2 as in its own scheme.
-_PREFIXES = {"IO": {"I"}, "BIO": {"B", "I"}, "IOB1": {"B", "I"}, "IOBES": {"B", "I", "E", "S"}}
-
-
-def scheme_tag(tag: str) -> tuple[str, str]:
-  """(prefix, type): "O" -> ("O", ""); "B-PER" -> ("B", "PER"); a bare "PER" -> ("", "PER")."""
-  if tag == "O":
-    return "O", ""
-  prefix, dash, kind = tag.partition("-")
-  if dash and kind and prefix in ("B", "I", "E", "S"):
-    return prefix, kind
-  return "", tag
-
-
-def detect_scheme(tag_lists: Iterable[Sequence[str]]) -> str:
-  """The scheme the tags are written in: IOBES if any E-/S-; IO if no B- (bare types included);
-  BIO if every entity starts with B-; else IOB1."""
-  prefixes, iob1 = set(), False
-  for tags in tag_lists:
-    prev = ""
-    for tag in tags:
-      prefix, kind = scheme_tag(tag)
-      prefixes.add(prefix)
-      if prefix == "I" and prev != kind:
-        iob1 = True
-      prev = kind if prefix not in ("O", "E", "S") else ""
-  if prefixes & {"E", "S"}:
-    return "IOBES"
-  if "B" not in prefixes:
-    return "IO"
-  return "IOB1" if iob1 else "BIO"
-
-
-def scheme_to_iob2(tags: Sequence[str], scheme: str, where: str) -> list[str]:
-  """Tags of `scheme` as IOB2; a tag the scheme does not have is an error naming `where`."""
-  allowed = _PREFIXES[scheme]
-  out = []
-  for i, tag in enumerate(tags):
-    prefix, kind = scheme_tag(tag)
-    if prefix == "" and scheme != "IO":
-      raise Refusal(f"{where} word {i + 1}: tag {tag!r} has no B-/I- prefix; in {scheme} every "
-                    "entity tag has one (set config.data.tag_scheme='IO' for bare types).")
-    if prefix not in allowed | {"O", ""}:
-      raise Refusal(f"{where} word {i + 1}: tag {tag!r} is not {scheme} (its prefixes: "
-                    f"{sorted(allowed)}, and O); set config.data.tag_scheme to the file's "
-                    "scheme, or leave it '' to detect it.")
-    out.append("O" if prefix == "O" else f"{'B' if prefix in ('B', 'S') else 'I'}-{kind}")
-  return to_iob2(out)
-
-
-def tag_labels(kinds: Iterable[str]) -> tuple[str, ...]:
-  """The IOB2 label set of entity types: O, then B-/I- of each type in sorted order."""
-  return ("O",) + tuple(f"{p}-{k}" for k in sorted(set(kinds)) for p in ("B", "I"))
-
-
 def sentences_from_tfds(rows: Iterable[Mapping], tag_names: Sequence[str], where: str,
-                        labels: Sequence[str] = CONLL2003_LABELS) -> list[Sentence]:
+                        labels: Sequence[str] = CONLL2003_LABELS) -> list[tagged.Sentence]:
   """Sentences from TFDS conll2003 rows (numpy: `tokens` bytes, `ner` ids into tag_names)."""
-  kinds = {_split_tag(t)[1] for t in labels} - {""}
+  kinds = {tagged.split_tag(t)[1] for t in labels} - {""}
   sentences = []
   for n, row in enumerate(rows):
     words = tuple(w.decode("utf-8") if isinstance(w, bytes) else str(w) for w in row["tokens"])
@@ -222,13 +58,13 @@ def sentences_from_tfds(rows: Iterable[Mapping], tag_names: Sequence[str], where
     if not words:
       continue  # TFDS keeps the empty sentences of DOCSTART lines
     _check_tags(tags, kinds, lambda i: f"{where} #{n} word {i}", labels)
-    sentences.append(Sentence(f"{where} #{n}", words, tuple(to_iob2(tags))))
+    sentences.append(tagged.Sentence(f"{where} #{n}", words, tuple(tagged.to_iob2(tags))))
   if not sentences:
     raise Refusal(f"{where}: the split holds no sentences.")
   return sentences
 
 
-def read_conll_tfds(data_dir: str | None, split: str) -> list[Sentence]:
+def read_conll_tfds(data_dir: str | None, split: str) -> list[tagged.Sentence]:
   """CoNLL-2003 from the TFDS `conll2003` dataset built under data_dir; nothing is downloaded."""
   import tensorflow_datasets as tfds
   builder = corpus.built_tfds("conll2003", data_dir, "read the CoNLL column files instead")

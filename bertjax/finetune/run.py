@@ -108,11 +108,25 @@ def _encoder_loader(source: weights.Weights):
   ModernBERT prediction head: bertjax/finetune/init_heads.py)."""
   def load(fresh):
     like = {weights.ENCODER: checkpoint_lib.abstract_like(fresh[weights.ENCODER])}
-    out = {**fresh, **weights.read(source, like=like)}
+    out = {**fresh, **weights.read(source, like=like, fresh=fresh)}
     if init_heads.HEAD in fresh:  # ModernBERT's task head: as transformers starts it
       out[init_heads.HEAD] = init_heads.prediction_head(source, fresh[init_heads.HEAD])
     return out
   return load
+
+
+def initialiser(source: weights.Weights, model: BertConfig, task_name: str
+                ) -> tuple[str, loop.Initialiser]:
+  """Where a run's parameters start from init_from (results.json's "init", and the console's
+  line): its encoder, and ModernBERT's prediction head where the model has one; what of a
+  fine-tuned source is left out is said."""
+  head = init_heads.start_from(source) if model.task_head == "modernbert" else ""
+  also = f" and prediction head ({head})" if head else ""
+  said = weights.unread(source, (weights.ENCODER, init_heads.HEAD) if head else ())
+  return (f"the encoder{also} of checkpoint.init_from={source.describe()}",
+          loop.Initialiser(f"encoder{also} from checkpoint.init_from={source.describe()}, "
+                           f"{task_name} {'classifier' if head else 'head'} new"
+                           + (f"; {said}" if said else ""), _encoder_loader(source)))
 
 
 # Batches ---------------------------------------------------------------------------------------
@@ -312,12 +326,7 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
   origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
             else "scratch")
   if source is not None and not config.checkpoint.random_init:
-    head = (init_heads.start_from(source) if model_config.task_head == "modernbert" else "")
-    also = f" and prediction head ({head})" if head else ""
-    origin = f"the encoder{also} of checkpoint.init_from={source.describe()}"
-    init = loop.Initialiser(f"encoder{also} from checkpoint.init_from={source.describe()}, "
-                            f"{task_name} {'classifier' if head else 'head'} new",
-                            _encoder_loader(source))
+    origin, init = initialiser(source, model_config, task_name)
   return Setup(ft, task_name, source, tokenizer, vocab_file, lower, model_config, data,
                tasks.model_features(data.train), origin, init)
 

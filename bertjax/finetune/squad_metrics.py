@@ -1,7 +1,7 @@
 """SQuAD EM and F1 exactly as the official `evaluate-v1.1.py` and `evaluate-v2.0.py` compute them.
 
 Gold answers are given as question id -> list of answer texts (an empty list: no answer, v2.0);
-`gold_answers` makes that mapping from `squad.SquadExample`s.
+`gold_answers` makes that mapping from `questions.SquadExample`s.
 """
 
 import collections

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from bertjax import files
-from bertjax.finetune.squad import SquadExample
+from bertjax.inputs.questions import SquadExample
 
 N_BEST_SIZE, MAX_ANSWER_LENGTH = 20, 30
 # The original's answer when no candidate survives the filters.
@@ -99,7 +99,7 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
                 end_logits_FxL, *, n_best_size: int = N_BEST_SIZE,
                 max_answer_length: int = MAX_ANSWER_LENGTH, version_2_with_negative: bool = False,
                 null_score_diff_threshold: float = 0.0) -> SquadPredictions:
-  """The answer of each example from the logits of its features (from `squad.make_features`).
+  """The answer of each example from the logits of its features (from `questions.make_features`).
 
   A candidate starts and ends inside the window's context, starts at a token this window sees with
   maximum context, ends at or after its start and spans at most max_answer_length tokens; its text

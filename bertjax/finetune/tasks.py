@@ -36,6 +36,7 @@ from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objecti
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.inputs import questions, tagged, word_windows
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)
@@ -160,7 +161,7 @@ def _glue(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 # SQuAD -----------------------------------------------------------------------------------------
 
 def _squad_set(name: str, data: FinetuneDataConfig, split: str,
-               is_training: bool) -> squad.SquadSet:
+               is_training: bool) -> questions.SquadSet:
   if data.source == "tfds":
     tfds_split = "train" if split == "train" else "validation"
     return squad.read_squad_tfds(SQUAD_TASKS[name], tfds_split, data_dir=_tfds_dir(data),
@@ -170,10 +171,10 @@ def _squad_set(name: str, data: FinetuneDataConfig, split: str,
     raise Refusal(f"{name} from files needs config.data.{'train' if split == 'train' else 'dev'}"
                   f"_file: the SQuAD JSON ({'train' if split == 'train' else 'dev'}-"
                   f"{name.split('_v')[1]}.json).")
-  return squad.read_squad_json(path, is_training=is_training)
+  return questions.read_squad_json(path, is_training=is_training)
 
 
-def _check_squad_version(name: str, squad_set: squad.SquadSet) -> squad.SquadSet:
+def _check_squad_version(name: str, squad_set: questions.SquadSet) -> questions.SquadSet:
   """v1.1 has no unanswerable question: one in its file means a v2.0 file, which v1.1 would train
   on as if answerable and score with no gold answer. Refused before any step."""
   impossible = [e.qas_id for e in squad_set.examples if e.is_impossible]
@@ -194,7 +195,7 @@ def _squad(name: str, cfg: TaskConfig, tokenizer) -> TaskData:
 
 # CoNLL-2003 ------------------------------------------------------------------------------------
 
-def _ner_split(data: FinetuneDataConfig, split: str) -> list[ner.Sentence]:
+def _ner_split(data: FinetuneDataConfig, split: str) -> list[tagged.Sentence]:
   if data.source == "tfds":
     return ner.read_conll_tfds(_tfds_dir(data), {"dev": "validation"}.get(split, split))
   path = {"train": data.train_file, "dev": data.dev_file, "test": data.test_file}[split]
@@ -210,7 +211,7 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
   spec = spec_lib.TaskSpec(name, "tagging", labels, data.max_seq_length, tag_scheme="BIO")
 
   def features(sentences):
-    return tagging.ner_features(sentences, tokenizer, data.max_seq_length, labels)
+    return word_windows.make_features(sentences, tokenizer, data.max_seq_length, labels)
 
   def scorer(sentences, f):
     full = tagging.scorer(sentences, f, labels, "f1")
@@ -222,7 +223,8 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 
   def writer(sentences, f, split):
     def write(outputs, output_dir):
-      predicted = tagging.tags_from_predictions(f, outputs["predicted"], sentences, labels)
+      predicted = word_windows.tags_from_predictions(f, outputs["predicted"], sentences,
+                                                     labels)
       files.makedirs(output_dir)
       path = os.path.join(output_dir, f"{split}_predictions.txt")
       # Atomic (temp file + rename): a kill mid-write never leaves half a predictions file.
@@ -247,5 +249,5 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
 
 def model_features(features: Mapping[str, np.ndarray]) -> dict[str, Any]:
   """The arrays a batch carries to the device (not indices, offsets or other host-side keys)."""
-  keep = set(objectives.INPUTS).union(*(f.BATCH_KEYS for f in families.FAMILIES.values()))
+  keep = set(objectives.INPUTS).union(*(f.batch_keys for f in families.FAMILIES.values()))
   return {k: v for k, v in features.items() if k in keep}

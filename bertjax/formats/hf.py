@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from bertjax import files, taskspec
+from bertjax import files
 from bertjax.errors import Refusal
 from bertjax.formats import outfolder
 from bertjax.model import BertConfig
@@ -224,16 +224,16 @@ TASK_HEAD_PREFIXES = ("classifier.", "qa_outputs.")
 _POOLER = "bert.pooler."
 
 
-def _without_pooler(state_dict: dict) -> bool:
-  """Whether the state dict is one of a task class built without a pooler (token classification,
-  question answering): a task head, and no pooler tensor at all."""
+def without_pooler(state_dict) -> bool:
+  """Whether the state dict (or its names) is one of a task class built without a pooler (token
+  classification, question answering): a task head, and no pooler tensor at all."""
   return (any(k.startswith(TASK_HEAD_PREFIXES) for k in state_dict)
           and not any(k.startswith(_POOLER) for k in state_dict))
 
 
 def _check(state_dict: dict, config: BertConfig, heads) -> None:
   expected = expected_shapes(config, heads)
-  if _without_pooler(state_dict):
+  if without_pooler(state_dict):
     expected = {k: v for k, v in expected.items() if not k.startswith(_POOLER)}
   state_dict = {k: v for k, v in state_dict.items() if not k.startswith(TASK_HEAD_PREFIXES)}
   unread = tuple(HEAD_PREFIXES[h] for h in HEAD_PREFIXES if h not in heads)
@@ -297,7 +297,7 @@ def params_from_hf(state_dict: dict, config: BertConfig, heads=None) -> dict:
   _check(sd, config, heads)
   dtype = np.dtype(config.param_dtype)
   params: dict = {}
-  no_pooler = _without_pooler(sd)
+  no_pooler = without_pooler(sd)
   for entry in _root_entries():
     if entry.path[0] != "bert" and entry.path[0] not in heads:
       continue
@@ -376,30 +376,67 @@ def save_hf_dir(hf_dir: str, params: dict, config: BertConfig) -> None:
 _SEQUENCE_CLASS = "BertForSequenceClassification"
 
 
-def task_to_hf(params: dict, config: BertConfig, spec) -> tuple[dict[str, np.ndarray], dict]:
+def task_to_hf(params: dict, config: BertConfig, *, head: str, hf_class: str, hf_head: str,
+               outputs: int, labels: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict]:
   """The state dict and the config.json entries of a fine-tuned model in the transformers class
-  its family names (`HF_CLASS`, its head there `HF_HEAD`: bertjax/finetune/families/): the
-  encoder, the head (bertjax's "classifier" or "span" dense, [D, C] kernel, as a [C, D] Linear;
-  span's two outputs are start then end, as transformers splits qa_outputs), its width, and the
-  labels by id where the head's outputs are the task's label names."""
+  `hf_class` (its family's, bertjax/finetune/families/): the encoder, the head (bertjax's `head`
+  subtree, a "classifier" or "span" dense, [D, C] kernel, as the [C, D] Linear `hf_head`; span's
+  two outputs are start then end, as transformers splits qa_outputs), its width `outputs`, and
+  the labels by id where the head's outputs are the task's label names."""
   if config.task_head != "bert":
     raise Refusal(f"task_head={config.task_head!r}: transformers' Bert* task classes have "
                   "BERT's head alone; export with `python -m bertjax.convert.modernbert export`")
-  family = taskspec.family_of(spec.family)
   sd = params_to_hf({"bert": params["bert"]}, config)
-  if family.HF_CLASS != _SEQUENCE_CLASS:
+  if hf_class != _SEQUENCE_CLASS:
     sd = {k: v for k, v in sd.items() if not k.startswith("bert.pooler.")}
-  head = params[spec.head]["dense"] if "dense" in params[spec.head] else params[spec.head]
-  sd[f"{family.HF_HEAD}.weight"] = np.ascontiguousarray(np.asarray(head["kernel"], np.float32).T)
-  sd[f"{family.HF_HEAD}.bias"] = np.asarray(head["bias"], np.float32)
-  outputs = family.num_outputs(spec)
-  extra = {"architectures": [family.HF_CLASS], "num_labels": outputs}
-  if spec.labels and len(spec.labels) == outputs:  # the head's outputs are the label names
-    extra.update(id2label={str(i): name for i, name in enumerate(spec.labels)},
-                 label2id={name: i for i, name in enumerate(spec.labels)})
-  if family.HF_CLASS == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
+  dense = params[head]["dense"] if "dense" in params[head] else params[head]
+  sd[f"{hf_head}.weight"] = np.ascontiguousarray(np.asarray(dense["kernel"], np.float32).T)
+  sd[f"{hf_head}.bias"] = np.asarray(dense["bias"], np.float32)
+  extra = {"architectures": [hf_class], "num_labels": outputs}
+  if labels and len(labels) == outputs:  # the head's outputs are the label names
+    extra.update(id2label={str(i): name for i, name in enumerate(labels)},
+                 label2id={name: i for i, name in enumerate(labels)})
+  if hf_class == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
     extra["problem_type"] = "regression" if outputs == 1 else "single_label_classification"
   return sd, extra
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskClass:
+  """What a fine-tuned transformers folder's config.json says of its task (BERT's and
+  ModernBERT's alike): the class, the labels by id and the problem_type ("" where unsaid). Which
+  bertjax family that is, is fine-tuning's to say (bertjax/finetune/families/)."""
+
+  architecture: str  # `architectures`' task class ("" where the folder names none)
+  labels: tuple[str, ...]  # `id2label`, by id
+  problem_type: str = ""
+
+
+def task_class(hf_config: dict, architecture: str) -> TaskClass:
+  """The task of a config.json whose weights hold the head of `architecture`."""
+  return TaskClass(architecture, labels_of(hf_config), hf_config.get("problem_type") or "")
+
+
+def task_in(hf_config: dict, names) -> TaskClass | None:
+  """The task of a BERT folder whose tensors (`names`) hold a task class's head (classifier,
+  qa_outputs: read past by `params_from_hf`); None for a pre-training folder."""
+  if not any(str(n).startswith(TASK_HEAD_PREFIXES) for n in names):
+    return None
+  return task_class(hf_config, next(iter(hf_config.get("architectures") or ()), ""))
+
+
+def labels_of(hf_config: dict) -> tuple[str, ...]:
+  """config.json's id2label, by id."""
+  id2label = hf_config.get("id2label") or {}
+  try:
+    by_id = {int(k): str(v) for k, v in id2label.items()}
+  except ValueError:
+    raise Refusal(f"config.json's id2label={id2label} has keys that are not label ids; write "
+                  "them as \"0\", \"1\", ...") from None
+  if sorted(by_id) != list(range(len(by_id))):
+    raise Refusal(f"config.json's id2label has ids {sorted(by_id)}; a head's labels are "
+                  f"0 to {len(by_id) - 1}, each named once")
+  return tuple(by_id[i] for i in range(len(by_id)))
 
 
 def write_hf_dir(folder: outfolder.ExportFolder, state_dict: dict, hf_config: dict) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -147,8 +148,10 @@ def _normalise_names(state_dict: dict) -> dict:
 
 
 # transformers' task classes, by the subtree of bertjax's parameters their `classifier` goes to;
-# `head` (ModernBertPredictionHead) goes to PREDICTION_HEAD (bertjax/heads.py) in each. Which
-# family each class is fine-tuned as is formats/modernbert_tasks.py's.
+# `head` (ModernBertPredictionHead) goes to PREDICTION_HEAD (bertjax/heads.py) in each. A class
+# keeps what a fine-tuned model does with text in config.json: `architectures`, `id2label`,
+# `problem_type`, `classifier_pooling`. A folder's are read as an `hf.TaskClass` (the family it
+# is, fine-tuning says: bertjax/finetune/families/); an export's are written by `task_config`.
 QA_HEAD = "span"  # the span head's subtree (question answering)
 _CLASSIFIERS = ("classifier", QA_HEAD)
 _CLASSIFIER_SUBTREES = {"ModernBertForSequenceClassification": "classifier",
@@ -156,12 +159,37 @@ _CLASSIFIER_SUBTREES = {"ModernBertForSequenceClassification": "classifier",
                         "ModernBertForQuestionAnswering": QA_HEAD}
 PREDICTION_HEAD = "prediction_head"
 _TASK_SUBTREES = (PREDICTION_HEAD,) + _CLASSIFIERS
+_SEQUENCE_CLASS = "ModernBertForSequenceClassification"
+_REGRESSION = "regression"  # transformers' problem_type of a one-output sequence head
 
 
 def task_class(hf_config: dict | None) -> str | None:
   """The task class a config.json's `architectures` names (None: a masked LM or a bare encoder)."""
   return next((a for a in (hf_config or {}).get("architectures") or ()
                if a in _CLASSIFIER_SUBTREES), None)
+
+
+def task_config(config: BertConfig, *, cls: str, outputs: int,
+                labels: tuple[str, ...]) -> dict[str, Any]:
+  """config.json's entries of a fine-tuned model of the class `cls` (its family's): the class,
+  the labels (LABEL_i where the head's `outputs` are not the labels), problem_type,
+  classifier_pooling and classifier_dropout (the dropout the run fine-tuned with)."""
+  if config.task_head != "modernbert":
+    raise Refusal(
+        f"This model was fine-tuned with BERT's task head (task_head={config.task_head!r}: pooled "
+        "-> dense), which transformers' ModernBertFor* classes do not have (theirs: dense, "
+        "activation, norm -> dense). Fine-tune it again with --config.model.task_head=modernbert "
+        "to export it.")
+  names = (labels if labels and len(labels) == outputs
+           else tuple(f"LABEL_{i}" for i in range(outputs)))
+  out = {"architectures": [cls],
+         "id2label": {str(i): name for i, name in enumerate(names)},
+         "label2id": {name: i for i, name in enumerate(names)},
+         "classifier_pooling": config.classifier_pooling,
+         "classifier_dropout": config.hidden_dropout}
+  if cls == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
+    out["problem_type"] = _REGRESSION if outputs == 1 else "single_label_classification"
+  return out
 
 
 def heads_in(names, hf_config: dict | None = None) -> tuple[str, ...]:
@@ -338,8 +366,9 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
       transform["bias"] = sd["head.dense.bias"]
     params[PREDICTION_HEAD] = {"transform": transform,
                                "transform_layer_norm": _norm_from(sd, "head.norm", config)}
-    classifier = next(h for h in heads if h in _CLASSIFIERS)
-    params[classifier] = {"kernel": sd["classifier.weight"].T, "bias": sd["classifier.bias"]}
+    classifier = next((h for h in heads if h in _CLASSIFIERS), None)
+    if classifier is not None:  # not asked for where a new task starts from the class's head
+      params[classifier] = {"kernel": sd["classifier.weight"].T, "bias": sd["classifier.bias"]}
   dtype = np.dtype(config.param_dtype)
   return jax.tree.map(lambda x: np.ascontiguousarray(x, dtype=dtype), params)
 

@@ -2,7 +2,8 @@
 of a vocabulary (tokenizer.json: file, kind, casing, fingerprint), else vocab.txt with the casing
 Hugging Face's tokenizer_config.json or the folder's name says, else a Hugging Face tokenizer.json
 (told from the record of that name by content) with the casing its normalizer gives.
-bertjax/weights.py gives them to every kind of folder it inspects.
+bertjax/weights.py gives them to every kind of folder it inspects, a run's workdir included (the
+copy it made, or what an older run's config.json names).
 """
 
 from __future__ import annotations
@@ -70,3 +71,28 @@ def folder_casing(folder: str) -> tuple[bool, str]:
   found = of_folder(folder)
   lower = found.get("do_lower_case")
   return (True if lower is None else lower), found["casing_why"]
+
+
+def of_workdir(workdir: str) -> dict:
+  """The vocabulary a run copied into its workdir (tokenizer.json), else what its config.json
+  names (pre-training runs from before the copy; relative cache paths resolve from here)."""
+  found = of_folder(workdir)
+  if found["vocab_file"] is not None or record(workdir) is not None:
+    return found
+  config_path = os.path.join(workdir, "config.json")
+  data = files.read_json(config_path, "the run's config").get("data") if files.exists(
+      config_path) else None
+  if not data or "spm_vocab_size" not in data:  # not a pre-training config
+    return {}
+  # Read key by key, not as a DataConfig: a run of an older bertjax records other keys.
+  if data["vocab_path"]:
+    vocab = data["vocab_path"]
+  elif data["tokenizer"] == "sentencepiece":
+    vocab = tokenizer_lib.cached_sentencepiece_path(
+        data["source"], data["tfds_split"], data["eval_fraction"], data["cache_dir"],
+        data["spm_vocab_size"], data["do_lower_case"])
+  else:
+    return {}  # a WordPiece run without vocab_path never ran
+  return dict(vocab_file=vocab if files.exists(vocab) else None,
+              tokenizer_kind=data.get("tokenizer"), do_lower_case=bool(data["do_lower_case"]),
+              casing_why=f"data.do_lower_case in {config_path}")

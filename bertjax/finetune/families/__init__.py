@@ -1,64 +1,77 @@
 """Task families: the one place fine-tuning grows. A family is what a head does with text
 (classification, regression, tagging, span); each is one module here owning its reading of one's
-own files, its features, head and objective, metric, prediction records and export class. The
-benchmarks (GLUE, SQuAD, CoNLL-2003, NEXT: bertjax/finetune/tasks.py) are readers that hand a
-family their examples.
+own files, its features, head and objective, metric, prediction records and export class, and
+building its typed record (`record.Family`) once, as `FAMILY`. The benchmarks (GLUE, SQuAD,
+CoNLL-2003, NEXT: bertjax/finetune/tasks.py) are readers that hand a family their examples.
 
-Adding a family: a module beside these providing every name of HOOKS, and one line in FAMILIES
-(docs/finetuning.md#adding-a-task-family). `TaskSpec.family` (bertjax/taskspec.py) names the
-family a fine-tuned model belongs to; FAMILIES is the registry the spec reads (it sits below
-fine-tuning, so the families register themselves there), and prediction and export ask it.
-
-The hooks, as each module defines them:
-  HEAD             the head's parameter subtree beside the encoder's ("bert")
-  HF_CLASS         the transformers class an export writes ...
-  HF_HEAD          ... and the name of its head there (bertjax/formats/hf.py writes both)
-  MODERNBERT_CLASS the transformers ModernBERT class of the family (formats/modernbert_tasks.py
-                   reads and writes it; None where ModernBERT has none)
-  MIN_LABELS       the fewest label names a spec of the family holds
-  MAIN_METRICS     the dev numbers that may pick the best checkpoint (the first by default) ...
-  LOWER_IS_BETTER  ... and those of them where lower is better
-  BATCH_KEYS       the feature arrays of targets a batch carries to the device, beside the inputs
-  RECORD_KEYS      the keys of a prediction record (how predict knows a file it wrote)
-  PACKED           one output per text from its [CLS]: the objective's model takes sequence_ids
-                   and cls_positions, and prediction packs several texts into a row
-                   (bertjax/prediction_rows.py); False for per-token heads
-  num_outputs(spec)                  the head's width
-  objective(spec)                    the head, its loss and outputs (a `train.Objective`)
-  columns(spec, row)                 the input columns `predict` needs of a row
-  as_row(x, spec)                    a `Predictor` input that is neither a string nor a dict
-  records(rows, spec, tokenizer, run)  one prediction record per row (bertjax/predict.py's
-                                       docstring); run: features -> the objective's outputs
-  load(cfg, tokenizer)               one's own task from files: a `taskdata.TaskData`
+Adding a family: a module beside these ending in its `FAMILY = Family(...)`, and one line in
+FAMILIES (docs/finetuning.md#adding-a-task-family). Nothing below fine-tuning knows the families:
+`TaskSpec.family` (bertjax/taskspec.py) is a name, which `get` resolves here, and a fine-tuned
+folder's class (bertjax/weights.py records what its config.json says) is resolved by `spec_of`.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Mapping
 
 from bertjax import taskspec
+from bertjax.errors import Refusal
 from bertjax.finetune import metrics as ft_metrics
 from bertjax.finetune.families import classification, regression, span, tagging
+from bertjax.finetune.families.record import Family
 
-FAMILIES: dict[str, ModuleType] = taskspec.FAMILIES
-FAMILIES.update({
-    "classification": classification,
-    "regression": regression,
-    "tagging": tagging,
-    "span": span,
-})
-
-HOOKS = ("HEAD", "HF_CLASS", "HF_HEAD", "MODERNBERT_CLASS", "MIN_LABELS", "MAIN_METRICS",
-         "LOWER_IS_BETTER", "BATCH_KEYS", "RECORD_KEYS", "PACKED", "num_outputs", "objective",
-         "columns", "as_row", "records", "load")
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    classification.FAMILY,
+    regression.FAMILY,
+    tagging.FAMILY,
+    span.FAMILY,
+)}
+# transformers' problem_type of a one-output sequence head, and of one bertjax has no family for.
+_REGRESSION, _MULTI_LABEL = "regression", "multi_label_classification"
 
 
-def get(name: str) -> ModuleType:
-  return taskspec.family_of(name)
+def get(name: str) -> Family:
+  """The family of this name (a `TaskSpec.family`)."""
+  if name not in FAMILIES:
+    raise Refusal(f"Invalid task spec: family={name!r} is not one of {tuple(FAMILIES)}")
+  return FAMILIES[name]
 
 
 def main_value(family: str, scores: Mapping[str, float], main: str) -> float:
   """The number that picks the best checkpoint: higher is better."""
   fam = get(family)
-  return ft_metrics.main_value(family, fam.MAIN_METRICS, fam.LOWER_IS_BETTER, scores, main)
+  return ft_metrics.main_value(family, fam.main_metrics, fam.lower_is_better, scores, main)
+
+
+def spec_of(source) -> taskspec.TaskSpec | None:
+  """The task of a weights folder (a `weights.Weights`; the families import none of the reader),
+  checked against its family: the spec recorded with its checkpoint or in its task.json, else the
+  one a fine-tuned ModernBERT class's config.json says (bertjax.predict then takes the folder as a
+  fine-tuning workdir); None for a model with no task a family reads (a pre-training run, an
+  encoder, a BertFor* class)."""
+  spec = taskspec.of(source)
+  if spec is None and source.task_class is not None:
+    spec = _spec_of_class(source.task_class, source.config)
+  return None if spec is None else get(spec.family).check(spec)
+
+
+def _spec_of_class(task, config) -> taskspec.TaskSpec | None:
+  """The spec of a ModernBERT task class (a `formats.hf.TaskClass`): its family is the one naming
+  the class; a sequence class is two, told apart by transformers' own rule (one output is a
+  regression). Texts are read from the column "text" (and, for pairs, the one `bertjax.predict
+  --text_b` names; a span model's from its family's columns), up to the model's
+  max_position_embeddings tokens."""
+  found = [f for f in FAMILIES.values() if f.modernbert_class == task.architecture]
+  if not found:
+    return None
+  if task.problem_type == _MULTI_LABEL:
+    raise Refusal("config.json's problem_type='multi_label_classification': bertjax's "
+                  "classification gives one label per text; fine-tune a single-label head "
+                  "(problem_type 'single_label_classification')")
+  if len(found) > 1:
+    one = task.problem_type == _REGRESSION or len(task.labels) == 1
+    found = [f for f in found if (f.min_labels == 0) == one] or found
+  family = found[0]
+  text_a, text_b = family.folder_columns
+  return taskspec.TaskSpec(family.name, family.name, task.labels if family.min_labels else (),
+                           config.max_position_embeddings, text_a=text_a, text_b=text_b)

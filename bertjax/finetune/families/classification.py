@@ -19,20 +19,8 @@ from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
+from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import TaskData
-
-HEAD = "classifier"
-HF_CLASS = "BertForSequenceClassification"
-HF_HEAD = "classifier"
-MODERNBERT_CLASS = "ModernBertForSequenceClassification"
-MIN_LABELS = 2
-MAIN_METRICS = ("accuracy", "macro_f1", "micro_f1")
-BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
-RECORD_KEYS = ("label", "probabilities", "truncated")  # of a prediction record (records)
-PACKED = True  # texts packed into rows at prediction (one [CLS] each)
-LOWER_IS_BETTER = ()
-columns = custom.pair_columns
-as_row = custom.pair_row
 
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
@@ -189,7 +177,7 @@ def report(predictions, labels, names: Sequence[str]) -> dict:
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
   """Classification from one's own CSV, TSV or JSON Lines files (bertjax/finetune/custom.py)."""
   train_path, _, _ = custom.paths(cfg.data, "classification")
-  main = ft_metrics.main_metric(cfg.eval.main_metric, "classification", MAIN_METRICS)
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "classification", FAMILY.main_metrics)
   probe = custom.spec_of("classification", cfg, ("a", "b"))
   train_rows = custom.Rows(train_path, probe, cfg.data.format, need_labels=True)
   labels = custom.labels_given(cfg.data) or sorted_labels(train_rows.labels)
@@ -205,7 +193,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
     def score(outputs):
       out = report(predicted(outputs), label_ids(rows, labels), labels)
       return {**out, "main": ft_metrics.main_value(
-          "classification", MAIN_METRICS, LOWER_IS_BETTER, out, main)}
+          "classification", FAMILY.main_metrics, FAMILY.lower_is_better, out, main)}
     return score
 
   notes = label_notes(train_rows, spec.label)
@@ -218,3 +206,12 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
                                      lambda rows: label_notes(rows, spec.label))
   return TaskData("classification", objective_of(len(labels), weights), train, evals, predicts,
                   main, notes, spec=spec)
+
+
+FAMILY = Family(
+    "classification", head="classifier", hf_class="BertForSequenceClassification",
+    hf_head="classifier", modernbert_class="ModernBertForSequenceClassification", min_labels=2,
+    main_metrics=("accuracy", "macro_f1", "micro_f1"), lower_is_better=(),
+    batch_keys=("label",), record_keys=("label", "probabilities", "truncated"), packed=True,
+    num_outputs=num_outputs, objective=objective, columns=custom.pair_columns,
+    as_row=custom.pair_row, records=records, load=load, predicted=predicted)

@@ -18,20 +18,8 @@ from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
+from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import TaskData
-
-HEAD = "classifier"
-HF_CLASS = "BertForSequenceClassification"
-HF_HEAD = "classifier"
-MODERNBERT_CLASS = "ModernBertForSequenceClassification"
-MIN_LABELS = 0
-MAIN_METRICS = ("pearson", "spearman", "mse")
-BATCH_KEYS = ("label",)  # the targets a batch carries (objective)
-RECORD_KEYS = ("value", "truncated")  # of a prediction record (records)
-PACKED = True  # texts packed into rows at prediction (one [CLS] each)
-LOWER_IS_BETTER = ("mse",)
-columns = custom.pair_columns
-as_row = custom.pair_row
 
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
@@ -94,7 +82,7 @@ def report(predictions, labels) -> dict:
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
   """Regression from one's own CSV, TSV or JSON Lines files (bertjax/finetune/custom.py)."""
   train_path, _, _ = custom.paths(cfg.data, "regression")
-  main = ft_metrics.main_metric(cfg.eval.main_metric, "regression", MAIN_METRICS)
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "regression", FAMILY.main_metrics)
   spec = custom.spec_of("regression", cfg)
   train_rows = custom.Rows(train_path, spec, cfg.data.format, need_labels=True, label_of=label_of)
 
@@ -105,7 +93,7 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
     def score(outputs):
       out = report(predicted(outputs), np.array(rows.labels, np.float32))
       return {**out, "main": ft_metrics.main_value(
-          "regression", MAIN_METRICS, LOWER_IS_BETTER, out, main)}
+          "regression", FAMILY.main_metrics, FAMILY.lower_is_better, out, main)}
     return score
 
   notes: list[str] = []
@@ -115,3 +103,12 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   evals, predicts = custom.pair_sets(cfg, spec, tokenizer, features, scorer, decode, notes,
                                      label_of=label_of)
   return TaskData("regression", objective(spec), train, evals, predicts, main, notes, spec=spec)
+
+
+FAMILY = Family(
+    "regression", head="classifier", hf_class="BertForSequenceClassification",
+    hf_head="classifier", modernbert_class="ModernBertForSequenceClassification", min_labels=0,
+    main_metrics=("pearson", "spearman", "mse"), lower_is_better=("mse",),
+    batch_keys=("label",), record_keys=("value", "truncated"), packed=True,
+    num_outputs=num_outputs, objective=objective, columns=custom.pair_columns,
+    as_row=custom.pair_row, records=records, load=load, predicted=predicted)

@@ -1,7 +1,8 @@
 """Span: extractive question answering, an answer as a span of the context (SQuAD v1.1 / v2.0, one's
 own files in SQuAD's JSON layout).
 
-  features   windows over long contexts (doc_stride), the question first (bertjax/finetune/squad.py)
+  features   windows over long contexts (doc_stride), the question first
+             (bertjax/inputs/questions.py)
   head       sequence -> dense(2) ("span"): start and end logits; the mean of the two
              cross-entropies, as the original run_squad.py
   metric     exact, f1 (the official SQuAD measures; v2.0's HasAns / NoAns split)
@@ -18,26 +19,12 @@ import numpy as np
 
 from bertjax import heads, losses, taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad, squad_metrics
-from bertjax.finetune import squad_postprocess, textfiles
+from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad_metrics
+from bertjax.finetune import squad_postprocess
 from bertjax.finetune.config import TaskConfig
+from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
-
-HEAD = "span"
-HF_CLASS = "BertForQuestionAnswering"
-HF_HEAD = "qa_outputs"
-MODERNBERT_CLASS = "ModernBertForQuestionAnswering"
-# The columns of a span example (SQuAD's): what an imported fine-tuned folder's spec reads.
-COLUMNS = ("question", "context")
-MIN_LABELS = 0
-MAIN_METRICS = ("f1", "exact")
-BATCH_KEYS = ("start_positions", "end_positions")  # the targets a batch carries (objective)
-RECORD_KEYS = ("answer", "start", "score")  # of a prediction record (records)
-PACKED = False  # an output per token: one text per row
-LOWER_IS_BETTER = ()
-columns = custom.pair_columns
-as_row = custom.pair_row
-
+from bertjax.inputs import questions, textfiles
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   del spec
@@ -72,13 +59,14 @@ def _postprocess(examples, features, outputs, spec: spec_lib.TaskSpec):
 
 
 def _features(examples, spec: spec_lib.TaskSpec, tokenizer) -> dict[str, np.ndarray]:
-  return squad.make_features(examples, tokenizer, max_seq_length=spec.max_seq_length,
-                             doc_stride=spec.doc_stride, max_query_length=spec.max_query_length)
+  return questions.make_features(examples, tokenizer, max_seq_length=spec.max_seq_length,
+                                 doc_stride=spec.doc_stride,
+                                 max_query_length=spec.max_query_length)
 
 
 def records(rows, spec: spec_lib.TaskSpec, tokenizer, run) -> list[dict]:
-  examples = [squad.SquadExample(str(k), textfiles.text_of(r, spec.text_a),
-                                 textfiles.text_of(r, spec.text_b), (), ())
+  examples = [questions.SquadExample(str(k), textfiles.text_of(r, spec.text_a),
+                                     textfiles.text_of(r, spec.text_b), (), ())
               for k, r in enumerate(rows)]
   features = _features(examples, spec, tokenizer)
   result = _postprocess(examples, features, run(features), spec)
@@ -96,8 +84,8 @@ def spec_of(name: str, cfg: TaskConfig, version_2: bool) -> spec_lib.TaskSpec:
       max_answer_length=e.max_answer_length, null_score_diff_threshold=e.null_score_diff_threshold)
 
 
-def task(spec: spec_lib.TaskSpec, train_set: squad.SquadSet, dev_set: squad.SquadSet, main: str,
-         tokenizer) -> TaskData:
+def task(spec: spec_lib.TaskSpec, train_set: questions.SquadSet, dev_set: questions.SquadSet,
+         main: str, tokenizer) -> TaskData:
   """A span task of SQuAD's layout (the benchmarks' and one's own): train on train_set, score
   dev_set with the official EM / F1 and write predictions.json, nbest_predictions.json (and
   null_odds.json) for it."""
@@ -135,9 +123,20 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   if not (data.train_file and data.dev_file):
     raise Refusal("A span task from one's own files needs config.data.train_file and "
                   "config.data.dev_file, each in SQuAD's JSON layout.")
-  train_set = squad.read_squad_json(data.train_file, is_training=True)
+  train_set = questions.read_squad_json(data.train_file, is_training=True)
   said = data.version_2_with_negative
   version_2 = bool(said) if said is not None else any(e.is_impossible for e in train_set.examples)
-  main = ft_metrics.main_metric(cfg.eval.main_metric, "span", MAIN_METRICS)
-  dev_set = squad.read_squad_json(data.dev_file, is_training=False)
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "span", FAMILY.main_metrics)
+  dev_set = questions.read_squad_json(data.dev_file, is_training=False)
   return task(spec_of("span", cfg, version_2), train_set, dev_set, main, tokenizer)
+
+
+FAMILY = Family(
+    "span", head="span", hf_class="BertForQuestionAnswering", hf_head="qa_outputs",
+    modernbert_class="ModernBertForQuestionAnswering", min_labels=0,
+    main_metrics=("f1", "exact"), lower_is_better=(),
+    batch_keys=("start_positions", "end_positions"), record_keys=("answer", "start", "score"),
+    packed=False, num_outputs=num_outputs, objective=objective, columns=custom.pair_columns,
+    as_row=custom.pair_row, records=records, load=load,
+    # The columns of a span example (SQuAD's): what a fine-tuned folder's spec reads.
+    folder_columns=("question", "context"))

@@ -1,12 +1,11 @@
 """Tagging: a tag per word (CoNLL-2003, one's own tagged words), entities scored as conlleval does.
 
   reading    CoNLL column files, or CSV / TSV / JSON Lines of words and tags, in the IO, BIO, IOB1
-             or IOBES scheme (bertjax/finetune/ner.py), learned as IOB2 tags of the entity types
+             or IOBES scheme (bertjax/inputs/tagged.py), learned as IOB2 tags of the entity types
   features   a word is labeled on its first piece; its other pieces, [CLS], [SEP] and padding have
              weight 0. A sentence longer than the window is split into several windows at word
-             boundaries rather than truncated: evaluation must score every word of the official
-             files (conlleval counts the entities a truncation would drop as missed), and the
-             windows' predictions are joined back per sentence
+             boundaries rather than truncated, and the windows' predictions are joined back per
+             sentence (bertjax/inputs/word_windows.py)
   head       sequence -> dropout -> dense(C) ("classifier"); cross-entropy on first pieces
   metric     entity precision, recall, F1 (overall and per type), token accuracy
   predicted  {"text": ..., "entities": [{"type", "start", "end", "text"}], "tags": [IOB2]}
@@ -16,7 +15,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import re
 from typing import Mapping, Sequence
@@ -26,21 +24,11 @@ import numpy as np
 
 from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, ner, objectives, textfiles
+from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
+from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
-
-HEAD = "classifier"
-HF_CLASS = "BertForTokenClassification"
-HF_HEAD = "classifier"
-MODERNBERT_CLASS = "ModernBertForTokenClassification"
-MIN_LABELS = 2
-MAIN_METRICS = ("f1", "precision", "recall", "accuracy")
-BATCH_KEYS = ("label_ids", "label_weights")  # the targets a batch carries (objective)
-RECORD_KEYS = ("text", "entities", "tags")  # of a prediction record (records)
-PACKED = False  # an output per token: one text per row
-LOWER_IS_BETTER = ()
-
+from bertjax.inputs import tagged, textfiles, word_windows
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   return len(spec.labels)
@@ -60,7 +48,7 @@ def objective(spec: spec_lib.TaskSpec) -> train.Objective:
       lambda logits: {"predicted": jnp.argmax(logits, axis=-1).astype(jnp.int32)})
 
 
-# Features, scores, predicted tags ----------------------------------------------------------------
+# Scores, predicted tags --------------------------------------------------------------------------
 
 def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]]) -> dict:
   """Entity-level precision, recall and F1 as conlleval counts them (fractions, not percents):
@@ -77,7 +65,7 @@ def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]])
       raise ValueError(f"Sentence {n}: {len(p)} predicted tags for {len(g)} words.")
     tokens += len(g)
     correct_tokens += sum(a == b for a, b in zip(g, p))
-    gold_set, predicted_set = set(ner.chunks(g)), set(ner.chunks(p))
+    gold_set, predicted_set = set(tagged.chunks(g)), set(tagged.chunks(p))
     for kind, *_ in gold_set:
       counts.setdefault(kind, [0, 0, 0])[0] += 1
     for kind, *_ in predicted_set:
@@ -99,99 +87,16 @@ def conlleval(gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]])
   return result
 
 
-
-def ner_features(sentences: Sequence[ner.Sentence], tokenizer, max_seq_length: int,
-                 labels: Sequence[str] = ner.CONLL2003_LABELS) -> dict[str, np.ndarray]:
-  """input_ids, input_mask, segment_ids, label_ids [N, L] int32 and label_weights [N, L] float32
-  (1 on each word's first piece), and per window sentence_index, first_word [N] int32.
-
-  N counts windows: a sentence of more pieces than a row holds beside its special tokens (2 for
-  BERT's [CLS] and [SEP]) takes several.
-  """
-  room = max_seq_length - tokenizer.template.specials(False)
-  if room < 1:
-    raise Refusal(f"max_seq_length {max_seq_length} leaves no room beside the special tokens.")
-  label_id = {t: k for k, t in enumerate(labels)}
-  for s in sentences:
-    unknown = set(s.tags) - set(label_id)
-    if unknown:
-      raise Refusal(f"{s.where}: tag(s) {sorted(unknown)} are not in the labels {list(labels)}.")
-  pieces = tokenizer.encode_words([s.words for s in sentences])
-  # A window: (sentence, piece ids, each piece's label id or -1 after a word's first, first word).
-  windows, empty, cut_words, split_sentences = [], 0, 0, 0
-  at = 0
-  for n, s in enumerate(sentences):
-    ids, piece_labels, start, count = [], [], 0, 0
-    for w, tag in enumerate(s.tags):
-      word = pieces[at + w]
-      if not word:  # a word the tokenizer drops entirely still needs a place for its label
-        word, empty = [tokenizer.unk_id], empty + 1
-      if len(word) > room:
-        word, cut_words = word[:room], cut_words + 1
-      if len(ids) + len(word) > room:
-        windows.append((n, ids, piece_labels, start))
-        ids, piece_labels, start, count = [], [], w, count + 1
-      ids += word
-      piece_labels += [label_id[tag]] + [-1] * (len(word) - 1)
-    at += len(s.words)
-    windows.append((n, ids, piece_labels, start))
-    split_sentences += count > 0
-  if empty or cut_words or split_sentences:
-    logging.info("NER features: %d sentence(s) split into windows of %d pieces; %d word(s) "
-                 "without pieces labeled on [UNK]; %d word(s) cut to the window.",
-                 split_sentences, room, empty, cut_words)
-  shape = (len(windows), max_seq_length)
-  input_ids_NxL = np.full(shape, tokenizer.pad_id, np.int32)
-  input_mask_NxL = np.zeros(shape, np.int32)
-  segment_ids_NxL = np.zeros(shape, np.int32)
-  label_ids_NxL = np.zeros(shape, np.int32)
-  label_weights_NxL = np.zeros(shape, np.float32)
-  for i, (_, ids, piece_labels, _) in enumerate(windows):
-    row, types, at, _ = tokenizer.template.frame(ids)
-    input_ids_NxL[i, :len(row)] = row
-    input_mask_NxL[i, :len(row)] = 1
-    segment_ids_NxL[i, :len(row)] = types
-    piece_labels_P = np.array(piece_labels, np.int32)
-    label_ids_NxL[i, at:at + len(ids)] = np.maximum(piece_labels_P, 0)
-    label_weights_NxL[i, at:at + len(ids)] = piece_labels_P >= 0
-  return {"input_ids": input_ids_NxL, "input_mask": input_mask_NxL,
-          "segment_ids": segment_ids_NxL, "label_ids": label_ids_NxL,
-          "label_weights": label_weights_NxL,
-          "sentence_index": np.array([w[0] for w in windows], np.int32),
-          "first_word": np.array([w[3] for w in windows], np.int32)}
-
-
-
-def tags_from_predictions(features: Mapping[str, np.ndarray], predicted_ids_NxL: np.ndarray,
-                          sentences: Sequence[ner.Sentence],
-                          labels: Sequence[str] = ner.CONLL2003_LABELS) -> list[list[str]]:
-  """One predicted tag per word of each sentence: the windows' first-piece predictions, joined."""
-  predicted_ids_NxL = np.asarray(predicted_ids_NxL)
-  if predicted_ids_NxL.shape != features["label_weights"].shape:
-    raise ValueError(f"Predictions of shape {predicted_ids_NxL.shape} for features of shape "
-                     f"{features['label_weights'].shape}; pass argmax(logits, -1) of every window.")
-  tags: list[list[str]] = [[] for _ in sentences]
-  for i, n in enumerate(features["sentence_index"]):
-    if len(tags[n]) != features["first_word"][i]:
-      raise ValueError(f"Window {i} starts at word {features['first_word'][i]} of sentence {n}, "
-                       f"which has {len(tags[n])} tag(s) so far; keep the windows in order.")
-    picked = predicted_ids_NxL[i][features["label_weights"][i] > 0]
-    tags[n] += [labels[k] for k in picked]
-  for n, s in enumerate(sentences):
-    if len(tags[n]) != len(s.words):
-      raise ValueError(f"{s.where}: {len(tags[n])} predicted tag(s) for {len(s.words)} words.")
-  return tags
-
-
-def scorer(sentences: Sequence[ner.Sentence], features, labels: Sequence[str], main: str):
+def scorer(sentences: Sequence[tagged.Sentence], features, labels: Sequence[str], main: str):
   """An EvalSet's `score`: conlleval's numbers of the predicted tags, and "main"."""
   gold = [list(s.tags) for s in sentences]
 
   def score(outputs):
-    predicted = tags_from_predictions(features, outputs["predicted"], sentences, labels)
+    predicted = word_windows.tags_from_predictions(features, outputs["predicted"], sentences,
+                                                   labels)
     out = conlleval(gold, predicted)
     return {**out, "main": ft_metrics.main_value(
-        "tagging", MAIN_METRICS, LOWER_IS_BETTER, out, main)}
+        "tagging", FAMILY.main_metrics, FAMILY.lower_is_better, out, main)}
   return score
 
 
@@ -209,14 +114,15 @@ def entities(text: str, words: Sequence[str], starts: Sequence[int], tags: Seque
   """Each entity of the IOB2 tags, with its characters [start, end) in `text` (where word i
   starts at starts[i])."""
   out = []
-  for kind, first, end in ner.chunks(tags):
+  for kind, first, end in tagged.chunks(tags):
     begin, stop = starts[first], starts[end - 1] + len(words[end - 1])
     out.append({"type": kind, "start": begin, "end": stop, "text": text[begin:stop]})
   return out
 
 
-def decode_tags(sentences: Sequence[ner.Sentence], features, predicted_NxL, labels) -> list[dict]:
-  tags = tags_from_predictions(features, predicted_NxL, sentences, labels)
+def decode_tags(sentences: Sequence[tagged.Sentence], features, predicted_NxL, labels
+                ) -> list[dict]:
+  tags = word_windows.tags_from_predictions(features, predicted_NxL, sentences, labels)
   out = []
   for s, t in zip(sentences, tags):
     text, starts = word_starts(s.words)
@@ -255,9 +161,10 @@ def records(rows, spec: spec_lib.TaskSpec, tokenizer, run) -> list[dict]:
     text, words, at = words_of(r, spec)
     texts.append(text)
     starts.append(at)
-    sentences.append(ner.Sentence(r.where, tuple(words), ("O",) * len(words)))
-  features = ner_features(sentences, tokenizer, spec.max_seq_length, spec.labels)
-  tags = tags_from_predictions(features, run(features)["predicted"], sentences, spec.labels)
+    sentences.append(tagged.Sentence(r.where, tuple(words), ("O",) * len(words)))
+  features = word_windows.make_features(sentences, tokenizer, spec.max_seq_length, spec.labels)
+  tags = word_windows.tags_from_predictions(features, run(features)["predicted"], sentences,
+                                            spec.labels)
   return [{"text": text, "entities": entities(text, s.words, at, t), "tags": t}
           for text, s, at, t in zip(texts, sentences, starts, tags)]
 
@@ -268,7 +175,7 @@ def read_tagged(path: str, spec: spec_lib.TaskSpec, fmt: str
                 ) -> list[tuple[str, list[str], list[str]]]:
   """(where, words, tags as written) of each sentence of a tagging file."""
   if fmt == custom.CONLL or (not fmt and os.path.splitext(path)[1].lower() in (".conll", ".bio")):
-    return [(f"{path}:{line}", words, tags) for line, words, tags in ner.read_columns(path)]
+    return [(f"{path}:{line}", words, tags) for line, words, tags in tagged.read_columns(path)]
   out = []
   for row in textfiles.read_rows(path, [spec.tokens, spec.tags], fmt):
     words, tags = textfiles.list_of(row, spec.tokens), textfiles.list_of(row, spec.tags)
@@ -283,17 +190,17 @@ def read_tagged(path: str, spec: spec_lib.TaskSpec, fmt: str
   return out
 
 
-def tagged_sentences(raw, scheme: str, labels: Sequence[str]) -> list[ner.Sentence]:
+def tagged_sentences(raw, scheme: str, labels: Sequence[str]) -> list[tagged.Sentence]:
   sentences = []
   known = set(labels)
   for where, words, tags in raw:
-    iob2 = ner.scheme_to_iob2(tags, scheme, where)
+    iob2 = tagged.scheme_to_iob2(tags, scheme, where)
     for i, tag in enumerate(iob2):
       if tag not in known:
         raise Refusal(f"{where} word {i + 1}: entity type of tag {tags[i]!r} is not in the "
                       f"label map {list(labels)}; add the type to config.data.labels or fix "
                       "the tag.")
-    sentences.append(ner.Sentence(where, tuple(words), tuple(iob2)))
+    sentences.append(tagged.Sentence(where, tuple(words), tuple(iob2)))
   return sentences
 
 
@@ -302,11 +209,11 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   and tags; tags read in their scheme (config.data.tag_scheme, or detected from the training
   file) and learned as IOB2 tags of the entity types found."""
   train_path, dev_path, test_path = custom.paths(cfg.data, "tagging")
-  main = ft_metrics.main_metric(cfg.eval.main_metric, "tagging", MAIN_METRICS)
+  main = ft_metrics.main_metric(cfg.eval.main_metric, "tagging", FAMILY.main_metrics)
   fmt = cfg.data.format
   probe = custom.spec_of("tagging", cfg, ("O", "B-X"))
   raw_train = read_tagged(train_path, probe, fmt)
-  scheme = (cfg.data.tag_scheme or ner.detect_scheme(t for _, _, t in raw_train)).upper()
+  scheme = (cfg.data.tag_scheme or tagged.detect_scheme(t for _, _, t in raw_train)).upper()
   if scheme == "IOB2":
     scheme = "BIO"
   if scheme not in spec_lib.TAG_SCHEMES:
@@ -314,16 +221,16 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
                   f"{spec_lib.TAG_SCHEMES} or '' to detect it from the training file.")
   given = custom.labels_given(cfg.data)
   if given:
-    kinds = [ner.scheme_tag(t)[1] for t in given if t != "O"]
+    kinds = [tagged.scheme_tag(t)[1] for t in given if t != "O"]
   else:
-    kinds = [ner.scheme_tag(t)[1] for _, _, tags in raw_train for t in tags if t != "O"]
-  labels = ner.tag_labels(kinds)
+    kinds = [tagged.scheme_tag(t)[1] for _, _, tags in raw_train for t in tags if t != "O"]
+  labels = tagged.tag_labels(kinds)
   if len(labels) < 2:
     raise Refusal(f"{train_path}: no entity tags (every word is O); nothing to learn.")
   spec = custom.spec_of("tagging", cfg, labels, scheme)
 
   def features(sentences):
-    return ner_features(sentences, tokenizer, spec.max_seq_length, labels)
+    return word_windows.make_features(sentences, tokenizer, spec.max_seq_length, labels)
 
   train = features(tagged_sentences(raw_train, scheme, labels))
   dev_sentences = tagged_sentences(read_tagged(dev_path, spec, fmt), scheme, labels)
@@ -341,3 +248,12 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
   notes = [f"tags read as {scheme}" + ("" if cfg.data.tag_scheme else " (detected)")
            + f", learned as IOB2 over {len(labels)} tags"]
   return TaskData("tagging", objective(spec), train, evals, predicts, main, notes, spec=spec)
+
+
+FAMILY = Family(
+    "tagging", head="classifier", hf_class="BertForTokenClassification", hf_head="classifier",
+    modernbert_class="ModernBertForTokenClassification", min_labels=2,
+    main_metrics=("f1", "precision", "recall", "accuracy"), lower_is_better=(),
+    batch_keys=("label_ids", "label_weights"), record_keys=("text", "entities", "tags"),
+    packed=False, num_outputs=num_outputs, objective=objective, columns=columns, as_row=as_row,
+    records=records, load=load)
