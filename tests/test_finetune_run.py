@@ -279,7 +279,11 @@ def test_sharded_run_equals_one_device(rte_run, pretrained, rte_dir, tmp_path, m
   assert done.results["best"]["step"] == rte_run.results["best"]["step"]
   with open(os.path.join(done.workdir, "predictions", "RTE.tsv")) as got, open(
       os.path.join(rte_run.workdir, "predictions", "RTE.tsv")) as ref:
-    assert got.read() == ref.read()
+    got, ref = got.read().splitlines(), ref.read().splitlines()
+  # The same rows and labels; a label is the argmax of logits summed in another order on 8
+  # devices, so a near tie may go the other way: one row of the test set at most.
+  assert len(got) == len(ref) and got[0] == ref[0]
+  assert sum(g != r for g, r in zip(got, ref)) <= 1, [(g, r) for g, r in zip(got, ref) if g != r]
   # Near-identical parameters (sums in another order) after 96 steps.
   got = flat(saved_params(os.path.join(done.workdir, "checkpoints")))
   ref = flat(saved_params(os.path.join(rte_run.workdir, "checkpoints")))

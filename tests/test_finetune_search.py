@@ -75,9 +75,18 @@ def test_a_trial_in_the_grid_equals_the_same_settings_run_alone(files, grid):
   mine = weights.read(weights.inspect_trained(
       os.path.join(workdir, "search", f"trial-{trial['index']}")))
   alone_params = weights.read(weights.inspect_trained(str(files[0] / "alone")))
-  diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-             for a, b in zip(jax_leaves(mine), jax_leaves(alone_params)))
-  assert diff == 0.0, diff  # bit for bit: a CPU runs the trials one after another (lax.map)
+  # Within float rounding, as a run on another mesh (tests/test_finetune_run.py): the trial runs
+  # in the body of a loop over trials (lax.map), the run alone as a program of its own, and XLA
+  # may fuse and vectorise the two differently (the bits agreed on two x86 CPUs; no construction
+  # promises it). A wrong batch, mask or rate moves the weights far more: the other seed's trial
+  # is checked to lie outside the tolerance. The rate itself, whose last bit once differed between
+  # a trial and a run, is held to the bit by tests/test_optimizer.py.
+  close = lambda a, b: all(np.allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=2e-5)
+                           for x, y in zip(jax_leaves(a), jax_leaves(b), strict=True))
+  assert close(mine, alone_params)
+  other = next(t for t in summary["trials"] if t["learning_rate"] == 3e-4 and t["seed"] == 0)
+  assert not close(alone_params, weights.read(weights.inspect_trained(
+      os.path.join(workdir, "search", f"trial-{other['index']}"))))
 
 
 def jax_leaves(tree):

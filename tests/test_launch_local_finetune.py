@@ -7,6 +7,7 @@ import random
 import time
 
 import numpy as np
+import pytest
 
 from test_data_fixtures import data_section, random_documents
 from test_launch_local import runs  # pylint: disable=unused-import  (the fixture)
@@ -55,7 +56,9 @@ def test_finetuning_pod_scores_as_one_process(tmp_path, runs, monkeypatch):
   one_results = json.loads((tmp_path / "one" / "results.json").read_text())
   scores = [[r["scores"]["accuracy"] for r in res["evaluations"]]
             for res in (pod_results, one_results)]
-  assert len(scores[0]) == 2 and scores[0] == scores[1]
+  # Within one dev example: the gradients' sums cross processes by gloo on the pod and stay in
+  # one process on the other, in another order, and an argmax near a tie may turn.
+  assert len(scores[0]) == 2 and scores[0] == pytest.approx(scores[1], abs=1.5 / 40)
   # The same batches and updates: the training losses agree at every log step (each host feeding
   # its own rows of every global batch; a host feeding another's rows changes them).
   losses = [[json.loads(line)["train/loss"] for line in (tmp_path / name / "metrics.jsonl")
