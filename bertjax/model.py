@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import attention, dropout, sharding
+from bertjax import attention, dropout, residuals, sharding
 # The config and its named choices (bertjax/model_config.py), also known as bertjax.model's.
 from bertjax.model_config import (  # pylint: disable=unused-import
     ACTIVATIONS, INHERITED_FIELDS, REMAT_POLICIES, SHAPE_FIELDS, BertConfig, gelu)
@@ -343,16 +343,20 @@ class EncoderLayer(nn.Module):
 
 
 class _ScanBody(nn.Module):
-  """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs; x is the layer's index."""
+  """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs; x is the layer's index.
+  Its saved residuals are kept as bits (bertjax/residuals.py: XLA's CPU backend rewrote every
+  bfloat16 one as a whole-buffer conversion at each layer)."""
 
   config: BertConfig
   deterministic: bool = True
 
   @nn.compact
   def __call__(self, x_BxLxD, masks, rope, layer_id):
-    layer_cls = _maybe_remat(EncoderLayer, self.config, scanned=True)
-    out_BxLxD = layer_cls(self.config, self.deterministic, name="layer")(
-        x_BxLxD, masks, rope, layer_id)
+    cfg = self.config
+    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=True)
+    draws = not self.deterministic and max(cfg.hidden_dropout, cfg.attention_dropout) > 0
+    out_BxLxD = residuals.scanned_call(self, layer_cls, (cfg, self.deterministic), "layer",
+                                       (x_BxLxD, masks, rope, layer_id), draws)
     return out_BxLxD, None
 
 
