@@ -389,6 +389,7 @@ class Encoder(nn.Module):
           split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast, nn.broadcast, 0),
           length=cfg.num_layers,
+          unroll=cfg.scan_unroll,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
       x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(

@@ -86,6 +86,7 @@ class BertConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   scan_layers: bool = False
+  scan_unroll: int = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   remat_policy: str = "none"
   attention_impl: str = "xla"
   position_init: str = "normal"  # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
@@ -118,7 +119,7 @@ class BertConfig:
   def __post_init__(self):
     problems = []
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                 "max_position_embeddings", "global_every"):
+                 "max_position_embeddings", "global_every", "scan_unroll"):
       if int(getattr(self, name)) < 1:
         problems.append(f"{name}={getattr(self, name)} must be a positive integer")
     if int(self.type_vocab_size) < 0:
