@@ -4,7 +4,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
 
   base      errors, files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
             opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention,
-            residuals
+            residuals, layercost
   model     model, heads, nnx
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
   data      data/ (tokenizers, corpora, preparation, the tf.data pipeline): nothing of the model
@@ -38,7 +38,7 @@ LAYERS = (
               "bertjax.watchdog",
               "bertjax.metrics",
               "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
-              "bertjax.dropout", "bertjax.attention", "bertjax.residuals")),
+              "bertjax.dropout", "bertjax.attention", "bertjax.residuals", "bertjax.layercost")),
     ("model", ("bertjax.model_config", "bertjax.model", "bertjax.heads", "bertjax.nnx")),
     ("configs", ("configs",)),
     ("data", ("bertjax.data",)),
