@@ -16,9 +16,9 @@ So, from the optimised HLO text and XLA's own figures:
                   layer count, at every layer;
   layer_ops       the operations per layer, scanned (the loops' bodies) or unrolled (the
                   operations named after one middle layer, `layer_i/`);
-  honest_cost     the cost with every iteration counted: from two compiles of a scanned step,
-                  `scan_unroll` u and 2u (XLA counts a body of u layers, then of 2u), the cost of
-                  u layers is their difference.
+  honest_cost     the cost with every layer counted: from two compiles of a scanned step,
+                  `scan_unroll` u and k (XLA counts a body of u layers, then of k), the cost of
+                  k - u layers is their difference.
 
 Used by bertjax.aot (the roofline of a TPU executable), tests/test_layer_cost.py (the step's cost
 grows linearly with the layer count) and bertjax/layer_probe.py (the GPU's loop bodies).
@@ -34,13 +34,13 @@ PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 # An in-place update of one slice: what a stacked buffer should see inside a layer loop.
 IN_PLACE = {"dynamic-update-slice"}
 
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?|[\w]+\[\])\s+"
-    r"([a-z][\w\-]*)\(")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
+_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -56,13 +56,31 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
   return comps
 
 
+def _shape_end(line: str, at: int) -> int:
+  """Where the shape starting at `at` ends: a tuple's closing parenthesis (layouts inside it hold
+  parentheses of their own, a TPU's "{1,0:T(8,128)}"), or the first space."""
+  if line[at:at + 1] != "(":
+    end = line.find(" ", at)
+    return len(line) if end < 0 else end
+  depth = 0
+  for i in range(at, len(line)):
+    depth += {"(": 1, ")": -1}.get(line[i], 0)
+    if depth == 0:
+      return i + 1
+  return len(line)
+
+
 def instructions(lines: list[str]) -> list[tuple[str, str, str, str]]:
   """(name, shape text, opcode, line) of each instruction among `lines`."""
   out = []
   for line in lines:
-    match = _INSTRUCTION.match(line)
-    if match:
-      out.append((match.group(1), match.group(2), match.group(3), line))
+    named = _NAME.match(line)
+    if not named:
+      continue
+    end = _shape_end(line, named.end())
+    opcode = _OPCODE.match(line, end)
+    if opcode:
+      out.append((named.group(1), line[named.end():end], opcode.group(1), line))
   return out
 
 
@@ -92,30 +110,41 @@ def _stacked(shape: str, num_layers: int) -> bool:
 def layer_loops(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> list[str]:
   """The bodies of the loops that run the scanned layers (forward first, as compiled)."""
   trips = num_layers // scan_unroll  # jax stacks an unrolled scan's arrays as [trips, u, ...]
+  comps = computations(hlo_text)
   bodies = []
   for _, shape, op, line in instructions(hlo_text.splitlines()):
-    trip = _TRIP_COUNT.search(line)
-    if op == "while" and trip and int(trip.group(1)) == trips and _stacked(shape, trips):
+    if op == "while" and _stacked(shape, trips) and trips in _trip_counts(comps, line):
       bodies.append(_BODY.search(line).group(1))
   return bodies
 
 
-def _root_opcodes(comps: dict[str, list[str]], name: str) -> set[str]:
-  """The opcodes a fused computation's result comes from, through tuples and bitcasts."""
+def _trip_counts(comps: dict[str, list[str]], while_line: str) -> set[int]:
+  """The loop's trip count as XLA annotated it (GPU, CPU), else the integer constants its
+  condition compares with (a TPU's program carries no annotation)."""
+  known = _TRIP_COUNT.search(while_line)
+  if known:
+    return {int(known.group(1))}
+  condition = _CONDITION.search(while_line)
+  lines = comps.get(condition.group(1), []) if condition else []
+  return {int(v) for line in lines for v in re.findall(r"s32\[\]\S*\s+constant\((\d+)\)", line)}
+
+
+def _roots(comps: dict[str, list[str]], name: str) -> list[tuple[str, str]]:
+  """(opcode, shape) of each result of a fused computation, through tuples and bitcasts."""
   found = instructions(comps.get(name, []))
-  by_name = {n: (op, line) for n, _, op, line in found}
-  roots = [n for n, _, _, line in found if line.lstrip().startswith("ROOT")]
-  out, seen = set(), set()
-  while roots:
-    name = roots.pop()
+  by_name = {n: (shape, op, line) for n, shape, op, line in found}
+  pending = [n for n, _, _, line in found if line.lstrip().startswith("ROOT")]
+  out, seen = [], set()
+  while pending:
+    name = pending.pop()
     if name in seen or name not in by_name:
       continue
     seen.add(name)
-    op, line = by_name[name]
+    shape, op, line = by_name[name]
     if op in ("tuple", "bitcast"):
-      roots += re.findall(r"%([\w.\-]+)", line.split("(", 1)[1] if "(" in line else "")
+      pending += re.findall(r"%([\w.\-]+)", line[line.index(op + "("):])
     else:
-      out.add(op)
+      out.append((op, shape))
   return out
 
 
@@ -140,10 +169,11 @@ def stack_writes(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> dict[s
       if op in PLUMBING or not _stacked(shape, trips):
         continue
       callee = _CALLS.search(line)
-      roots = _root_opcodes(comps, callee.group(1)) if op == "fusion" and callee else {op}
-      if not roots <= IN_PLACE:
-        dtype = re.match(r"\(?(\w+)", shape).group(1)
-        writes[f"{'+'.join(sorted(roots))}:{dtype}"] += _bytes(shape)
+      roots = _roots(comps, callee.group(1)) if op == "fusion" and callee else [(op, shape)]
+      for root, root_shape in roots:
+        if root not in IN_PLACE and _stacked(root_shape, trips):
+          dtype = re.match(r"\(?(\w+)", root_shape).group(1)
+          writes[f"{root}:{dtype}"] += _bytes(root_shape)
   return dict(writes.most_common())
 
 
@@ -171,14 +201,25 @@ def cost(compiled) -> dict[str, float]:
           "bytes": float(analysis.get("bytes accessed", 0.0))}
 
 
-def honest_cost(once: dict[str, float], twice: dict[str, float], num_layers: int,
-                scan_unroll: int = 1) -> dict[str, float]:
+def second_unroll(num_layers: int, scan_unroll: int = 1) -> int:
+  """The scan_unroll k of the second compile `honest_cost` reads: the smallest multiple of
+  `scan_unroll` above it that divides num_layers (2 for 12 or 24 layers; all of them for a prime
+  count, when the compiled loop disappears and XLA counts every layer itself). A k that does not
+  divide num_layers would leave the remainder's layers outside the loop, in neither figure."""
+  return next((k for k in range(2 * scan_unroll, num_layers + 1, scan_unroll)
+               if num_layers % k == 0), num_layers)
+
+
+def honest_cost(once: dict[str, float], other: dict[str, float], num_layers: int,
+                scan_unroll: int = 1, other_unroll: int | None = None) -> dict[str, float]:
   """The cost with every layer counted, from XLA's costs of the same scanned step compiled with
-  `scan_unroll` u (`once`: u layers in the body) and 2u (`twice`): each layer costs
-  (twice - once) / u, and `once` holds u of the num_layers."""
+  `scan_unroll` u (`once`: u layers in the loop's body) and k = `other_unroll` (`other`, by
+  default `second_unroll`'s): each layer costs (other - once) / (k - u), and `once` holds u of
+  the num_layers. Per-iteration costs that are not per layer (the loop's own) count once."""
+  k = other_unroll or second_unroll(num_layers, scan_unroll)
   out = {}
   for key in once:
-    per_layer = (twice[key] - once[key]) / scan_unroll
+    per_layer = (other[key] - once[key]) / (k - scan_unroll)
     out[key] = once[key] + (num_layers - scan_unroll) * per_layer
     out[f"{key}_per_layer"] = per_layer
   return out
