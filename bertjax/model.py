@@ -239,9 +239,7 @@ class SelfAttention(nn.Module):
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks["segment_ids"])
     elif cfg.attention_impl == "cudnn":
-      run = lambda w: lambda q, k, v, m: jax.nn.dot_product_attention(
-          q, k, v, **(attention.cudnn_local_arguments(m, q.shape[1], w) if w else m),
-          implementation="cudnn")
+      run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks)
     else:
@@ -467,7 +465,7 @@ class BertModel(nn.Module):
       position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (batch, length))
     masks = attention.attention_masks(
         cfg.attention_impl, input_mask_BxL,
-        None if sequence_ids is None else jnp.asarray(sequence_ids))
+        None if sequence_ids is None else jnp.asarray(sequence_ids), cfg.cudnn_packing)
     rope = None
     if cfg.position_embedding == "rope":
       rope = {"global": rope_tables(position_ids_BxL, cfg.head_size, cfg.rope_theta)}

@@ -34,6 +34,7 @@ def get_config():
   m.scan_unroll = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   m.remat_policy = "none"  # "none", "full", "dots" (save matmuls without batch dims), "dots_all"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0)
+  m.cudnn_packing = "mask"  # packed rows on cuDNN: "mask" (read as a bias) or "segments" (no bias)
   m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
   m.query_key_init = "independent"  # "independent" (original) or "shared": W_K starts as W_Q (small models)
   # Encoders after the paper (ModernBERT, NeoBERT, Cramming; configs/modern_base.py). Each key is
