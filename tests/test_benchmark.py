@@ -178,6 +178,23 @@ def test_a_gpu_trace_is_itemised_by_the_kernels_hlo_stat():
   assert opprofile.attribute([bare], kinds, steps=2)[0] == {"fusion.2": 2}
 
 
+def test_the_layer_probe_times_reads_and_traces_its_variants(tmp_path):
+  """bertjax.benchmark_layers' group on a CPU at a tiny size (3 layers of 32): what the GPU run
+  writes, so that the command is ready when a GPU is."""
+  from bertjax import benchmark_layers  # pylint: disable=import-outside-toplevel
+  results = benchmark_layers.run_group(
+      "A", ("base:num_layers=3", "noscan:num_layers=3,scan=0"), str(tmp_path), "tiny",
+      hlo=("base", "noscan"), traced="base")
+  assert json.loads((tmp_path / "A.json").read_text()) == json.loads(json.dumps(results))
+  base, noscan = results["base"], results["noscan"]
+  assert base["layers"] == 3 and base["step_s"] > 0 and base["ms_per_layer"] > 0, base
+  assert base["hlo"]["ops_per_layer"] > 0 and base["hlo"]["whole_stack_writes_per_layer"] == {}
+  assert len(base["hlo"]["layer_loop_opcodes"]) == 2  # forward and backward loops
+  assert noscan["hlo"]["ops_per_layer"] > 0 and noscan["hlo"]["layer_loop_opcodes"] == {}
+  assert base["trace"]["traced_wall_ms"] > 0 and base["trace"]["lines"]
+  assert (tmp_path / "A_base.hlo.txt.gz").exists()
+
+
 def test_a_packed_benchmark_counts_the_sequences_of_its_rows():
   config = base.get_config()
   config.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,

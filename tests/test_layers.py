@@ -17,7 +17,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
             pretrain, main
   finetune  finetune/
   finetune-config  configs/finetune.py (one's own tasks are the families' names, read from them)
-  commands  predict, prediction_rows, benchmark_predict, benchmark_accel, convert/ (import and export), launch/
+  commands  predict, prediction_rows, benchmark_predict, benchmark_accel, benchmark_layers, convert/ (import and
+            export), launch/
 
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
@@ -51,7 +52,7 @@ LAYERS = (
     ("finetune", ("bertjax.finetune",)),
     ("finetune-config", ("configs.finetune",)),
     ("commands", ("bertjax.predict", "bertjax.prediction_rows", "bertjax.benchmark_predict",
-                  "bertjax.benchmark_accel", "bertjax.convert", "launch")),
+                  "bertjax.benchmark_accel", "bertjax.benchmark_layers", "bertjax.convert", "launch")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 
