@@ -187,6 +187,11 @@ def _private_cudnn_attention():
   return fn, fused_attention_stablehlo.MaskType.PADDING
 
 
+def cudnn_packed_layout() -> bool:
+  """Whether this jax has cuDNN's packed layout (cudnn_packed_attention uses it, not a mask)."""
+  return _private_cudnn_attention() is not None
+
+
 def cudnn_packed_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segments: dict):
   """Softmax attention within cuDNN's segments (`cudnn_segments`): no mask tensor, no bias
   gradient, where this jax has the packed layout; otherwise the public path's mask."""

@@ -45,7 +45,7 @@ import time
 import jax
 from absl import app, flags
 
-from bertjax import benchmark, benchmark_accel, cli, layercost
+from bertjax import attention, benchmark, benchmark_accel, cli, layercost, opprofile
 
 AUTOTUNE_CACHE = "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/bertjax_autotune"
 # (group, XLA flags, seconds it may take, variants, variants whose HLO is read, variant traced)
@@ -118,7 +118,7 @@ def trace(run_step, steps: int = 2) -> dict:
     wall = (time.perf_counter() - start) / steps
   data = jax.profiler.ProfileData.from_file(
       glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
-  lines, device = [], []
+  lines, device, named_ns, kernel_ns = [], [], 0, 0
   for plane in data.planes:
     for line in plane.lines:
       events = list(line.events)
@@ -127,6 +127,9 @@ def trace(run_step, steps: int = 2) -> dict:
       spans = [(e.start_ns, e.start_ns + e.duration_ns) for e in events]
       if "GPU" in plane.name and line.name.startswith("Stream"):
         device += spans
+        for e in events:  # what --profile keys on (opprofile.HLO_OP_STATS)
+          kernel_ns += e.duration_ns
+          named_ns += e.duration_ns if opprofile.event_stat(e, opprofile.HLO_OP_STATS) else 0
       top = collections.Counter()
       for e in events:
         top[e.name[:70]] += e.duration_ns
@@ -140,6 +143,7 @@ def trace(run_step, steps: int = 2) -> dict:
   lines.sort(key=lambda x: -x["busy_ms"])
   return {"traced_wall_ms": round(wall * 1e3, 1),
           "device_streams_busy_ms": round(_busy_ns(device) / steps / 1e6, 2) if device else None,
+          "kernel_time_naming_an_hlo_op": round(named_ns / kernel_ns, 3) if kernel_ns else None,
           "lines": lines[:20]}
 
 
@@ -165,6 +169,9 @@ def run_group(tag: str, specs, out: str, size: str = "full", hlo=(), traced: str
                                "sequences_per_s")}
       got.update(layers=r.cfg.num_layers, xla_gib=benchmark_accel.memory_gib(r.compiled),
                  ms_per_layer=round(f["step_s"] * 1e3 / r.cfg.num_layers, 2))
+      if r.cfg.cudnn_packing == "segments":  # jax's private packed layout, or the mask after all
+        got["cudnn_packed_layout"] = ("jax's packed layout" if attention.cudnn_packed_layout()
+                                      else "the public mask (no packed layout in this jax)")
       print(f"[{tag}] {name:<8} step {f['step_s'] * 1e3:7.1f} ms (fastest "
             f"{f['step_s_min'] * 1e3:.1f}), MFU {f['mfu']}, {got['ms_per_layer']} ms a layer, "
             f"compiled in {f['compile_s']} s", flush=True)

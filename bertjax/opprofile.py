@@ -99,7 +99,7 @@ def _kind(ops: set[str]) -> str:
 HLO_OP_STATS = ("hlo_op",)
 
 
-def _stat(event, names) -> str | None:
+def event_stat(event, names) -> str | None:
   try:
     stats = list(event.stats)
   except Exception:  # pylint: disable=broad-except  # an event without stats
@@ -129,7 +129,7 @@ def attribute(planes, kinds: dict[str, str], steps: int) -> tuple[dict[str, floa
     found = collections.Counter()
     for line in streams:
       for event in line.events:
-        name = _stat(event, HLO_OP_STATS) or event.name
+        name = event_stat(event, HLO_OP_STATS) or event.name
         if name in kinds:
           found[name] += event.duration_ns / 1e6 / steps
         else:
@@ -141,7 +141,7 @@ def attribute(planes, kinds: dict[str, str], steps: int) -> tuple[dict[str, floa
         line for line in plane.lines if line not in streams]
     for line in lines:
       for event in line.events:
-        name = _stat(event, HLO_OP_STATS) or event.name
+        name = event_stat(event, HLO_OP_STATS) or event.name
         if name in kinds:  # operations only: not the executor's or Python's own events
           per_op[name] += event.duration_ns / 1e6 / steps
   return dict(per_op), unattributed
