@@ -72,8 +72,7 @@ def saving_bits(f: Callable) -> Callable:
 
   def forward(params, x, *rest):
     y, pullback = jax.vjp(lambda p, h: f(p, h, *rest), params, x)
-    # jax.vjp's pullback is a jax.tree_util.Partial: its leaves are the residuals.
-    return y, (encode(pullback), len(rest))
+    return y, (encode(pullback), len(rest))  # its leaves are the residuals
 
   def backward(saved, dy):
     pullback, n_rest = saved
@@ -81,6 +80,16 @@ def saving_bits(f: Callable) -> Callable:
 
   wrapped.defvjp(forward, backward)
   return wrapped
+
+
+def pullback_is_a_pytree() -> bool:
+  """Whether jax.vjp's pullback is a pytree whose leaves are its residuals (jax 0.10.2's
+  jax._src.api.VJP is one, registered as such), which `saving_bits` stores. A jax whose pullback
+  is a plain function gets the layer called directly (`scanned_call`): its residuals stored as
+  they are, as before this module."""
+  _, pullback = jax.vjp(jnp.sin, jnp.ones((), jnp.float32))
+  leaves = jax.tree.leaves(pullback)
+  return bool(leaves) and all(hasattr(leaf, "dtype") for leaf in leaves)
 
 
 def scanned_call(parent: nn.Module, layer_cls, layer_args: tuple, name: str, inputs: tuple,
@@ -94,7 +103,7 @@ def scanned_call(parent: nn.Module, layer_cls, layer_args: tuple, name: str, inp
   masks on every run of the same step, other masks than a layer called directly would draw.
   Initialisation calls the layer directly, which creates the parameters.
   """
-  if parent.is_initializing():
+  if parent.is_initializing() or not pullback_is_a_pytree():
     return layer_cls(*layer_args, name=name)(*inputs)
   params = parent.variables["params"][name]
   key = parent.make_rng("dropout") if draws_dropout else None

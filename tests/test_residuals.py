@@ -66,3 +66,30 @@ def test_encode_round_trips_every_narrow_float_and_leaves_the_rest():
   for name in ("b", "h", "f", "i"):
     assert decoded[name].dtype == tree[name].dtype
     np.testing.assert_array_equal(decoded[name], tree[name])
+
+
+def test_a_jax_whose_pullback_is_a_plain_function_calls_the_layer_directly(monkeypatch):
+  # saving_bits stores jax.vjp's pullback as the pytree of its residuals (jax 0.10.2's VJP). A
+  # jax where it is a plain function gets the scanned layers called as before: the same model.
+  from bertjax.model import BertConfig, BertModel  # pylint: disable=import-outside-toplevel
+  assert residuals.pullback_is_a_pytree()
+  cfg = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                   hidden_dropout=0.0, attention_dropout=0.0, scan_layers=True, dtype="bfloat16")
+  ids = jnp.asarray(np.random.default_rng(1).integers(5, 64, (2, 8)), jnp.int32)
+  model = BertModel(cfg)
+  params = model.init(jax.random.key(0), ids)
+  loss = lambda p: jnp.sum(model.apply(p, ids)[0].astype(jnp.float32) ** 2)
+  reference = jax.jit(jax.value_and_grad(loss))(params)
+  real_vjp = jax.vjp
+
+  def plain_vjp(fun, *primals):
+    y, pullback = real_vjp(fun, *primals)
+    return y, lambda ct: pullback(ct)
+
+  monkeypatch.setattr(jax, "vjp", plain_vjp)
+  assert not residuals.pullback_is_a_pytree()
+  direct = jax.jit(jax.value_and_grad(loss))(params)
+  for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(a, b)
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+  assert "custom_vjp" not in jaxpr and "uint16" not in jaxpr  # called directly, as before
