@@ -48,6 +48,7 @@ from absl import app, flags
 from bertjax import attention, benchmark, benchmark_accel, cli, layercost, opprofile
 
 AUTOTUNE_CACHE = "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/bertjax_autotune"
+DEFAULT_BUDGET_S = 540.0
 # (group, XLA flags, seconds it may take, variants, variants whose HLO is read, variant traced)
 GROUPS = (
     ("A", "", 200, ("base:", "noscan:scan=0", "unroll2:scan_unroll=2", "nodrop:hidden_dropout=0.0",
@@ -203,6 +204,14 @@ def _autotune_flag() -> str:
   return AUTOTUNE_CACHE if probe.returncode == 0 else ""
 
 
+def _with_xla_flags(*extra: str) -> dict:
+  """This process's environment with `extra` flags before the user's XLA_FLAGS. Never an
+  XLA_FLAGS of blanks: XLA takes a value not starting with "--" for a file of flags, and dies."""
+  flags_ = " ".join(f for f in (*extra, os.environ.get("XLA_FLAGS", "")) if f.strip()).strip()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return {**env, "XLA_FLAGS": flags_} if flags_ else env
+
+
 def _read(path: str):
   if not os.path.exists(path):
     return {"error": "no figures written"}
@@ -216,17 +225,20 @@ def run_all(out: str, parts: list[str], budget_s: float, size: str) -> dict:
   os.makedirs(out, exist_ok=True)
   end = time.monotonic() + budget_s
   shared = _autotune_flag() if size == "full" else ""
+  # Each group's share of the budget: its seconds in GROUPS (which fill DEFAULT_BUDGET_S),
+  # scaled to the budget given for the groups asked.
+  asked = [g for g in GROUPS if g[0] in parts]
+  scale = budget_s / max(1, sum(g[2] for g in asked)) if "accel" not in parts else 1.0
   summary = {}
-  for tag, xla_flags, seconds, specs, hlo, traced in GROUPS:
+  for tag, xla_flags, seconds, specs, hlo, traced in asked:
     left = end - time.monotonic()
-    if tag not in parts:
-      continue
+    seconds *= scale
     if left < 45:
       summary[tag] = {"skipped": f"{left:.0f} s left"}
       continue
     command = [sys.executable, "-m", "bertjax.benchmark_layers", f"--out={out}", f"--size={size}",
                f"--group={tag}"]
-    env = {**os.environ, "XLA_FLAGS": f"{shared} {xla_flags} {os.environ.get('XLA_FLAGS', '')}"}
+    env = _with_xla_flags(shared, xla_flags)
     with open(os.path.join(out, f"{tag}.log"), "w") as log:
       try:
         subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -244,7 +256,7 @@ def run_all(out: str, parts: list[str], budget_s: float, size: str) -> dict:
                "--compile_threads=8"] + (["--tokens_per_device=16384"] if size == "full" else [])
       with open(os.path.join(out, "accel.log"), "w") as log:
         subprocess.run(accel, stdout=log, stderr=subprocess.STDOUT, timeout=left, check=False,
-                       env={**os.environ, "XLA_FLAGS": f"{shared} {os.environ.get('XLA_FLAGS', '')}"})
+                       env=_with_xla_flags(shared))
       summary["accel"] = _read(os.path.join(out, "accel.json"))
     else:
       summary["accel"] = {"skipped": f"{left:.0f} s left"}
@@ -258,8 +270,9 @@ def define_flags() -> None:
                       "figures (JSON per group, logs, compiled HLO of the variants read).")
   flags.DEFINE_list("parts", ["A", "B", "C", "D", "E"], "Groups to run (A-E, module docstring) "
                     "and 'accel' for the accelerator check with the time left.")
-  flags.DEFINE_float("budget_s", 540.0, "Seconds for everything (a group stops at its share; "
-                     "one device call may run 600).", lower_bound=60.0)
+  flags.DEFINE_float("budget_s", DEFAULT_BUDGET_S, "Seconds for everything: each group stops at "
+                     "its share (GROUPS' seconds, scaled to this without accel); one device call "
+                     "may run 600.", lower_bound=60.0)
   flags.DEFINE_enum("size", "full", benchmark_accel.SIZES, "tiny: a 1-layer model at L 16, on "
                     "any machine (the command's own test).")
   flags.DEFINE_string("group", "", "Internal: run this one group here (XLA_FLAGS already set).")

@@ -195,6 +195,17 @@ def test_the_layer_probe_times_reads_and_traces_its_variants(tmp_path):
   assert (tmp_path / "A_base.hlo.txt.gz").exists()
 
 
+def test_the_layer_probe_never_hands_xla_a_blank_flag_string(monkeypatch):
+  """XLA reads an XLA_FLAGS not starting with "--" as a file of flags and dies: a group with no
+  flags of its own, under a user with none, runs without the variable; the user's come last."""
+  from bertjax import benchmark_layers  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert "XLA_FLAGS" not in benchmark_layers._with_xla_flags("", " ")
+  monkeypatch.setenv("XLA_FLAGS", "--user_flag=1")
+  env = benchmark_layers._with_xla_flags("", "--group_flag=0")
+  assert env["XLA_FLAGS"] == "--group_flag=0 --user_flag=1"
+
+
 def test_a_packed_benchmark_counts_the_sequences_of_its_rows():
   config = base.get_config()
   config.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
