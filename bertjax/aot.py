@@ -14,8 +14,13 @@ that fits here fits there.
 Prints per-chip memory from XLA's buffer assignment (arguments, outputs, temporaries, code, less
 the outputs written into donated arguments) against the chip's HBM; the FLOPs of one step (XLA's
 count per chip and the model count of bertjax.flops); and at an assumed MFU (--mfu) the step
-time, sequences/s and chip-hours of train.num_train_steps. Exits 1, naming the shortfall, when the
-step does not fit. (XLA's TPU compiler itself works to fit HBM before it gives up, e.g. by
+time, sequences/s and chip-hours of train.num_train_steps. Beside that assumed MFU, the roofline
+of the executable itself: XLA's FLOPs and bytes accessed per chip (every layer counted: a scanned
+step is compiled a second time with more layers per loop iteration, bertjax/layercost.py) at the
+chip's peak and HBM bandwidth (bertjax/flops.py's CHIPS), the step time they allow, and the
+operations per layer; with scanned layers also any write of a whole [layers, ...] buffer inside
+the layer loops (a cost growing with depth at every layer: none expected). Exits 1, naming the
+shortfall, when the step does not fit. (XLA's TPU compiler itself works to fit HBM before it gives up, e.g. by
 recomputing activations: a step near the limit can compile slowly and run slower than its FLOPs
 suggest.)
 
@@ -46,7 +51,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, flops, sharding, topologies, train, versions
+from bertjax import cli, flops, layercost, sharding, topologies, train, versions
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 
@@ -219,10 +224,46 @@ def _round(x: float) -> float:
   return float(f"{x:.4g}")  # 4 significant digits: figures span 1e-4 (tiny) to 1e6
 
 
+def roofline(flops_per_chip: float, bytes_per_chip: float, peak_tflops: float,
+             hbm_gbps: float) -> dict:
+  """The step time a chip's roofline allows: its FLOPs at the peak rate against its bytes at the
+  HBM bandwidth; the larger bounds it."""
+  compute_s = flops_per_chip / (peak_tflops * 1e12)
+  memory_s = bytes_per_chip / (hbm_gbps * 1e9)
+  return {"roofline_compute_s": _round(compute_s), "roofline_memory_s": _round(memory_s),
+          "roofline_step_s": _round(max(compute_s, memory_s)),
+          "roofline_bound": "compute" if compute_s >= memory_s else "memory"}
+
+
+def layer_figures(training: train.Training, compiled, second=None) -> dict:
+  """XLA's FLOPs and bytes per chip with every layer counted, and the operations per layer.
+
+  XLA counts a loop's body once: a scanned step's cost is taken from its compile with
+  scan_unroll u (`compiled`) and layercost.second_unroll's k (`second`), each layer costing the
+  difference over k - u (bertjax/layercost.py); an unrolled step's is XLA's own."""
+  mc = training.model_config
+  text = compiled.as_text()
+  once = layercost.cost(compiled)
+  cost = (layercost.honest_cost(once, layercost.cost(second), mc.num_layers, mc.scan_unroll)
+          if mc.scan_layers and second is not None and mc.scan_unroll < mc.num_layers else once)
+  out = {"xla_tflop_per_chip_all_layers": _round(cost["flops"] / 1e12),
+         "xla_gb_per_chip_all_layers": _round(cost["bytes"] / 1e9),
+         "ops_per_layer": layercost.layer_ops(text, mc.num_layers, mc.scan_layers,
+                                              mc.scan_unroll)}
+  if mc.scan_layers:
+    # Writes of whole [layers, ...] buffers inside the layer loops: traffic at every layer that
+    # grows with the depth (the CPU's bfloat16 conversion was one); none expected.
+    out["whole_stack_writes_per_layer"] = layercost.stack_writes(text, mc.num_layers,
+                                                                 mc.scan_unroll)
+  return out
+
+
 def report(topology: Topology, training: train.Training, compiled, memory: Memory,
            compile_s: float, seq_len: int, max_predictions: int, mfu: float,
-           hbm_gib: float) -> dict:
-  """The figures of one compiled step as a flat dict (also what the command prints)."""
+           hbm_gib: float, second=None) -> dict:
+  """The figures of one compiled step as a flat dict (also what the command prints); `second`:
+  the scanned step compiled with more layers per loop iteration (`layer_figures`), for the
+  roofline."""
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
   device_kind = training.mesh.devices.flat[0].device_kind
@@ -233,6 +274,10 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
   xla_flops = float(cost.get("flops", 0.0)) if cost else 0.0
   step_s = model_flops / (n * peak * 1e12 * mfu)
   gib = lambda b: _round(b / GIB)
+  layers = layer_figures(training, compiled, second)
+  bound = roofline(layers["xla_tflop_per_chip_all_layers"] * 1e12,
+                   layers["xla_gb_per_chip_all_layers"] * 1e9, peak,
+                   flops.hbm_gbps(device_kind))
   return {
       "topology": str(topology), "libtpu_topology": topology.libtpu_name,
       "device": f"{n} x {device_kind}", "libtpu": importlib.metadata.version("libtpu"),
@@ -253,10 +298,15 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "xla_tflop_per_chip": _round(xla_flops / 1e12),
       "xla_over_model": round(xla_flops * n / model_flops, 3),
       # XLA's cost analysis counts the body of a loop once, not once per iteration.
-      **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times"}
+      **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times (the "
+                      "all_layers figures count each)"}
          if mc.scan_layers else {}),
-      "peak_tflops_per_chip": peak, "assumed_mfu": mfu,
+      **layers,
+      "peak_tflops_per_chip": peak, "hbm_gbps_per_chip": flops.hbm_gbps(device_kind),
+      "assumed_mfu": mfu,
       "step_s": _round(step_s), "sequences_per_s": _round(tc.batch_size / step_s),
+      # XLA's figures for the executable at the chip's peak and bandwidth: a floor on the step.
+      **bound, "roofline_mfu": round(model_flops / (n * peak * 1e12) / bound["roofline_step_s"], 3),
       "num_train_steps": tc.num_train_steps,
       "train_hours": _round(step_s * tc.num_train_steps / 3600),
       "chip_hours": _round(n * step_s * tc.num_train_steps / 3600),
@@ -293,6 +343,8 @@ def define_flags() -> None:
   flags.DEFINE_float("mfu", 0.45, "Model FLOPs utilisation assumed for the time estimates.")
   flags.DEFINE_float("hbm_gib", 0.0, "HBM per chip to check against (0 = the chip's own).")
   flags.DEFINE_string("json", "", "Also write the figures to this file.")
+  flags.DEFINE_bool("roofline", True, "With scanned layers, compile the step a second time (more "
+                    "layers per loop iteration) so that the roofline counts every layer.")
 
 
 def main(argv):
@@ -326,7 +378,8 @@ def main(argv):
     print(f"bertjax.aot: model.vocab_size is 0 (the tokenizer's); assuming {vocab} "
           "(--config.model.vocab_size=N to change)")
   try:
-    training = train.from_config(config, devices=topology_devices(topology), vocab_size=vocab)
+    devices = topology_devices(topology)
+    training = train.from_config(config, devices=devices, vocab_size=vocab)
   except ValueError as e:  # the config's checks: batch, mesh or heads do not divide
     sys.exit(f"bertjax.aot: {e}")
   print(f"bertjax.aot: compiling the train step for {topology} ({topology.libtpu_name}, "
@@ -344,8 +397,20 @@ def main(argv):
     sys.exit(f"bertjax.aot: {message} (XLA's TPU compiler: {e})")
   compile_s = time.perf_counter() - start
   memory = Memory.of(compiled)
+  second = None
+  mc = training.model_config
+  if mc.scan_layers and FLAGS.roofline and mc.scan_unroll < mc.num_layers:
+    # XLA counts the scanned layer once: the same step with more layers per loop iteration gives
+    # one layer's cost (layer_figures). Its memory is not what is checked.
+    config.model.scan_unroll = layercost.second_unroll(mc.num_layers, mc.scan_unroll)
+    print(f"bertjax.aot: compiling it again with scan_unroll={config.model.scan_unroll}, for "
+          "the roofline (--noroofline skips)", flush=True)
+    second = compile_train_step(
+        train.from_config(config, devices=devices, vocab_size=vocab),
+        seq_len, max_predictions, per_row)
+    config.model.scan_unroll = training.model_config.scan_unroll
   figures = report(topology, training, compiled, memory, compile_s, seq_len, max_predictions,
-                   FLAGS.mfu, hbm_gib)
+                   FLAGS.mfu, hbm_gib, second)
   figures["sequences_per_row"] = per_row or 1  # max_predictions above is per row (S x M)
   width = max(len(k) for k in figures)
   for key, value in figures.items():

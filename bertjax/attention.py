@@ -22,6 +22,7 @@ Shape letters as in bertjax/model.py: B batch, L length, N heads, K head size.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import flax.linen as nn
 import jax
@@ -78,6 +79,8 @@ def cudnn_local_arguments(masks: dict, length: int, window: int) -> dict:
   """
   if "mask" in masks:
     mask_Bx1xLxL = masks["mask"]
+  elif "segments" in masks:
+    mask_Bx1xLxL = segments_mask(masks["segments"], length)
   else:
     lengths_B = masks["key_value_seq_lengths"]
     mask_Bx1xLxL = (jnp.arange(length)[None, :] < lengths_B[:, None])[:, None, None, :]
@@ -97,28 +100,131 @@ def splash_segment_ids(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | 
   return jnp.where(real_BxL, ids_BxL, PADDING_SEGMENT)
 
 
-def cudnn_arguments(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None) -> dict:
+def cudnn_arguments(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array | None = None,
+                    packing: str = "mask") -> dict:
   """Keyword arguments of jax.nn.dot_product_attention that mask like attention_mask, for cuDNN.
 
   Unpacked: key lengths (`key_value_seq_lengths`), cuDNN's padding mask, which skips the padded
   blocks and reads no mask tensor; it assumes the padding at the end of each row, as the data
-  pipeline (and the original's) writes it. Packed: the public API has no segment ids for cuDNN
-  (jax 0.10 keeps its packed layout private), so the boolean [B, 1, L, L] mask goes in, which
-  cuDNN reads as an additive bias.
+  pipeline (and the original's) writes it. Packed, `packing="mask"`: the public API has no
+  segment ids for cuDNN (jax 0.10's `query_seq_lengths` and `key_value_seq_lengths` are one
+  length a row), so the boolean [B, 1, L, L] mask goes in, which cuDNN reads as an additive bias
+  and whose gradient its backward pass always computes. `packing="segments"`: the rows' segments
+  in cuDNN's packed layout (`cudnn_segments`), for `cudnn_packed_attention`.
   """
   if sequence_ids_BxL is None:
     lengths_B = jnp.sum(input_mask_BxL.astype(jnp.int32), axis=-1)
     return {"key_value_seq_lengths": lengths_B}
+  if packing == "segments":
+    return {"segments": cudnn_segments(input_mask_BxL, sequence_ids_BxL)}
   return {"mask": attention_mask(input_mask_BxL, sequence_ids_BxL)}
 
 
+def cudnn_segments(input_mask_BxL: jax.Array, sequence_ids_BxL: jax.Array,
+                   max_segments: int | None = None) -> dict:
+  """Packed rows as cuDNN's packed ("THD") layout: each row's runs of one sequence id as segments,
+  `q_seqlen`/`kv_seqlen` [B, M] their lengths and `q_offsets`/`kv_offsets` [B, M + 1] their first
+  positions (-1 past a row's last segment), M = `max_segments`.
+
+  A token attends to the tokens of its own segment (`segments_mask`): as attention_mask allows
+  for real tokens, since the pipeline lays each sequence out contiguously; the padding after them
+  is a segment of its own (splash's PADDING_SEGMENT does the same), so every query position has
+  keys and a defined output. M defaults to L // 2 + 1: a BERT sequence has at least its [CLS] and
+  [SEP], so no row has more segments.
+  """
+  batch, length = sequence_ids_BxL.shape
+  m = max_segments or length // 2 + 1
+  ids_BxL = jnp.where(input_mask_BxL.astype(bool), sequence_ids_BxL.astype(jnp.int32),
+                      PADDING_SEGMENT)
+  starts_BxL = jnp.concatenate([jnp.ones((batch, 1), bool), ids_BxL[:, 1:] != ids_BxL[:, :-1]],
+                               axis=1)
+  segment_BxL = jnp.cumsum(starts_BxL, axis=1) - 1
+  rows_Bx1 = jnp.arange(batch)[:, None]
+  position_BxL = jnp.broadcast_to(jnp.arange(length), (batch, length))
+  lengths_BxM = jnp.zeros((batch, m), jnp.int32).at[rows_Bx1, segment_BxL].add(1, mode="drop")
+  offsets_BxM1 = jnp.full((batch, m + 1), length, jnp.int32).at[rows_Bx1, segment_BxL].min(
+      position_BxL, mode="drop")
+  lengths_BxM = jnp.where(lengths_BxM > 0, lengths_BxM, -1)
+  offsets_BxM1 = jnp.where(offsets_BxM1 < length, offsets_BxM1, -1)
+  return {"q_seqlen": lengths_BxM, "kv_seqlen": lengths_BxM, "q_offsets": offsets_BxM1,
+          "kv_offsets": offsets_BxM1}
+
+
+def segments_mask(segments: dict, length: int) -> jax.Array:
+  """[B, 1, L, L] bool: what cuDNN's packed layout lets each query see (its segment's keys)."""
+  starts_BxM = segments["kv_offsets"][:, :-1]
+  ends_BxM = jnp.where(starts_BxM >= 0, starts_BxM + segments["kv_seqlen"], -1)
+  position_L = jnp.arange(length)
+  inside_BxLxM = ((position_L[None, :, None] >= starts_BxM[:, None, :])
+                  & (position_L[None, :, None] < ends_BxM[:, None, :]))
+  same_BxLxL = jnp.einsum("bqm,bkm->bqk", inside_BxLxM.astype(jnp.int32),
+                          inside_BxLxM.astype(jnp.int32)) > 0
+  return same_BxLxL[:, None]
+
+
+def _private_cudnn_attention():
+  """jax's cuDNN attention with the packed layout, or None where this jax has no such function.
+
+  Private (jax._src) on purpose: jax 0.10.2's public jax.nn.dot_product_attention takes one query
+  and one key length a row (`[B]`) and no offsets, and turns a mask into a bias whose gradient
+  its cuDNN backward always computes (fused_attention_stablehlo.should_export_dbias returns True);
+  its packed layout exists only in jax._src.cudnn.fused_attention_stablehlo.dot_product_attention
+  (q_offsets, kv_offsets: jax 0.10.2). Checked by signature; without it cudnn_packed_attention
+  takes the public mask (tests/test_attention.py covers both).
+  """
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  fn = getattr(fused_attention_stablehlo, "dot_product_attention", None)
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return None
+  wanted = {"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "mask_type", "scale"}
+  if not wanted <= set(params) or not hasattr(fused_attention_stablehlo, "MaskType"):
+    return None
+  return fn, fused_attention_stablehlo.MaskType.PADDING
+
+
+def cudnn_packed_layout() -> bool:
+  """Whether this jax has cuDNN's packed layout (cudnn_packed_attention uses it, not a mask)."""
+  return _private_cudnn_attention() is not None
+
+
+def cudnn_packed_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segments: dict):
+  """Softmax attention within cuDNN's segments (`cudnn_segments`): no mask tensor, no bias
+  gradient, where this jax has the packed layout; otherwise the public path's mask."""
+  private = _private_cudnn_attention()
+  if private is None:
+    return jax.nn.dot_product_attention(
+        q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=segments_mask(segments, q_BxLxNxK.shape[1]),
+        implementation="cudnn")
+  fn, padding = private
+  return fn(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, **segments,
+            scale=1.0 / float(np.sqrt(q_BxLxNxK.shape[-1])), mask_type=padding)
+
+
+def cudnn_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks: dict, local_window: int = 0):
+  """SelfAttention's cuDNN call, `masks` from cudnn_arguments: a local layer's band goes in as a
+  mask (cudnn_local_arguments), packed segments through cudnn_packed_attention."""
+  if local_window:
+    return jax.nn.dot_product_attention(
+        q_BxLxNxK, k_BxLxNxK, v_BxLxNxK,
+        **cudnn_local_arguments(masks, q_BxLxNxK.shape[1], local_window), implementation="cudnn")
+  if "segments" in masks:
+    return cudnn_packed_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["segments"])
+  return jax.nn.dot_product_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, **masks,
+                                      implementation="cudnn")
+
+
 def attention_masks(impl: str, input_mask_BxL: jax.Array,
-                    sequence_ids_BxL: jax.Array | None = None) -> dict:
+                    sequence_ids_BxL: jax.Array | None = None, cudnn_packing: str = "mask") -> dict:
   """What SelfAttention of `impl` masks with, built once per batch and shared by every layer."""
   if impl == "splash":
     return {"segment_ids": splash_segment_ids(input_mask_BxL, sequence_ids_BxL)}
   if impl == "cudnn":
-    return cudnn_arguments(input_mask_BxL, sequence_ids_BxL)
+    return cudnn_arguments(input_mask_BxL, sequence_ids_BxL, cudnn_packing)
   return {"mask": attention_mask(input_mask_BxL, sequence_ids_BxL)}
 
 

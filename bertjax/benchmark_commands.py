@@ -30,6 +30,8 @@ SUBCOMMANDS = {
     "finetune": ("bertjax.finetune.benchmark", "fine-tuning's host-side data speed (SQuAD)"),
     "accel": ("bertjax.benchmark_accel", "the accelerator check: BERT-Base/Large train steps (MFU, "
               "memory, attention kernels, packing), ModernBERT's windows, prediction vs PyTorch"),
+    "layers": ("bertjax.benchmark_layers", "where a scanned layer's time goes on a GPU: the train "
+               "step under XLA's flags and the model's variants, its loops and its trace"),
 }
 DEFAULT = "train"
 

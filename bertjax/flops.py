@@ -16,16 +16,20 @@ from bertjax.model import BertConfig
 #   pooler + NSP        2 D^2 + 4 D  (NSP's 4 D alone without the pooler)
 #   MLM head        M * (2 D^2 + 2 D V)                  (only the M masked positions)
 # Rematerialisation is not useful work and is not counted, so MFU compares across remat policies.
-# Dense bfloat16 peak TFLOP/s per chip (per GPU), from the vendors' data sheets. Matched against
-# jax's `device_kind` in order (more specific names first).
-PEAK_TFLOPS = (
-    ("TPU v6 lite", 918.0), ("TPU v6e", 918.0),
-    ("TPU v5 lite", 197.0), ("TPU v5e", 197.0),
-    ("TPU v5p", 459.0), ("TPU v5", 459.0),
-    ("TPU v4", 275.0),
-    ("H200", 989.0), ("H100", 989.0),  # SXM; dense (no sparsity)
-    ("A100", 312.0),
+# Per chip (per GPU): dense bfloat16 peak TFLOP/s and HBM bandwidth in GB/s (10^9 bytes), from
+# the vendors' pages: Cloud TPU's system architecture pages (cloud.google.com/tpu/docs/v6e, v5p,
+# v5e, v4: 918 / 1,640; 459 / 2,765; 197 / 819; 275 / 1,200) and NVIDIA's data sheets (H200 SXM
+# 989 / 4,800; H100 SXM 989 / 3,350; A100 80GB SXM 312 / 2,039). Matched against jax's
+# `device_kind` in order (more specific names first).
+CHIPS = (
+    ("TPU v6 lite", 918.0, 1640.0), ("TPU v6e", 918.0, 1640.0),
+    ("TPU v5 lite", 197.0, 819.0), ("TPU v5e", 197.0, 819.0),
+    ("TPU v5p", 459.0, 2765.0), ("TPU v5", 459.0, 2765.0),
+    ("TPU v4", 275.0, 1200.0),
+    ("H200", 989.0, 4800.0), ("H100", 989.0, 3350.0),  # SXM; dense (no sparsity)
+    ("A100", 312.0, 2039.0),
 )
+PEAK_TFLOPS = tuple((name, peak) for name, peak, _ in CHIPS)
 
 
 # A config may leave the vocabulary to its tokenizer (model.vocab_size 0), which the benchmark and
@@ -47,12 +51,23 @@ def rows_shape(data: DataConfig) -> tuple[int, int, int]:
   return seq_len, max_predictions * max(per_row, 1), per_row
 
 
+def _chip(device_kind: str):
+  for chip in CHIPS:
+    if chip[0].lower() in device_kind.lower():
+      return chip
+  return None
+
+
 def peak_tflops(device_kind: str) -> float | None:
   """Peak bf16 TFLOP/s of one device, or None when unknown (CPUs)."""
-  for name, peak in PEAK_TFLOPS:
-    if name.lower() in device_kind.lower():
-      return peak
-  return None
+  chip = _chip(device_kind)
+  return chip[1] if chip else None
+
+
+def hbm_gbps(device_kind: str) -> float | None:
+  """HBM bandwidth of one device in GB/s, or None when unknown (CPUs)."""
+  chip = _chip(device_kind)
+  return chip[2] if chip else None
 
 
 def layer_flops(cfg: BertConfig, layer: int, keys: int, queries: int | None = None) -> float:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import attention, dropout, sharding
+from bertjax import attention, dropout, residuals, sharding
 # The config and its named choices (bertjax/model_config.py), also known as bertjax.model's.
 from bertjax.model_config import (  # pylint: disable=unused-import
     ACTIVATIONS, INHERITED_FIELDS, REMAT_POLICIES, SHAPE_FIELDS, BertConfig, gelu)
@@ -239,9 +239,7 @@ class SelfAttention(nn.Module):
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks["segment_ids"])
     elif cfg.attention_impl == "cudnn":
-      run = lambda w: lambda q, k, v, m: jax.nn.dot_product_attention(
-          q, k, v, **(attention.cudnn_local_arguments(m, q.shape[1], w) if w else m),
-          implementation="cudnn")
+      run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks)
     else:
@@ -343,16 +341,20 @@ class EncoderLayer(nn.Module):
 
 
 class _ScanBody(nn.Module):
-  """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs; x is the layer's index."""
+  """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs; x is the layer's index.
+  Its saved residuals are kept as bits (bertjax/residuals.py: XLA's CPU backend rewrote every
+  bfloat16 one as a whole-buffer conversion at each layer)."""
 
   config: BertConfig
   deterministic: bool = True
 
   @nn.compact
   def __call__(self, x_BxLxD, masks, rope, layer_id):
-    layer_cls = _maybe_remat(EncoderLayer, self.config, scanned=True)
-    out_BxLxD = layer_cls(self.config, self.deterministic, name="layer")(
-        x_BxLxD, masks, rope, layer_id)
+    cfg = self.config
+    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=True)
+    draws = not self.deterministic and max(cfg.hidden_dropout, cfg.attention_dropout) > 0
+    out_BxLxD = residuals.scanned_call(self, layer_cls, (cfg, self.deterministic), "layer",
+                                       (x_BxLxD, masks, rope, layer_id), draws)
     return out_BxLxD, None
 
 
@@ -385,6 +387,7 @@ class Encoder(nn.Module):
           split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast, nn.broadcast, 0),
           length=cfg.num_layers,
+          unroll=cfg.scan_unroll,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
       x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(
@@ -462,7 +465,7 @@ class BertModel(nn.Module):
       position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (batch, length))
     masks = attention.attention_masks(
         cfg.attention_impl, input_mask_BxL,
-        None if sequence_ids is None else jnp.asarray(sequence_ids))
+        None if sequence_ids is None else jnp.asarray(sequence_ids), cfg.cudnn_packing)
     rope = None
     if cfg.position_embedding == "rope":
       rope = {"global": rope_tables(position_ids_BxL, cfg.head_size, cfg.rope_theta)}

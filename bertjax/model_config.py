@@ -46,6 +46,7 @@ REMAT_POLICIES = {
 }
 
 ATTENTION_IMPLS = attention.IMPLS
+CUDNN_PACKINGS = ("mask", "segments")
 POSITION_INITS = ("normal", "sinusoidal")
 QUERY_KEY_INITS = ("independent", "shared")
 NORM_POSITIONS = ("post", "pre")
@@ -86,8 +87,10 @@ class BertConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   scan_layers: bool = False
+  scan_unroll: int = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   remat_policy: str = "none"
   attention_impl: str = "xla"
+  cudnn_packing: str = "mask"  # packed rows on cuDNN: "mask" (a bias) or "segments" (attention.py)
   position_init: str = "normal"  # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
   query_key_init: str = "independent"  # or "shared": see SelfAttention
   # Options of the encoders that came after the paper (ModernBERT, NeoBERT, Cramming); each is
@@ -118,7 +121,7 @@ class BertConfig:
   def __post_init__(self):
     problems = []
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                 "max_position_embeddings", "global_every"):
+                 "max_position_embeddings", "global_every", "scan_unroll"):
       if int(getattr(self, name)) < 1:
         problems.append(f"{name}={getattr(self, name)} must be a positive integer")
     if int(self.type_vocab_size) < 0:
@@ -160,6 +163,8 @@ class BertConfig:
     if self.query_key_init not in QUERY_KEY_INITS:
       problems.append(
           f"query_key_init={self.query_key_init!r}; choose one of {QUERY_KEY_INITS}")
+    if self.cudnn_packing not in CUDNN_PACKINGS:
+      problems.append(f"cudnn_packing={self.cudnn_packing!r}; choose one of {CUDNN_PACKINGS}")
     if self.attention_impl not in ATTENTION_IMPLS:
       problems.append(f"attention_impl={self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
     for name in ("hidden_dropout", "attention_dropout"):

@@ -1,8 +1,10 @@
 """Where a compiled step spends its time, by kind of operation: what `benchmark --profile_steps`
 prints.
 
-A profiler trace records one event per executed XLA operation (a fusion, a matmul, a copy); the
-compiled module's text says what each one computes. Each operation is put in one kind:
+A profiler trace records one event per executed XLA operation (a fusion, a matmul, a copy): on a
+CPU named after it, on a GPU as the kernels it launched, named after the library routine that
+ran and carrying the operation's name in their "hlo_op" stat (`attribute` keys on it); the
+compiled module's text says what each operation computes. Each one is put in one kind:
 
   matmul       a dot or convolution (with whatever XLA fused into it)
   rng          random bits (threefry's xor/shift arithmetic: dropout masks)
@@ -92,6 +94,74 @@ def _kind(ops: set[str]) -> str:
   return "elementwise"
 
 
+# The stat naming the HLO instruction an event ran: a GPU kernel's event carries it (its own name is
+# the kernel's: a cuBLAS or cuDNN routine, or a fusion's name with a suffix); so may a CPU's.
+HLO_OP_STATS = ("hlo_op",)
+
+
+def event_stat(event, names) -> str | None:
+  try:
+    stats = list(event.stats)
+  except Exception:  # pylint: disable=broad-except  # an event without stats
+    return None
+  for name, value in stats:
+    if str(name) in names:
+      return str(value)
+  return None
+
+
+def _is_device_stream(plane, line) -> bool:
+  """A GPU's stream line: its events are kernels (and copies) as they ran on the device."""
+  return "GPU" in plane.name and line.name.startswith("Stream")
+
+
+def attribute(planes, kinds: dict[str, str], steps: int) -> tuple[dict[str, float], float]:
+  """({instruction: ms per step}, ms per step of device kernels no instruction was found for).
+
+  On a GPU the kernels on its stream lines are the operations as run, each keyed on its HLO
+  stat (XLA's "XLA Ops" line holds only the operations launched one by one, not those replayed
+  inside command buffers, CUDA graphs: 3.4 of a 75 ms step on an H200); the "XLA Ops" line is
+  read where no kernel names an instruction. On a CPU the threads' events are the operations.
+  An event is keyed on its stat, else on its own name."""
+  per_op, unattributed = collections.Counter(), 0.0
+  for plane in planes:
+    streams = [line for line in plane.lines if _is_device_stream(plane, line)]
+    found = collections.Counter()
+    for line in streams:
+      for event in line.events:
+        name = event_stat(event, HLO_OP_STATS) or event.name
+        if name in kinds:
+          found[name] += event.duration_ns / 1e6 / steps
+        else:
+          unattributed += event.duration_ns / 1e6 / steps
+    if found:
+      per_op.update(found)
+      continue
+    lines = [line for line in plane.lines if line.name == "XLA Ops"] or [
+        line for line in plane.lines if line not in streams]
+    for line in lines:
+      for event in line.events:
+        name = event_stat(event, HLO_OP_STATS) or event.name
+        if name in kinds:  # operations only: not the executor's or Python's own events
+          per_op[name] += event.duration_ns / 1e6 / steps
+  return dict(per_op), unattributed
+
+
+def summarise(per_op: dict[str, float], kinds: dict[str, str], wall_ms: float,
+              unattributed_ms: float = 0.0) -> dict:
+  """The figures `print_profile` prints, from `attribute`'s."""
+  by_kind = collections.Counter({kind: 0.0 for kind in KINDS})
+  for name, ms in per_op.items():
+    by_kind[kinds[name]] += ms
+  total = sum(by_kind.values()) or 1.0
+  top = sorted(per_op.items(), key=lambda item: -item[1])[:12]
+  return {"wall_ms_per_step": round(wall_ms, 1),
+          "ms_per_step": {k: round(v, 1) for k, v in by_kind.most_common()},
+          "share": {k: round(v / total, 3) for k, v in by_kind.most_common()},
+          "unattributed_device_ms_per_step": round(unattributed_ms, 1),
+          "top": [(round(ms, 1), kinds[name], name) for name, ms in top]}
+
+
 def profile(run_step: Callable[[], object], hlo_text: str, steps: int = 3) -> dict:
   """Traces `steps` calls of `run_step` (each waits for its step) and returns
   {"ms_per_step": {kind: ms}, "share": {kind: fraction}, "top": [(ms, kind, name), ...]}."""
@@ -106,31 +176,20 @@ def profile(run_step: Callable[[], object], hlo_text: str, steps: int = 3) -> di
     if not files:
       raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
     data = jax.profiler.ProfileData.from_file(files[0])
-  per_op = collections.Counter()
-  for plane in data.planes:
-    # A GPU's plane has the operations once on its "XLA Ops" line and again as kernels on its
-    # stream lines (kernels named like their fusions); a CPU's has them on the threads' lines.
-    lines = [line for line in plane.lines if line.name == "XLA Ops"] or plane.lines
-    for line in lines:
-      for event in line.events:
-        if event.name in kinds:  # operations only: not the executor's or Python's own events
-          per_op[event.name] += event.duration_ns / 1e6 / steps
-  by_kind = collections.Counter({kind: 0.0 for kind in KINDS})
-  for name, ms in per_op.items():
-    by_kind[kinds[name]] += ms
-  total = sum(by_kind.values()) or 1.0
-  return {"wall_ms_per_step": round(wall_ms, 1),
-          "ms_per_step": {k: round(v, 1) for k, v in by_kind.most_common()},
-          "share": {k: round(v / total, 3) for k, v in by_kind.most_common()},
-          "top": [(round(ms, 1), kinds[name], name) for name, ms in per_op.most_common(12)]}
+  per_op, unattributed = attribute(data.planes, kinds, steps)
+  return summarise(per_op, kinds, wall_ms, unattributed)
 
 
 def print_profile(result: dict, out=None) -> None:
   # Traced time far below the wall means operations the trace did not itemise: on a GPU, those
   # XLA replays inside command buffers (CUDA graphs) are absent (seen on an H200: 3.4 of 75 ms).
-  print(f"operations traced: {sum(result['ms_per_step'].values()):.1f} ms per step, summed "
-        f"over threads, in a step of {result['wall_ms_per_step']:.1f} ms wall "
-        "(profiled, so slower than untraced)", file=out)
+  traced = sum(result["ms_per_step"].values())
+  print(f"operations traced: {traced:.1f} ms per step, summed over threads or streams, in a step "
+        f"of {result['wall_ms_per_step']:.1f} ms wall ({100 * traced / result['wall_ms_per_step']:.0f}%; "
+        "profiled, so slower than untraced)", file=out)
+  if result.get("unattributed_device_ms_per_step"):
+    print(f"device time of kernels naming no instruction: "
+          f"{result['unattributed_device_ms_per_step']:.1f} ms per step", file=out)
   print("time by kind of operation (ms per step, summed over threads):", file=out)
   for kind, ms in result["ms_per_step"].items():
     print(f"  {kind:<12} {ms:9.1f}  {100 * result['share'][kind]:5.1f}%", file=out)

@@ -11,6 +11,11 @@ start: no TPU chip on the PCI bus (Google's vendor id, as jax itself looks), no 
 and the user has not chosen (`JAX_PLATFORMS` / `jax_platforms` set win). Compiling for a TPU slice
 on a CPU (`python -m bertjax.aot`) uses libtpu's compile-only client, not this backend, and is
 unaffected. Code that imports bertjax as a library is left to its own choice.
+
+The same start-up is where a command adds XLA flags for a platform (`add_xla_flags`): on a host
+with a GPU, `GPU_XLA_FLAGS`, empty until a GPU measurement chooses one (docs/performance.md, "The
+next GPU session", names the candidates and the reading that would justify each); a flag the
+user's XLA_FLAGS already names stays as the user set it.
 """
 
 from __future__ import annotations
@@ -49,3 +54,23 @@ def skip_absent_tpu() -> bool:
     return False
   jax.config.update("jax_platforms", "cpu")
   return True
+
+
+# XLA flags for GPU hosts, added by every command before jax starts (cli.run). None yet: each
+# candidate waits for its measurement (docs/performance.md, "The next GPU session").
+GPU_XLA_FLAGS: tuple[str, ...] = ()
+
+
+def add_xla_flags(environ=None) -> list[str]:
+  """Appends the platform's XLA flags to XLA_FLAGS (os.environ by default) where a GPU is
+  attached, but those the user's XLA_FLAGS already names; returns those added. Call before jax
+  starts a backend (XLA reads its flags once)."""
+  environ = os.environ if environ is None else environ
+  if not (GPU_XLA_FLAGS and gpu_attached()):
+    return []
+  present = environ.get("XLA_FLAGS", "")
+  named = {flag.split("=", 1)[0] for flag in present.split()}
+  added = [flag for flag in GPU_XLA_FLAGS if flag.split("=", 1)[0] not in named]
+  if added:
+    environ["XLA_FLAGS"] = " ".join([present, *added]).strip()
+  return added

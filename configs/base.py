@@ -31,8 +31,10 @@ def get_config():
   m.dtype = "float32"  # compute dtype of matmuls: "bfloat16" on accelerators
   m.param_dtype = "float32"  # storage dtype of parameters
   m.scan_layers = False  # stack layers with nn.scan: one compiled layer, faster compiles
+  m.scan_unroll = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   m.remat_policy = "none"  # "none", "full", "dots" (save matmuls without batch dims), "dots_all"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0)
+  m.cudnn_packing = "mask"  # packed rows on cuDNN: "mask" (read as a bias) or "segments" (no bias)
   m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
   m.query_key_init = "independent"  # "independent" (original) or "shared": W_K starts as W_Q (small models)
   # Encoders after the paper (ModernBERT, NeoBERT, Cramming; configs/modern_base.py). Each key is

@@ -123,10 +123,17 @@ def test_tiny_config_fits_a_v5p_8(tmp_path):
   # XLA counts a little more than the model's matmuls (softmax, LayerNorm, the optimizer).
   assert 1.0 <= figures["xla_over_model"] < 1.5
   assert figures["step_s"] > 0 and figures["chip_hours"] > 0
+  # The roofline of the executable: XLA's FLOPs and bytes at v5p's peak and HBM bandwidth.
+  assert (figures["peak_tflops_per_chip"], figures["hbm_gbps_per_chip"]) == (459.0, 2765.0)
+  assert figures["xla_tflop_per_chip_all_layers"] == figures["xla_tflop_per_chip"]  # unrolled
+  assert figures["roofline_step_s"] == max(figures["roofline_compute_s"],
+                                           figures["roofline_memory_s"]) > 0
+  assert figures["roofline_bound"] in ("compute", "memory") and 0 < figures["roofline_mfu"] <= 1
+  assert figures["ops_per_layer"] > 0
 
 
 def test_the_splash_kernel_compiles_into_the_train_step_for_v5p():
-  # The tiny config at length 128 (the kernel's block), its layers scanned (one compiled layer):
+  # The tiny config at length 128 (the kernel's block), 3 layers scanned (one compiled layer):
   # the step's program holds the Pallas kernels themselves (Mosaic custom calls), forward and
   # fused backward, not their CPU interpreter.
   probe = """
@@ -134,15 +141,19 @@ import json, os, re
 for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
                     ("TPU_SKIP_MDS_QUERY", "1")):
   os.environ.setdefault(name, value)
-from bertjax import aot, train
+from bertjax import aot, layercost, train
 from configs import tiny
 config = tiny.get_config()
-config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True)
+# 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
+config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3)
 config.data.max_seq_length = 128
 devices = aot.topology_devices(aot.parse_topology("v5p-8"))
 text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
 print(json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
-                  "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text)))}))
+                  "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text))),
+                  "layer_loops": len(layercost.layer_loops(text, 3)),
+                  "ops_per_layer": layercost.layer_ops(text, 3, scanned=True),
+                  "stack_writes": layercost.stack_writes(text, 3)}))
 """
   result = run("-c", probe, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -150,6 +161,21 @@ print(json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_cal
   assert out["kernels"] == ["splash_mha_dkv_segmented_no_residuals",
                             "splash_mha_fwd_segmented_residuals"]
   assert out["custom_calls"] >= 2
+  # The TPU program's layer loops (found without XLA's trip-count annotation, which TPU programs
+  # lack), their operations, and no whole [layers, ...] buffer computed at every layer. What
+  # XLA's TPU compiler does write whole at this size: the stacked bfloat16 MLP kernels moved
+  # between memory spaces (asynchronous copies, 0.4 MB each), which a full-size model's do not
+  # fit (bertjax.aot reports them as whole_stack_writes_per_layer).
+  assert out["layer_loops"] == 2 and out["ops_per_layer"] > 0
+  assert set(out["stack_writes"]) <= {"copy-start:bf16", "copy-done:bf16"}, out["stack_writes"]
+
+
+def test_the_roofline_is_the_slower_of_compute_and_memory():
+  # 9.18 TFLOP at v6e's 918 TFLOP/s: 10 ms; 32.8 GB at 1,640 GB/s: 20 ms, the bound.
+  bound = aot.roofline(9.18e12, 32.8e9, 918.0, 1640.0)
+  assert bound == {"roofline_compute_s": 0.01, "roofline_memory_s": 0.02,
+                   "roofline_step_s": 0.02, "roofline_bound": "memory"}
+  assert aot.roofline(9.18e13, 32.8e9, 918.0, 1640.0)["roofline_bound"] == "compute"
 
 
 def test_a_step_larger_than_hbm_is_refused_with_the_shortfall():

@@ -103,6 +103,67 @@ def test_cudnn_arguments_mask_like_the_xla_path(packed):
   np.testing.assert_allclose(got, expected, atol=1e-6)
 
 
+def test_cudnn_segments_are_the_rows_sequences_in_cudnns_packed_layout():
+  # Row 0: sequences of 40, 50 and 27 tokens, then 11 of padding (a segment of its own); row 1:
+  # 70, 30, then 28 of padding. M = L // 2 + 1 columns, -1 past a row's last segment.
+  _, mask, _, seq = _batch()
+  segments = attention.cudnn_segments(jnp.asarray(mask), jnp.asarray(seq))
+  m = LENGTH // 2 + 1
+  lengths, offsets = np.full((2, m), -1), np.full((2, m + 1), -1)
+  lengths[0, :4], offsets[0, :4] = [40, 50, 27, 11], [0, 40, 90, 117]
+  lengths[1, :3], offsets[1, :3] = [70, 30, 28], [0, 70, 100]
+  np.testing.assert_array_equal(segments["q_seqlen"], lengths)
+  np.testing.assert_array_equal(segments["kv_seqlen"], lengths)
+  np.testing.assert_array_equal(segments["q_offsets"], offsets)
+  np.testing.assert_array_equal(segments["kv_offsets"], offsets)
+
+
+def test_cudnn_segments_attend_as_the_xla_path_on_real_tokens():
+  # What cuDNN's packed layout lets a query see (segments_mask), run by the XLA implementation
+  # (no GPU here): the outputs at real tokens equal those of the XLA path's boolean mask.
+  _, mask, _, seq = _batch()
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, LENGTH, 2, 16)), jnp.float32) for _ in range(3))
+  args = attention.attention_masks("cudnn", jnp.asarray(mask), jnp.asarray(seq), "segments")
+  assert set(args) == {"segments"}
+  allowed = attention.segments_mask(args["segments"], LENGTH)
+  expected_mask = attention.attention_mask(jnp.asarray(mask), jnp.asarray(seq))
+  real = mask.astype(bool)
+  np.testing.assert_array_equal(np.asarray(allowed)[:, 0][real],
+                                np.asarray(expected_mask)[:, 0][real])
+  got = jax.nn.dot_product_attention(q, k, v, mask=allowed, implementation="xla")
+  expected = jax.nn.dot_product_attention(q, k, v, mask=expected_mask, implementation="xla")
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=1e-6)
+  # A local layer (ModernBERT's) takes the segments as its mask, with the band.
+  band = attention.cudnn_local_arguments(args, LENGTH, 8)["mask"]
+  band_of_mask = attention.cudnn_local_arguments({"mask": expected_mask}, LENGTH, 8)["mask"]
+  np.testing.assert_array_equal(np.asarray(band)[:, 0][real], np.asarray(band_of_mask)[:, 0][real])
+
+
+def test_cudnn_packed_attention_passes_segments_to_jaxs_packed_layout_or_falls_back(monkeypatch):
+  # jax 0.10.2 has the packed layout in a private function only (attention.py says why); a jax
+  # without it gets the public path and the mask. Both calls recorded here (no GPU).
+  _, mask, _, seq = _batch()
+  segments = attention.cudnn_segments(jnp.asarray(mask), jnp.asarray(seq))
+  q = k = v = jnp.zeros((2, LENGTH, 2, 16), jnp.bfloat16)
+  private = attention._private_cudnn_attention()  # pylint: disable=protected-access
+  assert private is not None, "jax's cuDNN packed layout is gone: update attention.py"
+  calls = {}
+  fake = lambda *a, **kw: calls.setdefault("private", kw) and a[0]
+  monkeypatch.setattr(attention, "_private_cudnn_attention", lambda: (fake, private[1]))
+  attention.cudnn_packed_attention(q, k, v, segments)
+  assert set(calls["private"]) == {"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale",
+                                   "mask_type"}
+  assert calls["private"]["mask_type"].name == "PADDING" and calls["private"]["scale"] == 0.25
+  monkeypatch.setattr(attention, "_private_cudnn_attention", lambda: None)
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda *a, **kw: calls.setdefault("public", kw) and a[0])
+  attention.cudnn_packed_attention(q, k, v, segments)
+  assert set(calls["public"]) == {"mask", "implementation"}
+  np.testing.assert_array_equal(calls["public"]["mask"],
+                                attention.segments_mask(segments, LENGTH))
+
+
 def test_splash_segment_ids_keep_real_tokens_off_padding():
   mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 1, 1]])
   seq = jnp.asarray([[1, 2, 2, 0], [0, 0, 1, 1]])  # row 1 numbers a real sequence 0

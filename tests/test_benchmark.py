@@ -148,6 +148,64 @@ ENTRY %main (x: f32[4,4], k: u32[4]) -> f32[4] {
   assert result["wall_ms_per_step"] > 0
 
 
+def test_a_gpu_trace_is_itemised_by_the_kernels_hlo_stat():
+  # A GPU trace as XLA's profiler writes it (xplane's planes, lines, events): kernels named by
+  # the library that ran them, each with an "hlo_op" stat naming the instruction; the "XLA Ops"
+  # line holding only what was launched outside a command buffer (the H200's 3.4 of 75 ms).
+  from types import SimpleNamespace as E  # pylint: disable=import-outside-toplevel
+  from bertjax import opprofile  # pylint: disable=import-outside-toplevel
+  kinds = {"fusion.1": "matmul", "fusion.2": "elementwise", "copy.3": "layout"}
+  ms = 1_000_000
+  kernel = lambda name, dur, op=None: E(name=name, duration_ns=dur * ms,
+                                       stats=[("hlo_module", "jit_step")] + ([("hlo_op", op)] if op else []))
+  gpu = E(name="/device:GPU:0", lines=[
+      E(name="XLA Ops", events=[kernel("copy.3", 1)]),  # the only op outside the graphs
+      E(name="Stream #13(compute)", events=[
+          kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 30, "fusion.1"),
+          kernel("loop_add_fusion_kernel", 8, "fusion.2"), kernel("copy.3", 1),  # name only
+          kernel("void cutlass::Kernel<unknown>", 2)]),  # names nothing: counted apart
+      E(name="Stream #14(memcpy)", events=[kernel("MemcpyD2D", 3)])])
+  host = E(name="/host:CPU", lines=[E(name="python3", events=[kernel("fusion.1", 99)])])
+  per_op, unattributed = opprofile.attribute([gpu, host], kinds, steps=1)
+  assert per_op == {"fusion.1": 30 + 99, "fusion.2": 8, "copy.3": 1}
+  assert unattributed == 5
+  result = opprofile.summarise({k: v for k, v in per_op.items()}, kinds, wall_ms=160,
+                               unattributed_ms=unattributed)
+  assert result["ms_per_step"]["matmul"] == 129 and result["unattributed_device_ms_per_step"] == 5
+  # Without any kernel naming an instruction, the "XLA Ops" line is read (as before).
+  bare = E(name="/device:GPU:0", lines=[E(name="XLA Ops", events=[kernel("fusion.2", 4)]),
+                                        E(name="Stream #7", events=[kernel("gemm", 9)])])
+  assert opprofile.attribute([bare], kinds, steps=2)[0] == {"fusion.2": 2}
+
+
+def test_the_layer_probe_times_reads_and_traces_its_variants(tmp_path):
+  """bertjax.benchmark_layers' group on a CPU at a tiny size (3 layers of 32): what the GPU run
+  writes, so that the command is ready when a GPU is."""
+  from bertjax import benchmark_layers  # pylint: disable=import-outside-toplevel
+  results = benchmark_layers.run_group(
+      "A", ("base:num_layers=3", "noscan:num_layers=3,scan=0"), str(tmp_path), "tiny",
+      hlo=("base", "noscan"), traced="base")
+  assert json.loads((tmp_path / "A.json").read_text()) == json.loads(json.dumps(results))
+  base, noscan = results["base"], results["noscan"]
+  assert base["layers"] == 3 and base["step_s"] > 0 and base["ms_per_layer"] > 0, base
+  assert base["hlo"]["ops_per_layer"] > 0 and base["hlo"]["whole_stack_writes_per_layer"] == {}
+  assert len(base["hlo"]["layer_loop_opcodes"]) == 2  # forward and backward loops
+  assert noscan["hlo"]["ops_per_layer"] > 0 and noscan["hlo"]["layer_loop_opcodes"] == {}
+  assert base["trace"]["traced_wall_ms"] > 0 and base["trace"]["lines"]
+  assert (tmp_path / "A_base.hlo.txt.gz").exists()
+
+
+def test_the_layer_probe_never_hands_xla_a_blank_flag_string(monkeypatch):
+  """XLA reads an XLA_FLAGS not starting with "--" as a file of flags and dies: a group with no
+  flags of its own, under a user with none, runs without the variable; the user's come last."""
+  from bertjax import benchmark_layers  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert "XLA_FLAGS" not in benchmark_layers._with_xla_flags("", " ")
+  monkeypatch.setenv("XLA_FLAGS", "--user_flag=1")
+  env = benchmark_layers._with_xla_flags("", "--group_flag=0")
+  assert env["XLA_FLAGS"] == "--group_flag=0 --user_flag=1"
+
+
 def test_a_packed_benchmark_counts_the_sequences_of_its_rows():
   config = base.get_config()
   config.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,

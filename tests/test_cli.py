@@ -213,6 +213,22 @@ def test_no_module_reaches_into_another_ones_private_names():
   assert not found, found
 
 
+def test_a_gpu_hosts_xla_flags_are_added_but_never_over_the_users(monkeypatch):
+  # platforms.GPU_XLA_FLAGS, the one place a command's GPU flags would be set (none chosen yet).
+  from bertjax import platforms  # pylint: disable=import-outside-toplevel
+  assert platforms.GPU_XLA_FLAGS == ()  # today's behaviour until a GPU measurement chooses
+  monkeypatch.setattr(platforms, "GPU_XLA_FLAGS", ("--xla_a=1", "--xla_b=2"))
+  env = {"XLA_FLAGS": "--xla_b=7 --other"}
+  monkeypatch.setattr(platforms, "gpu_attached", lambda: False)
+  assert platforms.add_xla_flags(env) == [] and env == {"XLA_FLAGS": "--xla_b=7 --other"}
+  monkeypatch.setattr(platforms, "gpu_attached", lambda: True)
+  assert platforms.add_xla_flags(env) == ["--xla_a=1"]
+  assert env == {"XLA_FLAGS": "--xla_b=7 --other --xla_a=1"}  # the user's --xla_b kept
+  empty = {}
+  assert platforms.add_xla_flags(empty) == ["--xla_a=1", "--xla_b=2"]
+  assert empty == {"XLA_FLAGS": "--xla_a=1 --xla_b=2"}
+
+
 def test_only_a_refusal_is_one_line_a_plain_value_error_keeps_its_traceback():
   """cli.explained ends the command in one line on errors.Refusal (and the project's refusals
   built on it, a missing file, a file that is not text); a plain ValueError is a fault of the code

@@ -4,7 +4,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
 
   base      errors, files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
             opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention,
-            gradcache
+            gradcache, residuals, layercost
   model     model, heads, nnx, contrastive
   configs   configs/ (ml_collections files; the mesh rules and the model's fields they name)
   data      data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a user's
@@ -18,7 +18,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
             pretrain, main
   finetune  finetune/
   finetune-config  configs/finetune.py (one's own tasks are the families' names, read from them)
-  commands  predict, prediction_rows, benchmark_predict, benchmark_accel, convert/ (import and export), launch/
+  commands  predict, prediction_rows, benchmark_predict, benchmark_accel, benchmark_layers, convert/ (import and
+            export), launch/
 
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
@@ -41,7 +42,8 @@ LAYERS = (
               "bertjax.watchdog",
               "bertjax.metrics",
               "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
-              "bertjax.dropout", "bertjax.attention", "bertjax.gradcache")),
+              "bertjax.dropout", "bertjax.attention", "bertjax.gradcache", "bertjax.residuals",
+              "bertjax.layercost")),
     ("model", ("bertjax.model_config", "bertjax.model", "bertjax.heads", "bertjax.nnx",
                "bertjax.contrastive")),
     ("configs", ("configs",)),
@@ -56,7 +58,7 @@ LAYERS = (
     ("finetune", ("bertjax.finetune",)),
     ("finetune-config", ("configs.finetune",)),
     ("commands", ("bertjax.predict", "bertjax.prediction_rows", "bertjax.benchmark_predict",
-                  "bertjax.benchmark_accel", "bertjax.convert", "launch")),
+                  "bertjax.benchmark_accel", "bertjax.benchmark_layers", "bertjax.convert", "launch")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 

@@ -220,7 +220,8 @@ def _stack_layers(params, num_layers):
 
 @pytest.mark.parametrize("variant", [dict(scan_layers=True), dict(remat_policy="full"),
                                      dict(remat_policy="dots"),
-                                     dict(scan_layers=True, remat_policy="dots_all")])
+                                     dict(scan_layers=True, remat_policy="dots_all"),
+                                     dict(scan_layers=True, scan_unroll=2)])
 def test_scan_and_remat_compute_the_same_function_and_gradients(variant):
   ids, mask, seg = _inputs()
   mask[1, 12:] = 0

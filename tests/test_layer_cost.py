@@ -1,0 +1,89 @@
+"""The compiled train step costs the same per encoder layer at every depth, scanned and unrolled.
+
+A cost per layer that grows with the layer count (the CPU's whole stacked residual buffer
+converted at every layer: bertjax/residuals.py) makes a deep model's step grow with the square of
+its depth. Held here on the compiled program (bertjax/layercost.py): XLA's FLOPs and bytes
+accessed (`compiled.cost_analysis()`) and the operations, per added layer, unrolled; scanned,
+where XLA counts the loop's body once, the operations of the layer loops per layer and the bytes
+they write to whole [layers, ...] buffers at every iteration (none: each layer updates its slice).
+"""
+
+import functools
+
+import jax
+
+from bertjax import benchmark, layercost, residuals
+from configs import base
+
+# The figures read here come from the optimised HLO, which these leave as it is; the machine code
+# LLVM makes of it is not read, and unoptimised it compiles in half the time.
+UNOPTIMISED_CODE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+SHAPE = dict(hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=128, dtype="bfloat16")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_text(num_layers: int, scan: bool, unroll: int = 1):
+  config = base.get_config()
+  config.model.update(SHAPE, num_layers=num_layers, scan_layers=scan, scan_unroll=unroll)
+  config.data.update(max_seq_length=16, max_predictions_per_seq=2)
+  config.train.batch_size = 2
+  # One device: the per-device program, as a single accelerator compiles it.
+  runner = benchmark.StepRunner(config, 16, 2, devices=jax.devices()[:1], allocate=False)
+  compiled = runner.lowered.compile(compiler_options=UNOPTIMISED_CODE)
+  return layercost.cost(compiled), compiled.as_text()
+
+
+def _close(a: float, b: float, rel: float = 1e-3) -> bool:
+  return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def test_an_unrolled_step_adds_the_same_cost_with_each_layer():
+  costs, ops = [], []
+  for n in (1, 2, 3):
+    cost, text = _compiled_text(n, scan=False)
+    costs.append(cost)
+    ops.append(layercost.module_op_count(text))
+  for key in ("flops", "bytes"):
+    first, second = costs[1][key] - costs[0][key], costs[2][key] - costs[1][key]
+    assert first > 0 and _close(first, second), (key, [c[key] for c in costs])
+  assert ops[1] - ops[0] == ops[2] - ops[1] > 0, ops
+  print(f"unrolled: {ops[1] - ops[0]} operations per layer; per layer "
+        f"{(costs[1]['flops'] - costs[0]['flops']) / 1e6:.3f} MFLOP, "
+        f"{(costs[1]['bytes'] - costs[0]['bytes']) / 1e6:.3f} MB accessed")
+
+
+def test_a_scanned_step_runs_the_same_operations_per_layer_at_any_depth():
+  # Depths no other dimension of the model shares (the [layers, ...] arrays are found by it).
+  (_, three), (_, six) = _compiled_text(3, scan=True), _compiled_text(6, scan=True)
+  assert len(layercost.layer_loops(three, 3)) == 2  # the forward pass's loop, the backward's
+  ops = [layercost.layer_ops(three, 3, scanned=True), layercost.layer_ops(six, 6, scanned=True)]
+  assert ops[0] == ops[1] > 0, ops
+  assert layercost.stack_writes(three, 3) == layercost.stack_writes(six, 6) == {}
+  print(f"scanned: {ops[0]} operations per layer (the two loop bodies)")
+
+
+def test_every_scanned_layer_counted_does_the_flops_of_unrolled_layers():
+  # XLA counts the loop's body once; bertjax.aot's roofline counts every layer from a second
+  # compile with two layers per iteration (layercost.honest_cost). Against six unrolled layers
+  # (1 + 5 increments of the unrolled test's compiles): the same FLOPs within a few percent,
+  # where the body counted once is a third short; and no fewer bytes (the scanned loop also
+  # moves each layer's parameters, gradients and residuals in and out of the stacked arrays).
+  (once, _), (second, _) = _compiled_text(6, True), _compiled_text(6, True, 2)
+  honest = layercost.honest_cost(once, second, 6)
+  (one, _), (two, _) = _compiled_text(1, False), _compiled_text(2, False)
+  unrolled = {key: one[key] + 5 * (two[key] - one[key]) for key in ("flops", "bytes")}
+  assert abs(honest["flops"] / unrolled["flops"] - 1) < 0.05, (honest, unrolled)
+  assert once["flops"] < 0.8 * unrolled["flops"]
+  assert honest["bytes"] > 0.95 * unrolled["bytes"] > once["bytes"]
+  print(f"six layers, scanned and every layer counted / unrolled: FLOPs "
+        f"{honest['flops'] / unrolled['flops']:.3f}, bytes {honest['bytes'] / unrolled['bytes']:.3f}")
+  assert [layercost.second_unroll(n) for n in (6, 12, 24, 3, 22)] == [2, 2, 2, 3, 2]
+
+
+def test_the_whole_buffer_conversion_is_a_write_to_every_layer_at_every_layer(monkeypatch):
+  # What the test above sees with residuals.py undone: XLA's CPU backend converting each whole
+  # bfloat16 [layers, ...] residual buffer to float32 and back to store one layer's slice.
+  monkeypatch.setattr(residuals, "saving_bits", lambda f: f)
+  _, text = _compiled_text.__wrapped__(3, scan=True)  # compiled afresh, not the cached one
+  writes = layercost.stack_writes(text, 3)
+  assert writes.get("convert:bf16", 0) > 0, writes
