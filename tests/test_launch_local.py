@@ -143,12 +143,13 @@ def test_pod_saves_on_sigterm_and_resumes_on_other_meshes(tmp_path, runs):
                                           "--config.train.log_every_steps=1000"])
   pod.wait_for(r"^\[0\] bertjax: initialised from scratch")
   children = pod.find_children()
-  time.sleep(3)  # a few steps in
+  time.sleep(3)  # a few steps in, or still compiling the first on a loaded machine
   os.kill(children[1], signal.SIGTERM)
-  noticed = time.time()
+  # Counted in steps, not seconds: the notice may land while the first step compiles (37 s on a
+  # loaded 2-core machine under XLA's single-threaded CPU flags), so a bound in seconds measures
+  # the machine. A step saved before the end (below: saved < 1000) is one both hosts agreed on.
   saved = int(pod.wait_for(r"^\[0\] bertjax: a preemption notice received; saved step (\d+)",
-                           60).group(1))
-  assert time.time() - noticed < 30, pod.output[-5000:]
+                           180).group(1))
   assert pod.finish() == 0, pod.output[-5000:]
   assert 0 < saved < 1000 and _saved_steps(tmp_path)[-1] == saved
   # Every line is one process's (or the launcher's), whole; both processes spoke; both exited 0.
