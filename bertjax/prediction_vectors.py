@@ -127,7 +127,8 @@ def corpus_vectors(predictor, corpus: str, side: Side, pooling: str, vectors_pat
   embed wrote, one row per passage) or encoded now."""
   ids, seen = [], {}
   for k, row in enumerate(textfiles.iter_rows(corpus, fmt)):
-    textfiles.require(row, [side.column], "--")
+    textfiles.require(row, [side.column], "--", "text_b (the passages; their ids: an 'id' "
+                      "column, else the row numbers)")
     passage_id = str(row["id"]).strip() if "id" in row else str(k)
     if passage_id in seen:
       raise Refusal(f"{row.where}: the passage id {passage_id!r} is given twice (first at "

@@ -255,7 +255,9 @@ def test_bad_files_are_refused_naming_the_line_and_column(tmp_path, case):
            "positive": "zz" if case == "unknown_id" else "a"}]
   dev = write_jsonl(tmp_path / "dev.jsonl", rows)
   if case == "no_column":
-    with pytest.raises(Refusal, match=r"dev.jsonl:1: no column 'neg'"):
+    with pytest.raises(Refusal, match=r"dev.jsonl:1: no column 'neg'; the file has \['positive', "
+                                      r"'query'\]\. Name the columns with config\.data\.query / "
+                                      r"positive / negatives"):
       passages.read_pairs(dev, COLUMNS)
     return
   if case == "twice":

@@ -33,7 +33,7 @@ from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import init_heads, tasks
+from bertjax.finetune import families, init_heads, tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
 from bertjax.finetune.evaluations import Evaluations
 from bertjax.model import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
@@ -115,8 +115,8 @@ def _encoder_loader(source: weights.Weights):
   return load
 
 
-def initialiser(source: weights.Weights, model: BertConfig, task_name: str
-                ) -> tuple[str, loop.Initialiser]:
+def initialiser(source: weights.Weights, model: BertConfig, task_name: str,
+                headless: bool = False) -> tuple[str, loop.Initialiser]:
   """Where a run's parameters start from init_from (results.json's "init", and the console's
   line): its encoder, and ModernBERT's prediction head where the model has one; what of a
   fine-tuned source is left out is said."""
@@ -125,7 +125,8 @@ def initialiser(source: weights.Weights, model: BertConfig, task_name: str
   said = weights.unread(source, (weights.ENCODER, init_heads.HEAD) if head else ())
   return (f"the encoder{also} of checkpoint.init_from={source.describe()}",
           loop.Initialiser(f"encoder{also} from checkpoint.init_from={source.describe()}, "
-                           f"{task_name} {'classifier' if head else 'head'} new"
+                           + (f"{task_name}: no head, the encoder's vectors" if headless else
+                              f"{task_name} {'classifier' if head else 'head'} new")
                            + (f"; {said}" if said else ""), _encoder_loader(source)))
 
 
@@ -330,7 +331,8 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
   origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
             else "scratch")
   if source is not None and not config.checkpoint.random_init:
-    origin, init = initialiser(source, model_config, task_name)
+    origin, init = initialiser(source, model_config, task_name, data.spec is not None
+                               and not families.get(data.spec.family).head)
   return Setup(ft, task_name, source, tokenizer, vocab_file, lower, model_config, data,
                tasks.model_features(data.train), origin, init)
 

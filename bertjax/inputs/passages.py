@@ -27,6 +27,11 @@ from bertjax.errors import Refusal
 from bertjax.inputs import textfiles
 
 
+# How a refusal of a missing column says the keys that name them (configs/finetune.py).
+KEYS = ("query / positive / negatives, a corpus's text column with config.data.passage (its "
+        "ids: an 'id' column)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Columns:
   query: str = "query"
@@ -87,7 +92,8 @@ def _negatives(row: textfiles.Row, column: str) -> list[str]:
 def read_pairs(path: str, columns: Columns, fmt: str = "") -> Pairs:
   """Training rows (or dev pairs): every row needs its query and positive; hard negatives are
   optional on each row, their columns in the header."""
-  rows = textfiles.read_rows(path, [columns.query, columns.positive, *columns.negatives], fmt)
+  rows = textfiles.read_rows(path, [columns.query, columns.positive, *columns.negatives], fmt,
+                             KEYS)
   pairs = Pairs([], [], [])
   for row in rows:
     pairs.queries.append(_text(row, columns.query, "a query"))
@@ -105,7 +111,8 @@ def _row_id(row: textfiles.Row, k: int, column: str) -> str:
 
 def judged_pairs(path: str, columns: Columns, fmt: str = "") -> Judged:
   """Dev (or test) pairs as judged queries against the corpus of their own passages."""
-  rows = textfiles.read_rows(path, [columns.query, columns.positive, *columns.negatives], fmt)
+  rows = textfiles.read_rows(path, [columns.query, columns.positive, *columns.negatives], fmt,
+                             KEYS)
   corpus: dict[str, int] = {}
   by_query: dict[str, int] = {}
   judged = Judged([], [], [], [], [])
@@ -130,7 +137,7 @@ def judged_pairs(path: str, columns: Columns, fmt: str = "") -> Judged:
 def read_corpus(path: str, columns: Columns, fmt: str = "") -> tuple[list[str], list[str]]:
   """(ids, texts) of a corpus file; an id given twice is refused, naming both lines."""
   ids, texts, seen = [], [], {}
-  for row in textfiles.read_rows(path, [columns.id, columns.passage], fmt):
+  for row in textfiles.read_rows(path, [columns.id, columns.passage], fmt, KEYS):
     passage_id = str(row[columns.id]).strip()
     if not passage_id:
       raise Refusal(f"{row.where}: column {columns.id!r} is empty; every passage of the corpus "
@@ -164,7 +171,7 @@ def read_judged(path: str, columns: Columns, corpus_ids: Sequence[str], corpus: 
   """Queries and the ids of their relevant passages in `corpus_ids` (the positive column); a
   file without that column (need_relevant=False: a test file) gives queries to search alone."""
   rows = textfiles.read_rows(path, [columns.query] + ([columns.positive] if need_relevant
-                                                      else []), fmt)
+                                                      else []), fmt, KEYS)
   index = {passage_id: k for k, passage_id in enumerate(corpus_ids)}
   labelled = need_relevant or all(columns.positive in row for row in rows)
   by_query: dict[str, int] = {}
