@@ -30,6 +30,9 @@ SUBCOMMANDS = {
     "finetune": ("bertjax.finetune.benchmark", "fine-tuning's host-side data speed (SQuAD)"),
     "accel": ("bertjax.benchmark_accel", "the accelerator check: BERT-Base/Large train steps (MFU, "
               "memory, attention kernels, packing), ModernBERT's windows, prediction vs PyTorch"),
+    "retrieval": ("bertjax.benchmark_retrieval", "the embeddings family: a retriever trained "
+                  "from pairs against its untrained encoder and BM25; global against per-device "
+                  "negatives and GradCache, step time"),
 }
 DEFAULT = "train"
 
