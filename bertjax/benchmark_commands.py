@@ -32,6 +32,9 @@ SUBCOMMANDS = {
               "memory, attention kernels, packing), ModernBERT's windows, prediction vs PyTorch"),
     "layers": ("bertjax.benchmark_layers", "where a scanned layer's time goes on a GPU: the train "
                "step under XLA's flags and the model's variants, its loops and its trace"),
+    "retrieval": ("bertjax.benchmark_retrieval", "the embeddings family: a retriever trained "
+                  "from pairs against its untrained encoder and BM25; global against per-device "
+                  "negatives and GradCache, step time"),
 }
 DEFAULT = "train"
 

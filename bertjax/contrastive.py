@@ -21,7 +21,11 @@ shift, so InfoNCE takes no bias.
 Each query brings C passages: its positive first, then C - 1 hard negatives (a passage whose
 input_mask is all zero is absent: fewer negatives on a row). A row of weight 0 (the rows that pad
 an evaluation batch) is neither a query nor anybody's negative. Every other passage of the global
-batch is a negative of every query.
+batch is a negative of every query, but a copy of its own positive: where the batch carries
+`passage_key` [Q, C] (an id per distinct passage text, 0 for none), a passage whose key is the
+query's positive's (the same passage as another row's positive, or among the hard negatives) is
+left out of that query's terms, in both directions: two rows sharing a positive would otherwise
+each be pushed away from its own answer (the loss's "false negatives").
 
 The whole global batch on any mesh: the losses are written over the global arrays, and the logits
 are constrained to rows split like the batch and columns whole, so XLA gathers the [Q x C, D]
@@ -108,8 +112,10 @@ def l2_normalize(x_BxD, eps: float = 1e-12) -> jax.Array:
 class BiEncoder(nn.Module):
   """One encoder ("bert") for queries and passages, and the learned scale and bias if any.
 
-  __call__ -> {"query": [Q, D], "passage": [Q, C, D], "scale": [], "bias": []}; `encode` the
-  vectors alone (what a chunked gradient re-runs), `embed` one batch of texts."""
+  __call__ -> {"query": [Q, D], "passage": [Q, C, D], "scale": [], "bias": []}, or without
+  passages {"query": [Q, D]}: a batch of texts alone (queries and passages are encoded alike,
+  what prediction and evaluation ask); `encode` the vectors alone (what a chunked gradient
+  re-runs), `embed` one batch of texts."""
 
   config: BertConfig
   settings: ContrastiveConfig
@@ -142,17 +148,20 @@ class BiEncoder(nn.Module):
              else jnp.asarray(s.scale, jnp.float32))
     return scale, self.bias if s.learn_bias else jnp.asarray(s.bias, jnp.float32)
 
-  def __call__(self, query_ids, query_mask, passage_ids, passage_mask,
+  def __call__(self, query_ids, query_mask, passage_ids=None, passage_mask=None,
                deterministic: bool = True):
+    if passage_ids is None:
+      return {"query": self.embed(query_ids, query_mask, deterministic)}
     q_QxD, p_QxCxD = self.encode(query_ids, query_mask, passage_ids, passage_mask, deterministic)
     scale, bias = self.logit_terms()
     return {"query": q_QxD, "passage": p_QxCxD, "scale": scale, "bias": bias}
 
 
-def _grouped_logits(q_QxD, p_QxCxD, valid_QxC, scale, bias, groups: int):
+def _grouped_logits(q_QxD, p_QxCxD, valid_QxC, keys_QxC, scale, bias, groups: int):
   """([G, R, R x C] logits of each query against every passage of its group (all of the batch
-  when G = 1), absent passages at _ABSENT; [G, 1, R x C] which passages are present; R; C).
-  Query r's positive is column r x C of its group."""
+  when G = 1), [G, R, R x C] which of them count (present, and no copy of the query's own
+  positive: module docstring), R, C). Query r's positive is column r x C of its group; the
+  logits of what does not count are _ABSENT."""
   q, c, d = p_QxCxD.shape
   if q % groups:
     raise Refusal(f"{q} queries do not split into negative_groups={groups}; use a divisor of "
@@ -167,8 +176,14 @@ def _grouped_logits(q_QxD, p_QxCxD, valid_QxC, scale, bias, groups: int):
     # follows the queries' layout through the reshape; no group need match a device).
     logits_GxRxRC = nn.with_logical_constraint(logits_GxRxRC,
                                                (None, "activation_batch", None))
-  valid_Gx1xRC = valid_QxC.reshape(groups, 1, r * c)
-  return jnp.where(valid_Gx1xRC, logits_GxRxRC, _ABSENT), valid_Gx1xRC, r, c
+  counts_GxRxRC = jnp.broadcast_to(valid_QxC.reshape(groups, 1, r * c), logits_GxRxRC.shape)
+  if keys_QxC is not None:
+    keys_GxRC = keys_QxC.reshape(groups, r * c)
+    own_GxRx1 = keys_GxRC[:, ::c, None]  # each query's positive's key
+    own_column_RxRC = jnp.arange(r * c)[None, :] == (jnp.arange(r) * c)[:, None]
+    copy_GxRxRC = (keys_GxRC[:, None, :] == own_GxRx1) & (own_GxRx1 != 0) & ~own_column_RxRC
+    counts_GxRxRC = counts_GxRxRC & ~copy_GxRxRC
+  return jnp.where(counts_GxRxRC, logits_GxRxRC, _ABSENT), counts_GxRxRC, r, c
 
 
 def _validity(passage_mask_QxCxL, weight_Q):
@@ -178,20 +193,22 @@ def _validity(passage_mask_QxCxL, weight_Q):
 
 
 def info_nce(q_QxD, p_QxCxD, passage_mask_QxCxL, weight_Q, scale, *, symmetric: bool = False,
-             groups: int = 1) -> dict[str, Metric]:
+             groups: int = 1, passage_key_QxC=None) -> dict[str, Metric]:
   """{"contrastive_loss", "in_batch_accuracy"}: sum of -log softmax(logits)[positive] over the
   real queries (half of it and half of the passage -> query term's when symmetric), and how many
   queries rank their positive first among the batch's passages (ties count as correct), each
   over the real queries' count."""
   weight_Q, valid_QxC = _validity(passage_mask_QxCxL, weight_Q)
-  logits_GxRxRC, _, r, c = _grouped_logits(q_QxD, p_QxCxD, valid_QxC, scale, 0.0, groups)
+  logits_GxRxRC, _, r, c = _grouped_logits(q_QxD, p_QxCxD, valid_QxC, passage_key_QxC, scale,
+                                           0.0, groups)
   rows_R = jnp.arange(r)
   positive_GxR = logits_GxRxRC[:, rows_R, rows_R * c]
   w_GxR = weight_Q.reshape(-1, r)
   nll_GxR = jax.nn.logsumexp(logits_GxRxRC, axis=-1) - positive_GxR
   loss = jnp.sum(nll_GxR * w_GxR)
   if symmetric:
-    # Each positive passage against the group's real queries, its own query the label.
+    # Each positive passage against the group's real queries, its own query the label (a query
+    # whose positive is a copy of it is no negative: its logit is _ABSENT already).
     by_passage_GxRxR = jnp.swapaxes(logits_GxRxRC[:, :, ::c], 1, 2)
     by_passage_GxRxR = jnp.where(w_GxR[:, None, :] > 0, by_passage_GxRxR, _ABSENT)
     back_GxR = jax.nn.logsumexp(by_passage_GxRxR, axis=-1) - positive_GxR
@@ -202,29 +219,32 @@ def info_nce(q_QxD, p_QxCxD, passage_mask_QxCxL, weight_Q, scale, *, symmetric: 
 
 
 def sigmoid_loss(q_QxD, p_QxCxD, passage_mask_QxCxL, weight_Q, scale, bias, *,
-                 groups: int = 1) -> dict[str, Metric]:
+                 groups: int = 1, passage_key_QxC=None) -> dict[str, Metric]:
   """{"contrastive_loss", "in_batch_accuracy"}: sum over the real queries of -log sigmoid(z x
   logit) over every present passage of the group (z = +1 for its positive, -1 for the rest), and
   the positive ranked first, each over the real queries' count."""
   weight_Q, valid_QxC = _validity(passage_mask_QxCxL, weight_Q)
-  logits_GxRxRC, valid_Gx1xRC, r, c = _grouped_logits(q_QxD, p_QxCxD, valid_QxC, scale, bias,
-                                                      groups)
+  logits_GxRxRC, counts_GxRxRC, r, c = _grouped_logits(q_QxD, p_QxCxD, valid_QxC,
+                                                       passage_key_QxC, scale, bias, groups)
   rows_R = jnp.arange(r)
   is_positive_RxRC = jnp.arange(r * c)[None, :] == (rows_R * c)[:, None]
   sign_RxRC = jnp.where(is_positive_RxRC, 1.0, -1.0)
   terms_GxRxRC = jax.nn.softplus(-sign_RxRC * logits_GxRxRC)  # -log sigmoid(z x logit)
   w_GxR = weight_Q.reshape(-1, r)
-  loss = jnp.sum(jnp.sum(jnp.where(valid_Gx1xRC, terms_GxRxRC, 0.0), axis=-1) * w_GxR)
+  loss = jnp.sum(jnp.sum(jnp.where(counts_GxRxRC, terms_GxRxRC, 0.0), axis=-1) * w_GxR)
   positive_GxR = logits_GxRxRC[:, rows_R, rows_R * c]
   top_GxR = (positive_GxR >= jnp.max(logits_GxRxRC, axis=-1)).astype(jnp.float32)
   count = jnp.sum(weight_Q)
   return {"contrastive_loss": (loss, count), "in_batch_accuracy": (jnp.sum(top_GxR * w_GxR), count)}
 
 
-def metrics(out, passage_mask_QxCxL, weight_Q, settings: ContrastiveConfig) -> dict[str, Metric]:
+def metrics(out, passage_mask_QxCxL, weight_Q, settings: ContrastiveConfig,
+            passage_key_QxC=None) -> dict[str, Metric]:
   """The loss `settings` name, of BiEncoder's output."""
   if settings.loss == "sigmoid":
     return sigmoid_loss(out["query"], out["passage"], passage_mask_QxCxL, weight_Q, out["scale"],
-                        out["bias"], groups=settings.negative_groups)
+                        out["bias"], groups=settings.negative_groups,
+                        passage_key_QxC=passage_key_QxC)
   return info_nce(out["query"], out["passage"], passage_mask_QxCxL, weight_Q, out["scale"],
-                  symmetric=settings.symmetric, groups=settings.negative_groups)
+                  symmetric=settings.symmetric, groups=settings.negative_groups,
+                  passage_key_QxC=passage_key_QxC)

@@ -5,7 +5,12 @@ A batch (numpy, rows split over the batch's devices as any other):
   query_ids, query_mask      [Q, L]      a query per row
   passage_ids, passage_mask  [Q, C, L']  its positive first, then C - 1 hard negatives (an
                                          all-zero mask: none in that slot)
+  passage_key                [Q, C]      optional: an id per distinct passage text (0: none), so
+                                         a copy of a query's positive is no negative of it
   weight                     [Q]         1 for a real row, 0 for one that pads the batch
+
+A batch of texts alone (input_ids, input_mask [N, L]: what evaluation and prediction encode,
+queries and passages alike) gives their vectors, the outputs' "vector" [N, D].
 
 One step sees every passage of the global batch as a negative of every query (bertjax/
 contrastive.py says how, on any mesh). With `config.train.num_microbatches` k > 1 the batch is
@@ -28,12 +33,30 @@ from bertjax import contrastive, gradcache, losses, sharding, train
 from bertjax.contrastive import BiEncoder, ContrastiveConfig
 
 INPUTS = ("query_ids", "query_mask", "passage_ids", "passage_mask")
-BATCH_KEYS = INPUTS + ("weight",)
+KEY = "passage_key"
+BATCH_KEYS = INPUTS + (KEY, "weight")
 TERM = "contrastive_loss"
+# The encoder's tanh pooler, which neither pooling reads: kept as it starts (train.Objective's
+# `frozen`), as sentence-transformers' PyTorch training leaves it (an optimizer step skips a
+# weight without a gradient), rather than decayed towards 0 by AdamW; an export then holds the
+# pre-trained pooler, a whole BertModel that any reader loads without a warning.
+FROZEN = (("bert", "pooler"),)
 
 
 def inputs(batch) -> dict:
+  """The bi-encoder's arguments: queries and passages, or texts alone (BiEncoder's docstring)."""
+  if INPUTS[0] not in batch:
+    return {"query_ids": batch["input_ids"], "query_mask": batch["input_mask"]}
   return {name: batch[name] for name in INPUTS}
+
+
+def outputs(out) -> dict:
+  return {"vector": out["query"]}
+
+
+def _metrics(out, batch, settings: ContrastiveConfig):
+  return contrastive.metrics(out, batch["passage_mask"], batch["weight"], settings,
+                             batch.get(KEY))
 
 
 def dummy_batch(batch_size: int, query_length: int = 8, passage_length: int = 8,
@@ -44,7 +67,7 @@ def dummy_batch(batch_size: int, query_length: int = 8, passage_length: int = 8,
           "query_mask": ints(batch_size, query_length),
           "passage_ids": ints(batch_size, passages, passage_length),
           "passage_mask": ints(batch_size, passages, passage_length),
-          "weight": np.zeros((batch_size,), np.float32)}
+          KEY: ints(batch_size, passages), "weight": np.zeros((batch_size,), np.float32)}
 
 
 def denominators(batch) -> dict:
@@ -75,7 +98,7 @@ def _chunked_gradient(params, model, batch, step_rng, dens, k, mesh, param_shard
     scale, bias = model.apply({"params": p}, method=BiEncoder.logit_terms)
     out = {"query": _unsplit(q_KxNxD, mesh), "passage": _unsplit(p_KxNxCxD, mesh),
            "scale": scale, "bias": bias}
-    metrics = contrastive.metrics(out, batch["passage_mask"], batch["weight"], settings)
+    metrics = _metrics(out, batch, settings)
     return losses.total_loss({name: (metrics[name][0], den) for name, den in dens.items()}), metrics
 
   constrain = (None if param_shardings is None
@@ -88,8 +111,6 @@ def objective(settings: ContrastiveConfig, name: str = "") -> train.Objective:
   return train.Objective(
       name or f"contrastive_{settings.loss}",
       functools.partial(BiEncoder, settings=settings), inputs,
-      lambda out, batch: contrastive.metrics(out, batch["passage_mask"], batch["weight"],
-                                             settings),
-      denominators, dummy_batch,
-      chunked_gradient=functools.partial(_chunked_gradient, settings=settings))
+      functools.partial(_metrics, settings=settings), denominators, dummy_batch, outputs,
+      chunked_gradient=functools.partial(_chunked_gradient, settings=settings), frozen=FROZEN)
 

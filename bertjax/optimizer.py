@@ -245,6 +245,23 @@ SCHEDULES = ("linear", "wsd")
 OPTIMIZERS = {"adamw": adamw, "lamb": lamb}
 
 
+def frozen(tx: optax.GradientTransformation,
+           subtrees: tuple[tuple[str, ...], ...]) -> optax.GradientTransformation:
+  """`tx` with no update at all for the parameters under `subtrees` (paths of names, e.g.
+  ("bert", "pooler")): a weight an objective never reads has no gradient, but AdamW's decay would
+  still shrink it every step. The state is `tx`'s own (its moments stay 0 there)."""
+  if not subtrees:
+    return tx
+  prefixes = [tuple(n.lower() for n in path) for path in subtrees]
+
+  def update(grads, state, params=None):
+    updates, state = tx.update(grads, state, params)
+    keep = _map_names(lambda names: any(tuple(names[:len(p)]) == p for p in prefixes), updates)
+    return jax.tree.map(lambda u, k: jnp.zeros_like(u) if k else u, updates, keep), state
+
+  return optax.GradientTransformation(tx.init, update)
+
+
 def create_optimizer(train_config, *, learning_rate=None, warmup_steps=None, total_steps=None,
                      weight_decay=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """clip_by_global_norm(max_grad_norm) -> AdamW or LAMB with the warmup/decay schedule.

@@ -1,5 +1,6 @@
 """A fine-tuned model on new text: `python -m bertjax.predict --workdir=FT_WORKDIR --input=FILE
---output=OUT.jsonl`, or sentence vectors with `--mode=embed --output=OUT.npy`.
+--output=OUT.jsonl`, sentence vectors with `--mode=embed --output=OUT.npy`, or each query's best
+passages of a corpus with `--mode=search --corpus=FILE --output=OUT.jsonl`.
 
 The input is CSV, TSV or JSON Lines (bertjax/inputs/textfiles.py) with the columns the model was
 trained with (its task.json: text_a / text_b, tagging's tokens; span: question and context, an `id`
@@ -13,6 +14,7 @@ per input row, in order:
                   character offsets into "text" (the input text, or the words joined by spaces)
   span            {"answer": ..., "start": character offset in the context (-1: no answer),
                   "score": the answer's n-best probability}; "" is v2.0's null answer
+  embeddings      {"vector": [...]}: the text's vector as a query
 
 The weights are the best checkpoint's (best/) unless --checkpoint=latest or a step says otherwise.
 The file is read in chunks of CHUNK_ROWS rows, so memory stays flat whatever its size. Each chunk
@@ -26,10 +28,12 @@ positions only. The outputs go back to the input's order. A group is what one de
 one call, and the groups depend on the chunk alone: the output file is the same bits on 1 or 8
 devices. Two calls are in flight at once (CONCURRENT_CALLS), which fills a CPU's idle cores.
 
-`--mode=embed` writes an [N, hidden] float32 .npy of the pooled [CLS] vector (`--pooling=cls`) or
-the mean of the last layer over real tokens (`--pooling=mean`) for each row's text_a (and text_b)
-from any folder `init_from` takes: a pre-training or fine-tuning workdir, a converted, Google or
-Hugging Face folder.
+`--mode=embed` writes an [N, hidden] float32 .npy: from an embeddings workdir its queries' or its
+passages' vectors (or both, two files) as it was trained to make them; from any other folder
+`init_from` takes (a pre-training or fine-tuning workdir, a converted, Google or Hugging Face
+folder) the pooled [CLS] vector (`--pooling=cls`, the default) or the mean of the last layer over
+real tokens (`--pooling=mean`) of each row's text_a (and text_b). `--mode=search` ranks a corpus's
+passages for each query by those vectors (bertjax/prediction_vectors.py says both).
 
 In Python: `Predictor.from_workdir(path)(["a text", ...])` gives the same records.
 """
@@ -37,12 +41,9 @@ In Python: `Predictor.from_workdir(path)(["a text", ...])` gives the same record
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import os
-import sys
-import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import jax
@@ -51,7 +52,8 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import cli, files, prediction_rows, taskspec as spec_lib, weights
+from bertjax import cli, files, prediction_files, prediction_rows, prediction_vectors
+from bertjax import taskspec as spec_lib, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
@@ -59,6 +61,8 @@ from bertjax.inputs import pairs, textfiles
 from bertjax.model import BertConfig, BertModel
 # How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
 from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
+# What may be written over, also known as bertjax.predict's.
+from bertjax.prediction_files import check_output, record_keys  # pylint: disable=unused-import
 
 # Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
 # the groups (and so the bits of every output) must not depend on how many devices there are.
@@ -71,6 +75,7 @@ TOKENS_PER_DEVICE = 1024
 # (docs/performance.md#prediction-on-a-cpu). An accelerator queues them either way.
 CONCURRENT_CALLS = 2
 POOLINGS = ("cls", "mean")
+MODES = ("predict", "embed", "search")
 
 
 class Predictor:
@@ -80,6 +85,9 @@ class Predictor:
                spec: spec_lib.TaskSpec | None, *, tokens_per_device: int = TOKENS_PER_DEVICE,
                devices=None, source: str = ""):
     self.config, self.tokenizer, self.spec, self.source = config, tokenizer, spec, source
+    # A model whose outputs are its vectors (the embeddings family): `embed` makes them as it was
+    # trained to (its pooling, its normalisation), not with a --pooling of the plain encoder's.
+    self.vectors = spec is not None and families.get(spec.family).sentence is not None
     if jax.process_count() > 1:
       # Each process would read and write the whole file: one process, all its local devices.
       raise Refusal("bertjax.predict runs in one process (all of its local devices); this "
@@ -103,7 +111,8 @@ class Predictor:
                    tokens_per_device: int = TOKENS_PER_DEVICE, devices=None,
                    embed: bool = False) -> "Predictor":
     """From a fine-tuning workdir (its best checkpoint by default; "latest" or a step number), or,
-    with embed=True, any weights folder bertjax reads (bertjax/weights.py)."""
+    with embed=True, any weights folder bertjax reads (bertjax/weights.py): its encoder, or an
+    embeddings model whole."""
     source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
     spec = families.spec_of(source)
     if spec is None and not embed:
@@ -117,13 +126,14 @@ class Predictor:
                     "trained with (a workdir copies it in when its run starts).")
     tokenizer = tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind,
                                               source.lower)
-    if embed:
+    vectors = spec is not None and families.get(spec.family).sentence is not None
+    if embed and not vectors:
       params = weights.read(source, like=None)[weights.ENCODER]
       spec = None
     else:
       params = weights.read(source)
       head = families.get(spec.family).head
-      if head not in params:
+      if head and head not in params:
         raise Refusal(f"{source.describe()} holds no {head!r} head for its {spec.family} "
                       f"task (subtrees: {sorted(params)}).")
     return cls(source.config, params, tokenizer, spec, tokens_per_device=tokens_per_device,
@@ -155,11 +165,12 @@ class Predictor:
         model = objective.make_model(self.config)
 
         def fn(params, ids, mask, segments, *packing):
+          # The model's arguments as its objective names them (a bi-encoder embeds input_ids).
+          args = objective.inputs({"input_ids": ids, "input_mask": mask, "segment_ids": segments})
           if not packing:
-            out = model.apply({"params": params}, ids, mask, segments, deterministic=True)
-            return objective.outputs(out)
+            return objective.outputs(model.apply({"params": params}, **args, deterministic=True))
           sequence_ids, cls_positions = packing  # one output per [CLS] slot: [B x S, ...]
-          out = model.apply({"params": params}, ids, mask, segments, deterministic=True,
+          out = model.apply({"params": params}, **args, deterministic=True,
                             sequence_ids=sequence_ids, cls_positions=cls_positions)
           return objective.outputs(out.reshape((-1,) + out.shape[2:]))
       inputs = 5 if kind.startswith("packed_") else 3
@@ -254,11 +265,19 @@ class Predictor:
 
   # Embeddings -----------------------------------------------------------------------------------
 
-  def embed(self, rows: Iterable[textfiles.Row | str], pooling: str = "cls",
+  def embed(self, rows: Iterable[textfiles.Row | str], pooling: str = "",
             text_a: str = "text", text_b: str = "", max_seq_length: int = 128
             ) -> Iterator[np.ndarray]:
-    """[n, hidden] float32 vectors, a chunk at a time, for strings or rows' text_a (and text_b)."""
-    if pooling not in POOLINGS:
+    """[n, hidden] float32 vectors, a chunk at a time, for strings or rows' text_a (and text_b):
+    an embeddings model's own (its pooling and normalisation; one text a row), any other model's
+    by `pooling` ("" = "cls")."""
+    kind = pooling or "cls"
+    if self.vectors:
+      if pooling and pooling != self.spec.pooling:
+        raise Refusal(f"--pooling={pooling}: {self.source} was trained to make its vectors with "
+                      f"pooling={self.spec.pooling!r} (its task.json); leave --pooling out.")
+      kind, text_b = "head", ""
+    elif kind not in POOLINGS:
       raise Refusal(f"pooling={pooling!r}: use one of {POOLINGS}.")
     max_seq_length = min(max_seq_length, self.config.max_position_embeddings)
     chunk = []
@@ -268,7 +287,7 @@ class Predictor:
       b = [textfiles.text_of(r, text_b) for r in chunk] if text_b else None
       features, truncated_N = pairs.encode_pairs(a, b, self.tokenizer, max_seq_length)
       self.truncated += int(truncated_N.sum())
-      return self.run(features, pooling)["vector"]
+      return self.run(features, kind)["vector"]
 
     for row in rows:
       if not chunk and not isinstance(row, str):
@@ -301,104 +320,14 @@ def _as_row(x, spec: spec_lib.TaskSpec, k: int) -> textfiles.Row:
   return row
 
 
-class _Progress:
-  """One line on stderr: rows done and sequences per second (rewritten in place on a terminal)."""
-
-  def __init__(self, predictor: Predictor, every: float = 2.0):
-    self.predictor, self.every, self.start = predictor, every, time.perf_counter()
-    self.last, self.tty = self.start, sys.stderr.isatty()
-
-  def update(self, rows: int, final: bool = False) -> None:
-    now = time.perf_counter()
-    if not final and now - self.last < (self.every if self.tty else 30.0):
-      return
-    self.last = now
-    rate = self.predictor.sequences / max(now - self.start, 1e-9)
-    line = f"predict: {rows:,} rows, {self.predictor.sequences:,} sequences, {rate:,.0f} seq/s"
-    end = "\n" if final or not self.tty else ""
-    sys.stderr.write(("\r" if self.tty else "") + line + end)
-    sys.stderr.flush()
-
-
-def record_keys() -> frozenset[str]:
-  """The keys of a record predict writes (the module docstring), of every family: an existing
-  file whose first line is such a record was written by predict, and may be written again."""
-  return frozenset({"id"}).union(*(f.record_keys for f in families.FAMILIES.values()))
-
-
-def _written_by_us(path: str, embed: bool) -> bool:
-  """Whether `path` is an earlier output of this command (so replacing it loses nothing of the
-  user's): an empty file, an .npy of float32 vectors (embed), or JSON Lines of our records."""
-  if os.path.getsize(path) == 0:
-    return True
-  with open(path, "rb") as f:
-    if embed:
-      try:
-        version = np.lib.format.read_magic(f)
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, _, dtype = read_header(f)
-      except (ValueError, OSError, EOFError):
-        return False
-      return len(shape) == 2 and dtype == np.float32
-    first = f.readline(1 << 20)
-  try:
-    record = json.loads(first)
-  except ValueError:
-    return False
-  return isinstance(record, dict) and bool(record) and set(record) <= record_keys()
-
-
-def check_output(input_path: str, output_path: str, *, overwrite: bool, embed: bool) -> None:
-  """Refuses an output that would destroy something: the input itself (always), a folder, or an
-  existing file this command did not write (unless `overwrite`). Removes the `.part` a killed
-  run left, saying so."""
-  if "://" in output_path or "://" in input_path:
-    same = output_path.rstrip("/") == input_path.rstrip("/")
-  else:
-    same = os.path.exists(output_path) and os.path.exists(input_path) and os.path.samefile(
-        output_path, input_path)
-  if same:
-    raise Refusal(f"--output={output_path} is the input file: the predictions would replace "
-                  "its texts. Name another output file.")
-  if files.isdir(output_path):
-    raise Refusal(f"--output={output_path} is a folder; name a file in it "
-                  f"({'OUT.npy' if embed else 'OUT.jsonl'}).")
-  if "://" not in output_path and os.path.exists(output_path) and not overwrite and (
-      not _written_by_us(output_path, embed)):
-    raise Refusal(f"--output={output_path} exists and is not a file bertjax.predict wrote "
-                  f"({'an .npy of vectors' if embed else 'JSON Lines of predictions'}): "
-                  "name another file, or pass --overwrite to replace it.")
-  part = output_path + ".part"
-  if "://" not in part and os.path.exists(part):
-    print(f"predict: removing {part}, the unfinished output of an earlier run that was stopped "
-          "or refused", file=sys.stderr, flush=True)
-    os.remove(part)
-
-
-@contextlib.contextmanager
-def _part_file(output_path: str) -> Iterator[str]:
-  """The temporary name the output is written under; removed if anything fails, renamed over
-  the output when the block ends, so a reader never takes a part for the result."""
-  tmp = output_path + ".part"
-  try:
-    with files.writing(tmp):  # a full disk or EIO said with the file
-      yield tmp
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.remove(tmp)
-    raise
-  os.replace(tmp, output_path)
-
-
 def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: str = "",
                  columns: dict | None = None) -> int:
   """Writes one JSON line per input row (every row, in order); returns the number of rows. The
   output appears whole (written beside, then renamed)."""
-  progress = _Progress(predictor)
+  progress = prediction_files.Progress(predictor)
   files.makedirs(os.path.dirname(output_path) or ".")
   n = 0
-  with _part_file(output_path) as tmp:
+  with prediction_files.part_file(output_path) as tmp:
     with files.open_file(tmp, "w") as out:
       for record in predictor.predict_rows(textfiles.iter_rows(input_path, fmt), columns):
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -410,51 +339,49 @@ def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: s
   return n
 
 
-def embed_file(predictor: Predictor, input_path: str, output_path: str, *, pooling: str,
-               text_a: str, text_b: str, max_seq_length: int, fmt: str = "") -> int:
-  """Writes an [N, hidden] float32 .npy, filled a chunk at a time (N counted first)."""
-  n = sum(1 for _ in textfiles.iter_rows(input_path, fmt))
-  if n == 0:
-    raise Refusal(f"{input_path}: no rows to embed.")
-  progress, at = _Progress(predictor), 0
-  with _part_file(output_path) as tmp:
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                    shape=(n, predictor.config.hidden_size))
-    for vectors in predictor.embed(textfiles.iter_rows(input_path, fmt), pooling, text_a, text_b,
-                                   max_seq_length):
-      out[at:at + len(vectors)] = vectors
-      at += len(vectors)
-      progress.update(at)
-    out.flush()
-    del out
-  progress.update(at, final=True)
-  return n
-
-
 def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
-        checkpoint: str = "best", tokens_per_device: int = TOKENS_PER_DEVICE, fmt: str = "", pooling: str = "cls",
-        max_seq_length: int = 128, columns: dict[str, str] | None = None,
-        overwrite: bool = False) -> int:
+        checkpoint: str = "best", tokens_per_device: int = TOKENS_PER_DEVICE, fmt: str = "",
+        pooling: str = "", max_seq_length: int = 0, columns: dict[str, str] | None = None,
+        overwrite: bool = False, corpus: str = "", corpus_vectors: str = "",
+        top_k: int = 10) -> int:
   """What `python -m bertjax.predict` does with its flags (see the module docstring; columns: the
-  input's column for text_a, text_b or tokens, where not the trained ones); prints what was done
-  and returns the number of rows."""
+  input's column for text_a, text_b or tokens, where not the trained ones; max_seq_length: embed
+  and search, 0 = the model's); prints what was done and returns the number of rows."""
   columns = columns or {}
   embed = mode == "embed"
+  if mode not in MODES:
+    raise Refusal(f"--mode={mode}: use one of {MODES}.")
   check_output(input_path, output, overwrite=overwrite, embed=embed)
   predictor = Predictor.from_workdir(workdir, checkpoint=checkpoint,
-                                     tokens_per_device=tokens_per_device, embed=embed)
+                                     tokens_per_device=tokens_per_device, embed=mode != "predict")
+  written = [output]
   if embed:
-    n = embed_file(predictor, input_path, output, pooling=pooling,
-                   text_a=columns.get("text_a") or "text", text_b=columns.get("text_b") or "",
-                   max_seq_length=max_seq_length, fmt=fmt)
+    plan = prediction_vectors.embed_plan(predictor, input_path, output, columns, max_seq_length,
+                                         fmt)
+    written = [path for _, path in plan]
+    for path in (p for p in written if p != output):  # two files: OUT.queries.npy, ...
+      check_output(input_path, path, overwrite=overwrite, embed=True)
+    for side, path in plan:
+      n = prediction_vectors.write_vectors(
+          predictor, input_path, path, side, pooling,
+          "" if predictor.vectors else columns.get("text_b") or "", fmt)
+  elif mode == "search":
+    n = prediction_vectors.search_file(
+        predictor, input_path, output, corpus=corpus, top_k=top_k, pooling=pooling,
+        columns=columns, max_seq_length=max_seq_length, vectors_path=corpus_vectors, fmt=fmt)
   else:
     n = predict_file(predictor, input_path, output, fmt, columns)
-  print(f"{mode}: {n:,} rows of {input_path} -> {output} ({predictor.source})", flush=True)
-  if predictor.truncated:
-    print(f"{mode}: {predictor.truncated:,} of the rows are longer than max_seq_length="
-          f"{predictor.spec.max_seq_length if predictor.spec else max_seq_length} tokens and were "
-          "predicted from their beginning" + ("" if embed else ' (marked "truncated": true)'),
-          flush=True)
+  print(f"{mode}: {n:,} rows of {input_path} -> {', '.join(written)} ({predictor.source})",
+        flush=True)
+  if predictor.truncated and mode == "predict":
+    length = (predictor.spec.max_query_length if predictor.vectors  # texts embedded as queries
+              else predictor.spec.max_seq_length)
+    print(f"{mode}: {predictor.truncated:,} of the rows are longer than max_seq_length={length} "
+          'tokens and were predicted from their beginning (marked "truncated": true)', flush=True)
+  elif predictor.truncated:
+    print(f"{mode}: {predictor.truncated:,} of the texts are longer than "
+          f"{prediction_vectors.limits(predictor, columns, max_seq_length)} and were embedded "
+          "from their beginning", flush=True)
   return n
 
 
@@ -462,16 +389,22 @@ def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "A fine-tuning workdir (embed: any weights folder).",
                       required=True)
   flags.DEFINE_string("input", None, "CSV, TSV or JSON Lines.", required=True)
-  flags.DEFINE_string("output", None, "predict: .jsonl; embed: .npy", required=True)
-  flags.DEFINE_enum("mode", "predict", ["predict", "embed"], "Predictions of the fine-tuned "
-                    "task, or sentence vectors.")
+  flags.DEFINE_string("output", None, "predict and search: .jsonl; embed: .npy", required=True)
+  flags.DEFINE_enum("mode", "predict", list(MODES), "Predictions of the fine-tuned task, "
+                    "sentence vectors, or each query's best passages of --corpus.")
   flags.DEFINE_string("checkpoint", "best", "best, latest or a step.")
   flags.DEFINE_integer("tokens_per_device", TOKENS_PER_DEVICE, "Token positions (rows x padded "
                        "width) each device takes per call: 1,024 suits a CPU; on an H200 the "
                        "accelerator check predicted with 16,384.", lower_bound=1)
   flags.DEFINE_string("format", "", "csv, tsv or jsonl ('' = from the extension).")
-  flags.DEFINE_enum("pooling", "cls", list(POOLINGS), "embed: the vector.")
-  flags.DEFINE_integer("max_seq_length", 128, "embed: tokens kept.", lower_bound=1)
+  flags.DEFINE_enum("pooling", None, list(POOLINGS), "embed, search: the vector of a model "
+                    "that is not an embeddings one (default cls).")
+  flags.DEFINE_integer("max_seq_length", 0, "embed, search: tokens kept (0: an embeddings "
+                       "model's own lengths, 128 for others).", lower_bound=0)
+  flags.DEFINE_string("corpus", "", "search: the passages (an id column, the passages' column).")
+  flags.DEFINE_string("corpus_vectors", "", "search: the corpus's .npy from --mode=embed ('' = "
+                      "encode the corpus first).")
+  flags.DEFINE_integer("top_k", 10, "search: passages per query.", lower_bound=1)
   flags.DEFINE_bool("overwrite", False, "Replace an existing --output that predict did not "
                     "write (never the input itself).")
   for column in ("text_a", "text_b", "tokens"):
@@ -486,8 +419,9 @@ def main(argv) -> None:
   columns = {k: args[k].value for k in ("text_a", "text_b", "tokens") if args[k].value is not None}
   cli.explained(run, args.workdir, args.input, args.output, mode=args.mode,
                 checkpoint=args.checkpoint, tokens_per_device=args.tokens_per_device, fmt=args.format,
-                pooling=args.pooling, max_seq_length=args.max_seq_length, columns=columns,
-                overwrite=args.overwrite)
+                pooling=args.pooling or "", max_seq_length=args.max_seq_length,
+                columns=columns, overwrite=args.overwrite, corpus=args.corpus,
+                corpus_vectors=args.corpus_vectors, top_k=args.top_k)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ class TaskSpec:
   n_best_size: int = 20
   max_answer_length: int = 30
   null_score_diff_threshold: float = 0.0
+  # embeddings (the query's length is max_query_length, a passage's max_seq_length): how a
+  # text's vector is made, which prediction and the sentence-transformers export repeat
+  pooling: str = ""  # "mean" or "cls" ([CLS]'s last state); "" where a family makes no vectors
+  normalize: bool = False  # unit vectors
 
   def __post_init__(self):
     if self.tag_scheme and self.tag_scheme not in TAG_SCHEMES:

@@ -207,6 +207,9 @@ class Objective:
   # microbatches' gradients: (params, model, batch, step_rng, denominators, k, mesh,
   # param_shardings) -> ((loss, metrics), grads) of the whole batch (bertjax/gradcache.py).
   chunked_gradient: Callable | None = None
+  # Parameter subtrees (paths of names) the objective never reads, kept as they start: no update,
+  # no weight decay (optimizer.frozen). The bi-encoder's: the encoder's tanh pooler.
+  frozen: tuple[tuple[str, ...], ...] = ()
 
 
 PRETRAINING = Objective(
@@ -381,6 +384,7 @@ def build(model_config: BertConfig, train_config: TrainConfig,
   rules = mesh_config.logical_axis_rules
   model = objective.make_model(model_config)
   tx, schedule = optimizer_lib.create_optimizer(train_config)
+  tx = optimizer_lib.frozen(tx, objective.frozen)
   init_batch = sharding.batch_axis_size(mesh)
 
   boxed = jax.eval_shape(_in_mesh(

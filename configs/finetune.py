@@ -4,8 +4,8 @@
 
 TASK: cola, sst-2, mrpc, sts-b, qqp, mnli (also predicts AX), qnli, rte, wnli; squad_v1.1,
 squad_v2.0; conll2003; next (the built-in task of `make finetune`); or one's own task from files:
-classification, regression, tagging, span (docs/your-own-task.md; no learning rate given: chosen
-on dev, config.search). Any key can be overridden. The original recipe (run_classifier.py /
+classification, regression, tagging, span, embeddings (a retriever from (query, passage) pairs,
+config.contrastive; docs/your-own-task.md; no learning rate given: chosen on dev, config.search). Any key can be overridden. The original recipe (run_classifier.py /
 run_squad.py and the paper's appendix A.3) is the default: AdamW (weight decay 0.01, no bias
 correction), 10% linear warmup then linear decay to 0, batch 32, dropout 0.1, max_seq_length 128;
 GLUE and CoNLL 3 epochs at 2e-5 (the paper searched 5e-5, 3e-5, 2e-5 on dev); SQuAD 2 epochs at
@@ -61,6 +61,14 @@ def get_config(task: str = "next"):
   d.labels = ""  # "a,b,c": the label map in this order; "" = the training file's labels, sorted
   # span: v2.0-style (unanswerable questions) or not; None = v2.0 if the training file has any
   d.version_2_with_negative = ml_collections.FieldReference(None, field_type=bool)
+  # embeddings (a retriever): the columns of the training and dev files, the passages' length is
+  # max_seq_length and the queries' max_query_length.
+  d.query = "query"  # the query's column
+  d.positive = "positive"  # its positive passage (dev with corpus_file: its relevant ids)
+  d.negatives = ""  # columns of hard negatives, "neg" or "neg1,neg2"; "" = in-batch ones alone
+  d.corpus_file = ""  # the passages dev and test queries search (columns id and `passage`); "" =
+  #                     the dev (test) file's own passages
+  d.passage = "text"  # the corpus's text column (and bertjax.predict's passages)
 
   # How predictions are decoded (SQuAD).
   e = config.eval = ml_collections.ConfigDict()
@@ -68,7 +76,8 @@ def get_config(task: str = "next"):
   e.max_answer_length = 30
   e.null_score_diff_threshold = 0.0  # v2.0: answer "" when null - best > this
   # One's own task: the dev score that picks the best checkpoint ("" = accuracy for classification,
-  # pearson for regression, f1 for tagging and span; each family's main_metrics, finetune/families/).
+  # pearson for regression, f1 for tagging and span, mrr_at_10 for embeddings; each family's
+  # main_metrics, finetune/families/).
   e.main_metric = ""
 
   # The encoder: 0 / "" takes init_from's value (shape keys must then match it): its shape,
@@ -95,7 +104,7 @@ def get_config(task: str = "next"):
   t.adam_eps = 1e-6
   t.bias_correction = False
   t.max_grad_norm = 1.0
-  t.num_microbatches = 1
+  t.num_microbatches = 1  # embeddings: chunks encoded apart, every passage still a negative
   t.log_every_steps = 50
   t.watchdog_seconds = 300  # several processes: a hung one ended after this (configs/base.py)
   # Classification: "" (none), "balanced" (each class weighs as much as any other in the loss) or
@@ -116,6 +125,19 @@ def get_config(task: str = "next"):
   s.batch_size = ""
   s.trials_per_program = 0  # 0 = as many as memory allows; more is refused before any work
   s.memory_gb = 0.0  # what the trials may take; 0 = what the devices (or a CPU host) have free
+
+  # embeddings: how vectors are made and scored (bertjax/contrastive.py says more).
+  k = config.contrastive = ml_collections.ConfigDict()
+  k.loss = "infonce"  # or "sigmoid" (SigLIP's)
+  k.pooling = "mean"  # over real tokens, or "cls" (the last layer's [CLS] state, not the pooler)
+  k.normalize = True  # unit vectors: the score is the cosine
+  k.scale = 20.0  # 1 / temperature (sentence-transformers' MNRL: 20)
+  k.learn_scale = False  # learn log(scale) from `scale`, capped at max_scale
+  k.max_scale = 100.0
+  k.bias = 0.0  # sigmoid only (SigLIP starts scale 10, bias -10, both learned)
+  k.learn_bias = False
+  k.symmetric = False  # infonce: add the passage -> query direction
+  k.negative_groups = 1  # 1: every passage of the global batch; G: each 1/G of it alone
 
   c = config.checkpoint = ml_collections.ConfigDict()
   c.init_from = ""  # any folder of weights bertjax reads (the kinds: bertjax/weights.py); "" =

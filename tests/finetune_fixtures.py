@@ -315,3 +315,50 @@ def assert_same_records(got, want, atol=RECORD_ATOL, where="record"):
     assert isinstance(got, float) and abs(got - want) <= atol, (where, got, want)
   else:
     assert type(got) is type(want) and got == want, (where, got, want)
+
+
+# Embeddings: queries and passages that share no word ----------------------------------------------
+
+ASKED = WORDS[40:64]  # query k names topic k by ASKED[k] ...
+ANSWERED = WORDS[64:88]  # ... and its passages by ANSWERED[k]: a pairing only training shows
+PASSAGE_FILLER = WORDS[88:]
+
+
+def _passage(rng, k):
+  words = _words(rng, 2, 4, PASSAGE_FILLER)
+  _insert(rng, words, ANSWERED[k])
+  return " ".join(words)
+
+
+def _query(rng, k):
+  words = _words(rng, 0, 2, PASSAGE_FILLER)
+  _insert(rng, words, ASKED[k])
+  return " ".join(words)
+
+
+def retrieval_rows(n, seed):
+  """{"id", "query", "positive", "negative"}: a query's topic word is not its passage's, so an
+  untrained encoder ranks at chance and a trained one must learn the pairing; the hard negative
+  is a passage of another topic."""
+  rng = random.Random(seed)
+  rows = []
+  for i in range(n):
+    k = i % len(ASKED)
+    other = (k + rng.randrange(1, len(ASKED))) % len(ASKED)
+    rows.append({"id": f"q{seed}-{i}", "query": _query(rng, k), "positive": _passage(rng, k),
+                 "negative": _passage(rng, other)})
+  rng.shuffle(rows)
+  return rows
+
+
+def retrieval_corpus(seed, per_topic=2):
+  """(corpus rows {"id", "text"}, judged queries {"id", "query", "positive": ids}): a query per
+  topic, its topic's passages relevant."""
+  rng = random.Random(seed)
+  corpus = [{"id": f"c{k}-{j}", "text": _passage(rng, k)}
+            for k in range(len(ASKED)) for j in range(per_topic)]
+  rng.shuffle(corpus)
+  queries = [{"id": f"t{k}", "query": _query(rng, k),
+              "positive": ",".join(f"c{k}-{j}" for j in range(per_topic))}
+             for k in range(len(ASKED))]
+  return corpus, queries

@@ -32,41 +32,57 @@ def make_batch(seed=0, rows=Q):
   passage_mask[1, 2] = 0  # row 1 has one hard negative, not two
   weight = np.ones(rows, np.float32)
   weight[-1] = 0  # pads the batch
+  # Each passage its own key, but row 12's positive is row 0's (on another device of the 8) and
+  # row 3's second hard negative is row 5's positive: copies, left out of those queries' terms.
+  key = np.arange(1, rows * C + 1, dtype=np.int32).reshape(rows, C) * (passage_mask.any(-1))
+  key[rows * 3 // 4, 0], key[3, 2] = key[0, 0], key[5, 0]
   return {"query_ids": (rng.integers(1, 96, (rows, L)) * query_mask).astype(np.int32),
           "query_mask": query_mask,
           "passage_ids": (rng.integers(1, 96, (rows, C, L)) * passage_mask).astype(np.int32),
-          "passage_mask": passage_mask, "weight": weight}
+          "passage_mask": passage_mask, "passage_key": key.astype(np.int32), "weight": weight}
 
 
 # The losses by hand ----------------------------------------------------------------------------
 
-def _by_hand(q, p, present, weight, scale, bias, loss, symmetric):
+def _by_hand(q, p, present, weight, scale, bias, loss, symmetric, keys=None):
   """float64 loops over queries and passages: the formulas of the module docstring."""
   rows, c = present.shape
   flat_p, flat_present = p.reshape(rows * c, -1), present.reshape(-1) & np.repeat(weight > 0, c)
+  flat_keys = np.zeros(rows * c, int) if keys is None else keys.reshape(-1)
+
+  def copy(j, i):  # passage j is a copy of query i's positive (and not that positive itself)
+    return j != i * c and flat_keys[j] != 0 and flat_keys[j] == flat_keys[i * c]
+
   total = top = 0.0
   for i in range(rows):
     if weight[i] == 0:
       continue
     logits = np.array([scale * q[i] @ flat_p[j] + bias for j in range(rows * c)])
     own = logits[i * c]
-    others = [logits[j] for j in range(rows * c) if flat_present[j]]
+    counted = [j for j in range(rows * c) if flat_present[j] and not copy(j, i)]
+    others = [logits[j] for j in counted]
     top += float(own >= max(others))
     if loss == "sigmoid":
-      total += sum(math.log1p(math.exp(-(1 if j == i * c else -1) * logits[j]))
-                   for j in range(rows * c) if flat_present[j])
+      total += sum(math.log1p(math.exp(-(1 if j == i * c else -1) * logits[j])) for j in counted)
       continue
     forward = math.log(sum(math.exp(x) for x in others)) - own
     if symmetric:
-      column = [scale * q[r] @ flat_p[i * c] for r in range(rows) if weight[r] > 0]
+      column = [scale * q[r] @ flat_p[i * c] for r in range(rows)
+                if weight[r] > 0 and not copy(r * c, i)]
       forward = 0.5 * (forward + math.log(sum(math.exp(x) for x in column)) - own)
     total += forward
   return total, top, float(weight.sum())
 
 
-@pytest.mark.parametrize("loss,symmetric,bias", [("infonce", False, 0.0), ("infonce", True, 0.0),
-                                                 ("sigmoid", False, -2.0)])
-def test_the_losses_equal_a_hand_computation(loss, symmetric, bias):
+# Passage keys of the 5 x 2 passages below: rows 0 and 3 share a positive (7), row 1's hard
+# negative is row 2's positive (9), row 4 (padding) repeats row 0's; 0 is no key.
+KEYS = np.array([[7, 1], [2, 9], [9, 0], [7, 4], [7, 5]], np.int32)
+
+
+@pytest.mark.parametrize("loss,symmetric,bias,keys", [
+    ("infonce", False, 0.0, None), ("infonce", True, 0.0, None), ("sigmoid", False, -2.0, None),
+    ("infonce", False, 0.0, KEYS), ("infonce", True, 0.0, KEYS), ("sigmoid", False, -2.0, KEYS)])
+def test_the_losses_equal_a_hand_computation(loss, symmetric, bias, keys):
   rng = np.random.default_rng(1)
   q = rng.normal(size=(5, 4))
   p = rng.normal(size=(5, 2, 4))
@@ -78,8 +94,13 @@ def test_the_losses_equal_a_hand_computation(loss, symmetric, bias):
   settings = ContrastiveConfig(loss=loss, symmetric=symmetric, bias=bias, scale=3.0)
   out = {"query": jnp.asarray(q, jnp.float32), "passage": jnp.asarray(p, jnp.float32),
          "scale": jnp.float32(3.0), "bias": jnp.float32(bias)}
-  got = jax.jit(functools.partial(contrastive.metrics, settings=settings))(out, mask, weight)
-  want_loss, want_top, count = _by_hand(q, p, mask.any(-1), weight, 3.0, bias, loss, symmetric)
+  got = jax.jit(functools.partial(contrastive.metrics, settings=settings))(out, mask, weight,
+                                                                          passage_key_QxC=keys)
+  want_loss, want_top, count = _by_hand(q, p, mask.any(-1), weight, 3.0, bias, loss, symmetric,
+                                        keys)
+  if keys is not None:  # the copies change the loss: the check sees them
+    unmasked, _, _ = _by_hand(q, p, mask.any(-1), weight, 3.0, bias, loss, symmetric)
+    assert abs(unmasked - want_loss) > 0.05
   np.testing.assert_allclose(float(got["contrastive_loss"][0]), want_loss, rtol=1e-5)
   assert float(got["contrastive_loss"][1]) == count == 4
   assert float(got["in_batch_accuracy"][0]) == want_top
@@ -229,3 +250,25 @@ def test_chunks_with_dropout_differentiate_the_masks_they_drew():
   assert_close(grads, want_grads, atol=1e-6)  # float32 sums of a few terms, in another order
   (other, _), _ = chunked(params, chunks, keys + 1)
   assert abs(float(other) - float(value)) > 1e-3  # dropout acted: other keys, another loss
+
+
+def test_the_pooler_no_pooling_reads_is_kept_as_it_starts():
+  """AdamW with weight decay: every weight the loss reads moves; the tanh pooler, which neither
+  pooling reads, keeps its bits (decay alone would shrink it by lr x decay each step)."""
+  cfg = train.TrainConfig(batch_size=Q, warmup_steps=0, num_train_steps=10, learning_rate=0.1,
+                          weight_decay=0.1)
+  mesh = sharding.MeshConfig.from_dict({**base.get_config().mesh, "ici_data": 1})
+  t = train.build(TINY, cfg, mesh, devices=jax.devices()[:1],
+                  objective=contrastive_training.objective(ContrastiveConfig()))
+  before = random_params(t.abstract_state.params)
+  params = jax.device_put(before, t.state_shardings.params)
+  state = train.TrainState(step=jnp.zeros([], jnp.int32), params=params,
+                           opt_state=t.optimizer.init(params))
+  state, _ = t.train_step(state, t.to_global(make_batch()), jax.random.PRNGKey(0))
+  after = jax.device_get(state.params)
+  np.testing.assert_array_equal(after["bert"]["pooler"]["dense"]["kernel"],
+                                before["bert"]["pooler"]["dense"]["kernel"])
+  np.testing.assert_array_equal(after["bert"]["pooler"]["dense"]["bias"],
+                                before["bert"]["pooler"]["dense"]["bias"])
+  moved = after["bert"]["embeddings"]["word_embeddings"]["embedding"]
+  assert np.abs(moved - before["bert"]["embeddings"]["word_embeddings"]["embedding"]).max() > 1e-3

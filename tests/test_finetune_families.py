@@ -18,26 +18,33 @@ from bertjax.finetune import families, objectives, tasks
 from bertjax.formats import hf
 from bertjax.finetune.families import regression
 from bertjax.finetune.families.record import Family
-from bertjax.model import BertConfig
+from bertjax.model import BertConfig, BertModel
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
 FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "dog", "ran", "."]
 
 
+OPTIONAL = ("predicted", "sentence")  # functions a family may leave None
+
+
 def test_every_family_is_one_record_filled_in():
-  assert set(families.FAMILIES) >= {"classification", "regression", "tagging", "span"}
+  assert set(families.FAMILIES) >= {"classification", "regression", "tagging", "span",
+                                    "embeddings"}
   functions = {"num_outputs", "objective", "columns", "as_row", "records", "load"}
   for name, family in families.FAMILIES.items():
     assert isinstance(family, Family) and family.name == name, name
     for field in dataclasses.fields(Family):  # the functions callable, the facts not
       value = getattr(family, field.name)
-      assert callable(value) == (field.name in functions or (field.name == "predicted"
+      assert callable(value) == (field.name in functions or (field.name in OPTIONAL
                                                              and value is not None)), field.name
     assert family.main_metrics and set(family.lower_is_better) <= set(family.main_metrics)
     spec = spec_lib.TaskSpec("t", name, ("O", "B-X", "I-X")[:family.min_labels])
     batch = family.objective(spec).dummy_batch(2)
-    assert set(batch) == {*objectives.INPUTS, "weight", *family.batch_keys}, name
+    # A family without a head (its outputs the encoder's own vectors) names all its inputs.
+    inputs = objectives.INPUTS if family.head else ()
+    assert set(batch) == {*inputs, "weight", *family.batch_keys}, name
+    assert (family.sentence is not None) == (not family.head) == (family.num_outputs(spec) == 0)
     assert family.check(spec) is spec
     if family.min_labels:  # one label short: a task.json written by hand
       with pytest.raises(ValueError, match=f"a {name} task needs at least {family.min_labels}"):
@@ -143,3 +150,50 @@ def test_a_registered_family_is_a_task_its_load_reads(toy, monkeypatch):
   monkeypatch.setitem(families.FAMILIES, toy, dataclasses.replace(
       families.get(toy), load=lambda cfg, tokenizer: ("read", cfg.task)))
   assert tasks.load(TaskConfig.from_config(fx.ft_config("toy", "")), None) == ("read", "toy")
+
+
+def test_the_headless_family_is_used_by_spec_tasks_config_objective_predict_and_export(tmp_path):
+  """embeddings: no head, its outputs the encoder's vectors, made as its spec says."""
+  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.formats.sentence_transformers import SentenceVectors  # pylint: disable=import-outside-toplevel
+  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.families import embeddings  # pylint: disable=import-outside-toplevel
+  from test_contrastive import random_params  # pylint: disable=import-outside-toplevel
+  name = "embeddings"
+  family = families.get(name)
+  config = finetune_config.get_config(name)
+  assert config.train.learning_rate is None and tasks.canonical("Embeddings") == name
+  config.contrastive.pooling, config.data.max_query_length = "cls", 6
+  spec = embeddings.spec_of(TaskConfig.from_config(config))
+  assert (spec.family, spec.pooling, spec.normalize, spec.max_query_length) == (name, "cls", True,
+                                                                                6)
+  assert spec_lib.TaskSpec.from_dict(spec.to_dict()) == spec
+  assert predict.record_keys() >= {"vector", "hits"}
+  assert family.sentence(spec) == SentenceVectors("cls", True, spec.max_seq_length)
+  assert (family.head, family.hf_class, family.modernbert_class) == ("", "BertModel",
+                                                                     "ModernBertModel")
+
+  from bertjax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  (tmp_path / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+  tokenizer = load_tokenizer(str(tmp_path / "vocab.txt"))
+  bert = BertConfig(vocab_size=len(VOCAB), hidden_size=16, num_layers=1, num_heads=2,
+                    intermediate_size=32, max_position_embeddings=32)
+  objective = family.objective(spec)
+  model = objective.make_model(bert)
+  abstract = jax.eval_shape(lambda: flax.linen.unbox(model.init(
+      jax.random.PRNGKey(0), **objective.inputs(objective.dummy_batch(1)))["params"]))
+  params = random_params(abstract)
+  assert set(params) == {"bert"}  # nothing beside the encoder: what the export writes
+  predictor = predict.Predictor(bert, params, tokenizer, spec, tokens_per_device=32,
+                                devices=jax.devices()[:1])
+  texts = ["the cat sat", "a dog ran . the cat sat the dog ran", {"query": "the dog"}]
+  records = predictor(texts)  # the second, a query longer than max_query_length, is cut
+  assert [sorted(r) for r in records] == [["vector"], ["truncated", "vector"], ["vector"]]
+  vectors = np.array([r["vector"] for r in records])
+  np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+  # The vectors are the [CLS] state's (the spec's pooling), not the mean's.
+  ids = np.array([[2, 6, 7, 3]], np.int32)
+  sequence, _ = BertModel(bert).apply({"params": params["bert"]}, ids, np.ones_like(ids), None)
+  cls_vector = sequence[0, 0] / np.linalg.norm(sequence[0, 0])
+  np.testing.assert_allclose(np.array(predictor(["cat sat"])[0]["vector"]), cls_vector,
+                             atol=1e-5)

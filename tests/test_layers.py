@@ -18,8 +18,8 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
             pretrain, main
   finetune  finetune/
   finetune-config  configs/finetune.py (one's own tasks are the families' names, read from them)
-  commands  predict, prediction_rows, benchmark_predict, benchmark_accel, benchmark_layers, convert/ (import and
-            export), launch/
+  commands  predict, prediction_rows, prediction_files, prediction_vectors, benchmark_predict,
+            benchmark_accel, benchmark_layers, benchmark_retrieval, convert/ (import and export), launch/
 
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
@@ -57,7 +57,9 @@ LAYERS = (
               "bertjax.pretrain", "bertjax.main")),
     ("finetune", ("bertjax.finetune",)),
     ("finetune-config", ("configs.finetune",)),
-    ("commands", ("bertjax.predict", "bertjax.prediction_rows", "bertjax.benchmark_predict",
+    ("commands", ("bertjax.predict", "bertjax.prediction_rows", "bertjax.prediction_files",
+                  "bertjax.prediction_vectors", "bertjax.benchmark_predict",
+                  "bertjax.benchmark_retrieval",
                   "bertjax.benchmark_accel", "bertjax.benchmark_layers", "bertjax.convert", "launch")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own

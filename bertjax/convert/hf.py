@@ -14,7 +14,10 @@ read as it is by every `init_from`. `export` writes `config.json`, `model.safete
 tokenizer's files from any bertjax weights folder (a workdir included): a pre-training run as
 `BertForPreTraining`; a fine-tuning workdir (its best epoch; `--checkpoint=latest` or a step for
 another) as `BertForSequenceClassification` (with `problem_type` regression where it is one),
-`BertForTokenClassification` or `BertForQuestionAnswering`, its labels as `id2label` / `label2id`.
+`BertForTokenClassification` or `BertForQuestionAnswering`, its labels as `id2label` / `label2id`;
+an embeddings workdir as `BertModel` with sentence-transformers' files (modules.json, its pooling
+and normalisation: bertjax/formats/sentence_transformers.py), which `SentenceTransformer(folder)`
+loads as it is.
 WordPiece vocabularies go as vocab.txt, SentencePiece ones as a fast tokenizer's tokenizer.json
 giving the same ids (a literal "[CLS]" in a text is the one difference: transformers reads it as the
 special token), a Hugging Face tokenizer.json as it is.
@@ -76,8 +79,14 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
     if spec is None:
       hf.write_hf_dir(folder, hf.params_to_hf(params, source.config), hf_config)
       what = "BertForPreTraining"
+    elif not (family := families.get(spec.family)).head:
+      # Vectors of the encoder's own (embeddings): the encoder alone, pooler included, as the
+      # base class (BertModel), with what sentence-transformers needs to make the same vectors.
+      sd = hf.params_to_hf({weights.ENCODER: params[weights.ENCODER]}, source.config)
+      hf.write_hf_dir(folder, sd, {**hf_config, "architectures": [family.hf_class]})
+      what = family.hf_class
+      sentence = sentence or family.sentence(spec)
     else:
-      family = families.get(spec.family)
       sd, extra = hf.task_to_hf(params, source.config, head=family.head,
                                 hf_class=family.hf_class, hf_head=family.hf_head,
                                 outputs=family.num_outputs(spec), labels=spec.labels)

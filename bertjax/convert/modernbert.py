@@ -75,7 +75,12 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   # classes do not have, an output folder of somebody's files.
   hf_config = modernbert.config_to_modernbert(source.config, token_ids)
   family = None if spec is None else families.get(spec.family)
-  if family is not None:
+  if family is not None and not family.head:
+    # Vectors of the encoder's own (embeddings): the encoder alone as the base class, with
+    # sentence-transformers' files (as the BERT export).
+    hf_config["architectures"] = [family.modernbert_class]
+    sentence = sentence or family.sentence(spec)
+  elif family is not None:
     if family.modernbert_class is None:
       classes = sorted(f.modernbert_class for f in families.FAMILIES.values() if f.modernbert_class)
       raise Refusal(f"A {spec.family} model has no ModernBERT class; those exported are {classes}")
@@ -85,7 +90,9 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   folder = outfolder.ExportFolder(output)
   params = weights.read(source)
   if family is not None:
-    params = {k: params[k] for k in (weights.ENCODER, modernbert.PREDICTION_HEAD, family.head)}
+    keep = ((weights.ENCODER, modernbert.PREDICTION_HEAD, family.head) if family.head
+            else (weights.ENCODER,))
+    params = {k: params[k] for k in keep}
   with folder:
     hf.write_hf_dir(folder, modernbert.params_to_modernbert(params, source.config), hf_config)
     said = convert_hf.write_tokenizer_files(source, folder, source.config,

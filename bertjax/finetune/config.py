@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from bertjax.contrastive import ContrastiveConfig
 from bertjax.data.config import check_types, from_section
 from bertjax.errors import Refusal
 
@@ -42,6 +43,14 @@ class FinetuneDataConfig:
   tag_scheme: str
   labels: str
   version_2_with_negative: bool | None  # None: v2.0 if the training file has an unanswerable
+  # embeddings (bertjax/inputs/passages.py): the columns of a query, its positive passage (dev
+  # with corpus_file: the ids of its relevant passages) and its hard negatives ("a,b"), the
+  # corpus a dev or test query is searched in (id and `passage` columns)
+  query: str
+  positive: str
+  negatives: str
+  corpus_file: str
+  passage: str
 
   def __post_init__(self):
     check_types(self, "data")
@@ -77,12 +86,14 @@ class TaskConfig:
   data: FinetuneDataConfig
   eval: EvalConfig
   class_weights: str  # train.class_weights, read with the labels (families/classification.py)
+  contrastive: ContrastiveConfig  # config.contrastive: the embeddings family's vectors and loss
 
   @classmethod
   def from_config(cls, config) -> "TaskConfig":
     return cls(task=config.task, data=FinetuneDataConfig.from_config(config.data),
                eval=EvalConfig.from_config(config.eval),
-               class_weights=config.train.class_weights)
+               class_weights=config.train.class_weights,
+               contrastive=from_section(ContrastiveConfig, config.contrastive, "contrastive"))
 
 
 # The `train` keys a search may list, and whether trials of different values can share one

@@ -33,7 +33,7 @@ from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import init_heads, tasks
+from bertjax.finetune import families, init_heads, tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
 from bertjax.finetune.evaluations import Evaluations
 from bertjax.model import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
@@ -115,8 +115,8 @@ def _encoder_loader(source: weights.Weights):
   return load
 
 
-def initialiser(source: weights.Weights, model: BertConfig, task_name: str
-                ) -> tuple[str, loop.Initialiser]:
+def initialiser(source: weights.Weights, model: BertConfig, task_name: str,
+                headless: bool = False) -> tuple[str, loop.Initialiser]:
   """Where a run's parameters start from init_from (results.json's "init", and the console's
   line): its encoder, and ModernBERT's prediction head where the model has one; what of a
   fine-tuned source is left out is said."""
@@ -125,7 +125,8 @@ def initialiser(source: weights.Weights, model: BertConfig, task_name: str
   said = weights.unread(source, (weights.ENCODER, init_heads.HEAD) if head else ())
   return (f"the encoder{also} of checkpoint.init_from={source.describe()}",
           loop.Initialiser(f"encoder{also} from checkpoint.init_from={source.describe()}, "
-                           f"{task_name} {'classifier' if head else 'head'} new"
+                           + (f"{task_name}: no head, the encoder's vectors" if headless else
+                              f"{task_name} {'classifier' if head else 'head'} new")
                            + (f"; {said}" if said else ""), _encoder_loader(source)))
 
 
@@ -192,7 +193,11 @@ def eval_batches(features: Mapping[str, np.ndarray], batch_size: int, process_in
 def predict(training: train.Training, params_state, features: Mapping[str, np.ndarray],
             batch_size: int, stop: control.StopSignal | None = None
             ) -> dict[str, np.ndarray] | None:
-  """The objective's outputs for every example (numpy, on every host); None if `stop` asked."""
+  """The objective's outputs for every example (numpy, on every host); None if `stop` asked.
+  A list of features (several inputs of their own shapes) gives a list of outputs."""
+  if isinstance(features, (list, tuple)):
+    parts = [predict(training, params_state, f, batch_size, stop) for f in features]
+    return None if any(p is None for p in parts) else parts
   n = len(next(iter(features.values())))
   parts: dict[str, list] = {}
   for batch in eval_batches(tasks.model_features(features), batch_size, jax.process_index(),
@@ -290,7 +295,7 @@ class Setup:
 
   @property
   def per_epoch(self) -> int:
-    return steps_per_epoch(len(self.train_features["input_ids"]), self.ft.batch_size)
+    return steps_per_epoch(tasks.num_examples(self.train_features), self.ft.batch_size)
 
   def meta(self) -> dict:
     return {"task": self.task_name, "init": self.origin,
@@ -318,7 +323,7 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
     raise Refusal(f"data.max_seq_length={task.data.max_seq_length} exceeds the model's "
                   f"max_position_embeddings={model_config.max_position_embeddings}.")
   data = tasks.load(task, tokenizer)
-  data.notes += run_notes(ft.batch_size, len(data.train["input_ids"]))
+  data.notes += run_notes(ft.batch_size, tasks.num_examples(data.train))
   for note in data.notes:
     loop.say(note)
   _check_task(workdir, task_name, data.spec)
@@ -326,7 +331,8 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
   origin = ("random initialisation (checkpoint.random_init=True)" if config.checkpoint.random_init
             else "scratch")
   if source is not None and not config.checkpoint.random_init:
-    origin, init = initialiser(source, model_config, task_name)
+    origin, init = initialiser(source, model_config, task_name, data.spec is not None
+                               and not families.get(data.spec.family).head)
   return Setup(ft, task_name, source, tokenizer, vocab_file, lower, model_config, data,
                tasks.model_features(data.train), origin, init)
 
@@ -344,7 +350,7 @@ def finetune(config, workdir: str) -> dict:
   source, vocab_file, lower, init, origin = s.source, s.vocab_file, s.lower, s.init, s.origin
   model_config, train_features = s.model_config, s.train_features
   init_from = config.checkpoint.init_from
-  n_train = len(train_features["input_ids"])
+  n_train = tasks.num_examples(train_features)
   per_epoch = s.per_epoch
   total = max(1, int(round(ft.num_epochs * per_epoch)))
   warmup = int(ft.warmup_proportion * total)
@@ -397,7 +403,7 @@ def finetune(config, workdir: str) -> dict:
       on_accepted=accepted)
   loop.say(f"{task_name}: {n_train} training examples, {per_epoch} steps per epoch, {total} "
            f"steps ({ft.num_epochs:g} epochs), warmup {warmup}; dev: "
-           + ", ".join(f"{e.name} {len(e.features['input_ids'])}" for e in data.evals))
+           + ", ".join(f"{e.name} {tasks.num_examples(e.features)}" for e in data.evals))
   try:
     state, final = loop.execute(config, workdir, job)
     if not final:
@@ -441,6 +447,12 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec | None = N
     raise Refusal(f"--workdir={workdir} holds a run with the labels {list(recorded_spec.labels)}"
                   f"; these files give {list(spec.labels)}. Fine-tune them in a workdir of "
                   "their own (or set config.data.labels to the run's).")
+  vectors = lambda s: (s.pooling, s.normalize)  # what an embeddings run's vectors mean
+  if spec is not None and recorded_spec is not None and vectors(recorded_spec) != vectors(spec):
+    raise Refusal(f"--workdir={workdir} holds a run of vectors (pooling, normalize) = "
+                  f"{vectors(recorded_spec)}; this config asks {vectors(spec)}. Set "
+                  "config.contrastive.pooling and normalize as the run had them, or use a "
+                  "workdir of its own.")
 
 
 def finish(config, workdir, training, data: tasks.TaskData, evaluations: Evaluations, state, ft,

@@ -172,7 +172,7 @@ def _run_program(config, s: run_lib.Setup, group, number: int, workdir: str, mes
     for k, t in due:
       scores = {}
       for m, eval_set in enumerate(data.evals):
-        got = eval_set.score({name: v[k] for name, v in outputs[m].items()})
+        got = eval_set.score(_trial_outputs(outputs[m], k))
         prefix = "" if len(data.evals) == 1 else f"{eval_set.name}/"
         scores.update({prefix + name: float(v) for name, v in got.items() if name != "main"
                        and isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -206,7 +206,11 @@ def _run_program(config, s: run_lib.Setup, group, number: int, workdir: str, mes
 
 
 def _predict_all(training, state, features, batch_size, stop):
-  """Every trial's outputs on every example: {name: [T, N, ...]}; None if `stop` asked."""
+  """Every trial's outputs on every example: {name: [T, N, ...]} (a list of them for a list of
+  features: several inputs); None if `stop` asked."""
+  if isinstance(features, (list, tuple)):
+    parts = [_predict_all(training, state, f, batch_size, stop) for f in features]
+    return None if any(p is None for p in parts) else parts
   n = len(next(iter(features.values())))
   parts: dict[str, list] = {}
   for batch in run_lib.eval_batches(tasks.model_features(features), batch_size):
@@ -215,6 +219,13 @@ def _predict_all(training, state, features, batch_size, stop):
     for k, v in jax.device_get(training.predict_step(state, batch)).items():
       parts.setdefault(k, []).append(np.asarray(v))
   return {k: np.concatenate(v, axis=1)[:, :n] for k, v in parts.items()}
+
+
+def _trial_outputs(outputs, k: int):
+  """Trial k's share of _predict_all's outputs."""
+  if isinstance(outputs, list):
+    return [_trial_outputs(o, k) for o in outputs]
+  return {name: v[k] for name, v in outputs.items()}
 
 
 def summarise(all_trials, records: dict[int, Evaluations], main_metric: str) -> dict:
@@ -283,7 +294,7 @@ def run(config, workdir: str) -> dict:
   budget, where = available_bytes()
   if search.memory_gb:
     budget, where = int(search.memory_gb * 2**30), f"config.search.memory_gb={search.memory_gb:g}"
-  seq = s.train_features["input_ids"].shape[1]
+  seq = tasks.tokens_per_example(s.train_features)
   one = max(trials_lib.per_trial_bytes(s.model_config, t.batch_size, seq, n_params)
             for t in all_trials)
   size = program_size(search, len(all_trials), one, budget, where)

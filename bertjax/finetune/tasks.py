@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from bertjax import files, taskspec as spec_lib
+from bertjax import contrastive_training, files, taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
@@ -245,6 +245,21 @@ def _conll(name: str, data: FinetuneDataConfig, tokenizer) -> TaskData:
       evals.append(EvalSet("dev", f, scorer(sentences, f)))
     predicts.append(EvalSet(split, f, scorer(sentences, f), writer(sentences, f, split)))
   return TaskData(name, tagging.objective(spec), train_features, evals, predicts, "f1", spec=spec)
+
+
+def num_examples(features) -> int:
+  """Rows of a set's features; of every input where it has several (embeddings: queries and
+  passages, each of its own length)."""
+  if isinstance(features, (list, tuple)):
+    return sum(num_examples(f) for f in features)
+  return len(next(iter(features.values())))
+
+
+def tokens_per_example(features: Mapping[str, np.ndarray]) -> int:
+  """The token positions one training example encodes: its row's length, or a query's and its
+  passages' (embeddings: Lq + C x Lp), for the search's memory estimate."""
+  texts = [features[k] for k in ("input_ids", *contrastive_training.INPUTS[::2]) if k in features]
+  return sum(int(np.prod(x.shape[1:])) for x in texts)
 
 
 def model_features(features: Mapping[str, np.ndarray]) -> dict[str, Any]:

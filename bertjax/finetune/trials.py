@@ -161,6 +161,7 @@ def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Tr
     tx, schedule = optimizer_lib.create_optimizer(
         base, learning_rate=hp["learning_rate"], warmup_steps=hp["warmup"],
         total_steps=hp["total"], weight_decay=hp["weight_decay"])
+    tx = optimizer_lib.frozen(tx, objective.frozen)
     state = train.TrainState(step=step, params=params, opt_state=opt_state)
     new, metrics = train.train_step(state, batch, rng, model=model, tx=tx, schedule=schedule,
                                     num_microbatches=base.num_microbatches, objective=objective)

@@ -173,19 +173,25 @@ def iter_rows(path: str, fmt: str = "") -> Iterator[Row]:
   return _csv_rows(path, "," if fmt == "csv" else "\t")
 
 
-def require(row: Row, columns: Sequence[str], what: str = "config.data") -> None:
+# The keys that name a file's columns, as a refusal says them (a reader may say its own).
+COLUMN_KEYS = "text_a / text_b / label (tagging: tokens / tags)"
+
+
+def require(row: Row, columns: Sequence[str], what: str = "config.data",
+            keys: str = COLUMN_KEYS) -> None:
   """Every one of `columns` is in `row`, or an error listing the columns found."""
   missing = [c for c in columns if c not in row]
   if missing:
     raise Refusal(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}. Name "
-                  f"the columns with {what}.text_a / text_b / label (tagging: tokens / tags).")
+                  f"the columns with {what}.{keys}.")
 
 
-def read_rows(path: str, columns: Sequence[str], fmt: str = "") -> list[Row]:
+def read_rows(path: str, columns: Sequence[str], fmt: str = "",
+              keys: str = COLUMN_KEYS) -> list[Row]:
   """Every row, each checked to hold `columns`; an empty file is an error."""
   rows = []
   for row in iter_rows(path, fmt):
-    require(row, columns)
+    require(row, columns, keys=keys)
     rows.append(row)
   if not rows:
     raise Refusal(f"{path}: no examples (only a header, or blank lines).")

@@ -1,7 +1,7 @@
 """Task families: the one place fine-tuning grows. A family is what a head does with text
-(classification, regression, tagging, span); each is one module here owning its reading of one's
-own files, its features, head and objective, metric, prediction records and export class, and
-building its typed record (`record.Family`) once, as `FAMILY`. The benchmarks (GLUE, SQuAD,
+(classification, regression, tagging, span, embeddings); each is one module here owning its
+reading of one's own files, its features, head and objective, metric, prediction records and
+export class, and building its typed record (`record.Family`) once, as `FAMILY`. The benchmarks (GLUE, SQuAD,
 CoNLL-2003, NEXT: bertjax/finetune/tasks.py) are readers that hand a family their examples.
 
 Adding a family: a module beside these ending in its `FAMILY = Family(...)`, and one line in
@@ -17,7 +17,7 @@ from typing import Mapping
 from bertjax import taskspec
 from bertjax.errors import Refusal
 from bertjax.finetune import metrics as ft_metrics
-from bertjax.finetune.families import classification, regression, span, tagging
+from bertjax.finetune.families import classification, embeddings, regression, span, tagging
 from bertjax.finetune.families.record import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -25,6 +25,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     regression.FAMILY,
     tagging.FAMILY,
     span.FAMILY,
+    embeddings.FAMILY,
 )}
 # transformers' problem_type of a one-output sequence head, and of one bertjax has no family for.
 _REGRESSION, _MULTI_LABEL = "regression", "multi_label_classification"

@@ -25,7 +25,9 @@ Spec = spec_lib.TaskSpec
 @dataclasses.dataclass(frozen=True)
 class Family:
   name: str  # TaskSpec.family, and one's own task of the family (configs/finetune.py:NAME)
-  head: str  # the head's parameter subtree beside the encoder's ("bert")
+  # The head's parameter subtree beside the encoder's ("bert"); "": none, the family's outputs
+  # are the encoder's own vectors (embeddings), exported as the encoder alone.
+  head: str
   hf_class: str  # the transformers class an export writes ...
   hf_head: str  # ... and the name of its head there (bertjax/formats/hf.py writes both)
   # The transformers ModernBERT class of the family (formats/modernbert.py writes it, and a
@@ -53,6 +55,10 @@ class Family:
   # The input columns of a spec made from a transformers folder, where not ("text", "")
   # (span: SQuAD's question and context).
   folder_columns: tuple[str, str] = ("text", "")
+  # How a spec's sentence vectors are made (formats/sentence_transformers.SentenceVectors: the
+  # files an export adds so that sentence-transformers loads it); None where the family makes
+  # no vectors.
+  sentence: Callable[[Spec], Any] | None = None
 
   def check(self, spec: Spec) -> Spec:
     """`spec`, refused where it holds fewer labels than the family needs (a task.json or a
