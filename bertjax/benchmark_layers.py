@@ -86,7 +86,7 @@ def runner(spec: str, size: str):
 
 def hlo_figures(text: str, num_layers: int, scan_unroll: int = 1) -> dict:
   """The compiled program per layer (bertjax/layercost.py) and the opcodes of its layer loops."""
-  comps = layercost.computations(text)
+  comps = opprofile.computations(text)
   bodies = layercost.layer_loops(text, num_layers, scan_unroll)
   opcodes = {body: dict(collections.Counter(
       op for _, _, op, _ in layercost.instructions(comps[body])

@@ -30,30 +30,18 @@ import collections
 import math
 import re
 
+from bertjax import opprofile
+
 PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 # An in-place update of one slice: what a stacked buffer should see inside a layer loop.
 IN_PLACE = {"dynamic-update-slice"}
 
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 _CONDITION = re.compile(r"condition=%?([\w.\-]+)")
-
-
-def computations(hlo_text: str) -> dict[str, list[str]]:
-  """{computation name: its instruction lines} of an HLO module's text."""
-  comps, current = {}, None
-  for line in hlo_text.splitlines():
-    match = _COMPUTATION.match(line)
-    if match:
-      current = match.group(1)
-      comps[current] = []
-    elif current is not None and line.strip() != "}":
-      comps[current].append(line)
-  return comps
 
 
 def _shape_end(line: str, at: int) -> int:
@@ -97,7 +85,7 @@ def _fused(comps: dict[str, list[str]]) -> set[str]:
 def module_op_count(hlo_text: str) -> int:
   """Operations of the whole module as its runtime executes them: a fusion counts once, a loop's
   body once (not once per iteration)."""
-  comps = computations(hlo_text)
+  comps = opprofile.computations(hlo_text)
   fused = _fused(comps)
   return sum(op_count(lines) for name, lines in comps.items() if name not in fused)
 
@@ -110,7 +98,7 @@ def _stacked(shape: str, num_layers: int) -> bool:
 def layer_loops(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> list[str]:
   """The bodies of the loops that run the scanned layers (forward first, as compiled)."""
   trips = num_layers // scan_unroll  # jax stacks an unrolled scan's arrays as [trips, u, ...]
-  comps = computations(hlo_text)
+  comps = opprofile.computations(hlo_text)
   bodies = []
   for _, shape, op, line in instructions(hlo_text.splitlines()):
     if op == "while" and _stacked(shape, trips) and trips in _trip_counts(comps, line):
@@ -161,7 +149,7 @@ def stack_writes(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> dict[s
   """{"opcode:dtype": bytes written per iteration} of the operations of the layer loops that
   write a whole [num_layers, ...] array but not one slice in place (see the module docstring):
   traffic at every layer that grows with the layer count. Empty when there is none."""
-  comps = computations(hlo_text)
+  comps = opprofile.computations(hlo_text)
   writes = collections.Counter()
   trips = num_layers // scan_unroll
   for body in layer_loops(hlo_text, num_layers, scan_unroll):
@@ -180,7 +168,7 @@ def stack_writes(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> dict[s
 def layer_ops(hlo_text: str, num_layers: int, scanned: bool, scan_unroll: int = 1) -> int:
   """Operations per encoder layer: the layer loops' bodies (divided by the layers each holds),
   or, unrolled, the operations named after a middle layer."""
-  comps = computations(hlo_text)
+  comps = opprofile.computations(hlo_text)
   if scanned:
     bodies = layer_loops(hlo_text, num_layers, scan_unroll)
     return sum(op_count(comps[b]) for b in bodies) // max(1, scan_unroll)

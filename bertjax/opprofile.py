@@ -37,21 +37,23 @@ _CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
-def _computations(hlo_text: str) -> dict[str, list[str]]:
+def computations(hlo_text: str) -> dict[str, list[str]]:
+  """{computation name: its instruction lines} of an HLO module's text (bertjax/layercost.py
+  reads the layer loops from the same)."""
   comps, current = {}, None
   for line in hlo_text.splitlines():
     match = _COMPUTATION.match(line)
     if match:
       current = match.group(1)
       comps[current] = []
-    elif current is not None:
+    elif current is not None and line.strip() != "}":
       comps[current].append(line)
   return comps
 
 
 def classify(hlo_text: str) -> dict[str, str]:
   """{instruction name: kind} for every instruction of the module, fusions by their contents."""
-  comps = _computations(hlo_text)
+  comps = computations(hlo_text)
 
   def opcodes(lines, depth=0):
     ops = set()

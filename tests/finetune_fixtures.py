@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import tempfile
 
 import jax
@@ -362,3 +363,18 @@ def retrieval_corpus(seed, per_topic=2):
               "positive": ",".join(f"c{k}-{j}" for j in range(per_topic))}
              for k in range(len(ASKED))]
   return corpus, queries
+
+
+def sigterm_at(monkeypatch, at_step):
+  """Training batches as the run makes them, with a SIGTERM while the batch of step `at_step` is
+  handed over (a preemption notice between two steps)."""
+  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+
+  real = run.train_batches
+
+  def batches(*args, **kwargs):
+    for step, batch in enumerate(real(*args, **kwargs), args[3]):
+      if step + 1 == at_step:
+        os.kill(os.getpid(), signal.SIGTERM)
+      yield batch
+  monkeypatch.setattr(run, "train_batches", batches)

@@ -12,7 +12,6 @@ another, so only training shows which goes with which: the untrained encoder ran
 import csv
 import json
 import os
-import signal
 
 import jax
 import numpy as np
@@ -170,25 +169,13 @@ def test_the_export_loads_in_sentence_transformers_with_the_same_vectors(trained
   np.testing.assert_allclose(theirs, np.load(vectors), atol=1e-5, rtol=0)
 
 
-def _stop_at(monkeypatch, at_step):
-  """A SIGTERM while the batch of step `at_step` is handed over (a preemption between steps)."""
-  real = run.train_batches
-
-  def batches(*args, **kwargs):
-    for step, batch in enumerate(real(*args, **kwargs), args[3]):
-      if step + 1 == at_step:
-        os.kill(os.getpid(), signal.SIGTERM)
-      yield batch
-  monkeypatch.setattr(run, "train_batches", batches)
-
-
 def test_a_stopped_run_resumes_to_the_uninterrupted_end(trained, pretrained, files, tmp_path,
                                                         monkeypatch):
   straight, straight_results = trained
   workdir = str(tmp_path / "run")
   config = embeddings_config(pretrained, files)
   with monkeypatch.context() as mp:
-    _stop_at(mp, 20)  # in epoch 2 (15 steps an epoch)
+    fx.sigterm_at(mp, 20)  # in epoch 2 (15 steps an epoch)
     assert run.finetune(config, workdir) == {}
   results = run.finetune(config, workdir)
   assert [e["scores"] for e in results["evaluations"]] == [

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
 
 import jax
 import numpy as np
@@ -395,19 +394,6 @@ def _scripted_main(monkeypatch, mains):
   monkeypatch.setattr(tasks, "load", load)
 
 
-def _sigterm_at(monkeypatch, at_step):
-  """Training batches as the run makes them, with a SIGTERM while the batch of step `at_step` is
-  handed over (a preemption notice between two steps)."""
-  real = run.train_batches
-
-  def batches(*args, **kwargs):
-    for step, batch in enumerate(real(*args, **kwargs), args[3]):
-      if step + 1 == at_step:
-        os.kill(os.getpid(), signal.SIGTERM)
-      yield batch
-  monkeypatch.setattr(run, "train_batches", batches)
-
-
 def test_interrupted_run_resumes_to_the_same_end_and_keeps_the_best_epoch(
     rte_run, pretrained, rte_dir, tmp_path, monkeypatch, capsys):
   config = rte_config(pretrained, rte_dir[0])
@@ -416,7 +402,7 @@ def test_interrupted_run_resumes_to_the_same_end_and_keeps_the_best_epoch(
   # Epoch 2 scores best (the last does not), so best/ and the predictions must be epoch 2's.
   with monkeypatch.context() as mp:
     _scripted_main(mp, [0.6, 0.9])
-    _sigterm_at(mp, stop_at)
+    fx.sigterm_at(mp, stop_at)
     assert finetune(config, workdir, mp).results == {}
   assert f"SIGTERM received; saved step {stop_at}" in capsys.readouterr().out
   assert steps_in(os.path.join(workdir, "checkpoints"))[-1] == stop_at

@@ -63,6 +63,16 @@ class Judged:
   corpus: list[str]
   corpus_ids: list[str]
 
+  def relevant_of(self, query: str, query_id: str, by_query: dict[str, int]) -> list[int]:
+    """The list of `query`'s relevant passages, to be added to: a repeated query is one query
+    (its first row's id), `by_query` its index."""
+    if query not in by_query:
+      by_query[query] = len(self.queries)
+      self.queries.append(query)
+      self.query_ids.append(query_id)
+      self.relevant.append([])
+    return self.relevant[by_query[query]]
+
   @property
   def scored(self) -> bool:
     return any(self.relevant)
@@ -121,12 +131,7 @@ def judged_pairs(path: str, columns: Columns, fmt: str = "") -> Judged:
     positive = _text(row, columns.positive, "its positive passage")
     at = [corpus.setdefault(t, len(corpus)) for t in
           [positive] + [n for c in columns.negatives for n in _negatives(row, c)]]
-    if query not in by_query:
-      by_query[query] = len(judged.queries)
-      judged.queries.append(query)
-      judged.query_ids.append(_row_id(row, k, columns.id))
-      judged.relevant.append([])
-    relevant = judged.relevant[by_query[query]]
+    relevant = judged.relevant_of(query, _row_id(row, k, columns.id), by_query)
     if at[0] not in relevant:
       relevant.append(at[0])
   judged.corpus = list(corpus)
@@ -191,11 +196,6 @@ def read_judged(path: str, columns: Columns, corpus_ids: Sequence[str], corpus: 
                         f"{passage_id!r}, which {corpus_path} does not hold (its column "
                         f"{columns.id!r}); fix the id, or add the passage to the corpus.")
         found.append(index[passage_id])
-    if query not in by_query:
-      by_query[query] = len(judged.queries)
-      judged.queries.append(query)
-      judged.query_ids.append(_row_id(row, k, columns.id))
-      judged.relevant.append([])
-    relevant = judged.relevant[by_query[query]]
+    relevant = judged.relevant_of(query, _row_id(row, k, columns.id), by_query)
     relevant += [i for i in found if i not in relevant]
   return judged
