@@ -6,7 +6,11 @@ setuptools.setup(
     name="bertjax",
     version="0.1.0",
     description="Pre-train BERT (MLM + NSP) with JAX/Flax, from a CPU to a Cloud TPU pod.",
-    packages=setuptools.find_packages(include=["bertjax", "bertjax.*"]),
+    # The released configs ship inside the package as `bertjax.configs` (`--config=tiny` names
+    # one wherever bertjax is installed; bertjax/cli.py), while the repository keeps them in
+    # configs/ at its top, where a clone's commands name them by path (`configs/tiny.py`).
+    packages=setuptools.find_packages(include=["bertjax", "bertjax.*"]) + ["bertjax.configs"],
+    package_dir={"bertjax.configs": "configs"},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.7,<0.11",
@@ -44,6 +48,9 @@ setuptools.setup(
             # cloudpickle, and moves nothing. Importing it needs USE_TF=0 where TensorFlow is
             # installed beside Keras 3 (tests/conftest.py sets it).
             "sentence-transformers>=5.7,<6",
+            # tests/test_wheel.py builds the wheel without build isolation (offline): a
+            # setuptools that writes wheels on its own (70.1 took over `bdist_wheel`).
+            "setuptools>=70.1",
         ],
         # libtpu for jax on Cloud TPU, and for `python -m bertjax.aot` anywhere: its compile-only
         # client compiles for a TPU slice on a CPU machine. The version jax 0.10.2's jax[tpu] pins;

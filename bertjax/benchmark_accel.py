@@ -41,9 +41,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -120,16 +118,9 @@ def step_config(case: Case, size: str, tokens_per_device: int, devices: int,
 
 
 def released_config(name: str):
-  """configs/<name>.py's get_config(): the folder beside the package (a checkout) is importable
-  the way bertjax/cli.py makes a --config file's folder importable."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  if not os.path.isfile(os.path.join(root, "configs", f"{name}.py")):
-    raise ValueError(f"no configs/{name}.py beside the bertjax package ({root}): run the check "
-                     "from a checkout of the repository")
-  if root not in sys.path:
-    sys.path.insert(0, root)
-  # lazy: configs/ is a folder of the checkout, not of the installed package
-  return importlib.import_module(f"configs.{name}").get_config()
+  """The released config `name`'s get_config() (bertjax.configs, the repository's configs/)."""
+  # lazy: the case names its config; importing all of them would import the fine-tuning families
+  return importlib.import_module(f"bertjax.configs.{name}").get_config()
 
 
 def memory_gib(compiled) -> float | None:

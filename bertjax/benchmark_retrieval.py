@@ -45,7 +45,7 @@ from bertjax.contrastive import ContrastiveConfig
 from bertjax.data import corpus as corpus_lib
 from bertjax.finetune import bm25, retrieval, run as run_lib
 from bertjax.model import BertConfig
-from configs import finetune as finetune_config
+from bertjax.configs import finetune as finetune_config
 
 REPORTED = ("mrr_at_10", "recall_at_10", "ndcg_at_10")
 EVAL_FRACTION = 0.1  # pre-training's held-out share (configs/base.py data.eval_fraction)

@@ -6,12 +6,17 @@ A command defines its flags only when it runs as one (in its `__main__` block), 
 importing every module in one process (a test does) then defines no flag twice, and two commands'
 `--workdir` or `--output` never meet.
 
-Config files live in a `configs/` folder and import `configs.base`. So that this works whatever the
-working directory, the folder holding `configs/` (the config file's grandparent) is put on
-`sys.path` before absl parses the flags and loads the file.
+The released configs ship inside the package (`bertjax.configs`, kept in the repository's
+`configs/`): `--config=tiny` names one wherever bertjax is installed, and `--config=configs/tiny.py`
+does too where no such file is under the working directory (a wheel's user running the README's
+commands). A config file of one's own imports the released ones (`from bertjax.configs import
+base`) or its siblings (`from configs import mine`): for the latter, the folder holding its
+`configs/` (the file's grandparent) is put on `sys.path` before absl parses the flags and loads the
+file, the one place bertjax edits `sys.path`.
 """
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -40,6 +45,45 @@ def config_file_from_argv(argv: Sequence[str], name: str = "config") -> str | No
       continue
     return value.split(":", 1)[0]  # `file.py:phase=2` passes an argument to get_config
   return None
+
+
+def released_configs() -> dict[str, str]:
+  """The released configs by name ('tiny', 'bert_base', 'finetune', ...): their files in the
+  installed package. Found, not imported: importing one would import the model."""
+  spec = importlib.util.find_spec("bertjax.configs")
+  folders = list(spec.submodule_search_locations or []) if spec else []
+  return {f.removesuffix(".py"): os.path.join(folder, f) for folder in folders
+          for f in sorted(os.listdir(folder)) if f.endswith(".py") and f != "__init__.py"}
+
+
+def released_config_path(value: str) -> str:
+  """`value` (`FILE[:args]`) with a released config's name, or a `configs/NAME.py` path that
+  names no file here, replaced by the packaged file; anything else unchanged. A path that names
+  no file and no released config is refused naming the released ones."""
+  path, sep, args = value.partition(":")
+  if os.path.isfile(path):
+    return value
+  folder, base = os.path.split(path)
+  name = base.removesuffix(".py")
+  # A bare name, or the repository's relative path to it (`configs/tiny.py`, as the README writes
+  # it) from outside a checkout; never another folder's path, which names a file of one's own.
+  looks_released = (base == name and not folder) or (
+      base != name and os.path.normpath(folder or ".") in ("configs", "."))
+  released = released_configs()
+  if looks_released and name in released:
+    return released[name] + sep + args
+  raise Refusal(f"--config={value}: there is no file {path}; give the path of a config file, or "
+                f"a released config by name (--config=tiny; the released ones are "
+                f"{', '.join(released)})")
+
+
+def resolve_config_argv(argv: list[str], name: str = "config") -> None:
+  """Rewrites argv's `--<name>` value in place through released_config_path (absl reads it later)."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      argv[i] = f"--{name}=" + released_config_path(arg.split("=", 1)[1])
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      argv[i + 1] = released_config_path(argv[i + 1])
 
 
 def make_config_folder_importable(argv: Sequence[str], name: str = "config") -> str | None:
@@ -77,10 +121,17 @@ def quiet_tensorflow() -> None:
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
-def define_config_flag(help_text: str = "Config file (configs/*.py), locked.", name: str = "config",
+def define_config_flag(help_text: str = "Config file (a path, or a released config's name: tiny, "
+                       "bert_base, finetune:next, ...), locked.", name: str = "config",
                        default: str | None = None):
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
   quiet_tensorflow()
+  try:
+    resolve_config_argv(sys.argv, name)
+    if default is not None:
+      default = released_config_path(default)
+  except Refusal as e:
+    sys.exit(f"bertjax: {e}")
   make_config_folder_importable(sys.argv, name)
   with _misspelled_keys_in_one_line(sys.argv):  # a default file is loaded, and checked, here
     return config_flags.DEFINE_config_file(name, default, help_text, lock_config=True)

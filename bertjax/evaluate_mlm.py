@@ -12,27 +12,22 @@ model sees the same sequences with the same masks (configs/tiny.py: 3,272 unpack
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 
 import jax
 from absl import app, flags
 
 from bertjax import checkpoint as checkpoint_lib, cli, loop, train, weights
+from bertjax.configs import tiny
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
-
-
-def _config(path: str):
-  module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-  return module.get_config()
 
 
 def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:
   """MLM accuracy and loss of the workdir's newest checkpoint on the first `sequences` (0: all) of
   `data`'s held-out split, in batches of configs/tiny.py's 8."""
   source = weights.inspect(workdir, what="workdir")
-  config = _config("configs/tiny.py")  # its model, train and mesh sections; `data` is the data
+  config = tiny.get_config()  # its model, train and mesh sections; `data` is the data
   tok, manifest = loop.prepare_data(data)
   if source.fingerprint and source.fingerprint != manifest["settings"]["tokenizer_fingerprint"]:
     raise Refusal(f"{workdir} was trained with another vocabulary than --data_config's.")

@@ -15,7 +15,7 @@ about 9% of a step (docs/performance.md#throughput).
 Both phases pack sequences into rows (`data.packing`; base.py `set_phase`): batch_size counts rows.
 """
 
-from configs import base
+from bertjax.configs import base
 
 
 def get_config(arg=None):

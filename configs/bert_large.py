@@ -14,7 +14,7 @@ train.batch_size counts rows.
 MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.
 """
 
-from configs import base
+from bertjax.configs import base
 
 
 def get_config(arg=None):

@@ -21,7 +21,7 @@ import ml_collections
 
 from bertjax.finetune import families
 from bertjax.model import INHERITED_FIELDS, BertConfig
-from configs import base
+from bertjax.configs import base
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BertConfig)}
 

@@ -14,7 +14,7 @@ no NSP, 30% masking, packed rows, warmup-stable-decay. The rest of the shape and
 from ModernBERT's run: docs/lab-notes.md#configsmodern_basepy.
 """
 
-from configs import base
+from bertjax.configs import base
 
 
 def set_modern_recipe(config):

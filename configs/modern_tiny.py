@@ -9,7 +9,7 @@ the tokens masked, 14,000 steps (configs/tiny.py's wall-clock). Against configs/
 docs/modern.md.
 """
 
-from configs import modern_base, tiny
+from bertjax.configs import modern_base, tiny
 
 
 def get_config():

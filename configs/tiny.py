@@ -12,7 +12,7 @@ sinusoidal position table, W_K starting as a copy of W_Q. Why, what else was tri
 seed's figures: docs/lab-notes.md#configstinypy.
 """
 
-from configs import base
+from bertjax.configs import base
 
 
 def get_config():

@@ -19,8 +19,8 @@ import jax
 import pytest
 
 from bertjax import loop, train
-from configs import finetune as finetune_config
-from configs import tiny
+from bertjax.configs import finetune as finetune_config
+from bertjax.configs import tiny
 from test_data_fixtures import WORDS, data_section
 
 # Words with a role in the tasks; the others are filler.

@@ -142,7 +142,7 @@ for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", 
                     ("TPU_SKIP_MDS_QUERY", "1")):
   os.environ.setdefault(name, value)
 from bertjax import aot, layercost, train
-from configs import tiny
+from bertjax.configs import tiny
 config = tiny.get_config()
 # 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
 config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3)
@@ -209,7 +209,7 @@ def test_a_packing_config_compiles_the_rows_the_pipeline_feeds():
   features: the compile check must lower that program, not the unpacked one."""
   from bertjax import flops, train  # pylint: disable=import-outside-toplevel
   from bertjax.data.config import DataConfig  # pylint: disable=import-outside-toplevel
-  from configs import tiny  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import tiny  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.data.packing, config.data.max_sequences_per_row = True, 3
   seq_len, slots, per_row = flops.rows_shape(DataConfig.from_config(config.data))

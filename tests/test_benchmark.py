@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from bertjax import benchmark
-from configs import base
+from bertjax.configs import base
 
 L, M = 64, 10
 

@@ -36,29 +36,53 @@ def test_make_config_folder_importable(tmp_path, monkeypatch):
   assert cli.make_config_folder_importable(["p"]) is None
 
 
+def test_a_released_config_is_named_by_name_or_by_its_path_outside_a_checkout(tmp_path,
+                                                                              monkeypatch):
+  released = cli.released_configs()
+  assert {"tiny", "base", "bert_base", "bert_large", "finetune", "modern_tiny"} <= released.keys()
+  assert cli.released_config_path("tiny") == released["tiny"]
+  assert cli.released_config_path("finetune:next") == released["finetune"] + ":next"
+  here = "configs/bert_base.py:phase=2"  # a checkout's file is taken as it is, path and argument
+  monkeypatch.chdir(ROOT)
+  assert cli.released_config_path(here) == here
+  monkeypatch.chdir(tmp_path)  # no configs/ here: the README's path names the released file
+  assert cli.released_config_path(here) == released["bert_base"] + ":phase=2"
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "tiny.py").write_text("")  # one's own configs/tiny.py wins
+  assert cli.released_config_path("configs/tiny.py") == "configs/tiny.py"
+  for wrong in ("tiyn", "configs/tiyn.py", "/elsewhere/configs/tiny.py"):
+    with pytest.raises(cli.Refusal, match=r"there is no file .*--config=tiny.*bert_base"):
+      cli.released_config_path(wrong)
+  argv = ["p", "--config", "tiny:x", "--config.train.batch_size=2"]
+  cli.resolve_config_argv(argv)
+  assert argv == ["p", "--config", released["tiny"] + ":x", "--config.train.batch_size=2"]
+
+
 @pytest.mark.parametrize("module, extra", [
     ("bertjax.benchmark", ["--steps=1", "--warmup_steps=0", "--config.model.vocab_size=512",
                            "--config.train.batch_size=2"]),
     ("bertjax.pretrain", ["--workdir=unused", "--config.train.batch_sise=2"]),
 ])
 def test_commands_load_configs_from_another_directory(tmp_path, module, extra):
-  """`configs/tiny.py` imports `configs.base`; run from elsewhere, that import still resolves."""
-  # bertjax is installed; `configs` is not, so it must be found through the flag's file. The
-  # configs are copied away from this checkout so that nothing else could provide them.
+  """A config file of one's own, run from elsewhere, imports its sibling (`from configs import
+  ...`, through its folder put on sys.path) and a released config (`from bertjax.configs import
+  ...`, from the installed package)."""
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="")
   other = tmp_path / "project"
   (other / "configs").mkdir(parents=True)
-  for name in ("__init__.py", "base.py", "tiny.py"):
-    src = os.path.join(ROOT, "configs", name)
-    if os.path.exists(src):
-      (other / "configs" / name).write_text(open(src).read())
+  (other / "configs" / "__init__.py").write_text("")
+  (other / "configs" / "shared.py").write_text(
+      "from bertjax.configs import tiny\n\n\ndef get_config():\n  c = tiny.get_config()\n"
+      "  c.model.hidden_size = 64\n  return c\n")
+  (other / "configs" / "mine.py").write_text(
+      "from configs import shared\n\n\ndef get_config():\n  return shared.get_config()\n")
   cwd = tmp_path / "elsewhere"
   cwd.mkdir()
-  done = subprocess.run([sys.executable, "-m", module, f"--config={other}/configs/tiny.py", *extra],
+  done = subprocess.run([sys.executable, "-m", module, f"--config={other}/configs/mine.py", *extra],
                         cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
   out = done.stdout + done.stderr
-  assert "No module named 'configs'" not in out, out[-2000:]
+  assert "No module named" not in out, out[-2000:]
   if module == "bertjax.pretrain":  # the config loaded; the misspelled override key is named
     assert done.returncode != 0 and "batch_sise" in out, out[-2000:]
   else:

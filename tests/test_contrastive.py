@@ -15,7 +15,7 @@ from bertjax import contrastive, contrastive_training, dropout, gradcache, shard
 from bertjax.contrastive import ContrastiveConfig
 from bertjax.errors import Refusal
 from bertjax.model import BertConfig
-from configs import base
+from bertjax.configs import base
 
 TINY = BertConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16, hidden_dropout=0.0,

@@ -13,7 +13,7 @@ from bertjax import checkpoint as checkpoint_lib, loop, train, weights
 from bertjax.convert import google as convert_google
 from bertjax.formats import google
 from bertjax.finetune import run
-from configs import tiny
+from bertjax.configs import tiny
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import data_section
 from finetune_fixtures import Builds, tiny_next_config, write_tiny_next

@@ -17,7 +17,7 @@ from bertjax import loop
 from bertjax.data.config import DataConfig
 from bertjax.finetune import run
 from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
-from configs import base, bert_base, bert_large, finetune, modern_base, modern_tiny, tiny
+from bertjax.configs import base, bert_base, bert_large, finetune, modern_base, modern_tiny, tiny
 from test_data_fixtures import WORDS, data_config, data_section, write_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,7 +4,7 @@ import os
 import random
 
 from bertjax.data.config import DataConfig
-from configs import base
+from bertjax.configs import base
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]

@@ -116,7 +116,7 @@ def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_pre
   assert spec_lib.TaskSpec.from_dict(spec.to_dict()) == spec
   assert tasks.canonical("TOY") == toy and toy in tasks.names()
   # One's own task of the family: its learning rate chosen on dev, as for the four.
-  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   assert finetune_config.get_config(toy).train.learning_rate is None
   assert finetune_config.get_config("rte").train.learning_rate == 2e-5  # a benchmark's recipe
   assert predict.record_keys() >= set(regression.FAMILY.record_keys)
@@ -156,7 +156,7 @@ def test_the_headless_family_is_used_by_spec_tasks_config_objective_predict_and_
   """embeddings: no head, its outputs the encoder's vectors, made as its spec says."""
   from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
   from bertjax.formats.sentence_transformers import SentenceVectors  # pylint: disable=import-outside-toplevel
-  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   from bertjax.finetune.families import embeddings  # pylint: disable=import-outside-toplevel
   from test_contrastive import random_params  # pylint: disable=import-outside-toplevel
   name = "embeddings"

@@ -171,7 +171,7 @@ def test_the_summary_ranks_settings_by_their_median_over_seeds():
     ("num_epochs", "2,2", r"names a value twice"),
 ])
 def test_bad_grids_are_refused(key, value, message):
-  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
   config.search[key] = value
   with pytest.raises(ValueError, match=message):
@@ -179,7 +179,7 @@ def test_bad_grids_are_refused(key, value, message):
 
 
 def test_a_program_larger_than_memory_is_refused_with_the_largest_that_fits():
-  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
   config.search.trials_per_program = 12
   s = ft_config.SearchConfig.from_config(config)
@@ -197,7 +197,7 @@ def test_a_program_larger_than_memory_is_refused_with_the_largest_that_fits():
 
 
 def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
-  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
   assert config.train.learning_rate is None  # one's own task: no rate known in advance
@@ -243,7 +243,7 @@ def test_one_runs_step_compiles_ahead_of_time_and_grows_with_the_length():
   from bertjax import aot  # pylint: disable=import-outside-toplevel
   from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
   from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
-  from configs import modern_tiny  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import modern_tiny  # pylint: disable=import-outside-toplevel
   config = modern_tiny.get_config()
   model = BertConfig.from_dict(config.model, vocab_size=128, hidden_size=32, num_heads=2,
                                intermediate_size=48, max_position_embeddings=512)

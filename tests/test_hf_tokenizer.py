@@ -259,7 +259,7 @@ def test_whole_words_are_the_pre_tokenizers(tok_file):
 
 
 def _data():
-  from configs import base
+  from bertjax.configs import base
   from bertjax.data.config import DataConfig
   return DataConfig.from_config(base.get_config().data)
 

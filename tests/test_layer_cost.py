@@ -13,7 +13,7 @@ import functools
 import jax
 
 from bertjax import benchmark, layercost, residuals
-from configs import base
+from bertjax.configs import base
 
 # The figures read here come from the optimised HLO, which these leave as it is; the machine code
 # LLVM makes of it is not read, and unoptimised it compiles in half the time.

@@ -19,7 +19,7 @@ import pytest
 from bertjax import control, loop, train
 from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer, CheckpointMismatchError
 from bertjax.data import pipeline
-from configs import tiny
+from bertjax.configs import tiny
 from test_data_fixtures import data_section, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ from bertjax import losses, train
 from bertjax.heads import BertForPreTraining
 from bertjax.attention import attention_with_dropout
 from bertjax.model import BertConfig, BertModel, positions_from_sequence_ids
-from configs import base
+from bertjax.configs import base
 
 SMALL = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                    max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -393,7 +393,7 @@ def test_sequence_longer_than_position_table_is_refused():
 
 
 def test_config_files_only_override_and_are_locked():
-  from configs import bert_base, bert_large, tiny  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import bert_base, bert_large, tiny  # pylint: disable=import-outside-toplevel
   for module, layers, hidden in ((bert_base, 12, 768), (bert_large, 24, 1024), (tiny, 2, 128)):
     config = module.get_config()
     assert set(config.keys()) == set(base.get_config().keys())
@@ -409,14 +409,14 @@ def test_config_files_only_override_and_are_locked():
 
 
 def test_two_phase_recipe_in_the_configs():
-  from configs import bert_base, bert_large  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import bert_base, bert_large  # pylint: disable=import-outside-toplevel
   one, two = bert_large.get_config(), bert_large.get_config("phase=2")
   assert (one.data.max_seq_length, two.data.max_seq_length) == (128, 512)
   assert two.data.max_predictions_per_seq == 76
   assert one.train.num_train_steps + two.train.num_train_steps == 1_000_000
   assert one.model == two.model  # phase 2 loads phase 1's parameters unchanged
   assert one.data.packing and two.data.packing  # docs/data.md#packing: 1.09x and 1.23x the tokens
-  from configs import tiny  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import tiny  # pylint: disable=import-outside-toplevel
   assert not tiny.get_config().data.packing  # `make pretrain` as measured
   with pytest.raises(ValueError, match="phase=3"):
     bert_base.get_config("phase=3")

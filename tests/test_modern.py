@@ -217,7 +217,7 @@ def test_modern_base_has_modernbert_base_parameter_count():
   transformers' own classes built on the meta device."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from configs import modern_base  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import modern_base  # pylint: disable=import-outside-toplevel
   config = modern_base.get_config()
   cfg = BertConfig.from_dict(config.model.to_dict())
   shapes = jax.eval_shape(lambda: BertForPreTraining(cfg).init(
@@ -249,7 +249,7 @@ def test_a_sharded_scanned_remat_step_equals_one_device():
   """The new weights' logical axes under a data x fsdp x tensor mesh, with nn.scan and remat
   over global and local layers: one train step as on one device."""
   from bertjax import sharding, train  # pylint: disable=import-outside-toplevel
-  from configs import base  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import base  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(MODERN, scan_layers=True, remat_policy="full",
                             tie_word_embeddings=False)
   rng = np.random.default_rng(6)

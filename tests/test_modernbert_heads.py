@@ -276,7 +276,7 @@ def _mlm_folder(root, vocab, **base):
 def _finetune(tmp_path, monkeypatch, init_from, words, length, **model):
   from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
   from finetune_fixtures import Builds  # pylint: disable=import-outside-toplevel
-  from configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
   config.checkpoint.init_from = init_from
   d = config.data

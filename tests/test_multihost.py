@@ -36,7 +36,7 @@ def train_losses() -> list[float]:
 
   from bertjax import sharding, train
   from bertjax.model import BertConfig
-  from configs import base
+  from bertjax.configs import base
 
   model = BertConfig(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=4,
                      intermediate_size=64, max_position_embeddings=L)

@@ -563,7 +563,7 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
 
 
 def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path, capsys):
-  from configs import tiny
+  from bertjax.configs import tiny
   from bertjax import loop
   source = weights.Weights(str(tmp_path), "google", BertConfig(vocab_size=512), ("bert",),
                            vocab_file=str(tmp_path / "vocab.txt"), tokenizer_kind="wordpiece",

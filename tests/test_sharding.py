@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from bertjax import losses, sharding, train
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig, BertModel
-from configs import base
+from bertjax.configs import base
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16)

@@ -9,7 +9,7 @@ import pytest
 
 from bertjax import control, optimizer, sharding, train
 from bertjax.model import BertConfig
-from configs import base
+from bertjax.configs import base
 
 # Dropout off so that microbatching changes nothing (tests/test_multihost.py runs with dropout).
 TINY = BertConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4,

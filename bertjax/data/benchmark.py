@@ -20,22 +20,18 @@ of every step by the ratio of the two fills (the `gain` column).
 import dataclasses
 import logging
 import os
-import sys
 import tempfile
 import time
 
 from absl import app, flags
 
+from bertjax.configs import base
 from bertjax.data import corpus, pipeline, prepare
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 
 
 def _config(seq_length: int, prepared_dir: str, workers: int, source: str) -> DataConfig:
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-  # lazy: configs/ sits beside the package in a checkout, not in an installed bertjax; the module
-  # also works without it until a config is asked for (its folder is put on the path above).
-  from configs import base  # pylint: disable=import-outside-toplevel
   builtin = DataConfig.from_config(base.get_config().data)
   return dataclasses.replace(
       builtin, source=source, max_seq_length=seq_length,

@@ -16,11 +16,11 @@ import os
 import random
 import resource
 import shutil
-import sys
 import time
 
 from absl import app, flags
 
+from bertjax.configs import base
 from bertjax.data import corpus, prepare
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
@@ -66,9 +66,6 @@ def write_corpus(kind: str, folder: str, mb: float, files: int) -> str:
 
 
 def config(source: str, out: str, workers: int, driver: str, vocab: str) -> DataConfig:
-  sys.path.insert(0, os.getcwd())
-  # lazy: configs/ is not part of the installed package; it is found from the working directory
-  from configs import base  # pylint: disable=import-outside-toplevel
   c = DataConfig.from_config(base.get_config().data)
   extra = {"prepare_engine": driver} if driver != "local" else {}
   return dataclasses.replace(c, source=source, prepared_dir=out, prepare_workers=workers,
