@@ -41,11 +41,11 @@ import numpy as np
 from absl import flags
 
 from bertjax import benchmark, cli, contrastive_training, predict, sharding, train
+from bertjax.configs import finetune as finetune_config
 from bertjax.contrastive import ContrastiveConfig
 from bertjax.data import corpus as corpus_lib
 from bertjax.finetune import bm25, retrieval, run as run_lib
-from bertjax.model import BertConfig
-from bertjax.configs import finetune as finetune_config
+from bertjax.model_config import BertConfig
 
 REPORTED = ("mrr_at_10", "recall_at_10", "ndcg_at_10")
 EVAL_FRACTION = 0.1  # pre-training's held-out share (configs/base.py data.eval_fraction)

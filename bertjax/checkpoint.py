@@ -30,9 +30,10 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from bertjax import files
-from bertjax.errors import Refusal
-from bertjax.model import SHAPE_FIELDS, BertConfig
+from bertjax import errors
+from bertjax.errors import CheckpointMismatchError
+# The model fields compared on resume (their roles: bertjax/model_config.py).
+from bertjax.model_config import ARCHITECTURE_FIELDS, HEAD_FIELDS, SHAPE_FIELDS, BertConfig
 
 
 class _ReaderNoiseFilter(logging_std.Filter):
@@ -50,16 +51,6 @@ class _ReaderNoiseFilter(logging_std.Filter):
 
 logging_std.getLogger("absl").addFilter(_ReaderNoiseFilter())
 
-# The modern options that add, drop or reorder parameters, or change what the stored ones mean
-# (pre- vs post-LN, RoPE vs a table): compared like model.SHAPE_FIELDS, but a fine-tuning config
-# need not spell them out (their defaults are the paper's model; init_from's values are taken).
-ARCHITECTURE_FIELDS = ("norm_position", "norm_type", "norm_bias", "attention_bias", "mlp_bias",
-                       "mlp_type", "position_embedding", "embedding_norm", "pooler", "head_bias",
-                       "decoder_bias", "tie_word_embeddings")
-# Model keys of the fine-tuning head. A run's checkpoints hold its head, so resuming them under
-# another would fail inside the restore (or, for the pooling, change the run silently); init_from
-# reads the encoder alone and may change them (docs/modern.md), so only a resume compares them.
-HEAD_FIELDS = ("task_head", "classifier_pooling")
 # Train keys that shape the optimizer state or what one step means; resuming under other values
 # would continue another run's moments (or its data position) silently.
 OPTIMIZER_FIELDS = ("optimizer", "max_grad_norm", "num_microbatches", "bias_correction")
@@ -80,14 +71,6 @@ _DAMAGE_MARKERS = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "No such file", "wa
 def _abspath(path: str) -> str:
   # Orbax wants absolute local paths; gs:// and other URLs pass through.
   return path if "://" in path else os.path.abspath(path)
-
-
-class CheckpointMismatchError(Refusal):
-  """The checkpoint was written by another model, optimizer or vocabulary than the config's."""
-
-
-class CheckpointDamagedError(Refusal):
-  """A checkpoint's files are missing, cut short or unparsable (said with the step and the fix)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +131,7 @@ def is_damage(err: BaseException) -> bool:
   """Whether a restore failed on damaged files (skippable) rather than on a real error."""
   for cause in _causes(err):
     if isinstance(cause, (FileNotFoundError, EOFError, json.JSONDecodeError,
-                          files.DamagedFileError)):
+                          errors.DamagedFileError)):
       return True
     text = f"{type(cause).__name__}: {cause}"
     if any(marker in text for marker in _DAMAGE_MARKERS):
@@ -162,7 +145,7 @@ def damage_summary(err: BaseException) -> str:
   not), else the error's first line."""
   text = str(err)
   for cause in _causes(err):
-    if isinstance(cause, files.DamagedFileError):
+    if isinstance(cause, errors.DamagedFileError):
       return str(cause).split(": it was")[0]
     found = re.findall(r'local file "([^"]+)"', str(cause))
     if found:
@@ -271,7 +254,7 @@ class Checkpointer:
     except json.JSONDecodeError as err:
       # Orbax's error names no file: name the record (the layout orbax writes it in).
       path = os.path.join(self.directory, str(step), META, "metadata")
-      raise files.DamagedFileError(
+      raise errors.DamagedFileError(
           f"{path} (step {step}'s record) is not valid JSON ({err.msg} at line {err.lineno}, "
           f"column {err.colno}): it was cut short") from err
 

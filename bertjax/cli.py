@@ -28,7 +28,7 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import files, hostmem, platforms, watchdog
+from bertjax import errors, files, hostmem, platforms, watchdog
 from bertjax.errors import Refusal
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -184,7 +184,7 @@ def start(argv) -> None:
     # machine under launch/local.sh, or on shared storage), two runs must not.
     try:
       note = files.lock_workdir(flag.workdir)
-    except files.WorkdirError as err:
+    except errors.WorkdirError as err:
       sys.exit(f"bertjax: {err}")
     if note:
       print(f"bertjax: {note}", flush=True)
@@ -349,7 +349,7 @@ def one_line(err: BaseException) -> str | None:
   file or folder; a file that is not text or JSON; a non-finite loss) or a full disk. None for
   anything else, which keeps its traceback: a plain ValueError is a fault of the code, not of
   its input. The data workers ask it too, to hand a refusal back rather than print it."""
-  if isinstance(err, files.DiskFullError):  # names the workdir, the file and what is kept
+  if isinstance(err, errors.DiskFullError):  # names the workdir, the file and what is kept
     return f"bertjax: {err}"
   # A full disk or a failed write (EIO), however the library that wrote says it (safetensors'
   # own error, tensorstore's ValueError): one line naming the file.
@@ -366,7 +366,7 @@ def one_line(err: BaseException) -> str | None:
   # was read is at fault, not bertjax); a non-finite loss.
   if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                       UnicodeDecodeError, json.JSONDecodeError)) or (
-                          control is not None and isinstance(err, control.NonFiniteError)):
+                          control is not None and isinstance(err, errors.NonFiniteError)):
     return f"bertjax: {type(err).__name__}: {err}"
   if isinstance(err, OSError):
     if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...

@@ -51,7 +51,8 @@ import jax.numpy as jnp
 from bertjax.errors import Refusal
 from bertjax.heads import mean_pool
 from bertjax.losses import Metric
-from bertjax.model import BertConfig, BertModel
+from bertjax.model import BertModel
+from bertjax.model_config import BertConfig
 
 POOLINGS = ("mean", "cls")
 LOSSES = ("infonce", "sigmoid")

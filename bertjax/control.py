@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bertjax import metrics as metrics_lib, watchdog
-from bertjax.errors import Refusal
+from bertjax.errors import NonFiniteError, Refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +138,6 @@ class StopSignal:
 # (a bf16 overflow can leave the loss finite and the gradients infinite).
 def _guarded(name: str) -> bool:
   return "loss" in name or name == "grad_norm"
-
-
-class NonFiniteError(RuntimeError):
-  """A loss or the gradient norm became NaN or Inf; nothing of that state was saved."""
 
 
 def _nonfinite(metrics: Mapping[str, Any]) -> jax.Array:

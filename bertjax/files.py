@@ -19,7 +19,7 @@ import os
 import shutil
 from typing import Any, Callable, Iterator
 
-from bertjax.errors import Refusal
+from bertjax.errors import DamagedFileError, DiskFullError, WorkdirBusyError, WorkdirError
 
 
 
@@ -57,10 +57,6 @@ def makedirs(path: str) -> None:
     _gfile().makedirs(path)
   else:
     os.makedirs(path, exist_ok=True)
-
-
-class DamagedFileError(Refusal):
-  """A file bertjax wrote is cut short or not what it should hold (said with the file's path)."""
 
 
 def read_json(path: str, what: str = "") -> Any:
@@ -121,15 +117,6 @@ def copy(source: str, target: str) -> None:
 
 
 # A full disk, a failed write -------------------------------------------------------------------
-
-class DiskFullError(OSError):
-  """A write found no space left (errno ENOSPC) or failed (EIO), said in one line naming the
-  folder, what failed and what is kept."""
-
-  def __init__(self, message: str, code: int = errno.ENOSPC):
-    super().__init__(message)
-    self.errno = code
-
 
 _NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
 _IO_ERROR = os.strerror(errno.EIO)  # "Input/output error"
@@ -210,14 +197,6 @@ def disk_full_said(folder: str, kept: Callable[[], str]) -> Iterator[None]:
 
 LOCK_FILE = ".lock"
 _held: dict[str, int] = {}  # lock path -> the open descriptor that holds it (this process's)
-
-
-class WorkdirError(RuntimeError):
-  """A workdir this run cannot use: not makeable here, or held by another run."""
-
-
-class WorkdirBusyError(WorkdirError):
-  """Another live process runs in the workdir (said with its pid, host and start)."""
 
 
 # The errors of a path that cannot be written, and what to do about each.

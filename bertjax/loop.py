@@ -35,7 +35,6 @@ from bertjax import files, watchdog as watchdog_lib, weights
 from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
-from bertjax.model import BertConfig
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:

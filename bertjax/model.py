@@ -24,11 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import attention, dropout, residuals, sharding
-# The config and its named choices (bertjax/model_config.py), also known as bertjax.model's.
-from bertjax.model_config import (  # pylint: disable=unused-import
-    ACTIVATIONS, INHERITED_FIELDS, REMAT_POLICIES, SHAPE_FIELDS, BertConfig, gelu)
-# Rotary positions are attention's (bertjax/attention.py), also known as bertjax.model's.
 from bertjax.attention import apply_rope, rope_tables
+from bertjax.model_config import ACTIVATIONS, REMAT_POLICIES, BertConfig
 
 
 def _kernel_init(config: BertConfig, names):

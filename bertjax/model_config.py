@@ -1,6 +1,7 @@
 """BertConfig: every key of a BERT (or ModernBERT-style) encoder and its checks, the activations,
 remat policies and the other named choices it offers; the model keys a fine-tuning run inherits.
-The modules that build the encoder from it are bertjax/model.py's, which re-exports these names.
+The modules that build the encoder from it are bertjax/model.py's; what only reads a config (the
+formats, checkpoints, FLOPs) imports it from here.
 """
 
 from __future__ import annotations
@@ -54,16 +55,30 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("dense", "gated")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
-# BertConfig fields that set the shape or the layout of the parameters: a checkpoint that differs
-# in any of them is another model (bertjax/checkpoint.py refuses to resume it).
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                "max_position_embeddings", "type_vocab_size", "scan_layers")
-# Fields a fine-tuning config leaves at 0 / "" to take init_from's value (configs/finetune.py,
-# bertjax/finetune/run.py): the encoder's shape (its layer layout is the task's own) and how it
-# computes; a new head is initialized with init_from's initializer_range.
-INHERITED_FIELDS = SHAPE_FIELDS[:-1] + (
-    "initializer_range", "layer_norm_eps", "hidden_act", "dtype", "param_dtype", "remat_policy",
-    "attention_impl", "position_init", "query_key_init", "task_head", "classifier_pooling")
+# Each field's roles, stated once on the field (`_field(default, *roles)`); the tuples below are
+# read from them:
+#   shape         sets the shape or the layout of the parameters: a checkpoint that differs in one
+#                 is another model (bertjax/checkpoint.py refuses to resume it)
+#   architecture  a modern option that adds, drops or reorders parameters, or changes what the
+#                 stored ones mean (pre- vs post-LN, RoPE vs a table): compared like a shape field,
+#                 but a fine-tuning config need not spell it out (init_from's value is taken)
+#   inherited     a fine-tuning config leaves it at 0 / "" to take init_from's value
+#                 (configs/finetune.py, bertjax/finetune/run.py): the encoder's shape (its layer
+#                 layout is the task's own) and how it computes; a new head is initialized with
+#                 init_from's initializer_range
+#   head          a key of the fine-tuning head: a run's checkpoints hold its head, so resuming
+#                 them under another would fail inside the restore (or change the pooling
+#                 silently); init_from reads the encoder alone and may change it
+#   modern        a departure from the paper's architecture that BERT's formats (Hugging Face
+#                 BertForPreTraining, Google's) cannot write (BertConfig.modern_options)
+ROLES = ("shape", "architecture", "inherited", "head", "modern")
+
+
+def _field(default, *roles: str):
+  assert set(roles) <= set(ROLES), roles
+  return dataclasses.field(default=default, metadata={"roles": roles})
+
+
 TASK_HEADS = ("bert", "modernbert")
 CLASSIFIER_POOLINGS = ("cls", "mean")
 
@@ -72,51 +87,62 @@ CLASSIFIER_POOLINGS = ("cls", "mean")
 class BertConfig:
   """Hyper-parameters of the encoder. Defaults are BERT-Base as released."""
 
-  vocab_size: int = 30522
-  hidden_size: int = 768
-  num_layers: int = 12
-  num_heads: int = 12
-  intermediate_size: int = 3072
-  max_position_embeddings: int = 512
-  type_vocab_size: int = 2
+  vocab_size: int = _field(30522, "shape", "inherited")
+  hidden_size: int = _field(768, "shape", "inherited")
+  num_layers: int = _field(12, "shape", "inherited")
+  num_heads: int = _field(12, "shape", "inherited")
+  intermediate_size: int = _field(3072, "shape", "inherited")
+  max_position_embeddings: int = _field(512, "shape", "inherited")
+  type_vocab_size: int = _field(2, "shape", "inherited")
   hidden_dropout: float = 0.1
   attention_dropout: float = 0.1
-  initializer_range: float = 0.02
-  layer_norm_eps: float = 1e-12
-  hidden_act: str = "gelu"
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  scan_layers: bool = False
+  initializer_range: float = _field(0.02, "inherited")
+  layer_norm_eps: float = _field(1e-12, "inherited")
+  hidden_act: str = _field("gelu", "inherited")
+  dtype: str = _field("float32", "inherited")
+  param_dtype: str = _field("float32", "inherited")
+  scan_layers: bool = _field(False, "shape")
   scan_unroll: int = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
-  remat_policy: str = "none"
-  attention_impl: str = "xla"
+  remat_policy: str = _field("none", "inherited")
+  attention_impl: str = _field("xla", "inherited")
   cudnn_packing: str = "mask"  # packed rows on cuDNN: "mask" (a bias) or "segments" (attention.py)
-  position_init: str = "normal"  # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
-  query_key_init: str = "independent"  # or "shared": see SelfAttention
+  # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
+  position_init: str = _field("normal", "inherited")
+  query_key_init: str = _field("independent", "inherited")  # or "shared": see SelfAttention
   # Options of the encoders that came after the paper (ModernBERT, NeoBERT, Cramming); each is
   # independent, and the defaults are the paper's model.
-  norm_position: str = "post"  # "post" (the paper) or "pre": norms before sub-layers + final norm
-  norm_type: str = "layernorm"  # or "rmsnorm" (a scale, no bias, no centring)
-  norm_bias: bool = True  # the LayerNorms' bias (ModernBERT: off)
-  attention_bias: bool = True  # biases of the q, k, v and output projections
-  mlp_bias: bool = True  # biases of the feed-forward projections
-  mlp_type: str = "dense"  # or "gated": act(x W) * (x G) -> W_o; GeGLU with gelu, SwiGLU with silu
-  position_embedding: str = "learned"  # or "rope": rotary q and k, no position table
+  # "post" (the paper) or "pre": norms before sub-layers + final norm
+  norm_position: str = _field("post", "architecture", "modern")
+  # or "rmsnorm" (a scale, no bias, no centring)
+  norm_type: str = _field("layernorm", "architecture", "modern")
+  norm_bias: bool = _field(True, "architecture", "modern")  # the LayerNorms' bias (ModernBERT: off)
+  # biases of the q, k, v and output projections
+  attention_bias: bool = _field(True, "architecture", "modern")
+  mlp_bias: bool = _field(True, "architecture", "modern")  # biases of the feed-forward projections
+  # or "gated": act(x W) * (x G) -> W_o; GeGLU with gelu, SwiGLU with silu
+  mlp_type: str = _field("dense", "architecture", "modern")
+  # or "rope": rotary q and k, no position table
+  position_embedding: str = _field("learned", "architecture", "modern")
   rope_theta: float = 10000.0  # RoPE base of the global layers
   local_rope_theta: float = 0.0  # RoPE base of the local layers; 0 = rope_theta
-  global_every: int = 1  # layer i attends globally when i % global_every == 0, locally otherwise
+  # layer i attends globally when i % global_every == 0, locally otherwise
+  global_every: int = _field(1, "modern")
   local_window: int = 0  # local layers see keys with |i - j| <= local_window // 2 (ModernBERT's)
-  embedding_norm: bool = True  # a norm after the embeddings
-  pooler: bool = True  # the tanh pooler; False: the pooled output is the [CLS] state itself
+  embedding_norm: bool = _field(True, "architecture", "modern")  # a norm after the embeddings
+  # the tanh pooler; False: the pooled output is the [CLS] state itself
+  pooler: bool = _field(True, "architecture", "modern")
   head_act: str = ""  # activation of the MLM transform; "" = hidden_act
-  head_bias: bool = True  # bias of the MLM transform's dense layer
-  decoder_bias: bool = True  # the MLM output bias over the vocabulary
-  tie_word_embeddings: bool = True  # decoder = word-embedding table; False: its own [V, D] matrix
+  # bias of the MLM transform's dense layer
+  head_bias: bool = _field(True, "architecture", "modern")
+  # the MLM output bias over the vocabulary
+  decoder_bias: bool = _field(True, "architecture", "modern")
+  # decoder = word-embedding table; False: its own [V, D] matrix
+  tie_word_embeddings: bool = _field(True, "architecture", "modern")
   # Fine-tuning heads (bertjax/heads.py): "bert", the original's (pooled -> dropout -> dense), or
   # "modernbert", transformers' ModernBertFor* (dense, activation, norm -> dropout -> dense) over
   # the [CLS] state or, classifier_pooling="mean", the mean over real tokens.
-  task_head: str = "bert"
-  classifier_pooling: str = "cls"
+  task_head: str = _field("bert", "inherited", "head")
+  classifier_pooling: str = _field("cls", "inherited", "head")
 
   def __post_init__(self):
     problems = []
@@ -206,10 +232,8 @@ class BertConfig:
     """The settings that depart from the paper's architecture ("norm_position='pre'", ...): what
     the exporters to BERT's formats (Hugging Face BertForPreTraining, Google's) cannot write."""
     paper = BertConfig()
-    out = [f"{k}={getattr(self, k)!r}" for k in (
-        "norm_position", "norm_type", "norm_bias", "attention_bias", "mlp_bias", "mlp_type",
-        "position_embedding", "global_every", "embedding_norm", "pooler", "head_bias",
-        "decoder_bias", "tie_word_embeddings") if getattr(self, k) != getattr(paper, k)]
+    out = [f"{k}={getattr(self, k)!r}" for k in fields_with("modern")
+           if getattr(self, k) != getattr(paper, k)]
     if self.type_vocab_size < 1:
       out.append(f"type_vocab_size={self.type_vocab_size}")
     if self.head_act not in ("", self.hidden_act):
@@ -231,3 +255,16 @@ class BertConfig:
     if unknown:
       raise Refusal(f"Unknown BertConfig keys {unknown}; known keys are {sorted(known)}")
     return cls(**values)
+
+
+def fields_with(role: str) -> tuple[str, ...]:
+  """BertConfig's fields that have `role` (ROLES), in their order of declaration."""
+  if role not in ROLES:
+    raise ValueError(f"no field role {role!r}; the roles are {ROLES}")
+  return tuple(f.name for f in dataclasses.fields(BertConfig) if role in f.metadata.get("roles", ()))
+
+
+SHAPE_FIELDS = fields_with("shape")
+ARCHITECTURE_FIELDS = fields_with("architecture")
+INHERITED_FIELDS = fields_with("inherited")
+HEAD_FIELDS = fields_with("head")

@@ -58,7 +58,8 @@ from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
 from bertjax.inputs import pairs, textfiles
-from bertjax.model import BertConfig, BertModel
+from bertjax.model import BertModel
+from bertjax.model_config import BertConfig
 # How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
 from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
 # What may be written over, also known as bertjax.predict's.

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from absl import logging
 
 from bertjax import sharding, weights
-from bertjax.model import BertConfig, BertModel, Pooler
+from bertjax.model import BertModel, Pooler
+from bertjax.model_config import BertConfig
 
 ENCODER = weights.ENCODER  # the encoder's name inside BertForPreTraining and every head
 

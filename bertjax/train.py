@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from bertjax import losses, optimizer as optimizer_lib, sharding
 from bertjax.errors import Refusal
 from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig
+from bertjax.model_config import BertConfig
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, tuple[jax.Array, jax.Array]]

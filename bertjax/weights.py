@@ -43,12 +43,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, files
+from bertjax import checkpoint as checkpoint_lib, errors, files
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.formats import converted, google, hf, modernbert, tf_bundle
 from bertjax.formats import vocabulary
-from bertjax.model import BertConfig
+from bertjax.model_config import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters
@@ -203,7 +203,7 @@ def check_vocabulary(source: Weights, fingerprint: str, do_lower_case: bool, *,
     return
   have = fingerprint_of(source, do_lower_case)
   if have is not None and have != fingerprint:
-    raise checkpoint_lib.CheckpointMismatchError(
+    raise errors.CheckpointMismatchError(
         f"checkpoint.init_from={source.describe()} was trained with another vocabulary "
         f"(fingerprint {have}) than this run's (fingerprint {fingerprint}): its embedding rows "
         "would index other pieces. Leave data.vocab_path empty to take init_from's, or set "
@@ -255,7 +255,7 @@ def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> 
 
 
 def _damaged(where: str, folder: str, step: int, steps, err: BaseException
-             ) -> checkpoint_lib.CheckpointDamagedError:
+             ) -> errors.CheckpointDamagedError:
   """The one message of a damaged step of another run: which step, what, and the older one."""
   older = [s for s in steps if s < step]
   if older:
@@ -267,7 +267,7 @@ def _damaged(where: str, folder: str, step: int, steps, err: BaseException
            "(bertjax.predict, the exports).")
   else:
     fix = "It holds no older step."
-  return checkpoint_lib.CheckpointDamagedError(
+  return errors.CheckpointDamagedError(
       f"{where}: its step {step} is damaged ({checkpoint_lib.damage_summary(err)}). " + fix)
 
 
@@ -277,7 +277,7 @@ def _inspect_converted(folder: str, what: str) -> Weights:
     try:
       stored = checkpointer.metadata(converted.params_dir(folder)).item_metadata
     except Exception as err:  # pylint: disable=broad-except
-      raise checkpoint_lib.CheckpointDamagedError(
+      raise errors.CheckpointDamagedError(
           f"{what}={folder}: its params/ cannot be read ({checkpoint_lib.damage_summary(err)}); "
           "import the weights again") from None
   return Weights(folder, "converted", config, tuple(sorted(stored)), **vocabulary.of_folder(folder))
@@ -297,7 +297,7 @@ def _safetensors_names(folder: str, what: str) -> list[str]:
   try:
     return hf.safetensors_names(weights_file)
   except Exception as err:  # pylint: disable=broad-except  (safetensors' own error type)
-    raise checkpoint_lib.CheckpointDamagedError(
+    raise errors.CheckpointDamagedError(
         f"{what}={folder}: {weights_file} cannot be read ({err}); it is cut short or not a "
         "safetensors file: save the model again (save_pretrained(..., safe_serialization=True))"
     ) from None
@@ -384,7 +384,7 @@ def read(source: Weights, like: Mapping[str, Any] | None = None, *,
   if like is not None:
     lacking = sorted(set(like) - set(source.subtrees))
     if lacking:
-      raise checkpoint_lib.CheckpointMismatchError(
+      raise errors.CheckpointMismatchError(
           f"{source.describe()} holds the parameters {list(source.subtrees)}, not {lacking}")
   want = tuple(like) if like is not None else source.subtrees
   scan = (is_scanned(like[ENCODER]) if like is not None and ENCODER in like
@@ -397,7 +397,7 @@ def read(source: Weights, like: Mapping[str, Any] | None = None, *,
     return host
   if ENCODER in like and "pooler" in like[ENCODER] and "pooler" not in host[ENCODER]:
     if fresh is None:
-      raise checkpoint_lib.CheckpointMismatchError(
+      raise errors.CheckpointMismatchError(
           f"{source.describe()} has no pooler (a transformers BertForTokenClassification or "
           "BertForQuestionAnswering builds none), and this model has one: pass its new pooler as "
           "`fresh` (init_from and load_pretrained do)")
@@ -447,7 +447,7 @@ def _read_orbax(source: Weights, target: Mapping[str, Any] | None,
       stored = ckpt.item_metadata(source.step, "params")
       abstract = checkpoint_lib.subtrees_target(stored, targets or {}, elsewhere, where)
       items, _ = ckpt.restore(source.step, {"params": abstract})
-    except checkpoint_lib.CheckpointMismatchError:
+    except errors.CheckpointMismatchError:
       raise
     except Exception as err:  # pylint: disable=broad-except
       if not checkpoint_lib.is_damage(err):

@@ -20,7 +20,7 @@ import dataclasses
 import ml_collections
 
 from bertjax.finetune import families
-from bertjax.model import INHERITED_FIELDS, BertConfig
+from bertjax.model_config import INHERITED_FIELDS, BertConfig
 from bertjax.configs import base
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BertConfig)}

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax.checkpoint import Checkpointer, CheckpointMismatchError, Expected
+from bertjax.checkpoint import Checkpointer, Expected
+from bertjax.errors import CheckpointMismatchError
 from bertjax.model import BertConfig
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bertjax import cli
+from bertjax import cli, errors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -265,7 +265,7 @@ def test_only_a_refusal_is_one_line_a_plain_value_error_keeps_its_traceback():
     return run
 
   for error, said in ((errors.Refusal("config.x=1: use 2"), "bertjax: ValueError: config.x=1: use 2"),
-                      (checkpoint.CheckpointMismatchError("hidden_size: 32 vs 64"),
+                      (errors.CheckpointMismatchError("hidden_size: 32 vs 64"),
                        "bertjax: CheckpointMismatchError: hidden_size: 32 vs 64"),
                       (FileNotFoundError("no.csv"), "bertjax: FileNotFoundError: no.csv")):
     with pytest.raises(SystemExit) as exited:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax import checkpoint as checkpoint_lib, loop, train, weights
+from bertjax import checkpoint as checkpoint_lib, errors, loop, train, weights
 from bertjax.convert import google as convert_google
 from bertjax.formats import google
 from bertjax.finetune import run
@@ -93,11 +93,11 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
   # (both checked where the run takes init_from's parameters).
   source = weights.inspect(folder)
   bigger = google.config_from_google(dict(SMALL, hidden_size=64, intermediate_size=128))
-  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+  with pytest.raises(errors.CheckpointMismatchError,
                      match="hidden_size: checkpoint 32 vs config 64; model.intermediate_size: "
                      "checkpoint 64 vs config 128"):
     weights.check_model(source, bigger)
-  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+  with pytest.raises(errors.CheckpointMismatchError,
                      match=r"was trained with another vocabulary \(fingerprint wordpiece-410-\w+\) "
                      r"than this run's \(fingerprint wordpiece-410-0123\).* set "
                      "checkpoint.init_from_other_vocab=True"):
@@ -139,6 +139,6 @@ def test_finetuning_starts_from_a_google_folder(tmp_path, one_device, monkeypatc
   other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
   config = tiny_next_config(folder, str(tmp_path / "task"))
   config.data.vocab_path, config.data.do_lower_case = str(other), False
-  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
+  with pytest.raises(errors.CheckpointMismatchError, match="fingerprint") as err:
     run.finetune(config, str(tmp_path / "ft3"))
   assert str(err.value).count("wordpiece-") == 2

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, loop, train
+from bertjax import errors, loop, train
 from bertjax.formats import converted
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import run
@@ -57,6 +57,6 @@ def test_encoder_and_vocabulary_come_from_a_converted_folder(tmp_path, monkeypat
   other.write_text("\n".join(pieces[:5] + [pieces[6], pieces[5]] + pieces[7:]))
   config = tiny_next_config(folder, str(tmp_path / "task"))
   config.data.vocab_path = str(other)
-  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match="fingerprint") as err:
+  with pytest.raises(errors.CheckpointMismatchError, match="fingerprint") as err:
     run.finetune(config, str(tmp_path / "ft2"))
   assert str(err.value).count("wordpiece-") == 2

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import predict as predict_lib
+from bertjax import errors, predict as predict_lib
 from bertjax import taskspec as spec_lib
 from bertjax.finetune import custom, families, run
 from bertjax.finetune.families import classification, tagging
@@ -638,7 +638,7 @@ def test_an_export_of_a_damaged_best_step_names_the_latest_checkpoint(routing, t
   for root, dirs, _ in os.walk(os.path.join(workdir, "best", step, "params")):
     if "d" in dirs:
       shutil.rmtree(os.path.join(root, "d"))
-  with pytest.raises(checkpoint_lib.CheckpointDamagedError,
+  with pytest.raises(errors.CheckpointDamagedError,
                      match=rf"step {step} is damaged .*--checkpoint=latest"):
     _export(workdir, tmp_path / "hf")
   from bertjax.convert import hf  # pylint: disable=import-outside-toplevel

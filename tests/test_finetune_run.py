@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, loop
+from bertjax import checkpoint as checkpoint_lib, errors, loop
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax import taskspec as spec_lib
 from bertjax.finetune import run, squad_metrics, tasks
@@ -341,7 +341,7 @@ def test_init_from_refuses_another_vocabulary_or_shape(pretrained, rte_dir, tmp_
   have = read_json(os.path.join(pretrained, "tokenizer.json"))["fingerprint"]
   given = tokenizer_lib.load_tokenizer(str(other)).fingerprint
   assert have != given
-  with pytest.raises(checkpoint_lib.CheckpointMismatchError, match=re.escape(
+  with pytest.raises(errors.CheckpointMismatchError, match=re.escape(
       f"checkpoint.init_from={pretrained} (workdir step ") + r"\d+\) " + re.escape(
           f"was trained with another vocabulary (fingerprint {have}) than this run's "
           f"(fingerprint {given})")):
@@ -373,7 +373,7 @@ def test_a_workdir_of_another_task_is_refused(rte_run, pretrained, rte_dir, tmp_
   # The same task under another head: its checkpoints hold the old head, named, not restored.
   config = rte_config(pretrained, rte_dir[0])
   config.model.task_head = "modernbert"
-  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+  with pytest.raises(errors.CheckpointMismatchError,
                      match=re.escape("model.task_head: checkpoint 'bert' vs config 'modernbert'")):
     run.finetune(config, rte_run.workdir)
   assert before == {name: os.path.getmtime(os.path.join(rte_run.workdir, name)) for name in before}

@@ -301,3 +301,27 @@ def test_no_module_is_past_500_lines():
   long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "bertjax").rglob("*.py"))
           if (n := len(p.read_text().splitlines())) > 500}
   assert set(long) <= set(LONG), {m: n for m, n in long.items() if m not in LONG}
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+  return {a.asname or a.name.split(".")[0] for n in tree.body
+          if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+
+
+def test_a_name_is_imported_from_the_module_that_defines_it():
+  # `from bertjax.model import BertConfig` once took the config from the module of the Flax
+  # layers, which only imported it: a parser then depended on the model. A name taken from a
+  # project module must be one that module defines, not one it imported.
+  modules, _ = _graph()
+  trees = {m: ast.parse(p.read_text(), str(p)) for m, p in modules.items()}
+  found = []
+  for module, tree in trees.items():
+    for node in ast.walk(tree):
+      if not (isinstance(node, ast.ImportFrom) and node.module in trees and not node.level):
+        continue
+      passed_on = _imported_names(trees[node.module])
+      for alias in node.names:
+        if alias.name in passed_on and f"{node.module}.{alias.name}" not in modules:
+          found.append(f"{modules[module].relative_to(ROOT)}:{node.lineno}: {alias.name} from "
+                       f"{node.module}, which imports it")
+  assert not found, found

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import control, loop, train
-from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer, CheckpointMismatchError
+from bertjax import errors, loop, train
+from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer
+from bertjax.errors import CheckpointMismatchError
 from bertjax.data import pipeline
 from bertjax.configs import tiny
 from test_data_fixtures import data_section, write_corpus
@@ -216,7 +217,7 @@ def test_a_nonfinite_gradient_stops_the_run_before_its_state_is_saved(tmp_path, 
   config = _config(tmp_path, num_train_steps=6)
   config.checkpoint.save_every_steps = 2
   _inject_nonfinite_at(monkeypatch, 4)  # a save step, with a finite loss
-  with pytest.raises(control.NonFiniteError, match="Non-finite grad_norm at step 4"):
+  with pytest.raises(errors.NonFiniteError, match="Non-finite grad_norm at step 4"):
     loop.train_and_evaluate(config, str(tmp_path / "run"))
   ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), TRAIN_ITEMS, save_every=1, keep=1)
   assert ckpt.all_steps() == [2]

@@ -71,7 +71,7 @@ def test_initialisation_follows_the_original():
 def test_gelu_is_the_exact_erf_form_with_its_derivative():
   """Against x·Φ(x) and its derivative Φ(x) + x·φ(x) in float64, over the range layers see."""
   import math  # pylint: disable=import-outside-toplevel
-  from bertjax.model import gelu  # pylint: disable=import-outside-toplevel
+  from bertjax.model_config import gelu  # pylint: disable=import-outside-toplevel
   xs = np.linspace(-8, 8, 1601)
   phi = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in xs])
   density = np.exp(-xs ** 2 / 2) / math.sqrt(2 * math.pi)
@@ -422,3 +422,25 @@ def test_two_phase_recipe_in_the_configs():
     bert_base.get_config("phase=3")
   with pytest.raises(ValueError, match="Unknown config arguments"):
     bert_base.get_config("stage=2")
+
+
+def test_a_fields_roles_are_stated_on_the_field_and_the_tuples_read_from_them():
+  from bertjax import model_config  # pylint: disable=import-outside-toplevel
+  fields = dataclasses.fields(model_config.BertConfig)
+  assert model_config.SHAPE_FIELDS == (
+      "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+      "max_position_embeddings", "type_vocab_size", "scan_layers")
+  assert model_config.HEAD_FIELDS == ("task_head", "classifier_pooling")
+  # A fine-tuning config inherits the encoder's shape but not its layer layout, and its head.
+  assert model_config.INHERITED_FIELDS[:7] == model_config.SHAPE_FIELDS[:7]
+  assert set(model_config.HEAD_FIELDS) < set(model_config.INHERITED_FIELDS)
+  assert "scan_layers" not in model_config.INHERITED_FIELDS
+  # What BERT's formats cannot write: every architecture option, and local attention.
+  modern = set(model_config.fields_with("modern"))
+  assert modern == set(model_config.ARCHITECTURE_FIELDS) | {"global_every"}
+  for f in fields:  # each role named on a field is one of ROLES
+    assert set(f.metadata.get("roles", ())) <= set(model_config.ROLES), f.name
+  with pytest.raises(ValueError, match="no field role 'shapes'"):
+    model_config.fields_with("shapes")
+  changed = model_config.BertConfig(mlp_bias=False, global_every=3, local_window=8)
+  assert changed.modern_options() == ["mlp_bias=False", "global_every=3"]

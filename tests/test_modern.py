@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from bertjax import attention, weights
+from bertjax.attention import apply_rope, rope_tables
 from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel, SelfAttention, apply_rope, rope_tables
+from bertjax.model import BertConfig, BertModel, SelfAttention
 
 # Every option on: a local layer (1) between global ones (0, 2), RoPE with two bases.
 MODERN = BertConfig(

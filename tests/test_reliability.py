@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, files, weights
+from bertjax import checkpoint as checkpoint_lib, errors, files, weights
 from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
 from bertjax.finetune import run
@@ -123,7 +123,7 @@ def test_a_full_disk_is_known_however_a_library_says_it():
       'RESOURCE_EXHAUSTED: Error writing local file "manifest.ocdbt": Failed to write 115 bytes '
       "to file 11: No space left on device [os_error_code='28']"))
   assert not files.is_disk_full(chained(PermissionError(errno.EACCES, "denied"), OSError("x")))
-  with pytest.raises(files.DiskFullError, match="^W: the disk is full .*; kept. Free space"):
+  with pytest.raises(errors.DiskFullError, match="^W: the disk is full .*; kept. Free space"):
     with files.disk_full_said("W", lambda: "kept"):
       raise chained(full, OSError("again"))
   with pytest.raises(KeyError):
@@ -134,7 +134,7 @@ def test_a_full_disk_is_known_however_a_library_says_it():
   assert files.storage_fault(chained(eio, RuntimeError("x"))) == (errno.EIO,
                                                                    "w/evaluations.json.tmp-1")
   assert not files.is_disk_full(eio)
-  with pytest.raises(files.DiskFullError, match=r"^W: a write failed with an input/output error "
+  with pytest.raises(errors.DiskFullError, match=r"^W: a write failed with an input/output error "
                      r"\(EIO.*\) at w/evaluations.json.tmp-1; kept. Check the disk"):
     with files.disk_full_said("W", lambda: "kept"):
       raise eio
@@ -201,7 +201,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, how, capsy
 def test_a_reader_of_another_run_names_the_damaged_step_and_the_older_one(tmp_path, how):
   _two_steps(tmp_path / "checkpoints").close()
   _damage(tmp_path / "checkpoints" / "2", how)
-  with pytest.raises(checkpoint_lib.CheckpointDamagedError) as err:
+  with pytest.raises(errors.CheckpointDamagedError) as err:
     weights.read(weights.inspect(str(tmp_path), what="checkpoint.init_from"))
   message = str(err.value)
   assert "\n" not in message and re.search(
@@ -221,7 +221,7 @@ def test_a_truncated_record_is_named_in_one_line(tmp_path, name):
     converted.save_params(str(tmp_path), {"bert": {"w": jnp.ones(3)}}, BertConfig(vocab_size=64))
     read = lambda: converted.read_config(str(tmp_path))
   (tmp_path / name).write_text('{"file": "vo')
-  with pytest.raises(files.DamagedFileError) as err:
+  with pytest.raises(errors.DamagedFileError) as err:
     read()
   assert str(err.value).startswith(f"{tmp_path / name} (") and "\n" not in str(err.value)
 
@@ -557,7 +557,7 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
       "The checkpoint holds no cls/predictions/* and no cls/seq_relationship/* (the pre-training "
       "head(s) ['mlm', 'nsp']): it is a fine-tuned or encoder-only checkpoint, from which only "
       "the encoder (bert/*) can be taken"), str(err.value)
-  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+  with pytest.raises(errors.CheckpointMismatchError,
                      match=r"holds the parameters \['bert'\], not \['mlm', 'nsp'\]"):
     weights.read(source, like={"bert": {}, "mlm": {}, "nsp": {}})
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import control, optimizer, sharding, train
+from bertjax import control, errors, optimizer, sharding, train
 from bertjax.model import BertConfig
 from bertjax.configs import base
 
@@ -220,7 +220,7 @@ def test_the_loop_reads_the_device_once_per_log_interval_and_still_guards_saves(
   # A bad step between reads (5, inside the interval 4-8, before the save at 6) is still named,
   # and the save after it never happens.
   saved = []
-  with pytest.raises(control.NonFiniteError, match="grad_norm at step 5"):
+  with pytest.raises(errors.NonFiniteError, match="grad_norm at step 5"):
     run(control.Schedule(total_steps=12, log_every=4, save_every=6), saved, bad_step=5)
   assert saved == [] and len(reads) == 2  # read at the log (4) and before the save (6)
 

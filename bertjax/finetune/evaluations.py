@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import jax
 
-from bertjax import checkpoint as checkpoint_lib, files, loop
+from bertjax import checkpoint as checkpoint_lib, errors, files, loop
 
 
 def _better(value: float, best: float | None) -> bool:
@@ -48,7 +48,7 @@ class Evaluations:
       return []
     try:
       return files.read_json(self.path, "the run's evaluations")
-    except files.DamagedFileError as err:
+    except errors.DamagedFileError as err:
       rebuilt = []
       for step in self.best.all_steps():
         meta = self.best.read_meta(step)

@@ -29,14 +29,14 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 
-from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
+from bertjax import checkpoint as checkpoint_lib, control, errors, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families, init_heads, tasks
 from bertjax.finetune.config import FinetuneDataConfig, SearchConfig, TaskConfig
 from bertjax.finetune.evaluations import Evaluations
-from bertjax.model import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
+from bertjax.model_config import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
 
 # Keys of the fine-tuning config before data, eval and checkpoint held them (the paths
 # pre-training uses for the same things): each old spelling is refused, naming its new path.
@@ -429,7 +429,7 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec | None = N
     if files.exists(p):
       try:
         recorded = files.read_json(p).get("task")
-      except files.DamagedFileError as err:
+      except errors.DamagedFileError as err:
         # Both are rewritten by this run (config.json at its start, results.json at its end): one
         # cut short by a kill is rebuilt, not trusted.
         loop.say(f"{str(err).split(': it was')[0]}; it is rewritten by this run.")
@@ -439,7 +439,7 @@ def _check_task(workdir: str, task_name: str, spec: spec_lib.TaskSpec | None = N
                       "needs its own workdir.")
   try:
     recorded_spec = spec_lib.read(workdir)
-  except files.DamagedFileError as err:
+  except errors.DamagedFileError as err:
     # Written again when this run starts (the checkpoints keep their own copy).
     loop.say(f"{str(err).split(': it was')[0]}; it is rewritten by this run.")
     recorded_spec = None

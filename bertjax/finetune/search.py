@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from bertjax import checkpoint as checkpoint_lib, control, files, loop, sharding
+from bertjax import checkpoint as checkpoint_lib, control, errors, files, loop, sharding
 from bertjax import taskspec as spec_lib, train, weights
 from bertjax.errors import Refusal
 from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
@@ -121,7 +121,7 @@ def _check_same_grid(workdir: str, record: list[dict]) -> None:
   if files.exists(path):
     try:
       found = files.read_json(path, "the search's record").get("grid")
-    except files.DamagedFileError:
+    except errors.DamagedFileError:
       found = None  # rewritten below; the programs' own checkpoints say what they hold
     if found is not None and found != record:
       raise Refusal(f"--workdir={workdir} holds a search over other settings "

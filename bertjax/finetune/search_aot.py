@@ -29,7 +29,7 @@ from absl import app, flags
 from bertjax import aot, cli, sharding, train
 from bertjax.finetune import trials as trials_lib
 from bertjax.finetune.families import classification
-from bertjax.model import BertConfig
+from bertjax.model_config import BertConfig
 
 GIB = 2**30
 

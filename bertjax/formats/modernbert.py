@@ -31,7 +31,7 @@ import numpy as np
 
 from bertjax.errors import Refusal
 from bertjax.formats import hf, outfolder
-from bertjax.model import BertConfig
+from bertjax.model_config import BertConfig
 
 MODEL_TYPE = "modernbert"
 # Their activations with the same function as ours (ACT2FN["gelu"] is the exact erf form).
