@@ -97,6 +97,17 @@ def make_config_folder_importable(argv: Sequence[str], name: str = "config") -> 
   return root
 
 
+def rename_flags(argv: list[str], renamed: dict[str, str]) -> None:
+  """Rewrites, in place, each `--OLD[=value]` of argv whose flag was renamed to `--NEW`, saying so
+  on stderr: an old name keeps working, and the user learns the new one."""
+  for i, arg in enumerate(argv):
+    for old, new in renamed.items():
+      if arg == f"--{old}" or arg.startswith(f"--{old}="):
+        argv[i] = f"--{new}" + arg[len(old) + 2:]
+        print(f"bertjax: --{old} is now --{new} (the old name still works this release)",
+              file=sys.stderr, flush=True)
+
+
 def refuse_moved_keys(argv: Sequence[str], moved: dict[str, str], name: str = "config") -> None:
   """Ends the command naming the new path of every `--config.OLD=...` in argv whose key moved
   (absl would only say that the old key does not exist)."""

@@ -311,7 +311,7 @@ def _run(*args):
 
 def test_command_line_import_then_export(folder, tmp_path):
   path, variables = folder
-  done = _run("import", f"--ckpt_dir={path}", f"--output={tmp_path / 'ours'}", "--scan_layers",
+  done = _run("import", f"--weights={path}", f"--output={tmp_path / 'ours'}", "--scan_layers",
               "--do_lower_case=false")
   assert done.returncode == 0, done.stderr
   assert "do_lower_case=False: given" in done.stdout
@@ -320,7 +320,7 @@ def test_command_line_import_then_export(folder, tmp_path):
   assert config.scan_layers and config.num_layers == 2
   assert params["bert"]["encoder"]["layers"]["layer"]["mlp"]["output"]["kernel"].shape == (
       2, 512, 128)
-  done = _run("export", f"--params={tmp_path / 'ours'}", f"--output={tmp_path / 'back'}")
+  done = _run("export", f"--weights={tmp_path / 'ours'}", f"--output={tmp_path / 'back'}")
   assert done.returncode == 0, done.stderr
   reader = tf.train.load_checkpoint(str(tmp_path / "back" / "bert_model.ckpt"))
   for name, value in variables.items():
@@ -337,10 +337,10 @@ def test_command_line_import_then_export(folder, tmp_path):
     assert isinstance(exited.value.code, str) and text in exited.value.code, exited.value.code
   # A command line it cannot run: one line naming the flag, exit status 2.
   for args, text in (
-      (["import", f"--ckpt_dir={path}", f"--output={tmp_path / 'x'}", "--do_lower_case=maybe"],
+      (["import", f"--weights={path}", f"--output={tmp_path / 'x'}", "--do_lower_case=maybe"],
        "flag --do_lower_case=maybe: value should be one of <true|false>"),
-      (["export", f"--ckpt_dir={path}", f"--output={tmp_path / 'x'}"],
-       "Unknown command line flag 'ckpt_dir'")):
+      (["export", f"--weights={path}", f"--output={tmp_path / 'x'}", "--scan_layers"],
+       "Unknown command line flag 'scan_layers'")):
     done = _run(*args)
     assert done.returncode == 2 and text in done.stderr, done.stderr
     assert done.stderr.startswith("bertjax.convert.google: error: ") and done.stderr.count(

@@ -129,10 +129,13 @@ def test_command_line_import_then_export(reference, tmp_path):
   (hf_dir / "config.json").write_text(json.dumps(HF_CONFIG))
   save_file(reference["state_dict"], str(hf_dir / "model.safetensors"))
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  for args in (["import", f"--hf_dir={hf_dir}", f"--output={tmp_path / 'ours'}", "--scan_layers"],
+  # --weights names the folder read; the export runs under its old name, which says the new one.
+  for args in (["import", f"--weights={hf_dir}", f"--output={tmp_path / 'ours'}", "--scan_layers"],
                ["export", f"--params={tmp_path / 'ours'}", f"--output={tmp_path / 'back'}"]):
-    subprocess.run([sys.executable, "-m", "bertjax.convert.hf", *args], check=True, env=env,
-                   capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "bertjax.convert.hf", *args], check=True, env=env,
+                          capture_output=True, text=True)
+    renamed = "bertjax: --params is now --weights" in done.stderr
+    assert renamed == (args[1].startswith("--params")), done.stderr
   config, params = converted.load_params(str(tmp_path / "ours"))
   assert config.scan_layers and config.num_layers == 3
   assert params["bert"]["encoder"]["layers"]["layer"]["mlp"]["output"]["kernel"].shape == (3, 80,

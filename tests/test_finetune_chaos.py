@@ -258,7 +258,7 @@ def test_a_full_small_disk_keeps_the_earlier_export_and_predictions(task, small_
     header, *rows = f.read().splitlines()
   texts = root / "texts.tsv"
   texts.write_text("\n".join([header] + rows * 20) + "\n")  # 320 rows: more than 8 KB out
-  export = [sys.executable, "-m", "bertjax.convert.hf", "export", f"--params={straight}",
+  export = [sys.executable, "-m", "bertjax.convert.hf", "export", f"--weights={straight}",
             f"--output={small_disk / 'export'}"]
   predict = [sys.executable, "-m", "bertjax.predict", f"--workdir={straight}", f"--input={texts}",
              f"--output={small_disk / 'predictions.jsonl'}", "--text_a=sentence1",

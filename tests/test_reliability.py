@@ -498,7 +498,7 @@ def test_a_google_folder_of_several_checkpoints_names_the_newest_and_a_fix_that_
 
 
 def test_convert_google_takes_the_checkpoint_a_prefix_names(tmp_path, capsys):
-  # --ckpt_dir=DIR/model.ckpt-1000 (a prefix, as TensorFlow names a checkpoint) was taken for a
+  # --weights=DIR/model.ckpt-1000 (a prefix, as TensorFlow names a checkpoint) was taken for a
   # folder and refused; it reads that checkpoint, even beside others and without a `checkpoint`
   # file, with the folder's bert_config.json and vocab.txt.
   import numpy as np

@@ -160,7 +160,7 @@ def test_a_damaged_folder_is_refused_with_one_message_by_every_caller(folders, k
     with pytest.raises(ValueError) as err:
       read(path)
     # The same words, less the name of the key or flag the path came in by.
-    messages[name] = re.sub(r"^(checkpoint\.init_from|--params|path)=", "", str(err.value))
+    messages[name] = re.sub(r"^(checkpoint\.init_from|--weights|path)=", "", str(err.value))
   assert len(set(messages.values())) == 1, messages
   message = next(iter(messages.values()))
   assert path in message and ("damaged" in message or "cannot be read" in message

@@ -87,9 +87,9 @@ def test_predict(folders, fmt):
 
 def test_hugging_face_import_and_export(folders):
   out = str(folders["root"] / "hf_imported")
-  assert _run(folders, "-m", "bertjax.convert.hf", "import", f"--hf_dir={folders['hf']}",
+  assert _run(folders, "-m", "bertjax.convert.hf", "import", f"--weights={folders['hf']}",
               f"--output={out}").startswith("Imported")
-  said = _run(folders, "-m", "bertjax.convert.hf", "export", f"--params={folders['tuned']}",
+  said = _run(folders, "-m", "bertjax.convert.hf", "export", f"--weights={folders['tuned']}",
               f"--output={folders['root'] / 'hf_exported'}")
   assert "BertForSequenceClassification, 2 labels" in said, said
 
@@ -97,14 +97,14 @@ def test_hugging_face_import_and_export(folders):
 def test_modernbert_import_and_export(folders):
   out = str(folders["root"] / "modernbert_imported")
   assert _run(folders, "-m", "bertjax.convert.modernbert", "import",
-              f"--hf_dir={folders['modernbert']}", f"--output={out}").startswith("Imported")
-  assert _run(folders, "-m", "bertjax.convert.modernbert", "export", f"--params={out}",
+              f"--weights={folders['modernbert']}", f"--output={out}").startswith("Imported")
+  assert _run(folders, "-m", "bertjax.convert.modernbert", "export", f"--weights={out}",
               f"--output={folders['root'] / 'modernbert_exported'}").startswith("Exported")
 
 
 def test_google_import(folders):
   folder = google_folder(folders["root"] / "google")
-  said = _run(folders, "-m", "bertjax.convert.google", "import", f"--ckpt_dir={folder}",
+  said = _run(folders, "-m", "bertjax.convert.google", "import", f"--weights={folder}",
               f"--output={folders['root'] / 'google_imported'}")
   assert said.startswith("Imported"), said
 

@@ -1,10 +1,13 @@
 """The command line the converters share (`convert.hf`, `convert.modernbert`, `convert.google`):
 
-  python -m bertjax.convert.KIND import --SOURCE=FOLDER --output=OUT [--scan_layers]
-  python -m bertjax.convert.KIND export --params=FOLDER --output=DIR
+  python -m bertjax.convert.KIND import --weights=FOLDER --output=OUT [--scan_layers]
+  python -m bertjax.convert.KIND export --weights=FOLDER --output=DIR
 
 each with a few flags of its own (convert.google's --do_lower_case, convert.hf's --checkpoint).
-A converter's `__main__` block names its SOURCE flag, defines its own flags and calls `start`.
+`--weights` names the folder of weights read, as everywhere in bertjax; the names it had before
+(import: convert.hf's and convert.modernbert's --hf_dir, convert.google's --ckpt_dir; export:
+--params) still work and say the new one. A converter's `__main__` block names its old import
+flag, defines its own flags and calls `start`.
 """
 
 from __future__ import annotations
@@ -19,25 +22,23 @@ from bertjax import cli
 COMMANDS = ("import", "export")
 
 
-def define_flags(command: str | None, source: str, kind: str) -> None:
+def define_flags(command: str | None, kind: str) -> None:
   """The flags of `command` (of both for None: a bare --help); those it needs are required."""
+  flags.DEFINE_string("weights", None, f"import: the {kind} folder read; export: any folder "
+                      "bertjax reads weights from (a workdir, a converted, Google or Hugging Face "
+                      "folder).")
   if command in ("import", None):
-    flags.DEFINE_string(source, None, f"import: the {kind} folder read.")
     flags.DEFINE_bool("scan_layers", False, "import: store the layers stacked for nn.scan.")
-  if command in ("export", None):
-    flags.DEFINE_string("params", None, "export: any folder bertjax reads weights from (a "
-                        "workdir, a converted, Google or Hugging Face folder).")
   flags.DEFINE_string("output", None, f"import: the bertjax folder written; export: the {kind} "
                       "folder written.")
   if command is not None:
-    flags.mark_flags_as_required([source, "output"] if command == "import" else
-                                 ["params", "output"])
+    flags.mark_flags_as_required(["weights", "output"])
 
 
 Extra = Mapping[str, Callable[[Any], Any]]  # a converter's own flag -> its value as taken
 
 
-def main(argv: Sequence[str], source: str, import_folder: Callable[..., str],
+def main(argv: Sequence[str], import_folder: Callable[..., str],
          export_folder: Callable[..., str], import_flags: Extra, export_flags: Extra) -> None:
   """Runs argv[1] (import or export) with the flags' values, a converter's own flags passed by
   their names as keyword arguments; prints the line it returns (a refused input: cli.explained's
@@ -46,23 +47,26 @@ def main(argv: Sequence[str], source: str, import_folder: Callable[..., str],
     raise app.UsageError(f"unexpected arguments {argv[2:]}")
   values = flags.FLAGS
   if argv[1] == "import":
-    line = cli.explained(import_folder, values[source].value, values.output,
+    line = cli.explained(import_folder, values.weights, values.output,
                          scan_layers=values.scan_layers,
                          **{name: read(values[name].value) for name, read in import_flags.items()})
   else:
-    line = cli.explained(export_folder, values.params, values.output,
+    line = cli.explained(export_folder, values.weights, values.output,
                          **{name: read(values[name].value) for name, read in export_flags.items()})
   print(line)
 
 
-def start(source: str, kind: str, import_folder: Callable[..., str],
+def start(old_source: str, kind: str, import_folder: Callable[..., str],
           export_folder: Callable[..., str],
           own_flags: Callable[[str | None], None] = lambda command: None,
           import_flags: Extra | None = None, export_flags: Extra | None = None) -> None:
   """A converter's command: the subcommand read from sys.argv, its flags (the shared ones, then the
-  converter's own from `own_flags(command)`) defined, then run."""
+  converter's own from `own_flags(command)`) defined, then run. `old_source` is the name its
+  import's --weights had before."""
   command = cli.subcommand(sys.argv, COMMANDS)
-  define_flags(command, source, kind)
+  cli.rename_flags(sys.argv, {old_source: "weights"} if command == "import" else
+                   {"params": "weights"})
+  define_flags(command, kind)
   own_flags(command)
-  cli.run(lambda argv: main(argv, source, import_folder, export_folder, import_flags or {},
+  cli.run(lambda argv: main(argv, import_folder, export_folder, import_flags or {},
                             export_flags or {}))

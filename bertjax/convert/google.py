@@ -7,10 +7,10 @@ reader of weights (bertjax/weights.py); these commands read through that reader 
 the format (export with TensorFlow's own writer, imported then only).
 
 Command line:
-  python -m bertjax.convert.google import --ckpt_dir=uncased_L-12_H-768_A-12 --output=OUT
+  python -m bertjax.convert.google import --weights=uncased_L-12_H-768_A-12 --output=OUT
       [--do_lower_case=true|false] [--scan_layers]
-  (--ckpt_dir may name one checkpoint of the folder instead, DIR/model.ckpt-1000: that one is read)
-  python -m bertjax.convert.google export --params=OUT_OR_WORKDIR --output=DIR
+  (--weights may name one checkpoint of the folder instead, DIR/model.ckpt-1000: that one is read)
+  python -m bertjax.convert.google export --weights=OUT_OR_WORKDIR --output=DIR
 `import` writes what `convert.hf import` writes (a converted folder: an orbax checkpoint of the
 parameters and bertjax's `bert_config.json`), plus the folder's `vocab.txt` and `tokenizer.json`
 recording its casing: the form a run's `init_from` reads. A Google folder itself is also accepted as
@@ -54,7 +54,7 @@ def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, st
 # Import and export -----------------------------------------------------------------------------
 
 def folder_and_checkpoint(ckpt_dir: str) -> tuple[str, str]:
-  """(the folder, the checkpoint to read) of `--ckpt_dir`: a folder, or the prefix of one
+  """(the folder, the checkpoint to read) of `--weights`: a folder, or the prefix of one
   checkpoint in it (DIR/bert_model.ckpt, DIR/model.ckpt-1000, or its .index or data file), whose
   folder holds bert_config.json and vocab.txt: that checkpoint exactly, whatever else is there."""
   if files.isdir(ckpt_dir):
@@ -100,10 +100,10 @@ def export_folder(params_path: str, output: str) -> str:
   """Writes a Google folder (bert_model.ckpt.*, bert_config.json, vocab.txt) from any folder
   bertjax/weights.py reads that holds the pre-training heads; returns a line saying what was
   done. Uses TensorFlow's own writer."""
-  source = weights.inspect(params_path, what="--params")
+  source = weights.inspect(params_path, what="--weights")
   lacking = sorted({"bert", "mlm", "nsp"} - set(source.subtrees))
   if lacking:
-    raise Refusal(f"--params={params_path} holds parameters {list(source.subtrees)}, without "
+    raise Refusal(f"--weights={params_path} holds parameters {list(source.subtrees)}, without "
                   f"{lacking}: a fine-tuning run keeps no MLM and NSP heads; export a "
                   "pre-training workdir or a converted folder (or a fine-tuning run to Hugging "
                   "Face: python -m bertjax.convert.hf export)")

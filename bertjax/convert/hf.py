@@ -5,8 +5,8 @@ bertjax/formats/hf.py's, below the one reader of weights (bertjax/weights.py); t
 through that reader and write with the format.
 
 Command line:
-  python -m bertjax.convert.hf import --hf_dir=DIR_WITH_config.json_AND_model.safetensors --output=OUT
-  python -m bertjax.convert.hf export --params=OUT --output=HF_DIR
+  python -m bertjax.convert.hf import --weights=DIR_WITH_config.json_AND_model.safetensors --output=OUT
+  python -m bertjax.convert.hf export --weights=OUT --output=HF_DIR
 `import` writes a converted folder (bertjax/formats/converted.py: an orbax checkpoint of the
 parameters plus `bert_config.json`), and copies the folder's `vocab.txt` with its casing
 (tokenizer_config.json's do_lower_case) recorded in `tokenizer.json`; a Hugging Face folder is also
@@ -38,9 +38,9 @@ from bertjax.model_config import BertConfig
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
   """Writes a converted folder (bert_config.json + params/, and the vocabulary with its casing
   recorded) from a Hugging Face BERT folder; returns a line saying what was done."""
-  source = weights.inspect(hf_dir, what="--hf_dir")
+  source = weights.inspect(hf_dir, what="--weights")
   if source.kind != "huggingface":
-    raise Refusal(f"--hf_dir={hf_dir} is a {source.kind} folder, not a Hugging Face one "
+    raise Refusal(f"--weights={hf_dir} is a {source.kind} folder, not a Hugging Face one "
                   "(config.json + model.safetensors); bertjax reads it as it is")
   config, params = hf.load_hf_dir(hf_dir, scan_layers=scan_layers)
   converted.save_params(output, params, config)
@@ -63,12 +63,12 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   folder bertjax/weights.py reads; a fine-tuning workdir (its best epoch by default) as its task's
   transformers class with its labels. `sentence`: also sentence-transformers' files, so that
   SentenceTransformer(output) gives those vectors. Returns a line saying what was done."""
-  source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
+  source = weights.inspect_trained(params_path, what="--weights", checkpoint=checkpoint)
   spec = families.spec_of(source)
   task_heads = sorted(set(source.subtrees) - {weights.ENCODER, *hf.HEAD_PREFIXES})
   if task_heads and spec is None:
     raise Refusal(
-        f"--params={params_path} holds a fine-tuned head ({', '.join(task_heads)}) but no label "
+        f"--weights={params_path} holds a fine-tuned head ({', '.join(task_heads)}) but no label "
         f"map: neither {taskspec.FILE} nor a task in its checkpoint's record. Without it the "
         "outputs have no names; put the run's task.json back (rerunning its fine-tuning command "
         "in the workdir writes it), or export the encoder alone from a pre-training run.")

@@ -6,8 +6,8 @@ reader of weights (bertjax/weights.py); these commands read through that reader 
 format.
 
 Command line:
-  python -m bertjax.convert.modernbert import --hf_dir=DIR --output=OUT
-  python -m bertjax.convert.modernbert export --params=OUT --output=HF_DIR [--checkpoint=best]
+  python -m bertjax.convert.modernbert import --weights=DIR --output=OUT
+  python -m bertjax.convert.modernbert export --weights=OUT --output=HF_DIR [--checkpoint=best]
 A ModernBERT folder is also read as it is by every `init_from` (bertjax/weights.py), its
 tokenizer.json with it, and a fine-tuned one (ModernBertForSequenceClassification,
 ...ForTokenClassification, ...ForQuestionAnswering) by `bertjax.predict` as a fine-tuning
@@ -31,9 +31,9 @@ from bertjax.formats import converted, hf, modernbert, outfolder, sentence_trans
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
   """Writes a converted folder (bert_config.json + params/, and the tokenizer with its record)
   from a ModernBERT folder."""
-  source = weights.inspect(hf_dir, what="--hf_dir")
+  source = weights.inspect(hf_dir, what="--weights")
   if source.kind != modernbert.MODEL_TYPE:
-    raise Refusal(f"--hf_dir={hf_dir} is a {source.kind} folder, not a ModernBERT one")
+    raise Refusal(f"--weights={hf_dir} is a {source.kind} folder, not a ModernBERT one")
   config, params = modernbert.load_dir(hf_dir, scan_layers=scan_layers)
   converted.save_params(output, params, config)
   said = "no tokenizer"
@@ -68,7 +68,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   (its best epoch by default) as its task's class (ModernBertForSequenceClassification,
   ...ForTokenClassification, ...ForQuestionAnswering) with its labels, anything else as
   ModernBertForMaskedLM. `sentence`: also sentence-transformers' files (as the BERT export)."""
-  source = weights.inspect_trained(params_path, what="--params", checkpoint=checkpoint)
+  source = weights.inspect_trained(params_path, what="--weights", checkpoint=checkpoint)
   spec = families.spec_of(source)
   token_ids = _token_ids(source)
   # Refused before anything is read or written: a model ModernBERT cannot express, a head its
