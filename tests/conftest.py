@@ -1,11 +1,35 @@
-"""Every test runs on CPU with 8 emulated devices, set before anything imports jax."""
+"""Every test runs on CPU with 8 emulated devices, set before anything imports jax; compiled
+programs are made quickly and shared."""
 
 import os
+import shutil
+import tempfile
+import uuid
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-  os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+  flags += " --xla_force_host_platform_device_count=8"
+# Most of the suite's time was XLA compiling the same tiny programs. LLVM's optimisation of the
+# machine code is off (the HLO passes, which decide what is computed and in what precision, all
+# run): a test program compiles in half the time and its tiny arrays hardly run slower. A
+# comparison of bits is always between two programs compiled under the same flags; another
+# vectorisation agreeing within the stated tolerances is held by docs/reliability.md's run
+# under --xla_cpu_max_isa=AVX. BERTJAX_TEST_OPTIMISED=1 keeps LLVM's optimisation on.
+if os.environ.get("BERTJAX_TEST_OPTIMISED") != "1" and "xla_backend_optimization_level" not in flags:
+  flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = flags.strip()
+# One persistent compilation cache for the run (both pytest-xdist workers, and the commands the
+# tests start, which inherit the environment): a program compiled once, by any test, is loaded
+# by the next that builds the same one (a resumed run, another test's tiny model). A fixture
+# that sets a cache of its own (tests/finetune_fixtures.py) restores this one after it.
+# The process pytest starts names the run; its pytest-xdist workers inherit the name.
+_RUN = os.environ.setdefault("BERTJAX_TEST_RUN", uuid.uuid4().hex[:12])
+SHARED = os.path.join(tempfile.gettempdir(), f"bertjax-tests-{_RUN}")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(SHARED, "jax_cache")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # TensorFlow must never grab an accelerator or spam the log in tests.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -13,3 +37,10 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # tf.data), and with Keras 3 that import raises: sentence-transformers reaches it through
 # transformers.integrations. The tests use transformers' PyTorch and Flax classes only.
 os.environ.setdefault("USE_TF", "0")
+
+
+def pytest_sessionfinish(session):
+  # The run's shared folder (the compilation cache, tests/finetune_fixtures.py's pre-trained
+  # encoder) goes with the run: removed by the process that started it, after its workers.
+  if not hasattr(session.config, "workerinput"):
+    shutil.rmtree(SHARED, ignore_errors=True)

@@ -36,31 +36,14 @@ FILLER = WORDS[40:]
 SEQ = 32  # max_seq_length of every fine-tuning run here
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-  """Compiled programs of the module that imports it in a persistent cache of its own, reset
-  afterwards: a rerun of an identical program (resume, random_init, prediction) loads it."""
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes")
-  saved = {k: getattr(jax.config, k) for k in keys}
-  for k, v in zip(keys, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, -1)):
-    jax.config.update(k, v)
-  cc.reset_cache()
-  yield
-  for k, v in saved.items():
-    jax.config.update(k, v)
-  cc.reset_cache()
-
-
 def pretrain(root: str, steps: int = 30) -> str:
   """A tiny pre-training run (hidden 32, 2 layers) on a synthetic corpus, as `root`/pretrained
   (and its corpus as `root`/data); returns that workdir.
 
   The run is made once per run of the suite and copied: the modules that need it run in separate
-  pytest-xdist workers, which share the run's id (the first to ask builds under a lock, the others
+  pytest-xdist workers, which share the run's name (the first to ask builds under a lock, the others
   wait for it), so the suite pays for one run, not one per module."""
-  run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  run_id = os.environ.get("BERTJAX_TEST_RUN")  # tests/conftest.py: the run's name
   if not run_id:
     return _pretrain(root, steps)
   shared = os.path.join(tempfile.gettempdir(), f"bertjax-tests-{run_id}", f"pretrain-{steps}")

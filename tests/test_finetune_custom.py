@@ -29,7 +29,6 @@ ROUTES = ("billing", "delivery", "login", "refund")  # the label names
 KEY = dict(zip(ROUTES, fx.KEYS + fx.COUNTED[:1]))  # each route's key word
 
 
-compile_cache = fx.compile_cache  # every compile of the module in a cache of its own
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from bertjax.finetune import families, retrieval, run, search
 from bertjax.inputs import passages
 import finetune_fixtures as fx
 
-compile_cache = fx.compile_cache  # every compile of the module in a cache of its own
 EPOCHS = 5
 
 

@@ -34,7 +34,6 @@ TOTAL = EPOCHS * PER_EPOCH
 
 # Fixtures and helpers ---------------------------------------------------------------------------
 
-compile_cache = fx.compile_cache  # every compile of the module in a cache of its own
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from bertjax.finetune import config as ft_config, run, search, trials as trials_
 import finetune_fixtures as fx
 from test_finetune_custom import custom_config, route_rows, write_csv
 
-compile_cache = fx.compile_cache
 
 # One program of 4 trials: 2 rates x 2 seeds, 2 epochs of 8 steps.
 GRID = {"learning_rate": "1e-3,3e-4", "seed": "0,1"}
