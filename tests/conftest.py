@@ -39,6 +39,13 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("USE_TF", "0")
 
 
+def xla_flags(devices: int) -> str:
+  """This run's XLA flags with another device count: for a command a test starts on its own mesh."""
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count=")]
+  return " ".join(kept + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 def pytest_sessionfinish(session):
   # The run's shared folder (the compilation cache, tests/finetune_fixtures.py's pre-trained
   # encoder) goes with the run: removed by the process that started it, after its workers.

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import xla_flags
 from test_data_fixtures import data_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +126,7 @@ def runs():
     @staticmethod
     def main(flags, devices):
       env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+             "XLA_FLAGS": xla_flags(devices)}
       started.append(_Run([sys.executable, "-m", "bertjax.pretrain", *flags], env=env))
       return started[-1]
 

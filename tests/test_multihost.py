@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 
+from conftest import xla_flags
+
 STEPS = 5
 B, L, M, VOCAB = 16, 16, 4, 96
 MESH = {"ici_data": 4, "ici_fsdp": 2}
@@ -70,7 +72,7 @@ def _free_port() -> int:
 def test_two_processes_follow_one_process():
   address = f"localhost:{_free_port()}"
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+         "XLA_FLAGS": xla_flags(4)}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), address, str(i)],
