@@ -34,17 +34,22 @@ from bertjax.errors import Refusal
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
-def config_file_from_argv(argv: Sequence[str], name: str = "config") -> str | None:
-  """The file named by `--<name>=FILE[:args]` or `--<name> FILE[:args]` in argv, if any."""
+def _config_value(argv: Sequence[str], name: str) -> tuple[int, str, str] | None:
+  """(index in argv, prefix, value) of the first `--<name>=VALUE` (prefix `--<name>=`) or
+  `--<name> VALUE` (prefix ''), if any."""
   for i, arg in enumerate(argv):
     if arg.startswith(f"--{name}="):
-      value = arg.split("=", 1)[1]
-    elif arg == f"--{name}" and i + 1 < len(argv):
-      value = argv[i + 1]
-    else:
-      continue
-    return value.split(":", 1)[0]  # `file.py:phase=2` passes an argument to get_config
+      return i, f"--{name}=", arg.split("=", 1)[1]
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return i + 1, "", argv[i + 1]
   return None
+
+
+def config_file_from_argv(argv: Sequence[str], name: str = "config") -> str | None:
+  """The file named by `--<name>=FILE[:args]` or `--<name> FILE[:args]` in argv, if any."""
+  found = _config_value(argv, name)
+  # `file.py:phase=2` passes an argument to get_config
+  return found[2].split(":", 1)[0] if found else None
 
 
 def released_configs() -> dict[str, str]:
@@ -79,11 +84,10 @@ def released_config_path(value: str) -> str:
 
 def resolve_config_argv(argv: list[str], name: str = "config") -> None:
   """Rewrites argv's `--<name>` value in place through released_config_path (absl reads it later)."""
-  for i, arg in enumerate(argv):
-    if arg.startswith(f"--{name}="):
-      argv[i] = f"--{name}=" + released_config_path(arg.split("=", 1)[1])
-    elif arg == f"--{name}" and i + 1 < len(argv):
-      argv[i + 1] = released_config_path(argv[i + 1])
+  found = _config_value(argv, name)
+  if found:
+    i, prefix, value = found
+    argv[i] = prefix + released_config_path(value)
 
 
 def make_config_folder_importable(argv: Sequence[str], name: str = "config") -> str | None:
