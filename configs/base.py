@@ -2,7 +2,10 @@
 
 Size configs (`bert_base.py`, `bert_large.py`, `tiny.py`) import this file and only override.
 Run a config with `python -m bertjax.pretrain --config=configs/<name>.py --workdir=DIR`; override any key
-from the command line, e.g. `--config.train.batch_size=256`. Unknown keys are an error.
+from the command line, e.g. `--config.train.batch_size=256`. Unknown keys are an error. These files
+ship in the package as `bertjax.configs`: where bertjax is installed (a wheel, no checkout), name
+one as `--config=<name>` (`--config=tiny`, `--config=finetune:next`); a config of one's own imports
+them (`from bertjax.configs import base`).
 """
 
 import ml_collections
