@@ -1,6 +1,7 @@
 """Every test runs on CPU with 8 emulated devices, set before anything imports jax; compiled
 programs are made quickly and shared."""
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -37,6 +38,12 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # tf.data), and with Keras 3 that import raises: sentence-transformers reaches it through
 # transformers.integrations. The tests use transformers' PyTorch and Flax classes only.
 os.environ.setdefault("USE_TF", "0")
+# TensorFlow's import loads Keras 3 eagerly, and Keras its scikit-learn wrappers (scikit-learn
+# is here for sentence-transformers): 3 of the 8 seconds every command a test starts spends
+# importing TensorFlow. bertjax uses tf.data alone; with TF_USE_LEGACY_KERAS set and tf_keras
+# not installed, TensorFlow skips that load (tf.keras would fail; nothing here uses it).
+if importlib.util.find_spec("tf_keras") is None:
+  os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 
 def xla_flags(devices: int) -> str:
