@@ -29,7 +29,8 @@ HUGE_PAGES := GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 # The whole suite on an emulated 8-device CPU mesh (tests/conftest.py also sets it,
 # before jax is imported, for runs of pytest by hand), with XLA's scratch memory on huge pages;
 # the 15 slowest tests listed at the end (the budget: 20 minutes on 2 cores). tests/conftest.py
-# compiles with LLVM's optimisation off and shares one compilation cache per run.
+# compiles with LLVM's optimisation and XLA's MLIR fusion emitters off and shares one compilation
+# cache per run.
 test: $(VENV)/.installed-test
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu $(HUGE_PAGES) \
 	  $(PY) -m pytest -n 2 --dist loadfile -q --durations=15 tests
