@@ -12,6 +12,8 @@ import pytest
 
 from bertjax import cli, errors
 
+from conftest import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -68,7 +70,7 @@ def test_commands_load_configs_from_another_directory(tmp_path, module, extra):
   ...`, through its folder put on sys.path) and a released config (`from bertjax.configs import
   ...`, from the installed package)."""
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
   other = tmp_path / "project"
   (other / "configs").mkdir(parents=True)
   (other / "configs" / "__init__.py").write_text("")
@@ -116,7 +118,7 @@ def test_third_party_info_is_off_unless_verbosity_is_asked_for(monkeypatch):
 
 def test_a_refused_input_ends_the_command_with_its_message_alone(tmp_path):
   """A bad task name (or any refused input) is one line on stderr and exit status 1."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   done = subprocess.run([sys.executable, "-m", "bertjax.finetune",
                          f"--config={ROOT}/configs/finetune.py:nosuchtask",
                          f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env,
@@ -153,7 +155,7 @@ def test_subcommands_are_read_before_the_flags(capsys):
 ])
 def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(module, args, said):
   """absl would print two lines (FATAL ...) or the module's whole docstring, with exit status 1."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 2, done.stderr[-2000:]
@@ -199,7 +201,7 @@ def test_importing_every_module_defines_no_flag():
           "  importlib.import_module(name)\n"
           "print(sorted(f'{m}: --{f.name}' for m, defined in flags.FLAGS.flags_by_module_dict()"
           ".items() for f in defined if m.split('.')[0] in ('bertjax', 'launch', '__main__')))\n")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "TF_CPP_MIN_LOG_LEVEL": "3"}
   done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]

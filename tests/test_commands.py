@@ -13,6 +13,8 @@ import sys
 
 from bertjax import benchmark_commands
 
+from conftest import xla_flags
+
 ROOT = pathlib.Path(__file__).parent.parent
 # Commands no user types, and why.
 INTERNAL = {"launch.logsync": "launch.tpu starts it on each worker to copy the job's log"}
@@ -85,7 +87,7 @@ def test_every_benchmark_module_is_a_subcommand():
 
 
 def _run(*args):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)
 

@@ -11,6 +11,8 @@ import numpy as np
 
 from bertjax import control
 
+from conftest import xla_flags
+
 # A data-parallel step (its gradient is an all-reduce over 8 devices) driven by `run_steps` with
 # one log at the end, so nothing but the in-flight bound makes the host wait. Without the bound
 # XLA aborted this within the first 40 steps, every time (SIGABRT after its 40 s rendezvous
@@ -39,7 +41,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_a_long_unread_run_of_sharded_steps_finishes_on_8_cpu_devices():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  env = {**os.environ, "XLA_FLAGS": xla_flags(8),
          "JAX_PLATFORMS": "cpu"}
   done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
                         timeout=240, check=False)

@@ -179,22 +179,6 @@ def test_pod_saves_on_sigterm_and_resumes_on_other_meshes(tmp_path, runs):
   assert _saved_steps(tmp_path)[-1] == saved + 4
 
 
-def test_a_failed_process_stops_the_others_at_once(tmp_path, runs):
-  pod = runs.launch(["-n", "2", "-d", "2"],
-                    _flags(tmp_path) + ["--config.train.num_train_steps=1000"])
-  # Both joined the mesh: from now on process 0 would wait forever for process 1.
-  pod.wait_for(r"^\[0\] bertjax: initialised from scratch")
-  children = pod.find_children()
-  assert sorted(children) == [0, 1], pod.output[-5000:]
-  os.kill(children[1], signal.SIGKILL)
-  start = time.time()
-  assert pod.finish(timeout=60) != 0
-  assert time.time() - start < 20, pod.output[-5000:]
-  pod.wait_for(r"^\[local\.sh\] process [01] exited with status \d+: stopping the other 1$", 0)
-  time.sleep(0.5)
-  assert not [pid for pid in children.values() if _alive(pid)]
-
-
 def test_bad_usage_is_refused_with_a_message():
   cases = [
       (["-n", "2", "--config=configs/tiny.py"], "missing '--'"),

@@ -11,11 +11,13 @@ import pytest
 
 from bertjax import platforms
 
+from conftest import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _command(*args, env=None):
-  env = {**os.environ, "XLA_FLAGS": "", **(env or {})}
+  env = {**os.environ, "XLA_FLAGS": xla_flags(1), **(env or {})}
   env = {k: v for k, v in env.items() if v is not None}
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)

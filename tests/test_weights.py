@@ -23,6 +23,7 @@ from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
 from bertjax.pretrained import load_pretrained
 from bertjax.sharding import MeshConfig
+from conftest import xla_flags
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import write_vocab
 
@@ -177,7 +178,7 @@ def test_reading_a_local_folder_of_any_kind_imports_no_tensorflow(folders):
           "  load_pretrained(path)\n"
           "  weights.fingerprint_of(source, False)\n"
           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))\n")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         check=False)
   assert done.returncode == 0, done.stderr[-3000:]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zipfile
 
+from conftest import xla_flags
 from test_data_fixtures import data_section
 from test_launch_local import DATA_KEYS
 from test_launch_local_finetune import _pair_task
@@ -64,8 +65,8 @@ def test_a_wheel_pretrains_and_finetunes_released_configs_outside_the_checkout(t
 
   elsewhere = tmp_path / "elsewhere"
   elsewhere.mkdir()
-  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2", BERTJAX_HUGE_PAGES="0")
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), TF_CPP_MIN_LOG_LEVEL="2", BERTJAX_HUGE_PAGES="0")
 
   def run(*args):
     done = subprocess.run([python, *args], cwd=elsewhere, env=env, capture_output=True, text=True,
