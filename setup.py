@@ -19,8 +19,9 @@ setuptools.setup(
         "orbax-checkpoint>=0.11,<0.13",
         "tensorflow-cpu>=2.18,<2.22",
         "tensorflow-datasets>=4.9.7,<5",
-        # tensorflow-cpu no longer ships it: tf.summary writes event files through it, and it is
-        # the viewer of a run's logs (`tensorboard --logdir WORKDIR/tensorboard`).
+        # tensorflow-cpu no longer ships it: a run's event files are written with its protos and
+        # record framing (bertjax/metrics.py, no TensorFlow needed), and it is the viewer of a
+        # run's logs (`tensorboard --logdir WORKDIR/tensorboard`).
         "tensorboard>=2.18,<2.22",
         # 0.2.3's model proto is generated for protobuf 7 and refuses an older runtime; the
         # `beam` extra's apache-beam holds protobuf below 7, so take a release that loads on both.

@@ -167,7 +167,11 @@ def define_run_flags() -> None:
 
 
 def hide_accelerators_from_tensorflow() -> None:
-  """tf.data runs on the host CPU; TensorFlow must not take GPU/TPU memory JAX needs."""
+  """tf.data runs on the host CPU; TensorFlow must not take GPU/TPU memory JAX needs. Where no
+  accelerator is attached there is none to take, and TensorFlow is left to be imported where the
+  data needs it (a refused flag or config key is then said seconds sooner)."""
+  if not (platforms.gpu_attached() or platforms.tpu_attached()):
+    return
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   for kind in ("GPU", "TPU"):
     try:

@@ -19,6 +19,7 @@ from absl import app, flags
 
 from bertjax import checkpoint as checkpoint_lib, cli, loop, train, weights
 from bertjax.configs import tiny
+from bertjax.data import pipeline
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 
@@ -40,8 +41,8 @@ def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:
   state = training.init_state(jax.random.key(0))
   state = state.replace(params={**state.params, **params})
   batches = loop.model_batches(
-      loop.pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
-                                  global_batch_size=training.train_config.batch_size),
+      pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
+                             global_batch_size=training.train_config.batch_size),
       data.nsp)
   out = loop.evaluate(training, state, batches, sequences)
   return {"workdir": workdir, "step": source.step, "mlm_accuracy": float(out["mlm_accuracy"]),

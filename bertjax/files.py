@@ -59,6 +59,13 @@ def makedirs(path: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
+def remove(path: str) -> None:
+  if _is_url(path):
+    _gfile().remove(path)
+  else:
+    os.remove(path)
+
+
 def read_json(path: str, what: str = "") -> Any:
   """The JSON in `path`; a file cut short or not JSON raises DamagedFileError naming it (`what`
   says what the file is, for the message)."""

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
 from bertjax import files, watchdog as watchdog_lib, weights
-from bertjax.data import pipeline, prepare, storage, tokenizer as tokenizer_lib
+from bertjax.data import prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 
@@ -68,13 +68,12 @@ class LoopConfig:
 
 def check_workdir(workdir: str) -> None:
   """Fail before compiling anything if the workdir cannot be written."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   try:
-    tf.io.gfile.makedirs(workdir)
+    files.makedirs(workdir)
     probe = os.path.join(workdir, f".write_probe_{jax.process_index()}")
-    with tf.io.gfile.GFile(probe, "w") as f:
+    with files.open_file(probe, "w") as f:
       f.write("ok")
-    tf.io.gfile.remove(probe)
+    files.remove(probe)
   except Exception as err:  # pylint: disable=broad-except
     raise PermissionError(f"Cannot write to --workdir={workdir} ({type(err).__name__}: {err}); "
                           "choose a directory (or gs:// bucket path) this job may write") from err
@@ -419,6 +418,9 @@ class _Profiler(contextlib.ExitStack):
 def train_and_evaluate(config, workdir: str) -> dict[str, float]:
   """Runs (or resumes) the pre-training job described by `config` in `workdir`; returns the final
   eval metrics ({} when a stop signal ended the run early)."""
+  # lazy: tf.data is pre-training's input alone; fine-tuning, which runs through `execute` too,
+  # reads its rows without TensorFlow (docs/contributing.md, "TensorFlow").
+  from bertjax.data import pipeline  # pylint: disable=import-outside-toplevel
   loop = LoopConfig.from_config(config)
   data = DataConfig.from_config(config.data)
   check_workdir(workdir)

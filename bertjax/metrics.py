@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from typing import Any, Mapping
 
+from bertjax import files
 
 
 def reduce(total: Mapping[str, Any], steps: int = 1) -> dict[str, float]:
@@ -27,6 +29,42 @@ def reduce(total: Mapping[str, Any], steps: int = 1) -> dict[str, float]:
   return out
 
 
+class EventFile:
+  """A TensorBoard event file written without TensorFlow: TensorBoard's own Event protos and
+  record framing (the `tensorboard` package), scalars as `simple_value`, which TensorBoard shows
+  as it shows tf.summary.scalar's. A fine-tuning run, whose input is not tf.data, then never
+  imports TensorFlow (seconds and ~600 MB a process; docs/contributing.md, "TensorFlow")."""
+
+  _opened = 0  # two writers of one process, opened within a second, get two files
+
+  def __init__(self, folder: str):
+    # pylint: disable=import-outside-toplevel
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    files.makedirs(folder)
+    EventFile._opened += 1
+    # TensorBoard reads the files whose names hold "tfevents", in the order of their names.
+    name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+            f"{EventFile._opened}.v2")
+    self.path = os.path.join(folder, name)
+    self._records = RecordWriter(files.open_file(self.path, "wb"))
+    self._add(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+    self._records.flush()
+
+  def _add(self, event) -> None:
+    self._records.write(event.SerializeToString())
+
+  def scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+    self._add(self._event(wall_time=time.time(), step=int(step),
+                          summary=self._summary(value=values)))
+    self._records.flush()
+
+  def close(self) -> None:
+    self._records.close()
+
+
 class Writer:
   """TensorBoard event files and a `metrics.jsonl` in the workdir, written by process 0 only."""
 
@@ -36,18 +74,13 @@ class Writer:
     self._jsonl = None
     if not enabled:
       return
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    self._tf = tf
-    self._tb = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
-    self._jsonl = tf.io.gfile.GFile(os.path.join(workdir, "metrics.jsonl"), "a")
+    self._tb = EventFile(os.path.join(workdir, "tensorboard"))
+    self._jsonl = files.open_file(os.path.join(workdir, "metrics.jsonl"), "a")
 
   def write(self, step: int, scalars: Mapping[str, float], prefix: str = "") -> None:
     if not self.enabled:
       return
-    with self._tb.as_default():
-      for k, v in scalars.items():
-        self._tf.summary.scalar(prefix + k, v, step=step)
-    self._tb.flush()
+    self._tb.scalars(step, {prefix + k: v for k, v in scalars.items()})
     # float(): numpy and jax scalars are not JSON-serialisable.
     self._jsonl.write(json.dumps({"step": step,
                                   **{prefix + k: float(v) for k, v in scalars.items()}})

@@ -188,15 +188,14 @@ def read_glue_tsv(data_dir: str, task: str | GlueTask, split: str,
   `skip_bad_rows` (default: the task's own, True for QQP only) leaves it out, counted in `skipped`
   and in a warning. A label outside the task's set is always an error.
   """
-  import tensorflow as tf
   task = task if isinstance(task, GlueTask) else get_task(task)
   layout = _split_layout(task, split)
   skip = task.skip_bad_rows if skip_bad_rows is None else skip_bad_rows
   path = os.path.join(data_dir, layout.file)
-  if not tf.io.gfile.exists(path):
+  if not files.exists(path):
     raise FileNotFoundError(f"{task.name} {split}: no file {path}. data_dir should be laid out as "
                             f"GLUE's download ({layout.file} under it).")
-  with tf.io.gfile.GFile(path, "rb") as f:
+  with files.open_file(path, "rb") as f:
     raw = f.read()
   try:
     text = raw.decode("utf-8")
