@@ -1,6 +1,7 @@
-"""What reads no tf.data and no TensorFlow file runs where TensorFlow is absent: prediction (on CSV
-and JSON Lines), the Hugging Face and ModernBERT converters, Google's import (its checkpoint is
-read by formats/tf_bundle.py), `load_pretrained` and the benchmark.
+"""What reads no tf.data and no TensorFlow file runs where TensorFlow is absent: fine-tuning (its
+TensorBoard events written by metrics.EventFile), prediction (on CSV and JSON Lines), the Hugging
+Face and ModernBERT converters, Google's import (its checkpoint is read by formats/tf_bundle.py),
+`load_pretrained` and the benchmark.
 
 Each runs as its user runs it, in a fresh interpreter whose `import tensorflow` (and
 `tensorflow_datasets`) raises ImportError, as on a GPU or TPU host without TensorFlow. The inputs
@@ -9,6 +10,7 @@ folders written by bertjax's own formats, a Google folder written by TensorFlow 
 process, google_fixtures) and the pre-training workdir of tests/fixtures.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -17,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from bertjax import benchmark_predict
 from bertjax.formats import hf, modernbert
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig
 from google_fixtures import google_folder
+from test_launch_local_finetune import _pair_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKDIR = os.path.join(ROOT, "tests", "fixtures", "workdir_b49986a", "workdir")
@@ -117,6 +121,31 @@ def test_load_pretrained(folders):
               "  print('encoder' in params and 'embeddings' in params, config.hidden_size)\n",
               *paths)
   assert said.count("True ") == len(paths), said
+
+
+def test_fine_tuning_writes_tensorboard_events_tensorboard_reads(folders):
+  root = folders["root"]
+  _pair_task(root / "task", n_train=32, n_dev=8)
+  workdir = root / "tuned_here"
+  said = _run(folders, "-m", "bertjax.finetune", "--config=configs/finetune.py:next",
+              f"--workdir={workdir}", "--config.checkpoint.init_from=",
+              f"--config.data.vocab_path={root / 'vocab.txt'}",
+              f"--config.data.data_dir={root / 'task'}", "--config.model.vocab_size=13",
+              "--config.model.hidden_size=32", "--config.model.num_layers=1",
+              "--config.model.num_heads=2", "--config.model.intermediate_size=64",
+              "--config.model.max_position_embeddings=32", "--config.model.type_vocab_size=2",
+              "--config.data.max_seq_length=32", "--config.train.batch_size=8",
+              "--config.train.num_epochs=1", "--config.train.log_every_steps=2")
+  assert "NEXT: best dev accuracy" in said, said
+  logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  losses = [(r["step"], r["train/loss"]) for r in logged if "train/loss" in r]
+  assert [step for step, _ in losses] == [2, 4]
+  events = EventAccumulator(str(workdir / "tensorboard"))
+  events.Reload()
+  shown = events.Scalars("train/loss")
+  assert [e.step for e in shown] == [2, 4]
+  assert [e.value for e in shown] == pytest.approx([loss for _, loss in losses], rel=1e-6)
+  assert "eval/accuracy" in events.Tags()["scalars"], events.Tags()
 
 
 def test_benchmark(folders):
