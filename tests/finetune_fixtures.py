@@ -93,6 +93,14 @@ def ft_config(task: str, init_from: str, **train_overrides):
   return config
 
 
+def save_at_end(config):
+  """Checkpoints at the run's end only (a run saves its last step whatever the cadence): for a run
+  whose test reads no earlier checkpoint. On 8 devices a save costs about a second of CPU, more
+  than six training steps here; best/ still saves every better epoch."""
+  config.checkpoint.save_every_steps = 10**9
+  return config
+
+
 def _words(rng, low, high, pool=FILLER):
   return [rng.choice(pool) for _ in range(rng.randint(low, high))]
 

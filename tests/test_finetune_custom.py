@@ -82,7 +82,7 @@ def routing(pretrained, tmp_path_factory):
   workdir = str(root / "run")
   config = custom_config("classification", pretrained, train, dev, test)
   config.train.class_weights = "balanced"
-  results = run.finetune(config, workdir)
+  results = run.finetune(fx.save_at_end(config), workdir)
   return workdir, results, test, test_rows
 
 
@@ -269,7 +269,7 @@ def test_regression_from_tsv(pretrained, tmp_path):
   config = custom_config("regression", pretrained, tmp_path / "train.tsv", tmp_path / "dev.tsv",
                          text_a="sentence", label="score")
   config.eval.main_metric = "mse"
-  results = run.finetune(config, str(tmp_path / "run"))
+  results = run.finetune(fx.save_at_end(config), str(tmp_path / "run"))
   report = results["dev_report"]
   assert report["pearson"] > 0.8 and report["spearman"] > 0.8, report  # 0 by chance
   assert results["best"]["scores"]["main"] == pytest.approx(-results["best"]["scores"]["mse"])
@@ -310,7 +310,9 @@ def test_tagging_from_conll_columns_and_json_lines_in_iobes(pretrained, tmp_path
         for s in sentences))
   config = custom_config("tagging", pretrained, tmp_path / "train.conll", tmp_path / "dev.jsonl",
                          tmp_path / "test.conll")
-  results = run.finetune(config, str(tmp_path / "run"))
+  # 2 epochs at 2e-3 (48 steps): dev F1 1.0 with seeds 0, 1 and 2 (0.99 to 1.0 after the first).
+  config.train.num_epochs, config.train.learning_rate = 2, 2e-3
+  results = run.finetune(fx.save_at_end(config), str(tmp_path / "run"))
   assert "tags read as IOBES (detected)" in " ".join(results["notes"])
   assert results["labels"] == ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
   report = results["dev_report"]
@@ -499,8 +501,9 @@ def test_span_from_own_files_detects_v2_and_predicts_offsets(pretrained, tmp_pat
   dev = fx.write_squad(str(tmp_path / "dev.json"), paragraphs(64, 1, "d"))
   config = custom_config("span", pretrained, train, dev)
   config.data.max_seq_length = 32
-  config.train.num_epochs = 6
-  results = run.finetune(config, str(tmp_path / "run"))
+  # 2 epochs at 2e-3 (48 steps): dev F1 100 from the first epoch on, with seeds 0, 1 and 2.
+  config.train.num_epochs, config.train.learning_rate = 2, 2e-3
+  results = run.finetune(fx.save_at_end(config), str(tmp_path / "run"))
   spec = spec_lib.read(str(tmp_path / "run"))
   assert spec.family == "span" and spec.version_2_with_negative
   assert "HasAns_f1" in results["best"]["scores"] and results["best"]["scores"]["main"] > 60

@@ -71,7 +71,7 @@ def embeddings_config(pretrained, files, **train):
   d = config.data
   d.train_file, d.dev_file, d.test_file = files["train"], files["dev"], files["test"]
   d.corpus_file, d.negatives, d.max_query_length = files["corpus"], "negative", 16
-  return config
+  return fx.save_at_end(config)
 
 
 @pytest.fixture(scope="module")
