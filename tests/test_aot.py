@@ -61,15 +61,25 @@ def test_every_documented_shape_including_non_powers_of_two():
       aot.parse_topology(name)
 
 
-def test_a_slice_that_is_not_a_power_of_two_compiles(tmp_path):
-  # v5p-384: 192 chips, 4x4x12, one data-parallel row each (the tiny config at batch 192).
-  figures_path = tmp_path / "figures.json"
+@pytest.fixture(scope="module")
+def v5p_384(tmp_path_factory):
+  """One compile (each is ~15 s of CPU) that two tests read: the tiny config at batch 192 on
+  v5p-384, checked against 0.001 GiB of HBM a chip. The command writes its figures (--json)
+  once the step has compiled, then refuses the step against that HBM."""
+  figures_path = tmp_path_factory.mktemp("v5p_384") / "figures.json"
   result = run_aot(*TINY, "--topology=v5p-384", "--config.train.batch_size=192",
-                   f"--json={figures_path}")
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  figures = json.loads(figures_path.read_text())
+                   "--hbm_gib=0.001", f"--json={figures_path}")
+  figures = json.loads(figures_path.read_text()) if figures_path.exists() else None
+  return result, figures
+
+
+def test_a_slice_that_is_not_a_power_of_two_compiles(v5p_384):
+  # v5p-384: 192 chips, 4x4x12, one data-parallel row each (the tiny config at batch 192).
+  result, figures = v5p_384
+  assert figures is not None, result.stdout[-3000:] + result.stderr[-3000:]  # it compiled
   assert (figures["libtpu_topology"], figures["device"]) == ("v5:4x4x12", "192 x TPU v5")
   assert figures["mesh"] == {"data": 192, "fsdp": 1, "tensor": 1}
+  assert figures["memory_total_gib"] > 0 and figures["model_tflop_per_step"] > 0
   # What it compiled with, for launch/tpu.py run --aot-report to compare with the workers.
   recorded = versions.parse_versions(figures["versions"])
   assert recorded["jax"] == jax.__version__ and recorded["libtpu"] == figures["libtpu"]
@@ -86,11 +96,18 @@ def test_xla_out_of_memory_reads_both_wordings():
   assert aot.xla_out_of_memory(RuntimeError("INTERNAL: something else")) is None
 
 
-def test_dcn_mesh_axes_span_the_slices():
-  # Two v5p-8 slices: the DCN sizes of config.mesh choose which axis crosses slices.
+@pytest.fixture(scope="module")
+def probes():
+  """One interpreter loading libtpu (~3 s a start) for two probes: the DCN axes of two v5p-8
+  slices, and the splash kernel compiled into the train step for v5p (the libtpu environment
+  is the v5p-8 slice's, as bertjax.aot sets it)."""
   probe = """
-import json
-from bertjax import aot, sharding
+import json, os, re
+for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                    ("TPU_SKIP_MDS_QUERY", "1")):
+  os.environ.setdefault(name, value)
+from bertjax import aot, layercost, sharding, train
+from bertjax.configs import tiny
 devices = aot.topology_devices(aot.parse_topology("v5p-8", num_slices=2))
 out = {}
 for name, cfg in {"data": sharding.MeshConfig(),
@@ -98,11 +115,28 @@ for name, cfg in {"data": sharding.MeshConfig(),
                   }.items():
   mesh = sharding.create_mesh(cfg, devices)
   out[name] = [dict(mesh.shape), list(aot.dcn_axes(mesh))]
-print(json.dumps(out))
+print("dcn " + json.dumps(out), flush=True)
+config = tiny.get_config()
+# 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
+config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3)
+config.data.max_seq_length = 128
+devices = aot.topology_devices(aot.parse_topology("v5p-8"))
+text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
+print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
+                  "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text))),
+                  "layer_loops": len(layercost.layer_loops(text, 3)),
+                  "ops_per_layer": layercost.layer_ops(text, 3, scanned=True),
+                  "stack_writes": layercost.stack_writes(text, 3)}))
 """
   result = run("-c", probe, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  out = json.loads(result.stdout.strip().splitlines()[-1])
+  return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
+          for line in result.stdout.splitlines() if line.startswith(("dcn ", "splash "))}
+
+
+def test_dcn_mesh_axes_span_the_slices(probes):
+  # Two v5p-8 slices: the DCN sizes of config.mesh choose which axis crosses slices.
+  out = probes["dcn"]
   assert out["data"] == [{"data": 8, "fsdp": 1, "tensor": 1}, ["data"]]
   assert out["fsdp"] == [{"data": 1, "fsdp": 8, "tensor": 1}, ["fsdp"]]
 
@@ -132,32 +166,11 @@ def test_tiny_config_fits_a_v5p_8(tmp_path):
   assert figures["ops_per_layer"] > 0
 
 
-def test_the_splash_kernel_compiles_into_the_train_step_for_v5p():
+def test_the_splash_kernel_compiles_into_the_train_step_for_v5p(probes):
   # The tiny config at length 128 (the kernel's block), 3 layers scanned (one compiled layer):
   # the step's program holds the Pallas kernels themselves (Mosaic custom calls), forward and
   # fused backward, not their CPU interpreter.
-  probe = """
-import json, os, re
-for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                    ("TPU_SKIP_MDS_QUERY", "1")):
-  os.environ.setdefault(name, value)
-from bertjax import aot, layercost, train
-from bertjax.configs import tiny
-config = tiny.get_config()
-# 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
-config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3)
-config.data.max_seq_length = 128
-devices = aot.topology_devices(aot.parse_topology("v5p-8"))
-text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
-print(json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
-                  "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text))),
-                  "layer_loops": len(layercost.layer_loops(text, 3)),
-                  "ops_per_layer": layercost.layer_ops(text, 3, scanned=True),
-                  "stack_writes": layercost.stack_writes(text, 3)}))
-"""
-  result = run("-c", probe, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  out = json.loads(result.stdout.strip().splitlines()[-1])
+  out = probes["splash"]
   assert out["kernels"] == ["splash_mha_dkv_segmented_no_residuals",
                             "splash_mha_fwd_segmented_residuals"]
   assert out["custom_calls"] >= 2
@@ -178,12 +191,15 @@ def test_the_roofline_is_the_slower_of_compute_and_memory():
   assert aot.roofline(9.18e13, 32.8e9, 918.0, 1640.0)["roofline_bound"] == "compute"
 
 
-def test_a_step_larger_than_hbm_is_refused_with_the_shortfall():
-  # A per-chip HBM of 1 MiB: the same tiny compile as above, refused by bertjax's own check.
-  result = run_aot(*TINY, "--topology=v5p-8", "--hbm_gib=0.001")
-  assert result.returncode == 1
+def test_a_step_larger_than_hbm_is_refused_with_the_shortfall(v5p_384):
+  # A per-chip HBM of 1 MiB: the compile above, refused by bertjax's own check (the compile
+  # itself succeeded: XLA's TPU compiler knows v5p's own 95 GiB).
+  result, figures = v5p_384
+  assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "bertjax.aot: fits" not in result.stdout
   assert "GiB per chip, v5p has 0.001 GiB:" in result.stderr
-  assert "GiB short; lower train.batch_size (now 8, 2 per chip)" in result.stderr
+  assert "GiB short; lower train.batch_size (now 192, 1 per chip)" in result.stderr
+  assert figures["hbm_gib"] == 0.001 and figures["memory_total_gib"] > 0.001
 
 
 def test_an_oversized_per_chip_batch_is_refused_with_the_shortfall():
@@ -212,6 +228,7 @@ def test_a_packing_config_compiles_the_rows_the_pipeline_feeds():
   from bertjax.configs import tiny  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.data.packing, config.data.max_sequences_per_row = True, 3
+  config.model.num_layers = 1  # the rows' shapes are the input's, whatever the depth
   seq_len, slots, per_row = flops.rows_shape(DataConfig.from_config(config.data))
   assert (seq_len, slots, per_row) == (64, 30, 3)
   training = train.from_config(config, devices=jax.devices()[:1], vocab_size=1000)

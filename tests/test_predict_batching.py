@@ -19,6 +19,20 @@ MODERN = dict(norm_position="pre", position_embedding="rope", pooler=False, type
               global_every=2, local_window=4, task_head="modernbert")
 
 
+def _drawn(model, *inputs, seed=0):
+  """Parameters of the model's shapes drawn on the host: kernels, embeddings and biases
+  N(0, 0.02), norm scales 1 + N(0, 0.02). Compiling the model's own init (or running it op by
+  op) costs seconds of CPU a model, and nothing here tests it."""
+  rng = np.random.default_rng(seed)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *inputs)["params"])
+
+  def one(path, leaf):
+    base_value = 1.0 if jax.tree_util.keystr(path[-1:]) == "['scale']" else 0.0
+    return jnp.asarray(base_value + 0.02 * rng.normal(size=leaf.shape), leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(one, abstract)
+
+
 def _lengths(n, seed=0):
   rng = np.random.default_rng(seed)
   return np.clip(np.round(rng.lognormal(np.log(24), 0.6, n)), 1, 128).astype(int)
@@ -86,10 +100,11 @@ def test_the_last_layer_at_query_positions_is_every_position_then_picked(kw):
   mask[2, 10:] = 0
   sequence_ids = np.array([[1] * 5 + [2] * 6 + [3] * 5, [1] * 16, [1] * 4 + [2] * 6 + [0] * 6])
   queries = np.array([[0, 5, 11], [0, 0, 0], [0, 4, 4]])
-  params = model.init(jax.random.PRNGKey(0), ids, mask)["params"]
-  every, _ = model.apply({"params": params}, ids, mask, None, None, sequence_ids)
-  picked, pooled = model.apply({"params": params}, ids, mask, None, None, sequence_ids, True,
-                               queries)
+  params = _drawn(model, ids, mask)
+  # Compiled as one program each (op by op, every operation would be a compile of its own).
+  apply = jax.jit(model.apply, static_argnums=(6,))
+  every, _ = apply({"params": params}, ids, mask, None, None, sequence_ids)
+  picked, pooled = apply({"params": params}, ids, mask, None, None, sequence_ids, True, queries)
   assert picked.shape == pooled.shape == (3, 3, 32)
   np.testing.assert_allclose(picked, attention.gather_positions(every, jnp.asarray(queries)),
                              atol=1e-6)
@@ -106,7 +121,7 @@ def test_run_restores_the_order_and_matches_a_row_alone(family, kw, monkeypatch)
                            64)
   model = families.get(family).objective(spec).make_model(cfg)
   z = jnp.zeros((1, 8), jnp.int32)
-  params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
+  params = _drawn(model, z, z, z)
   predictor = predict.Predictor(cfg, params, None, spec, tokens_per_device=64,
                                 devices=jax.devices()[:2])
   rng = np.random.default_rng(1)
@@ -125,10 +140,11 @@ def test_run_restores_the_order_and_matches_a_row_alone(family, kw, monkeypatch)
   monkeypatch.setattr(predict, "CONCURRENT_CALLS", 1)
   np.testing.assert_array_equal(predictor.run(features)[out], logits)
   # Each row's logits are its own: the model on that row alone, at its own length, agrees.
+  apply = jax.jit(model.apply)
   for k in (0, 5, 36):
     n = int(lengths[k])
-    alone = model.apply({"params": params}, *(features[key][k:k + 1, :n] for key in
-                                              ("input_ids", "input_mask", "segment_ids")))
+    alone = apply({"params": params}, *(features[key][k:k + 1, :n] for key in
+                                        ("input_ids", "input_mask", "segment_ids")))
     np.testing.assert_allclose(logits[k], np.asarray(alone).reshape(logits[k].shape), atol=1e-5)
   # Shuffled input, shuffled output (the groups and packed rows depend on the lengths; the order
   # only breaks ties among texts of equal length, and a packed text taking its twin's place in a
@@ -143,7 +159,7 @@ def test_cls_vectors_are_packed_and_each_text_s_own():
                    intermediate_size=32, max_position_embeddings=64)
   model = BertModel(cfg)
   z = jnp.zeros((1, 8), jnp.int32)
-  params = model.init(jax.random.PRNGKey(0), z, z, z)["params"]
+  params = _drawn(model, z, z, z)
   predictor = predict.Predictor(cfg, params, None, None, tokens_per_device=64)
   rng = np.random.default_rng(2)
   lengths = rng.integers(1, 30, 21)
@@ -153,8 +169,9 @@ def test_cls_vectors_are_packed_and_each_text_s_own():
   assert predictor.packs("cls") and not predictor.packs("mean")
   vectors = predictor.run(features, "cls")["vector"]
   assert vectors.shape == (21, 16)
+  apply = jax.jit(model.apply)
   for k in (0, 7, 20):
     n = int(lengths[k])
-    _, pooled = model.apply({"params": params}, *(features[key][k:k + 1, :n] for key in
-                                                  ("input_ids", "input_mask", "segment_ids")))
+    _, pooled = apply({"params": params}, *(features[key][k:k + 1, :n] for key in
+                                            ("input_ids", "input_mask", "segment_ids")))
     np.testing.assert_allclose(vectors[k], np.asarray(pooled)[0], atol=1e-5)
