@@ -21,6 +21,7 @@ from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer
 from bertjax.errors import CheckpointMismatchError
 from bertjax.data import pipeline
 from bertjax.configs import tiny
+from conftest import xla_flags
 from test_data_fixtures import data_section, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,7 +292,7 @@ def test_bad_input_is_refused_before_compiling(tmp_path, monkeypatch):
 
 
 def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONUNBUFFERED": "1"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "PYTHONUNBUFFERED": "1"}
   base_cmd = [sys.executable, "-m", "bertjax.pretrain", "--config=configs/tiny.py",
               f"--workdir={tmp_path / 'run'}"]
   bad = subprocess.run(base_cmd + ["--config.train.batch_sise=3"], cwd=ROOT, env=env,
