@@ -83,11 +83,23 @@ class _Recorder:
       yield batch
 
 
-def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, capsys):
-  config = _config(tmp_path)
-  straight = _Recorder(monkeypatch)
-  loop.train_and_evaluate(config, str(tmp_path / "straight"))
-  expected = _final_params(tmp_path / "straight", 6)
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  """`_config`'s 6-step run, straight through, once for the module: the reference of the resume
+  test, and the finished run the refusals test argues with (on a copy). Returns the folder of its
+  data and workdir ("run"), and the training batches it read."""
+  base = tmp_path_factory.mktemp("straight")
+  with pytest.MonkeyPatch.context() as mp:
+    straight = _Recorder(mp)
+    loop.train_and_evaluate(_config(base), str(base / "run"))
+  return base, straight.train_ids
+
+
+def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, capsys,
+                                                         straight_run):
+  base, straight_ids = straight_run
+  config = _config(base)  # the straight run's config and data
+  expected = _final_params(base / "run", 6)
 
   interrupted = _Recorder(monkeypatch, sigterm_at=2)  # the third batch: stops after step 3
   assert loop.train_and_evaluate(config, str(tmp_path / "resumed")) == {}
@@ -99,7 +111,7 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, 
   got = _final_params(tmp_path / "resumed", 6)
 
   np.testing.assert_array_equal(np.stack(interrupted.train_ids[:3] + resumed.train_ids),
-                                np.stack(straight.train_ids))
+                                np.stack(straight_ids))
   flat_expected = np.concatenate([np.ravel(x) for x in _leaves(expected)])
   flat_got = np.concatenate([np.ravel(x) for x in _leaves(got)])
   np.testing.assert_array_equal(flat_got, flat_expected)  # bit for bit
@@ -155,24 +167,26 @@ def _leaves(tree):
   return jax.tree_util.tree_leaves(tree)
 
 
-def test_refusals_name_the_difference_and_keep_the_workdir(tmp_path, capsys):
-  config = _config(tmp_path, num_train_steps=3)
+def test_refusals_name_the_difference_and_keep_the_workdir(tmp_path, capsys, straight_run):
+  # A finished 6-step run (a copy of the module's straight run), extended to 8 steps with changes.
+  base, _ = straight_run
+  shutil.copytree(base / "run", tmp_path / "run")
+  config = _config(base)
   workdir = str(tmp_path / "run")
-  loop.train_and_evaluate(config, workdir)
   recorded = (tmp_path / "run" / "config.json").read_text()
   steps = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
-  config.train.num_train_steps = 5
+  assert steps
 
-  bigger = _config(tmp_path, num_train_steps=5)
+  bigger = _config(base, num_train_steps=8)
   bigger.model.hidden_size = 64
   with pytest.raises(CheckpointMismatchError, match="hidden_size: checkpoint 32 vs config 64"):
     loop.train_and_evaluate(bigger, workdir)
-  lamb = _config(tmp_path, num_train_steps=5, optimizer="lamb", max_grad_norm=0.5)
+  lamb = _config(base, num_train_steps=8, optimizer="lamb", max_grad_norm=0.5)
   with pytest.raises(CheckpointMismatchError, match="train.optimizer: checkpoint 'adamw' vs "
                      "config 'lamb'; train.max_grad_norm: checkpoint 1.0 vs config 0.5"):
     loop.train_and_evaluate(lamb, workdir)
   # Another vocabulary of the same size: the embedding rows would index other pieces.
-  other_vocab = _config(tmp_path, num_train_steps=5)
+  other_vocab = _config(tmp_path, num_train_steps=8)
   words = open(config.data.vocab_path).read().split("\n")
   shuffled = tmp_path / "other_vocab.txt"
   shuffled.write_text("\n".join(words[:7] + words[7:-1][::-1] + [""]))
@@ -292,6 +306,7 @@ def test_bad_input_is_refused_before_compiling(tmp_path, monkeypatch):
 
 
 def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
+  # One device, compiled as the suite compiles (conftest.py), from the run's shared cache.
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "PYTHONUNBUFFERED": "1"}
   base_cmd = [sys.executable, "-m", "bertjax.pretrain", "--config=configs/tiny.py",
               f"--workdir={tmp_path / 'run'}"]
@@ -302,8 +317,10 @@ def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
   data = data_section(tmp_path / "data", n_docs=30, sents_per_doc=12)
   flags = [f"--config.data.{k}={data[k]}" for k in (
       "tokenizer", "vocab_path", "source", "cache_dir", "max_seq_length",
-      "max_predictions_per_seq", "num_shards", "num_eval_shards", "prepare_workers")]
+      "max_predictions_per_seq", "num_shards", "num_eval_shards", "prepare_workers",
+      "dupe_factor")]
   flags += ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",
+            "--config.model.num_layers=1",
             "--config.train.batch_size=8", "--config.train.num_train_steps=100000",
             "--config.train.log_every_steps=1", "--config.train.warmup_steps=10",
             "--config.checkpoint.save_every_steps=100000"]

@@ -1,6 +1,7 @@
 """Properties of the encoder: sizes, init, padding, packing, scan/remat, dtypes, sharding, errors."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -32,8 +33,24 @@ def _count(tree):
   return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
 
 
+# A model's init and apply, each one compiled program (cached by module, config and shapes) rather
+# than hundreds of operations dispatched one by one.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jit_init(module_cls, cfg, key, *args, **kw):
+  return module_cls(cfg).init(key, *args, **kw)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _jit_apply(module_cls, cfg, deterministic, params, *args, **kw):
+  return module_cls(cfg).apply({"params": params}, *args, deterministic=deterministic, **kw)
+
+
+def _apply(cfg, params, *args, module_cls=BertModel, deterministic=True, **kw):
+  return _jit_apply(module_cls, cfg, deterministic, params, *args, **kw)
+
+
 def _init(cfg, ids, module_cls=BertModel, **kw):
-  return module_cls(cfg).init(jax.random.key(0), ids, **kw)["params"]
+  return _jit_init(module_cls, cfg, jax.random.key(0), ids, **kw)["params"]
 
 
 @pytest.mark.parametrize("sizes,encoder_count,pretraining_count", [
@@ -146,8 +163,10 @@ def test_a_shared_query_key_start_copies_w_q_into_w_k_and_orders_attention_by_po
 
 def test_every_parameter_carries_logical_axis_names():
   cfg = dataclasses.replace(SMALL, scan_layers=True)
-  variables = BertForPreTraining(cfg).init(jax.random.key(0), jnp.ones((1, 8), jnp.int32),
-                                           masked_lm_positions=jnp.zeros((1, 2), jnp.int32))
+  # Shapes and names alone: nothing is computed.
+  variables = jax.eval_shape(lambda: BertForPreTraining(cfg).init(
+      jax.random.key(0), jnp.ones((1, 8), jnp.int32),
+      masked_lm_positions=jnp.zeros((1, 2), jnp.int32)))
   boxes = jax.tree_util.tree_leaves(variables["params"],
                                     is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
   assert boxes and all(isinstance(b, nn.LogicallyPartitioned) for b in boxes)
@@ -161,23 +180,21 @@ def test_every_parameter_carries_logical_axis_names():
 def test_padding_does_not_change_real_positions():
   ids, mask, seg = _inputs(batch=1, length=16)
   params = _init(SMALL, ids)
-  model = BertModel(SMALL)
   real = 10
   mask[:, real:] = 0
-  out_a = model.apply({"params": params}, ids, mask, seg)
+  out_a = _apply(SMALL, params, ids, mask, seg)
   ids_b = ids.copy()
   ids_b[:, real:] = np.random.default_rng(7).integers(5, 64, (1, 16 - real))
-  out_b = model.apply({"params": params}, ids_b, mask, seg)
+  out_b = _apply(SMALL, params, ids_b, mask, seg)
   np.testing.assert_allclose(out_a[0][:, :real], out_b[0][:, :real], atol=1e-6)
   np.testing.assert_allclose(out_a[1], out_b[1], atol=1e-6)
   # Real positions alone (no padding at all) give the same outputs.
-  alone = model.apply({"params": params}, ids[:, :real], mask[:, :real], seg[:, :real])
+  alone = _apply(SMALL, params, ids[:, :real], mask[:, :real], seg[:, :real])
   np.testing.assert_allclose(out_a[0][:, :real], alone[0], atol=1e-5)
 
 
 def test_packed_sequences_equal_each_sequence_alone():
   params = _init(SMALL, jnp.ones((1, 16), jnp.int32))
-  model = BertModel(SMALL)
   rng = np.random.default_rng(3)
   a = rng.integers(5, 64, (1, 7)).astype(np.int32)
   b = rng.integers(5, 64, (1, 6)).astype(np.int32)
@@ -188,10 +205,9 @@ def test_packed_sequences_equal_each_sequence_alone():
   packed_seg = np.concatenate([seg_a, seg_b, np.zeros((1, pad), np.int32)], axis=1)
   packed_mask = np.concatenate([np.ones((1, 13), np.int32), np.zeros((1, pad), np.int32)], 1)
   seq_ids = np.array([[1] * 7 + [2] * 6 + [0] * pad], np.int32)
-  packed, _ = model.apply({"params": params}, packed_ids, packed_mask, packed_seg,
-                          sequence_ids=seq_ids)
-  alone_a, _ = model.apply({"params": params}, a, np.ones_like(a), seg_a)
-  alone_b, _ = model.apply({"params": params}, b, np.ones_like(b), seg_b)
+  packed, _ = _apply(SMALL, params, packed_ids, packed_mask, packed_seg, sequence_ids=seq_ids)
+  alone_a, _ = _apply(SMALL, params, a, np.ones_like(a), seg_a)
+  alone_b, _ = _apply(SMALL, params, b, np.ones_like(b), seg_b)
   np.testing.assert_allclose(packed[:, :7], alone_a, atol=1e-5)
   np.testing.assert_allclose(packed[:, 7:13], alone_b, atol=1e-5)
 
@@ -218,20 +234,35 @@ def _stack_layers(params, num_layers):
   return out
 
 
+def _scan_inputs():
+  ids, mask, seg = _inputs()
+  mask[1, 12:] = 0
+  positions = np.array([[1, 3, 5], [2, 4, 6]], np.int32)
+  return ids, mask, seg, positions
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_loss_and_grads():
+  """The unrolled, un-rematerialised model's loss and gradients: the reference of every variant,
+  computed once (one compiled program rather than every operation dispatched on its own)."""
+  ids, mask, seg, positions = _scan_inputs()
+  plain_params = nn.unbox(_init(SMALL, ids, BertForPreTraining, masked_lm_positions=positions))
+  loss, grads = jax.jit(jax.value_and_grad(_loss_fn(SMALL, ids, mask, seg, positions)))(
+      plain_params)
+  return plain_params, loss, grads
+
+
 @pytest.mark.parametrize("variant", [dict(scan_layers=True), dict(remat_policy="full"),
                                      dict(remat_policy="dots"),
                                      dict(scan_layers=True, remat_policy="dots_all"),
                                      dict(scan_layers=True, scan_unroll=2)])
 def test_scan_and_remat_compute_the_same_function_and_gradients(variant):
-  ids, mask, seg = _inputs()
-  mask[1, 12:] = 0
-  positions = np.array([[1, 3, 5], [2, 4, 6]], np.int32)
-  plain_params = nn.unbox(_init(SMALL, ids, BertForPreTraining, masked_lm_positions=positions))
+  ids, mask, seg, positions = _scan_inputs()
+  plain_params, loss_plain, grads_plain = _plain_loss_and_grads()
   cfg = dataclasses.replace(SMALL, **variant)
   params = (_stack_layers(plain_params, SMALL.num_layers) if cfg.scan_layers else plain_params)
-  loss_plain, grads_plain = jax.value_and_grad(_loss_fn(SMALL, ids, mask, seg, positions))(
-      plain_params)
-  loss_var, grads_var = jax.value_and_grad(_loss_fn(cfg, ids, mask, seg, positions))(params)
+  loss_var, grads_var = jax.jit(jax.value_and_grad(_loss_fn(cfg, ids, mask, seg, positions)))(
+      params)
   np.testing.assert_allclose(loss_var, loss_plain, rtol=1e-6, atol=1e-6)
   if cfg.scan_layers:
     grads_plain = _stack_layers(grads_plain, SMALL.num_layers)
@@ -270,7 +301,8 @@ def test_bfloat16_compute_keeps_the_float32_parts_float32(deterministic):
                             attention_dropout=0.1, scan_layers=True)
   model = BertForPreTraining(cfg)
   batch = train.dummy_batch(2, 8, 3)
-  params = nn.unbox(model.init(jax.random.key(0), **train.model_inputs(batch))["params"])
+  params = nn.unbox(_jit_init(BertForPreTraining, cfg, jax.random.key(0),
+                              **train.model_inputs(batch))["params"])
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
 
   def forward(p):
@@ -305,10 +337,9 @@ def test_dropout_is_active_in_training_and_seeded():
   cfg = dataclasses.replace(SMALL, hidden_dropout=0.1, attention_dropout=0.1, scan_layers=True)
   ids, mask, seg = _inputs()
   params = _init(cfg, ids)
-  model = BertModel(cfg)
-  eval_out = model.apply({"params": params}, ids, mask, seg)[0]
-  run = lambda seed: model.apply({"params": params}, ids, mask, seg, deterministic=False,
-                                 rngs={"dropout": jax.random.key(seed)})[0]
+  eval_out = _apply(cfg, params, ids, mask, seg)[0]
+  run = lambda seed: _apply(cfg, params, ids, mask, seg, deterministic=False,
+                            rngs={"dropout": jax.random.key(seed)})[0]
   assert not np.allclose(run(0), eval_out, atol=1e-3)
   np.testing.assert_array_equal(run(0), run(0))
   assert not np.allclose(run(0), run(1), atol=1e-3)
@@ -329,12 +360,12 @@ def test_bfloat16_compute_stays_close_to_float32():
   positions = np.tile(np.arange(0, 32, 4, dtype=np.int32), (4, 1))
   params = _init(SMALL, ids, BertForPreTraining, masked_lm_positions=positions)
   bf16 = dataclasses.replace(SMALL, dtype="bfloat16")
-  mlm32, nsp32 = BertForPreTraining(SMALL).apply({"params": params}, ids, mask, seg, positions)
-  mlm16, nsp16 = BertForPreTraining(bf16).apply({"params": params}, ids, mask, seg, positions)
+  mlm32, nsp32 = _apply(SMALL, params, ids, mask, seg, positions, module_cls=BertForPreTraining)
+  mlm16, nsp16 = _apply(bf16, params, ids, mask, seg, positions, module_cls=BertForPreTraining)
   assert mlm16.dtype == jnp.float32 and nsp16.dtype == jnp.float32
   assert float(jnp.max(jnp.abs(mlm16 - mlm32))) < 2e-2
   assert float(jnp.max(jnp.abs(nsp16 - nsp32))) < 2e-2
-  seq16, _ = BertModel(bf16).apply({"params": params["bert"]}, ids, mask, seg)
+  seq16, _ = _apply(bf16, params["bert"], ids, mask, seg)
   assert seq16.dtype == jnp.bfloat16
 
 

@@ -6,6 +6,7 @@ global and local layers; configs/modern_base.py has ModernBERT-base's parameter 
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -29,9 +30,15 @@ MODERN = BertConfig(
     initializer_range=0.3)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(config, params, *args, **kwargs):
+  """BertModel(config).apply as one compiled program (not each operation dispatched alone)."""
+  return BertModel(config).apply({"params": params}, *args, **kwargs)
+
+
 def _init(config, length=16):
   ids = jnp.zeros((1, length), jnp.int32)
-  return nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
+  return nn.unbox(jax.jit(BertModel(config).init)(jax.random.key(0), ids)["params"])
 
 
 def test_rope_scores_depend_on_offsets_only():
@@ -61,12 +68,11 @@ def test_a_rope_model_does_not_see_absolute_positions():
   """With RoPE the only position signal: shifting every position id changes nothing."""
   params = _init(MODERN)
   ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 16)), jnp.int32)
-  model = BertModel(MODERN)
-  base, _ = model.apply({"params": params}, ids)
-  shifted, _ = model.apply({"params": params}, ids, position_ids=jnp.arange(16)[None] + 57)
+  base, _ = _apply(MODERN, params, ids)
+  shifted, _ = _apply(MODERN, params, ids, position_ids=jnp.arange(16)[None] + 57)
   np.testing.assert_allclose(shifted, base, atol=2e-5)
   # Permuting positions does change the output: the positions are read.
-  moved, _ = model.apply({"params": params}, ids, position_ids=jnp.arange(16)[None] * 3)
+  moved, _ = _apply(MODERN, params, ids, position_ids=jnp.arange(16)[None] * 3)
   assert np.abs(np.asarray(moved) - np.asarray(base)).max() > 1e-2
 
 
@@ -152,12 +158,10 @@ def test_packed_rows_with_local_layers_never_attend_across_sequences(scan):
   row[0, :21] = ids
   seq_row = np.zeros((1, 24), np.int32)
   seq_row[0, :21] = seq
-  model = BertModel(cfg)
-  packed, _ = model.apply({"params": params}, row, (seq_row > 0).astype(np.int32),
-                          sequence_ids=seq_row)
+  packed, _ = _apply(cfg, params, row, (seq_row > 0).astype(np.int32), sequence_ids=seq_row)
   start = 0
   for n in lengths:
-    alone, _ = model.apply({"params": params}, ids[None, start:start + n])
+    alone, _ = _apply(cfg, params, ids[None, start:start + n])
     np.testing.assert_allclose(np.asarray(packed)[0, start:start + n], np.asarray(alone)[0],
                                atol=2e-5)
     start += n
@@ -173,8 +177,8 @@ def test_scanned_layers_equal_unrolled_ones():
   assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, _init(scanned))
   ids = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 16)), jnp.int32)
   mask = jnp.asarray(np.arange(16)[None] < np.array([[16], [11]]), jnp.int32)
-  a, _ = BertModel(MODERN).apply({"params": params}, ids, mask)
-  b, _ = BertModel(scanned).apply({"params": stacked}, ids, mask)
+  a, _ = _apply(MODERN, params, ids, mask)
+  b, _ = _apply(scanned, stacked, ids, mask)
   np.testing.assert_allclose(b, a, atol=1e-5)
   back = weights.restack(stacked, MODERN.num_layers, False, True)
   assert jax.tree.structure(back) == jax.tree.structure(jax.device_get(params))

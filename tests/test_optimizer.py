@@ -1,5 +1,7 @@
 """AdamW and LAMB against their formulas written out in numpy; the mask; the schedule; clipping."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,8 +95,11 @@ def test_matches_formula(kind, bias_correction):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@functools.lru_cache(maxsize=None)
 def _model_params_and_grads():
-  """A tiny BertForPreTraining's parameters and the gradients of its loss on a random batch."""
+  """A tiny BertForPreTraining's parameters and the gradients of its loss on a random batch
+  (built once, for the two tests that read them; the gradient is one compiled program, not
+  hundreds of operations dispatched one by one)."""
   import flax.linen as nn
   from bertjax import losses, train
   from bertjax.heads import BertForPreTraining
@@ -110,7 +115,7 @@ def _model_params_and_grads():
                masked_lm_ids=rng.integers(1, 48, (4, 3)).astype(np.int32),
                masked_lm_weights=np.ones((4, 3), np.float32),
                next_sentence_labels=rng.integers(0, 2, 4).astype(np.int32))
-  boxed = model.init(jax.random.key(0), **train.model_inputs(batch))["params"]
+  boxed = jax.jit(model.init)(jax.random.key(0), **train.model_inputs(batch))["params"]
   params = nn.unbox(boxed)
 
   def loss(p):
@@ -118,7 +123,7 @@ def _model_params_and_grads():
                            rngs={"dropout": jax.random.key(1)})
     return losses.total_loss(losses.pretraining_metrics(mlm, nsp, batch))
 
-  return boxed, params, jax.grad(loss)(params)
+  return boxed, params, jax.jit(jax.grad(loss))(params)
 
 
 def test_one_adamw_step_on_real_gradients_is_the_originals():
@@ -129,7 +134,7 @@ def test_one_adamw_step_on_real_gradients_is_the_originals():
   _, params, grads = _model_params_and_grads()
   lr = 1e-3
   tx = optimizer.adamw(lr)  # the defaults are the original's
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
   got = optax.apply_updates(params, updates)
   small = 0
   for (path, w), g, new in zip(jax.tree_util.tree_leaves_with_path(params),
@@ -162,10 +167,11 @@ def test_the_decay_mask_sees_through_boxed_parameters():
   # AdamW on the boxed tree (as `init` returns it) updates like on the plain one.
   tx = optimizer.adamw(1e-3)
   grads = jax.tree.map(jnp.ones_like, params)
-  plain, _ = tx.update(grads, tx.init(params), params)
+  update = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))  # one program per tree structure
+  plain, _ = update(grads, params)
   boxed_grads = jax.tree.map(lambda b, g: b.replace_boxed(g), boxed, grads,
                              is_leaf=lambda x: isinstance(x, nn.Partitioned))
-  on_boxes, _ = tx.update(boxed_grads, tx.init(boxed), boxed)
+  on_boxes, _ = update(boxed_grads, boxed)
   for a, b in zip(jax.tree.leaves(nn.unbox(on_boxes)), jax.tree.leaves(plain)):
     np.testing.assert_array_equal(a, b)
 
@@ -208,9 +214,10 @@ def test_chain_clips_global_norm_before_the_optimizer():
   grads = jax.tree.map(lambda g: 10.0 * g, small_tree(1))
   norm = float(optax.tree.norm(grads))
   assert norm > 1.0
-  got = _run(tx, params, [grads])
+  got = jax.jit(lambda p, g: _run(tx, p, [g]))(params, grads)
   clipped = jax.tree.map(lambda g: g / norm, grads)
-  want = _run(optimizer.adamw(LR, weight_decay=WD), params, [clipped])
+  adamw = optimizer.adamw(LR, weight_decay=WD)
+  want = jax.jit(lambda p, g: _run(adamw, p, [g]))(params, clipped)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 

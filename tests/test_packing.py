@@ -239,7 +239,7 @@ def test_packed_hosts_read_disjoint_records(cfg):
     assert len(ids) == len(set(ids)) > 10
 
 
-def test_data_benchmark_figures(cfg):
+def test_data_benchmark_figures(cfg, monkeypatch):
   from bertjax.data import benchmark  # pylint: disable=import-outside-toplevel
   figures = {}
   for on in (False, True):
@@ -251,5 +251,13 @@ def test_data_benchmark_figures(cfg):
     assert f["tokens_per_s"] == pytest.approx(f["fill"] * L * f["rows_per_s"], rel=1e-6)
   table = benchmark.format_table([("test", L, "on", figures[True], 1.3)])
   assert "| test | 64 | on | 9" in table and "1.30x" in table
+  # long_documents regroups the built-in corpus's sentences, in order, into documents of the size
+  # asked for. Regrouping is held on a stand-in corpus (parsing the real one takes ~15 s; its size
+  # and contents are tests/test_data_corpus.py's test_builtin_corpus).
+  from bertjax.data import corpus  # pylint: disable=import-outside-toplevel
+  stand_in = tuple(tuple(f"d{d} s{s}." for s in range(3 + d % 50)) for d in range(90))
+  monkeypatch.setattr(corpus, "_builtin_documents", lambda: stand_in)
+  sentences = [s for d in stand_in for s in d]
   docs = benchmark.long_documents(200)
-  assert len(docs[0]) == 200 and len(docs) > 10
+  assert len(docs[0]) == 200 and len(docs) == -(-len(sentences) // 200) > 10
+  assert [s for d in docs for s in d] == sentences and all(len(d) == 200 for d in docs[:-1])

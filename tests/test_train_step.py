@@ -39,11 +39,12 @@ def make_batch(seed=0, batch=B):
   }
 
 
-def one_step(mesh_sizes, devices=None, microbatches=1):
-  """Builds, initialises and takes one step; returns host copies and what the checks need."""
+def one_step(mesh_sizes, devices=None, microbatches=1, training=None):
+  """Builds (unless given `training`), initialises and takes one step; returns host copies and
+  what the checks need."""
   cfg = train.TrainConfig(batch_size=B, num_microbatches=microbatches, learning_rate=1e-3,
                           warmup_steps=0, num_train_steps=10)
-  t = train.build(TINY, cfg, mesh_config(**mesh_sizes), devices=devices)
+  t = training or train.build(TINY, cfg, mesh_config(**mesh_sizes), devices=devices)
   rng = jax.random.PRNGKey(0)
   state = t.init_state(rng)
   before = state
@@ -54,8 +55,15 @@ def one_step(mesh_sizes, devices=None, microbatches=1):
 
 
 @pytest.fixture(scope="module")
-def single_device():
-  return one_step({}, devices=jax.devices()[:1])[0]
+def one_device_training():
+  """TINY's training on one device, built (traced and compiled) once for the tests that use it."""
+  cfg = train.TrainConfig(batch_size=B, learning_rate=1e-3, warmup_steps=0, num_train_steps=10)
+  return train.build(TINY, cfg, mesh_config(), devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def single_device(one_device_training):
+  return one_step({}, training=one_device_training)[0]
 
 
 def assert_trees_close(a, b, atol=1e-5):
@@ -63,9 +71,10 @@ def assert_trees_close(a, b, atol=1e-5):
     np.testing.assert_allclose(x, y, atol=atol, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+# Data parallelism alone ({"ici_data": 8}) is the dropout test's first mesh below; without dropout
+# the data axis is sharded here in the (data 2, fsdp 2, tensor 2) mesh.
 @pytest.mark.parametrize("sizes", [
-    {"ici_data": 8}, {"ici_data": 1, "ici_fsdp": 8},
-    {"ici_data": 2, "ici_fsdp": 2, "ici_tensor": 2}])
+    {"ici_data": 1, "ici_fsdp": 8}, {"ici_data": 2, "ici_fsdp": 2, "ici_tensor": 2}])
 def test_sharded_step_equals_single_device(single_device, sizes):
   want_params, want_metrics = single_device
   (params, metrics), run = one_step(sizes)
@@ -78,7 +87,7 @@ def test_sharded_step_equals_single_device(single_device, sizes):
     check_state_handling(run)
 
 
-def test_a_sharded_step_with_dropout_equals_one_device():
+def test_a_sharded_step_with_dropout_equals_one_device(single_device):
   """Each device draws its own shard of every dropout mask, and the shards make the mask one
   device draws (dropout.py): the step is the same on 1 device and on three 8-device meshes."""
   def step(sizes, devices=None):
@@ -90,7 +99,7 @@ def test_a_sharded_step_with_dropout_equals_one_device():
     return jax.device_get((state.params, metrics))
 
   want = step({}, jax.devices()[:1])
-  no_dropout = one_step({}, devices=jax.devices()[:1])[0]
+  no_dropout = single_device  # the same step without dropout
   assert abs(float(want[1]["loss"][0]) - float(no_dropout[1]["loss"][0])) > 1e-3  # dropout acts
   for sizes in ({"ici_data": 8}, {"ici_data": 2, "ici_fsdp": 2, "ici_tensor": 2}):
     got = step(sizes)
@@ -165,11 +174,11 @@ def test_the_optimizer_count_follows_the_train_step():
   assert [int(c) for c in optimizer.step_counts(got.opt_state)] == [int(got.step)] == [4]
 
 
-def test_the_loop_reads_the_device_once_per_log_interval_and_still_guards_saves(monkeypatch):
+def test_the_loop_reads_the_device_once_per_log_interval_and_still_guards_saves(
+    monkeypatch, one_device_training):
   """Steps between logs are never waited for: a step's metrics stay on the device, summed there,
   and the host reads them at log and save steps only (implicit reads are refused outright)."""
-  cfg = train.TrainConfig(batch_size=B, learning_rate=1e-3, warmup_steps=0, num_train_steps=12)
-  t = train.build(TINY, cfg, mesh_config(), devices=jax.devices()[:1])
+  t = one_device_training  # its schedule ends at step 10: steps 11 and 12 run at rate 0
   rng = jax.random.PRNGKey(0)
   host_batches = [make_batch(seed=i) for i in range(12)]
   reads, real_get = [], jax.device_get
@@ -230,14 +239,14 @@ class _NoStop:
     return False
 
 
-def test_a_bfloat16_step_runs_and_stays_near_float32():
+def test_a_bfloat16_step_runs_and_stays_near_float32(single_device):
   """The accelerator configs' dtype through the whole step, including the MLM head's written-out
   backward pass (a bfloat16 x bfloat16 -> float32 product there is not supported on CPU)."""
   cfg = train.TrainConfig(batch_size=B, learning_rate=1e-3, warmup_steps=0, num_train_steps=10)
   rng = jax.random.PRNGKey(0)
-  losses = []
-  for model in (TINY, dataclasses.replace(TINY, dtype="bfloat16")):
-    t = train.build(model, cfg, mesh_config(), devices=jax.devices()[:1])
-    _, metrics = t.train_step(t.init_state(rng), t.to_global(make_batch()), rng)
-    losses.append(float(jax.device_get(metrics["loss"][0])))
+  losses = [float(single_device[1]["loss"][0])]  # this step in float32
+  t = train.build(dataclasses.replace(TINY, dtype="bfloat16"), cfg, mesh_config(),
+                  devices=jax.devices()[:1])
+  _, metrics = t.train_step(t.init_state(rng), t.to_global(make_batch()), rng)
+  losses.append(float(jax.device_get(metrics["loss"][0])))
   assert np.isfinite(losses[1]) and abs(losses[1] - losses[0]) < 0.05 * losses[0], losses
