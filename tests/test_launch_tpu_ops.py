@@ -363,7 +363,7 @@ def test_preflight_stops_what_holds_the_tpu_and_removes_a_stale_lock(tmp_path, h
     script = tpu_remote.preflight_script(clean, devices=(str(tmp_path / "accel*"),),
                                          lockfile=str(lock))
     # Only this test's jobs count as running (the machine may run real ones).
-    script = script.replace("bertjax[.]main", f"bjtest{os.getpid()}[.]main")
+    script = script.replace("bertjax[.](", f"bjtest{os.getpid()}[.](")
     return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
 
