@@ -26,7 +26,7 @@ from bertjax import heads, predict, taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import families
-from bertjax.formats import modernbert
+from bertjax.formats import modernbert, modernbert_tasks
 from bertjax.inputs import pairs, textfiles
 from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
@@ -360,7 +360,7 @@ def test_what_has_no_form_is_refused_naming_the_fix():
   modern = modernbert.config_from_modernbert(BASE)
   assert modern.task_head == "modernbert" and modern.classifier_pooling == "cls"
   with pytest.raises(ValueError, match="task_head=modernbert to export"):
-    modernbert.task_config(dataclasses.replace(modern, task_head="bert"), cls=HEADS["cls"][0],
+    modernbert_tasks.task_config(dataclasses.replace(modern, task_head="bert"), cls=HEADS["cls"][0],
                            outputs=len(LABELS), labels=LABELS)
   with pytest.raises(ValueError, match="convert.modernbert export"):
     hf.task_to_hf({}, dataclasses.replace(BertConfig(), task_head="modernbert"),
@@ -374,7 +374,7 @@ def test_what_has_no_form_is_refused_naming_the_fix():
     families.spec_of(weights.Weights("/nowhere", "modernbert", modern, ("bert",),
                                      task_class=multi_label))
   with pytest.raises(ValueError, match="names none of"):
-    modernbert.heads_in(["classifier.weight"], {"architectures": ["ModernBertForMaskedLM"]})
+    modernbert_tasks.heads_in(["classifier.weight"], {"architectures": ["ModernBertForMaskedLM"]})
   with pytest.raises(ValueError, match="id2label has ids"):
     hf.task_class({"architectures": [HEADS["tagging"][0]], "id2label": {"0": "O", "2": "B-X"}},
                   HEADS["tagging"][0])
@@ -384,7 +384,7 @@ def test_what_has_no_form_is_refused_naming_the_fix():
 def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, vocab, family):
   """What a tagging or span run starts from (the classification run above trains): the folder's
   encoder, the prediction head from its MLM transform, a new classifier of the family's width."""
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import init_from  # pylint: disable=import-outside-toplevel
   folder = _mlm_folder(tmp_path, vocab)
   source = weights.inspect(folder)
   spec = taskspec.TaskSpec(family, family, TAGS if family == "tagging" else ())
@@ -395,7 +395,7 @@ def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, 
   # whose shape alone is checked): the model's init traced for shapes, neither run nor compiled.
   shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), ids, ids, ids)["params"])
   fresh = jax.tree.map(lambda s: np.full(s.shape, 0.5, s.dtype), shapes)
-  start = run._encoder_loader(source)(fresh)  # pylint: disable=protected-access
+  start = init_from._encoder_loader(source)(fresh)  # pylint: disable=protected-access
   stored = weights.read(source)
   for part in ("bert", heads.PREDICTION_HEAD):
     want = stored["bert"] if part == "bert" else {k: stored["mlm"][k] for k in start[part]}

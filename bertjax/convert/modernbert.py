@@ -25,7 +25,8 @@ from bertjax.convert import hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
-from bertjax.formats import converted, hf, modernbert, outfolder, sentence_transformers
+from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
+from bertjax.formats import sentence_transformers
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -84,13 +85,13 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
     if family.modernbert_class is None:
       classes = sorted(f.modernbert_class for f in families.FAMILIES.values() if f.modernbert_class)
       raise Refusal(f"A {spec.family} model has no ModernBERT class; those exported are {classes}")
-    hf_config.update(modernbert.task_config(
+    hf_config.update(modernbert_tasks.task_config(
         source.config, cls=family.modernbert_class, outputs=family.num_outputs(spec),
         labels=spec.labels))
   folder = outfolder.ExportFolder(output)
   params = weights.read(source)
   if family is not None:
-    keep = ((weights.ENCODER, modernbert.PREDICTION_HEAD, family.head) if family.head
+    keep = ((weights.ENCODER, modernbert_tasks.PREDICTION_HEAD, family.head) if family.head
             else (weights.ENCODER,))
     params = {k: params[k] for k in keep}
   with folder:

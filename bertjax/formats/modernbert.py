@@ -18,19 +18,21 @@ Hugging Face's tensors and ours:
   mlm/decoder
 
 The commands that import and export folders are `bertjax.convert.modernbert`'s;
-bertjax/weights.py reads a ModernBERT folder through this module.
+bertjax/weights.py reads a ModernBERT folder through this module; which ModernBertFor* task class
+a folder holds, and an export's entries for one, are formats/modernbert_tasks.py's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import numpy as np
 
 from bertjax.errors import Refusal
 from bertjax.formats import hf, outfolder
+from bertjax.formats.modernbert_tasks import (CLASSIFIERS, PREDICTION_HEAD, QA_HEAD, TASK_SUBTREES,
+                                              heads_in)
 from bertjax.model_config import BertConfig
 
 MODEL_TYPE = "modernbert"
@@ -145,65 +147,6 @@ def _normalise_names(state_dict: dict) -> dict:
     return {k: np.asarray(v) for k, v in state_dict.items()}
   return {(k if k.startswith(_HEAD_PREFIXES) else "model." + k): np.asarray(v)
           for k, v in state_dict.items()}
-
-
-# transformers' task classes, by the subtree of bertjax's parameters their `classifier` goes to;
-# `head` (ModernBertPredictionHead) goes to PREDICTION_HEAD (bertjax/heads.py) in each. A class
-# keeps what a fine-tuned model does with text in config.json: `architectures`, `id2label`,
-# `problem_type`, `classifier_pooling`. A folder's are read as an `hf.TaskClass` (the family it
-# is, fine-tuning says: bertjax/finetune/families/); an export's are written by `task_config`.
-QA_HEAD = "span"  # the span head's subtree (question answering)
-_CLASSIFIERS = ("classifier", QA_HEAD)
-_CLASSIFIER_SUBTREES = {"ModernBertForSequenceClassification": "classifier",
-                        "ModernBertForTokenClassification": "classifier",
-                        "ModernBertForQuestionAnswering": QA_HEAD}
-PREDICTION_HEAD = "prediction_head"
-_TASK_SUBTREES = (PREDICTION_HEAD,) + _CLASSIFIERS
-_SEQUENCE_CLASS = "ModernBertForSequenceClassification"
-_REGRESSION = "regression"  # transformers' problem_type of a one-output sequence head
-
-
-def task_class(hf_config: dict | None) -> str | None:
-  """The task class a config.json's `architectures` names (None: a masked LM or a bare encoder)."""
-  return next((a for a in (hf_config or {}).get("architectures") or ()
-               if a in _CLASSIFIER_SUBTREES), None)
-
-
-def task_config(config: BertConfig, *, cls: str, outputs: int,
-                labels: tuple[str, ...]) -> dict[str, Any]:
-  """config.json's entries of a fine-tuned model of the class `cls` (its family's): the class,
-  the labels (LABEL_i where the head's `outputs` are not the labels), problem_type,
-  classifier_pooling and classifier_dropout (the dropout the run fine-tuned with)."""
-  if config.task_head != "modernbert":
-    raise Refusal(
-        f"This model was fine-tuned with BERT's task head (task_head={config.task_head!r}: pooled "
-        "-> dense), which transformers' ModernBertFor* classes do not have (theirs: dense, "
-        "activation, norm -> dense). Fine-tune it again with --config.model.task_head=modernbert "
-        "to export it.")
-  names = (labels if labels and len(labels) == outputs
-           else tuple(f"LABEL_{i}" for i in range(outputs)))
-  out = {"architectures": [cls],
-         "id2label": {str(i): name for i, name in enumerate(names)},
-         "label2id": {name: i for i, name in enumerate(names)},
-         "classifier_pooling": config.classifier_pooling,
-         "classifier_dropout": config.hidden_dropout}
-  if cls == _SEQUENCE_CLASS:  # transformers' own rule: one output is a regression
-    out["problem_type"] = _REGRESSION if outputs == 1 else "single_label_classification"
-  return out
-
-
-def heads_in(names, hf_config: dict | None = None) -> tuple[str, ...]:
-  """The subtrees beside the encoder that a state dict holds: the MLM head ("mlm"), or a task
-  class's prediction head and classifier (config.json's `architectures` says which class)."""
-  names = [str(n) for n in names]
-  if any(n.startswith("classifier.") for n in names):
-    cls = task_class(hf_config)
-    if cls is None:
-      raise Refusal("model.safetensors holds a task head (classifier.*) but config.json's "
-                    f"architectures={(hf_config or {}).get('architectures')} names none of "
-                    f"{sorted(_CLASSIFIER_SUBTREES)}; write the class there")
-    return (PREDICTION_HEAD, _CLASSIFIER_SUBTREES[cls])
-  return ("mlm",) if any(n.startswith("head.") for n in names) else ()
 
 
 def _norm_names(prefix: str, config: BertConfig) -> list[str]:
@@ -335,7 +278,7 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
   import jax  # pylint: disable=import-outside-toplevel
   sd = _normalise_names(state_dict)
   heads = heads_in(sd, hf_config) if heads is None else tuple(heads)
-  unknown = set(heads) - {"mlm", *_TASK_SUBTREES}
+  unknown = set(heads) - {"mlm", *TASK_SUBTREES}
   if unknown:
     raise Refusal(f"A ModernBERT folder holds no {sorted(unknown)} head; it has the MLM head "
                   "or a task class's (no next-sentence prediction)")
@@ -366,7 +309,7 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
       transform["bias"] = sd["head.dense.bias"]
     params[PREDICTION_HEAD] = {"transform": transform,
                                "transform_layer_norm": _norm_from(sd, "head.norm", config)}
-    classifier = next((h for h in heads if h in _CLASSIFIERS), None)
+    classifier = next((h for h in heads if h in CLASSIFIERS), None)
     if classifier is not None:  # not asked for where a new task starts from the class's head
       params[classifier] = {"kernel": sd["classifier.weight"].T, "bias": sd["classifier.bias"]}
   dtype = np.dtype(config.param_dtype)
@@ -429,7 +372,7 @@ def params_to_modernbert(params: dict, config: BertConfig) -> dict[str, np.ndarr
     if c.head_bias:
       sd["head.dense.bias"] = head["transform"]["bias"]
     norm("head.norm", head["transform_layer_norm"])
-    classifier = p32[next(h for h in _CLASSIFIERS if h in p32)]
+    classifier = p32[next(h for h in CLASSIFIERS if h in p32)]
     sd["classifier.weight"] = classifier["kernel"].T
     sd["classifier.bias"] = classifier["bias"]
   return {k: np.ascontiguousarray(v) for k, v in sd.items()}
