@@ -31,7 +31,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
-from bertjax import files, watchdog as watchdog_lib, weights
+from bertjax import files, watchdog as watchdog_lib, weights, weights_match
 from bertjax.data import prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
@@ -141,8 +141,8 @@ def init_from_source(source: weights.Weights, training: train.Training, data: Da
   """Pre-training's start from `source` (bertjax/weights.py reads every kind): its encoder and
   whichever pre-training heads it holds (a fine-tuning run's has none: they start fresh). A
   source of another shape or vocabulary is refused here, before anything compiles."""
-  weights.check_model(source, training.model_config)
-  weights.check_vocabulary(source, fingerprint, data.do_lower_case,
+  weights_match.check_model(source, training.model_config)
+  weights_match.check_vocabulary(source, fingerprint, data.do_lower_case,
                            vocab_file=tokenizer_lib.vocab_path_of(data),
                            allow_other=allow_other_vocab)
 
@@ -150,9 +150,9 @@ def init_from_source(source: weights.Weights, training: train.Training, data: Da
     kept = {k: v for k, v in fresh.items() if k in source.subtrees}
     return {**fresh, **weights.read(source, like=checkpoint_lib.abstract_like(kept), fresh=kept)}
 
-  said = weights.unread(source, training.abstract_state.params)
+  said = weights_match.unread(source, training.abstract_state.params)
   return Initialiser(f"parameters from checkpoint.init_from={source.describe()}: "
-                     f"{weights.describe_heads(source, training.abstract_state.params)}, "
+                     f"{weights_match.describe_heads(source, training.abstract_state.params)}, "
                      "optimizer fresh" + (f"; {said}" if said else ""), load)
 
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from bertjax import sharding, weights
+from bertjax import sharding, weights, weights_match
 from bertjax.model import BertModel, Pooler
 from bertjax.model_config import BertConfig
 
@@ -86,7 +86,7 @@ def load_pretrained(path: str, *, scan_layers: bool | None = None,
   if "pooler" in source.lacks and config.pooler:
     fresh = {ENCODER: {"pooler": _new_pooler(config, rules)}}
   encoder = weights.read(source, like={ENCODER: target}, fresh=fresh)[ENCODER]
-  said = weights.unread(source, (ENCODER,))
+  said = weights_match.unread(source, (ENCODER,))
   if said:
     logging.warning("load_pretrained(%s): the encoder; %s", path, said)
   return config, _boxed(encoder, config, rules) if boxed else encoder

@@ -41,12 +41,10 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
 
 from bertjax import checkpoint as checkpoint_lib, errors, files
-from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.formats import converted, google, hf, modernbert, tf_bundle
+from bertjax.formats import converted, google, hf, modernbert, modernbert_tasks, tf_bundle
 from bertjax.formats import vocabulary
 from bertjax.model_config import BertConfig
 
@@ -180,49 +178,6 @@ def inspect_trained(path: str, *, what: str = "path", checkpoint: str = "best") 
   return inspect(path, what=what, step=step)
 
 
-# Vocabulary and casing -------------------------------------------------------------------------
-
-def fingerprint_of(source: Weights, do_lower_case: bool) -> str | None:
-  """The vocabulary's fingerprint: as recorded with the weights, else computed from its file
-  under `do_lower_case` (the casing is part of a WordPiece fingerprint)."""
-  if source.fingerprint is not None:
-    return source.fingerprint
-  if source.vocab_file is None:
-    return None
-  return tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind,
-                                       do_lower_case).fingerprint
-
-
-def check_vocabulary(source: Weights, fingerprint: str, do_lower_case: bool, *,
-                     vocab_file: str | None = None, allow_other: bool = False) -> None:
-  """Refuses a source whose vocabulary is not the run's (`fingerprint`, from `vocab_file` under
-  `do_lower_case`): its embedding rows would index other pieces. The run's own copy of the
-  source's file passes without a second read. Differing casing alone is warned about."""
-  warn_casing(source, do_lower_case)
-  if allow_other or (vocab_file is not None and vocab_file == source.vocab_file):
-    return
-  have = fingerprint_of(source, do_lower_case)
-  if have is not None and have != fingerprint:
-    raise errors.CheckpointMismatchError(
-        f"checkpoint.init_from={source.describe()} was trained with another vocabulary "
-        f"(fingerprint {have}) than this run's (fingerprint {fingerprint}): its embedding rows "
-        "would index other pieces. Leave data.vocab_path empty to take init_from's, or set "
-        "checkpoint.init_from_other_vocab=True to take the weights anyway.")
-
-
-def warn_casing(source: Weights, do_lower_case: bool) -> None:
-  if source.do_lower_case is not None and source.do_lower_case != do_lower_case:
-    logging.warning("data.do_lower_case=%s, but init_from=%s is %s (%s).", do_lower_case,
-                    source.path, "uncased" if source.do_lower_case else "cased",
-                    source.casing_why)
-
-
-def check_model(source: Weights, config: BertConfig, what: str = "checkpoint.init_from") -> None:
-  """Refuses a source whose model differs from `config` in a shape-defining field."""
-  stored = dataclasses.asdict(dataclasses.replace(source.config, scan_layers=config.scan_layers))
-  checkpoint_lib.check_model_matches(stored, config, f"{what}={source.describe()}")
-
-
 # The kinds -------------------------------------------------------------------------------------
 
 def _inspect_workdir(workdir: str, folder: str, step: int | None, what: str) -> Weights:
@@ -327,10 +282,10 @@ def _inspect_modernbert(folder: str, what: str) -> Weights:
   names = _safetensors_names(folder, what)
   try:
     config = modernbert.config_from_modernbert(hf_config)
-    cls = modernbert.task_class(hf_config)
+    cls = modernbert_tasks.task_class(hf_config)
     # A fine-tuned class (ModernBertFor...) says its task as a workdir's task.json does.
     task = None if cls is None else hf.task_class(hf_config, cls)
-    heads = modernbert.heads_in(names, hf_config)
+    heads = modernbert_tasks.heads_in(names, hf_config)
   except ValueError as err:
     raise Refusal(f"{what}={folder}: {err}") from None
   # Its tokenizer.json (byte-level BPE), as a BERT folder's vocab.txt; a vocab.txt wins.
@@ -471,28 +426,3 @@ def _replicated_like(tree) -> jax.sharding.Sharding | None:
     if isinstance(leaf.sharding, jax.sharding.NamedSharding):
       return jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
   return None
-
-
-def describe_heads(source: Weights, wanted) -> str:
-  """Which of `wanted` (a model's heads) the source gives, for the console."""
-  given = [h for h in wanted if h != ENCODER and h in source.subtrees]
-  fresh = [h for h in wanted if h != ENCODER and h not in source.subtrees]
-  parts = ["encoder"] + given
-  return " + ".join(parts) + (f" (heads {', '.join(fresh)} new: the source has none)"
-                              if fresh else "")
-
-
-def unread(source: Weights, taken) -> str:
-  """What a reader of the subtrees `taken` leaves of a fine-tuned `source`, and starts fresh, for
-  the console ("" where nothing): its task head (named by its class where config.json names one;
-  pre-training's heads go unsaid) and the pooler its class never built."""
-  left = [s for s in source.subtrees if s not in (ENCODER, *hf.HEAD_PREFIXES, *taken)]
-  task, said = source.task_class, []
-  if left or task is not None:
-    what = ", ".join(left + ([f"{len(task.labels)} labels"] if task and task.labels else []))
-    name = f"its {task.architecture} head" if task and task.architecture else "its task head"
-    said.append(name + (f" ({what})" if what else "") + " not read")
-  if "pooler" in source.lacks:
-    said.append("its pooler new (the class builds none)")
-  return "; ".join(said)
-

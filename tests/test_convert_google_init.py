@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax import checkpoint as checkpoint_lib, errors, loop, train, weights
+from bertjax import checkpoint as checkpoint_lib, errors, loop, train, weights, weights_match
 from bertjax.convert import google as convert_google
 from bertjax.formats import google
 from bertjax.finetune import run
@@ -96,12 +96,12 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
   with pytest.raises(errors.CheckpointMismatchError,
                      match="hidden_size: checkpoint 32 vs config 64; model.intermediate_size: "
                      "checkpoint 64 vs config 128"):
-    weights.check_model(source, bigger)
+    weights_match.check_model(source, bigger)
   with pytest.raises(errors.CheckpointMismatchError,
                      match=r"was trained with another vocabulary \(fingerprint wordpiece-410-\w+\) "
                      r"than this run's \(fingerprint wordpiece-410-0123\).* set "
                      "checkpoint.init_from_other_vocab=True"):
-    weights.check_vocabulary(source, "wordpiece-410-0123", True)
+    weights_match.check_vocabulary(source, "wordpiece-410-0123", True)
 
 
 def test_finetuning_starts_from_a_google_folder(tmp_path, one_device, monkeypatch):

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from bertjax import taskspec, weights
-from bertjax.finetune import families, run
+from bertjax.finetune import families, init_from, run
 from test_convert_modernbert import randomised
 from test_modernbert_heads import BASE
 
@@ -131,7 +131,7 @@ def test_finetuning_init_from_takes_the_encoder(folders, name):
   # taken from the folder cannot pass for one left new.
   shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0), ids, ids, ids)))
   fresh = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), shapes["params"])
-  origin, init = run.initialiser(source, source.config, "tagging")
+  origin, init = init_from.initialiser(source, source.config, "tagging")
   got = init.load(fresh)
   _assert_the_encoder(_flat(got["bert"]), name, folders[name])
   if name in NO_POOLER:  # the model's own new pooler, not another

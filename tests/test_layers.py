@@ -13,7 +13,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
   formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
             folder an export writes) and
             taskspec (the task spec a checkpoint carries): parsing, no reader of folders
-  weights   weights (the one reader of a weights folder)
+  weights   weights (the one reader of a weights folder), weights_match (a folder against the run)
   runs      loop, pretrained, aot, benchmark, benchmark_hf, benchmark_commands, evaluate_mlm,
             pretrain, main
   finetune  finetune/
@@ -51,7 +51,7 @@ LAYERS = (
     ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint",
               "bertjax.contrastive_training")),
     ("formats", ("bertjax.formats", "bertjax.taskspec")),
-    ("weights", ("bertjax.weights",)),
+    ("weights", ("bertjax.weights", "bertjax.weights_match")),
     ("runs", ("bertjax.loop", "bertjax.pretrained", "bertjax.aot", "bertjax.benchmark",
               "bertjax.benchmark_hf", "bertjax.benchmark_commands", "bertjax.evaluate_mlm",
               "bertjax.pretrain", "bertjax.main")),

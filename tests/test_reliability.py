@@ -21,7 +21,7 @@ import pytest
 from bertjax import checkpoint as checkpoint_lib, errors, files, weights
 from bertjax.data.config import DataConfig
 from bertjax.model import BertConfig
-from bertjax.finetune import run
+from bertjax.finetune import init_from, run
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 
 
@@ -408,13 +408,13 @@ def test_fine_tuning_keeps_the_casing_a_hugging_face_folder_records(tmp_path):
   config = fx.ft_config("rte", str(tmp_path))
   assert config.data.do_lower_case is None
   data = FinetuneDataConfig.from_config(config.data)
-  tokenizer, path, lower = run.resolve_tokenizer(data, source, allow_other_vocab=False)
+  tokenizer, path, lower = init_from.resolve_tokenizer(data, source, allow_other_vocab=False)
   assert (path, lower) == (vocab, False)
   word = next(w for w in open(vocab).read().split()
               if w.isalpha() and w.islower() and len(w) > 2)  # a whole lower-case word
   assert tokenizer.tokenize(word.upper()) != tokenizer.tokenize(word)
   data = dataclasses.replace(data, do_lower_case=True)  # the user's choice wins
-  assert run.resolve_tokenizer(data, source, allow_other_vocab=False)[2] is True
+  assert init_from.resolve_tokenizer(data, source, allow_other_vocab=False)[2] is True
 
 
 # 3. SQuAD answers are text of their contexts, whatever the script -------------------------------
@@ -544,7 +544,7 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
   assert (source.kind, source.subtrees) == ("google", ("bert",))
   fresh = jax.tree.map(np.zeros_like, weights.read(source))
   fresh["classifier"] = {"kernel": np.zeros((128, 2), np.float32)}
-  started = run._encoder_loader(source)(fresh)  # what fine-tuning's first step starts from
+  started = init_from._encoder_loader(source)(fresh)  # what fine-tuning's first step starts from
   np.testing.assert_array_equal(started["bert"]["embeddings"]["word_embeddings"]["embedding"],
                                 variables["bert/embeddings/word_embeddings"])
   np.testing.assert_array_equal(started["bert"]["pooler"]["dense"]["kernel"],

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, loop, train, weights
+from bertjax import checkpoint as checkpoint_lib, loop, train, weights, weights_match
 from bertjax.convert import google as convert_google, hf as convert_hf
 from bertjax.formats import google, hf
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import run
+from bertjax.finetune import init_from
 from bertjax.heads import BertForPreTraining
 from bertjax.pretrained import load_pretrained
 from bertjax.sharding import MeshConfig
@@ -96,7 +96,7 @@ def _callers(tmp_path):
     source = weights.inspect(path, what="checkpoint.init_from")
     data = type("Data", (), {"do_lower_case": False, "vocab_path": source.vocab_file,
                              "tokenizer": "wordpiece", "source": ""})()
-    fingerprint = weights.fingerprint_of(source, False)
+    fingerprint = weights_match.fingerprint_of(source, False)
     init = loop.init_from_source(source, training, data, fingerprint, False)
     got = init.load(fresh)
     assert sorted(got) == ["bert", "mlm", "nsp"]
@@ -105,7 +105,7 @@ def _callers(tmp_path):
   def finetuning(path):
     source = weights.inspect(path, what="checkpoint.init_from")
     _, fresh = _zeros(scan=False)
-    return jax.device_get(run._encoder_loader(source)({"bert": fresh["bert"]})["bert"])
+    return jax.device_get(init_from._encoder_loader(source)({"bert": fresh["bert"]})["bert"])
 
   def google_export(path):
     out = str(tmp_path / f"google-{len(os.listdir(tmp_path))}")
@@ -170,13 +170,13 @@ def test_a_damaged_folder_is_refused_with_one_message_by_every_caller(folders, k
 
 def test_reading_a_local_folder_of_any_kind_imports_no_tensorflow(folders):
   paths, _ = folders
-  code = ("import sys\nfrom bertjax import weights\nfrom bertjax.pretrained import "
+  code = ("import sys\nfrom bertjax import weights, weights_match\nfrom bertjax.pretrained import "
           "load_pretrained\n"
           f"for path in {list(paths[k] for k in KINDS)!r}:\n"
           "  source = weights.inspect(path)\n"
           "  weights.read(source)\n"
           "  load_pretrained(path)\n"
-          "  weights.fingerprint_of(source, False)\n"
+          "  weights_match.fingerprint_of(source, False)\n"
           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow'))\n")
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
