@@ -41,7 +41,7 @@ import numpy as np
 from absl import app, flags
 
 from bertjax import cli, flops, predict, prediction_rows, taskspec
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import families
 from bertjax.finetune.families import classification
 from bertjax.formats import converted
@@ -259,7 +259,7 @@ def _tiny_workdir(root: str) -> str:
   converted.save_params(folder, params, cfg)
   lower = True
   fingerprint = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower).fingerprint
-  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, folder, lower)
+  vocab_record.copy_to_workdir(vocab, "wordpiece", fingerprint, folder, lower)
   taskspec.write(taskspec.TaskSpec("bench", "classification", ("a", "b"), 128), folder)
   return folder
 

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
 from bertjax import files, watchdog as watchdog_lib, weights, weights_match
-from bertjax.data import prepare, storage, tokenizer as tokenizer_lib
+from bertjax.data import prepare, storage, tokenizer as tokenizer_lib, vocab_record
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 
@@ -386,7 +386,7 @@ def keep_vocabulary(vocab_file: str, kind: str, fingerprint: str, workdir: str,
   """The run's vocabulary copied beside its checkpoints (process 0 writes), so that the workdir
   alone can be fine-tuned or continued elsewhere."""
   if jax.process_index() == 0:
-    tokenizer_lib.copy_to_workdir(vocab_file, kind, fingerprint, workdir, do_lower_case)
+    vocab_record.copy_to_workdir(vocab_file, kind, fingerprint, workdir, do_lower_case)
 
 
 def say(text: str, prefix: bool = True) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from bertjax import errors, loop, train
 from bertjax.formats import converted
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import run
 from bertjax.heads import BertForPreTraining
 from bertjax.model import BertConfig
@@ -48,7 +48,7 @@ def test_encoder_and_vocabulary_come_from_a_converted_folder(tmp_path, monkeypat
   for path, value in want:
     np.testing.assert_array_equal(np.asarray(got[path]), value, err_msg=str(path))
   # The folder's vocab.txt became the run's (copied into the workdir with its fingerprint).
-  record = (tmp_path / "ft" / tokenizer_lib.WORKDIR_RECORD).read_text()
+  record = (tmp_path / "ft" / vocab_record.WORKDIR_RECORD).read_text()
   assert tokenizer_lib.load_tokenizer(os.path.join(folder, "vocab.txt")).fingerprint in record
 
   # Another vocabulary than the folder's is refused, naming both fingerprints.

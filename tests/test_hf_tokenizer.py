@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bertjax import predict as predict_lib, weights
-from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib
+from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import run
 from bertjax.formats import vocabulary
 from bertjax.inputs import pairs, questions, tagged, word_windows
@@ -272,11 +272,11 @@ def test_hugging_faces_tokenizer_json_is_not_taken_for_bertjaxs_record(tok_file,
   folder.mkdir()
   write_vocab(str(folder / "vocab.txt"), ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
   shutil.copyfile(tok_file, folder / "tokenizer.json")
-  assert tokenizer_lib.read_record(str(folder)) is None
+  assert vocab_record.read_record(str(folder)) is None
   assert vocabulary.folder_casing(str(folder))[0] is False
   (folder / "tokenizer.json").write_text(json.dumps(
       {"file": "vocab.txt", "kind": "wordpiece", "do_lower_case": True, "fingerprint": "x"}))
-  assert tokenizer_lib.read_record(str(folder))["fingerprint"] == "x"
+  assert vocab_record.read_record(str(folder))["fingerprint"] == "x"
   assert vocabulary.folder_casing(str(folder))[0] is True
 
 
@@ -366,7 +366,7 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
   table = weights.read(source)[weights.ENCODER]["embeddings"]["word_embeddings"]["embedding"]
   np.testing.assert_array_equal(
       builds.first_params[weights.ENCODER]["embeddings"]["word_embeddings"]["embedding"], table)
-  record = tokenizer_lib.read_record(workdir)
+  record = vocab_record.read_record(workdir)
   assert record["kind"] == "huggingface" and record["file"] == "hf_tokenizer.json"
   tok = tokenizer_lib.load_vocabulary(tok_file)
   assert record["fingerprint"] == tok.fingerprint

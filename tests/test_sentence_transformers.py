@@ -14,7 +14,7 @@ import transformers
 
 from bertjax.contrastive import BiEncoder, ContrastiveConfig
 from bertjax.convert import hf as convert_hf, modernbert as convert_modernbert
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.formats import converted, modernbert, outfolder
 from bertjax.formats.sentence_transformers import SentenceVectors
@@ -65,7 +65,7 @@ def _workdir(tmp_path, config_of, settings):
   params = random_params(nn.unbox(abstract), seed=1)
   folder = str(tmp_path / "run")
   converted.save_params(folder, {"bert": params["bert"]}, config)
-  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", tok.fingerprint, folder, True)
+  vocab_record.copy_to_workdir(vocab, "wordpiece", tok.fingerprint, folder, True)
   return folder, config, params, tok
 
 

@@ -18,7 +18,7 @@ import pytest
 from bertjax import checkpoint as checkpoint_lib, loop, train, weights, weights_match
 from bertjax.convert import google as convert_google, hf as convert_hf
 from bertjax.formats import google, hf
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import init_from
 from bertjax.heads import BertForPreTraining
 from bertjax.pretrained import load_pretrained
@@ -47,7 +47,7 @@ def _workdir(root, params, vocab, lower):
   ckpt.save(7, {"params": params, "opt_state": {"mu": jax.tree.map(np.zeros_like, params)}},
             {**expected.meta(), "step": 7}, force=True)
   ckpt.close()
-  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, workdir, lower)
+  vocab_record.copy_to_workdir(vocab, "wordpiece", fingerprint, workdir, lower)
   return workdir
 
 

@@ -29,7 +29,7 @@ import os
 from absl import logging
 
 from bertjax import files, weights
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.formats import converted, google, tf_bundle, vocabulary
 
@@ -93,7 +93,7 @@ def import_folder(ckpt_dir: str, output: str, *, do_lower_case: bool | None = No
 
 
 def _write_vocabulary(vocab: str, fingerprint: str, output: str, lower: bool) -> None:
-  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
+  vocab_record.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
 
 
 def export_folder(params_path: str, output: str) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import shutil
 
 from bertjax import files, taskspec, weights
-from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
+from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.finetune import families
 from bertjax.formats import converted, hf, outfolder, sentence_transformers
@@ -54,7 +54,7 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
 
 def _write_vocabulary(vocab: str, output: str, lower: bool) -> None:
   fingerprint = tokenizer_lib.load_vocabulary(vocab, "wordpiece", lower).fingerprint
-  tokenizer_lib.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
+  vocab_record.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
 
 
 def export_folder(params_path: str, output: str, checkpoint: str = "best",

@@ -22,7 +22,7 @@ import os
 
 from bertjax import taskspec, weights
 from bertjax.convert import hf as convert_hf
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.finetune import families
 from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
@@ -40,7 +40,7 @@ def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str
   said = "no tokenizer"
   if source.vocab_file is not None:  # the vocabulary travels with the weights it indexes
     tok = tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind, source.lower)
-    tokenizer_lib.copy_to_workdir(source.vocab_file, tok.kind, tok.fingerprint, output,
+    vocab_record.copy_to_workdir(source.vocab_file, tok.kind, tok.fingerprint, output,
                                   source.lower, replace=True)
     said = f"{os.path.basename(source.vocab_file)} ({tok.kind})"
   spec = families.spec_of(source)

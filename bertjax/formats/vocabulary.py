@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 
 from bertjax import files
-from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib
+from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib, vocab_record
 
 # Written beside a vocabulary copy (data.tokenizer); Hugging Face names its own file so too.
-TOKENIZER_RECORD = tokenizer_lib.WORKDIR_RECORD
+TOKENIZER_RECORD = vocab_record.WORKDIR_RECORD
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 # The folder's record, None where it has none (or holds Hugging Face's tokenizer.json instead).
-record = tokenizer_lib.read_record
+record = vocab_record.read_record
 
 
 def lower_case_from_name(name: str) -> bool | None:
