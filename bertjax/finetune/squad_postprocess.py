@@ -95,6 +95,42 @@ def _best_span(context: str, features: dict, start_FxL, end_FxL, rows: slice,
   return None
 
 
+def _example_bounds(num_examples: int, features: dict, start_FxL, end_FxL) -> np.ndarray:
+  """Where each example's features begin (and, last, their count), the logits and features
+  checked against each other and the examples."""
+  F, L = features["input_ids"].shape
+  if start_FxL.shape != (F, L) or end_FxL.shape != (F, L):
+    raise ValueError(f"Logits of shapes {start_FxL.shape} and {end_FxL.shape} do not match the "
+                     f"{F} features of length {L}; pass the start/end logits of every feature, in "
+                     f"the order of make_features (pad batches, then drop the padding rows).")
+  example_F = features["example_index"]
+  bounds = np.searchsorted(example_F, np.arange(num_examples + 1))
+  if F and (np.any(np.diff(example_F) < 0) or np.any(np.diff(bounds[:-1]) == 0)
+            or bounds[-1] != F):
+    raise ValueError(f"The features do not belong to these {num_examples} examples (each needs "
+                     f"at least one feature, in order); make them with make_features(examples).")
+  return bounds
+
+
+def _ranked_entries(context: str, candidates: range, null_at: int | None, null, char_start_C,
+                    char_end_C, start_C, end_C, n_best_size: int):
+  """One example's n-best entries, best first: (text, start logit, end logit, its first character
+  in the context) of each candidate (`candidates`, ranked) whose text is new, with `null` (v2.0's
+  empty answer, its first character -1) placed at rank `null_at`; at most `n_best_size`."""
+  seen, c = set(), candidates.start
+  while len(seen) < n_best_size and (c < candidates.stop or c == null_at):
+    if c == null_at:
+      seen.add("")
+      null_at = None
+      yield null + (-1,)
+      continue
+    text, first = _span_text(context, char_start_C[c], char_end_C[c])
+    if text and text not in seen:
+      seen.add(text)
+      yield text, float(start_C[c]), float(end_C[c]), int(first)
+    c += 1
+
+
 def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_FxL,
                 end_logits_FxL, *, n_best_size: int = N_BEST_SIZE,
                 max_answer_length: int = MAX_ANSWER_LENGTH, version_2_with_negative: bool = False,
@@ -113,17 +149,8 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
   """
   start_FxL = np.asarray(start_logits_FxL, np.float32)
   end_FxL = np.asarray(end_logits_FxL, np.float32)
-  F, L = features["input_ids"].shape
-  if start_FxL.shape != (F, L) or end_FxL.shape != (F, L):
-    raise ValueError(f"Logits of shapes {start_FxL.shape} and {end_FxL.shape} do not match the "
-                     f"{F} features of length {L}; pass the start/end logits of every feature, in "
-                     f"the order of make_features (pad batches, then drop the padding rows).")
   example_F = features["example_index"]
-  bounds = np.searchsorted(example_F, np.arange(len(examples) + 1))
-  if F and (np.any(np.diff(example_F) < 0) or np.any(np.diff(bounds[:-1]) == 0)
-            or bounds[-1] != F):
-    raise ValueError(f"The features do not belong to these {len(examples)} examples (each needs "
-                     f"at least one feature, in order); make them with make_features(examples).")
+  bounds = _example_bounds(len(examples), features, start_FxL, end_FxL)
 
   f_C, s_C, e_C = _candidates(features, start_FxL, end_FxL, n_best_size, max_answer_length)
   start_C = start_FxL[f_C, s_C].astype(np.float64)
@@ -142,8 +169,7 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
   answer_starts, scores = {}, {}
   for ex_i, ex in enumerate(examples):
     lo, hi = cand_bounds[ex_i], cand_bounds[ex_i + 1]
-    entries, seen = [], set()  # entries: (text, start_logit, end_logit)
-    starts = {}  # text -> its first character in the context
+    null_at = null = None
     if version_2_with_negative:
       f_null = bounds[ex_i] + int(np.argmin(null_F[bounds[ex_i]:bounds[ex_i + 1]]))
       null = ("", float(start_FxL[f_null, 0]), float(end_FxL[f_null, 0]))
@@ -151,21 +177,11 @@ def postprocess(examples: Sequence[SquadExample], features: dict, start_logits_F
       # The original appends the null candidate last and sorts stably: it ranks after every
       # candidate scoring at least as much.
       null_at = lo + int(np.sum(score_C[lo:hi] >= score_null))
-    else:
-      null_at = None
-    c = lo
-    while len(entries) < n_best_size and (c < hi or c == null_at):
-      if c == null_at:
-        entries.append(null)
-        seen.add("")
-        null_at = None
-        continue
-      text, first = _span_text(ex.context, char_start_C[c], char_end_C[c])
-      if text and text not in seen:
-        seen.add(text)
-        starts[text] = int(first)
-        entries.append((text, float(start_C[c]), float(end_C[c])))
-      c += 1
+    ranked = list(_ranked_entries(ex.context, range(lo, hi), null_at, null, char_start_C,
+                                  char_end_C, start_C, end_C, n_best_size))
+    entries = [r[:3] for r in ranked]  # (text, start_logit, end_logit)
+    seen = {r[0] for r in ranked}
+    starts = {r[0]: r[3] for r in ranked if r[0]}  # text -> its first character in the context
     if not any(t for t, _, _ in entries):
       # No candidate among the top n_best starts and ends (a short context, an untrained model):
       # the original answers its nonce "empty", which is no text of the context; the best span

@@ -108,6 +108,41 @@ def _placement(mesh: Mesh, num_trials: int, batch_size: int) -> tuple[P, P]:
   return P(), P()
 
 
+def _stacked(abstract_one: train.TrainState, T: int, stacked: NamedSharding,
+             replicated: NamedSharding) -> tuple[train.TrainState, train.TrainState]:
+  """The abstract state of `T` trials (each array of one trial's with a leading trial axis,
+  placed `stacked`; the step shared, `replicated`) and its shardings."""
+  def stack_spec(tree):
+    return jax.tree.map(lambda _: stacked, tree)
+
+  def stack_shape(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((T,) + x.shape, x.dtype, sharding=stacked),
+                        tree)
+
+  abstract_state = train.TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+      params=stack_shape(abstract_one.params), opt_state=stack_shape(abstract_one.opt_state))
+  state_shardings = train.TrainState(step=replicated, params=stack_spec(abstract_one.params),
+                                     opt_state=stack_spec(abstract_one.opt_state))
+  return abstract_state, state_shardings
+
+
+def _one_trial_step(base: train.TrainConfig, model, objective: train.Objective, params, opt_state,
+                    step, batch, rng, hp):
+  """One trial's train step under its own settings `hp`; a trial past its total steps keeps its
+  parameters and optimizer state (its metrics are left out by `live`)."""
+  tx, schedule = optimizer_lib.create_optimizer(
+      base, learning_rate=hp["learning_rate"], warmup_steps=hp["warmup"],
+      total_steps=hp["total"], weight_decay=hp["weight_decay"])
+  tx = optimizer_lib.frozen(tx, objective.frozen)
+  state = train.TrainState(step=step, params=params, opt_state=opt_state)
+  new, metrics = train.train_step(state, batch, rng, model=model, tx=tx, schedule=schedule,
+                                  num_microbatches=base.num_microbatches, objective=objective)
+  live = step < hp["total"]
+  keep = functools.partial(jax.tree.map, lambda a, b: jnp.where(live, a, b))
+  return keep(new.params, params), keep(new.opt_state, opt_state), metrics, live
+
+
 def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Trial],
           per_epoch: int, mesh: Mesh, objective: train.Objective,
           vectorize: bool | None = None) -> TrialsTraining:
@@ -135,19 +170,7 @@ def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Tr
   replicated = NamedSharding(mesh, P())
   batch_sh = NamedSharding(mesh, batch_spec)
 
-  def stack_spec(tree):
-    return jax.tree.map(lambda _: stacked, tree)
-
-  abstract_one = single.abstract_state
-  abstract_state = train.TrainState(
-      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-      params=jax.tree.map(lambda x: jax.ShapeDtypeStruct((T,) + x.shape, x.dtype,
-                                                         sharding=stacked), abstract_one.params),
-      opt_state=jax.tree.map(lambda x: jax.ShapeDtypeStruct((T,) + x.shape, x.dtype,
-                                                            sharding=stacked),
-                             abstract_one.opt_state))
-  state_shardings = train.TrainState(step=replicated, params=stack_spec(abstract_one.params),
-                                     opt_state=stack_spec(abstract_one.opt_state))
+  abstract_state, state_shardings = _stacked(single.abstract_state, T, stacked, replicated)
 
   def init_state(_rng):
     # Each trial's head from its own seed's init stream, as alone; the step shared.
@@ -157,17 +180,7 @@ def build(model_config: BertConfig, base: train.TrainConfig, trials: Sequence[Tr
     return jax.device_put(train.TrainState(step=jnp.zeros([], jnp.int32), params=params,
                                            opt_state=opt_state), state_shardings)
 
-  def one_trial(params, opt_state, step, batch, rng, hp):
-    tx, schedule = optimizer_lib.create_optimizer(
-        base, learning_rate=hp["learning_rate"], warmup_steps=hp["warmup"],
-        total_steps=hp["total"], weight_decay=hp["weight_decay"])
-    tx = optimizer_lib.frozen(tx, objective.frozen)
-    state = train.TrainState(step=step, params=params, opt_state=opt_state)
-    new, metrics = train.train_step(state, batch, rng, model=model, tx=tx, schedule=schedule,
-                                    num_microbatches=base.num_microbatches, objective=objective)
-    live = step < hp["total"]
-    keep = functools.partial(jax.tree.map, lambda a, b: jnp.where(live, a, b))
-    return keep(new.params, params), keep(new.opt_state, opt_state), metrics, live
+  one_trial = functools.partial(_one_trial_step, base, model, objective)
 
   def step_fn(state, batch, _rng):
     if side_by_side:
