@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from bertjax import dropout
 # Picking rows' states at positions is attention's (the encoder's last layer does it too).
 from bertjax.attention import gather_positions
-from bertjax.model import EMBED_TO_EMBED, BertModel, dense, layer_norm, zeros
+from bertjax.model import BertModel
+from bertjax.primitives import EMBED_TO_EMBED, dense, layer_norm, zeros
 from bertjax.model_config import ACTIVATIONS, BertConfig
 
 

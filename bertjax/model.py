@@ -1,4 +1,5 @@
-"""The BERT encoder as Flax linen modules: BertConfig, embeddings, attention, MLP, layers, BertModel.
+"""The BERT encoder as Flax linen modules: embeddings, attention, MLP, layers, BertModel (its config:
+model_config.py; the initialisers, norm and Dense it is built of: primitives.py).
 
 Semantics follow the original release (arXiv:1810.04805, google-research/bert): post-LN layers,
 learned absolute positions, segment embeddings, LayerNorm eps 1e-12, exact-erf GELU by default,
@@ -16,112 +17,14 @@ mesh axes): "vocab", "embed" (D), "heads" (N), "kv" (K), "mlp" (F), "layers" (sc
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bertjax import attention, dropout, residuals, sharding
 from bertjax.attention import apply_rope, rope_tables
 from bertjax.model_config import ACTIVATIONS, REMAT_POLICIES, BertConfig
-
-
-def _kernel_init(config: BertConfig, names):
-  # The original's tf.truncated_normal_initializer(0.02): normal with stddev 0.02, re-drawn beyond
-  # two standard deviations (so the sample stddev is ~0.0176). jax's initializer is the same one.
-  init = nn.initializers.truncated_normal(stddev=config.initializer_range)
-  return nn.with_logical_partitioning(init, names)
-
-
-def sinusoidal_init(config: BertConfig):
-  """A start for the learned position table: the Transformer's sines and cosines (Vaswani et al.,
-  2017), scaled so that their root mean square over a period is `initializer_range`.
-
-  With it the offset between two positions is a fixed rotation of their embeddings from step one,
-  so attention can look at neighbouring tokens without first having to discover an order in a
-  random table; the table is still trained as BERT's is.
-  """
-  def init(key, shape, dtype=jnp.float32):
-    del key
-    length, width = shape
-    half = width // 2  # an odd width leaves its last column at zero
-    angle_PxH = np.arange(length)[:, None] / 10000.0 ** (2 * np.arange(half)[None, :] / width)
-    table_PxD = np.zeros(shape, np.float64)
-    table_PxD[:, 0:2 * half:2], table_PxD[:, 1:2 * half:2] = np.sin(angle_PxH), np.cos(angle_PxH)
-    return jnp.asarray(table_PxD * config.initializer_range * np.sqrt(2.0), dtype)
-  return nn.with_logical_partitioning(init, (None, "embed"))
-
-
-def zeros(names):
-  """Zero init carrying logical axis names (public: the heads use it too)."""
-  return nn.with_logical_partitioning(nn.initializers.zeros_init(), names)
-
-
-def _ones(names):
-  return nn.with_logical_partitioning(nn.initializers.ones_init(), names)
-
-
-def layer_norm(config: BertConfig, name: str) -> nn.Module:
-  """The config's norm (LayerNorm or RMSNorm). Names keep "layer_norm" so that the optimizer's
-  decay mask (bertjax/optimizer.py) excludes them whatever the type."""
-  # Statistics in float32 whatever the compute dtype (said explicitly: the dtype policy must not
-  # hang on a library default); the output goes back to the compute dtype.
-  if config.norm_type == "rmsnorm":
-    return nn.RMSNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
-                      param_dtype=config.storage_dtype, scale_init=_ones(("embed",)),
-                      force_float32_reductions=True, name=name)
-  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype,
-                      param_dtype=config.storage_dtype, scale_init=_ones(("embed",)),
-                      use_bias=config.norm_bias, bias_init=zeros(("embed",)),
-                      force_float32_reductions=True, name=name)
-
-
-# Logical names of a D -> D kernel (pooler, MLM transform). Only one dimension may be "embed" (a
-# mesh axis appears once in a PartitionSpec); the output takes it, as every other D output of the
-# model does (attention output, MLP output), so the kernel, its bias and the LayerNorm after it
-# are laid out alike. "mlp" would split D over `tensor` as if it were the F of the MLP.
-EMBED_TO_EMBED = (None, "embed")
-
-
-class Dense(nn.Module):
-  """x @ kernel + bias, contracting `axis` of x with the leading axes of the kernel.
-
-  Written out rather than nn.DenseGeneral because that one initialises a flattened 2-D kernel,
-  whose logical names (one per real axis) then fail the sharding constraint under a mesh.
-  """
-
-  config: BertConfig
-  features: int | tuple[int, ...]
-  names: tuple[str | None, ...]  # logical axis names of the kernel
-  axis: int | tuple[int, ...] = -1
-  out_dtype: Any = None  # dtype of the result (and of the accumulation): the compute dtype if None
-  kernel_init: Any = None  # the kernel initialiser (boxed with `names`); None: the config's normal
-  use_bias: bool = True
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.config
-    features = tuple(np.atleast_1d(self.features).tolist())
-    axes = tuple(a % x.ndim for a in np.atleast_1d(self.axis).tolist())
-    init = (_kernel_init(cfg, self.names) if self.kernel_init is None
-            else nn.with_logical_partitioning(self.kernel_init, self.names))
-    kernel = self.param("kernel", init,
-                        tuple(x.shape[a] for a in axes) + features, cfg.storage_dtype)
-    out_dtype = cfg.compute_dtype if self.out_dtype is None else jnp.dtype(self.out_dtype)
-    y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
-                            ((axes, tuple(range(len(axes)))), ((), ())),
-                            preferred_element_type=out_dtype)
-    if not self.use_bias:
-      return y
-    bias = self.param("bias", zeros(self.names[len(axes):]), features, cfg.storage_dtype)
-    return y + bias.astype(out_dtype)
-
-
-def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None,
-          kernel_init=None, use_bias: bool = True) -> Dense:
-  return Dense(config, features, tuple(names), axis, out_dtype, kernel_init, use_bias, name=name)
+from bertjax.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
@@ -147,17 +50,17 @@ class Embeddings(nn.Module):
     cfg = self.config
     self.word_embeddings = nn.Embed(
         cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
-        embedding_init=_kernel_init(cfg, ("vocab", "embed")))
+        embedding_init=normal_init(cfg, ("vocab", "embed")))
     if cfg.position_embedding == "learned":
       self.position_embeddings = nn.Embed(
           cfg.max_position_embeddings, cfg.hidden_size, dtype=cfg.compute_dtype,
           param_dtype=cfg.storage_dtype,
           embedding_init=(sinusoidal_init(cfg) if cfg.position_init == "sinusoidal"
-                          else _kernel_init(cfg, (None, "embed"))))
+                          else normal_init(cfg, (None, "embed"))))
     if cfg.type_vocab_size:
       self.token_type_embeddings = nn.Embed(
           cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
-          param_dtype=cfg.storage_dtype, embedding_init=_kernel_init(cfg, (None, "embed")))
+          param_dtype=cfg.storage_dtype, embedding_init=normal_init(cfg, (None, "embed")))
     if cfg.embedding_norm:
       self.layer_norm = layer_norm(cfg, "layer_norm")
     self.dropout = dropout.Dropout(cfg.hidden_dropout)
