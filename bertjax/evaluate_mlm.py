@@ -17,7 +17,7 @@ import json
 import jax
 from absl import app, flags
 
-from bertjax import checkpoint as checkpoint_lib, cli, loop, train, weights
+from bertjax import checkpoint as checkpoint_lib, cli, pretrain_job, train, weights
 from bertjax.configs import tiny
 from bertjax.data import pipeline
 from bertjax.data.config import DataConfig
@@ -29,7 +29,7 @@ def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:
   `data`'s held-out split, in batches of configs/tiny.py's 8."""
   source = weights.inspect(workdir, what="workdir")
   config = tiny.get_config()  # its model, train and mesh sections; `data` is the data
-  tok, manifest = loop.prepare_data(data)
+  tok, manifest = pretrain_job.prepare_data(data)
   if source.fingerprint and source.fingerprint != manifest["settings"]["tokenizer_fingerprint"]:
     raise Refusal(f"{workdir} was trained with another vocabulary than --data_config's.")
   for key, value in dataclasses.asdict(source.config).items():
@@ -40,11 +40,11 @@ def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:
   params = weights.read(source, like={k: like[k] for k in like if k in source.subtrees})
   state = training.init_state(jax.random.key(0))
   state = state.replace(params={**state.params, **params})
-  batches = loop.model_batches(
+  batches = pretrain_job.model_batches(
       pipeline.make_pipeline(data, tok, split="eval", seed=data.prepare_seed,
                              global_batch_size=training.train_config.batch_size),
       data.nsp)
-  out = loop.evaluate(training, state, batches, sequences)
+  out = pretrain_job.evaluate(training, state, batches, sequences)
   return {"workdir": workdir, "step": source.step, "mlm_accuracy": float(out["mlm_accuracy"]),
           "mlm_loss": float(out["mlm_loss"]), "sequences": int(out.get("num_sequences", 0))}
 

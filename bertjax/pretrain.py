@@ -18,9 +18,10 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   cli.start(argv)
-  # lazy: loop imports TensorFlow (tf.data); cli.start sets its log level and oneDNN switch first.
-  from bertjax import loop  # pylint: disable=import-outside-toplevel
-  cli.explained(loop.train_and_evaluate, FLAGS.config, FLAGS.workdir)
+  # lazy: pretrain_job imports TensorFlow (tf.data); cli.start sets its log level and oneDNN
+  # switch first.
+  from bertjax import pretrain_job  # pylint: disable=import-outside-toplevel
+  cli.explained(pretrain_job.train_and_evaluate, FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":

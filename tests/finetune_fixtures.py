@@ -18,7 +18,7 @@ import tempfile
 import jax
 import pytest
 
-from bertjax import loop, train
+from bertjax import pretrain_job, train
 from bertjax.configs import finetune as finetune_config
 from bertjax.configs import tiny
 from test_data_fixtures import WORDS, data_section
@@ -76,7 +76,7 @@ def _pretrain(root: str, steps: int) -> str:
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(train, "from_config", lambda config, devices=None, **kw: real(
         config, jax.devices()[:1], **kw))
-    loop.train_and_evaluate(config, workdir)
+    pretrain_job.train_and_evaluate(config, workdir)
   return workdir
 
 

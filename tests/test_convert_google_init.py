@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax import checkpoint as checkpoint_lib, errors, loop, train, weights, weights_match
+from bertjax import checkpoint as checkpoint_lib, errors, pretrain_job, train, weights
+from bertjax import weights_match
 from bertjax.convert import google as convert_google
 from bertjax.formats import google
 from bertjax.finetune import run
@@ -63,7 +64,7 @@ def test_pretraining_continues_from_a_google_folder(tmp_path, one_device, capsys
   folder = google_folder(tmp_path, SMALL, "uncased_L-1_H-32_A-2", variables, slots(variables))
   config = _pretraining_config(tmp_path)
   config.checkpoint.init_from = folder
-  loop.train_and_evaluate(config, str(tmp_path / "run"))
+  pretrain_job.train_and_evaluate(config, str(tmp_path / "run"))
   out = capsys.readouterr().out
   assert (f"vocabulary from checkpoint.init_from: {folder}/vocab.txt (wordpiece, "
           "do_lower_case=True: the name uncased_L-1_H-32_A-2 says uncased)") in out

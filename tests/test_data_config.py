@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from bertjax import loop
+from bertjax import loop, pretrain_job
 from bertjax.data.config import DataConfig
 from bertjax.finetune import run
 from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
@@ -139,7 +139,7 @@ def test_pretraining_data_modules_never_read_the_config_dict(tmp_path, monkeypat
   m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size = 32, 1, 2, 64
   config.train.batch_size, config.train.learning_rate = 8, 1e-4  # a rate: one run, no search
   seen = _one_batch_instead_of_the_run(monkeypatch)
-  assert loop.train_and_evaluate(config, str(tmp_path / "run")) == {}
+  assert pretrain_job.train_and_evaluate(config, str(tmp_path / "run")) == {}
   assert seen["batch"]["input_ids"].shape == (8, 64)
   assert configdict_reads == []
   # config.json records the data section the run used, key for key.

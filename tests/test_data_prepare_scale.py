@@ -179,8 +179,8 @@ def test_beams_own_refusals_of_the_options_name_the_config_key(capfd):
 
 
 def host(address: str, process_id: int, config_json: str) -> None:
-  """One host of a two-process pod: loop.prepare_data, recording what this host did."""
-  from bertjax import distributed, loop
+  """One host of a two-process pod: pretrain_job.prepare_data, recording what this host did."""
+  from bertjax import distributed, pretrain_job
   from bertjax.data.config import DataConfig
   assert distributed.initialize(address, 2, process_id)
   done = []
@@ -188,7 +188,7 @@ def host(address: str, process_id: int, config_json: str) -> None:
   shards.scatter_unit = lambda t, d: done.append(f"piece {t['u']}") or scatter(t, d)
   shards.build_shard = lambda t, tok: done.append(
       shards.shard_name(t["split"], t["k"], t["n"])) or build(t, tok)
-  _, manifest = loop.prepare_data(DataConfig(**json.loads(config_json)))
+  _, manifest = pretrain_job.prepare_data(DataConfig(**json.loads(config_json)))
   print("DONE " + json.dumps({"did": done, "instances": manifest["splits"]["train"]["instances"]}),
         flush=True)
 

@@ -78,7 +78,7 @@ def test_load_pretrained_and_pretraining_init_from_in_a_fresh_interpreter(folder
   script = textwrap.dedent(f"""
       import dataclasses, json, sys
       import jax, numpy as np
-      from bertjax import loop, train, weights
+      from bertjax import pretrain_job, train, weights
       from bertjax.pretrained import load_pretrained
       from bertjax.sharding import MeshConfig
       out = {{}}
@@ -91,7 +91,7 @@ def test_load_pretrained_and_pretraining_init_from_in_a_fresh_interpreter(folder
                                                          warmup_steps=0),
                                MeshConfig(), devices=jax.devices()[:1])
         data = type("Data", (), {{"do_lower_case": True, "vocab_path": "vocab.txt"}})()
-        init = loop.init_from_source(source, training, data, "", True)
+        init = pretrain_job.init_from_source(source, training, data, "", True)
         fresh = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
                              training.abstract_state.params)
         got = init.load(fresh)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import errors, loop, train
+from bertjax import errors, pretrain_job, train
 from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer
 from bertjax.errors import CheckpointMismatchError
 from bertjax.data import pipeline
@@ -91,7 +91,7 @@ def straight_run(tmp_path_factory):
   base = tmp_path_factory.mktemp("straight")
   with pytest.MonkeyPatch.context() as mp:
     straight = _Recorder(mp)
-    loop.train_and_evaluate(_config(base), str(base / "run"))
+    pretrain_job.train_and_evaluate(_config(base), str(base / "run"))
   return base, straight.train_ids
 
 
@@ -102,11 +102,11 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, 
   expected = _final_params(base / "run", 6)
 
   interrupted = _Recorder(monkeypatch, sigterm_at=2)  # the third batch: stops after step 3
-  assert loop.train_and_evaluate(config, str(tmp_path / "resumed")) == {}
+  assert pretrain_job.train_and_evaluate(config, str(tmp_path / "resumed")) == {}
   assert "SIGTERM received; saved step 3" in capsys.readouterr().out
   shutil.copytree(tmp_path / "resumed", tmp_path / "other_mesh")
   resumed = _Recorder(monkeypatch)
-  final = loop.train_and_evaluate(config, str(tmp_path / "resumed"))
+  final = pretrain_job.train_and_evaluate(config, str(tmp_path / "resumed"))
   assert "resumed from" in capsys.readouterr().out
   got = _final_params(tmp_path / "resumed", 6)
 
@@ -117,7 +117,7 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, 
   np.testing.assert_array_equal(flat_got, flat_expected)  # bit for bit
   assert 0.0 <= final["mlm_accuracy"] <= 1.0 and final["num_sequences"] > 0 and "nsp_majority_baseline" in final
   # Running again reports that the run is complete.
-  loop.train_and_evaluate(config, str(tmp_path / "resumed"))
+  pretrain_job.train_and_evaluate(config, str(tmp_path / "resumed"))
   assert "is complete (6 of 6 steps)" in capsys.readouterr().out
   logs = (tmp_path / "resumed" / "metrics.jsonl").read_text()
   assert '"train/loss"' in logs and '"eval/mlm_accuracy"' in logs
@@ -127,7 +127,7 @@ def test_interrupted_and_resumed_run_equals_straight_run(tmp_path, monkeypatch, 
   # run ends, up to the order of float sums; three steps from a fresh start land far from it.
   config.mesh.ici_data, config.mesh.ici_fsdp, config.mesh.ici_tensor = 2, 2, 2
   _Recorder(monkeypatch)
-  loop.train_and_evaluate(config, str(tmp_path / "other_mesh"))
+  pretrain_job.train_and_evaluate(config, str(tmp_path / "other_mesh"))
   assert "resumed from" in capsys.readouterr().out
   flat_mesh = np.concatenate([np.ravel(x) for x in _leaves(_final_params(tmp_path / "other_mesh",
                                                                           6))])
@@ -140,11 +140,11 @@ def test_packed_run_resumes_exactly_and_counts_sequences(tmp_path, monkeypatch, 
   config.data.short_seq_prob = 0.5  # short pairs, which rows can take two or three of
   config.checkpoint.save_every_steps = 2
   straight = _Recorder(monkeypatch)
-  loop.train_and_evaluate(config, str(tmp_path / "straight"))
+  pretrain_job.train_and_evaluate(config, str(tmp_path / "straight"))
   interrupted = _Recorder(monkeypatch, sigterm_at=1)  # stops after step 2
-  assert loop.train_and_evaluate(config, str(tmp_path / "resumed")) == {}
+  assert pretrain_job.train_and_evaluate(config, str(tmp_path / "resumed")) == {}
   resumed = _Recorder(monkeypatch)
-  loop.train_and_evaluate(config, str(tmp_path / "resumed"))
+  pretrain_job.train_and_evaluate(config, str(tmp_path / "resumed"))
   np.testing.assert_array_equal(np.stack(interrupted.train_ids[:2] + resumed.train_ids),
                                 np.stack(straight.train_ids))
   flat = lambda step, d: np.concatenate([np.ravel(x) for x in _leaves(_final_params(d, step))])
@@ -180,11 +180,11 @@ def test_refusals_name_the_difference_and_keep_the_workdir(tmp_path, capsys, str
   bigger = _config(base, num_train_steps=8)
   bigger.model.hidden_size = 64
   with pytest.raises(CheckpointMismatchError, match="hidden_size: checkpoint 32 vs config 64"):
-    loop.train_and_evaluate(bigger, workdir)
+    pretrain_job.train_and_evaluate(bigger, workdir)
   lamb = _config(base, num_train_steps=8, optimizer="lamb", max_grad_norm=0.5)
   with pytest.raises(CheckpointMismatchError, match="train.optimizer: checkpoint 'adamw' vs "
                      "config 'lamb'; train.max_grad_norm: checkpoint 1.0 vs config 0.5"):
-    loop.train_and_evaluate(lamb, workdir)
+    pretrain_job.train_and_evaluate(lamb, workdir)
   # Another vocabulary of the same size: the embedding rows would index other pieces.
   other_vocab = _config(tmp_path, num_train_steps=8)
   words = open(config.data.vocab_path).read().split("\n")
@@ -192,15 +192,15 @@ def test_refusals_name_the_difference_and_keep_the_workdir(tmp_path, capsys, str
   shuffled.write_text("\n".join(words[:7] + words[7:-1][::-1] + [""]))
   other_vocab.data.vocab_path = str(shuffled)
   with pytest.raises(CheckpointMismatchError, match="tokenizer: checkpoint wordpiece-"):
-    loop.train_and_evaluate(other_vocab, workdir)
+    pretrain_job.train_and_evaluate(other_vocab, workdir)
   # ... nor as init_from for a new run, unless asked for.
   other_vocab.checkpoint.init_from = workdir
   with pytest.raises(CheckpointMismatchError, match="init_from_other_vocab=True"):
-    loop.train_and_evaluate(other_vocab, str(tmp_path / "new"))
+    pretrain_job.train_and_evaluate(other_vocab, str(tmp_path / "new"))
   assert not (tmp_path / "new" / "config.json").exists()
   other_vocab.checkpoint.init_from_other_vocab = True
   other_vocab.train.num_train_steps = 1
-  loop.train_and_evaluate(other_vocab, str(tmp_path / "new"))
+  pretrain_job.train_and_evaluate(other_vocab, str(tmp_path / "new"))
   assert "parameters from checkpoint.init_from" in capsys.readouterr().out
 
   # The refused commands left the run as it was: its record of what it was asked, its steps.
@@ -233,7 +233,7 @@ def test_a_nonfinite_gradient_stops_the_run_before_its_state_is_saved(tmp_path, 
   config.checkpoint.save_every_steps = 2
   _inject_nonfinite_at(monkeypatch, 4)  # a save step, with a finite loss
   with pytest.raises(errors.NonFiniteError, match="Non-finite grad_norm at step 4"):
-    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    pretrain_job.train_and_evaluate(config, str(tmp_path / "run"))
   ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), TRAIN_ITEMS, save_every=1, keep=1)
   assert ckpt.all_steps() == [2]
   ckpt.close()
@@ -247,10 +247,10 @@ def test_a_stop_during_evaluation_saves_that_step_and_the_rerun_goes_on(tmp_path
   # order, and so the draws, changed), one short of the 16 evaluated.
   config.data.eval_dupe_factor = 3
   _Recorder(monkeypatch, sigterm_in_eval=True)
-  assert loop.train_and_evaluate(config, str(tmp_path / "run")) == {}
+  assert pretrain_job.train_and_evaluate(config, str(tmp_path / "run")) == {}
   assert "SIGTERM received; saved step 2" in capsys.readouterr().out  # not a save step (3)
   _Recorder(monkeypatch)
-  final = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  final = pretrain_job.train_and_evaluate(config, str(tmp_path / "run"))
   assert "resumed from" in capsys.readouterr().out and final["num_sequences"] == 16
 
 
@@ -260,7 +260,7 @@ def test_the_heldout_set_is_fixed_and_bounded(tmp_path, monkeypatch):
     config = _config(tmp_path, num_train_steps=1, seed=seed, eval_sequences=16)
     config.data.eval_dupe_factor = 3  # more than 16 held-out sequences (2 pairings give 15)
     recorder = _Recorder(monkeypatch)
-    final = loop.train_and_evaluate(config, str(tmp_path / f"run{seed}"))
+    final = pretrain_job.train_and_evaluate(config, str(tmp_path / f"run{seed}"))
     assert final["num_sequences"] == 16 and len(recorder.eval_batches) == 2
     seen.append(recorder.eval_batches)
   # Another training seed draws other training masks, but is scored on the same predictions.
@@ -277,7 +277,7 @@ def test_an_empty_heldout_split_is_found_before_the_first_step(tmp_path, monkeyp
   config = _config(tmp_path)
   config.data.eval_fraction = 0.0
   with pytest.raises(ValueError, match="The eval split holds 0 sequence"):
-    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    pretrain_job.train_and_evaluate(config, str(tmp_path / "run"))
   checkpoints = tmp_path / "run" / "checkpoints"
   assert not steps and not (checkpoints.exists() and os.listdir(checkpoints))
 
@@ -289,19 +289,19 @@ def test_bad_input_is_refused_before_compiling(tmp_path, monkeypatch):
     config = _config(tmp_path)
     config[section][key] = 0
     with pytest.raises(ValueError, match=f"{section}.{key}=0 must be >= 1"):
-      loop.train_and_evaluate(config, str(tmp_path / "zero"))
+      pretrain_job.train_and_evaluate(config, str(tmp_path / "zero"))
     assert not (tmp_path / "zero").exists()  # refused before anything ran
   config = _config(tmp_path)
   (tmp_path / "a_file").write_text("")
   with pytest.raises(PermissionError, match="Cannot write to --workdir"):
-    loop.train_and_evaluate(config, str(tmp_path / "a_file" / "run"))
+    pretrain_job.train_and_evaluate(config, str(tmp_path / "a_file" / "run"))
   config.checkpoint.init_from = str(tmp_path / "no_such_run")
   with pytest.raises(FileNotFoundError, match="init_from=.*no_such_run does not exist"):
-    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    pretrain_job.train_and_evaluate(config, str(tmp_path / "run"))
   config.checkpoint.init_from = ""
   config.data.source = write_corpus(str(tmp_path / "empty.txt"), [])
   with pytest.raises(ValueError, match="empty|no training instance|no document"):
-    loop.train_and_evaluate(config, str(tmp_path / "run"))
+    pretrain_job.train_and_evaluate(config, str(tmp_path / "run"))
   assert not compiled
 
 

@@ -15,7 +15,7 @@ import shutil
 import jax
 import numpy as np
 
-from bertjax import loop
+from bertjax import pretrain_job
 from test_loop import _config, _final_params, _Recorder
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "workdir_b49986a"
@@ -29,7 +29,7 @@ def test_a_workdir_of_older_code_resumes_and_ends_where_that_code_ended(tmp_path
   # is prepared again here, from the same text, vocabulary and seed).
   config = _config(tmp_path)
   _Recorder(monkeypatch)
-  loop.train_and_evaluate(config, str(workdir))
+  pretrain_job.train_and_evaluate(config, str(workdir))
   assert "resumed from" in capsys.readouterr().out
   got = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
          for path, v in jax.tree_util.tree_flatten_with_path(_final_params(workdir, 6))[0]}

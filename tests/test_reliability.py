@@ -564,17 +564,17 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
 
 def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path, capsys):
   from bertjax.configs import tiny
-  from bertjax import loop
+  from bertjax import pretrain_job
   source = weights.Weights(str(tmp_path), "google", BertConfig(vocab_size=512), ("bert",),
                            vocab_file=str(tmp_path / "vocab.txt"), tokenizer_kind="wordpiece",
                            do_lower_case=False, casing_why="the name cased_L-2 says cased")
   config = tiny.get_config()
   config.data.vocab_path, config.data.do_lower_case = "", True
   data = DataConfig.from_config(config.data)
-  taken = loop._init_vocabulary(data, source)
+  taken = pretrain_job._init_vocabulary(data, source)
   assert (taken.do_lower_case, taken.vocab_path) == (False, str(tmp_path / "vocab.txt"))
   assert data.do_lower_case is True  # the run's typed copy is replaced, not changed
   assert ("config.data.do_lower_case=True is replaced by init_from's casing (False); to use "
           "another, set config.data.vocab_path too") in capsys.readouterr().out
-  loop._init_vocabulary(dataclasses.replace(data, do_lower_case=False), source)
+  pretrain_job._init_vocabulary(dataclasses.replace(data, do_lower_case=False), source)
   assert "is replaced" not in capsys.readouterr().out

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, loop, train, weights, weights_match
+from bertjax import checkpoint as checkpoint_lib, pretrain_job, train, weights, weights_match
 from bertjax.convert import google as convert_google, hf as convert_hf
 from bertjax.formats import google, hf
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
@@ -97,7 +97,7 @@ def _callers(tmp_path):
     data = type("Data", (), {"do_lower_case": False, "vocab_path": source.vocab_file,
                              "tokenizer": "wordpiece", "source": ""})()
     fingerprint = weights_match.fingerprint_of(source, False)
-    init = loop.init_from_source(source, training, data, fingerprint, False)
+    init = pretrain_job.init_from_source(source, training, data, fingerprint, False)
     got = init.load(fresh)
     assert sorted(got) == ["bert", "mlm", "nsp"]
     return weights.restack(jax.device_get(got["bert"]), config.num_layers, False)
