@@ -236,8 +236,8 @@ def run_all(out: str, parts: list[str], budget_s: float, size: str) -> dict:
     if left < 45:
       summary[tag] = {"skipped": f"{left:.0f} s left"}
       continue
-    command = [sys.executable, "-m", "bertjax.benchmark_layers", f"--out={out}", f"--size={size}",
-               f"--group={tag}"]
+    command = [sys.executable, "-m", "bertjax.benchmark", "layers", f"--out={out}",
+               f"--size={size}", f"--group={tag}"]
     env = _with_xla_flags(shared, xla_flags)
     with open(os.path.join(out, f"{tag}.log"), "w") as log:
       try:
@@ -291,4 +291,5 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   define_flags()
+  cli.old_name("bertjax.benchmark layers")
   cli.run(main)

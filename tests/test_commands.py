@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from bertjax import benchmark_commands
+from bertjax import benchmark_commands, cli
 
 from conftest import xla_flags
 
@@ -86,6 +86,22 @@ def test_every_benchmark_module_is_a_subcommand():
     assert module != "bertjax.benchmark_commands"
 
 
+def test_every_old_name_says_its_new_name_and_when_it_goes():
+  # Read from the code: each old name's `__main__` block calls cli.old_name with the command it
+  # is now (the note at its start and first in its --help; tests/test_cli.py runs bertjax.main).
+  said = {}
+  for old in ALIASES:
+    path = ROOT / (old.replace(".", "/") + ".py")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr == "old_name"):
+        said[old] = node.args[0].value
+  assert said == ALIASES, said
+  assert re.fullmatch(r"\d+\.\d+\.\d+", cli.OLD_NAMES_GO_IN)
+  readme = (ROOT / "README.md").read_text()
+  assert f"go in {cli.OLD_NAMES_GO_IN}" in " ".join(readme.split())
+
+
 def _run(*args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
@@ -101,8 +117,11 @@ def test_benchmark_subcommands_run_their_module_and_the_old_names_still_run():
                                 "'seq_lengths'"), done.stderr[-2000:]
   done = _run("bertjax.finetune.benchmark", "--seq_lengths=128")
   assert done.returncode == 2
-  assert done.stderr.startswith("bertjax.finetune.benchmark: error: Unknown command line flag "
-                                "'seq_lengths'"), done.stderr[-2000:]
+  note, err = done.stderr.split("\n", 1)
+  assert "old name of `python -m bertjax.benchmark finetune`" in note, note
+  assert f"it goes in bertjax {cli.OLD_NAMES_GO_IN}" in note, note
+  assert err.startswith("bertjax.finetune.benchmark: error: Unknown command line flag "
+                        "'seq_lengths'"), done.stderr[-2000:]
   done = _run("bertjax.benchmark", "trian", "--steps=1")
   assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
   assert done.stderr.startswith("bertjax.benchmark: error: unknown benchmark 'trian'")

@@ -433,7 +433,7 @@ def test_v2_metrics_by_hand():
 def test_benchmark_runs_small():
   # Its documented command line (absl flags, the benchmark named as an argument).
   import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
-  out = subprocess.run([sys.executable, "-m", "bertjax.finetune.benchmark", "squad",
+  out = subprocess.run([sys.executable, "-m", "bertjax.benchmark", "finetune", "squad",
                         "--train_questions", "60", "--train_contexts=12", "--dev_questions=30",
                         "--dev_contexts=6", "--whole_words=500"], capture_output=True, text=True,
                        check=True, timeout=300).stdout
