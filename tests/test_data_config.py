@@ -98,7 +98,9 @@ def test_the_data_section_an_older_run_recorded_is_accepted():
 
 # Where a config's ConfigDict is read on purpose: the typed configs' builders and the fine-tuning
 # run (its train, checkpoint and mesh sections).
-BOUNDARY = ("bertjax/data/config.py", "bertjax/finetune/config.py", "bertjax/finetune/run.py")
+# finetune/init_from.py: resolve_model turns config.model into the BertConfig.
+BOUNDARY = ("bertjax/data/config.py", "bertjax/finetune/config.py", "bertjax/finetune/run.py",
+            "bertjax/finetune/init_from.py")
 
 
 @pytest.fixture
