@@ -258,12 +258,31 @@ def layer_figures(training: train.Training, compiled, second=None) -> dict:
   return out
 
 
-def report(topology: Topology, training: train.Training, compiled, memory: Memory,
+def extrapolated_layer_figures(training: train.Training, shallow, deeper, depth: int) -> dict:
+  """`layer_figures` for the whole depth from the step compiled at `depth` (`shallow`) and
+  2 x `depth` layers (`deeper`), each with its layers as straight code (no loop: XLA counts every
+  operation): each layer costs (deeper - shallow) / depth, and the rest of the step, the same in
+  both (embeddings, heads, the optimizer's update of what is not a layer), counts once. The
+  compiled step grows linearly with the layer count (tests/test_layer_cost.py)."""
+  mc = training.model_config
+  total = layercost.extrapolate(layercost.cost(shallow), layercost.cost(deeper), depth,
+                                mc.num_layers)
+  ops = (layercost.module_op_count(deeper.as_text())
+         - layercost.module_op_count(shallow.as_text())) // depth
+  return {"xla_tflop_per_chip_all_layers": _round(total["flops"] / 1e12),
+          "xla_gb_per_chip_all_layers": _round(total["bytes"] / 1e9),
+          "ops_per_layer": ops,
+          "roofline_layers": f"extrapolated from {depth} and {2 * depth} layers compiled as "
+                             f"straight code to {mc.num_layers}"}
+
+
+def report(topology: Topology, training: train.Training, compiled, memory: Memory | None,
            compile_s: float, seq_len: int, max_predictions: int, mfu: float,
-           hbm_gib: float, second=None) -> dict:
+           hbm_gib: float, second=None, layers: dict | None = None) -> dict:
   """The figures of one compiled step as a flat dict (also what the command prints); `second`:
   the scanned step compiled with more layers per loop iteration (`layer_figures`), for the
-  roofline."""
+  roofline; `layers`: those figures already found (`extrapolated_layer_figures`: then
+  `compiled` is the deeper of its two compiles, and `memory` None, not the full depth's)."""
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
   device_kind = training.mesh.devices.flat[0].device_kind
@@ -274,7 +293,17 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
   xla_flops = float(cost.get("flops", 0.0)) if cost else 0.0
   step_s = model_flops / (n * peak * 1e12 * mfu)
   gib = lambda b: _round(b / GIB)
-  layers = layer_figures(training, compiled, second)
+  layers = layers or layer_figures(training, compiled, second)
+  if memory is None:  # figures of a shallower step, extrapolated: XLA's count of the whole step
+    xla_flops = layers["xla_tflop_per_chip_all_layers"] * 1e12
+    memory_figures = {"memory": "not compiled at full depth (--roofline_layers)"}
+  else:
+    memory_figures = {
+        "memory_arguments_gib": gib(memory.arguments), "memory_outputs_gib": gib(memory.outputs),
+        "memory_aliased_gib": gib(memory.aliased),
+        "memory_temporaries_gib": gib(memory.temporaries), "memory_code_gib": gib(memory.code),
+        "memory_total_gib": gib(memory.total), "hbm_gib": hbm_gib,
+        "memory_fraction": round(memory.total / (hbm_gib * GIB), 4)}
   bound = roofline(layers["xla_tflop_per_chip_all_layers"] * 1e12,
                    layers["xla_gb_per_chip_all_layers"] * 1e9, peak,
                    flops.hbm_gbps(device_kind))
@@ -288,11 +317,7 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "num_microbatches": tc.num_microbatches, "vocab_size": mc.vocab_size, "dtype": mc.dtype,
       "remat_policy": mc.remat_policy, "scan_layers": mc.scan_layers,
       "attention_impl": mc.attention_impl, "attention_dropout": mc.attention_dropout,
-      "compile_s": round(compile_s, 1),
-      "memory_arguments_gib": gib(memory.arguments), "memory_outputs_gib": gib(memory.outputs),
-      "memory_aliased_gib": gib(memory.aliased), "memory_temporaries_gib": gib(memory.temporaries),
-      "memory_code_gib": gib(memory.code), "memory_total_gib": gib(memory.total),
-      "hbm_gib": hbm_gib, "memory_fraction": round(memory.total / (hbm_gib * GIB), 4),
+      "compile_s": round(compile_s, 1), **memory_figures,
       "model_tflop_per_step": _round(model_flops / 1e12),
       "model_tflop_per_chip": _round(model_flops / n / 1e12),
       "xla_tflop_per_chip": _round(xla_flops / 1e12),
@@ -300,7 +325,7 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       # XLA's cost analysis counts the body of a loop once, not once per iteration.
       **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times (the "
                       "all_layers figures count each)"}
-         if mc.scan_layers else {}),
+         if mc.scan_layers and memory is not None else {}),
       **layers,
       "peak_tflops_per_chip": peak, "hbm_gbps_per_chip": flops.hbm_gbps(device_kind),
       "assumed_mfu": mfu,
@@ -330,6 +355,40 @@ def lock_mismatch() -> list[str]:
     return []
 
 
+def shallow_roofline(config, training: train.Training, topology: Topology, devices, vocab: int,
+                     seq_len: int, max_predictions: int, per_row: int, hbm_gib: float) -> dict:
+  """`report`'s figures but memory's, from the step compiled at --roofline_layers N and 2N
+  layers (`extrapolated_layer_figures`)."""
+  depth, model = FLAGS.roofline_layers, config.model
+  if 2 * depth >= training.model_config.num_layers:
+    raise app.UsageError(f"--roofline_layers={depth}: 2 x {depth} layers are not fewer than the "
+                         f"config's {training.model_config.num_layers}; compile it whole instead")
+  full = (model.num_layers, model.scan_unroll)
+  compiled, start = [], time.perf_counter()
+  for layers in (depth, 2 * depth):
+    # scan_unroll = the depth: the layers as straight code, whose every operation XLA counts.
+    model.num_layers, model.scan_unroll = layers, layers
+    print(f"bertjax.aot: compiling the train step with {layers} layers for {topology}, for the "
+          "roofline (no memory check)", flush=True)
+    compiled.append(compile_train_step(train.from_config(config, devices=devices, vocab_size=vocab),
+                                       seq_len, max_predictions, per_row))
+  model.num_layers, model.scan_unroll = full
+  layers = extrapolated_layer_figures(training, *compiled, depth)
+  figures = report(topology, training, compiled[1], None, time.perf_counter() - start, seq_len,
+                   max_predictions, FLAGS.mfu, hbm_gib, layers=layers)
+  figures["sequences_per_row"] = per_row or 1
+  return figures
+
+
+def print_figures(figures: dict) -> None:
+  width = max(len(k) for k in figures)
+  for key, value in figures.items():
+    print(f"{key:<{width}}  {value}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(figures, f, indent=1)
+
+
 FLAGS = flags.FLAGS
 
 
@@ -345,6 +404,10 @@ def define_flags() -> None:
   flags.DEFINE_string("json", "", "Also write the figures to this file.")
   flags.DEFINE_bool("roofline", True, "With scanned layers, compile the step a second time (more "
                     "layers per loop iteration) so that the roofline counts every layer.")
+  flags.DEFINE_integer("roofline_layers", 0, "N > 0: only the roofline, from the step compiled "
+                       "at N and 2N layers (as straight code) and extrapolated linearly to the "
+                       "config's depth; no compile at full depth, so no memory check. For deep "
+                       "models on a small machine, where a full compile takes many minutes.")
 
 
 def main(argv):
@@ -382,6 +445,11 @@ def main(argv):
     training = train.from_config(config, devices=devices, vocab_size=vocab)
   except ValueError as e:  # the config's checks: batch, mesh or heads do not divide
     sys.exit(f"bertjax.aot: {e}")
+  if FLAGS.roofline_layers:
+    figures = shallow_roofline(config, training, topology, devices, vocab, seq_len,
+                               max_predictions, per_row, hbm_gib)
+    print_figures(figures)
+    return
   print(f"bertjax.aot: compiling the train step for {topology} ({topology.libtpu_name}, "
         f"{topology.num_chips} chips), mesh {dict(training.mesh.shape)}", flush=True)
   start = time.perf_counter()
@@ -412,12 +480,7 @@ def main(argv):
   figures = report(topology, training, compiled, memory, compile_s, seq_len, max_predictions,
                    FLAGS.mfu, hbm_gib, second)
   figures["sequences_per_row"] = per_row or 1  # max_predictions above is per row (S x M)
-  width = max(len(k) for k in figures)
-  for key, value in figures.items():
-    print(f"{key:<{width}}  {value}")
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
-      json.dump(figures, f, indent=1)
+  print_figures(figures)
   need = memory.total
   if need > hbm_gib * GIB:
     sys.exit(f"bertjax.aot: {shortfall_message(topology, need, hbm_gib, training)}")

@@ -18,7 +18,9 @@ So, from the optimised HLO text and XLA's own figures:
                   operations named after one middle layer, `layer_i/`);
   honest_cost     the cost with every layer counted: from two compiles of a scanned step,
                   `scan_unroll` u and k (XLA counts a body of u layers, then of k), the cost of
-                  k - u layers is their difference.
+                  k - u layers is their difference;
+  extrapolate     the cost at any depth from two shallow compiles (N and 2N layers), the step
+                  growing linearly with depth (bertjax.aot --roofline_layers).
 
 Used by bertjax.aot (the roofline of a TPU executable), tests/test_layer_cost.py (the step's cost
 grows linearly with the layer count) and bertjax/layer_probe.py (the GPU's loop bodies).
@@ -196,6 +198,15 @@ def second_unroll(num_layers: int, scan_unroll: int = 1) -> int:
   divide num_layers would leave the remainder's layers outside the loop, in neither figure."""
   return next((k for k in range(2 * scan_unroll, num_layers + 1, scan_unroll)
                if num_layers % k == 0), num_layers)
+
+
+def extrapolate(shallow: dict[str, float], deeper: dict[str, float], depth: int,
+                num_layers: int) -> dict[str, float]:
+  """The cost at num_layers from the costs of the same step at `depth` and 2 x `depth` layers,
+  every layer counted in both (no loop, or a loop XLA unrolled): each layer costs their
+  difference over `depth`, the rest of the step is in both once."""
+  return {key: shallow[key] + (num_layers - depth) * (deeper[key] - shallow[key]) / depth
+          for key in shallow}
 
 
 def honest_cost(once: dict[str, float], other: dict[str, float], num_layers: int,

@@ -47,6 +47,9 @@ def test_an_unrolled_step_adds_the_same_cost_with_each_layer():
     first, second = costs[1][key] - costs[0][key], costs[2][key] - costs[1][key]
     assert first > 0 and _close(first, second), (key, [c[key] for c in costs])
   assert ops[1] - ops[0] == ops[2] - ops[1] > 0, ops
+  # What bertjax.aot --roofline_layers=1 reads: the third layer's step from the first two's.
+  third = layercost.extrapolate(costs[0], costs[1], 1, 3)
+  assert all(_close(third[key], costs[2][key]) for key in ("flops", "bytes")), (third, costs[2])
   print(f"unrolled: {ops[1] - ops[0]} operations per layer; per layer "
         f"{(costs[1]['flops'] - costs[0]['flops']) / 1e6:.3f} MFLOP, "
         f"{(costs[1]['bytes'] - costs[0]['bytes']) / 1e6:.3f} MB accessed")
