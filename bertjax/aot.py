@@ -52,6 +52,7 @@ import numpy as np
 from absl import app, flags
 
 from bertjax import cli, flops, layercost, sharding, topologies, train, versions
+from bertjax import roofline as roofline_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 
@@ -220,62 +221,6 @@ def shortfall_message(topology: Topology, need_bytes: float, hbm_gib: float,
           f"{has}: {need - hbm_gib:.1f} GiB short; " + ", ".join(fixes) + ".")
 
 
-def _round(x: float) -> float:
-  return float(f"{x:.4g}")  # 4 significant digits: figures span 1e-4 (tiny) to 1e6
-
-
-def roofline(flops_per_chip: float, bytes_per_chip: float, peak_tflops: float,
-             hbm_gbps: float) -> dict:
-  """The step time a chip's roofline allows: its FLOPs at the peak rate against its bytes at the
-  HBM bandwidth; the larger bounds it."""
-  compute_s = flops_per_chip / (peak_tflops * 1e12)
-  memory_s = bytes_per_chip / (hbm_gbps * 1e9)
-  return {"roofline_compute_s": _round(compute_s), "roofline_memory_s": _round(memory_s),
-          "roofline_step_s": _round(max(compute_s, memory_s)),
-          "roofline_bound": "compute" if compute_s >= memory_s else "memory"}
-
-
-def layer_figures(training: train.Training, compiled, second=None) -> dict:
-  """XLA's FLOPs and bytes per chip with every layer counted, and the operations per layer.
-
-  XLA counts a loop's body once: a scanned step's cost is taken from its compile with
-  scan_unroll u (`compiled`) and layercost.second_unroll's k (`second`), each layer costing the
-  difference over k - u (bertjax/layercost.py); an unrolled step's is XLA's own."""
-  mc = training.model_config
-  text = compiled.as_text()
-  once = layercost.cost(compiled)
-  cost = (layercost.honest_cost(once, layercost.cost(second), mc.num_layers, mc.scan_unroll)
-          if mc.scan_layers and second is not None and mc.scan_unroll < mc.num_layers else once)
-  out = {"xla_tflop_per_chip_all_layers": _round(cost["flops"] / 1e12),
-         "xla_gb_per_chip_all_layers": _round(cost["bytes"] / 1e9),
-         "ops_per_layer": layercost.layer_ops(text, mc.num_layers, mc.scan_layers,
-                                              mc.scan_unroll)}
-  if mc.scan_layers:
-    # Writes of whole [layers, ...] buffers inside the layer loops: traffic at every layer that
-    # grows with the depth (the CPU's bfloat16 conversion was one); none expected.
-    out["whole_stack_writes_per_layer"] = layercost.stack_writes(text, mc.num_layers,
-                                                                 mc.scan_unroll)
-  return out
-
-
-def extrapolated_layer_figures(training: train.Training, shallow, deeper, depth: int) -> dict:
-  """`layer_figures` for the whole depth from the step compiled at `depth` (`shallow`) and
-  2 x `depth` layers (`deeper`), each with its layers as straight code (no loop: XLA counts every
-  operation): each layer costs (deeper - shallow) / depth, and the rest of the step, the same in
-  both (embeddings, heads, the optimizer's update of what is not a layer), counts once. The
-  compiled step grows linearly with the layer count (tests/test_layer_cost.py)."""
-  mc = training.model_config
-  total = layercost.extrapolate(layercost.cost(shallow), layercost.cost(deeper), depth,
-                                mc.num_layers)
-  ops = (layercost.module_op_count(deeper.as_text())
-         - layercost.module_op_count(shallow.as_text())) // depth
-  return {"xla_tflop_per_chip_all_layers": _round(total["flops"] / 1e12),
-          "xla_gb_per_chip_all_layers": _round(total["bytes"] / 1e9),
-          "ops_per_layer": ops,
-          "roofline_layers": f"extrapolated from {depth} and {2 * depth} layers compiled as "
-                             f"straight code to {mc.num_layers}"}
-
-
 def report(topology: Topology, training: train.Training, compiled, memory: Memory | None,
            compile_s: float, seq_len: int, max_predictions: int, mfu: float,
            hbm_gib: float, second=None, layers: dict | None = None) -> dict:
@@ -292,8 +237,8 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla_flops = float(cost.get("flops", 0.0)) if cost else 0.0
   step_s = model_flops / (n * peak * 1e12 * mfu)
-  gib = lambda b: _round(b / GIB)
-  layers = layers or layer_figures(training, compiled, second)
+  gib = lambda b: roofline_lib.round4(b / GIB)
+  layers = layers or roofline_lib.layer_figures(training, compiled, second)
   if memory is None:  # figures of a shallower step, extrapolated: XLA's count of the whole step
     xla_flops = layers["xla_tflop_per_chip_all_layers"] * 1e12
     memory_figures = {"memory": "not compiled at full depth (--roofline_layers)"}
@@ -304,7 +249,7 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
         "memory_temporaries_gib": gib(memory.temporaries), "memory_code_gib": gib(memory.code),
         "memory_total_gib": gib(memory.total), "hbm_gib": hbm_gib,
         "memory_fraction": round(memory.total / (hbm_gib * GIB), 4)}
-  bound = roofline(layers["xla_tflop_per_chip_all_layers"] * 1e12,
+  bound = roofline_lib.roofline(layers["xla_tflop_per_chip_all_layers"] * 1e12,
                    layers["xla_gb_per_chip_all_layers"] * 1e9, peak,
                    flops.hbm_gbps(device_kind))
   return {
@@ -318,9 +263,9 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "remat_policy": mc.remat_policy, "scan_layers": mc.scan_layers,
       "attention_impl": mc.attention_impl, "attention_dropout": mc.attention_dropout,
       "compile_s": round(compile_s, 1), **memory_figures,
-      "model_tflop_per_step": _round(model_flops / 1e12),
-      "model_tflop_per_chip": _round(model_flops / n / 1e12),
-      "xla_tflop_per_chip": _round(xla_flops / 1e12),
+      "model_tflop_per_step": roofline_lib.round4(model_flops / 1e12),
+      "model_tflop_per_chip": roofline_lib.round4(model_flops / n / 1e12),
+      "xla_tflop_per_chip": roofline_lib.round4(xla_flops / 1e12),
       "xla_over_model": round(xla_flops * n / model_flops, 3),
       # XLA's cost analysis counts the body of a loop once, not once per iteration.
       **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times (the "
@@ -329,12 +274,12 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       **layers,
       "peak_tflops_per_chip": peak, "hbm_gbps_per_chip": flops.hbm_gbps(device_kind),
       "assumed_mfu": mfu,
-      "step_s": _round(step_s), "sequences_per_s": _round(tc.batch_size / step_s),
+      "step_s": roofline_lib.round4(step_s), "sequences_per_s": roofline_lib.round4(tc.batch_size / step_s),
       # XLA's figures for the executable at the chip's peak and bandwidth: a floor on the step.
       **bound, "roofline_mfu": round(model_flops / (n * peak * 1e12) / bound["roofline_step_s"], 3),
       "num_train_steps": tc.num_train_steps,
-      "train_hours": _round(step_s * tc.num_train_steps / 3600),
-      "chip_hours": _round(n * step_s * tc.num_train_steps / 3600),
+      "train_hours": roofline_lib.round4(step_s * tc.num_train_steps / 3600),
+      "chip_hours": roofline_lib.round4(n * step_s * tc.num_train_steps / 3600),
   }
 
 
@@ -373,7 +318,7 @@ def shallow_roofline(config, training: train.Training, topology: Topology, devic
     compiled.append(compile_train_step(train.from_config(config, devices=devices, vocab_size=vocab),
                                        seq_len, max_predictions, per_row))
   model.num_layers, model.scan_unroll = full
-  layers = extrapolated_layer_figures(training, *compiled, depth)
+  layers = roofline_lib.extrapolated_layer_figures(training, *compiled, depth)
   figures = report(topology, training, compiled[1], None, time.perf_counter() - start, seq_len,
                    max_predictions, FLAGS.mfu, hbm_gib, layers=layers)
   figures["sequences_per_row"] = per_row or 1

@@ -9,6 +9,7 @@ stops, as it does fine-tuning's job.
 from __future__ import annotations
 
 import copy
+import os
 import dataclasses
 from typing import Iterator, Mapping
 

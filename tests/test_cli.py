@@ -193,8 +193,10 @@ def test_every_command_is_on_absl_and_the_shared_start_up():
     if not block:
       continue
     commands.append(name)
-    if name == "launch.tpu":
-      assert "flags.FlagValues()" in text and "cli.subcommand(" in text, name
+    if name == "launch.tpu":  # its command line is launch/tpu_flags.py's
+      parser = (path.parent / "tpu_flags.py").read_text()
+      assert "flags.FlagValues()" in parser and "cli.subcommand(" in parser, name
+      assert block.startswith("  sys.exit(main())") and "tpu_flags.parse(" in text, name
     else:
       assert re.search(r"\n  (cli\.run|command\.start)\(", block), name
   assert len(commands) >= 19, commands  # the pattern still finds them

@@ -9,7 +9,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
   configs   configs/, shipped as bertjax.configs (ml_collections files; the mesh rules and the model's fields they name)
   data      data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a user's
             text to features): nothing of the model
-  core      train, flops, checkpoint, contrastive_training
+  core      train, flops, roofline, checkpoint, contrastive_training
   formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
             folder an export writes) and
             taskspec (the task spec a checkpoint carries): parsing, no reader of folders
@@ -49,7 +49,7 @@ LAYERS = (
                "bertjax.contrastive")),
     ("configs", ("bertjax.configs",)),
     ("data", ("bertjax.data", "bertjax.inputs")),
-    ("core", ("bertjax.train", "bertjax.flops", "bertjax.checkpoint",
+    ("core", ("bertjax.train", "bertjax.flops", "bertjax.roofline", "bertjax.checkpoint",
               "bertjax.contrastive_training")),
     ("formats", ("bertjax.formats", "bertjax.taskspec")),
     ("weights", ("bertjax.weights", "bertjax.weights_match")),

@@ -268,7 +268,7 @@ def finetune(config, workdir: str) -> dict:
                   "does); run.finetune runs one setting.")
   s = setup(config, workdir)
   ft, task_name, data, tokenizer = s.ft, s.task_name, s.data, s.tokenizer
-  source, vocab_file, lower, init, origin = s.source, s.vocab_file, s.lower, s.init, s.origin
+  vocab_file, lower, init, origin = s.vocab_file, s.lower, s.init, s.origin
   model_config, train_features = s.model_config, s.train_features
   init_from = config.checkpoint.init_from
   n_train = tasks.num_examples(train_features)
