@@ -1,15 +1,23 @@
 """The embeddings family measured: `python -m bertjax.benchmark retrieval`.
 
-    python -m bertjax.benchmark retrieval --encoder=workdirs/tiny --seeds=0,1,2
+    python -m bertjax.benchmark retrieval --part=quality --encoder=workdirs/tiny --seeds=0,1,2
     python -m bertjax.benchmark retrieval --part=steps
+    python -m bertjax.benchmark retrieval --part=aot --passage_length=128   (libtpu: '.[tpu]')
 
-`--part=quality` builds a pairs task offline from the built-in corpus (the one `make pretrain`
-trains on; Python's own documentation): a query is a sentence, its positive the sentence that
-follows it in the same docstring. Training pairs come from the documents pre-training trained
-on (every sentence and the next), dev queries from its held-out ones, as disjoint pairs (s0, s1),
-(s2, s3), ... so that no dev query is also a passage (`corpus.is_heldout`, the fraction the built-in task NEXT uses), searched
-against every held-out positive (the dev corpus; a passage text equal to a dev query's is left
-out). Then, over the seeds, it fine-tunes the encoder with `python -m bertjax.finetune
+`--part=quality` builds pairs tasks offline from the built-in corpus (the one `make pretrain`
+trains on; Python's own documentation), each with training pairs from the modules pre-training
+trained on and dev queries from its held-out ones (`corpus.is_heldout`, the fraction the built-in
+task NEXT uses), searched against every held-out positive (the dev corpus; a passage text equal
+to a dev query's is left out). `--tasks` (both by default):
+
+  next      a query is a sentence, its positive the sentence that follows it in its module's
+            docstrings; training takes every sentence and the next, dev disjoint pairs (s0, s1),
+            (s2, s3), ... so that no dev query is also a passage. What a pair shares is mostly
+            its rare words, which a 128-wide tiny encoder blurs: fine-tuning gains little here
+  summary   a docstring's first (summary) sentence, its positive the rest of that docstring (the
+            title -> body pairs of E5-style training); what a bi-encoder learns from pairs
+
+Then, over the seeds, it fine-tunes the encoder with `python -m bertjax.finetune
 --config=configs/finetune.py:embeddings`'s run and scores on dev:
 
   trained     the fine-tuned retriever's best epoch (MRR@10 picks it)
@@ -17,13 +25,21 @@ out). Then, over the seeds, it fine-tunes the encoder with `python -m bertjax.fi
               output) and mean pooling; the better of the two is the fair baseline
   bm25        bertjax/finetune/bm25.py over words
 
-and prints MRR@10, recall@10 and nDCG@10 of each, per seed and as ranges.
+and prints MRR@10, recall@10 and nDCG@10 of each, per seed and as ranges, and the trained
+retriever's MRR@10 over the fair baseline's (figures: docs/your-own-task.md#embeddings-a-retriever-
+from-query-passage-pairs).
 
 `--part=steps` times the contrastive train step on the devices there are (an 8-device CPU mesh:
 XLA_FLAGS=--xla_force_host_platform_device_count=8), the same batch three ways: the whole global
 batch's passages as every query's negatives (an all-gather of the vectors), each device's own
 passages alone (negative_groups = the devices), and the global negatives with the batch encoded
 in chunks (GradCache, train.num_microbatches).
+
+`--part=aot` finds the largest global batch whose contrastive step (BERT-Base, each query with
+its positive, every passage of the batch a negative, no GradCache) fits the chips of
+--aot_topology (v5p-8: 4 chips of 95 GiB): compiled by libtpu's compile-only client on this
+machine (as `python -m bertjax.aot`), queries per chip doubled from --aot_start until XLA's
+buffer assignment (or its refusal) exceeds HBM, then the gap halved --aot_bisections times.
 """
 
 from __future__ import annotations
@@ -40,33 +56,62 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import benchmark, cli, contrastive_training, predict, sharding, train
-from bertjax.configs import finetune as finetune_config
+from bertjax import aot, benchmark, cli, contrastive_training, predict, sharding, train
+from bertjax.configs import bert_base, finetune as finetune_config
 from bertjax.contrastive import ContrastiveConfig
 from bertjax.data import corpus as corpus_lib
+from bertjax.errors import Refusal
 from bertjax.finetune import bm25, retrieval, run as run_lib
 from bertjax.model_config import BertConfig
 
 REPORTED = ("mrr_at_10", "recall_at_10", "ndcg_at_10")
 EVAL_FRACTION = 0.1  # pre-training's held-out share (configs/base.py data.eval_fraction)
 MIN_WORDS = 4  # shorter sentences ("Return None.") answer too many queries to mean anything
+# The pairs tasks made from the built-in corpus (the module docstring).
+TASKS = {"next": "a sentence -> the next sentence of its module's docstrings",
+         "summary": "a docstring's first (summary) sentence -> the rest of that docstring"}
 
 
 def _usable(sentence: str) -> bool:
   return len(sentence.split()) >= MIN_WORDS
 
 
-def pairs_task(folder: str, *, train_pairs: int, dev_queries: int, seed: int = 0) -> dict:
+def _next_sentences(doc: list[str], held_out: bool):
+  for i in range(0, len(doc) - 1, 2 if held_out else 1):  # training: every neighbour
+    yield doc[i], doc[i + 1]
+
+
+def _summaries(docstrings: list[list[str]]):
+  for sentences in docstrings:
+    if len(sentences) > 1:
+      yield sentences[0], " ".join(sentences[1:])
+
+
+def _candidate_pairs(task: str):
+  """(held out, query, positive) of a task of TASKS, unfiltered."""
+  if task == "next":
+    for doc in corpus_lib.builtin_documents():
+      held_out = corpus_lib.is_heldout(doc, EVAL_FRACTION)
+      for query, positive in _next_sentences(doc, held_out):
+        yield held_out, query, positive
+  else:
+    for doc, docstrings in corpus_lib.builtin_docstrings():
+      held_out = corpus_lib.is_heldout(doc, EVAL_FRACTION)
+      for query, positive in _summaries(docstrings):
+        yield held_out, query, positive
+
+
+def pairs_task(folder: str, *, train_pairs: int, dev_queries: int, seed: int = 0,
+               task: str = "next") -> dict:
   """Writes train.jsonl (query, positive), corpus.jsonl (id, text) and dev.jsonl (id, query,
-  positive: the id of its passage) into `folder`; returns their paths and sizes."""
+  positive: the id of its passage) of `task` (TASKS) into `folder`; returns their paths and
+  sizes."""
   rng = np.random.default_rng(seed)
   train_rows, dev_rows = [], []
-  for doc in corpus_lib.builtin_documents():
-    held_out = corpus_lib.is_heldout(doc, EVAL_FRACTION)
-    for i in range(0, len(doc) - 1, 2 if held_out else 1):  # training: every neighbour
-      query, positive = " ".join(doc[i].split()), " ".join(doc[i + 1].split())
-      if _usable(query) and _usable(positive) and query != positive:
-        (dev_rows if held_out else train_rows).append((query, positive))
+  for held_out, query, positive in _candidate_pairs(task):
+    query, positive = " ".join(query.split()), " ".join(positive.split())
+    if _usable(query) and _usable(positive) and query != positive:
+      (dev_rows if held_out else train_rows).append((query, positive))
   queries = {q for q, _ in dev_rows}
   texts = sorted({p for _, p in dev_rows if p not in queries})
   ids = {text: f"p{hashlib.sha1(text.encode()).hexdigest()[:10]}" for text in texts}
@@ -150,11 +195,21 @@ def _range(values) -> str:
 
 
 def quality(args, seeds) -> dict:
+  """Each task of --tasks: its figures ({bm25, untrained, trained}) and their table."""
   root = args.workdir or tempfile.mkdtemp(prefix="retrieval-")
+  out = {}
+  for name in args.tasks:
+    if name not in TASKS:
+      raise Refusal(f"--tasks: {name!r} is none of {sorted(TASKS)}")
+    out[name] = task_quality(args, seeds, name, os.path.join(root, name))
+  return out
+
+
+def task_quality(args, seeds, name: str, root: str) -> dict:
   os.makedirs(root, exist_ok=True)
-  task = pairs_task(root, train_pairs=args.train_pairs, dev_queries=args.dev_queries)
-  print(f"task: {task['train_rows']} training pairs, {task['dev_rows']} dev queries against "
-        f"{task['corpus_rows']} passages ({root})", flush=True)
+  task = pairs_task(root, train_pairs=args.train_pairs, dev_queries=args.dev_queries, task=name)
+  print(f"task {name} ({TASKS[name]}): {task['train_rows']} training pairs, {task['dev_rows']} "
+        f"dev queries against {task['corpus_rows']} passages ({root})", flush=True)
   figures = {"bm25": lexical(task)}
   print(f"bm25: {figures['bm25']}", flush=True)
   figures["untrained"] = untrained(args.encoder, task, args.query_length, args.passage_length)
@@ -165,17 +220,99 @@ def quality(args, seeds) -> dict:
                                        os.path.join(root, f"run-s{seed}"), seed, args)
     print(f"trained seed {seed}: {figures['trained'][seed]}", flush=True)
   fair = max(figures["untrained"], key=lambda p: figures["untrained"][p]["mrr_at_10"])
-  print(f"\n{len(seeds)} seeds ({','.join(map(str, seeds))}); {task['dev_rows']} dev "
-        f"queries, {task['corpus_rows']} passages")
+  print(f"\ntask {name}: {len(seeds)} seeds ({','.join(map(str, seeds))}); {task['dev_rows']} "
+        f"dev queries, {task['corpus_rows']} passages")
   print(f"{'':28}" + "".join(f"{k:>16}" for k in REPORTED))
   rows = [("trained (range over seeds)", [[s[k] for s in figures["trained"].values()]
                                           for k in REPORTED])]
   rows += [(f"untrained, {p} pooling" + (" (fair)" if p == fair else ""),
             [[figures["untrained"][p][k]] for k in REPORTED]) for p in predict.POOLINGS]
   rows.append(("bm25", [[figures["bm25"][k]] for k in REPORTED]))
-  for name, values in rows:
-    print(f"{name:28}" + "".join(f"{_range(v):>16}" for v in values))
+  for row, values in rows:
+    print(f"{row:28}" + "".join(f"{_range(v):>16}" for v in values))
+  best = figures["untrained"][fair]["mrr_at_10"]
+  got = [s["mrr_at_10"] for s in figures["trained"].values()]
+  print(f"trained / fair untrained MRR@10: {_range([g / best for g in got])}x", flush=True)
   return figures
+
+
+def compile_contrastive(model_config: BertConfig, devices, batch: int, query_length: int,
+                        passage_length: int, passages: int = 1, chunks: int = 1):
+  """The contrastive train step (InfoNCE over the whole global batch) of `batch` queries, each
+  with `passages` passages, compiled for `devices` (the batch over them, the state replicated:
+  configs/base.py's mesh), `chunks` GradCache chunks."""
+  cfg = train.TrainConfig(batch_size=batch, num_train_steps=100, warmup_steps=10,
+                          learning_rate=2e-5, weight_decay=0.01, num_microbatches=chunks)
+  objective = contrastive_training.objective(ContrastiveConfig())
+  t = train.build(model_config, cfg, sharding.MeshConfig(), devices, objective)
+  one = objective.dummy_batch(1, query_length, passage_length, passages)
+  shapes = {k: jax.ShapeDtypeStruct((batch,) + v.shape[1:], v.dtype, sharding=t.batch_sharding)
+            for k, v in one.items()}
+  key = jax.eval_shape(jax.random.PRNGKey, 0)
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(t.mesh))
+  return t.train_step.lower(t.abstract_state, shapes, key).compile()
+
+
+def largest_batch(fits, start: int, bisections: int) -> tuple[int, int, list]:
+  """(the largest n that `fits`, the smallest tried that does not (0: none), the probes): n
+  doubles from `start` until one does not fit, then `bisections` halvings of the gap between
+  the last that fits and the first that does not (the resolution: their gap / 2**bisections).
+  `fits(n)` -> (bool, bytes)."""
+  probes, lo, hi, n = [], 0, 0, start
+  while True:
+    ok, need = fits(n)
+    probes.append((n, ok, need))
+    if not ok:
+      hi = n
+      break
+    lo, n = n, 2 * n
+  for _ in range(bisections):
+    if lo == 0 or hi - lo <= start // 2 ** bisections:
+      break
+    n = (lo + hi) // 2
+    ok, need = fits(n)
+    probes.append((n, ok, need))
+    lo, hi = (n, hi) if ok else (lo, n)
+  return lo, hi, probes
+
+
+def aot_negatives(args) -> dict:
+  """The largest global batch of negatives whose contrastive step fits a chip of
+  `args.aot_topology`: BERT-Base (configs/bert_base.py: bfloat16 matmuls, scanned layers, no
+  remat), each query with its positive alone, every passage of the global batch a negative of
+  every query, compiled by libtpu's compile-only client (as `python -m bertjax.aot`) and read
+  from XLA's buffer assignment (or its refusal) against the chip's HBM."""
+  topology = aot.parse_topology(args.aot_topology)
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  devices = aot.topology_devices(topology)
+  model_config = BertConfig.from_dict(bert_base.get_config().model, vocab_size=30522)
+  hbm = topology.hbm_gib * aot.GIB
+  lq, lp, n = args.query_length, args.passage_length, len(devices)
+
+  def fits(per_chip: int):
+    start = time.perf_counter()
+    try:
+      need = aot.Memory.of(compile_contrastive(model_config, devices, per_chip * n, lq, lp)).total
+    except Exception as err:  # pylint: disable=broad-except
+      found = aot.xla_out_of_memory(err)
+      if found is None:
+        raise
+      need = found[0]
+    print(f"{per_chip * n:7d} queries ({per_chip} per chip): {need / aot.GIB:7.2f} GiB of "
+          f"{topology.hbm_gib:g} GiB per chip, {'fits' if need <= hbm else 'does not fit'} "
+          f"({time.perf_counter() - start:.0f} s to compile)", flush=True)
+    return need <= hbm, need
+
+  lo, hi, probes = largest_batch(fits, args.aot_start, args.aot_bisections)
+  print(f"{topology.name} ({n} chips), BERT-Base, queries {lq} and passages {lp} tokens: "
+        f"{lo * n} queries ({lo} per chip) fit, {hi * n} do not; every query has "
+        f"{lo * n} passages, {lo * n - 1} of them negatives", flush=True)
+  return {"topology": topology.name, "chips": n, "query_length": lq, "passage_length": lp,
+          "largest_per_chip": lo, "largest_global": lo * n, "smallest_failing_per_chip": hi,
+          "probes": [{"per_chip": p, "fits": ok, "gib": round(b / aot.GIB, 2)}
+                     for p, ok, b in probes]}
 
 
 def step_times(args) -> dict:
@@ -223,12 +360,14 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  flags.DEFINE_enum("part", "all", ["all", "quality", "steps"], "What to measure.")
+  flags.DEFINE_enum("part", "all", ["all", "quality", "steps", "aot"], "What to measure "
+                    "(all: quality and steps; aot only when named).")
   flags.DEFINE_string("encoder", "workdirs/tiny", "The pre-trained encoder (`make pretrain`'s "
                       "workdir, or any weights folder).")
   flags.DEFINE_list("seeds", ["0", "1", "2"], "Fine-tuning seeds.")
   flags.DEFINE_string("workdir", "", "Where the task's files and the runs go ('' = a new "
                       "temporary folder).")
+  flags.DEFINE_list("tasks", ["next", "summary"], "quality: the pairs tasks (TASKS).")
   flags.DEFINE_integer("train_pairs", 16000, "Training pairs kept (drawn at random).")
   flags.DEFINE_integer("dev_queries", 500, "Dev queries kept (the corpus is every held-out "
                        "positive).")
@@ -240,6 +379,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("step_batch", 64, "steps: the global batch (queries).")
   flags.DEFINE_integer("chunks", 4, "steps: GradCache's chunks.")
   flags.DEFINE_integer("steps", 10, "steps: timed steps per way.")
+  flags.DEFINE_string("aot_topology", "v5p-8", "aot: the Cloud TPU slice compiled for.")
+  flags.DEFINE_integer("aot_start", 256, "aot: the first queries per chip tried (then doubled).")
+  flags.DEFINE_integer("aot_bisections", 2, "aot: halvings of the gap after doubling.")
   flags.DEFINE_string("json", "", "Also write the figures to this file.")
 
 
@@ -250,6 +392,8 @@ def main(argv) -> None:
     figures["quality"] = quality(FLAGS, [int(s) for s in FLAGS.seeds])
   if FLAGS.part in ("all", "steps"):
     figures["steps"] = step_times(FLAGS)
+  if FLAGS.part == "aot":
+    figures["aot"] = aot_negatives(FLAGS)
   if FLAGS.json:
     with open(FLAGS.json, "w", encoding="utf-8") as f:
       json.dump(figures, f, indent=1)

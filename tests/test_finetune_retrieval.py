@@ -57,3 +57,24 @@ def test_bm25_scores_its_formula_worked_by_hand():
   ids, scores = index.search(["a c", "d", "zzz"], 2)
   np.testing.assert_array_equal(ids, [[1, 0], [2, 0], [0, 1]])  # no match: ties, lower first
   assert scores[2].tolist() == [0, 0]
+
+
+def test_the_largest_batch_search_doubles_then_halves_the_gap():
+  from bertjax import benchmark_retrieval
+  tried = []
+
+  def fits(n):
+    tried.append(n)
+    return n <= 700, n
+  lo, hi, probes = benchmark_retrieval.largest_batch(fits, 256, 2)
+  # 256 and 512 fit, 1024 does not; then 768 does not, 640 does: the answer to 1/4 of the gap.
+  assert (lo, hi, tried) == (640, 768, [256, 512, 1024, 768, 640])
+  assert [ok for _, ok, _ in probes] == [True, True, False, False, True]
+  assert benchmark_retrieval.largest_batch(lambda n: (False, n), 256, 2)[:2] == (0, 256)
+
+
+def test_the_summary_task_pairs_a_docstrings_first_sentence_with_the_rest():
+  from bertjax import benchmark_retrieval
+  pairs = list(benchmark_retrieval._summaries([["Open a file.", "It returns a stream.", "Or fails."],
+                                              ["One sentence alone."]]))
+  assert pairs == [("Open a file.", "It returns a stream. Or fails.")]

@@ -340,7 +340,9 @@ def _clean_prose(text: str) -> list[str]:
   return sentences
 
 
-def _module_documents(path: str) -> Document:
+def _module_docstrings(path: str) -> list[list[str]]:
+  """The sentences of each docstring of a module (module, classes, functions), in source order;
+  docstrings without prose left out."""
   try:
     with open(path, encoding="utf-8") as f:
       tree = ast.parse(f.read())
@@ -349,29 +351,39 @@ def _module_documents(path: str) -> Document:
   nodes = [n for n in ast.walk(tree)
            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
   nodes.sort(key=lambda n: getattr(n, "lineno", 0))  # source order: a module reads top to bottom
-  doc = []
-  for node in nodes:
-    text = ast.get_docstring(node, clean=True)
-    if text:
-      doc.extend(_clean_prose(text))
-  return doc
+  texts = (ast.get_docstring(node, clean=True) for node in nodes)
+  return [sentences for sentences in (_clean_prose(t) for t in texts if t) if sentences]
 
 
 @functools.lru_cache(maxsize=1)
-def _builtin_documents() -> tuple[tuple[str, ...], ...]:
-  import pydoc_data.topics
+def _builtin_modules() -> tuple[tuple[tuple[str, ...], ...], ...]:
+  """Each stdlib module's docstrings (their sentences), in a sorted walk of the library."""
   root = sysconfig.get_paths()["stdlib"]
   skip_dirs = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                "pydoc_data"}
-  docs = []
+  modules = []
   for dirpath, dirnames, filenames in os.walk(root):
     # Sorted walk: the same Python installation always gives the same corpus in the same order.
     dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
     for name in sorted(filenames):
       if name.endswith(".py"):
-        doc = _module_documents(os.path.join(dirpath, name))
-        if doc:
-          docs.append(tuple(doc))
+        docstrings = _module_docstrings(os.path.join(dirpath, name))
+        if docstrings:
+          modules.append(tuple(tuple(d) for d in docstrings))
+  return tuple(modules)
+
+
+def builtin_docstrings() -> Iterator[tuple[Document, list[list[str]]]]:
+  """(the module's document of builtin_documents, its docstrings' sentences) of each stdlib
+  module: docstring boundaries, which the documents do not keep (the help topics have none)."""
+  for docstrings in _builtin_modules():
+    yield [s for d in docstrings for s in d], [list(d) for d in docstrings]
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_documents() -> tuple[tuple[str, ...], ...]:
+  import pydoc_data.topics
+  docs = [tuple(s for d in docstrings for s in d) for docstrings in _builtin_modules()]
   for key in sorted(pydoc_data.topics.topics):
     doc = _clean_prose(pydoc_data.topics.topics[key])
     if doc:
