@@ -26,8 +26,8 @@ Then, over the seeds, it fine-tunes the encoder with `python -m bertjax.finetune
   bm25        bertjax/finetune/bm25.py over words
 
 and prints MRR@10, recall@10 and nDCG@10 of each, per seed and as ranges, and the trained
-retriever's MRR@10 over the fair baseline's (figures: docs/your-own-task.md#embeddings-a-retriever-
-from-query-passage-pairs).
+retriever's MRR@10 over the fair baseline's. Figures:
+docs/your-own-task.md#embeddings-a-retriever-from-query-passage-pairs.
 
 `--part=steps` times the contrastive train step on the devices there are (an 8-device CPU mesh:
 XLA_FLAGS=--xla_force_host_platform_device_count=8), the same batch three ways: the whole global
@@ -48,7 +48,6 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -95,9 +94,10 @@ def _candidate_pairs(task: str):
       for query, positive in _next_sentences(doc, held_out):
         yield held_out, query, positive
   else:
-    for doc, docstrings in corpus_lib.builtin_docstrings():
+    for docstrings in corpus_lib.builtin_modules():  # each the document of a module
+      doc = [s for d in docstrings for s in d]
       held_out = corpus_lib.is_heldout(doc, EVAL_FRACTION)
-      for query, positive in _summaries(docstrings):
+      for query, positive in _summaries([list(d) for d in docstrings]):
         yield held_out, query, positive
 
 

@@ -92,11 +92,10 @@ def test_builtin_corpus():
   assert again == docs
   # The modules' docstrings, which the summary pairs task reads: each module's document is its
   # docstrings' sentences in order (so held-out modules are the held-out documents).
-  modules = list(corpus.builtin_docstrings())
-  assert [doc for doc, _ in modules] == docs[:len(modules)]
-  assert all(doc == [s for d in docstrings for s in d] and all(docstrings)
-             for doc, docstrings in modules)
-  assert sum(len(d) > 1 for _, ds in modules for d in ds) > 3000
+  modules = corpus.builtin_modules()
+  assert [[s for d in m for s in d] for m in modules] == docs[:len(modules)]
+  assert all(all(m) for m in modules)
+  assert sum(len(d) > 1 for m in modules for d in m) > 3000
   heldout = list(corpus.split_documents(docs, "eval", 0.1))
   train = list(corpus.split_documents(docs, "train", 0.1))
   assert len(heldout) + len(train) == len(docs) and 0.05 < len(heldout) / len(docs) < 0.15

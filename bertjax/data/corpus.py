@@ -356,8 +356,9 @@ def _module_docstrings(path: str) -> list[list[str]]:
 
 
 @functools.lru_cache(maxsize=1)
-def _builtin_modules() -> tuple[tuple[tuple[str, ...], ...], ...]:
-  """Each stdlib module's docstrings (their sentences), in a sorted walk of the library."""
+def builtin_modules() -> tuple[tuple[tuple[str, ...], ...], ...]:
+  """Each stdlib module's docstrings (their sentences), in a sorted walk of the library: the
+  built-in documents' first ones, one a module, with the docstring boundaries they drop."""
   root = sysconfig.get_paths()["stdlib"]
   skip_dirs = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                "pydoc_data"}
@@ -373,17 +374,10 @@ def _builtin_modules() -> tuple[tuple[tuple[str, ...], ...], ...]:
   return tuple(modules)
 
 
-def builtin_docstrings() -> Iterator[tuple[Document, list[list[str]]]]:
-  """(the module's document of builtin_documents, its docstrings' sentences) of each stdlib
-  module: docstring boundaries, which the documents do not keep (the help topics have none)."""
-  for docstrings in _builtin_modules():
-    yield [s for d in docstrings for s in d], [list(d) for d in docstrings]
-
-
 @functools.lru_cache(maxsize=1)
 def _builtin_documents() -> tuple[tuple[str, ...], ...]:
   import pydoc_data.topics
-  docs = [tuple(s for d in docstrings for s in d) for docstrings in _builtin_modules()]
+  docs = [tuple(s for d in docstrings for s in d) for docstrings in builtin_modules()]
   for key in sorted(pydoc_data.topics.topics):
     doc = _clean_prose(pydoc_data.topics.topics[key])
     if doc:
