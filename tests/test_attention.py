@@ -2,6 +2,7 @@
 cuDNN's arguments through the XLA implementation (no GPU here), padding and packing."""
 
 import dataclasses
+import sys
 
 import flax.linen as nn
 import jax
@@ -191,3 +192,19 @@ def test_splash_refuses_lengths_off_its_blocks_and_attention_dropout():
   with pytest.raises(ValueError, match=r"attention_impl='flash'; choose one of \('xla', 'cudnn', "
                                        r"'splash'\)"):
     BertConfig(attention_impl="flash")
+
+
+def test_a_jax_without_the_private_packed_layout_is_detected_so_the_public_path_serves(
+    monkeypatch):
+  # attention.py reaches jax._src (jax 0.10.2's packed layout has no public name); a jax where
+  # that module is gone, or its function takes other arguments, must read as "none here".
+  from jax._src import cudnn  # pylint: disable=import-outside-toplevel
+  from jax._src.cudnn import fused_attention_stablehlo as fused  # pylint: disable=import-outside-toplevel
+  assert attention._private_cudnn_attention() is not None  # pylint: disable=protected-access
+  with monkeypatch.context() as m:
+    m.setattr(fused, "dot_product_attention", lambda query, key, value, mask=None: query)
+    assert attention._private_cudnn_attention() is None  # pylint: disable=protected-access
+  monkeypatch.delattr(cudnn, "fused_attention_stablehlo")
+  monkeypatch.setitem(sys.modules, "jax._src.cudnn.fused_attention_stablehlo", None)
+  assert attention._private_cudnn_attention() is None  # pylint: disable=protected-access
+  assert not attention.cudnn_packed_layout()
