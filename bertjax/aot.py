@@ -109,6 +109,11 @@ def topology_devices(topology: Topology) -> list:
   # The compile-only client opens no TPU, so it need not take /tmp/libtpu_lockfile, which another
   # process on this machine (a CPU job with libtpu installed, a TPU VM's training) may hold.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # libtpu asks its environment (or the GCE metadata server) which TPU it runs on, and warns when
+  # nothing answers; answer for the requested slice.
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   shape = topology.shape + (1,) * (3 - len(topology.shape))
   # Hosts of 2x2 chips (how these slices are cabled); it only sets the devices' process_index.
   host_bounds = tuple(min(2, s) for s in shape)
@@ -368,11 +373,6 @@ def main(argv):
     topology = parse_topology(FLAGS.topology, FLAGS.num_slices)
   except ValueError as e:
     sys.exit(f"bertjax.aot: {e}")
-  # libtpu asks its environment (or the GCE metadata server) which TPU it runs on, and warns when
-  # nothing answers; answer for the requested slice.
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   mismatch = lock_mismatch()
   if mismatch:
     print(f"bertjax.aot: warning: the versions here are not {versions.LOCK}'s, which the TPU VMs "

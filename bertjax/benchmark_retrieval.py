@@ -283,9 +283,6 @@ def aot_negatives(args) -> dict:
   every query, compiled by libtpu's compile-only client (as `python -m bertjax.aot`) and read
   from XLA's buffer assignment (or its refusal) against the chip's HBM."""
   topology = aot.parse_topology(args.aot_topology)
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   devices = aot.topology_devices(topology)
   model_config = BertConfig.from_dict(bert_base.get_config().model, vocab_size=30522)
   hbm = topology.hbm_gib * aot.GIB

@@ -20,7 +20,6 @@ mesh, microbatches and remat), and its memory per chip; e.g. ModernBERT-base at 
 
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -76,10 +75,6 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   args = flags.FLAGS
   topology = aot.parse_topology(args.topology)
-  # libtpu asks its environment which TPU it runs on; answer for the slice (as bertjax.aot).
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   devices = aot.topology_devices(topology)
   model_config = BertConfig.from_dict(args.config.model,
                                       vocab_size=args.config.model.vocab_size or args.vocab_size)
