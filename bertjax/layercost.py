@@ -204,9 +204,9 @@ def extrapolate(shallow: dict[str, float], deeper: dict[str, float], depth: int,
                 num_layers: int) -> dict[str, float]:
   """The cost at num_layers from the costs of the same step at `depth` and 2 x `depth` layers,
   every layer counted in both (no loop, or a loop XLA unrolled): each layer costs their
-  difference over `depth`, the rest of the step is in both once."""
-  return {key: shallow[key] + (num_layers - depth) * (deeper[key] - shallow[key]) / depth
-          for key in shallow}
+  difference over `depth`, the rest of the step is in both once (honest_cost's count, the
+  layers here straight code rather than a loop's body)."""
+  return honest_cost(shallow, deeper, num_layers, depth, 2 * depth)
 
 
 def honest_cost(once: dict[str, float], other: dict[str, float], num_layers: int,
