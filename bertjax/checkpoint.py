@@ -51,6 +51,35 @@ class _ReaderNoiseFilter(logging_std.Filter):
 
 logging_std.getLogger("absl").addFilter(_ReaderNoiseFilter())
 
+def _one_writer_per_array_on_a_cpu() -> None:
+  """On a CPU, each replicated array is written whole by one device, not split among its replicas.
+
+  Orbax splits a replicated array's write among the devices holding it ("replica-parallel"),
+  through a jitted slice per device and shape: compiled afresh in every process, it made the
+  first save of a tiny model on an 8-device CPU mesh take 4.6 s against 0.2 s, and each later
+  save 2-3x as long. A CPU's devices share one host's memory and disk, so the split writes
+  nothing faster there. Orbax already turns it off on GPUs, by its own default; accelerators other
+  than GPUs keep it. Orbax's handler of jax arrays is process-wide: this replaces it, on a CPU
+  backend, only while it is orbax's own (a handler the user registered stays).
+  """
+  global _WRITERS_SET  # pylint: disable=global-statement
+  if _WRITERS_SET or jax.default_backend() != "cpu":
+    return
+  _WRITERS_SET = True
+  handlers = ocp.type_handlers
+  current = handlers.get_type_handler(jax.Array)
+  if type(current) is not handlers.ArrayHandler:  # pylint: disable=unidiomatic-typecheck
+    return
+  # The metadata store (which records typed random keys) carries over; an orbax that names it
+  # otherwise gets none, as its own register_standard_handlers_with_options gives.
+  store = getattr(current, "_array_metadata_store", None)
+  handlers.register_type_handler(jax.Array, handlers.ArrayHandler(
+      use_replica_parallel=False, array_metadata_store=store), override=True)
+
+
+_WRITERS_SET = False
+
+
 # Train keys that shape the optimizer state or what one step means; resuming under other values
 # would continue another run's moments (or its data position) silently.
 OPTIMIZER_FIELDS = ("optimizer", "max_grad_norm", "num_microbatches", "bias_correction")
@@ -189,6 +218,7 @@ class Checkpointer:
         save_interval_steps=save_every, max_to_keep=keep, create=not read_only,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
         read_only=read_only)
+    _one_writer_per_array_on_a_cpu()
     handlers = {name: ocp.StandardCheckpointHandler() for name in self.items}
     handlers[META] = ocp.JsonCheckpointHandler()
     self._manager = ocp.CheckpointManager(self.directory, options=options,

@@ -127,3 +127,38 @@ def test_empty_directory_restores_nothing(tmp_path):
   assert ckpt.restore_latest(_target(8)) is None
   ckpt.close()
   assert pathlib.Path(tmp_path / "none").is_dir()
+
+
+def test_a_replicated_array_saves_without_a_compile_on_a_cpu(tmp_path):
+  """On a CPU orbax writes each replicated array from one device (bertjax/checkpoint.py): split
+  among its 8 replicas, every save compiled a slice per device and shape (4.6 s for a tiny
+  model's first save, against 0.2 s). The restore still gives the array back on every device."""
+  import logging  # pylint: disable=import-outside-toplevel
+  compiled = []
+
+  class Listen(logging.Handler):
+    def emit(self, record):
+      if record.getMessage().startswith("Compiling "):
+        compiled.append(record.getMessage().split()[1])
+
+  mesh8 = Mesh(np.array(jax.devices()[:8]), ("x",))
+  replicated = NamedSharding(mesh8, P())
+  # Shapes no other test saves: a slice compiled for them could not come from jax's cache.
+  tree = {"a": jax.device_put(jnp.arange(8 * 29.0).reshape(8, 29), replicated),
+          "b": jax.device_put(jnp.ones((40, 3)), replicated)}
+  listen, log = Listen(), logging.getLogger("jax")
+  log.addHandler(listen)
+  try:
+    with jax.log_compiles(True):
+      ckpt = Checkpointer(str(tmp_path / "ckpt"), ("params",), save_every=1, keep=1)
+      ckpt.save(1, {"params": tree}, _meta(1))
+      ckpt.wait()
+  finally:
+    log.removeHandler(listen)
+  assert not [name for name in compiled if "slice" in name], compiled
+  target = {"params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree)}
+  restored = ckpt.restore(1, target)[0]["params"]
+  ckpt.close()
+  for key, leaf in tree.items():
+    np.testing.assert_array_equal(restored[key], leaf)
