@@ -49,6 +49,24 @@ if importlib.util.find_spec("tf_keras") is None:
   os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 
+# The suite's longest files, longest first (their summed test time in a run of the whole suite,
+# 60-210 s each). pytest-xdist's --dist loadfile hands files to its workers in collection order,
+# the first ones round-robin: a long file collected late ran alone at the end while the other
+# worker had nothing left (test_pod_chaos, 100 s). Started first, the long files split between
+# the workers and the short ones even out the ends. The first two both build nothing the other
+# waits for (tests/finetune_fixtures.py's shared encoder is built by the first alone).
+LONGEST_FIRST = ("test_finetune_run.py", "test_loop.py", "test_finetune_custom.py",
+                 "test_data_prepare_scale.py", "test_finetune_search.py", "test_pod_chaos.py",
+                 "test_finetune_chaos.py", "test_launch_local.py", "test_finetune_embeddings.py",
+                 "test_launch_local_finetune.py", "test_aot.py", "test_benchmark.py",
+                 "test_model.py", "test_train_step.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 def xla_flags(devices: int) -> str:
   """This run's XLA flags with another device count: for a command a test starts on its own mesh."""
   kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
