@@ -51,6 +51,9 @@ class _ReaderNoiseFilter(logging_std.Filter):
 
 logging_std.getLogger("absl").addFilter(_ReaderNoiseFilter())
 
+_WRITERS_SET = False  # whether _one_writer_per_array_on_a_cpu has run in this process
+
+
 def _one_writer_per_array_on_a_cpu() -> None:
   """On a CPU, each replicated array is written whole by one device, not split among its replicas.
 
@@ -70,14 +73,13 @@ def _one_writer_per_array_on_a_cpu() -> None:
   current = handlers.get_type_handler(jax.Array)
   if type(current) is not handlers.ArrayHandler:  # pylint: disable=unidiomatic-typecheck
     return
-  # The metadata store (which records typed random keys) carries over; an orbax that names it
-  # otherwise gets none, as its own register_standard_handlers_with_options gives.
+  # The metadata store (which records typed random keys) carries over. Orbax 0.12.8 exposes it
+  # under no public name (only the handler's `_array_metadata_store`); an orbax that names it
+  # otherwise gets none, as its own public register_standard_handlers_with_options gives, and
+  # bertjax saves no typed keys (tests/test_checkpoint.py covers both).
   store = getattr(current, "_array_metadata_store", None)
   handlers.register_type_handler(jax.Array, handlers.ArrayHandler(
       use_replica_parallel=False, array_metadata_store=store), override=True)
-
-
-_WRITERS_SET = False
 
 
 # Train keys that shape the optimizer state or what one step means; resuming under other values

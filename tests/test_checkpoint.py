@@ -162,3 +162,28 @@ def test_a_replicated_array_saves_without_a_compile_on_a_cpu(tmp_path):
   ckpt.close()
   for key, leaf in tree.items():
     np.testing.assert_array_equal(restored[key], leaf)
+
+
+def test_the_cpu_writer_keeps_orbaxs_metadata_store_or_goes_without(monkeypatch):
+  """The one-writer handler takes orbax's private metadata store where orbax has it, and none
+  (as orbax's public re-registration gives) where the attribute is gone."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from bertjax import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  handlers = ocp.type_handlers
+  registered = []
+  monkeypatch.setattr(handlers, "register_type_handler",
+                      lambda ty, handler, override=False: registered.append(handler))
+  for has_store in (True, False):
+    current = handlers.ArrayHandler(use_replica_parallel=True)
+    store = object()
+    if has_store:
+      current._array_metadata_store = store  # pylint: disable=protected-access
+    else:
+      del current._array_metadata_store  # pylint: disable=protected-access
+    monkeypatch.setattr(handlers, "get_type_handler", lambda ty, h=current: h)
+    monkeypatch.setattr(checkpoint_lib, "_WRITERS_SET", False)
+    checkpoint_lib._one_writer_per_array_on_a_cpu()  # pylint: disable=protected-access
+    made = registered[-1]
+    assert made._use_replica_parallel is False  # pylint: disable=protected-access
+    assert made._array_metadata_store is (store if has_store else None)  # pylint: disable=protected-access
+  assert len(registered) == 2
