@@ -273,8 +273,12 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "xla_tflop_per_chip": roofline_lib.round4(xla_flops / 1e12),
       "xla_over_model": round(xla_flops * n / model_flops, 3),
       # XLA's cost analysis counts the body of a loop once, not once per iteration.
-      **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times (the "
-                      "all_layers figures count each)"}
+      # The all_layers figures take each layer at what a body of k layers adds over a body of
+      # one, and jax's unrolled scan adds block buffers of its own (docs/performance.md, the
+      # scanned loop on a TPU): an upper bound; --roofline_layers gives straight code's.
+      **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times; the "
+                      "all_layers figures count each, an upper bound (--roofline_layers=1: "
+                      "straight code's)"}
          if mc.scan_layers and memory is not None else {}),
       **layers,
       "peak_tflops_per_chip": peak, "hbm_gbps_per_chip": flops.hbm_gbps(device_kind),
