@@ -16,7 +16,7 @@ the outputs written into donated arguments) against the chip's HBM; the FLOPs of
 count per chip and the model count of bertjax.flops); and at an assumed MFU (--mfu) the step
 time, sequences/s and chip-hours of train.num_train_steps. Beside that assumed MFU, the roofline
 of the executable itself: XLA's FLOPs and bytes accessed per chip (every layer counted: a scanned
-step is compiled a second time with more layers per loop iteration, bertjax/layercost.py) at the
+step's layer loop bodies are costed alone and counted once per iteration, bertjax/layercost.py) at the
 chip's peak and HBM bandwidth (bertjax/flops.py's CHIPS), the step time they allow, and the
 operations per layer; with scanned layers also any write of a whole [layers, ...] buffer inside
 the layer loops (a cost growing with depth at every layer: none expected). Exits 1, naming the
@@ -230,8 +230,8 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
            compile_s: float, seq_len: int, max_predictions: int, mfu: float,
            hbm_gib: float, second=None, layers: dict | None = None) -> dict:
   """The figures of one compiled step as a flat dict (also what the command prints); `second`:
-  the scanned step compiled with more layers per loop iteration (`layer_figures`), for the
-  roofline; `layers`: those figures already found (`extrapolated_layer_figures`: then
+  the scanned step compiled with more layers per loop iteration, where a loop body cannot be
+  costed alone (`layer_figures`), for the roofline; `layers`: those figures already found (`extrapolated_layer_figures`: then
   `compiled` is the deeper of its two compiles, and `memory` None, not the full depth's)."""
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
@@ -273,12 +273,8 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "xla_tflop_per_chip": roofline_lib.round4(xla_flops / 1e12),
       "xla_over_model": round(xla_flops * n / model_flops, 3),
       # XLA's cost analysis counts the body of a loop once, not once per iteration.
-      # The all_layers figures take each layer at what a body of k layers adds over a body of
-      # one, and jax's unrolled scan adds block buffers of its own (docs/performance.md, the
-      # scanned loop on a TPU): an upper bound; --roofline_layers gives straight code's.
-      **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times; the "
-                      "all_layers figures count each, an upper bound (--roofline_layers=1: "
-                      "straight code's)"}
+      **({"xla_note": f"counts the scanned layer once, not {mc.num_layers} times (the "
+                      "all_layers figures count each: all_layers_counted_as)"}
          if mc.scan_layers and memory is not None else {}),
       **layers,
       "peak_tflops_per_chip": peak, "hbm_gbps_per_chip": flops.hbm_gbps(device_kind),
@@ -356,8 +352,9 @@ def define_flags() -> None:
   flags.DEFINE_float("mfu", 0.45, "Model FLOPs utilisation assumed for the time estimates.")
   flags.DEFINE_float("hbm_gib", 0.0, "HBM per chip to check against (0 = the chip's own).")
   flags.DEFINE_string("json", "", "Also write the figures to this file.")
-  flags.DEFINE_bool("roofline", True, "With scanned layers, compile the step a second time (more "
-                    "layers per loop iteration) so that the roofline counts every layer.")
+  flags.DEFINE_bool("roofline", True, "With scanned layers whose loop body cannot be costed "
+                    "alone, compile the step a second time (more layers per loop iteration) so "
+                    "that the roofline counts every layer.")
   flags.DEFINE_integer("roofline_layers", 0, "N > 0: only the roofline, from the step compiled "
                        "at N and 2N layers (as straight code) and extrapolated linearly to the "
                        "config's depth; no compile at full depth, so no memory check. For deep "
@@ -414,11 +411,11 @@ def main(argv):
     sys.exit(f"bertjax.aot: {message} (XLA's TPU compiler: {e})")
   compile_s = time.perf_counter() - start
   memory = Memory.of(compiled)
-  second = None
   mc = training.model_config
-  if mc.scan_layers and FLAGS.roofline and mc.scan_unroll < mc.num_layers:
-    # XLA counts the scanned layer once: the same step with more layers per loop iteration gives
-    # one layer's cost (layer_figures). Its memory is not what is checked.
+  layers = roofline_lib.layer_figures(training, compiled)
+  if layers["all_layers_counted_as"] == roofline_lib.BODY_ONCE and FLAGS.roofline:
+    # A loop body that could not be costed alone: the same step with more layers per loop
+    # iteration gives one layer's cost (layer_figures). Its memory is not what is checked.
     config.model.scan_unroll = layercost.second_unroll(mc.num_layers, mc.scan_unroll)
     print(f"bertjax.aot: compiling it again with scan_unroll={config.model.scan_unroll}, for "
           "the roofline (--noroofline skips)", flush=True)
@@ -426,8 +423,9 @@ def main(argv):
         train.from_config(config, devices=devices, vocab_size=vocab),
         seq_len, max_predictions, per_row)
     config.model.scan_unroll = training.model_config.scan_unroll
+    layers = roofline_lib.layer_figures(training, compiled, second)
   figures = report(topology, training, compiled, memory, compile_s, seq_len, max_predictions,
-                   FLAGS.mfu, hbm_gib, second)
+                   FLAGS.mfu, hbm_gib, layers=layers)
   figures["sequences_per_row"] = per_row or 1  # max_predictions above is per row (S x M)
   print_figures(figures)
   need = memory.total

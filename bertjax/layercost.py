@@ -16,9 +16,13 @@ So, from the optimised HLO text and XLA's own figures:
                   layer count, at every layer;
   layer_ops       the operations per layer, scanned (the loops' bodies) or unrolled (the
                   operations named after one middle layer, `layer_i/`);
-  honest_cost     the cost with every layer counted: from two compiles of a scanned step,
-                  `scan_unroll` u and k (XLA counts a body of u layers, then of k), the cost of
-                  k - u layers is their difference;
+  loop_cost       the cost with every layer counted, from one compile of a scanned step: each
+                  layer loop's body costed on its own (its module re-parsed with the body as
+                  entry) and counted once per iteration;
+  honest_cost     the same where a body cannot be costed alone, from two compiles of a scanned
+                  step, `scan_unroll` u and k (XLA counts a body of u layers, then of k): the
+                  cost of k - u layers is their difference. An upper bound on the bytes: jax's
+                  unrolled scan body adds block buffers of its own;
   extrapolate     the cost at any depth from two shallow compiles (N and 2N layers), the step
                   growing linearly with depth (bertjax.aot --roofline_layers).
 
@@ -189,6 +193,53 @@ def cost(compiled) -> dict[str, float]:
   analysis = analysis or {}
   return {"flops": float(analysis.get("flops", 0.0)),
           "bytes": float(analysis.get("bytes accessed", 0.0))}
+
+
+def computation_cost(hlo_text: str, computation: str) -> dict[str, float] | None:
+  """XLA's cost analysis ({"flops", "bytes"}) of one computation of an optimised module (a loop's
+  body) as if it were the entry: the module's text re-parsed with that computation as ENTRY and
+  analysed by XLA's generic HloCostAnalysis through the CPU client, whatever platform compiled
+  it (on a TPU module it gives straight code's 2.74 GB a layer where libtpu's own analysis of the
+  executable gives 2.75). jax 0.10 exposes the parser and the analysis under jaxlib's own names
+  alone (`_xla.hlo_module_cost_analysis`, `hlo.hlo_module_from_text`); None where they are gone
+  or the text does not parse, and the caller counts another way."""
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
+    header, rest = hlo_text.split("\n", 1)
+    # The header's aliasing and layouts describe the old entry's parameters and results.
+    header = re.sub(r"^(HloModule [\w.\-]+).*", r"\1", header)
+    rest = re.sub(r"^ENTRY ", "", rest, flags=re.M)
+    rest, found = re.subn(rf"^(%?{re.escape(computation)} )", r"ENTRY \1", rest, count=1,
+                          flags=re.M)
+    if found != 1:
+      return None
+    module = xla_client.hlo.hlo_module_from_text(header + "\n" + rest)
+    analysis = xla_client._xla.hlo_module_cost_analysis(  # pylint: disable=protected-access
+        jax.devices("cpu")[0].client, module)
+  except (AttributeError, ImportError, RuntimeError, ValueError):
+    return None
+  return {"flops": float(analysis.get("flops", 0.0)),
+          "bytes": float(analysis.get("bytes accessed", 0.0))}
+
+
+def loop_cost(compiled, num_layers: int, scan_unroll: int = 1) -> dict[str, float] | None:
+  """The cost of a scanned step with every layer counted, from its one compile: XLA's cost of
+  the executable (each layer loop's body counted once) plus each body's own cost
+  (`computation_cost`) for each of its further iterations. None where a body cannot be costed
+  or no layer loop is found (then `honest_cost`, from a second compile)."""
+  text = compiled.as_text()
+  bodies = layer_loops(text, num_layers, scan_unroll)
+  costs = [computation_cost(text, body) for body in bodies]
+  if not costs or None in costs:
+    return None
+  out = cost(compiled)
+  trips = num_layers // scan_unroll
+  for key in ("flops", "bytes"):
+    per_iteration = sum(c[key] for c in costs)
+    out[key] += (trips - 1) * per_iteration
+    out[f"{key}_per_layer"] = per_iteration / scan_unroll
+  return out
 
 
 def second_unroll(num_layers: int, scan_unroll: int = 1) -> int:

@@ -22,21 +22,34 @@ def roofline(flops_per_chip: float, bytes_per_chip: float, peak_tflops: float,
           "roofline_bound": "compute" if compute_s >= memory_s else "memory"}
 
 
+# `all_layers_counted_as` where nothing could count every layer of a scanned step.
+BODY_ONCE = "each layer loop's body once, not every layer"
+
+
 def layer_figures(training: train.Training, compiled, second=None) -> dict:
   """XLA's FLOPs and bytes per chip with every layer counted, and the operations per layer.
 
-  XLA counts a loop's body once: a scanned step's cost is taken from its compile with
-  scan_unroll u (`compiled`) and layercost.second_unroll's k (`second`), each layer costing the
-  difference over k - u (bertjax/layercost.py); an unrolled step's is XLA's own."""
+  XLA counts a loop's body once: a scanned step's cost is its executable's plus each layer
+  loop's body costed alone for each further iteration (layercost.loop_cost); where a body cannot
+  be costed alone, from `second`, the step compiled with layercost.second_unroll's k layers per
+  iteration (layercost.honest_cost, an upper bound), and without it each body once (BODY_ONCE).
+  An unrolled step's is XLA's own."""
   mc = training.model_config
   text = compiled.as_text()
-  once = layercost.cost(compiled)
-  cost = (layercost.honest_cost(once, layercost.cost(second), mc.num_layers, mc.scan_unroll)
-          if mc.scan_layers and second is not None and mc.scan_unroll < mc.num_layers else once)
+  cost = layercost.cost(compiled)
+  counted = "XLA's count of the executable"
+  if mc.scan_layers and mc.scan_unroll < mc.num_layers:
+    every = layercost.loop_cost(compiled, mc.num_layers, mc.scan_unroll)
+    counted = "each loop body's own cost once per iteration"
+    if every is None and second is not None:
+      every = layercost.honest_cost(cost, layercost.cost(second), mc.num_layers, mc.scan_unroll)
+      counted = "a second compile's extra layers (an upper bound on the bytes)"
+    cost, counted = (cost, BODY_ONCE) if every is None else (every, counted)
   out = {"xla_tflop_per_chip_all_layers": round4(cost["flops"] / 1e12),
          "xla_gb_per_chip_all_layers": round4(cost["bytes"] / 1e9),
          "ops_per_layer": layercost.layer_ops(text, mc.num_layers, mc.scan_layers,
-                                              mc.scan_unroll)}
+                                              mc.scan_unroll),
+         "all_layers_counted_as": counted}
   if mc.scan_layers:
     # Writes of whole [layers, ...] buffers inside the layer loops: traffic at every layer that
     # grows with the depth (the CPU's bfloat16 conversion was one); none expected.

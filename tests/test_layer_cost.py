@@ -22,14 +22,18 @@ SHAPE = dict(hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=128, 
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_text(num_layers: int, scan: bool, unroll: int = 1):
+def _compiled(num_layers: int, scan: bool, unroll: int = 1):
   config = base.get_config()
   config.model.update(SHAPE, num_layers=num_layers, scan_layers=scan, scan_unroll=unroll)
   config.data.update(max_seq_length=16, max_predictions_per_seq=2)
   config.train.batch_size = 2
   # One device: the per-device program, as a single accelerator compiles it.
   runner = benchmark.StepRunner(config, 16, 2, devices=jax.devices()[:1], allocate=False)
-  compiled = runner.lowered.compile(compiler_options=UNOPTIMISED_CODE)
+  return runner.lowered.compile(compiler_options=UNOPTIMISED_CODE)
+
+
+def _compiled_text(num_layers: int, scan: bool, unroll: int = 1):
+  compiled = _compiled(num_layers, scan, unroll)
   return layercost.cost(compiled), compiled.as_text()
 
 
@@ -87,6 +91,46 @@ def test_the_whole_buffer_conversion_is_a_write_to_every_layer_at_every_layer(mo
   # What the test above sees with residuals.py undone: XLA's CPU backend converting each whole
   # bfloat16 [layers, ...] residual buffer to float32 and back to store one layer's slice.
   monkeypatch.setattr(residuals, "saving_bits", lambda f: f)
-  _, text = _compiled_text.__wrapped__(3, scan=True)  # compiled afresh, not the cached one
+  text = _compiled.__wrapped__(3, scan=True).as_text()  # compiled afresh, not the cached one
   writes = layercost.stack_writes(text, 3)
   assert writes.get("convert:bf16", 0) > 0, writes
+
+
+def test_a_loop_body_costed_alone_counts_each_iteration():
+  # A loop whose body's cost is known: eight iterations of a [64, 64] matmul. XLA's count of the
+  # compiled loop has the body once; counted alone and once per iteration, the loop's FLOPs are
+  # eight matmuls' (2 x 64^3 each), within the few elementwise operations of the loop.
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  def loop(w, xs):
+    return jax.lax.scan(lambda x, w_i: (jnp.tanh(x @ w_i), None), xs, w)[0]
+
+  w, x = jnp.ones((8, 64, 64)), jnp.ones((64, 64))
+  compiled = jax.jit(loop).lower(w, x).compile(compiler_options=UNOPTIMISED_CODE)
+  text = compiled.as_text()
+  matmul = 2 * 64 ** 3
+  assert layercost.cost(compiled)["flops"] < 2 * matmul  # the body counted once
+  [body] = layercost.layer_loops(text, 8)
+  alone = layercost.computation_cost(text, body)
+  assert matmul <= alone["flops"] < 1.1 * matmul, alone
+  every = layercost.loop_cost(compiled, 8)
+  assert 8 * matmul <= every["flops"] < 8.8 * matmul, every
+  assert every["bytes"] > layercost.cost(compiled)["bytes"] + 7 * 64 * 64 * 4
+  assert layercost.computation_cost(text, "no_such_computation") is None
+
+
+def test_a_scanned_step_counted_from_one_compile_does_the_flops_of_unrolled_layers():
+  # bertjax.aot's roofline of a scanned step: each layer loop's body costed alone, once per
+  # iteration (layercost.loop_cost), against six unrolled layers: the same FLOPs within a few
+  # percent, and no fewer bytes; at most the two-compile count's (honest_cost), which also counts
+  # the block buffers of jax's unrolled scan.
+  (one, _), (two, _) = _compiled_text(1, False), _compiled_text(2, False)
+  unrolled = {key: one[key] + 5 * (two[key] - one[key]) for key in ("flops", "bytes")}
+  every = layercost.loop_cost(_compiled(6, True), 6)
+  honest = layercost.honest_cost(_compiled_text(6, True)[0], _compiled_text(6, True, 2)[0], 6)
+  assert abs(every["flops"] / unrolled["flops"] - 1) < 0.05, (every, unrolled)
+  assert 0.95 * unrolled["bytes"] < every["bytes"] <= 1.01 * honest["bytes"], (every, unrolled,
+                                                                                honest)
+  print(f"six scanned layers, bodies costed alone / unrolled: FLOPs "
+        f"{every['flops'] / unrolled['flops']:.3f}, bytes {every['bytes'] / unrolled['bytes']:.3f}"
+        f"; / two compiles' bytes {every['bytes'] / honest['bytes']:.3f}")
