@@ -16,8 +16,8 @@ the outputs written into donated arguments) against the chip's HBM; the FLOPs of
 count per chip and the model count of bertjax.flops); and at an assumed MFU (--mfu) the step
 time, sequences/s and chip-hours of train.num_train_steps. Beside that assumed MFU, the roofline
 of the executable itself: XLA's FLOPs and bytes accessed per chip (every layer counted: a scanned
-step's layer loop bodies are costed alone and counted once per iteration, bertjax/layercost.py) at the
-chip's peak and HBM bandwidth (bertjax/flops.py's CHIPS), the step time they allow, and the
+step's layer loop bodies are costed alone and counted once per iteration, bertjax/layercost.py)
+at the chip's peak and HBM bandwidth (bertjax/flops.py's CHIPS), the step time they allow, and the
 operations per layer; with scanned layers also any write of a whole [layers, ...] buffer inside
 the layer loops (a cost growing with depth at every layer: none expected). Exits 1, naming the
 shortfall, when the step does not fit. (XLA's TPU compiler itself works to fit HBM before it gives up, e.g. by
@@ -231,8 +231,9 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
            hbm_gib: float, second=None, layers: dict | None = None) -> dict:
   """The figures of one compiled step as a flat dict (also what the command prints); `second`:
   the scanned step compiled with more layers per loop iteration, where a loop body cannot be
-  costed alone (`layer_figures`), for the roofline; `layers`: those figures already found (`extrapolated_layer_figures`: then
-  `compiled` is the deeper of its two compiles, and `memory` None, not the full depth's)."""
+  costed alone (`layer_figures`), for the roofline; `layers`: those figures already found
+  (`extrapolated_layer_figures`: then `compiled` is the deeper of its two compiles, and
+  `memory` None, not the full depth's)."""
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
   device_kind = training.mesh.devices.flat[0].device_kind
