@@ -228,23 +228,18 @@ def shortfall_message(topology: Topology, need_bytes: float, hbm_gib: float,
 
 def report(topology: Topology, training: train.Training, compiled, memory: Memory | None,
            compile_s: float, seq_len: int, max_predictions: int, mfu: float,
-           hbm_gib: float, second=None, layers: dict | None = None) -> dict:
-  """The figures of one compiled step as a flat dict (also what the command prints); `second`:
-  the scanned step compiled with more layers per loop iteration, where a loop body cannot be
-  costed alone (`layer_figures`), for the roofline; `layers`: those figures already found
-  (`extrapolated_layer_figures`: then `compiled` is the deeper of its two compiles, and
-  `memory` None, not the full depth's)."""
+           hbm_gib: float, layers: dict) -> dict:
+  """The figures of one compiled step as a flat dict (also what the command prints); `layers`:
+  its figures with every layer counted (`layer_figures`, or `extrapolated_layer_figures`: then
+  `compiled` is the deeper of its two compiles, and `memory` None, not the full depth's)."""
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
   device_kind = training.mesh.devices.flat[0].device_kind
   peak = flops.peak_tflops(device_kind)
   model_flops = flops.train_flops(mc, tc.batch_size, seq_len, max_predictions)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  xla_flops = float(cost.get("flops", 0.0)) if cost else 0.0
+  xla_flops = layercost.cost(compiled)["flops"]
   step_s = model_flops / (n * peak * 1e12 * mfu)
   gib = lambda b: roofline_lib.round4(b / GIB)
-  layers = layers or roofline_lib.layer_figures(training, compiled, second)
   if memory is None:  # figures of a shallower step, extrapolated: XLA's count of the whole step
     xla_flops = layers["xla_tflop_per_chip_all_layers"] * 1e12
     memory_figures = {"memory": "not compiled at full depth (--roofline_layers)"}
@@ -326,7 +321,7 @@ def shallow_roofline(config, training: train.Training, topology: Topology, devic
   model.num_layers, model.scan_unroll = full
   layers = roofline_lib.extrapolated_layer_figures(training, *compiled, depth)
   figures = report(topology, training, compiled[1], None, time.perf_counter() - start, seq_len,
-                   max_predictions, FLAGS.mfu, hbm_gib, layers=layers)
+                   max_predictions, FLAGS.mfu, hbm_gib, layers)
   figures["sequences_per_row"] = per_row or 1
   return figures
 
@@ -426,7 +421,7 @@ def main(argv):
     config.model.scan_unroll = training.model_config.scan_unroll
     layers = roofline_lib.layer_figures(training, compiled, second)
   figures = report(topology, training, compiled, memory, compile_s, seq_len, max_predictions,
-                   FLAGS.mfu, hbm_gib, layers=layers)
+                   FLAGS.mfu, hbm_gib, layers)
   figures["sequences_per_row"] = per_row or 1  # max_predictions above is per row (S x M)
   print_figures(figures)
   need = memory.total

@@ -205,6 +205,10 @@ def computation_cost(hlo_text: str, computation: str) -> dict[str, float] | None
   or the text does not parse, and the caller counts another way."""
   try:
     import jax  # pylint: disable=import-outside-toplevel
+    # Private on purpose: jax 0.10.2 has no public way to parse HLO text or to cost a module
+    # (jax.extend.mlir.hlo_to_stablehlo takes a proto, and compiling the body again would fuse
+    # it anew for the CPU, not cost the TPU's). Without them this returns None and the caller
+    # counts from a second compile (tests/test_layer_cost.py holds that fallback).
     from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
     header, rest = hlo_text.split("\n", 1)
     # The header's aliasing and layouts describe the old entry's parameters and results.
