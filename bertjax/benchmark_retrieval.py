@@ -55,7 +55,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import aot, benchmark, cli, contrastive_training, predict, sharding, train
+from bertjax import aot, benchmark, cli, contrastive_training, predict, sharding, topologies, train
 from bertjax.configs import bert_base, finetune as finetune_config
 from bertjax.contrastive import ContrastiveConfig
 from bertjax.data import corpus as corpus_lib
@@ -282,7 +282,7 @@ def aot_negatives(args) -> dict:
   remat), each query with its positive alone, every passage of the global batch a negative of
   every query, compiled by libtpu's compile-only client (as `python -m bertjax.aot`) and read
   from XLA's buffer assignment (or its refusal) against the chip's HBM."""
-  topology = aot.parse_topology(args.aot_topology)
+  topology = topologies.parse_topology(args.aot_topology)
   devices = aot.topology_devices(topology)
   model_config = BertConfig.from_dict(bert_base.get_config().model, vocab_size=30522)
   hbm = topology.hbm_gib * aot.GIB

@@ -146,3 +146,47 @@ def parse(name: str) -> SliceType:
   shapes = ", ".join(f"{n} ({'x'.join(map(str, types[n].shape))})" for n in near)
   raise Refusal(f"Unknown accelerator type {name!r}: {gen.name} has no slice of {size} {unit}; "
                 f"nearest: {shapes}. Known {gen.name} types: {describe_known(generation)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """A slice (or `num_slices` identical slices) by accelerator type, e.g. "v5p-128"."""
+
+  name: str  # as given, with v5e for v5litepod ("v5e-256")
+  generation: str  # v4, v5p, v5e, v6e
+  shape: tuple[int, ...]  # chips along each ICI dimension of one slice
+  num_slices: int = 1
+  slice_type: SliceType | None = None
+
+  @property
+  def chips_per_slice(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def num_chips(self) -> int:
+    return self.chips_per_slice * self.num_slices
+
+  @property
+  def hbm_gib(self) -> float:
+    return self.slice_type.generation.hbm_gib
+
+  @property
+  def libtpu_name(self) -> str:
+    return self.slice_type.libtpu_name
+
+  def __str__(self) -> str:
+    return self.name if self.num_slices == 1 else f"{self.num_slices} x {self.name}"
+
+
+def parse_topology(name: str, num_slices: int = 1) -> Topology:
+  """"v5p-128" -> Topology(v5p, 4x4x4); "v5litepod-N" is v5e-N; an unknown name raises naming
+  the nearest known ones (bertjax.topologies holds the table, shared with launch/tpu.py)."""
+  try:
+    slice_type = parse(name)
+  except ValueError as e:
+    raise Refusal(str(e).replace("Unknown accelerator type", "Unknown TPU topology", 1)) from None
+  if num_slices < 1:
+    raise Refusal(f"num_slices={num_slices} must be >= 1")
+  gen = slice_type.generation
+  short_name = f"{gen.short}-{slice_type.cores}"
+  return Topology(short_name, gen.short, slice_type.shape, num_slices, slice_type)

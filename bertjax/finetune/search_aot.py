@@ -25,7 +25,7 @@ import sys
 import jax
 from absl import app, flags
 
-from bertjax import aot, cli, sharding, train
+from bertjax import aot, cli, sharding, topologies, train
 from bertjax.finetune import trials as trials_lib
 from bertjax.finetune.families import classification
 from bertjax.model_config import BertConfig
@@ -74,7 +74,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   args = flags.FLAGS
-  topology = aot.parse_topology(args.topology)
+  topology = topologies.parse_topology(args.topology)
   devices = aot.topology_devices(topology)
   model_config = BertConfig.from_dict(args.config.model,
                                       vocab_size=args.config.model.vocab_size or args.vocab_size)
