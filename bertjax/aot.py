@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
-import math
 import os
 import re
 import sys
@@ -51,58 +50,13 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, flops, layercost, sharding, topologies, train, versions
+from bertjax import attention, cli, flops, layercost, sharding, topologies, train, versions
 from bertjax import roofline as roofline_lib
 from bertjax.data.config import DataConfig
-from bertjax.errors import Refusal
 
 GIB = 2**30
 
-@dataclasses.dataclass(frozen=True)
-class Topology:
-  """A slice (or `num_slices` identical slices) by accelerator type, e.g. "v5p-128"."""
-
-  name: str  # as given, with v5e for v5litepod ("v5e-256")
-  generation: str  # v4, v5p, v5e, v6e
-  shape: tuple[int, ...]  # chips along each ICI dimension of one slice
-  num_slices: int = 1
-  slice_type: topologies.SliceType | None = None
-
-  @property
-  def chips_per_slice(self) -> int:
-    return math.prod(self.shape)
-
-  @property
-  def num_chips(self) -> int:
-    return self.chips_per_slice * self.num_slices
-
-  @property
-  def hbm_gib(self) -> float:
-    return self.slice_type.generation.hbm_gib
-
-  @property
-  def libtpu_name(self) -> str:
-    return self.slice_type.libtpu_name
-
-  def __str__(self) -> str:
-    return self.name if self.num_slices == 1 else f"{self.num_slices} x {self.name}"
-
-
-def parse_topology(name: str, num_slices: int = 1) -> Topology:
-  """"v5p-128" -> Topology(v5p, 4x4x4); "v5litepod-N" is v5e-N; an unknown name raises naming
-  the nearest known ones (bertjax.topologies holds the table, shared with launch/tpu.py)."""
-  try:
-    slice_type = topologies.parse(name)
-  except ValueError as e:
-    raise Refusal(str(e).replace("Unknown accelerator type", "Unknown TPU topology", 1)) from None
-  if num_slices < 1:
-    raise Refusal(f"num_slices={num_slices} must be >= 1")
-  gen = slice_type.generation
-  short_name = f"{gen.short}-{slice_type.cores}"
-  return Topology(short_name, gen.short, slice_type.shape, num_slices, slice_type)
-
-
-def topology_devices(topology: Topology) -> list:
+def topology_devices(topology: topologies.Topology) -> list:
   """Compile-only devices of the slice(s), from libtpu; with several slices each carries
   `slice_index`, which sharding.create_mesh uses to put the DCN mesh axes across slices."""
   from jax.experimental import topologies as jax_topologies  # pylint: disable=import-outside-toplevel
@@ -203,7 +157,7 @@ def xla_out_of_memory(error: Exception) -> tuple[float, float] | None:
   return None
 
 
-def shortfall_message(topology: Topology, need_bytes: float, hbm_gib: float,
+def shortfall_message(topology: topologies.Topology, need_bytes: float, hbm_gib: float,
                       training: train.Training, usable_bytes: float | None = None) -> str:
   """What does not fit, by how much, and the settings that change it."""
   tc, mc = training.train_config, training.model_config
@@ -226,12 +180,14 @@ def shortfall_message(topology: Topology, need_bytes: float, hbm_gib: float,
           f"{has}: {need - hbm_gib:.1f} GiB short; " + ", ".join(fixes) + ".")
 
 
-def report(topology: Topology, training: train.Training, compiled, memory: Memory | None,
+def report(topology: topologies.Topology, training: train.Training, compiled,
+           memory: Memory | None,
            compile_s: float, seq_len: int, max_predictions: int, mfu: float,
-           hbm_gib: float, layers: dict) -> dict:
+           hbm_gib: float, layers: dict, bound: dict | None = None) -> dict:
   """The figures of one compiled step as a flat dict (also what the command prints); `layers`:
   its figures with every layer counted (`layer_figures`, or `extrapolated_layer_figures`: then
-  `compiled` is the deeper of its two compiles, and `memory` None, not the full depth's)."""
+  `compiled` is the deeper of its two compiles, and `memory` None, not the full depth's);
+  `bound`: roofline.bytes_bound's floor on the bytes."""
   mc, tc = training.model_config, training.train_config
   n = topology.num_chips
   device_kind = training.mesh.devices.flat[0].device_kind
@@ -250,9 +206,8 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
         "memory_temporaries_gib": gib(memory.temporaries), "memory_code_gib": gib(memory.code),
         "memory_total_gib": gib(memory.total), "hbm_gib": hbm_gib,
         "memory_fraction": round(memory.total / (hbm_gib * GIB), 4)}
-  bound = roofline_lib.roofline(layers["xla_tflop_per_chip_all_layers"] * 1e12,
-                   layers["xla_gb_per_chip_all_layers"] * 1e9, peak,
-                   flops.hbm_gbps(device_kind))
+  roof = roofline_lib.step_roofline(layers, model_flops / n, peak, flops.hbm_gbps(device_kind),
+                                    bound)
   return {
       "topology": str(topology), "libtpu_topology": topology.libtpu_name,
       "device": f"{n} x {device_kind}", "libtpu": importlib.metadata.version("libtpu"),
@@ -276,8 +231,8 @@ def report(topology: Topology, training: train.Training, compiled, memory: Memor
       "peak_tflops_per_chip": peak, "hbm_gbps_per_chip": flops.hbm_gbps(device_kind),
       "assumed_mfu": mfu,
       "step_s": roofline_lib.round4(step_s), "sequences_per_s": roofline_lib.round4(tc.batch_size / step_s),
-      # XLA's figures for the executable at the chip's peak and bandwidth: a floor on the step.
-      **bound, "roofline_mfu": round(model_flops / (n * peak * 1e12) / bound["roofline_step_s"], 3),
+      # The executable's FLOPs and HBM bytes at the chip's peak and bandwidth: a floor on the step.
+      **roof,
       "num_train_steps": tc.num_train_steps,
       "train_hours": roofline_lib.round4(step_s * tc.num_train_steps / 3600),
       "chip_hours": roofline_lib.round4(n * step_s * tc.num_train_steps / 3600),
@@ -301,27 +256,42 @@ def lock_mismatch() -> list[str]:
     return []
 
 
-def shallow_roofline(config, training: train.Training, topology: Topology, devices, vocab: int,
-                     seq_len: int, max_predictions: int, per_row: int, hbm_gib: float) -> dict:
+def compile_at_depth(config, devices, vocab: int, seq_len: int, max_predictions: int,
+                     per_row: int, layers: int):
+  """The train step compiled with `layers` layers as straight code (a scanned config's scan
+  unrolled: XLA counts every operation), the config left as it was."""
+  model = config.model
+  full = (model.num_layers, model.scan_unroll)
+  model.num_layers = layers
+  if model.scan_layers:
+    model.scan_unroll = layers
+  try:
+    return compile_train_step(train.from_config(config, devices=devices, vocab_size=vocab),
+                              seq_len, max_predictions, per_row)
+  finally:
+    model.num_layers, model.scan_unroll = full
+
+
+def shallow_roofline(config, training: train.Training, topology: topologies.Topology, devices,
+                     vocab: int, seq_len: int, max_predictions: int, per_row: int,
+                     hbm_gib: float) -> dict:
   """`report`'s figures but memory's, from the step compiled at --roofline_layers N and 2N
   layers (`extrapolated_layer_figures`)."""
-  depth, model = FLAGS.roofline_layers, config.model
+  depth = FLAGS.roofline_layers
   if 2 * depth >= training.model_config.num_layers:
     raise app.UsageError(f"--roofline_layers={depth}: 2 x {depth} layers are not fewer than the "
                          f"config's {training.model_config.num_layers}; compile it whole instead")
-  full = (model.num_layers, model.scan_unroll)
   compiled, start = [], time.perf_counter()
   for layers in (depth, 2 * depth):
-    # scan_unroll = the depth: the layers as straight code, whose every operation XLA counts.
-    model.num_layers, model.scan_unroll = layers, layers
     print(f"bertjax.aot: compiling the train step with {layers} layers for {topology}, for the "
           "roofline (no memory check)", flush=True)
-    compiled.append(compile_train_step(train.from_config(config, devices=devices, vocab_size=vocab),
-                                       seq_len, max_predictions, per_row))
-  model.num_layers, model.scan_unroll = full
-  layers = roofline_lib.extrapolated_layer_figures(training, *compiled, depth)
+    compiled.append(compile_at_depth(config, devices, vocab, seq_len, max_predictions, per_row,
+                                     layers))
+  layers = roofline_lib.extrapolated_layer_figures(training, *compiled, depth,
+                                                   attention.splash_flops)
   figures = report(topology, training, compiled[1], None, time.perf_counter() - start, seq_len,
-                   max_predictions, FLAGS.mfu, hbm_gib, layers)
+                   max_predictions, FLAGS.mfu, hbm_gib, layers,
+                   roofline_lib.bytes_bound(training, seq_len, max_predictions, per_row))
   figures["sequences_per_row"] = per_row or 1
   return figures
 
@@ -355,6 +325,9 @@ def define_flags() -> None:
                        "at N and 2N layers (as straight code) and extrapolated linearly to the "
                        "config's depth; no compile at full depth, so no memory check. For deep "
                        "models on a small machine, where a full compile takes many minutes.")
+  flags.DEFINE_bool("check_cost_model", False, "First compile the known-answer cases "
+                    "(roofline.check_cost_model: a matmul, an elementwise pass, a prefetched "
+                    "matmul) for the slice and print how XLA's and the HBM count read them.")
 
 
 def main(argv):
@@ -367,7 +340,7 @@ def main(argv):
   jax.config.update("jax_platforms", "cpu")
   config = FLAGS.config
   try:
-    topology = parse_topology(FLAGS.topology, FLAGS.num_slices)
+    topology = topologies.parse_topology(FLAGS.topology, FLAGS.num_slices)
   except ValueError as e:
     sys.exit(f"bertjax.aot: {e}")
   mismatch = lock_mismatch()
@@ -387,6 +360,9 @@ def main(argv):
     training = train.from_config(config, devices=devices, vocab_size=vocab)
   except ValueError as e:  # the config's checks: batch, mesh or heads do not divide
     sys.exit(f"bertjax.aot: {e}")
+  if FLAGS.check_cost_model:
+    for case in roofline_lib.check_cost_model(devices):
+      print(f"bertjax.aot: cost model, {json.dumps(case)}", flush=True)
   if FLAGS.roofline_layers:
     figures = shallow_roofline(config, training, topology, devices, vocab, seq_len,
                                max_predictions, per_row, hbm_gib)
@@ -408,7 +384,7 @@ def main(argv):
   compile_s = time.perf_counter() - start
   memory = Memory.of(compiled)
   mc = training.model_config
-  layers = roofline_lib.layer_figures(training, compiled)
+  layers = roofline_lib.layer_figures(training, compiled, opaque_flops=attention.splash_flops)
   if layers["all_layers_counted_as"] == roofline_lib.BODY_ONCE and FLAGS.roofline:
     # A loop body that could not be costed alone: the same step with more layers per loop
     # iteration gives one layer's cost (layer_figures). Its memory is not what is checked.
@@ -419,9 +395,10 @@ def main(argv):
         train.from_config(config, devices=devices, vocab_size=vocab),
         seq_len, max_predictions, per_row)
     config.model.scan_unroll = training.model_config.scan_unroll
-    layers = roofline_lib.layer_figures(training, compiled, second)
+    layers = roofline_lib.layer_figures(training, compiled, second, attention.splash_flops)
   figures = report(topology, training, compiled, memory, compile_s, seq_len, max_predictions,
-                   FLAGS.mfu, hbm_gib, layers)
+                   FLAGS.mfu, hbm_gib, layers,
+                   roofline_lib.bytes_bound(training, seq_len, max_predictions, per_row))
   figures["sequences_per_row"] = per_row or 1  # max_predictions above is per row (S x M)
   print_figures(figures)
   need = memory.total

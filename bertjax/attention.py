@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
+import re
 
 import flax.linen as nn
 import jax
@@ -373,3 +375,31 @@ def attention_with_dropout(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate: 
   probs_BxNxLxL = jax.nn.softmax(logits_BxNxLxL, axis=-1)
   probs_BxNxLxL = dropout.apply(probs_BxNxLxL, rng, rate)
   return jnp.einsum("bnqs,bsnk->bqnk", probs_BxNxLxL.astype(v_BxLxNxK.dtype), v_BxLxNxK)
+
+
+# Matmul FLOPs of each splash kernel per query-key pair and head dimension: the forward's
+# q k^T and p v (2 + 2); the backward's dkv kernel recomputes q k^T, then dp = do v^T, dv and dk
+# (2 each), and when fused with dq (three gradients out) also dq; a separate dq kernel recomputes
+# q k^T and computes dp and dq.
+_SPLASH_FLOPS = {"fwd": 4, "dkv": 8, "dkv_fused": 10, "dq": 6}
+
+
+def splash_flops(line: str, operand_shapes: list[str], result_shape: str) -> float | None:
+  """The FLOPs of a splash kernel's call in a compiled TPU program, which XLA's cost analysis
+  cannot see into (bertjax/hlocost.py asks): from its q and k operands ([..., L, K]) and its kind,
+  named in the call's name by jax; every block counted (a local window's skipped blocks too: an
+  upper bound there). None for any other custom call."""
+  kind = re.search(r"%?splash_mha_(fwd|dkv|dq)", line.split("=", 1)[0])
+  arrays = [[int(d) for d in dims.split(",")]
+            for shape in operand_shapes
+            for dims in re.findall(r"(?:f32|bf16|f16)\[([\d,]+)\]", shape)
+            if dims.count(",") >= 2]
+  if not kind or len(arrays) < 2:
+    return None
+  q, k = arrays[0], arrays[1]
+  name = kind.group(1)
+  if name == "dkv":
+    grads = [dims for dims in re.findall(r"(?:f32|bf16|f16)\[([\d,]+)\]", result_shape)
+             if dims.count(",") >= 2]
+    name = "dkv_fused" if len(grads) >= 3 else "dkv"
+  return float(_SPLASH_FLOPS[name] * math.prod(q[:-1]) * k[-2] * q[-1])

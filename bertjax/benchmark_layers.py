@@ -45,7 +45,7 @@ import time
 import jax
 from absl import app, flags
 
-from bertjax import attention, benchmark, benchmark_accel, cli, layercost, opprofile
+from bertjax import attention, benchmark, benchmark_accel, cli, hlotext, layercost, opprofile
 
 AUTOTUNE_CACHE = "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/bertjax_autotune"
 DEFAULT_BUDGET_S = 540.0
@@ -89,8 +89,8 @@ def hlo_figures(text: str, num_layers: int, scan_unroll: int = 1) -> dict:
   comps = opprofile.computations(text)
   bodies = layercost.layer_loops(text, num_layers, scan_unroll)
   opcodes = {body: dict(collections.Counter(
-      op for _, _, op, _ in layercost.instructions(comps[body])
-      if op not in layercost.PLUMBING).most_common()) for body in bodies}
+      op for _, _, op, _ in hlotext.parse(comps[body])
+      if op not in hlotext.PLUMBING).most_common()) for body in bodies}
   return {"ops": layercost.module_op_count(text),
           "ops_per_layer": layercost.layer_ops(text, num_layers, bool(bodies), scan_unroll),
           "whole_stack_writes_per_layer": layercost.stack_writes(text, num_layers, scan_unroll),

@@ -16,11 +16,9 @@ So, from the optimised HLO text and XLA's own figures:
                   layer count, at every layer;
   layer_ops       the operations per layer, scanned (the loops' bodies) or unrolled (the
                   operations named after one middle layer, `layer_i/`);
-  loop_cost       the cost with every layer counted, from one compile of a scanned step: each
-                  layer loop's body costed on its own (its module re-parsed with the body as
-                  entry) and counted once per iteration;
-  honest_cost     the same where a body cannot be costed alone, from two compiles of a scanned
-                  step, `scan_unroll` u and k (XLA counts a body of u layers, then of k): the
+  honest_cost     the cost with every layer counted where jaxlib cannot cost a loop's body alone
+                  (bertjax/hlocost.py's program_cost does, from one compile), from two compiles
+                  of a scanned step, `scan_unroll` u and k (XLA counts a body of u layers, then of k): the
                   cost of k - u layers is their difference. An upper bound on the bytes: jax's
                   unrolled scan body adds block buffers of its own;
   extrapolate     the cost at any depth from two shallow compiles (N and 2N layers), the step
@@ -33,58 +31,24 @@ grows linearly with the layer count) and bertjax/layer_probe.py (the GPU's loop 
 from __future__ import annotations
 
 import collections
-import math
 import re
 
-from bertjax import opprofile
+from bertjax import hlotext, opprofile
 
-PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
 # An in-place update of one slice: what a stacked buffer should see inside a layer loop.
 IN_PLACE = {"dynamic-update-slice"}
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
-_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
-
-
-def _shape_end(line: str, at: int) -> int:
-  """Where the shape starting at `at` ends: a tuple's closing parenthesis (layouts inside it hold
-  parentheses of their own, a TPU's "{1,0:T(8,128)}"), or the first space."""
-  if line[at:at + 1] != "(":
-    end = line.find(" ", at)
-    return len(line) if end < 0 else end
-  depth = 0
-  for i in range(at, len(line)):
-    depth += {"(": 1, ")": -1}.get(line[i], 0)
-    if depth == 0:
-      return i + 1
-  return len(line)
-
-
-def instructions(lines: list[str]) -> list[tuple[str, str, str, str]]:
-  """(name, shape text, opcode, line) of each instruction among `lines`."""
-  out = []
-  for line in lines:
-    named = _NAME.match(line)
-    if not named:
-      continue
-    end = _shape_end(line, named.end())
-    opcode = _OPCODE.match(line, end)
-    if opcode:
-      out.append((named.group(1), line[named.end():end], opcode.group(1), line))
-  return out
 
 
 def op_count(lines: list[str]) -> int:
-  return sum(1 for _, _, op, _ in instructions(lines) if op not in PLUMBING)
+  return sum(1 for _, _, op, _ in hlotext.parse(lines) if op not in hlotext.PLUMBING)
 
 
 def _fused(comps: dict[str, list[str]]) -> set[str]:
   """Computations that are the insides of fusions (their operations run as one)."""
-  return {callee for lines in comps.values() for _, _, op, line in instructions(lines)
+  return {callee for lines in comps.values() for _, _, op, line in hlotext.parse(lines)
           if op == "fusion" for callee in _CALLS.findall(line)}
 
 
@@ -106,26 +70,15 @@ def layer_loops(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> list[st
   trips = num_layers // scan_unroll  # jax stacks an unrolled scan's arrays as [trips, u, ...]
   comps = opprofile.computations(hlo_text)
   bodies = []
-  for _, shape, op, line in instructions(hlo_text.splitlines()):
-    if op == "while" and _stacked(shape, trips) and trips in _trip_counts(comps, line):
+  for _, shape, op, line in hlotext.parse(hlo_text.splitlines()):
+    if op == "while" and _stacked(shape, trips) and trips in hlotext.trip_counts(comps, line):
       bodies.append(_BODY.search(line).group(1))
   return bodies
 
 
-def _trip_counts(comps: dict[str, list[str]], while_line: str) -> set[int]:
-  """The loop's trip count as XLA annotated it (GPU, CPU), else the integer constants its
-  condition compares with (a TPU's program carries no annotation)."""
-  known = _TRIP_COUNT.search(while_line)
-  if known:
-    return {int(known.group(1))}
-  condition = _CONDITION.search(while_line)
-  lines = comps.get(condition.group(1), []) if condition else []
-  return {int(v) for line in lines for v in re.findall(r"s32\[\]\S*\s+constant\((\d+)\)", line)}
-
-
 def _roots(comps: dict[str, list[str]], name: str) -> list[tuple[str, str]]:
   """(opcode, shape) of each result of a fused computation, through tuples and bitcasts."""
-  found = instructions(comps.get(name, []))
+  found = hlotext.parse(comps.get(name, []))
   by_name = {n: (shape, op, line) for n, shape, op, line in found}
   pending = [n for n, _, _, line in found if line.lstrip().startswith("ROOT")]
   out, seen = [], set()
@@ -142,15 +95,6 @@ def _roots(comps: dict[str, list[str]], name: str) -> list[tuple[str, str]]:
   return out
 
 
-def _bytes(shape: str) -> int:
-  """Bytes of an array shape's text (a tuple's elements summed), e.g. "bf16[3,4]" -> 24."""
-  total = 0
-  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
-    bits = int(re.sub(r"\D", "", dtype) or 8) if dtype != "pred" else 8
-    total += bits // 8 * math.prod(int(d) for d in dims.split(",") if d)
-  return total
-
-
 def stack_writes(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> dict[str, int]:
   """{"opcode:dtype": bytes written per iteration} of the operations of the layer loops that
   write a whole [num_layers, ...] array but not one slice in place (see the module docstring):
@@ -159,15 +103,15 @@ def stack_writes(hlo_text: str, num_layers: int, scan_unroll: int = 1) -> dict[s
   writes = collections.Counter()
   trips = num_layers // scan_unroll
   for body in layer_loops(hlo_text, num_layers, scan_unroll):
-    for _, shape, op, line in instructions(comps.get(body, [])):
-      if op in PLUMBING or not _stacked(shape, trips):
+    for _, shape, op, line in hlotext.parse(comps.get(body, [])):
+      if op in hlotext.PLUMBING or not _stacked(shape, trips):
         continue
       callee = _CALLS.search(line)
       roots = _roots(comps, callee.group(1)) if op == "fusion" and callee else [(op, shape)]
       for root, root_shape in roots:
         if root not in IN_PLACE and _stacked(root_shape, trips):
           dtype = re.match(r"\(?(\w+)", root_shape).group(1)
-          writes[f"{root}:{dtype}"] += _bytes(root_shape)
+          writes[f"{root}:{dtype}"] += hlotext.array_bytes(root_shape)
   return dict(writes.most_common())
 
 
@@ -181,8 +125,8 @@ def layer_ops(hlo_text: str, num_layers: int, scanned: bool, scan_unroll: int = 
   layer = num_layers // 2
   fused = _fused(comps)
   return sum(1 for name, lines in comps.items() if name not in fused
-             for _, _, op, line in instructions(lines)
-             if op not in PLUMBING and re.search(rf"/layer_{layer}/", line))
+             for _, _, op, line in hlotext.parse(lines)
+             if op not in hlotext.PLUMBING and re.search(rf"/layer_{layer}/", line))
 
 
 def cost(compiled) -> dict[str, float]:
@@ -193,57 +137,6 @@ def cost(compiled) -> dict[str, float]:
   analysis = analysis or {}
   return {"flops": float(analysis.get("flops", 0.0)),
           "bytes": float(analysis.get("bytes accessed", 0.0))}
-
-
-def computation_cost(hlo_text: str, computation: str) -> dict[str, float] | None:
-  """XLA's cost analysis ({"flops", "bytes"}) of one computation of an optimised module (a loop's
-  body) as if it were the entry: the module's text re-parsed with that computation as ENTRY and
-  analysed by XLA's generic HloCostAnalysis through the CPU client, whatever platform compiled
-  it (on a TPU module it gives straight code's 2.74 GB a layer where libtpu's own analysis of the
-  executable gives 2.75). jax 0.10 exposes the parser and the analysis under jaxlib's own names
-  alone (`_xla.hlo_module_cost_analysis`, `hlo.hlo_module_from_text`); None where they are gone
-  or the text does not parse, and the caller counts another way."""
-  try:
-    import jax  # pylint: disable=import-outside-toplevel
-    # Private on purpose: jax 0.10.2 has no public way to parse HLO text or to cost a module
-    # (jax.extend.mlir.hlo_to_stablehlo takes a proto, and compiling the body again would fuse
-    # it anew for the CPU, not cost the TPU's). Without them this returns None and the caller
-    # counts from a second compile (tests/test_layer_cost.py holds that fallback).
-    from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
-    header, rest = hlo_text.split("\n", 1)
-    # The header's aliasing and layouts describe the old entry's parameters and results.
-    header = re.sub(r"^(HloModule [\w.\-]+).*", r"\1", header)
-    rest = re.sub(r"^ENTRY ", "", rest, flags=re.M)
-    rest, found = re.subn(rf"^(%?{re.escape(computation)} )", r"ENTRY \1", rest, count=1,
-                          flags=re.M)
-    if found != 1:
-      return None
-    module = xla_client.hlo.hlo_module_from_text(header + "\n" + rest)
-    analysis = xla_client._xla.hlo_module_cost_analysis(  # pylint: disable=protected-access
-        jax.devices("cpu")[0].client, module)
-  except (AttributeError, ImportError, RuntimeError, ValueError):
-    return None
-  return {"flops": float(analysis.get("flops", 0.0)),
-          "bytes": float(analysis.get("bytes accessed", 0.0))}
-
-
-def loop_cost(compiled, num_layers: int, scan_unroll: int = 1) -> dict[str, float] | None:
-  """The cost of a scanned step with every layer counted, from its one compile: XLA's cost of
-  the executable (each layer loop's body counted once) plus each body's own cost
-  (`computation_cost`) for each of its further iterations. None where a body cannot be costed
-  or no layer loop is found (then `honest_cost`, from a second compile)."""
-  text = compiled.as_text()
-  bodies = layer_loops(text, num_layers, scan_unroll)
-  costs = [computation_cost(text, body) for body in bodies]
-  if not costs or None in costs:
-    return None
-  out = cost(compiled)
-  trips = num_layers // scan_unroll
-  for key in ("flops", "bytes"):
-    per_iteration = sum(c[key] for c in costs)
-    out[key] += (trips - 1) * per_iteration
-    out[f"{key}_per_layer"] = per_iteration / scan_unroll
-  return out
 
 
 def second_unroll(num_layers: int, scan_unroll: int = 1) -> int:

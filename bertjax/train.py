@@ -226,7 +226,7 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, rng,
   return TrainState(step=jnp.zeros([], jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def _loss_fn(params, model, batch, dropout_rng, denominators, objective=PRETRAINING):
+def loss_fn(params, model, batch, dropout_rng, denominators, objective=PRETRAINING):
   out = model.apply({"params": params}, **objective.inputs(batch), deterministic=False,
                     rngs={"dropout": dropout_rng})
   metrics = objective.metrics(out, batch)
@@ -254,7 +254,7 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
   """One optimizer update on `batch` (the global batch). Pure: jit it (see `build`)."""
   step_rng = jax.random.fold_in(rng, state.step)  # a new dropout mask each step, reproducibly
   denominators = objective.denominators(batch)
-  grad_fn = jax.value_and_grad(functools.partial(_loss_fn, objective=objective), has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(loss_fn, objective=objective), has_aux=True)
 
   rows = jax.tree.leaves(batch)[0].shape[0]
   if rows % num_microbatches:  # at trace time, before anything compiles
@@ -283,7 +283,7 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first = jax.tree.map(lambda x: x[0], micro)
     metrics_shape = jax.eval_shape(
-        lambda: _loss_fn(state.params, model, first, step_rng, denominators, objective)[1])
+        lambda: loss_fn(state.params, model, first, step_rng, denominators, objective)[1])
     zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape)
     carry = (zeros, jnp.zeros([], jnp.float32), zero_metrics)
     (grads, loss, metrics), _ = jax.lax.scan(

@@ -13,7 +13,7 @@ import sys
 import jax
 import pytest
 
-from bertjax import aot, roofline, versions
+from bertjax import aot, roofline, topologies, versions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config=configs/tiny.py", "--config.model.vocab_size=8000"]
@@ -30,18 +30,18 @@ def run_aot(*flags):
 
 
 def test_topology_names_count_cores_on_v4_v5p_and_chips_on_v5e():
-  v5p = aot.parse_topology("v5p-128")
+  v5p = topologies.parse_topology("v5p-128")
   assert (v5p.num_chips, v5p.libtpu_name, v5p.hbm_gib) == (64, "v5:4x4x4", 95.0)
-  v4 = aot.parse_topology("v4-32")
+  v4 = topologies.parse_topology("v4-32")
   assert (v4.num_chips, v4.libtpu_name) == (16, "v4:2x2x4")
-  v5e = aot.parse_topology("v5e-256")
+  v5e = topologies.parse_topology("v5e-256")
   assert (v5e.num_chips, v5e.libtpu_name, v5e.hbm_gib) == (256, "v5e:16x16", 16.0)
-  assert aot.parse_topology("v5litepod-256").libtpu_name == "v5e:16x16"  # Cloud TPU's name
-  two = aot.parse_topology("v5p-128", num_slices=2)
+  assert topologies.parse_topology("v5litepod-256").libtpu_name == "v5e:16x16"  # Cloud TPU's name
+  two = topologies.parse_topology("v5p-128", num_slices=2)
   assert (two.num_chips, two.libtpu_name, str(two)) == (128, "v5:4x4x4", "2 x v5p-128")
   with pytest.raises(ValueError, match=r"Unknown TPU topology 'v5p-100': .*nearest: v5p-64 "
                      r"\(2x4x4\), v5p-128 \(4x4x4\)"):
-    aot.parse_topology("v5p-100")
+    topologies.parse_topology("v5p-100")
 
 
 def test_every_documented_shape_including_non_powers_of_two():
@@ -50,7 +50,7 @@ def test_every_documented_shape_including_non_powers_of_two():
                               ("v4-384", (4, 4, 12), "v4:4x4x12"), ("v5p-768", (4, 8, 12), None),
                               ("v5p-12288", (16, 16, 24), None), ("v5p-2048", (8, 8, 16), None),
                               ("v6e-256", (16, 16), "v6e:16x16"), ("v5e-1", (1, 1), None)]:
-    topology = aot.parse_topology(name)
+    topology = topologies.parse_topology(name)
     assert topology.shape == shape, name
     assert libtpu is None or topology.libtpu_name == libtpu
   # Shapes that do not exist: named with the nearest that do.
@@ -58,7 +58,7 @@ def test_every_documented_shape_including_non_powers_of_two():
                         ("v5p-12416", "v5p-12160 (4x20x76), v5p-12288 (16x16x24)"),
                         ("v4-8320", "v4-8064 (12x12x28), v4-8192 (16x16x16)"), ("v6e-12", "v6e-8 (2x4), v6e-16 (4x4)")]:
     with pytest.raises(ValueError, match=re.escape(f"nearest: {nearest}")):
-      aot.parse_topology(name)
+      topologies.parse_topology(name)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +106,11 @@ import json, os, re
 for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
                     ("TPU_SKIP_MDS_QUERY", "1")):
   os.environ.setdefault(name, value)
-from bertjax import aot, layercost, sharding, train
+from bertjax import aot, attention, hlocost, layercost, roofline, sharding, topologies, train
 from bertjax.configs import tiny
-devices = aot.topology_devices(aot.parse_topology("v5p-8", num_slices=2))
+v5e = aot.topology_devices(topologies.parse_topology("v5e-8"))
+print("cost_model " + json.dumps(roofline.check_cost_model(v5e, size=2048)), flush=True)
+devices = aot.topology_devices(topologies.parse_topology("v5p-8", num_slices=2))
 out = {}
 for name, cfg in {"data": sharding.MeshConfig(),
                   "fsdp": sharding.MeshConfig(ici_data=1, ici_fsdp=-1, dcn_data=1, dcn_fsdp=-1)
@@ -120,18 +122,21 @@ config = tiny.get_config()
 # 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
 config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3)
 config.data.max_seq_length = 128
-devices = aot.topology_devices(aot.parse_topology("v5p-8"))
+devices = aot.topology_devices(topologies.parse_topology("v5p-8"))
 text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
 print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
                   "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text))),
                   "layer_loops": len(layercost.layer_loops(text, 3)),
                   "ops_per_layer": layercost.layer_ops(text, 3, scanned=True),
-                  "stack_writes": layercost.stack_writes(text, 3)}))
+                  "stack_writes": layercost.stack_writes(text, 3),
+                  "counted": hlocost.program_cost(text, attention.splash_flops),
+                  "uncounted": hlocost.program_cost(text)}))
 """
   result = run("-c", probe, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
-          for line in result.stdout.splitlines() if line.startswith(("dcn ", "splash "))}
+          for line in result.stdout.splitlines()
+          if line.startswith(("dcn ", "splash ", "cost_model "))}
 
 
 def test_dcn_mesh_axes_span_the_slices(probes):
@@ -181,6 +186,27 @@ def test_the_splash_kernel_compiles_into_the_train_step_for_v5p(probes):
   # fit (bertjax.aot reports them as whole_stack_writes_per_layer).
   assert out["layer_loops"] == 2 and out["ops_per_layer"] > 0
   assert set(out["stack_writes"]) <= {"copy-start:bf16", "copy-done:bf16"}, out["stack_writes"]
+  # XLA sees no FLOPs inside a kernel: counted by attention.splash_flops, the kernels add the
+  # attention matmuls of 3 layers, 2 rows a chip, 2 heads of 64 at length 128: the forward's 4
+  # and the fused backward's 10 per query, key and head dimension. Without it they are named.
+  per_layer = 2 * 2 * 128 * 128 * 64
+  added = out["counted"]["flops"] - out["uncounted"]["flops"]
+  assert added == (4 + 10) * per_layer * 3, added
+  assert out["counted"]["opaque"] == [] and len(out["uncounted"]["opaque"]) == 2
+
+
+def test_the_cost_model_reads_the_known_answers_on_a_tpu_compile(probes):
+  # roofline.check_cost_model on a v5e-8 compile: a square bf16 matmul, an elementwise pass and a
+  # matmul whose large operand XLA prefetches into the chip's own memory. The HBM count gives
+  # each one's operands and result (and each matmul its compute roof); XLA's own bytes count
+  # the prefetched operand three times (copy read, copy write, the matmul's read there).
+  cases = {case["case"]: case for case in probes["cost_model"]}
+  assert all(case["ok"] for case in cases.values()), cases
+  for case in cases.values():
+    assert abs(case["hbm_bytes_over_known"] - 1) < 0.05 and case["flops_over_known"] == 1.0
+  assert cases["matmul"]["roofline_mfu"] == cases["prefetched matmul"]["roofline_mfu"] == 1.0
+  assert cases["elementwise"]["roofline_mfu"] < 0.1
+  assert cases["prefetched matmul"]["xla_bytes_over_known"] > 2, cases
 
 
 def test_the_roofline_is_the_slower_of_compute_and_memory():

@@ -94,7 +94,7 @@ def _forward(params, batch):
 def _forward_and_grads(params, batch):
   """The model's logits, and the objective as training computes it with its gradients."""
   dens = train._pretraining_denominators(batch)  # pylint: disable=protected-access
-  loss_fn = train._loss_fn  # pylint: disable=protected-access
+  loss_fn = train.loss_fn
   (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, BertForPreTraining(CFG), batch, jax.random.key(0), dens)
   return _forward(params, batch), loss, grads

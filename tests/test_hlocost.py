@@ -1,0 +1,148 @@
+"""What a compiled program costs, instruction by instruction, and the bytes that cross HBM
+(bertjax/hlocost.py, bertjax/hlotext.py), and the analytic floor beside them (roofline.bytes_bound).
+
+XLA's cost analysis counts every operand and result in whatever memory it lies; on a TPU a buffer
+prefetched into the chip's own memory counts three times. The modules here are written by hand
+so that every byte's place is known; tests/test_aot.py holds the same on TPU compiles.
+"""
+
+import jax
+import pytest
+
+from bertjax import hlocost, hlotext, roofline, train
+from bertjax.configs import tiny
+
+MIB2 = 1024 * 1024 * 2  # one bf16[1024,1024]
+
+# `a` is copied into memory space 1 (a TPU's VMEM) and read there; `b` is read from HBM.
+PREFETCHED = """HloModule prefetched
+
+%fused (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0:S(1)} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %add = bf16[1024,1024]{1,0} add(%p0, %p1)
+}
+
+ENTRY %main (a: bf16[1024,1024], b: bf16[1024,1024]) -> bf16[1024,1024] {
+  %a = bf16[1024,1024]{1,0} parameter(0)
+  %b = bf16[1024,1024]{1,0} parameter(1)
+  %copy-start = (bf16[1024,1024]{1,0:S(1)}, bf16[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%a)
+  %copy-done = bf16[1024,1024]{1,0:S(1)} copy-done(%copy-start)
+  ROOT %f = bf16[1024,1024]{1,0} fusion(%copy-done, %b), kind=kLoop, calls=%fused
+}
+"""
+
+# A counter from 1 by 2 while below 7: 3 iterations (1, 3, 5), where the limit alone says 7.
+STRIDED_LOOP = """HloModule strided
+
+%cond (p: (u32[], f32[8])) -> pred[] {
+  %p = (u32[], f32[8]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %n = u32[] constant(7)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %p = (u32[], f32[8]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[8] get-tuple-element(%p), index=1
+  %two = u32[] constant(2)
+  %next = u32[] add(%i, %two)
+  %y = f32[8] multiply(%x, %x)
+  ROOT %t = (u32[], f32[8]) tuple(%next, %y)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8] parameter(0)
+  %one = u32[] constant(1)
+  %init = (u32[], f32[8]) tuple(%one, %x)
+  %w = (u32[], f32[8]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_prefetched_operand_crosses_hbm_once():
+  cost = hlocost.program_cost(PREFETCHED)
+  # a read by the copy, b read by the fusion, the result written: three arrays through HBM.
+  assert cost["hbm_bytes"] == 3 * MIB2, cost
+  # XLA's own count adds the copy's write into VMEM and the fusion's read there (and more).
+  assert cost["bytes"] >= 5 * MIB2, cost
+  rows = {r["opcode"]: r for r in hlocost.instruction_costs(PREFETCHED, "main")}
+  assert rows["copy-start"]["hbm_bytes"] == MIB2 and rows["copy-done"]["hbm_bytes"] == 0
+  assert rows["fusion"]["hbm_bytes"] == 2 * MIB2
+
+
+def test_a_loop_counts_its_iterations_from_its_counter():
+  comps = hlotext.blocks(STRIDED_LOOP)
+  [(_, _, _, line)] = [i for i in hlotext.parse(comps["main"][1:]) if i[2] == "while"]
+  assert hlotext.trip_count(comps, line, "main") == 3
+  cost = hlocost.program_cost(STRIDED_LOOP)
+  assert cost["flops"] == 3 * (8 + 1), cost  # 3 x (the multiply's 8 and the counter's add)
+  assert cost["unknown_trips"] == []
+
+
+def test_an_instruction_over_several_lines_is_one():
+  # A Pallas call's kernel metadata is printed over lines of its own.
+  text = PREFETCHED.replace("kind=kLoop, calls=%fused",
+                            'kind=kLoop, calls=%fused, frontend_attributes={k={\n"v"\n}}')
+  lines = hlotext.blocks(text)["main"]
+  assert sum("fusion(" in line for line in lines) == 1 and lines[-1] == "}"
+  assert "\n" in next(line for line in lines if "fusion(" in line)
+
+
+def test_the_known_answers_on_a_cpu_compile():
+  # roofline.check_cost_model on this CPU's devices (no memory but main, no peak figures), in
+  # float32 (a CPU converts bfloat16 matmul operands to it): each case's FLOPs and bytes are its
+  # known ones.
+  cases = roofline.check_cost_model(jax.devices()[:8], size=512, dtype=jax.numpy.float32)
+  assert [c["case"] for c in cases] == ["matmul", "elementwise", "prefetched matmul"]
+  for case in cases:
+    assert case["ok"] and case["flops_over_known"] == 1.0, case
+    assert abs(case["hbm_bytes_over_known"] - 1) < 0.05, case
+    assert case["xla_bytes_over_known"] == case["hbm_bytes_over_known"], case
+
+
+def _training(**model):
+  config = tiny.get_config()
+  config.model.update(vocab_size=512, **model)
+  config.train.batch_size = 16
+  return train.from_config(config, devices=jax.devices()[:8])
+
+
+def test_the_bytes_bound_counts_every_row_and_layer_of_the_residuals():
+  # bytes_bound takes a row's and a layer's share of jax's residuals from one and two rows and
+  # layers; its activations must equal twice (written, read) the residuals that the chip's own
+  # rows add at the model's depth, measured directly.
+  training = _training()
+  bound = roofline.bytes_bound(training, 64, 10)
+  rows = 16 // 8
+  layers = training.model_config.num_layers
+  direct = (roofline.residual_bytes(training.model_config, layers, 2 * rows, 64, 10, 0)
+            - roofline.residual_bytes(training.model_config, layers, rows, 64, 10, 0))
+  assert bound["bound_parts_gb"]["activations"] == roofline.round4(2 * direct / 1e9), bound
+  # The state: parameters, gradients, Adam's two moments, each read and written once.
+  params = sum(x.size * 4 for x in jax.tree.leaves(training.abstract_state.params))
+  assert bound["bound_parts_gb"]["state"] == roofline.round4(2 * 4 * params / 1e9)
+
+
+def test_the_bytes_bound_follows_remat_and_the_state_split():
+  plain, full = (roofline.bytes_bound(_training(remat_policy=p), 64, 10)
+                 for p in ("none", "full"))
+  assert full["bound_parts_gb"]["activations"] < 0.5 * plain["bound_parts_gb"]["activations"]
+  split = roofline.bytes_bound(_training(), 64, 10)
+  config = tiny.get_config()
+  config.model.vocab_size = 512
+  config.train.batch_size = 16
+  config.mesh.update(ici_data=1, ici_fsdp=-1)
+  fsdp = roofline.bytes_bound(train.from_config(config, devices=jax.devices()[:8]), 64, 10)
+  # Each chip holds an eighth of what fsdp splits (the embed axis); biases stay whole.
+  assert fsdp["bound_parts_gb"]["state"] < 0.2 * split["bound_parts_gb"]["state"], (fsdp, split)
+
+
+def test_without_jaxlibs_analysis_the_program_is_not_costed(monkeypatch):
+  from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
+  monkeypatch.delattr(xla_client._xla, "hlo_module_cost_analysis")  # pylint: disable=protected-access
+  assert hlocost.analyse(PREFETCHED) is None
+  with pytest.raises(ValueError, match="could not cost"):
+    hlocost.program_cost(PREFETCHED)
