@@ -1,0 +1,277 @@
+"""The best settings of a config for a Cloud TPU slice, found by compiling on a machine without one.
+
+    python -m bertjax.tune --config=configs/bert_large.py:phase=2 --topology=v6e-8
+    python -m bertjax.tune --config=bert_base --topology=v5p-8 --write_config=base_v5p.py
+
+From the config as it is, one setting at a time, each candidate's train step is compiled for the
+slice by libtpu's compile-only client (as `python -m bertjax.aot`) and its roofline read with every
+layer counted and HBM's bytes alone (bertjax/roofline.py); the best of each setting is kept before
+the next is tried (a greedy search: the settings interact little, and a full grid of them would
+take hours to compile on a laptop):
+
+  mesh       the state replicated on every chip (data) or split over them (fsdp);
+  remat      what the backward keeps: none, dots, dots_all, full (bertjax/model_config.py);
+  attention  XLA's or the splash kernel (TPU, lengths a multiple of 128); splash has no dropout
+             on attention probabilities, so it changes the model, and the table says so;
+  rows       rows a chip doubled while they fit HBM: the global batch grows, which changes the
+             recipe (its learning rate is yours to set), and the table says so;
+  layers     scanned (one compiled layer) or straight code.
+
+A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
+loop and its memory is the step's own. A straight one is compiled at 1 and 2 layers and
+extrapolated (`bertjax.aot --roofline_layers`' count), and compiled whole only if it wins, for
+its memory. A candidate that does not fit HBM, or that the config cannot take, is listed with the
+reason. Prints the ranked table (roofline MFU, HBM GB a step, memory GiB, compile s), then the
+winner's flags; --write_config=PATH writes them as a config file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+from absl import flags
+
+import bertjax.configs as released_configs
+from bertjax import aot, attention, cli, flops, roofline, topologies, train
+from bertjax.data.config import DataConfig
+from bertjax.errors import Refusal
+
+DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
+REMAT = ("none", "dots", "dots_all", "full")
+# The mesh's two layouts of the state over a slice's chips (DCN axes as the config sets them).
+MESHES = {"data": {"mesh.ici_data": -1, "mesh.ici_fsdp": 1},
+          "fsdp": {"mesh.ici_data": 1, "mesh.ici_fsdp": -1}}
+
+
+@dataclasses.dataclass
+class Result:
+  """One compiled candidate: the settings it changes from the config, and what they give."""
+
+  changes: dict  # config key -> value, against the config as given
+  roofline_mfu: float | None = None
+  hbm_gb: float | None = None  # HBM bytes a chip a step
+  memory_gib: float | None = None  # None: not compiled whole (extrapolated)
+  fits: bool | None = None
+  compile_s: float = 0.0
+  note: str = ""  # why not possible; what it changes besides speed
+
+  @property
+  def ok(self) -> bool:
+    return self.roofline_mfu is not None and self.fits is not False
+
+
+def apply(config, changes: dict):
+  """A copy of the config with `changes` ({"model.remat_policy": "dots", ...}) set."""
+  out = config.copy_and_resolve_references()
+  for key, value in changes.items():
+    section, name = key.split(".", 1)
+    with out[section].unlocked():
+      out[section][name] = value
+  return out
+
+
+def candidates(dimension: str, config, best: dict) -> list[dict]:
+  """The changes to try for one setting, each on top of `best` (the winner so far)."""
+  current = apply(config, best)
+  if dimension == "mesh":
+    fsdp = current.mesh.ici_fsdp != 1
+    return [{**best, **MESHES["data" if fsdp else "fsdp"]}]
+  if dimension == "remat":
+    return [{**best, "model.remat_policy": p} for p in REMAT if p != current.model.remat_policy]
+  if dimension == "attention":
+    if current.model.attention_impl == "splash":
+      return []
+    return [{**best, "model.attention_impl": "splash", "model.attention_dropout": 0.0}]
+  if dimension == "rows":
+    return [{**best, "train.batch_size": current.train.batch_size * k} for k in (2, 4)]
+  if dimension == "layers":
+    return [{**best, "model.scan_layers": not current.model.scan_layers}]
+  raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from {', '.join(DIMENSIONS)}")
+
+
+def note(changes: dict, config) -> str:
+  """What a candidate changes besides the speed of the step."""
+  said = []
+  if changes.get("model.attention_impl") == "splash" and config.model.attention_dropout:
+    said.append(f"no attention dropout (was {config.model.attention_dropout})")
+  if changes.get("train.batch_size", config.train.batch_size) != config.train.batch_size:
+    said.append(f"global batch {changes['train.batch_size']} (was {config.train.batch_size}): "
+                "set its learning rate")
+  return "; ".join(said)
+
+
+def evaluate(config, changes: dict, devices, num_chips: int, hbm_gib: float,
+             whole: bool = False) -> Result:
+  """Compile one candidate and read its roofline and memory. `whole`: compile a straight
+  candidate at full depth too (for its memory)."""
+  result = Result(changes, note=note(changes, config))
+  cfg = apply(config, changes)
+  vocab = int(cfg.model.vocab_size) or flops.DEFAULT_VOCAB_SIZE
+  seq_len, max_predictions, per_row = flops.rows_shape(DataConfig.from_config(cfg.data))
+  start = time.perf_counter()
+  try:
+    training = train.from_config(cfg, devices=devices, vocab_size=vocab)
+    mc = training.model_config
+    model_flops = flops.train_flops(mc, cfg.train.batch_size, seq_len, max_predictions)
+    shapes = (seq_len, max_predictions, per_row)
+    if mc.scan_layers or whole:
+      compiled = aot.compile_train_step(training, *shapes)
+      layers = roofline.layer_figures(training, compiled, opaque_flops=attention.splash_flops)
+      result.memory_gib = aot.Memory.of(compiled).total / aot.GIB
+      result.fits = result.memory_gib <= hbm_gib
+    else:
+      shallow, deeper = (aot.compile_at_depth(cfg, devices, vocab, *shapes, n) for n in (1, 2))
+      layers = roofline.extrapolated_layer_figures(training, shallow, deeper, 1,
+                                                   attention.splash_flops)
+  except jax.errors.JaxRuntimeError as e:
+    oom = aot.xla_out_of_memory(e)
+    if oom is None:
+      raise
+    result.fits, result.memory_gib = False, oom[0] / aot.GIB
+    result.note = "; ".join(filter(None, [result.note, "does not fit HBM"]))
+    return result
+  except (Refusal, ValueError) as e:  # the config cannot take it (a batch, a length, a kernel)
+    result.note = f"not possible: {str(e).splitlines()[0]}"
+    return result
+  finally:
+    result.compile_s = time.perf_counter() - start
+  device_kind = devices[0].device_kind
+  roof = roofline.step_roofline(layers, model_flops / num_chips, flops.peak_tflops(device_kind),
+                                flops.hbm_gbps(device_kind))
+  result.roofline_mfu = roof["roofline_mfu"]
+  result.hbm_gb = layers.get("hbm_gb_per_chip_all_layers", layers["xla_gb_per_chip_all_layers"])
+  return result
+
+
+def search(config, devices, num_chips: int, hbm_gib: float, dimensions, budget_s: float,
+           say=print) -> list[Result]:
+  """The greedy search: the config as it is, then each setting's candidates on top of the best
+  so far; stops trying new candidates once `budget_s` is spent. Every result, in order tried."""
+  start = time.perf_counter()
+  results = [evaluate(config, {}, devices, num_chips, hbm_gib)]
+  say(line(results[-1]))
+  best = results[0]
+  for dimension in dimensions:
+    for changes in candidates(dimension, config, best.changes):
+      if time.perf_counter() - start > budget_s:
+        say(f"bertjax.tune: --budget_s={budget_s:g} spent; {dimension} and later not all tried")
+        return results
+      results.append(evaluate(config, changes, devices, num_chips, hbm_gib))
+      say(line(results[-1]))
+      if dimension == "rows" and not results[-1].ok:
+        break  # a larger batch does not fit either
+      if results[-1].ok and (not best.ok or results[-1].roofline_mfu > best.roofline_mfu):
+        best = results[-1]
+  return results
+
+
+def label(changes: dict) -> str:
+  return ", ".join(f"{k.split('.', 1)[1]}={v}" for k, v in changes.items()) or "(as given)"
+
+
+def line(result: Result) -> str:
+  mfu = "-" if result.roofline_mfu is None else f"{result.roofline_mfu:.3f}"
+  hbm = "-" if result.hbm_gb is None else f"{result.hbm_gb:.3g}"
+  memory = "extrapolated" if result.memory_gib is None else f"{result.memory_gib:.3g}"
+  return (f"{mfu:>6}  {hbm:>7}  {memory:>12}  {result.compile_s:7.0f}  {label(result.changes)}"
+          + (f"  [{result.note}]" if result.note else ""))
+
+
+def ranked(results: list[Result]) -> list[Result]:
+  """Candidates that compiled and fit first, by roofline MFU; then the rest as tried."""
+  good = sorted((r for r in results if r.ok), key=lambda r: -r.roofline_mfu)
+  return good + [r for r in results if not r.ok]
+
+
+def flags_of(changes: dict) -> str:
+  return " ".join(f"--config.{key}={value}" for key, value in changes.items())
+
+
+def config_file(source: str, arg: str, changes: dict, topology: str, result: Result,
+                baseline: Result) -> str:
+  """A config file that is `source` (a released config's name, or a file's path) with the
+  winner's changes, its docstring saying where they came from."""
+  name = os.path.splitext(os.path.basename(source))[0]
+  released_folder = os.path.realpath(os.path.dirname(released_configs.__file__))
+  if os.path.realpath(os.path.dirname(os.path.abspath(source))) == released_folder:
+    load = f"from bertjax.configs import {name}\n\n\ndef _source():\n  return {name}"
+  else:
+    load = ("import importlib.util\n\n\ndef _source():\n"
+            f"  spec = importlib.util.spec_from_file_location('tuned_source', "
+            f"{os.path.abspath(source)!r})\n"
+            "  module = importlib.util.module_from_spec(spec)\n"
+            "  spec.loader.exec_module(module)\n  return module")
+  call = f"get_config({arg!r})" if arg else "get_config()"
+  sets = "\n".join(f"  config.{k} = {v!r}" for k, v in changes.items()) or "  pass"
+  return (f'"""{source}{":" + arg if arg else ""} as `python -m bertjax.tune` found it best for '
+          f"{topology}:\nroofline MFU {result.roofline_mfu:.3f} (as given "
+          f"{baseline.roofline_mfu or 0:.3f}), every layer counted, HBM bytes alone."
+          + (f"\nIt changes: {result.note}." if result.note else "") + '\n"""\n\n'
+          f"{load}\n\n\ndef get_config():\n  config = _source().{call}\n{sets}\n"
+          "  return config\n")
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  cli.define_config_flag()
+  flags.DEFINE_string("topology", None, "Cloud TPU accelerator type, e.g. v6e-8, v5p-8.")
+  flags.DEFINE_list("dimensions", list(DIMENSIONS), "The settings to search, in this order.")
+  flags.DEFINE_float("budget_s", 1800, "Stop trying new candidates after this many seconds.")
+  flags.DEFINE_string("write_config", "", "Write the winner as a config file here.")
+  flags.DEFINE_string("json", "", "Also write every result to this file.")
+
+
+def main(argv):
+  del argv
+  jax.config.update("jax_platforms", "cpu")  # nothing runs here; libtpu compiles only
+  topology = topologies.parse_topology(FLAGS.topology)
+  devices = aot.topology_devices(topology)
+  config = FLAGS.config
+  print(f"bertjax.tune: {topology} ({topology.num_chips} chips, {topology.hbm_gib:g} GiB HBM "
+        "each); columns: roofline MFU, HBM GB a chip a step, memory GiB, compile s, changes",
+        flush=True)
+  results = search(config, devices, topology.num_chips, topology.hbm_gib, FLAGS.dimensions,
+                   FLAGS.budget_s, say=lambda text: print(text, flush=True))
+  order = ranked(results)
+  winner = order[0]
+  if not winner.ok:
+    raise Refusal(f"no candidate compiled and fit {topology}: see the reasons above")
+  if winner.memory_gib is None:  # straight layers, extrapolated: their memory needs the whole
+    print("bertjax.tune: compiling the winner whole, for its memory", flush=True)
+    whole = evaluate(config, winner.changes, devices, topology.num_chips, topology.hbm_gib,
+                     whole=True)
+    results.append(whole)
+    order = ranked(results)
+    winner = order[0]
+  print("\nbertjax.tune: ranked")
+  for rank, result in enumerate(order, 1):
+    print(f"{rank:>3}. {line(result)}")
+  print(f"\nbertjax.tune: best for {topology}: {label(winner.changes)}"
+        f" (roofline MFU {winner.roofline_mfu:.3f}, as given {results[0].roofline_mfu})")
+  print(f"bertjax.tune: flags: {flags_of(winner.changes) or '(none: the config as given)'}")
+  source, _, arg = FLAGS["config"].config_filename.partition(":")
+  if FLAGS.write_config:
+    # The command line's own --config.KEY=VALUE first: the search started from them.
+    given = {key: config[key.split(".", 1)[0]][key.split(".", 1)[1]]
+             for key in (a[len("--config."):].split("=", 1)[0] for a in sys.argv[1:]
+                         if a.startswith("--config.")) if "." in key}
+    with open(FLAGS.write_config, "w") as f:
+      f.write(config_file(source, arg, {**given, **winner.changes}, str(topology), winner,
+                          results[0]))
+    print(f"bertjax.tune: wrote {FLAGS.write_config}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+  define_flags()
+  flags.mark_flags_as_required(["config", "topology"])
+  cli.run(main)

@@ -1,0 +1,73 @@
+"""bertjax.tune: a config's best settings for a TPU slice, found by compiling (compile-only, on CPU).
+
+The command runs in a subprocess, as tests/test_aot.py's: it loads libtpu, which this CPU-only
+test process should not.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+from bertjax import tune
+from bertjax.configs import bert_base, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_each_setting_is_tried_on_top_of_the_best_so_far():
+  config = tiny.get_config()
+  best = {"model.remat_policy": "dots"}
+  mesh = tune.candidates("mesh", config, best)
+  assert mesh == [{"model.remat_policy": "dots", "mesh.ici_data": 1, "mesh.ici_fsdp": -1}]
+  remat = tune.candidates("remat", config, best)
+  assert [c["model.remat_policy"] for c in remat] == ["none", "dots_all", "full"]
+  base = bert_base.get_config()  # trained with attention dropout, as the paper
+  [splash] = tune.candidates("attention", base, {})
+  assert splash["model.attention_dropout"] == 0.0  # the kernel has none: said in the table
+  assert "no attention dropout (was 0.1)" in tune.note(splash, base)
+  rows = tune.candidates("rows", config, {})
+  assert [c["train.batch_size"] for c in rows] == [2 * config.train.batch_size,
+                                                   4 * config.train.batch_size]
+  assert "set its learning rate" in tune.note(rows[0], config)
+  # The config given is not changed by trying.
+  assert tune.apply(config, rows[0]).train.batch_size != config.train.batch_size
+  assert config.train.batch_size == tiny.get_config().train.batch_size
+
+
+def test_the_ranking_puts_what_fits_first_by_roofline():
+  results = [tune.Result({}, 0.3, fits=True), tune.Result({"a.b": 1}, 0.9, fits=False),
+             tune.Result({"a.c": 2}, 0.5, memory_gib=None),
+             tune.Result({"a.d": 3}, note="not possible: no")]
+  order = tune.ranked(results)
+  assert [r.changes for r in order] == [{"a.c": 2}, {}, {"a.b": 1}, {"a.d": 3}]
+
+
+def test_the_search_compiles_candidates_and_writes_the_winner(tmp_path):
+  # The tiny config, scanned (one compile a candidate), on v5e-8: the mesh and the remat policy
+  # tried (full only, to stay short); the winner's flags printed and written as a config file
+  # that loads to the winner's settings.
+  out, figures = tmp_path / "tuned.py", tmp_path / "results.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+  result = subprocess.run(
+      [sys.executable, "-m", "bertjax.tune", "--config=configs/tiny.py",
+       "--config.model.vocab_size=8000", "--config.model.scan_layers=True",
+       "--topology=v5e-8", "--dimensions=mesh", f"--write_config={out}", f"--json={figures}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  results = json.loads(figures.read_text())
+  assert len(results) == 2 and all(r["roofline_mfu"] > 0 and r["fits"] for r in results)
+  best = max(results, key=lambda r: r["roofline_mfu"])
+  assert "bertjax.tune: ranked" in result.stdout
+  flags = tune.flags_of(best["changes"])
+  assert f"bertjax.tune: flags: {flags or '(none'}" in result.stdout
+  spec = importlib.util.spec_from_file_location("tuned", out)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  tuned = module.get_config()
+  # The search started from the command line's own settings: the file keeps them too.
+  assert tuned.model.scan_layers is True and tuned.model.vocab_size == 8000
+  for key, value in best["changes"].items():
+    section, name = key.split(".", 1)
+    assert tuned[section][name] == value, (key, tuned[section][name])
