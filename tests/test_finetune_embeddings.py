@@ -151,6 +151,59 @@ def test_embed_writes_one_file_per_kind_of_text_and_the_api_embeds_queries(train
                     pooling="cls")
 
 
+def test_corpus_vectors_of_another_encoder_or_corpus_are_refused_naming_both(trained, pretrained,
+                                                                          files, tmp_path, capsys):
+  """What embed writes records its encoder and texts (OUT.npy.bertjax.json); search refuses
+  vectors whose record names another (they searched silently: MRR@10 0.14 and 0.04 for 0.42)."""
+  workdir, _ = trained
+  corpus, test = files["corpus"], files["test"]
+  right = str(tmp_path / "right.npy")
+  predict_lib.run(workdir, corpus, right, mode="embed")
+  with open(right + ".bertjax.json") as f:
+    record = json.load(f)
+  assert record["encoder"]["pooling"] == "mean" and record["encoder"]["normalize"] is True
+  assert record["encoder"]["max_seq_length"] == 32 and len(record["encoder"]["weights"]) == 64
+  assert record["input"]["rows"] == 48 and record["shape"] == [48, 32]
+  predict_lib.run(workdir, corpus, right, mode="embed")  # its own output: written again
+  search = lambda vectors, corpus=corpus: predict_lib.run(
+      workdir, test, str(tmp_path / "hits.jsonl"), mode="search", corpus=corpus,
+      corpus_vectors=vectors)
+  # Another encoder of the same width (its pooling alike): named beside this search's.
+  other = str(tmp_path / "other.npy")
+  predict_lib.run(pretrained, corpus, other, mode="embed", pooling="mean")
+  with pytest.raises(Refusal, match=r"other.npy holds vectors of the encoder \w{12} \(.*pretrain"
+                                    r".*\); this search encodes with the encoder \w{12} \(.*run"):
+    search(other)
+  # Another corpus of as many passages (the same, reversed): the texts differ.
+  reversed_corpus = write_jsonl(tmp_path / "reversed.jsonl", read_jsonl(corpus)[::-1])
+  with pytest.raises(Refusal, match=r"right.npy holds the vectors of 48 texts of .*corpus.jsonl "
+                                    r"\(sha256 \w+\), not of the 48 passages of --corpus=.*"
+                                    r"reversed.jsonl"):
+    search(right, reversed_corpus)
+  # An .npy from elsewhere (no record) is searched, said unchecked; the right one silently.
+  plain = str(tmp_path / "plain.npy")
+  np.save(plain, np.load(right))
+  capsys.readouterr()
+  search(right)
+  assert "unchecked" not in capsys.readouterr().out
+  search(plain)
+  assert "plain.npy has no record of the encoder and texts that made it" in capsys.readouterr().out
+  # The fingerprint: of the weights, the same from every read of them, computed once.
+  a, b = (predict_lib.Predictor.from_workdir(workdir) for _ in range(2))
+  assert a.fingerprint == b.fingerprint == record["encoder"]["weights"]
+  assert predict_lib.Predictor.from_workdir(pretrained, embed=True).fingerprint != a.fingerprint
+
+
+def test_an_empty_passage_is_counted_in_a_line(trained, files, tmp_path, capsys):
+  workdir, _ = trained
+  corpus = write_jsonl(tmp_path / "corpus.jsonl", read_jsonl(files["corpus"]) + [
+      {"id": "e1", "text": " "}, {"id": "e2", "text": ""}])
+  predict_lib.run(workdir, files["test"], str(tmp_path / "hits.jsonl"), mode="search",
+                  corpus=corpus)
+  assert (f"search: 2 of the 50 passages of --corpus={corpus} are empty (the first at "
+          f"{corpus}:49): each is ranked as an empty text") in capsys.readouterr().out
+
+
 def test_the_export_loads_in_sentence_transformers_with_the_same_vectors(trained, files,
                                                                          tmp_path):
   sentence_transformers = pytest.importorskip("sentence_transformers")

@@ -221,6 +221,6 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
 FAMILY = Family(
     NAME, head="", hf_class="BertModel", hf_head="", modernbert_class="ModernBertModel",
     min_labels=0, main_metrics=retrieval.MAIN_METRICS, lower_is_better=(),
-    batch_keys=contrastive_training.BATCH_KEYS[:-1], record_keys=("vector", "hits", "truncated"),
+    batch_keys=contrastive_training.BATCH_KEYS[:-1],
     packed=False, num_outputs=num_outputs, objective=objective, columns=columns, as_row=as_row,
     records=records, load=load, sentence=sentence)
