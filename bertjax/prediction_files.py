@@ -124,18 +124,22 @@ def check_output(output_path: str, inputs: Mapping[str, str], *, overwrite: bool
 @contextlib.contextmanager
 def part_file(output_path: str, record: dict) -> Iterator[str]:
   """The temporary name the output is written under; removed if anything fails, renamed over
-  the output when the block ends, so a reader never takes a part for the result. Then the record
-  beside it: `record` (what made it; a caller may fill it inside the block) with the file's
-  sha256."""
-  tmp = output_path + ".part"
+  the output when the block ends, so a reader never takes a part for the result. With it the
+  record beside it: `record` (what made it; a caller may fill it inside the block) and the file's
+  sha256, written under a part name too and renamed after the output (two renames, no space
+  needed: a full disk leaves the earlier output and its record as they were)."""
+  tmp, record_tmp = output_path + ".part", record_path(output_path) + ".part"
   try:
     with files.writing(tmp):  # a full disk or EIO said with the file
       yield tmp
+    said = {"written_by": WRITER, "file": os.path.basename(output_path), "sha256": digest(tmp),
+            "bytes": os.path.getsize(tmp), **record}
+    with files.writing(record_tmp), open(record_tmp, "w", encoding="utf-8") as f:
+      f.write(json.dumps(said, indent=2) + "\n")
   except BaseException:
-    with contextlib.suppress(OSError):
-      os.remove(tmp)
+    for path in (tmp, record_tmp):
+      with contextlib.suppress(OSError):
+        os.remove(path)
     raise
-  said = {"written_by": WRITER, "file": os.path.basename(output_path), "sha256": digest(tmp),
-          "bytes": os.path.getsize(tmp), **record}
   os.replace(tmp, output_path)
-  files.write_json(record_path(output_path), said)
+  os.replace(record_tmp, record_path(output_path))
