@@ -6,22 +6,14 @@ A command defines its flags only when it runs as one (in its `__main__` block), 
 importing every module in one process (a test does) then defines no flag twice, and two commands'
 `--workdir` or `--output` never meet.
 
-The released configs ship inside the package (`bertjax.configs`, kept in the repository's
-`configs/`): `--config=tiny` names one wherever bertjax is installed, and `--config=configs/tiny.py`
-does too where no such file is under the working directory (a wheel's user running the README's
-commands). A config file of one's own imports the released ones (`from bertjax.configs import
-base`) or its siblings (`from configs import mine`): for the latter, the folder holding its
-`configs/` (the file's grandparent) is put on `sys.path` before absl parses the flags and loads the
-file, the one place bertjax edits `sys.path`.
+The `--config` flag's file (by path, or a released config by name) and its load errors:
+bertjax/config_files.py.
 """
 
-import contextlib
 import gc
-import importlib.util
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from typing import Any, Callable, NoReturn, Sequence
@@ -29,77 +21,10 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import errors, files, hostmem, platforms, watchdog
+from bertjax import config_files, errors, files, hostmem, platforms, watchdog
 from bertjax.errors import Refusal
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _config_value(argv: Sequence[str], name: str) -> tuple[int, str, str] | None:
-  """(index in argv, prefix, value) of the first `--<name>=VALUE` (prefix `--<name>=`) or
-  `--<name> VALUE` (prefix ''), if any."""
-  for i, arg in enumerate(argv):
-    if arg.startswith(f"--{name}="):
-      return i, f"--{name}=", arg.split("=", 1)[1]
-    if arg == f"--{name}" and i + 1 < len(argv):
-      return i + 1, "", argv[i + 1]
-  return None
-
-
-def config_file_from_argv(argv: Sequence[str], name: str = "config") -> str | None:
-  """The file named by `--<name>=FILE[:args]` or `--<name> FILE[:args]` in argv, if any."""
-  found = _config_value(argv, name)
-  # `file.py:phase=2` passes an argument to get_config
-  return found[2].split(":", 1)[0] if found else None
-
-
-def released_configs() -> dict[str, str]:
-  """The released configs by name ('tiny', 'bert_base', 'finetune', ...): their files in the
-  installed package. Found, not imported: importing one would import the model."""
-  spec = importlib.util.find_spec("bertjax.configs")
-  folders = list(spec.submodule_search_locations or []) if spec else []
-  return {f.removesuffix(".py"): os.path.join(folder, f) for folder in folders
-          for f in sorted(os.listdir(folder)) if f.endswith(".py") and f != "__init__.py"}
-
-
-def released_config_path(value: str) -> str:
-  """`value` (`FILE[:args]`) with a released config's name, or a `configs/NAME.py` path that
-  names no file here, replaced by the packaged file; anything else unchanged. A path that names
-  no file and no released config is refused naming the released ones."""
-  path, sep, args = value.partition(":")
-  if os.path.isfile(path):
-    return value
-  folder, base = os.path.split(path)
-  name = base.removesuffix(".py")
-  # A bare name, or the repository's relative path to it (`configs/tiny.py`, as the README writes
-  # it) from outside a checkout; never another folder's path, which names a file of one's own.
-  looks_released = (base == name and not folder) or (
-      base != name and os.path.normpath(folder or ".") in ("configs", "."))
-  released = released_configs()
-  if looks_released and name in released:
-    return released[name] + sep + args
-  raise Refusal(f"--config={value}: there is no file {path}; give the path of a config file, or "
-                f"a released config by name (--config=tiny; the released ones are "
-                f"{', '.join(released)})")
-
-
-def resolve_config_argv(argv: list[str], name: str = "config") -> None:
-  """Rewrites argv's `--<name>` value in place through released_config_path (absl reads it later)."""
-  found = _config_value(argv, name)
-  if found:
-    i, prefix, value = found
-    argv[i] = prefix + released_config_path(value)
-
-
-def make_config_folder_importable(argv: Sequence[str], name: str = "config") -> str | None:
-  """Puts the config file's grandparent folder first on sys.path; returns it (None if no flag)."""
-  path = config_file_from_argv(argv, name)
-  if path is None:
-    return None
-  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-  if root not in sys.path:
-    sys.path.insert(0, root)
-  return root
 
 
 def rename_flags(argv: list[str], renamed: dict[str, str]) -> None:
@@ -143,14 +68,17 @@ def define_config_flag(help_text: str = "Config file (a path, or a released conf
   """Defines the locked config-file flag: an unknown or misspelled override key is an error."""
   quiet_tensorflow()
   try:
-    resolve_config_argv(sys.argv, name)
+    typed = config_files.resolve_config_argv(sys.argv, name)
     if default is not None:
-      default = released_config_path(default)
+      default = config_files.released_config_path(default)
   except Refusal as e:
     sys.exit(f"bertjax: {e}")
-  make_config_folder_importable(sys.argv, name)
-  with _misspelled_keys_in_one_line(sys.argv):  # a default file is loaded, and checked, here
-    return config_flags.DEFINE_config_file(name, default, help_text, lock_config=True)
+  config_files.make_config_folder_importable(sys.argv, name)
+  # a default file is loaded, and checked, here
+  with config_files.misspelled_keys_in_one_line(sys.argv):
+    holder = config_flags.DEFINE_config_file(name, default, help_text, lock_config=True)
+  config_files.load_errors_in_one_line(name, typed)
+  return holder
 
 
 def define_run_flags() -> None:
@@ -215,33 +143,15 @@ def start(argv) -> None:
 
 def parse_flags(argv: Sequence[str]) -> list[str]:
   """absl's flag parsing (app.run's `flags_parser`), a bad flag said in one line with exit status
-  2 (`usage_error`), a misspelled config key as `_misspelled_keys_in_one_line` says it."""
-  with _misspelled_keys_in_one_line(argv):
+  2 (`usage_error`), a misspelled config key as `config_files.misspelled_keys_in_one_line` says
+  it, a config file that does not load as a refusal (`config_files.load_error`'s line)."""
+  with config_files.misspelled_keys_in_one_line(argv):
     try:
       return flags.FLAGS(argv)
     except flags.Error as err:
+      if isinstance(err.__context__, Refusal):  # the config file's (load_errors_in_one_line)
+        sys.exit(one_line(err.__context__))
       usage_error(str(err))
-
-
-@contextlib.contextmanager
-def _misspelled_keys_in_one_line(argv: Sequence[str]):
-  """A misspelled config key in one line naming the flag and ml_collections' suggestion:
-  ml_collections raises it as an AttributeError, which absl would print as three chained
-  tracebacks."""
-  try:
-    yield
-  except (AttributeError, KeyError) as err:
-    # str() of the KeyError ml_collections wraps: the quoted key, then its suggestion.
-    text = str(err.args[0] if err.args else err)
-    key = re.match(r"[\\'\"]*([^\\'\"]*)", text).group(1)
-    flag = next((a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")
-                 and re.search(rf"[.]{re.escape(key)}(=|$|[.])", a.split("=", 1)[0])), None)
-    if flag is None:
-      raise
-    hint = re.search(r'Did you mean "([^"]+)"', text)
-    sys.exit(f"bertjax: {flag}: the config has no key {key!r}"
-             + (f"; did you mean {hint.group(1)!r}?" if hint else "")
-             + " (every key and its meaning: configs/base.py).")
 
 
 # The command's name where it runs under another's (`bertjax.benchmark predict` runs the module

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Iterable, Iterator, Sequence
@@ -63,7 +64,7 @@ from bertjax.model_config import BertConfig
 # How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
 from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
 # What may be written over, also known as bertjax.predict's.
-from bertjax.prediction_files import check_output, record_keys  # pylint: disable=unused-import
+from bertjax.prediction_files import check_output  # pylint: disable=unused-import
 
 # Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
 # the groups (and so the bits of every output) must not depend on how many devices there are.
@@ -104,6 +105,14 @@ class Predictor:
     self._forward = {}  # kind -> jitted function
     self.sequences = 0  # run so far (for the progress line)
     self.truncated = 0  # rows longer than max_seq_length, cut to fit (said at the end)
+    # (tokens, where recorded) of the length the model was trained at, where its folder says.
+    self.trained_length: tuple[int, str] | None = None
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """Of the weights, architecture and vocabulary (prediction_vectors.fingerprint): what a file
+    of vectors records of its encoder. Computed once, when a vector's record first asks."""
+    return prediction_vectors.fingerprint(self.params, self.config, self.tokenizer.fingerprint)
 
   # Construction ---------------------------------------------------------------------------------
 
@@ -117,11 +126,8 @@ class Predictor:
     source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
     spec = families.spec_of(source)
     if spec is None and not embed:
-      raise Refusal(
-          f"{path} is a {'pre-training run' if source.kind == 'workdir' else source.kind + ' folder'}"
-          f" with no task head (no {spec_lib.FILE}, no task in its checkpoint's record): predict "
-          "needs a fine-tuning workdir (python -m bertjax.finetune); for sentence vectors use "
-          "--mode=embed.")
+      raise Refusal(_no_task(path, source))
+    trained = prediction_vectors.trained_length(source, spec)
     if source.vocab_file is None:
       raise Refusal(f"{path} records no vocabulary; predict needs the one the model was "
                     "trained with (a workdir copies it in when its run starts).")
@@ -137,8 +143,10 @@ class Predictor:
       if head and head not in params:
         raise Refusal(f"{source.describe()} holds no {head!r} head for its {spec.family} "
                       f"task (subtrees: {sorted(params)}).")
-    return cls(source.config, params, tokenizer, spec, tokens_per_device=tokens_per_device,
-               devices=devices, source=source.describe())
+    predictor = cls(source.config, params, tokenizer, spec, tokens_per_device=tokens_per_device,
+                    devices=devices, source=source.describe())
+    predictor.trained_length = trained
+    return predictor
 
   # The forward pass -----------------------------------------------------------------------------
 
@@ -301,6 +309,17 @@ class Predictor:
       yield flush()
 
 
+def _no_task(path: str, source) -> str:
+  """Why predict has no task to run from `source`, and what it reads."""
+  reads = ("predict runs the task of a fine-tuning workdir (python -m bertjax.finetune) or of a "
+           "ModernBertFor* folder; for sentence vectors use --mode=embed.")
+  if source.task_class is not None and source.task_class.architecture:
+    return (f"{path} is a {source.kind} folder of {source.task_class.architecture}, a head "
+            f"predict does not read: {reads} (Its encoder: --mode=embed, checkpoint.init_from.)")
+  kind = "pre-training run" if source.kind == "workdir" else source.kind + " folder"
+  return f"{path} is a {kind} with no task head (no {spec_lib.FILE}, no task recorded): {reads}"
+
+
 def _check_columns(row: textfiles.Row, spec: spec_lib.TaskSpec, source: str) -> None:
   needed = families.get(spec.family).columns(spec, row)
   missing = [c for c in needed if c not in row]
@@ -327,8 +346,8 @@ def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: s
   output appears whole (written beside, then renamed)."""
   progress = prediction_files.Progress(predictor)
   files.makedirs(os.path.dirname(output_path) or ".")
-  n = 0
-  with prediction_files.part_file(output_path) as tmp:
+  n, made = 0, {"mode": "predict", "model": predictor.source, "input": {"path": input_path}}
+  with prediction_files.part_file(output_path, made) as tmp:
     with files.open_file(tmp, "w") as out:
       for record in predictor.predict_rows(textfiles.iter_rows(input_path, fmt), columns):
         out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -336,6 +355,7 @@ def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: s
         progress.update(n)
     if n == 0:
       raise Refusal(f"{input_path}: no rows to predict (only a header, or blank lines).")
+    made["input"]["rows"] = n
   progress.update(n, final=True)
   return n
 
@@ -352,20 +372,19 @@ def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
   embed = mode == "embed"
   if mode not in MODES:
     raise Refusal(f"--mode={mode}: use one of {MODES}.")
-  check_output(input_path, output, overwrite=overwrite, embed=embed)
+  inputs = {"--input": input_path, "--corpus": corpus, "--corpus_vectors": corpus_vectors}
+  check_output(output, inputs, overwrite=overwrite, embed=embed)
   predictor = Predictor.from_workdir(workdir, checkpoint=checkpoint,
                                      tokens_per_device=tokens_per_device, embed=mode != "predict")
   written = [output]
+  if mode != "predict":
+    print(f"{mode}: {prediction_vectors.vectors_line(predictor, columns, max_seq_length, pooling)}",
+          flush=True)
   if embed:
-    plan = prediction_vectors.embed_plan(predictor, input_path, output, columns, max_seq_length,
-                                         fmt)
-    written = [path for _, path in plan]
-    for path in (p for p in written if p != output):  # two files: OUT.queries.npy, ...
-      check_output(input_path, path, overwrite=overwrite, embed=True)
-    for side, path in plan:
-      n = prediction_vectors.write_vectors(
-          predictor, input_path, path, side, pooling,
-          "" if predictor.vectors else columns.get("text_b") or "", fmt)
+    n, written = prediction_vectors.embed_file(
+        predictor, input_path, output, columns=columns, max_seq_length=max_seq_length,
+        pooling=pooling, fmt=fmt, check=lambda path: check_output(path, inputs,
+                                                                  overwrite=overwrite, embed=True))
   elif mode == "search":
     n = prediction_vectors.search_file(
         predictor, input_path, output, corpus=corpus, top_k=top_k, pooling=pooling,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bertjax import cli, errors
+from bertjax import cli, config_files, errors
 
 from conftest import xla_flags
 
@@ -26,37 +26,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["prog", "--configs=a.py"], None),
 ])
 def test_config_file_from_argv(argv, expected):
-  assert cli.config_file_from_argv(argv) == expected
+  assert config_files.config_file_from_argv(argv) == expected
 
 
 def test_make_config_folder_importable(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, "path", list(sys.path))
-  root = cli.make_config_folder_importable(["p", f"--config={tmp_path}/configs/mine.py:x=1"])
+  root = config_files.make_config_folder_importable(
+      ["p", f"--config={tmp_path}/configs/mine.py:x=1"])
   assert root == str(tmp_path) and sys.path[0] == str(tmp_path)
-  cli.make_config_folder_importable(["p", f"--config={tmp_path}/configs/mine.py"])
+  config_files.make_config_folder_importable(["p", f"--config={tmp_path}/configs/mine.py"])
   assert sys.path.count(str(tmp_path)) == 1  # not added twice
-  assert cli.make_config_folder_importable(["p"]) is None
+  assert config_files.make_config_folder_importable(["p"]) is None
 
 
 def test_a_released_config_is_named_by_name_or_by_its_path_outside_a_checkout(tmp_path,
                                                                               monkeypatch):
-  released = cli.released_configs()
+  released = config_files.released_configs()
   assert {"tiny", "base", "bert_base", "bert_large", "finetune", "modern_tiny"} <= released.keys()
-  assert cli.released_config_path("tiny") == released["tiny"]
-  assert cli.released_config_path("finetune:next") == released["finetune"] + ":next"
+  assert config_files.released_config_path("tiny") == released["tiny"]
+  assert config_files.released_config_path("finetune:next") == released["finetune"] + ":next"
   here = "configs/bert_base.py:phase=2"  # a checkout's file is taken as it is, path and argument
   monkeypatch.chdir(ROOT)
-  assert cli.released_config_path(here) == here
+  assert config_files.released_config_path(here) == here
   monkeypatch.chdir(tmp_path)  # no configs/ here: the README's path names the released file
-  assert cli.released_config_path(here) == released["bert_base"] + ":phase=2"
+  assert config_files.released_config_path(here) == released["bert_base"] + ":phase=2"
   (tmp_path / "configs").mkdir()
   (tmp_path / "configs" / "tiny.py").write_text("")  # one's own configs/tiny.py wins
-  assert cli.released_config_path("configs/tiny.py") == "configs/tiny.py"
+  assert config_files.released_config_path("configs/tiny.py") == "configs/tiny.py"
   for wrong in ("tiyn", "configs/tiyn.py", "/elsewhere/configs/tiny.py"):
-    with pytest.raises(cli.Refusal, match=r"there is no file .*--config=tiny.*bert_base"):
-      cli.released_config_path(wrong)
+    with pytest.raises(errors.Refusal, match=r"there is no file .*--config=tiny.*bert_base"):
+      config_files.released_config_path(wrong)
   argv = ["p", "--config", "tiny:x", "--config.train.batch_size=2"]
-  cli.resolve_config_argv(argv)
+  config_files.resolve_config_argv(argv)
   assert argv == ["p", "--config", released["tiny"] + ":x", "--config.train.batch_size=2"]
 
 
@@ -168,6 +169,59 @@ def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(modu
                     f"{cli.OLD_NAMES_GO_IN}."), note
   assert err.startswith(f"{module}: error: {said}"), done.stderr[-2000:]
   assert err.count("\n") == 1, done.stderr[-2000:]
+
+
+CONFIG_FILES = {  # name: (text, the argument given, what the line says)
+    "syntax": ("def get_config(:\n", "", r"the file does not load: SyntaxError: invalid syntax "
+               r"\(.*syntax.py:1\); fix the file there\."),
+    "import": ("import no_such_module_here\n", "", r"the file does not load: ModuleNotFoundError: "
+               r"No module named 'no_such_module_here' \(.*import.py:1\); install what it imports"),
+    "argument": ("def get_config():\n  return {}\n", "phase=9", r"its get_config\(\) takes no "
+                 r"argument 'phase=9' .*; leave out ':phase=9'"),
+    "needs": ("def get_config(task):\n  return {}\n", "", r"its get_config\(\) needs an argument "
+              r".*; give it after a colon, as --config=.*needs.py:VALUE"),
+    "raises": ("def get_config(arg=None):\n  return {}[arg]\n", "x", r"the file's get_config\(\) "
+               r"failed: KeyError: 'x' \(.*raises.py:2\); fix the file there\."),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_FILES)
+def test_a_config_file_that_does_not_load_is_one_line_naming_it_and_the_fix(tmp_path, case):
+  """ml_collections' own report: a traceback flattened into absl's flag error, or (a syntax or an
+  import error) an uncaught traceback."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  text, args, said = CONFIG_FILES[case]
+  path = tmp_path / f"{case}.py"
+  path.write_text(text)
+  value = f"{path}:{args}" if args else str(path)
+  own = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=own, lock_config=True)
+  config_files.load_errors_in_one_line("config", None, own)
+  with pytest.raises(flags.Error) as raised:  # what cli.parse_flags takes it from
+    own(["prog", f"--config={value}"])
+  refusal = raised.value.__context__
+  assert isinstance(refusal, errors.Refusal), raised.value
+  line = str(refusal)
+  assert "\n" not in line and line.startswith(f"--config={value}: "), line
+  assert re.search(said, line), line
+
+
+@pytest.mark.parametrize("config, said", [
+    ("tiny:phase=9", "--config=tiny:phase=9: its get_config() takes no argument 'phase=9'"),
+    ("BAD", "--config=BAD: the file does not load: SyntaxError: invalid syntax (BAD:1)")])
+def test_a_config_that_does_not_load_ends_the_command_as_a_refusal(tmp_path, config, said):
+  """Through a command: the line is the refusal's, exit status 1 (was a traceback)."""
+  bad = tmp_path / "bad.py"
+  bad.write_text("def get_config(:\n")
+  config, said = config.replace("BAD", str(bad)), said.replace("BAD", str(bad))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
+  done = subprocess.run([sys.executable, "-m", "bertjax.pretrain", f"--config={config}",
+                         f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr[-2000:]
+  assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr[-2000:]
+  assert done.stderr.startswith(f"bertjax: ValueError: {said}"), done.stderr[-2000:]
 
 
 def _modules():

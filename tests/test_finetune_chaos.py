@@ -283,7 +283,8 @@ def test_a_full_small_disk_keeps_the_earlier_export_and_predictions(task, small_
   os.remove(small_disk / "filler")
   for command in (export, predict):
     _run(command, env)
-  assert sorted(os.listdir(small_disk)) == ["export", "predictions.jsonl"]
+  assert sorted(os.listdir(small_disk)) == ["export", "predictions.jsonl",
+                                            "predictions.jsonl.bertjax.json"]
   after = _contents(small_disk / "export")
   assert after.keys() == exported.keys() and after["model.safetensors"] != exported[
       "model.safetensors"]

@@ -140,14 +140,24 @@ def test_predict_on_one_and_eight_devices_writes_the_same_file(routing, tmp_path
     assert a.read() == b.read()
 
 
-def test_embed_writes_one_vector_per_row(routing, pretrained, tmp_path):
+def test_embed_writes_one_vector_per_row(routing, pretrained, tmp_path, capsys):
+  """At the length the model was trained at, said with the pooling (was: 128 tokens, capped at
+  the 64 positions, unsaid; positions past 32 no step of the fine-tuning trained)."""
   workdir, _, test, _ = routing
-  for source, pooling in ((workdir, "mean"), (pretrained, "cls")):
+  for source, pooling, length, recorded in (
+      (workdir, "mean", fx.SEQ, "its task.json's max_seq_length"),
+      (pretrained, "cls", 64, "its config.json's data.max_seq_length")):
     out = str(tmp_path / f"{pooling}.npy")
+    capsys.readouterr()
     predict_lib.run(source, test, out, mode="embed", pooling=pooling)
+    said = capsys.readouterr().out
+    assert f"embed: {pooling} pooling (the " in said, said
+    assert f"texts cut at {length} tokens (the length it was trained at: {recorded})" in said
     vectors = np.load(out)
     assert vectors.shape == (40, 32) and np.isfinite(vectors).all()
     assert np.std(vectors, axis=0).max() > 0  # rows differ
+    with open(out + ".bertjax.json") as f:
+      assert json.load(f)["encoder"]["max_seq_length"] == length
 
 
 def test_predict_refuses_a_pretraining_run_and_other_columns(routing, pretrained, tmp_path):

@@ -12,6 +12,7 @@ another, so only training shows which goes with which: the untrained encoder ran
 import csv
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -151,6 +152,59 @@ def test_embed_writes_one_file_per_kind_of_text_and_the_api_embeds_queries(train
                     pooling="cls")
 
 
+def test_corpus_vectors_of_another_encoder_or_corpus_are_refused_naming_both(trained, pretrained,
+                                                                          files, tmp_path, capsys):
+  """What embed writes records its encoder and texts (OUT.npy.bertjax.json); search refuses
+  vectors whose record names another (they searched silently: MRR@10 0.14 and 0.04 for 0.42)."""
+  workdir, _ = trained
+  corpus, test = files["corpus"], files["test"]
+  right = str(tmp_path / "right.npy")
+  predict_lib.run(workdir, corpus, right, mode="embed")
+  with open(right + ".bertjax.json") as f:
+    record = json.load(f)
+  assert record["encoder"]["pooling"] == "mean" and record["encoder"]["normalize"] is True
+  assert record["encoder"]["max_seq_length"] == 32 and len(record["encoder"]["weights"]) == 64
+  assert record["input"]["rows"] == 48 and record["shape"] == [48, 32]
+  predict_lib.run(workdir, corpus, right, mode="embed")  # its own output: written again
+  search = lambda vectors, corpus=corpus: predict_lib.run(
+      workdir, test, str(tmp_path / "hits.jsonl"), mode="search", corpus=corpus,
+      corpus_vectors=vectors)
+  # Another encoder of the same width (its pooling alike): named beside this search's.
+  other = str(tmp_path / "other.npy")
+  predict_lib.run(pretrained, corpus, other, mode="embed", pooling="mean")
+  with pytest.raises(Refusal, match=r"other.npy holds vectors of the encoder \w{12} \(.*pretrain"
+                                    r".*\); this search encodes with the encoder \w{12} \(.*run"):
+    search(other)
+  # Another corpus of as many passages (the same, reversed): the texts differ.
+  reversed_corpus = write_jsonl(tmp_path / "reversed.jsonl", read_jsonl(corpus)[::-1])
+  with pytest.raises(Refusal, match=r"right.npy holds the vectors of 48 texts of .*corpus.jsonl "
+                                    r"\(sha256 \w+\), not of the 48 passages of --corpus=.*"
+                                    r"reversed.jsonl"):
+    search(right, reversed_corpus)
+  # An .npy from elsewhere (no record) is searched, said unchecked; the right one silently.
+  plain = str(tmp_path / "plain.npy")
+  np.save(plain, np.load(right))
+  capsys.readouterr()
+  search(right)
+  assert "unchecked" not in capsys.readouterr().out
+  search(plain)
+  assert "plain.npy has no record of the encoder and texts that made it" in capsys.readouterr().out
+  # The fingerprint: of the weights, the same from every read of them, computed once.
+  a, b = (predict_lib.Predictor.from_workdir(workdir) for _ in range(2))
+  assert a.fingerprint == b.fingerprint == record["encoder"]["weights"]
+  assert predict_lib.Predictor.from_workdir(pretrained, embed=True).fingerprint != a.fingerprint
+
+
+def test_an_empty_passage_is_counted_in_a_line(trained, files, tmp_path, capsys):
+  workdir, _ = trained
+  corpus = write_jsonl(tmp_path / "corpus.jsonl", read_jsonl(files["corpus"]) + [
+      {"id": "e1", "text": " "}, {"id": "e2", "text": ""}])
+  predict_lib.run(workdir, files["test"], str(tmp_path / "hits.jsonl"), mode="search",
+                  corpus=corpus)
+  assert (f"search: 2 of the 50 passages of --corpus={corpus} are empty (the first at "
+          f"{corpus}:49): each is ranked as an empty text") in capsys.readouterr().out
+
+
 def test_the_export_loads_in_sentence_transformers_with_the_same_vectors(trained, files,
                                                                          tmp_path):
   sentence_transformers = pytest.importorskip("sentence_transformers")
@@ -169,13 +223,14 @@ def test_the_export_loads_in_sentence_transformers_with_the_same_vectors(trained
 
 
 def test_a_stopped_run_resumes_to_the_uninterrupted_end(trained, pretrained, files, tmp_path,
-                                                        monkeypatch):
+                                                        monkeypatch, capsys):
   straight, straight_results = trained
   workdir = str(tmp_path / "run")
   config = embeddings_config(pretrained, files)
   with monkeypatch.context() as mp:
     fx.sigterm_at(mp, 20)  # in epoch 2 (15 steps an epoch)
     assert run.finetune(config, workdir) == {}
+  _an_unfinished_run_says_so(workdir, config, files, tmp_path, monkeypatch, capsys)
   results = run.finetune(config, workdir)
   assert [e["scores"] for e in results["evaluations"]] == [
       e["scores"] for e in straight_results["evaluations"]]
@@ -185,6 +240,82 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_end(trained, pretrained, fil
   config.contrastive.pooling = "cls"
   with pytest.raises(Refusal, match=r"\(pooling, normalize\) = \('mean', True\)"):
     run.finetune(config, workdir)
+
+
+def _an_unfinished_run_says_so(workdir, config, files, tmp_path, monkeypatch, capsys):
+  """A run stopped at step 20 (its best epoch: step 15): its export says which step it took and
+  that the run is unfinished, in its line and its config.json; a copy with no best epoch (stopped
+  before its first evaluation), that no evaluation chose the step; a rerun of the copy on another
+  training file, that the data changed (each went unsaid), and its dev set as queries and
+  passages."""
+  def export(source, name, **kw):
+    said = convert_hf.export_folder(source, str(tmp_path / name), **kw).splitlines()
+    with open(tmp_path / name / "config.json") as f:
+      return said, json.load(f)[convert_hf.EXPORTED]
+  said, record = export(workdir, "best")
+  assert said[1] == ("Exported step 15 is the best dev evaluation (epoch 1) of a run that has not "
+                     "finished (no results.json): a later epoch may score higher; rerun its "
+                     "fine-tuning command to finish it."), said
+  assert record == {"step": 15, "chosen_by": "the best dev evaluation (epoch 1)",
+                    "finished": False}
+  said, record = export(workdir, "latest", checkpoint="latest")
+  assert said[1] == ("Exported step 20 is exported as chosen by --checkpoint=latest, not an "
+                     "evaluation (no results.json: the run has not finished)."), said
+  copy = str(tmp_path / "copy")
+  shutil.copytree(workdir, copy)
+  shutil.rmtree(os.path.join(copy, "best"))
+  said, record = export(copy, "none")
+  assert "step 20 is exported as chosen by no evaluation: the newest checkpoint" in said[1], said
+  changed = copy_config(config, train_file=write_csv(
+      tmp_path / "other.csv", fx.retrieval_rows(240, 7), ("id", "query", "positive", "negative")))
+  capsys.readouterr()
+  with monkeypatch.context() as mp:
+    fx.Builds(mp, abort_at_first_step=True)
+    with pytest.raises(fx.Abort):
+      run.finetune(changed, copy)
+  said = capsys.readouterr().out
+  assert "bertjax: the training data is not what steps 1-20 trained on (its features' sha256 " in (
+      said)
+  assert "; dev: dev 24 queries against 48 passages\n" in said  # was "dev 72", queries + passages
+
+
+def copy_config(config, **data):
+  config = config.copy_and_resolve_references()
+  for key, value in data.items():
+    config.data[key] = value
+  return config
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_a_batch_of_more_rows_than_distinct_pairs_is_refused(pretrained, files, tmp_path, rows):
+  """One pair (or one pair 20 times) at batch 16: every in-batch negative was a copy of the
+  positive, masked out: loss 0.0 and nothing learnt, after a note."""
+  one = fx.retrieval_rows(1, 0)
+  train = write_csv(tmp_path / "one.csv", one * rows, ("id", "query", "positive", "negative"))
+  config = copy_config(embeddings_config(pretrained, files), train_file=train)
+  with pytest.raises(Refusal, match=r"train.batch_size=16 is larger than the 1 distinct \(query, "
+                                    r"positive\) pairs of .*one.csv: .*Lower train.batch_size to "
+                                    r"at most 1, or add pairs"):
+    run.finetune(config, str(tmp_path / "run"))
+
+
+def test_a_corpus_files_notes_name_it_and_the_summary_counts_queries_and_passages(pretrained,
+                                                                                 files):
+  """Passages cut to max_seq_length are the corpus file's (were said the dev file's, once for dev
+  and again for test); the dev set is 24 queries against 48 passages (was counted "dev 72")."""
+  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  source = weights.inspect(pretrained)
+  tokenizer = tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind, True)
+  config = embeddings_config(pretrained, files)
+  config.data.max_seq_length = 5  # the passages are 3 to 5 words, 5 to 7 tokens
+  data = families.get("embeddings").load(TaskConfig.from_config(config), tokenizer)
+  cut = [n for n in data.notes if " passages of " in n and "were cut" in n
+         and "distinct passages" not in n]  # (the training file's)
+  assert len(cut) == 1 and files["corpus"] in cut[0], data.notes
+  assert data.evals[0].size == "24 queries against 48 passages"
+  assert f"dev: 24 queries against 48 passages (of {files['corpus']})" in data.notes
 
 
 def test_a_settings_search_runs_the_family(pretrained, files, tmp_path):
@@ -233,10 +364,12 @@ def test_judged_queries_name_their_passages_by_id(tmp_path):
   assert judged.relevant == [[1, 0], [1]] and judged.query_ids == ["0", "1"]
 
 
-@pytest.mark.parametrize("case", ["no_column", "empty_query", "unknown_id", "twice"])
+@pytest.mark.parametrize("case", ["no_column", "empty_query", "unknown_id", "twice",
+                                  "empty_passage"])
 def test_bad_files_are_refused_naming_the_line_and_column(tmp_path, case):
   corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"id": "a", "text": "x"}] + (
-      [{"id": "a", "text": "y"}] if case == "twice" else []))
+      [{"id": "a", "text": "y"}] if case == "twice" else []) + (
+      [{"id": "b", "text": " "}] if case == "empty_passage" else []))
   rows = [{"query": "" if case == "empty_query" else "q",
            "positive": "zz" if case == "unknown_id" else "a"}]
   dev = write_jsonl(tmp_path / "dev.jsonl", rows)
@@ -249,6 +382,11 @@ def test_bad_files_are_refused_naming_the_line_and_column(tmp_path, case):
   if case == "twice":
     with pytest.raises(Refusal, match=r"corpus.jsonl:2: the passage id 'a' is given twice "
                                       r"\(first at .*corpus.jsonl:1\)"):
+      passages.read_corpus(corpus, COLUMNS)
+    return
+  if case == "empty_passage":  # ranked, and scored, by its [CLS] and [SEP] alone: refused
+    with pytest.raises(Refusal, match=r"corpus.jsonl:2: column 'text' is empty; every row needs "
+                                      r"its passage's text \(fill it, or leave the row out\)"):
       passages.read_corpus(corpus, COLUMNS)
     return
   message = {"empty_query": r"dev.jsonl:1: column 'query' is empty",

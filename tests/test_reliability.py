@@ -100,6 +100,55 @@ def test_prediction_files_are_written_atomically(tmp_path, monkeypatch):
       "nbest_predictions.json", "null_odds.json", "predictions.json"]
 
 
+def _users_files(root):
+  """What a user keeps beside a prediction: the docs' corpus layout, a data file, an array of
+  their own, notes; each a file prediction's old rule took for its own output (the first by its
+  keys, the second by them too, the array as any 2-D float32 .npy)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  made = {"corpus": root / "corpus.jsonl", "data": root / "data.jsonl", "mine": root / "mine.npy"}
+  made["corpus"].write_text('{"id": "p1", "text": "a passage"}\n')
+  made["data"].write_text('{"text": "a text", "label": "pos"}\n')
+  np.save(made["mine"], np.ones((3, 4), np.float32))
+  return {k: str(v) for k, v in made.items()}
+
+
+@pytest.mark.parametrize("mode", ["predict", "embed", "search"])
+def test_prediction_writes_over_no_file_it_did_not_write_nor_any_of_its_inputs(tmp_path, mode):
+  """Refused before any model is read (the workdir here is none): an output that is one of the
+  run's inputs (even with --overwrite), or a file of the user's (without it), whatever it holds."""
+  from bertjax import predict as predict_lib  # pylint: disable=import-outside-toplevel
+  user = _users_files(tmp_path)
+  before = {k: open(v, "rb").read() for k, v in user.items()}
+  run = lambda output, **kw: predict_lib.run(
+      str(tmp_path / "no_workdir"), user["data"], output, mode=mode, **(
+          {"corpus": user["corpus"], "corpus_vectors": user["mine"]} if mode == "search" else {}),
+      **kw)
+  inputs = {"data": "the input file"}
+  if mode == "search":
+    inputs.update(corpus="the corpus", mine="the corpus's vectors")
+  for name, said in inputs.items():
+    with pytest.raises(errors.Refusal, match=rf"--output={re.escape(user[name])} is {said} "
+                                             r"\(--\w+=.*\): the output would replace it"):
+      run(user[name], overwrite=True)
+  for name in set(user) - set(inputs):
+    with pytest.raises(errors.Refusal, match=r"exists and is not a file bertjax.predict wrote \(no "
+                                             r".*\.bertjax\.json beside it.*--overwrite"):
+      run(user[name])
+  # A record that does not describe the file (the user replaced prediction's output): not ours.
+  out = tmp_path / ("out.npy" if mode == "embed" else "out.jsonl")
+  out.write_text("the user's now\n")
+  (tmp_path / (out.name + ".bertjax.json")).write_text(
+      '{"written_by": "bertjax.predict", "sha256": "0000"}')
+  with pytest.raises(errors.Refusal, match="is not a file bertjax.predict wrote"):
+    run(str(out))
+  # Nor a file of the user's under the name of the record an output gets beside it.
+  fresh = tmp_path / ("fresh.npy" if mode == "embed" else "fresh.jsonl")
+  (tmp_path / (fresh.name + ".bertjax.json")).write_text('{"my": "notes"}')
+  with pytest.raises(errors.Refusal, match=r"fresh.\w+.bertjax.json exists and is not a record"):
+    run(str(fresh))
+  assert {k: open(v, "rb").read() for k, v in user.items()} == before
+
+
 def test_a_full_disk_is_known_however_a_library_says_it():
   # The run's one line (tests/test_finetune_chaos.py end to end) rests on recognising a full disk
   # wherever the write was: an OSError down orbax's chain of errors raised again at each wait,

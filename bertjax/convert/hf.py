@@ -17,7 +17,9 @@ another) as `BertForSequenceClassification` (with `problem_type` regression wher
 `BertForTokenClassification` or `BertForQuestionAnswering`, its labels as `id2label` / `label2id`;
 an embeddings workdir as `BertModel` with sentence-transformers' files (modules.json, its pooling
 and normalisation: bertjax/formats/sentence_transformers.py), which `SentenceTransformer(folder)`
-loads as it is.
+loads as it is. A fine-tuning workdir's export says which step it took and what chose it (the
+best epoch of a finished run, or of one not finished; a step no evaluation chose: a run stopped
+before its first, --checkpoint=latest), in its line and in config.json's `bertjax_export`.
 WordPiece vocabularies go as vocab.txt, SentencePiece ones as a fast tokenizer's tokenizer.json
 giving the same ids (a literal "[CLS]" in a text is the one difference: transformers reads it as the
 special token), a Hugging Face tokenizer.json as it is.
@@ -25,6 +27,7 @@ special token), a Hugging Face tokenizer.json as it is.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from bertjax import files, taskspec, weights
@@ -57,6 +60,31 @@ def _write_vocabulary(vocab: str, output: str, lower: bool) -> None:
   vocab_record.copy_to_workdir(vocab, "wordpiece", fingerprint, output, lower, replace=True)
 
 
+EXPORTED = "bertjax_export"  # config.json's key of the step exported and what chose it
+
+
+def chosen_step(source, spec, checkpoint: str = "best") -> tuple[dict, str]:
+  """Which step of a fine-tuning workdir an export takes, and what chose it: (config.json's
+  EXPORTED record, a line to say; "" where the best epoch of a finished run was taken). {} and ""
+  for any other folder."""
+  if source.kind != "workdir" or spec is None:
+    return {}, ""
+  finished = files.exists(os.path.join(source.path, "results.json"))
+  step, best = source.step, os.path.basename(os.path.normpath(source.checkpoints)) == "best"
+  if best:
+    epoch = source.meta.get("epoch")
+    chosen = "the best dev evaluation" + (f" (epoch {epoch:g})" if epoch is not None else "")
+    line = "" if finished else (
+        f"step {step} is {chosen} of a run that has not finished (no results.json): a later "
+        "epoch may score higher; rerun its fine-tuning command to finish it.")
+  else:
+    chosen = (f"--checkpoint={checkpoint}, not an evaluation" if checkpoint != "best" else
+              "no evaluation: the newest checkpoint, the run holding no best epoch")
+    line = (f"step {step} is exported as chosen by {chosen}"
+            + ("" if finished else " (no results.json: the run has not finished)") + ".")
+  return {"step": step, "chosen_by": chosen, "finished": finished}, line
+
+
 def export_folder(params_path: str, output: str, checkpoint: str = "best",
                   sentence: sentence_transformers.SentenceVectors | None = None) -> str:
   """Writes a Hugging Face folder (config.json, model.safetensors, the tokenizer's files) from any
@@ -73,6 +101,9 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
         "outputs have no names; put the run's task.json back (rerunning its fine-tuning command "
         "in the workdir writes it), or export the encoder alone from a pre-training run.")
   hf_config = hf.config_to_hf(source.config)  # refuses what BERT cannot express, before reading
+  exported, line = chosen_step(source, spec, checkpoint)
+  if exported:
+    hf_config[EXPORTED] = exported
   folder = outfolder.ExportFolder(output)  # refuses a file or a folder of other files, first
   params = weights.read(source)
   with folder:
@@ -96,7 +127,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
     if sentence is not None:
       said += sentence_transformers.write(folder, sentence, source.config.hidden_size)
   return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
-          f"{said}{folder.said()})")
+          f"{said}{folder.said()})" + (f"\nExported {line}" if line else ""))
 
 
 def write_tokenizer_files(source, folder: outfolder.ExportFolder, config: BertConfig,

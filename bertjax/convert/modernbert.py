@@ -75,6 +75,9 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   # Refused before anything is read or written: a model ModernBERT cannot express, a head its
   # classes do not have, an output folder of somebody's files.
   hf_config = modernbert.config_to_modernbert(source.config, token_ids)
+  exported, line = convert_hf.chosen_step(source, spec, checkpoint)
+  if exported:
+    hf_config[convert_hf.EXPORTED] = exported
   family = None if spec is None else families.get(spec.family)
   if family is not None and not family.head:
     # Vectors of the encoder's own (embeddings): the encoder alone as the base class, with
@@ -103,7 +106,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
   what = hf_config["architectures"][0] + (f", {len(spec.labels)} labels" if spec and spec.labels
                                           else "")
   return (f"Exported {source.describe()} -> {output} ({what}: config.json, model.safetensors"
-          f"{said}{folder.said()})")
+          f"{said}{folder.said()})" + (f"\nExported {line}" if line else ""))
 
 
 def _define_own_flags(command: str | None) -> None:

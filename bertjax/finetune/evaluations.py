@@ -1,16 +1,22 @@
 """A fine-tuning run's scores after each epoch (evaluations.json) and its best checkpoint (best/):
 what a rerun keeps of an earlier timeline, and how a damaged record is rebuilt. A search keeps one
-per trial and adopts its winner's as the workdir's (bertjax/finetune/search.py)."""
+per trial and adopts its winner's as the workdir's (bertjax/finetune/search.py). And what a
+resumed run says of its earlier timeline's data: each checkpoint records the sha256 of the
+features it trained on (TRAIN_DATA)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 
 from bertjax import checkpoint as checkpoint_lib, errors, files, loop
+
+TRAIN_DATA = "train_data"  # a checkpoint record's key: the sha256 of the features it trained on
 
 
 def _better(value: float, best: float | None) -> bool:
@@ -90,3 +96,28 @@ class Evaluations:
 
   def close(self) -> None:
     self.best.close()
+
+
+def features_digest(features: Mapping[str, np.ndarray]) -> str:
+  """sha256 of training features (each array's name, dtype, shape and bytes, by name): what a
+  resumed run compares with the record of the step it restores."""
+  h = hashlib.sha256()
+  for key in sorted(features):
+    a = np.ascontiguousarray(features[key])
+    h.update(f"{key} {a.dtype} {a.shape}".encode())
+    h.update(a.reshape(-1).view(np.uint8))
+  return h.hexdigest()
+
+
+def say_if_data_changed(workdir: str, step: int, now: str) -> None:
+  """Says that a resumed run's training data is not what its restored steps trained on (a file
+  edited or replaced, another file, other lengths); the steps left train on what it has now."""
+  reader = checkpoint_lib.Checkpointer.reader(os.path.join(workdir, "checkpoints"))
+  try:
+    before = reader.read_meta(step).get(TRAIN_DATA)
+  finally:
+    reader.close()
+  if before is not None and before != now:
+    loop.say(f"the training data is not what steps 1-{step} trained on (its features' sha256 "
+             f"{before[:12]}, now {now[:12]}: a training file changed, or the config names "
+             "another); the steps left train on it. A new workdir trains on it alone.")

@@ -34,7 +34,8 @@ from bertjax import taskspec as spec_lib, train, watchdog, weights
 from bertjax.errors import Refusal
 from bertjax.finetune import families, tasks
 from bertjax.finetune.config import SearchConfig, TaskConfig
-from bertjax.finetune.evaluations import Evaluations
+from bertjax.finetune.evaluations import TRAIN_DATA, Evaluations, features_digest
+from bertjax.finetune.evaluations import say_if_data_changed
 from bertjax.finetune.init_from import initialiser, resolve_model, resolve_tokenizer
 from bertjax.model_config import BertConfig
 
@@ -68,6 +69,17 @@ def run_notes(batch_size: int, num_examples: int) -> list[str]:
                  "times) and an epoch is one step; lower train.batch_size to see each example "
                  "once per step")
   return notes
+
+
+def check_batch(data, batch_size: int) -> None:
+  """Refuses a batch larger than a task's distinct examples where copies in one batch change what
+  is learnt (TaskData.distinct): a contrastive batch's negatives are its other rows' passages."""
+  if data.distinct is not None and data.distinct[0] < batch_size:
+    count, what = data.distinct
+    raise Refusal(f"train.batch_size={batch_size} is larger than the {count} {what}: a batch's "
+                  "negatives are its other rows' passages, and a batch that repeats pairs holds "
+                  "copies of a row's own positive, which are none (one pair: loss 0, nothing "
+                  f"learnt). Lower train.batch_size to at most {count}, or add pairs.")
 
 
 def train_batches(features: Mapping[str, np.ndarray], batch_size: int, seed: int, start_step: int,
@@ -213,6 +225,10 @@ class Setup:
   train_features: dict
   origin: str  # where the encoder comes from, for results.json
   init: loop.Initialiser | None
+  train_data: str = ""  # features_digest of train_features
+
+  def __post_init__(self):
+    self.train_data = self.train_data or features_digest(self.train_features)
 
   @property
   def per_epoch(self) -> int:
@@ -220,7 +236,7 @@ class Setup:
 
   def meta(self) -> dict:
     return {"task": self.task_name, "init": self.origin,
-            spec_lib.META_KEY: self.data.spec.to_dict()}
+            spec_lib.META_KEY: self.data.spec.to_dict(), TRAIN_DATA: self.train_data}
 
 
 def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
@@ -267,6 +283,8 @@ def finetune(config, workdir: str) -> dict:
                   "search, which bertjax.finetune.search.run runs (python -m bertjax.finetune "
                   "does); run.finetune runs one setting.")
   s = setup(config, workdir)
+  # Here, not in setup: a search's trials have batch sizes of their own (search.run checks them).
+  check_batch(s.data, s.ft.batch_size)
   ft, task_name, data, tokenizer = s.ft, s.task_name, s.data, s.tokenizer
   vocab_file, lower, init, origin = s.vocab_file, s.lower, s.init, s.origin
   model_config, train_features = s.model_config, s.train_features
@@ -311,6 +329,8 @@ def finetune(config, workdir: str) -> dict:
 
   def accepted(start):
     evaluations.begin(start)
+    if start:
+      say_if_data_changed(workdir, start, meta[TRAIN_DATA])
     loop.keep_vocabulary(vocab_file, tokenizer.kind, tokenizer.fingerprint, workdir, lower)
     if jax.process_index() == 0:
       spec_lib.write(data.spec, workdir)
@@ -324,7 +344,8 @@ def finetune(config, workdir: str) -> dict:
       on_accepted=accepted)
   loop.say(f"{task_name}: {n_train} training examples, {per_epoch} steps per epoch, {total} "
            f"steps ({ft.num_epochs:g} epochs), warmup {warmup}; dev: "
-           + ", ".join(f"{e.name} {tasks.num_examples(e.features)}" for e in data.evals))
+           + ", ".join(f"{e.name} {e.size or tasks.num_examples(e.features)}"
+                       for e in data.evals))
   try:
     state, final = loop.execute(config, workdir, job)
     if not final:

@@ -285,6 +285,7 @@ def run(config, workdir: str) -> dict:
   ft = run_lib.FinetuneConfig.from_config(config, searched=True)
   s = run_lib.setup(config, workdir, ft)
   all_trials = expand(config, search, s.model_config)
+  run_lib.check_batch(s.data, max(t.batch_size for t in all_trials))
   _check_same_grid(workdir, _grid_record(all_trials))
   base = run_lib.train_config(config, 1, 0, learning_rate=all_trials[0].learning_rate)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(

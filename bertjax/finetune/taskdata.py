@@ -22,6 +22,7 @@ class EvalSet:
   write: Callable[[Mapping[str, np.ndarray], str], list[str]] | None = None
   # The full report of the best checkpoint for results.json (per-class scores, confusion, ...).
   report: Callable[[Mapping[str, np.ndarray]], dict] | None = None
+  size: str = ""  # how many it holds, for the console, where not examples (queries and passages)
 
 
 @dataclasses.dataclass
@@ -34,3 +35,6 @@ class TaskData:
   main_metric: str  # the name of "main" in the first eval set (said in results)
   notes: list[str] = dataclasses.field(default_factory=list)  # counted repairs, skipped rows
   spec: spec_lib.TaskSpec | None = None  # what the model does with text (task.json)
+  # (count, what they are) of the distinct training examples where a batch may not hold copies
+  # (a contrastive batch: a copy of a row's positive is no negative of it); None: copies train.
+  distinct: tuple[int, str] | None = None

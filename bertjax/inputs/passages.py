@@ -5,7 +5,8 @@ columns a config or a command names:
   training rows   a query column, a positive column (the passage that answers it) and optional
                   columns of hard negatives: in CSV and TSV one passage a column (an empty cell:
                   none), in JSON Lines a passage or a list of them
-  a corpus        an id column and a text column: the passages a query is searched against
+  a corpus        an id column and a text column (none empty): the passages a query is
+                  searched against
   judged queries  a query column and a column of the ids of its relevant passages in a corpus:
                   one id, several separated by commas, or (JSON Lines) a list
   dev pairs       without a corpus file, a dev file of training rows is its own corpus: every
@@ -152,7 +153,9 @@ def read_corpus(path: str, columns: Columns, fmt: str = "") -> tuple[list[str], 
                     f"{seen[passage_id]}); give each passage an id of its own.")
     seen[passage_id] = row.where
     ids.append(passage_id)
-    texts.append(textfiles.text_of(row, columns.passage))
+    # An empty passage would be ranked by its [CLS] and [SEP] alone, as an empty positive would
+    # be trained on: refused alike.
+    texts.append(_text(row, columns.passage, "its passage's text"))
   return ids, texts
 
 

@@ -182,8 +182,9 @@ def require(row: Row, columns: Sequence[str], what: str = "config.data",
   """Every one of `columns` is in `row`, or an error listing the columns found."""
   missing = [c for c in columns if c not in row]
   if missing:
+    named = f"{what}{'' if what.endswith('-') else '.'}{keys}"  # --text_a, config.data.text_a
     raise Refusal(f"{row.where}: no column {missing[0]!r}; the file has {sorted(row)}. Name "
-                  f"the columns with {what}.{keys}.")
+                  f"the columns with {named}.")
 
 
 def read_rows(path: str, columns: Sequence[str], fmt: str = "",

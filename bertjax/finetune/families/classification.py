@@ -212,6 +212,6 @@ FAMILY = Family(
     "classification", head="classifier", hf_class="BertForSequenceClassification",
     hf_head="classifier", modernbert_class="ModernBertForSequenceClassification", min_labels=2,
     main_metrics=("accuracy", "macro_f1", "micro_f1"), lower_is_better=(),
-    batch_keys=("label",), record_keys=("label", "probabilities", "truncated"), packed=True,
+    batch_keys=("label",), packed=True,
     num_outputs=num_outputs, objective=objective, columns=custom.pair_columns,
     as_row=custom.pair_row, records=records, load=load, predicted=predicted)

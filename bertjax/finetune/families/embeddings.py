@@ -129,13 +129,15 @@ def training_features(rows: passages.Pairs, spec: spec_lib.TaskSpec, tokenizer, 
 
 
 def search_features(judged: passages.Judged, spec: spec_lib.TaskSpec, tokenizer, path: str,
-                    notes: list[str]) -> list[dict[str, np.ndarray]]:
-  """[the queries' features, the corpus's]: two inputs of their own lengths, which evaluation
-  encodes one after the other (run.predict)."""
+                    corpus_path: str, notes: list[str]) -> list[dict[str, np.ndarray]]:
+  """[the queries' features (of `path`), the corpus's (of `corpus_path`: the corpus file, or
+  `path` itself for dev pairs)]: two inputs of their own lengths, which evaluation encodes one
+  after the other (run.predict). A corpus's note is made once (dev and test share the file)."""
   queries, cut_q = encode(judged.queries, tokenizer, spec.max_query_length)
   corpus, cut_p = encode(judged.corpus, tokenizer, spec.max_seq_length)
   notes += _cut_note(cut_q, "queries", path, "max_query_length", spec.max_query_length)
-  notes += _cut_note(cut_p, "corpus passages", path, "max_seq_length", spec.max_seq_length)
+  notes += [n for n in _cut_note(cut_p, "passages", corpus_path, "max_seq_length",
+                                 spec.max_seq_length) if n not in notes]
   return [queries, corpus]
 
 
@@ -204,23 +206,28 @@ def load(cfg: TaskConfig, tokenizer) -> TaskData:
     return passages.read_judged(path, names, *corpus, d.corpus_file, d.format, need_relevant)
 
   dev = judged(dev_path, True)
-  evals = [EvalSet("dev", search_features(dev, spec, tokenizer, dev_path, notes),
-                   scorer(dev, main), report=scorer(dev, main))]
+  size = f"{len(dev.queries)} queries against {len(dev.corpus)} passages"
+  evals = [EvalSet("dev", search_features(dev, spec, tokenizer, dev_path,
+                                          d.corpus_file or dev_path, notes),
+                   scorer(dev, main), report=scorer(dev, main), size=size)]
   predicts = []
   if test_path:
     test = judged(test_path, False)
     scored = scorer(test, main) if test.scored else None
-    predicts.append(EvalSet("test", search_features(test, spec, tokenizer, test_path, notes),
+    predicts.append(EvalSet("test", search_features(test, spec, tokenizer, test_path,
+                                                    d.corpus_file or test_path, notes),
                             scored, writer(test, "test"), report=scored))
-  notes.append(f"dev: {len(dev.queries)} queries against {len(dev.corpus)} passages"
-               + ("" if corpus else f" (the passages of {dev_path})"))
+  notes.append(f"dev: {size} ("
+               + (f"of {d.corpus_file})" if corpus else f"the passages of {dev_path})"))
+  distinct = set(zip(train_rows.queries, (row[0] for row in train_rows.passages)))
   return TaskData(NAME, contrastive_training.objective(cfg.contrastive), train_features, evals,
-                  predicts, main, notes, spec=spec)
+                  predicts, main, notes, spec=spec,
+                  distinct=(len(distinct), f"distinct (query, positive) pairs of {train_path}"))
 
 
 FAMILY = Family(
     NAME, head="", hf_class="BertModel", hf_head="", modernbert_class="ModernBertModel",
     min_labels=0, main_metrics=retrieval.MAIN_METRICS, lower_is_better=(),
-    batch_keys=contrastive_training.BATCH_KEYS[:-1], record_keys=("vector", "hits", "truncated"),
+    batch_keys=contrastive_training.BATCH_KEYS[:-1],
     packed=False, num_outputs=num_outputs, objective=objective, columns=columns, as_row=as_row,
     records=records, load=load, sentence=sentence)

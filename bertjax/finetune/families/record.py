@@ -37,7 +37,6 @@ class Family:
   main_metrics: tuple[str, ...]  # the dev numbers that may pick the best checkpoint (first: the
   lower_is_better: tuple[str, ...]  # default) ... and those of them where lower is better
   batch_keys: tuple[str, ...]  # the target arrays a batch carries to the device, beside inputs
-  record_keys: tuple[str, ...]  # the keys of a prediction record (how predict knows its files)
   # One output per text from its [CLS]: the objective's model takes sequence_ids and
   # cls_positions, and prediction packs several texts into a row (bertjax/prediction_rows.py);
   # False for per-token heads.

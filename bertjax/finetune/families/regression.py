@@ -109,6 +109,6 @@ FAMILY = Family(
     "regression", head="classifier", hf_class="BertForSequenceClassification",
     hf_head="classifier", modernbert_class="ModernBertForSequenceClassification", min_labels=0,
     main_metrics=("pearson", "spearman", "mse"), lower_is_better=("mse",),
-    batch_keys=("label",), record_keys=("value", "truncated"), packed=True,
+    batch_keys=("label",), packed=True,
     num_outputs=num_outputs, objective=objective, columns=custom.pair_columns,
     as_row=custom.pair_row, records=records, load=load, predicted=predicted)

@@ -135,7 +135,7 @@ FAMILY = Family(
     "span", head="span", hf_class="BertForQuestionAnswering", hf_head="qa_outputs",
     modernbert_class="ModernBertForQuestionAnswering", min_labels=0,
     main_metrics=("f1", "exact"), lower_is_better=(),
-    batch_keys=("start_positions", "end_positions"), record_keys=("answer", "start", "score"),
+    batch_keys=("start_positions", "end_positions"),
     packed=False, num_outputs=num_outputs, objective=objective, columns=custom.pair_columns,
     as_row=custom.pair_row, records=records, load=load,
     # The columns of a span example (SQuAD's): what a fine-tuned folder's spec reads.

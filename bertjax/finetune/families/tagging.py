@@ -254,6 +254,6 @@ FAMILY = Family(
     "tagging", head="classifier", hf_class="BertForTokenClassification", hf_head="classifier",
     modernbert_class="ModernBertForTokenClassification", min_labels=2,
     main_metrics=("f1", "precision", "recall", "accuracy"), lower_is_better=(),
-    batch_keys=("label_ids", "label_weights"), record_keys=("text", "entities", "tags"),
+    batch_keys=("label_ids", "label_weights"),
     packed=False, num_outputs=num_outputs, objective=objective, columns=columns, as_row=as_row,
     records=records, load=load)
