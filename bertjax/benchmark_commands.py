@@ -27,6 +27,8 @@ SUBCOMMANDS = {
     "data": ("bertjax.data.benchmark", "preparation and the input pipeline, packing off and on"),
     "prepare": ("bertjax.data.benchmark_prepare",
                 "preparation's MB/s by driver (local, beam) and worker count"),
+    "sentences": ("bertjax.data.benchmark_sentences", "sentence segmenters on the golden rules, "
+                  "other scripts and MB/s, beside the tokenizer stage"),
     "finetune": ("bertjax.finetune.benchmark", "fine-tuning's host-side data speed (SQuAD)"),
     "accel": ("bertjax.benchmark_accel", "the accelerator check: BERT-Base/Large train steps (MFU, "
               "memory, attention kernels, packing), ModernBERT's windows, prediction vs PyTorch"),
