@@ -27,8 +27,6 @@ SUBCOMMANDS = {
     "data": ("bertjax.data.benchmark", "preparation and the input pipeline, packing off and on"),
     "prepare": ("bertjax.data.benchmark_prepare",
                 "preparation's MB/s by driver (local, beam) and worker count"),
-    "sentences": ("bertjax.data.benchmark_sentences", "sentence segmenters on the golden rules, "
-                  "other scripts and MB/s, beside the tokenizer stage"),
     "finetune": ("bertjax.finetune.benchmark", "fine-tuning's host-side data speed (SQuAD)"),
     "accel": ("bertjax.benchmark_accel", "the accelerator check: BERT-Base/Large train steps (MFU, "
               "memory, attention kernels, packing), ModernBERT's windows, prediction vs PyTorch"),
@@ -37,6 +35,8 @@ SUBCOMMANDS = {
     "retrieval": ("bertjax.benchmark_retrieval", "the embeddings family: a retriever trained "
                   "from pairs against its untrained encoder and BM25; global against per-device "
                   "negatives and GradCache, step time"),
+    "sentences": ("bertjax.data.benchmark_sentences", "sentence segmenters on the golden rules, "
+                  "other scripts and MB/s, beside the tokenizer stage"),
 }
 DEFAULT = "train"
 

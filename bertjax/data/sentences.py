@@ -3,14 +3,14 @@ sentence a line: Parquet and JSON Lines rows (bertjax/data/records.py) and TFDS 
 
 The segmenter is sentencex (Wikimedia's, written in Rust): chosen on measurement against pySBD,
 blingfire, syntok, segtok and spaCy's sentencizer (docs/data.md#sentences; `python -m
-bertjax.benchmark sentences` measures them): the fastest by far (about 25 MB/s on one core, ten
-times the preparation's own tokenizer), rules for about 300 languages through one call (a
-language without rules of its own falls back to a related one's, then to English's), 4 MB
-installed, released this year. On the 48 English golden rules it splits 43 right alone; the one
-rule bertjax adds (`_list_items`: a line that starts with a list marker keeps it with its first
-sentence, and an inline list, "1. The first item 2. The second item", is cut before each marker
-that continues the count) brings it to 47. pySBD, the
-one other that passes 46, splits 0.09 MB/s and has had no release since 2021.
+bertjax.benchmark sentences` measures them): the fastest by far (27 MB/s on one core; 15 with
+the rule and clean-up here, twice the preparation's own tokenizer), rules for about 300
+languages through one call (a language without rules of its own falls back to a related one's,
+then to English's), 4 MB installed, released this year. On the 48 English golden rules it splits
+43 right alone; the one rule bertjax adds (`_list_items`: a line that starts with a list marker
+keeps it with its first sentence, and an inline list, "1. The first item 2. The second item", is
+cut before each marker that continues the count) brings it to 47. pySBD, the one other that
+passes 46, splits 0.10 MB/s and has had no release since 2021.
 
 A line break ends a sentence (web text and Wikipedia put paragraphs on lines of their own); runs
 of white space become one space, as the reader of the one-sentence-a-line format makes them, so a
