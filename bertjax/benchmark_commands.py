@@ -35,6 +35,8 @@ SUBCOMMANDS = {
     "retrieval": ("bertjax.benchmark_retrieval", "the embeddings family: a retriever trained "
                   "from pairs against its untrained encoder and BM25; global against per-device "
                   "negatives and GradCache, step time"),
+    "sentences": ("bertjax.data.benchmark_sentences", "sentence segmenters on the golden rules, "
+                  "other scripts and MB/s, beside the tokenizer stage"),
 }
 DEFAULT = "train"
 

@@ -58,7 +58,7 @@ from absl import flags
 from bertjax import aot, benchmark, cli, contrastive_training, predict, sharding, topologies, train
 from bertjax.configs import bert_base, finetune as finetune_config
 from bertjax.contrastive import ContrastiveConfig
-from bertjax.data import corpus as corpus_lib
+from bertjax.data import builtin_corpus, corpus as corpus_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import bm25, retrieval, run as run_lib
 from bertjax.model_config import BertConfig
@@ -94,7 +94,7 @@ def _candidate_pairs(task: str):
       for query, positive in _next_sentences(doc, held_out):
         yield held_out, query, positive
   else:
-    for docstrings in corpus_lib.builtin_modules():  # each the document of a module
+    for docstrings in builtin_corpus.builtin_modules():  # each the document of a module
       doc = [s for d in docstrings for s in d]
       held_out = corpus_lib.is_heldout(doc, EVAL_FRACTION)
       for query, positive in _summaries([list(d) for d in docstrings]):

@@ -2,7 +2,7 @@
 --output=OUT.jsonl`, sentence vectors with `--mode=embed --output=OUT.npy`, or each query's best
 passages of a corpus with `--mode=search --corpus=FILE --output=OUT.jsonl`.
 
-The input is CSV, TSV or JSON Lines (bertjax/inputs/textfiles.py) with the columns the model was
+The input is CSV, TSV, JSON Lines or Parquet (bertjax/inputs/textfiles.py) with the columns the model was
 trained with (its task.json: text_a / text_b, tagging's tokens; span: question and context, an `id`
 column is carried over where present); `--text_a=...` etc. name others. The output has one JSON line
 per input row, in order:
@@ -408,7 +408,7 @@ def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",
 def define_flags() -> None:
   flags.DEFINE_string("workdir", None, "A fine-tuning workdir (embed: any weights folder).",
                       required=True)
-  flags.DEFINE_string("input", None, "CSV, TSV or JSON Lines.", required=True)
+  flags.DEFINE_string("input", None, "CSV, TSV, JSON Lines or Parquet.", required=True)
   flags.DEFINE_string("output", None, "predict and search: .jsonl; embed: .npy", required=True)
   flags.DEFINE_enum("mode", "predict", list(MODES), "Predictions of the fine-tuned task, "
                     "sentence vectors, or each query's best passages of --corpus.")
@@ -416,7 +416,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("tokens_per_device", TOKENS_PER_DEVICE, "Token positions (rows x padded "
                        "width) each device takes per call: 1,024 suits a CPU; on an H200 the "
                        "accelerator check predicted with 16,384.", lower_bound=1)
-  flags.DEFINE_string("format", "", "csv, tsv or jsonl ('' = from the extension).")
+  flags.DEFINE_string("format", "", "csv, tsv, jsonl or parquet ('' = from the extension).")
   flags.DEFINE_enum("pooling", None, list(POOLINGS), "embed, search: the vector of a model "
                     "that is not an embeddings one (default cls).")
   flags.DEFINE_integer("max_seq_length", 0, "embed, search: tokens kept (0: an embeddings "

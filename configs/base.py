@@ -66,9 +66,11 @@ def get_config():
 
   # --- data: see bertjax/data. ---------------------------------------------------------------------
   d = config.data = ml_collections.ConfigDict()
-  d.source = "builtin"  # "builtin" (Python's docs), globs "a/*.txt,gs://b/*.gz", "tfds:name/cfg:feature"
+  d.source = "builtin"  # "builtin" (Python's docs), globs "a/*.txt,gs://b/*.parquet", "tfds:name/cfg:feature"
   d.tfds_data_dir = ""  # TFDS data_dir for tfds: sources ("" = TFDS default); never downloads
   d.tfds_split = "train"  # TFDS split read for tfds: sources (held-out documents are taken from it)
+  d.text_column = "text"  # the column (Parquet) or field (JSON Lines) holding a document's text
+  d.language = "en"  # ISO 639 code: the sentence rules of Parquet, JSON Lines and TFDS documents
   d.tokenizer = "sentencepiece"  # "sentencepiece" (trained), "wordpiece" (vocab.txt), "huggingface"
   d.vocab_path = ""  # .model, vocab.txt or tokenizer.json; "" = SentencePiece trained per source
   d.spm_vocab_size = 8000  # pieces of a SentencePiece vocabulary trained when none exists yet

@@ -50,8 +50,8 @@ def get_config(task: str = "next"):
   d.doc_stride = 128  # SQuAD: tokens between the starts of a long context's windows
   d.max_query_length = 64  # SQuAD: question tokens kept
   # One's own task (classification, regression, tagging, span): its files' layout.
-  d.format = ""  # "" = from the extension (.csv, .tsv, .jsonl; tagging also .conll); or csv, tsv,
-  #                jsonl, conll
+  d.format = ""  # "" = from the extension (.csv, .tsv, .jsonl, .parquet; tagging also .conll); or
+  #                csv, tsv, jsonl, parquet, conll
   d.text_a = "text"  # the column of the text (the first one of a pair)
   d.text_b = ""  # the column of a pair's second text; "" = one text per example
   d.label = "label"  # the column of the label name (classification) or number (regression)

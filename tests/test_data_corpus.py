@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from bertjax.data import corpus
+from bertjax.data import builtin_corpus, corpus
 
 
 def _write(path, data: bytes, gz=False):
@@ -43,14 +43,14 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path):
   assert (stats.invalid_utf8_lines, stats.invalid_utf8_chars) == (2, 3)
 
 
-def test_sentence_splitter():
+def test_builtin_corpus_sentence_rule():
   text = "Dr. Smith went home. It rained!  Did it?\nNew line here. 3 cats \"ran.\" Then (more) text."
-  assert corpus.split_sentences(text) == [
+  assert builtin_corpus.split_sentences(text) == [
       "Dr. Smith went home.", "It rained!", "Did it?", "New line here.", "3 cats \"ran.\"",
       "Then (more) text."]
   # Titles and common abbreviations do not end a sentence; the word "No." may.
   text = "Ask Mrs. Jones (cf. Fig. 2) or e.g. Prof. Li. It works. No. It does not."
-  assert corpus.split_sentences(text) == [
+  assert builtin_corpus.split_sentences(text) == [
       "Ask Mrs. Jones (cf. Fig. 2) or e.g. Prof. Li.", "It works.", "No.", "It does not."]
 
 
@@ -87,12 +87,12 @@ def test_builtin_corpus():
   assert len(docs) > 500 and all(doc and all(s.strip() for s in doc) for doc in docs)
   # Code examples are left out.
   assert not any(s.startswith(">>>") for d in docs for s in d)
-  corpus._builtin_documents.cache_clear()
+  builtin_corpus.documents.cache_clear()
   again = list(corpus.documents_from_source("builtin"))
   assert again == docs
   # The modules' docstrings, which the summary pairs task reads: each module's document is its
   # docstrings' sentences in order (so held-out modules are the held-out documents).
-  modules = corpus.builtin_modules()
+  modules = builtin_corpus.builtin_modules()
   assert [[s for d in m for s in d] for m in modules] == docs[:len(modules)]
   assert all(all(m) for m in modules)
   assert sum(len(d) > 1 for m in modules for d in m) > 3000

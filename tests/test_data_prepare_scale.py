@@ -6,6 +6,7 @@ Run as a script, this file is one host of a two-process pod (see `host`).
 
 import dataclasses
 import gzip
+import importlib.util
 import json
 import os
 import re
@@ -13,9 +14,12 @@ import socket
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import zstandard
 
-from bertjax.data import prepare, shards, tokenizer as tokenizer_lib
+from bertjax.data import prepare, sentences, shards, tokenizer as tokenizer_lib
 from test_data_fixtures import data_config, random_documents, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +77,70 @@ def test_pieces_of_input_give_the_same_bytes(tmp_path):
                            prepared_dir=str(tmp_path / "reversed"))
   _prepare(c3)
   assert _shards(tmp_path / "reversed") == want
+
+
+def _record_corpus(d) -> dict:
+  """The same 48 documents as Parquet (three files of four row groups), as JSON Lines (zstd), half
+  Parquet and half JSON Lines, and already cut into sentences as text: sources by name."""
+  d.mkdir()
+  docs = random_documents(48, 8, seed=5)
+  texts = [" ".join(doc[:4]) + "\n" + " ".join(doc[4:]) for doc in docs]  # two paragraphs each
+  split = [sentences.split_document(t) for t in texts]
+  assert sum(map(len, split)) > 4 * len(split)  # the segmenter cut them: not one line a document
+  (d / "pq").mkdir()
+  for k in range(3):
+    pq.write_table(pa.table({"text": texts[16 * k:16 * k + 16]}), d / "pq" / f"part-{k}.parquet",
+                   row_group_size=4)
+  lines = [json.dumps({"text": t}).encode() + b"\n" for t in texts]
+  (d / "all.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines)))
+  (d / "rest.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[32:])))
+  return {"twin": write_corpus(str(d / "twin.txt"), split), "parquet": f"{d}/pq/*.parquet",
+          "jsonl": str(d / "all.jsonl.zst"),
+          "mixed": f"{d}/pq/part-[01].parquet,{d}/rest.jsonl.zst"}
+
+
+def test_parquet_json_lines_and_their_text_twin_give_the_same_shards(tmp_path):
+  """One corpus as Parquet over files and row groups, as zstd JSON Lines and as text already in
+  sentences: the same shard bytes on the local driver, whatever the units, and on Beam's two
+  workers (over Parquet and JSON Lines at once)."""
+  sources = _record_corpus(tmp_path / "corpus")
+  base = data_config(tmp_path / "data", n_docs=0, source=sources["twin"])
+
+  def made(name, **kw):
+    c = dataclasses.replace(base, source=sources[name], prepared_dir=str(tmp_path / name), **kw)
+    m = _prepare(c)
+    return _shards(tmp_path / name), m
+
+  want, twin = made("twin")
+  got, m = made("parquet", input_split_bytes=1500)  # runs of row groups: several per file
+  parts = sorted(os.listdir(tmp_path / "parquet" / "raw" / "parts"))
+  assert len(parts) > 2 * 3 * 2  # more units than files (a .bin and a .json each)
+  assert len(want) == 5 and got == want and m["corpus"]["documents"] == 48
+  assert made("jsonl")[0] == want
+  if importlib.util.find_spec("apache_beam"):  # the `beam` extra (make test installs it)
+    assert made("mixed", input_split_bytes=1500, prepare_engine="beam",
+                prepare_workers=2)[0] == want
+  assert twin["splits"]["train"]["instances"] == m["splits"]["train"]["instances"]
+
+
+def test_a_damaged_parquet_file_leaves_nothing_that_looks_complete(tmp_path):
+  """A row group that cannot be read is refused naming it; the pieces read before it keep their
+  markers, its own has none (only a temporary file, which nothing reads), and no shard or
+  manifest is written."""
+  sources = _record_corpus(tmp_path / "corpus")
+  damaged = tmp_path / "corpus" / "pq" / "part-2.parquet"
+  data = damaged.read_bytes()
+  damaged.write_bytes(data[:4] + b"\xff" * 200 + data[204:])  # its first pages; the footer reads
+  c = data_config(tmp_path / "data", n_docs=0, source=sources["parquet"], input_split_bytes=1500,
+                  prepared_dir=str(tmp_path / "out"))
+  with pytest.raises(ValueError, match=r"part-2.parquet, row group 0: cannot be read .*"
+                                       r"truncated or corrupt"):
+    _prepare(c)
+  parts = tmp_path / "out" / "raw" / "parts"
+  units = [json.load(open(parts / f))["unit"] for f in os.listdir(parts) if f.endswith(".json")]
+  assert units and all("part-2" not in u["input"] for u in units)
+  assert [f for f in os.listdir(parts) if ".tmp-" in f]
+  assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".json")]
 
 
 def test_memory_bounds_refuse_a_shard_too_large_and_hold_a_corpus_larger(tmp_path):

@@ -186,12 +186,17 @@ def test_every_input_row_gets_its_line_in_order(routing, tmp_path, capsys):
   csv_path = write_csv(tmp_path / "in.csv", [{"text": t} for t in BLANKS], ("text",))
   jsonl_path = tmp_path / "in.jsonl"
   jsonl_path.write_text("".join(json.dumps({"text": t}) + "\n" for t in BLANKS))
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  parquet_path = str(tmp_path / "in.parquet")
+  pq.write_table(pa.table({"text": BLANKS}), parquet_path, row_group_size=4)
   p = predict_lib.Predictor.from_workdir(workdir)
   alone = [p([t])[0] for t in BLANKS]
-  for path, first in ((csv_path, 2), (str(jsonl_path), 1)):  # the CSV's line 1 is its header
-    rows = list(textfiles.iter_rows(path))
+  for path, first in ((csv_path, 2), (str(jsonl_path), 1), (parquet_path, None)):
+    rows = list(textfiles.iter_rows(path))  # the CSV's line 1 is its header
     assert [r["text"] for r in rows] == BLANKS
-    assert [r.where for r in rows] == [f"{path}:{first + k}" for k in range(6)]
+    assert [r.where for r in rows] == ([f"{path}:{first + k}" for k in range(6)] if first else
+                                       [f"{path}, row group {k // 4}, row {k % 4}" for k in range(6)])
     out = str(tmp_path / "out.jsonl")
     assert predict_lib.run(workdir, path, out) == 6
     got = read_jsonl(out)
@@ -367,6 +372,43 @@ def test_csv_reader_takes_quotes_newlines_bom_and_crlf(tmp_path):
   for name in ("a.tsv", "a.jsonl"):
     (row,) = textfiles.read_rows(str(tmp_path / name), ["text", "label"])
     assert (textfiles.text_of(row, "text"), str(row["label"])) == ("plain", "y")
+
+
+def test_parquet_rows_read_as_their_json_lines_twin_for_every_family(tmp_path):
+  """Parquet (the Hub's format of task datasets) through the one reader of rows that every
+  family and prediction use: the same values as JSON Lines, a row named by its row group."""
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.families import regression  # pylint: disable=import-outside-toplevel
+  from bertjax.inputs import passages  # pylint: disable=import-outside-toplevel
+  rows = [{"text": f"text {k}", "label": ["no", "yes"][k % 2], "score": k / 4,
+           "tokens": ["a", f"w{k}"], "tags": ["O", "B-X"], "query": f"q{k}",
+           "positive": f"p{k}"} for k in range(5)]
+  pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet", row_group_size=3)
+  (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  got = list(textfiles.iter_rows(str(tmp_path / "t.parquet")))
+  assert got == list(textfiles.iter_rows(str(tmp_path / "t.jsonl"))) == rows
+  assert [r.where for r in got][2:4] == [f"{tmp_path / 't.parquet'}, row group 0, row 2",
+                                         f"{tmp_path / 't.parquet'}, row group 1, row 0"]
+  both = [str(tmp_path / name) for name in ("t.parquet", "t.jsonl")]
+  probe = spec_lib.TaskSpec("classification", "classification", ("no", "yes"), text_a="text")
+  assert [custom.Rows(p, probe, "", need_labels=True).labels for p in both] == [
+      ["no", "yes", "no", "yes", "no"]] * 2
+  probe = spec_lib.TaskSpec("regression", "regression", (), text_a="text", label="score")
+  assert custom.Rows(both[0], probe, "", True, regression.label_of).labels == [
+      0.0, 0.25, 0.5, 0.75, 1.0]
+  probe = spec_lib.TaskSpec("tagging", "tagging", ("O", "B-X"), tokens="tokens", tags="tags")
+  assert [w for _, w, _ in tagging.read_tagged(both[0], probe, "")] == [r["tokens"] for r in rows]
+  assert passages.read_pairs(both[0], passages.Columns()).queries == [r["query"] for r in rows]
+  # Its refusals name the file and the row (group): a missing column, a damaged file.
+  with pytest.raises(ValueError, match=r"t.parquet, row group 0, row 0: no column 'body'"):
+    custom.Rows(both[0], spec_lib.TaskSpec("classification", "classification", ("no", "yes"),
+                                           text_a="body"), "", need_labels=True)
+  data = (tmp_path / "t.parquet").read_bytes()
+  (tmp_path / "cut.parquet").write_bytes(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=r"cut.parquet, row group 0: not a readable Parquet file "
+                                       r"\(.*\): truncated or corrupt"):
+    list(textfiles.iter_rows(str(tmp_path / "cut.parquet")))
 
 
 @pytest.mark.parametrize("body, message", [

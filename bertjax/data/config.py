@@ -65,6 +65,8 @@ class DataConfig:
   source: str
   tfds_data_dir: str
   tfds_split: str
+  text_column: str
+  language: str
   tokenizer: str
   vocab_path: str
   spm_vocab_size: int
@@ -108,7 +110,10 @@ class DataConfig:
 
 
 # Keys added after runs were recorded (a workdir's config.json) that only say how preparation runs,
-# not what it makes: a record without them ran what these values run. Every other key the section
+# not what it makes, or that change nothing of what the sources of those runs made (text_column
+# and language read Parquet and JSON Lines, which came later; a TFDS source's sentences record
+# their segmenter): a record without them ran what these values run. Every other key the section
 # lacks is an error.
 RECORDED_BEFORE_THEM = {"prepare_engine": "local", "beam_pipeline_options": "",
-                        "input_split_bytes": 64 << 20, "max_shard_bytes": 64 << 20}
+                        "input_split_bytes": 64 << 20, "max_shard_bytes": 64 << 20,
+                        "text_column": "text", "language": "en"}

@@ -54,7 +54,7 @@ def settings_of(data: DataConfig, tok: tokenizer_lib.Tokenizer) -> dict:
   s = {k: getattr(data, k) for k in _SETTING_KEYS}
   s["tokenizer_fingerprint"] = tok.fingerprint
   s["format_version"] = FORMAT_VERSION
-  s["text_version"] = corpus.TEXT_VERSION
+  s.update(corpus.text_settings(data))
   s["id_dtype"] = id_dtype(tok.vocab_size)
   return s
 
@@ -126,7 +126,7 @@ def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *, num_workers: int 
 
 def split_settings(data: DataConfig) -> dict:
   return {**{k: getattr(data, k) for k in shards.SPLIT_KEYS}, "format_version": FORMAT_VERSION,
-          "text_version": corpus.TEXT_VERSION}
+          **corpus.text_settings(data)}
 
 
 def read_markers(out_dir: str, units: list[dict], want: dict) -> list[dict | None]:
@@ -221,7 +221,7 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
   t0 = time.time()
   # What a worker loads the same tokenizer from.
   tok_spec = (tokenizer_lib.vocab_path_of(data), data.tokenizer, data.do_lower_case)
-  units = corpus.plan_inputs(data.source, data.input_split_bytes)
+  units = corpus.plan_inputs(data.source, data.input_split_bytes, data.text_column)
   scatter = scatter_tasks(out_dir, data, units, host, hosts)
   num_workers = num_workers or data.prepare_workers or os.cpu_count() or 1
   if data.prepare_engine == "beam":

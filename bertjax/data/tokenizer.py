@@ -11,6 +11,7 @@ Train a SentencePiece vocabulary:
 """
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -200,16 +201,21 @@ def vocab_path_of(data: DataConfig) -> str:
   if data.tokenizer != "sentencepiece":
     raise Refusal(f"config.data.vocab_path is empty; a {data.tokenizer} tokenizer needs "
                   f"one (the vocab.txt of a released BERT checkpoint, a tokenizer.json).")
+  # A source cut into sentences also names its segmenter, language and column (text files and
+  # the built-in corpus keep the names they had).
+  text = {k: v for k, v in corpus.text_settings(data).items() if k != "text_version"}
   return cached_sentencepiece_path(data.source, data.tfds_split, data.eval_fraction,
-                                   data.cache_dir, data.spm_vocab_size, data.do_lower_case)
+                                   data.cache_dir, data.spm_vocab_size, data.do_lower_case,
+                                   json.dumps(text, sort_keys=True) if text else "")
 
 
 def cached_sentencepiece_path(source: str, tfds_split: str, eval_fraction: float, cache_dir: str,
-                              spm_vocab_size: int, do_lower_case: bool) -> str:
+                              spm_vocab_size: int, do_lower_case: bool, text: str = "") -> str:
   """The cache file of the SentencePiece vocabulary trained on `source` (`vocab_path_of`); by its
   keys, for a workdir's recorded config.json, which may come from an older bertjax."""
   slug = re.sub(r"[^A-Za-z0-9]+", "_", source)[:40].strip("_") or "corpus"
-  key = hashlib.sha256(f"{source}|{tfds_split}|{eval_fraction}|{corpus.TEXT_VERSION}".encode())
+  key = hashlib.sha256(f"{source}|{tfds_split}|{eval_fraction}|{corpus.TEXT_VERSION}".encode()
+                       + (f"|{text}".encode() if text else b""))
   case = "uncased" if do_lower_case else "cased"
   return os.path.join(cache_dir, f"spm-{slug}-{key.hexdigest()[:8]}-{spm_vocab_size}-{case}.model")
 

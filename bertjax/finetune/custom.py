@@ -2,9 +2,9 @@
 a task family (bertjax/finetune/families/: classification, regression, tagging, span); each
 family's `load` reads its files with the pieces here.
 
-Classification, regression and tagging read CSV, TSV or JSON Lines (bertjax/inputs/textfiles.py)
-with the columns named under config.data (text_a, text_b, label; tokens and tags for tagging, each
-a JSON list or words separated by spaces); tagging also reads CoNLL column files (format "conll",
+Classification, regression and tagging read CSV, TSV, JSON Lines or Parquet
+(bertjax/inputs/textfiles.py) with the columns named under config.data (text_a, text_b, label;
+tokens and tags for tagging, each a JSON list or words separated by spaces); tagging also reads CoNLL column files (format "conll",
 or a .conll file); span reads SQuAD's JSON layout (v1.1, or v2.0 with unanswerable questions).
 data.train_file and data.dev_file are needed, data.test_file is optional: it is predicted with the
 best checkpoint into predictions/test.jsonl (the lines `bertjax.predict` writes) and scored too
@@ -150,7 +150,7 @@ def paths(d: FinetuneDataConfig, family: str) -> tuple[str, str, str]:
   if missing:
     raise Refusal(f"A {family} task from one's own files needs "
                   + " and ".join(f"config.data.{k}" for k in missing)
-                  + " (CSV, TSV or JSON Lines; data.test_file is optional).")
+                  + " (CSV, TSV, JSON Lines or Parquet; data.test_file is optional).")
   return d.train_file, d.dev_file, d.test_file
 
 

@@ -1,13 +1,16 @@
-"""A user's own example files: CSV, TSV and JSON Lines rows with named columns.
+"""A user's own example files: CSV, TSV, JSON Lines and Parquet rows with named columns.
 
-The format follows the file's name (`.csv`, `.tsv`, `.jsonl` / `.json`) unless config.data.format
-says it. Rows come with the line they start on, so every error can name `file:line`:
+The format follows the file's name (`.csv`, `.tsv`, `.jsonl` / `.json`, `.parquet`) unless
+config.data.format says it. Rows come with the line they start on (Parquet: the row group and
+row), so every error can name `file:line`:
 
 - CSV is read by Python's `csv` module: a quoted field may hold commas, quotes ("") and newlines,
   and a row spanning several lines is one example.
 - TSV fields are split on tabs, with no quoting (GLUE's files and most exports hold quote
   characters as text); a field cannot hold a tab or a newline.
 - JSON Lines: one object per line; a value may be a string, a number or (tagging) a list.
+- Parquet (the Hub's format of task datasets): a row per example, read by pyarrow a batch at a
+  time; a value is what its column holds (a string, a number, a list), a null is None.
 
 A UTF-8 byte-order mark and CRLF line endings are accepted in every format. A line with no
 characters is no row; every other line is one (in a one-column file, `""` or spaces are a row
@@ -27,9 +30,9 @@ from typing import Any, Iterator, Sequence
 from bertjax import files
 from bertjax.errors import Refusal
 
-FORMATS = ("csv", "tsv", "jsonl")
+FORMATS = ("csv", "tsv", "jsonl", "parquet")
 _EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl",
-               ".ndjson": "jsonl"}
+               ".ndjson": "jsonl", ".parquet": "parquet"}
 
 
 class Row(dict):
@@ -47,7 +50,7 @@ def format_of(path: str, fmt: str = "") -> str:
   ext = os.path.splitext(path.lower().removesuffix(".gz"))[1]
   if ext not in _EXTENSIONS:
     raise Refusal(f"{path}: cannot tell the format from the extension {ext or '(none)'!r}; "
-                  f"name it .csv, .tsv or .jsonl, or set config.data.format to one of "
+                  f"name it .csv, .tsv, .jsonl or .parquet, or set config.data.format to one of "
                   f"{FORMATS}.")
   return _EXTENSIONS[ext]
 
@@ -165,11 +168,37 @@ def _jsonl_rows(path: str) -> Iterator[Row]:
       raise _decode_error(path) from None
 
 
+def _parquet_rows(path: str) -> Iterator[Row]:
+  # lazy: pyarrow takes a second to import, and only Parquet files need it
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  if not files.exists(path):
+    raise FileNotFoundError(f"No file {path}.")
+  with files.open_file(path, "rb") as raw:
+    group = 0
+    try:
+      table = pq.ParquetFile(raw)
+      for group in range(table.metadata.num_row_groups):
+        number = 0
+        for batch in table.iter_batches(batch_size=1024, row_groups=[group]):
+          for values in batch.to_pylist():
+            row = Row(values)
+            row.where = f"{path}, row group {group}, row {number}"
+            number += 1
+            yield row
+    except (pa.ArrowException, OSError) as err:
+      raise Refusal(f"{path}, row group {group}: not a readable Parquet file "
+                    f"({type(err).__name__}: {' '.join(str(err).split())}): truncated or "
+                    "corrupt; write or copy it again.") from None
+
+
 def iter_rows(path: str, fmt: str = "") -> Iterator[Row]:
   """Every row of the file, in order, streamed."""
   fmt = format_of(path, fmt)
   if fmt == "jsonl":
     return _jsonl_rows(path)
+  if fmt == "parquet":
+    return _parquet_rows(path)
   return _csv_rows(path, "," if fmt == "csv" else "\t")
 
 
