@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import time
@@ -148,25 +150,78 @@ def evaluate(config, changes: dict, devices, num_chips: int, hbm_gib: float,
   return result
 
 
-def search(config, devices, num_chips: int, hbm_gib: float, dimensions, budget_s: float,
+def _compile_one(conn, config, changes: dict, topology_name: str, whole: bool) -> None:
+  """A candidate compiled in a process of its own (`compile_all`), its Result sent back."""
+  jax.config.update("jax_platforms", "cpu")
+  try:
+    topology = topologies.parse_topology(topology_name)
+    devices = aot.topology_devices(topology)
+    conn.send(evaluate(config, changes, devices, topology.num_chips, topology.hbm_gib, whole))
+  except Exception as e:  # pylint: disable=broad-except  # one candidate's failure ends no search
+    first = str(e).splitlines()[0] if str(e) else ""
+    conn.send(Result(changes, note=f"failed: {type(e).__name__}: {first}"[:300]))
+  conn.close()
+
+
+def compile_all(config, all_changes: list[dict], topology_name: str, jobs: int,
+                whole: bool = False, say=print, target=None) -> list[Result]:
+  """`evaluate` each candidate in a process of its own, `jobs` at a time: XLA's compile of one
+  program runs mostly on one core, and a compiler that crashes on one (libtpu 0.0.42 overflows
+  its stack on some steps at length 512) takes only its own process with it. `target`: what
+  each process runs (`_compile_one`)."""
+  context = multiprocessing.get_context("spawn")
+  waiting, running, results = list(enumerate(all_changes)), {}, [None] * len(all_changes)
+  while waiting or running:
+    while waiting and len(running) < jobs:
+      index, changes = waiting.pop(0)
+      receive, send = context.Pipe(duplex=False)
+      process = context.Process(target=target or _compile_one,
+                                args=(send, config, changes, topology_name, whole))
+      process.start()
+      send.close()
+      running[index] = (process, receive, time.perf_counter())
+    multiprocessing.connection.wait([r[1] for r in running.values()])
+    for index, (process, receive, start) in list(running.items()):
+      if not receive.poll():
+        continue
+      try:
+        results[index] = receive.recv()
+      except EOFError:  # the process ended without a result: the compiler crashed
+        process.join()
+        results[index] = Result(all_changes[index], compile_s=time.perf_counter() - start,
+                                note=f"the compiler crashed (exit {process.exitcode})")
+      process.join()
+      del running[index]
+      say(line(results[index]))
+  return results
+
+
+def search(config, topology_name: str, dimensions, budget_s: float, jobs: int = 1,
            say=print) -> list[Result]:
-  """The greedy search: the config as it is, then each setting's candidates on top of the best
-  so far; stops trying new candidates once `budget_s` is spent. Every result, in order tried."""
+  """The greedy search: the config as it is, then each setting's candidates (compiled `jobs` at
+  a time) on top of the best so far; stops starting new settings once `budget_s` is spent.
+  Every result, in the order tried."""
   start = time.perf_counter()
-  results = [evaluate(config, {}, devices, num_chips, hbm_gib)]
-  say(line(results[-1]))
-  best = results[0]
-  for dimension in dimensions:
-    for changes in candidates(dimension, config, best.changes):
-      if time.perf_counter() - start > budget_s:
-        say(f"bertjax.tune: --budget_s={budget_s:g} spent; {dimension} and later not all tried")
-        return results
-      results.append(evaluate(config, changes, devices, num_chips, hbm_gib))
-      say(line(results[-1]))
-      if dimension == "rows" and not results[-1].ok:
-        break  # a larger batch does not fit either
-      if results[-1].ok and (not best.ok or results[-1].roofline_mfu > best.roofline_mfu):
-        best = results[-1]
+  results, best = [], None
+  for position, dimension in enumerate(dimensions):
+    batch = ([] if best else [{}]) + candidates(dimension, config, best.changes if best else {})
+    if dimension == "rows":  # a larger batch only where the smaller one fitted
+      found = []
+      for changes in batch:
+        found += compile_all(config, [changes], topology_name, jobs, say=say)
+        if not found[-1].ok:
+          break
+    else:
+      found = compile_all(config, batch, topology_name, jobs, say=say)
+    results += found
+    for result in found:
+      if result.ok and (best is None or not best.ok or result.roofline_mfu > best.roofline_mfu):
+        best = result
+    best = best or found[0]
+    if time.perf_counter() - start > budget_s and position + 1 < len(dimensions):
+      say(f"bertjax.tune: --budget_s={budget_s:g} spent; not tried: "
+          f"{', '.join(dimensions[position + 1:])}")
+      break
   return results
 
 
@@ -223,7 +278,9 @@ def define_flags() -> None:
   cli.define_config_flag()
   flags.DEFINE_string("topology", None, "Cloud TPU accelerator type, e.g. v6e-8, v5p-8.")
   flags.DEFINE_list("dimensions", list(DIMENSIONS), "The settings to search, in this order.")
-  flags.DEFINE_float("budget_s", 1800, "Stop trying new candidates after this many seconds.")
+  flags.DEFINE_float("budget_s", 1800, "Start no new setting after this many seconds.")
+  flags.DEFINE_integer("jobs", min(4, os.cpu_count() or 1), "Candidates compiled at a time, "
+                       "each in a process of its own (a compile runs mostly on one core).")
   flags.DEFINE_string("write_config", "", "Write the winner as a config file here.")
   flags.DEFINE_string("json", "", "Also write every result to this file.")
 
@@ -232,30 +289,25 @@ def main(argv):
   del argv
   jax.config.update("jax_platforms", "cpu")  # nothing runs here; libtpu compiles only
   topology = topologies.parse_topology(FLAGS.topology)
-  devices = aot.topology_devices(topology)
   config = FLAGS.config
-  print(f"bertjax.tune: {topology} ({topology.num_chips} chips, {topology.hbm_gib:g} GiB HBM "
-        "each); columns: roofline MFU, HBM GB a chip a step, memory GiB, compile s, changes",
-        flush=True)
-  results = search(config, devices, topology.num_chips, topology.hbm_gib, FLAGS.dimensions,
-                   FLAGS.budget_s, say=lambda text: print(text, flush=True))
-  order = ranked(results)
-  winner = order[0]
+  say = lambda text: print(text, flush=True)
+  say(f"bertjax.tune: {topology} ({topology.num_chips} chips, {topology.hbm_gib:g} GiB HBM "
+      f"each), {FLAGS.jobs} compiles at a time; columns: roofline MFU, HBM GB a chip a step, "
+      "memory GiB, compile s, changes")
+  results = search(config, str(topology), FLAGS.dimensions, FLAGS.budget_s, FLAGS.jobs, say)
+  winner = ranked(results)[0]
   if not winner.ok:
     raise Refusal(f"no candidate compiled and fit {topology}: see the reasons above")
   if winner.memory_gib is None:  # straight layers, extrapolated: their memory needs the whole
-    print("bertjax.tune: compiling the winner whole, for its memory", flush=True)
-    whole = evaluate(config, winner.changes, devices, topology.num_chips, topology.hbm_gib,
-                     whole=True)
-    results.append(whole)
-    order = ranked(results)
-    winner = order[0]
-  print("\nbertjax.tune: ranked")
-  for rank, result in enumerate(order, 1):
-    print(f"{rank:>3}. {line(result)}")
-  print(f"\nbertjax.tune: best for {topology}: {label(winner.changes)}"
-        f" (roofline MFU {winner.roofline_mfu:.3f}, as given {results[0].roofline_mfu})")
-  print(f"bertjax.tune: flags: {flags_of(winner.changes) or '(none: the config as given)'}")
+    say("bertjax.tune: compiling the winner whole, for its memory")
+    results += compile_all(config, [winner.changes], str(topology), 1, whole=True, say=say)
+    winner = ranked(results)[0]
+  say("\nbertjax.tune: ranked")
+  for rank, result in enumerate(ranked(results), 1):
+    say(f"{rank:>3}. {line(result)}")
+  say(f"\nbertjax.tune: best for {topology}: {label(winner.changes)}"
+      f" (roofline MFU {winner.roofline_mfu:.3f}, as given {results[0].roofline_mfu})")
+  say(f"bertjax.tune: flags: {flags_of(winner.changes) or '(none: the config as given)'}")
   source, _, arg = FLAGS["config"].config_filename.partition(":")
   if FLAGS.write_config:
     # The command line's own --config.KEY=VALUE first: the search started from them.
@@ -265,7 +317,7 @@ def main(argv):
     with open(FLAGS.write_config, "w") as f:
       f.write(config_file(source, arg, {**given, **winner.changes}, str(topology), winner,
                           results[0]))
-    print(f"bertjax.tune: wrote {FLAGS.write_config}")
+    say(f"bertjax.tune: wrote {FLAGS.write_config}")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump([dataclasses.asdict(r) for r in results], f, indent=1)

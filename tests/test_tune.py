@@ -45,15 +45,16 @@ def test_the_ranking_puts_what_fits_first_by_roofline():
 
 
 def test_the_search_compiles_candidates_and_writes_the_winner(tmp_path):
-  # The tiny config, scanned (one compile a candidate), on v5e-8: the mesh and the remat policy
-  # tried (full only, to stay short); the winner's flags printed and written as a config file
-  # that loads to the winner's settings.
+  # The tiny config, scanned (one compile a candidate), on v5e-8: the config as given and the
+  # other mesh, compiled at once in two processes; the winner's flags printed and written as a
+  # config file that loads to the winner's settings.
   out, figures = tmp_path / "tuned.py", tmp_path / "results.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
   result = subprocess.run(
       [sys.executable, "-m", "bertjax.tune", "--config=configs/tiny.py",
        "--config.model.vocab_size=8000", "--config.model.scan_layers=True",
-       "--topology=v5e-8", "--dimensions=mesh", f"--write_config={out}", f"--json={figures}"],
+       "--topology=v5e-8", "--dimensions=mesh", "--jobs=2", f"--write_config={out}",
+       f"--json={figures}"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   results = json.loads(figures.read_text())
@@ -71,3 +72,24 @@ def test_the_search_compiles_candidates_and_writes_the_winner(tmp_path):
   for key, value in best["changes"].items():
     section, name = key.split(".", 1)
     assert tuned[section][name] == value, (key, tuned[section][name])
+
+
+def crash_on_changes(conn, config, changes, topology_name, whole):
+  """compile_all's target in the test below: a process that dies as libtpu does where the
+  candidate changes anything, and gives a result otherwise."""
+  del config, topology_name, whole
+  if changes:
+    os.kill(os.getpid(), 11)
+  conn.send(tune.Result(changes, 0.5, fits=True))
+  conn.close()
+
+
+def test_a_candidate_whose_compile_crashes_ends_no_search():
+  # libtpu 0.0.42 overflows its stack compiling some steps at length 512 (signal 11): each
+  # candidate compiles in a process of its own, and one that dies is listed with its exit.
+  said = []
+  results = tune.compile_all(tiny.get_config(), [{}, {"model.remat_policy": "full"}], "v5e-8",
+                             jobs=2, say=said.append, target=crash_on_changes)
+  assert results[0].ok and results[0].roofline_mfu == 0.5
+  assert not results[1].ok and results[1].note == "the compiler crashed (exit -11)", results[1]
+  assert len(said) == 2

@@ -181,6 +181,4 @@ def main(argv):
 if __name__ == "__main__":
   from bertjax import cli  # pylint: disable=ungrouped-imports
   define_flags()
-  # Every benchmark module's own name runs it too, and says the subcommand (tests/test_commands.py).
-  cli.old_name("bertjax.benchmark sentences")
   cli.run(main)
