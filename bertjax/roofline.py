@@ -73,6 +73,7 @@ def _counted(compiled, opaque_flops=None, num_layers: int = 0, scan_unroll: int 
   except ValueError:
     return None
   cost = hlocost.total(rows)
+  cost["by_part"] = dict(bytes_by_part(rows)[:8])
   bodies = layercost.layer_loops(text, num_layers, scan_unroll) if num_layers else []
   if bodies:
     inside = set(hlotext.reachable(hlotext.blocks(text), bodies))
@@ -90,6 +91,8 @@ def _figures(cost: dict, counted_as: str) -> dict:
     if cost.get(f"{key}_per_layer") is not None:
       name = "xla_gb_per_layer" if key == "bytes" else "hbm_gb_per_layer"
       out[name] = round4(cost[f"{key}_per_layer"] / 1e9)
+  if cost.get("by_part"):
+    out["hbm_gb_by_part"] = cost["by_part"]
   if cost.get("opaque"):  # kernels whose FLOPs nothing could count: the figure is short of them
     out["uncounted_kernels"] = sorted(set(cost["opaque"]))
   out["all_layers_counted_as"] = counted_as
@@ -143,7 +146,7 @@ def extrapolated_layer_figures(training: train.Training, shallow, deeper, depth:
     costs, counted = [layercost.cost(c) for c in (shallow, deeper)], "XLA's count"
   keys = [k for k in ("flops", "bytes", "hbm_bytes") if k in costs[0]]
   total = layercost.extrapolate(*[{k: c[k] for k in keys} for c in costs], depth, mc.num_layers)
-  total["opaque"] = costs[1].get("opaque")
+  total["opaque"] = costs[1].get("opaque")  # (by part: only a whole step's own compile says)
   out = _figures(total, counted)
   out["ops_per_layer"] = (layercost.module_op_count(deeper.as_text())
                           - layercost.module_op_count(shallow.as_text())) // depth
@@ -269,3 +272,41 @@ def check_cost_model(devices, tolerance: float = 0.05, size: int = 4096,
     row["ok"] = ok
     out.append(row)
   return out
+
+
+# The part of the step an instruction belongs to, from the name jax gives it (its op_name):
+# (part, pattern), first match wins; the backward pass's names wrap the forward's in transpose().
+_PARTS = (("attention dropout bits", r"/attention/.*(threefry|_where|broadcast_in_dim|shift)"),
+          ("attention scores and softmax", r"/attention/(bqnk|bnqs|sub|exp|reduce_max|div|ge"
+                                           r"|jit\(_where\)|select|add|convert_element_type)"),
+          ("attention projections", r"/attention/(query|key|value|output)"),
+          ("attention kernel", r"splash|dot_product_attention"),
+          ("MLP", r"/mlp/"), ("hidden dropout", r"[Dd]ropout"), ("LayerNorm", r"layer_norm"),
+          ("embeddings", r"/embeddings/"), ("MLM head", r"/mlm/|cls/predictions"),
+          ("NSP head and pooler", r"/nsp|/pooler"),
+          ("layer loop: stacks in and out", r"dynamic_update_slice|dynamic_slice|/while/"),
+          ("loss", r"log_softmax|integer_pow|reduce_sum|/neg"))
+
+
+def part_of(row: dict) -> str:
+  """Where in the step an instruction of `hlocost.program_rows` belongs: a part of the model
+  (forward or backward), the optimizer's update (named outside the model), or a move between
+  memories or chips that jax did not name."""
+  name = row["op_name"]
+  if not name:
+    return ("collectives" if row["opcode"].startswith(("all-", "reduce-scatter", "collective"))
+            else "copies between memories (unnamed)")
+  for part, pattern in _PARTS:
+    if re.search(pattern, name):
+      return part + (" (backward)" if "transpose(" in name else "")
+  if "jvp(" not in name:
+    return "optimizer update and the step's own"
+  return "other" + (" (backward)" if "transpose(" in name else "")
+
+
+def bytes_by_part(rows: list[dict], key: str = "hbm_bytes") -> list[tuple[str, float]]:
+  """GB a step of `key` by `part_of`, largest first: where the bytes go."""
+  parts = {}
+  for row in rows:
+    parts[part_of(row)] = parts.get(part_of(row), 0.0) + row["times"] * row[key]
+  return sorted(((p, round4(b / 1e9)) for p, b in parts.items()), key=lambda x: -x[1])

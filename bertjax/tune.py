@@ -13,8 +13,9 @@ take hours to compile on a laptop):
   remat      what the backward keeps: none, dots, dots_all, full (bertjax/model_config.py);
   attention  XLA's or the splash kernel (TPU, lengths a multiple of 128); splash has no dropout
              on attention probabilities, so it changes the model, and the table says so;
-  rows       rows a chip doubled while they fit HBM: the global batch grows, which changes the
-             recipe (its learning rate is yours to set), and the table says so;
+  rows       rows a chip doubled and quadrupled (what does not fit HBM is said): the global
+             batch grows, which changes the recipe (its learning rate is yours to set), and the
+             table says so;
   layers     scanned (one compiled layer) or straight code.
 
 A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
@@ -205,14 +206,7 @@ def search(config, topology_name: str, dimensions, budget_s: float, jobs: int = 
   results, best = [], None
   for position, dimension in enumerate(dimensions):
     batch = ([] if best else [{}]) + candidates(dimension, config, best.changes if best else {})
-    if dimension == "rows":  # a larger batch only where the smaller one fitted
-      found = []
-      for changes in batch:
-        found += compile_all(config, [changes], topology_name, jobs, say=say)
-        if not found[-1].ok:
-          break
-    else:
-      found = compile_all(config, batch, topology_name, jobs, say=say)
+    found = compile_all(config, batch, topology_name, jobs, say=say)
     results += found
     for result in found:
       if result.ok and (best is None or not best.ok or result.roofline_mfu > best.roofline_mfu):

@@ -195,3 +195,25 @@ def set_phase(config, phase: str | int, total_steps: int) -> None:
     d.max_seq_length, d.max_predictions_per_seq = 512, 76  # 15% of 512, as MLPerf
     t.num_train_steps = total_steps - total_steps * 9 // 10
     t.warmup_steps = min(t.warmup_steps, t.num_train_steps // 10)
+
+def set_accelerator(config, phase: str | int) -> None:
+  """The released sizes' settings for accelerators, chosen by compiling each for v5p-8, v6e-8 and
+  v5e-8 and reading the roofline (`python -m bertjax.tune`; docs/performance.md, "The roofline of
+  a TPU compile"): bfloat16 matmuls; scanned layers; the parameters and optimizer state split
+  over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
+  chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
+  each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again). At
+  length 512 (phase 2) attention is the splash kernel: XLA's [B, N, L, L] scores and their
+  dropout were 60-70% of the step's bytes there. The kernel has no dropout on attention
+  probabilities, so phase 2 trains without it (the paper's 0.1; hidden dropout stays).
+  On a GPU, phase 2 takes `--config.model.attention_impl=cudnn`, on a CPU `=xla`.
+  """
+  m = config.model
+  m.dtype = "bfloat16"
+  m.scan_layers = True
+  m.remat_policy = "dots"
+  config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1
+  if int(phase) == 2:
+    m.attention_impl = "splash"
+    m.attention_dropout = 0.0
+

@@ -7,11 +7,14 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
 Parameters at vocabulary 30522: 109,482,240 in the encoder with pooler, 110,106,428 with the
 pre-training heads (decoder tied to the word embeddings). The paper trained it for 1M steps at
 batch 256 x 512 tokens with Adam lr 1e-4 (90% of steps at length 128, 10% at 512).
-Set for accelerators: matmuls in bfloat16 (parameters, softmax, LayerNorm statistics, logits and
-losses stay float32) and scanned layers (one compiled layer: compile time does not grow with
-depth). On a CPU, `--config.model.dtype=float32 --config.model.scan_layers=False`: there the
-scanned loop's copies of each layer's weights and gradients in and out of the stacked arrays cost
-about 9% of a step (docs/performance.md#throughput).
+Set for TPUs (base.set_accelerator, chosen by compiling: docs/performance.md): bfloat16
+matmuls, scanned layers, the state split over the chips (fsdp), remat "dots"; phase 2 attends
+by the splash kernel (no attention dropout). Roofline MFU of the compiled step, HBM bytes
+counted alone: v5p-8 0.83 (phase 1), v6e-8 0.64 (phase 1). On a GPU add
+`--config.model.attention_impl=cudnn` to phase 2; on a CPU `--config.model.dtype=float32
+--config.model.scan_layers=False --config.model.remat_policy=none` (and `attention_impl=xla` in
+phase 2): there the scanned loop's copies of each layer's weights and gradients in and out of
+the stacked arrays cost about 9% of a step (docs/performance.md#throughput).
 Both phases pack sequences into rows (`data.packing`; base.py `set_phase`): batch_size counts rows.
 """
 
@@ -20,8 +23,7 @@ from bertjax.configs import base
 
 def get_config(arg=None):
   config = base.get_config()
-  base.set_phase(config, base.parse_arg(arg).get("phase", 1), total_steps=1_000_000)
-  m = config.model  # base.py's model section is BERT-Base; only the accelerator settings change
-  m.dtype = "bfloat16"
-  m.scan_layers = True
-  return config
+  phase = base.parse_arg(arg).get("phase", 1)
+  base.set_phase(config, phase, total_steps=1_000_000)
+  base.set_accelerator(config, phase)
+  return config  # base.py's model section is BERT-Base

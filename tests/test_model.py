@@ -445,7 +445,10 @@ def test_two_phase_recipe_in_the_configs():
   assert (one.data.max_seq_length, two.data.max_seq_length) == (128, 512)
   assert two.data.max_predictions_per_seq == 76
   assert one.train.num_train_steps + two.train.num_train_steps == 1_000_000
-  assert one.model == two.model  # phase 2 loads phase 1's parameters unchanged
+  # Phase 2 loads phase 1's parameters unchanged: the models differ in the attention kernel
+  # alone (splash at 512, which has no attention dropout; base.set_accelerator), no parameter.
+  differ = {k for k in one.model if one.model[k] != two.model[k]}
+  assert differ == {"attention_impl", "attention_dropout"}, differ
   assert one.data.packing and two.data.packing  # docs/data.md#packing: 1.09x and 1.23x the tokens
   from bertjax.configs import tiny  # pylint: disable=import-outside-toplevel
   assert not tiny.get_config().data.packing  # `make pretrain` as measured
