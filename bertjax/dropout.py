@@ -79,15 +79,16 @@ def keep_mask(rng, shape, rate: float) -> jax.Array:
                         counter_shape)
   y1, y2 = jex_random.threefry2x32_p.bind(words[0], words[1], x1, x2)
   # Element (..., p * groups + g) takes the p-th 16-bit piece of group g's two words: pieces 0
-  # and 1 from y1, 2 and 3 from y2, low half first. Written as a selection over the words
-  # broadcast to [..., 4, groups] (then a free reshape) rather than a concatenation, which XLA on
-  # CPU materialises apart from the fusion that uses the mask.
-  split_shape = shape[:-1] + (_PER_EVALUATION, groups)
-  piece = jax.lax.broadcasted_iota(jnp.uint32, split_shape, len(shape) - 1)
-  word = jnp.where(piece < _PER_WORD, jnp.expand_dims(y1, -2), jnp.expand_dims(y2, -2))
-  bits = (word >> (jnp.uint32(BITS) * (piece % _PER_WORD))) & jnp.uint32(_LEVELS - 1)
-  bits = bits.reshape(shape[:-1] + (_PER_EVALUATION * groups,))[..., :shape[-1]]
-  return bits >= jnp.uint32(_threshold(rate))
+  # and 1 from y1, 2 and 3 from y2, low half first. Each piece is compared with the threshold
+  # where it is cut from its word, and the four [..., groups] decisions stacked (one byte an
+  # element): stacking the 32-bit words or pieces first made XLA's TPU compiler write a u32
+  # [..., 4, groups] buffer, four bytes an element, at every attention dropout.
+  threshold = jnp.uint32(_threshold(rate))
+  low = jnp.uint32(_LEVELS - 1)
+  keeps = [(y1 & low) >= threshold, (y1 >> BITS) >= threshold,
+           (y2 & low) >= threshold, (y2 >> BITS) >= threshold]
+  keep = jnp.stack(keeps, axis=-2)
+  return keep.reshape(shape[:-1] + (_PER_EVALUATION * groups,))[..., :shape[-1]]
 
 
 def apply(x, rng, rate: float):

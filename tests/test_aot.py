@@ -169,6 +169,13 @@ def test_tiny_config_fits_a_v5p_8(tmp_path):
                                            figures["roofline_memory_s"]) > 0
   assert figures["roofline_bound"] in ("compute", "memory") and 0 < figures["roofline_mfu"] <= 1
   assert figures["ops_per_layer"] > 0
+  # HBM's bytes are among XLA's (which counts every memory), at least the analytic floor, and the
+  # roofline takes them; the parts they go to add up to them (the largest eight of them).
+  hbm, xla = figures["hbm_gb_per_chip_all_layers"], figures["xla_gb_per_chip_all_layers"]
+  assert figures["roofline_bytes"] == "HBM's alone"
+  assert figures["bound_gb_per_chip"] <= hbm <= xla, figures
+  assert figures["hbm_over_bound"] >= 1 and figures["xla_over_bound"] >= figures["hbm_over_bound"]
+  assert 0.9 * hbm <= sum(figures["hbm_gb_by_part"].values()) <= 1.0001 * hbm, figures
 
 
 def test_the_splash_kernel_compiles_into_the_train_step_for_v5p(probes):

@@ -1,5 +1,7 @@
 """bertjax/dropout.py: 16 random bits per keep/drop decision, four decisions per threefry call."""
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,14 @@ def test_the_four_decisions_of_one_threefry_call_are_independent():
       assert abs(both_dropped - rate * rate) < 0.01, (a, b, both_dropped)
   # Rows and the first axis get their own counters too: no two rows repeat a mask.
   assert len({row.tobytes() for row in keep}) == keep.shape[0]
+
+
+def test_the_masks_are_the_ones_every_release_drew():
+  # A run resumed by a newer bertjax draws the masks its first steps drew: these bits (a key, a
+  # last axis that is not a multiple of four) were the first release's, and its rewrite (the
+  # decisions stacked as bytes, not the words as u32: docs/performance.md) kept them.
+  keep = np.asarray(dropout.keep_mask(jax.random.PRNGKey(7), (3, 5, 37), 0.1))
+  assert hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()[:16] == "27598eb5bbca0919"
 
 
 def test_masks_depend_on_the_key_alone():
