@@ -4,7 +4,7 @@ import setuptools
 
 setuptools.setup(
     name="bertjax",
-    version="0.1.0",
+    version="0.2.0",
     description="Pre-train BERT (MLM + NSP) with JAX/Flax, from a CPU to a Cloud TPU pod.",
     # The released configs ship inside the package as `bertjax.configs` (`--config=tiny` names
     # one wherever bertjax is installed; bertjax/cli.py), while the repository keeps them in

@@ -346,5 +346,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   define_flags()
-  cli.old_name("bertjax.benchmark accel")
   cli.run(main)

@@ -6,8 +6,7 @@
 
 `train` (the default: `python -m bertjax.benchmark --config=...` is the same command) is
 bertjax/benchmark.py's own; each other one runs its module as that module's own command runs it,
-with the flags after the subcommand. Those modules keep their names as commands of their own
-(`python -m bertjax.benchmark_predict` is `python -m bertjax.benchmark predict`).
+with the flags after the subcommand.
 """
 
 import runpy

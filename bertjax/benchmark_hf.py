@@ -126,5 +126,4 @@ def main(argv):
 if __name__ == "__main__":
   hostmem.restart_with_huge_pages()
   benchmark.define_flags()
-  cli.old_name("bertjax.benchmark hf")
   cli.run(main)

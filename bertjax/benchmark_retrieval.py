@@ -398,5 +398,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   define_flags()
-  cli.old_name("bertjax.benchmark retrieval")
   cli.run(main)

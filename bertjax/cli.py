@@ -170,25 +170,6 @@ def program() -> str:
   return os.path.basename(sys.argv[0])
 
 
-# The release that removes the old command names (`bertjax.main`, the benchmarks' module names):
-# until then each still runs, saying so (`old_name`).
-OLD_NAMES_GO_IN = "0.2.0"
-
-
-def old_name(new: str) -> None:
-  """Said by a command run under its old name, at its start (stderr) and first in its --help: the
-  name it has now (`new`, as typed after `python -m`) and the release that removes the old one.
-  Silent where the module runs under its new name (a benchmark's subcommand sets PROGRAM)."""
-  if PROGRAM is not None:
-    return
-  note = (f"`python -m {program()}` is an old name of `python -m {new}` (the same command); "
-          f"it goes in bertjax {OLD_NAMES_GO_IN}.")
-  print(f"bertjax: {note}", file=sys.stderr, flush=True)
-  main = sys.modules.get("__main__")
-  if main is not None:  # absl's --help prints the main module's docstring first
-    main.__doc__ = f"{note}\n\n{main.__doc__ or ''}"
-
-
 def usage_error(message: str, prog: str | None = None) -> NoReturn:
   """Ends a command given a command line it cannot run: one line naming the flag or word at fault,
   exit status 2 (a usage error's status, as argparse and the shells give it)."""

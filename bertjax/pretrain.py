@@ -5,8 +5,6 @@ is locked, so a misspelled key is an error. Third-party INFO logs are off unless
 --verbosity (or -v), --logtostderr or --alsologtostderr is given. Several processes (a TPU pod, or `launch/local.sh`)
 join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordinator_address,
 --num_processes and --process_id (or the BERTJAX_* environment variables of bertjax.distributed).
-
-`python -m bertjax.main`, its name before, runs the same command.
 """
 
 from absl import flags

@@ -1,8 +1,7 @@
 """One command surface: every module that runs as a command (an `if __name__ == "__main__":`
-block in bertjax/ or launch/) is in the README's commands table, or is an old name kept as an
-alias, or is internal with a reason; every entry of the table exists and its page speaks of it;
-the benchmarks are subcommands of `python -m bertjax.benchmark`, each module's own name still
-running it."""
+block in bertjax/ or launch/) is in the README's commands table, or is internal with a reason;
+every entry of the table exists and its page speaks of it; the benchmarks are subcommands of
+`python -m bertjax.benchmark`."""
 
 import ast
 import os
@@ -11,23 +10,17 @@ import re
 import subprocess
 import sys
 
-from bertjax import benchmark_commands, cli
+from bertjax import benchmark_commands
 
 from conftest import xla_flags
 
 ROOT = pathlib.Path(__file__).parent.parent
 # Commands no user types, and why.
 INTERNAL = {"launch.logsync": "launch.tpu starts it on each worker to copy the job's log"}
-# Old names that still run, and the command each is now: the benchmarks that were commands of
-# their own before `python -m bertjax.benchmark SUBCOMMAND`.
-OLD_BENCHMARKS = ("hf", "predict", "data", "prepare", "finetune", "accel", "layers", "retrieval")
-ALIASES = {"bertjax.main": "bertjax.pretrain",
-           **{benchmark_commands.SUBCOMMANDS[name][0]: f"bertjax.benchmark {name}"
-              for name in OLD_BENCHMARKS}}
-# Benchmarks added since, reached only as a subcommand (their `__main__` block is what the
-# subcommand runs): the README's benchmark row lists them.
-SUBCOMMAND_MODULES = {module for name, (module, _) in benchmark_commands.SUBCOMMANDS.items()
-                      if module != "bertjax.benchmark" and name not in OLD_BENCHMARKS}
+# The benchmarks, reached as subcommands of `python -m bertjax.benchmark` (their `__main__` block
+# is what the subcommand runs): the README's benchmark row lists them.
+SUBCOMMAND_MODULES = {module for module, _ in benchmark_commands.SUBCOMMANDS.values()
+                      if module != "bertjax.benchmark"}
 
 
 def _runs_as_a_command(tree: ast.Module) -> bool:
@@ -67,19 +60,17 @@ def test_every_command_is_in_the_readme_table_and_every_entry_exists():
   modules = {c for c in listed if "/" not in c}
   commands = _commands()
   assert len(commands) >= 20, commands  # the walk still finds them
-  missing = commands - modules - set(ALIASES) - set(INTERNAL) - SUBCOMMAND_MODULES
+  missing = commands - modules - set(INTERNAL) - SUBCOMMAND_MODULES
   assert not missing, f"commands not in the README's table (add a row, or list them here): {missing}"
   stale = modules - commands
   assert not stale, f"the README's table names commands that do not exist: {stale}"
-  assert not (modules & set(ALIASES)) and not (modules & set(INTERNAL))
+  assert not (modules & set(INTERNAL)) and not (modules & SUBCOMMAND_MODULES)
   for script in {c for c in listed if "/" in c}:
     assert os.access(ROOT / script, os.X_OK), script
   for command, link in table:
     page = (ROOT / link.split("#")[0]).read_text()
     assert command in page, f"{link} does not mention {command}"
   readme = (ROOT / "README.md").read_text()
-  for old in ALIASES:  # an old name a user may still type is said to run
-    assert f"`{old}`" in readme, old
   row = next(line for line in readme.splitlines() if line.startswith("| `python -m bertjax.benchmark`"))
   assert re.findall(r"`(\w+)`", row.split("|")[2]) == list(benchmark_commands.SUBCOMMANDS)
 
@@ -91,42 +82,19 @@ def test_every_benchmark_module_is_a_subcommand():
     assert module != "bertjax.benchmark_commands"
 
 
-def test_every_old_name_says_its_new_name_and_when_it_goes():
-  # Read from the code: each old name's `__main__` block calls cli.old_name with the command it
-  # is now (the note at its start and first in its --help; tests/test_cli.py runs bertjax.main).
-  said = {}
-  for old in ALIASES:
-    path = ROOT / (old.replace(".", "/") + ".py")
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-          and node.func.attr == "old_name"):
-        said[old] = node.args[0].value
-  assert said == ALIASES, said
-  assert re.fullmatch(r"\d+\.\d+\.\d+", cli.OLD_NAMES_GO_IN)
-  readme = (ROOT / "README.md").read_text()
-  assert f"go in {cli.OLD_NAMES_GO_IN}" in " ".join(readme.split())
-
-
 def _run(*args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)
 
 
-def test_benchmark_subcommands_run_their_module_and_the_old_names_still_run():
+def test_benchmark_subcommands_run_their_module():
   # A subcommand's flags are its module's own (a flag of another is refused by name), its
-  # messages name it as typed; the module's old name gives the same refusal under that name.
+  # messages name it as typed.
   done = _run("bertjax.benchmark", "finetune", "--seq_lengths=128")
   assert done.returncode == 2, done.stderr[-2000:]
   assert done.stderr.startswith("bertjax.benchmark finetune: error: Unknown command line flag "
                                 "'seq_lengths'"), done.stderr[-2000:]
-  done = _run("bertjax.finetune.benchmark", "--seq_lengths=128")
-  assert done.returncode == 2
-  note, err = done.stderr.split("\n", 1)
-  assert "old name of `python -m bertjax.benchmark finetune`" in note, note
-  assert f"it goes in bertjax {cli.OLD_NAMES_GO_IN}" in note, note
-  assert err.startswith("bertjax.finetune.benchmark: error: Unknown command line flag "
-                        "'seq_lengths'"), done.stderr[-2000:]
   done = _run("bertjax.benchmark", "trian", "--steps=1")
   assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
   assert done.stderr.startswith("bertjax.benchmark: error: unknown benchmark 'trian'")

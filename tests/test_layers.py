@@ -15,7 +15,7 @@ Lowest first; a module imports from its own layer or the ones below it, never fr
             taskspec (the task spec a checkpoint carries): parsing, no reader of folders
   weights   weights (the one reader of a weights folder), weights_match (a folder against the run)
   runs      loop, pretrain_job, pretrained, aot, benchmark, benchmark_hf, benchmark_commands, evaluate_mlm,
-            pretrain, main
+            pretrain
   finetune  finetune/
   finetune-config  configs/finetune.py (one's own tasks are the families' names, read from them)
   commands  predict, prediction_rows, prediction_files, prediction_vectors, benchmark_predict,
@@ -56,7 +56,7 @@ LAYERS = (
     ("weights", ("bertjax.weights", "bertjax.weights_match")),
     ("runs", ("bertjax.loop", "bertjax.pretrained", "bertjax.aot", "bertjax.benchmark",
               "bertjax.benchmark_hf", "bertjax.benchmark_commands", "bertjax.evaluate_mlm",
-              "bertjax.pretrain", "bertjax.pretrain_job", "bertjax.main", "bertjax.tune")),
+              "bertjax.pretrain", "bertjax.pretrain_job", "bertjax.tune")),
     ("finetune", ("bertjax.finetune",)),
     ("finetune-config", ("bertjax.configs.finetune",)),
     ("commands", ("bertjax.predict", "bertjax.prediction_rows", "bertjax.prediction_files",

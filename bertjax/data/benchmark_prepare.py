@@ -104,5 +104,4 @@ def main(argv):
 if __name__ == "__main__":
   from bertjax import cli  # pylint: disable=ungrouped-imports
   define_flags()
-  cli.old_name("bertjax.benchmark prepare")
   cli.run(main)

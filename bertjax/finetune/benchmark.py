@@ -150,5 +150,4 @@ def main(argv):
 if __name__ == "__main__":
   from bertjax import cli  # pylint: disable=ungrouped-imports
   define_flags()
-  cli.old_name("bertjax.benchmark finetune")
   cli.run(main)
