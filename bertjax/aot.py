@@ -50,9 +50,10 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import attention, cli, flops, layercost, sharding, topologies, train, versions
-from bertjax import roofline as roofline_lib
+from bertjax import (cli, flops, layercost, roofline as roofline_lib, sharding, topologies, train,
+    versions)
 from bertjax.data.config import DataConfig
+from bertjax.model import attention
 
 GIB = 2**30
 

@@ -50,7 +50,7 @@ import numpy as np
 from absl import app, flags
 
 from bertjax import benchmark, benchmark_predict, cli, flops, opprofile
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 SIZES = ("full", "tiny")
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=512)

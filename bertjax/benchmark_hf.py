@@ -25,7 +25,7 @@ from absl import flags
 
 from bertjax import benchmark, cli, flops, hostmem, optimizer as optimizer_lib
 from bertjax.data.config import DataConfig
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 FLAGS = flags.FLAGS
 

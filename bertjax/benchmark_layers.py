@@ -45,7 +45,8 @@ import time
 import jax
 from absl import app, flags
 
-from bertjax import attention, benchmark, benchmark_accel, cli, hlotext, layercost, opprofile
+from bertjax import benchmark, benchmark_accel, cli, hlotext, layercost, opprofile
+from bertjax.model import attention
 
 AUTOTUNE_CACHE = "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/bertjax_autotune"
 DEFAULT_BUDGET_S = 540.0

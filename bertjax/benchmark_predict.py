@@ -45,7 +45,7 @@ from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import families
 from bertjax.finetune.families import classification
 from bertjax.formats import converted
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 SHAPES = {"small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
           "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)}

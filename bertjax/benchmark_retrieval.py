@@ -57,11 +57,11 @@ from absl import flags
 
 from bertjax import aot, benchmark, cli, contrastive_training, predict, sharding, topologies, train
 from bertjax.configs import bert_base, finetune as finetune_config
-from bertjax.contrastive import ContrastiveConfig
 from bertjax.data import builtin_corpus, corpus as corpus_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import bm25, retrieval, run as run_lib
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
+from bertjax.model.contrastive import ContrastiveConfig
 
 REPORTED = ("mrr_at_10", "recall_at_10", "ndcg_at_10")
 EVAL_FRACTION = 0.1  # pre-training's held-out share (configs/base.py data.eval_fraction)

@@ -32,8 +32,8 @@ from jax.experimental import multihost_utils
 
 from bertjax import errors
 from bertjax.errors import CheckpointMismatchError
-# The model fields compared on resume (their roles: bertjax/model_config.py).
-from bertjax.model_config import ARCHITECTURE_FIELDS, HEAD_FIELDS, SHAPE_FIELDS, BertConfig
+# The model fields compared on resume (their roles: bertjax/model/config.py).
+from bertjax.model.config import ARCHITECTURE_FIELDS, HEAD_FIELDS, SHAPE_FIELDS, BertConfig
 
 
 class _ReaderNoiseFilter(logging_std.Filter):

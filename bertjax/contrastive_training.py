@@ -1,4 +1,4 @@
-"""The bi-encoder (bertjax/contrastive.py) as a `train.Objective`: its batch, its loss over the
+"""The bi-encoder (bertjax/model/contrastive.py) as a `train.Objective`: its batch, its loss over the
 global batch and its chunked gradient.
 
 A batch (numpy, rows split over the batch's devices as any other):
@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bertjax import contrastive, gradcache, losses, sharding, train
-from bertjax.contrastive import BiEncoder, ContrastiveConfig
+from bertjax import gradcache, sharding, train
+from bertjax.model import contrastive, losses
+from bertjax.model.contrastive import BiEncoder, ContrastiveConfig
 
 INPUTS = ("query_ids", "query_mask", "passage_ids", "passage_mask")
 KEY = "passage_key"

@@ -6,7 +6,7 @@ Read by the loop's throughput line, `bertjax.benchmark` and `bertjax.aot`.
 from __future__ import annotations
 
 from bertjax.data.config import DataConfig
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 
 # Model FLOPs count matmuls only, 2 per multiply-add, training = 3 x forward. Per sequence, forward:

@@ -18,7 +18,7 @@ a time (plus every row's vectors), for one more forward pass than a plain step.
 
 Dropout: step 3 must differentiate the function step 1 evaluated, so chunk c's encoder is given
 the same key `keys[c]` in both. bertjax's dropout masks are a function of the key and each
-element's index in its array (bertjax/dropout.py), so both passes draw the same masks, bit for bit.
+element's index in its array (bertjax/model/dropout.py), so both passes draw the same masks, bit for bit.
 (They are not the masks of the unchunked batch, whose arrays are k times longer: with dropout, k
 chunks and one batch are two draws of the same distribution; without, the same numbers.)
 

@@ -3,7 +3,7 @@
 XLA's `compiled.cost_analysis()` gives FLOPs and bytes accessed of a whole executable, but it
 counts the body of a loop once, not once per iteration: a scanned encoder's twelve layers count
 as one. And a cost that grows with the layer count inside each iteration (the CPU's whole stacked
-buffer converted at every layer, bertjax/residuals.py) does not show in a single total at all.
+buffer converted at every layer, bertjax/model/residuals.py) does not show in a single total at all.
 So, from the optimised HLO text and XLA's own figures:
 
   layer_loops     the compiled loops that run the scanned layers: while loops whose known trip

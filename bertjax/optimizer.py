@@ -44,7 +44,7 @@ MaskOrFn = Union[Any, Callable[[Any], Any]]
 # Substrings of a parameter's path that exclude it from weight decay (and from LAMB's trust ratio).
 NO_DECAY_MODULES = ("layer_norm", "layernorm")
 # Parameters that do not decay by name: a contrastive loss's learned log temperature
-# (bertjax/contrastive.py), which decay would pull towards a scale of 1 (a temperature of 1).
+# (bertjax/model/contrastive.py), which decay would pull towards a scale of 1 (a temperature of 1).
 NO_DECAY_PARAMS = ("log_scale",)
 
 

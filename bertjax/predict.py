@@ -53,14 +53,14 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import cli, files, prediction_files, prediction_rows, prediction_vectors
-from bertjax import taskspec as spec_lib, weights
+from bertjax import (cli, files, prediction_files, prediction_rows, prediction_vectors,
+    taskspec as spec_lib, weights)
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
 from bertjax.inputs import pairs, textfiles
-from bertjax.model import BertModel
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
 # How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
 from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
 # What may be written over, also known as bertjax.predict's.

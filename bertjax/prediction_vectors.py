@@ -33,7 +33,7 @@ from bertjax import files, prediction_files, taskspec
 from bertjax.errors import Refusal
 from bertjax.finetune import retrieval
 from bertjax.inputs import textfiles
-from bertjax.model_config import ARCHITECTURE_FIELDS, SHAPE_FIELDS
+from bertjax.model.config import ARCHITECTURE_FIELDS, SHAPE_FIELDS
 
 QUERIES, PASSAGES = "queries", "passages"
 PLAIN_LENGTH = 128  # tokens kept by a model whose folder records no length it was trained at

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from absl import logging
 
 from bertjax import sharding, weights, weights_match
-from bertjax.model import BertModel, Pooler
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel, Pooler
 
 ENCODER = weights.ENCODER  # the encoder's name inside BertForPreTraining and every head
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bertjax import flops as flops_lib, hlocost, hlotext, layercost, sharding, train
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 
 def round4(x: float) -> float:

@@ -9,7 +9,7 @@ Mesh axes, outermost first:
 
 Sizes come in two groups: ICI (chips linked inside one slice) and DCN (between slices of a
 multi-slice job). Axis size = ici * dcn. One ICI size and one DCN size may be -1: it takes what is
-left. Parameters name their dimensions logically (bertjax/model.py); `DEFAULT_RULES` (the default
+left. Parameters name their dimensions logically (bertjax/model/encoder.py); `DEFAULT_RULES` (the default
 of `config.mesh.logical_axis_rules`) maps those names to mesh axes, so the model code never names a
 mesh axis.
 
@@ -41,7 +41,7 @@ BATCH_AXES = ("data", "fsdp")  # the mesh axes the batch dimension is split over
 Rules = tuple[tuple[str, Any], ...]
 
 # Logical axis name -> mesh axis (or axes, or None = replicated). Parameters are named in
-# bertjax/model.py ("vocab", "embed", "heads", "kv", "mlp", "layers"); activations carry
+# bertjax/model/encoder.py ("vocab", "embed", "heads", "kv", "mlp", "layers"); activations carry
 # "activation_*" names. `data` and `fsdp` split the batch; `fsdp` also splits parameters and
 # optimizer state (ZeRO-3 style); `tensor` splits heads and the MLP (Megatron).
 DEFAULT_RULES: Rules = (

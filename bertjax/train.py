@@ -44,10 +44,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bertjax import losses, optimizer as optimizer_lib, sharding
+from bertjax import optimizer as optimizer_lib, sharding
 from bertjax.errors import Refusal
-from bertjax.heads import BertForPreTraining
-from bertjax.model_config import BertConfig
+from bertjax.model import losses
+from bertjax.model.config import BertConfig
+from bertjax.model.heads import BertForPreTraining
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, tuple[jax.Array, jax.Array]]

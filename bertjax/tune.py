@@ -10,7 +10,7 @@ the next is tried (a greedy search: the settings interact little, and a full gri
 take hours to compile on a laptop):
 
   mesh       the state replicated on every chip (data) or split over them (fsdp);
-  remat      what the backward keeps: none, dots, dots_all, full (bertjax/model_config.py);
+  remat      what the backward keeps: none, dots, dots_all, full (bertjax/model/config.py);
   attention  XLA's or the splash kernel (TPU, lengths a multiple of 128); splash has no dropout
              on attention probabilities, so it changes the model, and the table says so;
   rows       rows a chip doubled while they fit HBM: the global batch grows, which changes the
@@ -39,9 +39,10 @@ import jax
 from absl import flags
 
 import bertjax.configs as released_configs
-from bertjax import aot, attention, cli, flops, roofline, topologies, train
+from bertjax import aot, cli, flops, roofline, topologies, train
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
+from bertjax.model import attention
 
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
 REMAT = ("none", "dots", "dots_all", "full")

@@ -44,9 +44,9 @@ import orbax.checkpoint as ocp
 
 from bertjax import checkpoint as checkpoint_lib, errors, files
 from bertjax.errors import Refusal
-from bertjax.formats import converted, google, hf, modernbert, modernbert_tasks, tf_bundle
-from bertjax.formats import vocabulary
-from bertjax.model_config import BertConfig
+from bertjax.formats import (converted, google, hf, modernbert, modernbert_tasks, tf_bundle,
+    vocabulary)
+from bertjax.model.config import BertConfig
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters

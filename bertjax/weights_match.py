@@ -11,7 +11,7 @@ from absl import logging
 from bertjax import checkpoint as checkpoint_lib, errors
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.formats import hf
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 from bertjax.weights import ENCODER, Weights
 
 

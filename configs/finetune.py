@@ -19,9 +19,9 @@ import dataclasses
 
 import ml_collections
 
-from bertjax.finetune import families
-from bertjax.model_config import INHERITED_FIELDS, BertConfig
 from bertjax.configs import base
+from bertjax.finetune import families
+from bertjax.model.config import INHERITED_FIELDS, BertConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BertConfig)}
 
@@ -126,7 +126,7 @@ def get_config(task: str = "next"):
   s.trials_per_program = 0  # 0 = as many as memory allows; more is refused before any work
   s.memory_gb = 0.0  # what the trials may take; 0 = what the devices (or a CPU host) have free
 
-  # embeddings: how vectors are made and scored (bertjax/contrastive.py says more).
+  # embeddings: how vectors are made and scored (bertjax/model/contrastive.py says more).
   k = config.contrastive = ml_collections.ConfigDict()
   k.loss = "infonce"  # or "sigmoid" (SigLIP's)
   k.pooling = "mean"  # over real tokens, or "cls" (the last layer's [CLS] state, not the pooler)

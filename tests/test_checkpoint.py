@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bertjax.checkpoint import Checkpointer, Expected
 from bertjax.errors import CheckpointMismatchError
-from bertjax.model import BertConfig
+from bertjax.model.config import BertConfig
 
 
 def _meta(step, config=BertConfig()):

@@ -10,8 +10,9 @@ import pytest
 
 from bertjax import sharding
 from bertjax.formats import converted
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining
 from bertjax.pretrained import load_pretrained
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,

@@ -15,10 +15,11 @@ import pytest
 
 from bertjax import predict, taskspec as spec_lib
 from bertjax.finetune import families, objectives, tasks
-from bertjax.formats import hf
 from bertjax.finetune.families import regression
 from bertjax.finetune.families.record import Family
-from bertjax.model import BertConfig, BertModel
+from bertjax.formats import hf
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
 FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")
@@ -153,10 +154,10 @@ def test_a_registered_family_is_a_task_its_load_reads(toy, monkeypatch):
 
 def test_the_headless_family_is_used_by_spec_tasks_config_objective_predict_and_export(tmp_path):
   """embeddings: no head, its outputs the encoder's vectors, made as its spec says."""
-  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
-  from bertjax.formats.sentence_transformers import SentenceVectors  # pylint: disable=import-outside-toplevel
   from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
   from bertjax.finetune.families import embeddings  # pylint: disable=import-outside-toplevel
+  from bertjax.formats.sentence_transformers import SentenceVectors  # pylint: disable=import-outside-toplevel
   from test_contrastive import random_params  # pylint: disable=import-outside-toplevel
   name = "embeddings"
   family = families.get(name)

@@ -197,7 +197,7 @@ def test_a_program_larger_than_memory_is_refused_with_the_largest_that_fits():
 
 def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
   from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
   assert config.train.learning_rate is None  # one's own task: no rate known in advance
   s = ft_config.SearchConfig.from_config(config)
@@ -226,7 +226,7 @@ def test_the_trials_program_compiles_ahead_of_time_and_grows_with_the_trials():
   import jax  # pylint: disable=import-outside-toplevel
   from bertjax import aot  # pylint: disable=import-outside-toplevel
   from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   config = BertConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2,
                       intermediate_size=64, max_position_embeddings=32)
   # Side by side, as on a TPU (a CPU's own program runs the trials one after another).
@@ -240,9 +240,9 @@ def test_one_runs_step_compiles_ahead_of_time_and_grows_with_the_length():
   batch over 4 devices; its memory per device grows with the rows' length."""
   import jax  # pylint: disable=import-outside-toplevel
   from bertjax import aot  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
   from bertjax.configs import modern_tiny  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   config = modern_tiny.get_config()
   model = BertConfig.from_dict(config.model, vocab_size=128, hidden_size=32, num_heads=2,
                                intermediate_size=48, max_position_embeddings=512)
@@ -258,7 +258,7 @@ def test_trials_side_by_side_equal_trials_one_after_another():
   import jax  # pylint: disable=import-outside-toplevel
   from bertjax import train  # pylint: disable=import-outside-toplevel
   from bertjax.finetune.families import classification  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   config = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                       intermediate_size=64, max_position_embeddings=16)
   base = train.TrainConfig(batch_size=4, num_train_steps=4, warmup_steps=1, learning_rate=1e-3)

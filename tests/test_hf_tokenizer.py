@@ -428,7 +428,7 @@ def test_padding_ids_do_not_reach_real_positions(modern_folder):
   """Rows are padded with [PAD]'s id by the feature builders and with zeros by prediction and the
   pre-training pipeline: the real positions' outputs are the same bits either way."""
   import jax
-  from bertjax.model import BertModel
+  from bertjax.model.encoder import BertModel
   tok = tokenizer_lib.load_vocabulary(os.path.join(modern_folder, "tokenizer.json"))
   source = weights.inspect(modern_folder)
   params = weights.read(source)[weights.ENCODER]

@@ -1,7 +1,7 @@
 """The compiled train step costs the same per encoder layer at every depth, scanned and unrolled.
 
 A cost per layer that grows with the layer count (the CPU's whole stacked residual buffer
-converted at every layer: bertjax/residuals.py) makes a deep model's step grow with the square of
+converted at every layer: bertjax/model/residuals.py) makes a deep model's step grow with the square of
 its depth. Held here on the compiled program (bertjax/layercost.py): XLA's FLOPs and bytes
 accessed (`compiled.cost_analysis()`) and the operations, per added layer, unrolled; scanned,
 where XLA counts the loop's body once, the operations of the layer loops per layer and the bytes
@@ -13,8 +13,9 @@ import functools
 import jax
 import pytest
 
-from bertjax import benchmark, hlocost, layercost, residuals
+from bertjax import benchmark, hlocost, layercost
 from bertjax.configs import base
+from bertjax.model import residuals
 
 # The figures read here come from the optimised HLO, which these leave as it is; the machine code
 # LLVM makes of it is not read, and unoptimised it compiles in half the time.

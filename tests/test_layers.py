@@ -42,12 +42,10 @@ LAYERS = (
               "bertjax.platforms", "bertjax.versions", "bertjax.topologies", "bertjax.opprofile",
               "bertjax.watchdog",
               "bertjax.metrics",
-              "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
-              "bertjax.dropout", "bertjax.attention", "bertjax.gradcache", "bertjax.residuals",
+              "bertjax.control", "bertjax.optimizer", "bertjax.sharding",
+              "bertjax.gradcache",
               "bertjax.hlotext", "bertjax.hlocost", "bertjax.layercost")),
-    ("model", ("bertjax.model_config", "bertjax.primitives", "bertjax.model", "bertjax.heads",
-               "bertjax.nnx",
-               "bertjax.contrastive")),
+    ("model", ("bertjax.model",)),
     ("configs", ("bertjax.configs",)),
     ("data", ("bertjax.data", "bertjax.inputs")),
     ("core", ("bertjax.train", "bertjax.flops", "bertjax.roofline", "bertjax.checkpoint",
@@ -63,6 +61,7 @@ LAYERS = (
                   "bertjax.prediction_vectors", "bertjax.benchmark_predict",
                   "bertjax.benchmark_retrieval",
                   "bertjax.benchmark_accel", "bertjax.benchmark_layers", "bertjax.convert", "launch")),
+    ("faces", ("bertjax.heads", "bertjax.losses", "bertjax.nnx")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 

@@ -1,4 +1,4 @@
-"""The modern encoder options of BertConfig (bertjax/model.py): properties, not shapes.
+"""The modern encoder options of BertConfig (bertjax/model/encoder.py): properties, not shapes.
 
 RoPE makes attention depend on offsets only; local layers see exactly their window, on the XLA
 path and in splash's interpreter, and never another packed sequence; scanned == unrolled with
@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import attention, weights
-from bertjax.attention import apply_rope, rope_tables
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel, SelfAttention
+from bertjax import weights
+from bertjax.model import attention
+from bertjax.model.attention import apply_rope, rope_tables
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel, SelfAttention
+from bertjax.model.heads import BertForPreTraining
 
 # Every option on: a local layer (1) between global ones (0, 2), RoPE with two bases.
 MODERN = BertConfig(
@@ -307,8 +309,8 @@ def test_cudnn_window_arguments_match_the_explicit_reference(packed):
 def test_swiglu_and_rmsnorm_compute_their_definitions():
   """mlp_type="gated" with silu is SwiGLU, silu(x W) * (x G) W_o; RMSNorm is
   x / sqrt(mean(x^2) + eps) * scale, with no centring and no bias."""
-  from bertjax.model import Mlp  # pylint: disable=import-outside-toplevel
-  from bertjax.primitives import layer_norm  # pylint: disable=import-outside-toplevel
+  from bertjax.model.encoder import Mlp  # pylint: disable=import-outside-toplevel
+  from bertjax.model.primitives import layer_norm  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(MODERN, hidden_act="silu", norm_type="rmsnorm")
   x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 5, 32)) + 0.5, jnp.float32)
   mlp = Mlp(cfg)

@@ -22,12 +22,13 @@ import pytest
 import torch
 import transformers
 
-from bertjax import heads, predict, taskspec, weights
+from bertjax import predict, taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import families
 from bertjax.formats import modernbert, modernbert_tasks
 from bertjax.inputs import pairs, textfiles
+from bertjax.model import heads
 from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
 
@@ -354,7 +355,7 @@ def test_finetune_long_inputs_from_a_modernbert_folder_then_export(tmp_path, mon
 
 def test_what_has_no_form_is_refused_naming_the_fix():
   from bertjax.formats import hf  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="classifier_pooling='mean' is the ModernBERT head's"):
     BertConfig(classifier_pooling="mean")
   modern = modernbert.config_from_modernbert(BASE)

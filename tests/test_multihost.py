@@ -37,8 +37,8 @@ def train_losses() -> list[float]:
   import jax
 
   from bertjax import sharding, train
-  from bertjax.model import BertConfig
   from bertjax.configs import base
+  from bertjax.model.config import BertConfig
 
   model = BertConfig(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=4,
                      intermediate_size=64, max_position_embeddings=L)

@@ -101,9 +101,10 @@ def _model_params_and_grads():
   (built once, for the two tests that read them; the gradient is one compiled program, not
   hundreds of operations dispatched one by one)."""
   import flax.linen as nn
-  from bertjax import losses, train
-  from bertjax.heads import BertForPreTraining
-  from bertjax.model import BertConfig
+  from bertjax import train
+  from bertjax.model import losses
+  from bertjax.model.config import BertConfig
+  from bertjax.model.heads import BertForPreTraining
   cfg = BertConfig(vocab_size=48, hidden_size=16, num_layers=2, num_heads=2,
                    intermediate_size=32, max_position_embeddings=16)
   model = BertForPreTraining(cfg)
@@ -231,8 +232,8 @@ def test_masks_on_the_real_scanned_model():
   # LAMB's per-layer trust ratio must see the scanned encoder's leading [num_layers] axis.
   import flax.linen as nn
   from bertjax import train
-  from bertjax.heads import BertForPreTraining
-  from bertjax.model import BertConfig
+  from bertjax.model.config import BertConfig
+  from bertjax.model.heads import BertForPreTraining
   cfg = BertConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
                    intermediate_size=32, scan_layers=True)
   model = BertForPreTraining(cfg)

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import attention, predict, prediction_rows, taskspec
+from bertjax import predict, prediction_rows, taskspec
 from bertjax.finetune import families
-from bertjax.model import BertConfig, BertModel
+from bertjax.model import attention
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
 
 # A ModernBERT-shaped encoder: pre-LN, RoPE, no segment table, a local last layer (global_every=2
 # with 2 layers), its task head.

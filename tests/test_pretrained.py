@@ -15,8 +15,9 @@ import pytest
 
 from bertjax import checkpoint as checkpoint_lib, sharding
 from bertjax.formats import converted as converted_folder
-from bertjax.heads import BertForPreTraining, BertForSequenceClassification
-from bertjax.model import BertConfig, BertModel
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining, BertForSequenceClassification
 from bertjax.pretrained import load_pretrained
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,

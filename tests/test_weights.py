@@ -17,10 +17,10 @@ import pytest
 
 from bertjax import checkpoint as checkpoint_lib, pretrain_job, train, weights, weights_match
 from bertjax.convert import google as convert_google, hf as convert_hf
-from bertjax.formats import google, hf
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import init_from
-from bertjax.heads import BertForPreTraining
+from bertjax.formats import google, hf
+from bertjax.model.heads import BertForPreTraining
 from bertjax.pretrained import load_pretrained
 from bertjax.sharding import MeshConfig
 from conftest import xla_flags

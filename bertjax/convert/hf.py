@@ -35,7 +35,7 @@ from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.finetune import families
 from bertjax.formats import converted, hf, outfolder, sentence_transformers
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from bertjax.contrastive import ContrastiveConfig
 from bertjax.data.config import check_types, from_section
 from bertjax.errors import Refusal
+from bertjax.model.contrastive import ContrastiveConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import init_heads
 from bertjax.finetune.config import FinetuneDataConfig
-from bertjax.model_config import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
+from bertjax.model.config import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
 
 
 def resolve_model(config, source: weights.Weights | None) -> BertConfig:

@@ -1,4 +1,4 @@
-"""Where a fine-tuned model's ModernBERT prediction head starts (bertjax/heads.py, task_head
+"""Where a fine-tuned model's ModernBERT prediction head starts (bertjax/model/heads.py, task_head
 "modernbert"): as transformers starts it when a task class is loaded from a checkpoint.
 
 transformers' ModernBertForMaskedLM and its task classes name their prediction head alike
@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import jax
 
-from bertjax import checkpoint as checkpoint_lib, heads, weights
+from bertjax import checkpoint as checkpoint_lib, weights
+from bertjax.model import heads
 
 HEAD = heads.PREDICTION_HEAD
 MLM = "mlm"

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import losses, train
+from bertjax import train
+from bertjax.model import losses
 
 INPUTS = ("input_ids", "input_mask", "segment_ids")
 

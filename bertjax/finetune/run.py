@@ -29,15 +29,15 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 
-from bertjax import checkpoint as checkpoint_lib, control, errors, files, loop, sharding
-from bertjax import taskspec as spec_lib, train, watchdog, weights
+from bertjax import (checkpoint as checkpoint_lib, control, errors, files, loop, sharding,
+    taskspec as spec_lib, train, watchdog, weights)
 from bertjax.errors import Refusal
 from bertjax.finetune import families, tasks
 from bertjax.finetune.config import SearchConfig, TaskConfig
-from bertjax.finetune.evaluations import TRAIN_DATA, Evaluations, features_digest
-from bertjax.finetune.evaluations import say_if_data_changed
+from bertjax.finetune.evaluations import (TRAIN_DATA, Evaluations, features_digest,
+    say_if_data_changed)
 from bertjax.finetune.init_from import initialiser, resolve_model, resolve_tokenizer
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 # Keys of the fine-tuning config before data, eval and checkpoint held them (the paths
 # pre-training uses for the same things): each old spelling is refused, naming its new path.
@@ -99,7 +99,7 @@ def train_batches(features: Mapping[str, np.ndarray], batch_size: int, seed: int
       epoch = step // per_epoch
       order = np.random.default_rng([seed, epoch]).permutation(n)
     # Sorted over the whole global batch before each host takes its rows, so an example's row
-    # in the global batch (which its dropout masks depend on: bertjax/dropout.py) is the same
+    # in the global batch (which its dropout masks depend on: bertjax/model/dropout.py) is the same
     # whatever the number of processes.
     at = (step % per_epoch) * batch_size
     index = np.sort(order[at:at + batch_size])[process_index * rows:(process_index + 1) * rows]

@@ -28,7 +28,7 @@ from absl import app, flags
 from bertjax import aot, cli, sharding, topologies, train
 from bertjax.finetune import trials as trials_lib
 from bertjax.finetune.families import classification
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 GIB = 2**30
 

@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bertjax import optimizer as optimizer_lib, sharding, train
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import os
 import orbax.checkpoint as ocp
 
 from bertjax import files
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 CONFIG_FILE = "bert_config.json"
 

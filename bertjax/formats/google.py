@@ -24,7 +24,7 @@ from absl import logging
 from bertjax import files
 from bertjax.errors import Refusal
 from bertjax.formats import hf, tf_bundle
-from bertjax.model_config import ACTIVATIONS, BertConfig
+from bertjax.model.config import ACTIVATIONS, BertConfig
 
 # The TensorFlow-free reader, public here too.
 CheckpointReader = tf_bundle.CheckpointReader

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from bertjax import files
 from bertjax.errors import Refusal
 from bertjax.formats import outfolder
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 # Hugging Face config.json key -> BertConfig field.
 HF_CONFIG_KEYS = {

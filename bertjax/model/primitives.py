@@ -1,6 +1,6 @@
 """What every layer of the model is built of: parameter initialisers that carry logical axis names
-(bertjax/sharding.py maps them onto the mesh), the norm, and Dense. bertjax/model.py and
-bertjax/heads.py build on them; the dtype policy and the shape letters are model.py's."""
+(bertjax/sharding.py maps them onto the mesh), the norm, and Dense. bertjax/model/encoder.py and
+bertjax/model/heads.py build on them; the dtype policy and the shape letters are model.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 
 def normal_init(config: BertConfig, names):

@@ -16,7 +16,7 @@ real keys; with packing, uniform over all keys) differs between implementations,
 ever reads it: keys are masked for every real query, and the heads read real positions only. The
 outputs at real tokens, and so every loss and gradient, agree (tests/test_attention.py).
 
-Shape letters as in bertjax/model.py: B batch, L length, N heads, K head size.
+Shape letters as in bertjax/model/encoder.py: B batch, L length, N heads, K head size.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
-from bertjax import dropout
 from bertjax.errors import Refusal
+from bertjax.model import dropout
 
 
 IMPLS = ("xla", "cudnn", "splash")

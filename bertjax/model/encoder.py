@@ -1,5 +1,5 @@
 """The BERT encoder as Flax linen modules: embeddings, attention, MLP, layers, BertModel (its config:
-model_config.py; the initialisers, norm and Dense it is built of: primitives.py).
+config.py; the initialisers, norm and Dense it is built of: primitives.py).
 
 Semantics follow the original release (arXiv:1810.04805, google-research/bert): post-LN layers,
 learned absolute positions, segment embeddings, LayerNorm eps 1e-12, exact-erf GELU by default,
@@ -21,10 +21,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax import attention, dropout, residuals, sharding
-from bertjax.attention import apply_rope, rope_tables
-from bertjax.model_config import ACTIVATIONS, REMAT_POLICIES, BertConfig
-from bertjax.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
+from bertjax import sharding
+from bertjax.model import attention, dropout, residuals
+from bertjax.model.attention import apply_rope, rope_tables
+from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig
+from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
@@ -242,7 +243,7 @@ class EncoderLayer(nn.Module):
 
 class _ScanBody(nn.Module):
   """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs; x is the layer's index.
-  Its saved residuals are kept as bits (bertjax/residuals.py: XLA's CPU backend rewrote every
+  Its saved residuals are kept as bits (bertjax/model/residuals.py: XLA's CPU backend rewrote every
   bfloat16 one as a whole-buffer conversion at each layer)."""
 
   config: BertConfig

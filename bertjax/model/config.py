@@ -1,6 +1,6 @@
 """BertConfig: every key of a BERT (or ModernBERT-style) encoder and its checks, the activations,
 remat policies and the other named choices it offers; the model keys a fine-tuning run inherits.
-The modules that build the encoder from it are bertjax/model.py's; what only reads a config (the
+The modules that build the encoder from it are bertjax/model/encoder.py's; what only reads a config (the
 formats, checkpoints, FLOPs) imports it from here.
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import attention
 from bertjax.errors import Refusal
+from bertjax.model import attention
 
 
 def gelu(x):
@@ -138,7 +138,7 @@ class BertConfig:
   decoder_bias: bool = _field(True, "architecture", "modern")
   # decoder = word-embedding table; False: its own [V, D] matrix
   tie_word_embeddings: bool = _field(True, "architecture", "modern")
-  # Fine-tuning heads (bertjax/heads.py): "bert", the original's (pooled -> dropout -> dense), or
+  # Fine-tuning heads (bertjax/model/heads.py): "bert", the original's (pooled -> dropout -> dense), or
   # "modernbert", transformers' ModernBertFor* (dense, activation, norm -> dropout -> dense) over
   # the [CLS] state or, classifier_pooling="mean", the mean over real tokens.
   task_head: str = _field("bert", "inherited", "head")

@@ -35,7 +35,7 @@ reduce-scattered to the device that encoded it. `negative_groups` G > 1 scores e
 the passages of its own 1/G of the batch only (G = the batch's devices: per-device negatives,
 no communication).
 
-Shape letters beyond bertjax/model.py's: Q queries (rows of the batch), C passages per query,
+Shape letters beyond bertjax/model/encoder.py's: Q queries (rows of the batch), C passages per query,
 G negative groups, R queries per group (Q / G). Vectors, logits and losses are float32.
 """
 
@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.errors import Refusal
-from bertjax.heads import mean_pool
-from bertjax.losses import Metric
-from bertjax.model import BertModel
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import mean_pool
+from bertjax.model.losses import Metric
 
 POOLINGS = ("mean", "cls")
 LOSSES = ("infonce", "sigmoid")
