@@ -26,7 +26,7 @@ suggest.)
 
 Slice names are Cloud TPU accelerator types. The number counts TensorCores on v4 and v5p (two per
 chip, one JAX device per chip: v5p-128 is 64 chips, 4x4x4; v5p-384 is 4x4x12) and chips on v5e
-and v6e (v5e-256 is 256 chips, 16x16); bertjax.topologies lists every shape Cloud TPU documents.
+and v6e (v5e-256 is 256 chips, 16x16); bertjax.parallel.topologies lists every shape Cloud TPU documents.
 With --num_slices=N the job spans N such slices joined by DCN; the config's mesh.dcn_* sizes
 split the mesh axes over them.
 
@@ -50,10 +50,10 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import (cli, flops, layercost, roofline as roofline_lib, sharding, topologies, train,
-    versions)
+from bertjax import cli, flops, layercost, roofline as roofline_lib, train, versions
 from bertjax.data.config import DataConfig
 from bertjax.model import attention
+from bertjax.parallel import sharding, topologies
 
 GIB = 2**30
 

@@ -8,7 +8,7 @@ bertjax/benchmark_commands.py).
 Prints compile time, step time, sequences/s, tokens/s, model TFLOP/s (total and per device), MFU
 against the device's peak (TPU v4/v5e/v5p/v6e, NVIDIA A100/H100/H200; none on CPU), XLA's own
 FLOP count, peak device memory (or XLA's estimate where the device reports none), and whether
-host memory came on huge pages (`bertjax.hostmem`: start it with
+host memory came on huge pages (`bertjax.parallel.hostmem`: start it with
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1, or BERTJAX_HUGE_PAGES=restart).
 
 It imports jax, flax, optax and ml_collections only (no TensorFlow, no transformers), so it runs
@@ -35,9 +35,10 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import benchmark_commands, cli, flops, hostmem, opprofile, train
+from bertjax import benchmark_commands, cli, flops, opprofile, train
 from bertjax.data.config import DataConfig
 from bertjax.flops import peak_tflops, train_flops
+from bertjax.parallel import hostmem
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
                     seed: int = 0, sequences_per_row: int = 0) -> dict[str, np.ndarray]:
@@ -202,7 +203,7 @@ def report(runner: StepRunner, times: list[float]) -> dict:
       "mfu": None if peak is None else round(tflops / (n * peak), 4),
       "peak_memory_gib": None if memory is None else round(memory / 2**30, 3),
       "peak_memory_kind": memory_kind,
-      # Whether malloc advised huge pages (bertjax.hostmem): on a CPU it moves the step by ~20%.
+      # Whether malloc advised huge pages (bertjax.parallel.hostmem): on a CPU it moves the step by ~20%.
       "host_huge_pages": hostmem.huge_pages_in_use(),
   }
 

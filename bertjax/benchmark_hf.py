@@ -23,9 +23,10 @@ import numpy as np
 import optax
 from absl import flags
 
-from bertjax import benchmark, cli, flops, hostmem, optimizer as optimizer_lib
+from bertjax import benchmark, cli, flops, optimizer as optimizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.model.config import BertConfig
+from bertjax.parallel import hostmem
 
 FLAGS = flags.FLAGS
 

@@ -21,8 +21,9 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import config_files, errors, files, hostmem, platforms, watchdog
+from bertjax import config_files, errors, files
 from bertjax.errors import Refusal
+from bertjax.parallel import hostmem, platforms, watchdog
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -120,7 +121,7 @@ def start(argv) -> None:
   hide_accelerators_from_tensorflow()
   # lazy: distributed imports jax, which the launcher and the data workers, importing this module
   # for its flags and refusals, need not load.
-  from bertjax import distributed  # pylint: disable=import-outside-toplevel
+  from bertjax.parallel import distributed  # pylint: disable=import-outside-toplevel
   flag = flags.FLAGS
   train_config = getattr(flag["config"].value, "train", None) if "config" in flag else None
   seconds = train_config.get("watchdog_seconds", 0) if train_config is not None else 0

@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bertjax import gradcache, sharding, train
+from bertjax import gradcache, train
 from bertjax.model import contrastive, losses
 from bertjax.model.contrastive import BiEncoder, ContrastiveConfig
+from bertjax.parallel import sharding
 
 INPUTS = ("query_ids", "query_mask", "passage_ids", "passage_mask")
 KEY = "passage_key"

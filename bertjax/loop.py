@@ -27,10 +27,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib, train
-from bertjax import files, watchdog as watchdog_lib
+from bertjax import (checkpoint as checkpoint_lib, control, files, flops, metrics as metrics_lib,
+    train)
 from bertjax.data import vocab_record
 from bertjax.errors import Refusal
+from bertjax.parallel import watchdog as watchdog_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +208,7 @@ def execute(config, workdir: str, job: Job) -> tuple[Any, dict[str, float]]:
 
   # Every exit, an error's too, waits for the saves under way: a good checkpoint is never lost
   # because a later step failed.
-  # A process of several that stops making progress ends the run (bertjax/watchdog.py); armed at
+  # A process of several that stops making progress ends the run (bertjax/parallel/watchdog.py); armed at
   # the first step done (the first compiles), it lasts until the final evaluation's end.
   watchdog = watchdog_lib.Watchdog(workdir, watchdog_seconds(config), jax.process_index(),
                                    jax.process_count(), last_checkpoint=lambda: newest_checkpoint(

@@ -4,12 +4,13 @@ Any config key can be overridden with a dotted flag (`--config.train.batch_size=
 is locked, so a misspelled key is an error. Third-party INFO logs are off unless absl's
 --verbosity (or -v), --logtostderr or --alsologtostderr is given. Several processes (a TPU pod, or `launch/local.sh`)
 join one global mesh: on Cloud TPU nothing needs to be given, elsewhere --coordinator_address,
---num_processes and --process_id (or the BERTJAX_* environment variables of bertjax.distributed).
+--num_processes and --process_id (or the BERTJAX_* environment variables of bertjax.parallel.distributed).
 """
 
 from absl import flags
 
-from bertjax import cli, hostmem
+from bertjax import cli
+from bertjax.parallel import hostmem
 
 FLAGS = flags.FLAGS
 

@@ -34,9 +34,10 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from bertjax import sharding, weights, weights_match
+from bertjax import weights, weights_match
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel, Pooler
+from bertjax.parallel import sharding
 
 ENCODER = weights.ENCODER  # the encoder's name inside BertForPreTraining and every head
 

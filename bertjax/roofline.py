@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import flops as flops_lib, hlocost, hlotext, layercost, sharding, train
+from bertjax import flops as flops_lib, hlocost, hlotext, layercost, train
 from bertjax.model.config import BertConfig
+from bertjax.parallel import sharding
 
 
 def round4(x: float) -> float:

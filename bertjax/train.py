@@ -44,11 +44,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bertjax import optimizer as optimizer_lib, sharding
+from bertjax import optimizer as optimizer_lib
 from bertjax.errors import Refusal
 from bertjax.model import losses
 from bertjax.model.config import BertConfig
 from bertjax.model.heads import BertForPreTraining
+from bertjax.parallel import sharding
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, tuple[jax.Array, jax.Array]]

@@ -10,7 +10,7 @@ them (`from bertjax.configs import base`).
 
 import ml_collections
 
-from bertjax import sharding
+from bertjax.parallel import sharding
 
 
 def get_config():
@@ -128,7 +128,7 @@ def get_config():
   t.profile_start_step = -1  # first step of a profiler trace in workdir/profile (-1: none)
   t.profile_num_steps = 5  # steps the profiler trace covers
   # Several processes: one that makes no progress (no step or evaluation batch done) for this many
-  # seconds is named and the run ended, exit status 75, to be resumed (bertjax/watchdog.py; 0: off)
+  # seconds is named and the run ended, exit status 75, to be resumed (bertjax/parallel/watchdog.py; 0: off)
   t.watchdog_seconds = 300
 
   # --- checkpoint: see bertjax/checkpoint.py. -------------------------------------------------------
@@ -141,7 +141,7 @@ def get_config():
   #                   bertjax/weights.py); its vocabulary becomes the run's when data.vocab_path is ""
   c.init_from_other_vocab = False  # True: take init_from's weights although its tokenizer differs
 
-  # --- mesh: see bertjax/sharding.py. ----------------------------------------------------------------
+  # --- mesh: see bertjax/parallel/sharding.py. -------------------------------------------------------
   mesh = config.mesh = ml_collections.ConfigDict()
   # Mesh axis sizes. ICI: devices inside one slice (one -1 takes the devices left over); DCN:
   # slices of a multi-slice job (one -1 takes the slices left over). Axis size = ici x dcn.
@@ -153,7 +153,7 @@ def get_config():
   mesh.dcn_tensor = 1  # tensor parallelism across slices (rarely wise: DCN is slow)
   # Logical axis name -> mesh axis (or axes, or None = replicated): bertjax.sharding.DEFAULT_RULES
   # (batch over data x fsdp, parameters' "embed" over fsdp, heads and MLP over tensor, the
-  # vocabulary whole; the table and its reasons are in bertjax/sharding.py). Override here.
+  # vocabulary whole; the table and its reasons are in bertjax/parallel/sharding.py). Override here.
   mesh.logical_axis_rules = sharding.DEFAULT_RULES
 
   return config

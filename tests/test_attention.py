@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bertjax import sharding
 from bertjax.model import attention
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
+from bertjax.parallel import sharding
 
 # L = 128, the kernel's smallest block; K = 16.
 CFG = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,

@@ -294,7 +294,7 @@ def test_no_module_reaches_into_another_ones_private_names():
 
 def test_a_gpu_hosts_xla_flags_are_added_but_never_over_the_users(monkeypatch):
   # platforms.GPU_XLA_FLAGS, the one place a command's GPU flags would be set (none chosen yet).
-  from bertjax import platforms  # pylint: disable=import-outside-toplevel
+  from bertjax.parallel import platforms  # pylint: disable=import-outside-toplevel
   assert platforms.GPU_XLA_FLAGS == ()  # today's behaviour until a GPU measurement chooses
   monkeypatch.setattr(platforms, "GPU_XLA_FLAGS", ("--xla_a=1", "--xla_b=2"))
   env = {"XLA_FLAGS": "--xla_b=7 --other"}

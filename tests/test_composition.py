@@ -8,11 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-from bertjax import sharding
 from bertjax.formats import converted
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.model.heads import BertForPreTraining
+from bertjax.parallel import sharding
 from bertjax.pretrained import load_pretrained
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,

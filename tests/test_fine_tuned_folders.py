@@ -79,8 +79,8 @@ def test_load_pretrained_and_pretraining_init_from_in_a_fresh_interpreter(folder
       import dataclasses, json, sys
       import jax, numpy as np
       from bertjax import pretrain_job, train, weights
+      from bertjax.parallel.sharding import MeshConfig
       from bertjax.pretrained import load_pretrained
-      from bertjax.sharding import MeshConfig
       out = {{}}
       for name, path in {folders!r}.items():
         config, encoder = load_pretrained(path)

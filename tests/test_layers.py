@@ -38,11 +38,9 @@ PACKAGES = ("bertjax", "launch", "configs")
 
 LAYERS = (
     ("base", ("bertjax.errors", "bertjax.files", "bertjax.config_files", "bertjax.cli",
-              "bertjax.distributed", "bertjax.hostmem",
-              "bertjax.platforms", "bertjax.versions", "bertjax.topologies", "bertjax.opprofile",
-              "bertjax.watchdog",
+              "bertjax.parallel", "bertjax.versions", "bertjax.opprofile",
               "bertjax.metrics",
-              "bertjax.control", "bertjax.optimizer", "bertjax.sharding",
+              "bertjax.control", "bertjax.optimizer",
               "bertjax.gradcache",
               "bertjax.hlotext", "bertjax.hlocost", "bertjax.layercost")),
     ("model", ("bertjax.model",)),
@@ -61,7 +59,7 @@ LAYERS = (
                   "bertjax.prediction_vectors", "bertjax.benchmark_predict",
                   "bertjax.benchmark_retrieval",
                   "bertjax.benchmark_accel", "bertjax.benchmark_layers", "bertjax.convert", "launch")),
-    ("faces", ("bertjax.heads", "bertjax.losses", "bertjax.nnx")),
+    ("faces", ("bertjax.heads", "bertjax.losses", "bertjax.nnx", "bertjax.sharding")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 

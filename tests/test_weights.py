@@ -21,8 +21,8 @@ from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import init_from
 from bertjax.formats import google, hf
 from bertjax.model.heads import BertForPreTraining
+from bertjax.parallel.sharding import MeshConfig
 from bertjax.pretrained import load_pretrained
-from bertjax.sharding import MeshConfig
 from conftest import xla_flags
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import write_vocab

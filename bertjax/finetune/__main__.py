@@ -12,7 +12,8 @@ import sys
 
 from absl import flags
 
-from bertjax import cli, hostmem
+from bertjax import cli
+from bertjax.parallel import hostmem
 
 FLAGS = flags.FLAGS
 

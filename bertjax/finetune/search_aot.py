@@ -25,10 +25,11 @@ import sys
 import jax
 from absl import app, flags
 
-from bertjax import aot, cli, sharding, topologies, train
+from bertjax import aot, cli, train
 from bertjax.finetune import trials as trials_lib
 from bertjax.finetune.families import classification
 from bertjax.model.config import BertConfig
+from bertjax.parallel import sharding, topologies
 
 GIB = 2**30
 
@@ -116,7 +117,7 @@ def main(argv):
 
 if __name__ == "__main__":
   cli.define_config_flag()
-  flags.DEFINE_string("topology", "v5p-8", "A Cloud TPU slice (bertjax.topologies).")
+  flags.DEFINE_string("topology", "v5p-8", "A Cloud TPU slice (bertjax.parallel.topologies).")
   flags.DEFINE_integer("batch_size", 32, "Each trial's batch.")
   flags.DEFINE_integer("seq_len", 128, "Tokens per row.")
   flags.DEFINE_integer("max_per_chip", 64, "The most trials per chip tried.")

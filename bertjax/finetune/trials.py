@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import optimizer as optimizer_lib, sharding, train
+from bertjax import optimizer as optimizer_lib, train
 from bertjax.model.config import BertConfig
+from bertjax.parallel import sharding
 
 
 @dataclasses.dataclass(frozen=True)

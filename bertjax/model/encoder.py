@@ -21,11 +21,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax import sharding
 from bertjax.model import attention, dropout, residuals
 from bertjax.model.attention import apply_rope, rope_tables
 from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
+from bertjax.parallel import sharding
 
 
 def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:

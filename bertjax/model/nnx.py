@@ -1,7 +1,7 @@
 """bertjax's linen modules (the encoder, the heads) as `flax.nnx` modules, sharding names kept.
 
     from flax import nnx
-    from bertjax.nnx import to_nnx
+    from bertjax.model.nnx import to_nnx
 
     encoder = to_nnx(BertModel(config), input_ids, rngs=nnx.Rngs(0))
     sequence, pooled = encoder(input_ids, input_mask, segment_ids)
@@ -36,7 +36,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from bertjax import sharding
+from bertjax.parallel import sharding
 
 
 class ToNNX(nnx.bridge.ToNNX):

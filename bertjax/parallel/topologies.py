@@ -180,7 +180,7 @@ class Topology:
 
 def parse_topology(name: str, num_slices: int = 1) -> Topology:
   """"v5p-128" -> Topology(v5p, 4x4x4); "v5litepod-N" is v5e-N; an unknown name raises naming
-  the nearest known ones (bertjax.topologies holds the table, shared with launch/tpu.py)."""
+  the nearest known ones (bertjax.parallel.topologies holds the table, shared with launch/tpu.py)."""
   try:
     slice_type = parse(name)
   except ValueError as e:

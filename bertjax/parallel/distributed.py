@@ -52,7 +52,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                process_id: int | None = None, heartbeat_seconds: int | None = None) -> bool:
   """Joins this process to the others of the job, if there are others. Returns whether it did.
   `heartbeat_seconds`: jax's heartbeat timeout (a process silent that long aborts the others),
-  None for jax's default (bertjax/watchdog.py sets it above the watchdog's)."""
+  None for jax's default (bertjax/parallel/watchdog.py sets it above the watchdog's)."""
   extra = {} if heartbeat_seconds is None else {"heartbeat_timeout_seconds": heartbeat_seconds}
   coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
   num_processes = _int_or_none(
