@@ -20,7 +20,7 @@ setuptools.setup(
         "tensorflow-cpu>=2.18,<2.22",
         "tensorflow-datasets>=4.9.7,<5",
         # tensorflow-cpu no longer ships it: a run's event files are written with its protos and
-        # record framing (bertjax/metrics.py, no TensorFlow needed), and it is the viewer of a
+        # record framing (bertjax/training/metrics.py, no TensorFlow needed), and it is the viewer of a
         # run's logs (`tensorboard --logdir WORKDIR/tensorboard`).
         "tensorboard>=2.18,<2.22",
         # 0.2.3's model proto is generated for protobuf 7 and refuses an older runtime; the

@@ -50,10 +50,11 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, flops, layercost, roofline as roofline_lib, train, versions
+from bertjax import cli, flops, layercost, roofline as roofline_lib, versions
 from bertjax.data.config import DataConfig
 from bertjax.model import attention
 from bertjax.parallel import sharding, topologies
+from bertjax.training import train
 
 GIB = 2**30
 

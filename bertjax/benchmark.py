@@ -35,10 +35,11 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import benchmark_commands, cli, flops, opprofile, train
+from bertjax import benchmark_commands, cli, flops, opprofile
 from bertjax.data.config import DataConfig
 from bertjax.flops import peak_tflops, train_flops
 from bertjax.parallel import hostmem
+from bertjax.training import train
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
                     seed: int = 0, sequences_per_row: int = 0) -> dict[str, np.ndarray]:

@@ -298,7 +298,7 @@ def one_line(err: BaseException) -> str | None:
     return f"bertjax: ValueError: {err}"  # as said before Refusal was its own class
   # control imports jax, which a data worker or the launcher need not load: a process that never
   # imported it raised none of its errors.
-  control = sys.modules.get("bertjax.control")
+  control = sys.modules.get("bertjax.training.control")
   # The project's refusals; a missing file or folder; a file that is not UTF-8 or not JSON (what
   # was read is at fault, not bertjax); a non-finite loss.
   if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,

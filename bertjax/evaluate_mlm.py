@@ -17,11 +17,12 @@ import json
 import jax
 from absl import app, flags
 
-from bertjax import checkpoint as checkpoint_lib, cli, pretrain_job, train, weights
+from bertjax import cli, weights
 from bertjax.configs import tiny
 from bertjax.data import pipeline
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
+from bertjax.training import checkpoint as checkpoint_lib, pretrain_job, train
 
 
 def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:

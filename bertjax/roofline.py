@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import flops as flops_lib, hlocost, hlotext, layercost, train
+from bertjax import flops as flops_lib, hlocost, hlotext, layercost
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding
+from bertjax.training import train
 
 
 def round4(x: float) -> float:

@@ -39,11 +39,12 @@ import jax
 from absl import flags
 
 import bertjax.configs as released_configs
-from bertjax import aot, cli, flops, roofline, train
+from bertjax import aot, cli, flops, roofline
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 from bertjax.model import attention
 from bertjax.parallel import topologies
+from bertjax.training import train
 
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
 REMAT = ("none", "dots", "dots_all", "full")

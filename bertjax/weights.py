@@ -42,8 +42,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from bertjax import checkpoint as checkpoint_lib, errors, files
+from bertjax import errors, files
 from bertjax.errors import Refusal
+from bertjax.training import checkpoint as checkpoint_lib
 from bertjax.formats import (converted, google, hf, modernbert, modernbert_tasks, tf_bundle,
     vocabulary)
 from bertjax.model.config import BertConfig

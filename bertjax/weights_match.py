@@ -8,10 +8,11 @@ import dataclasses
 
 from absl import logging
 
-from bertjax import checkpoint as checkpoint_lib, errors
+from bertjax import errors
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.formats import hf
 from bertjax.model.config import BertConfig
+from bertjax.training import checkpoint as checkpoint_lib
 from bertjax.weights import ENCODER, Weights
 
 

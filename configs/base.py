@@ -104,7 +104,7 @@ def get_config():
   d.max_line_chars = 20_000  # a longer line is refused, naming file and line (0: no limit)
   d.max_document_pair_share = 0.05  # warn when one document yields more of a split's pairs
 
-  # --- train: see bertjax/train.py and bertjax/optimizer.py. ---------------------------------------
+  # --- train: see bertjax/training/train.py and bertjax/training/optimizer.py. ---------------------
   t = config.train = ml_collections.ConfigDict()
   t.batch_size = 256  # global batch: rows per update, all hosts (a row = a sequence unless packing)
   t.num_microbatches = 1  # gradient accumulation: the batch is processed in this many slices
@@ -121,7 +121,7 @@ def get_config():
   t.adam_eps = 1e-6  # added to sqrt(v)
   t.bias_correction = False  # the original has none; NVIDIA's LAMB recipe sets True
   t.max_grad_norm = 1.0  # clip gradients to this global norm (0 disables)
-  # The loop (bertjax/loop.py):
+  # The loop (bertjax/training/loop.py):
   t.log_every_steps = 100  # a console line, TensorBoard and metrics.jsonl every this many steps
   t.eval_every_steps = 10_000  # held-out evaluation every this many steps (0: only at the end)
   t.eval_sequences = 10_000  # held-out sequences per evaluation, always the same ones (0: all)
@@ -131,7 +131,7 @@ def get_config():
   # seconds is named and the run ended, exit status 75, to be resumed (bertjax/parallel/watchdog.py; 0: off)
   t.watchdog_seconds = 300
 
-  # --- checkpoint: see bertjax/checkpoint.py. -------------------------------------------------------
+  # --- checkpoint: see bertjax/training/checkpoint.py. ----------------------------------------------
   c = config.checkpoint = ml_collections.ConfigDict()
   c.save_every_steps = 5_000  # also saved at the end and on SIGTERM (preemption)
   c.keep = 3  # newest checkpoints kept in workdir/checkpoints

@@ -18,9 +18,8 @@ import tempfile
 import jax
 import pytest
 
-from bertjax import pretrain_job, train
-from bertjax.configs import finetune as finetune_config
-from bertjax.configs import tiny
+from bertjax.configs import finetune as finetune_config, tiny
+from bertjax.training import pretrain_job, train
 from test_data_fixtures import WORDS, data_section
 
 # Words with a role in the tasks; the others are filler.

@@ -312,7 +312,8 @@ def test_only_a_refusal_is_one_line_a_plain_value_error_keeps_its_traceback():
   """cli.explained ends the command in one line on errors.Refusal (and the project's refusals
   built on it, a missing file, a file that is not text); a plain ValueError is a fault of the code
   (an unpacking gone wrong, a library called wrongly) and reaches the user with its traceback."""
-  from bertjax import checkpoint, errors  # pylint: disable=import-outside-toplevel
+  from bertjax import errors  # pylint: disable=import-outside-toplevel
+  from bertjax.training import checkpoint  # pylint: disable=import-outside-toplevel
 
   def raising(error):
     def run():

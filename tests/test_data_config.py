@@ -13,11 +13,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from bertjax import loop, pretrain_job
+from bertjax.configs import base, bert_base, bert_large, finetune, modern_base, modern_tiny, tiny
 from bertjax.data.config import DataConfig
 from bertjax.finetune import run
 from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
-from bertjax.configs import base, bert_base, bert_large, finetune, modern_base, modern_tiny, tiny
+from bertjax.training import loop, pretrain_job
 from test_data_fixtures import WORDS, data_config, data_section, write_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

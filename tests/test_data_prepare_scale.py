@@ -248,9 +248,9 @@ def test_beams_own_refusals_of_the_options_name_the_config_key(capfd):
 
 def host(address: str, process_id: int, config_json: str) -> None:
   """One host of a two-process pod: pretrain_job.prepare_data, recording what this host did."""
-  from bertjax import pretrain_job
   from bertjax.data.config import DataConfig
   from bertjax.parallel import distributed
+  from bertjax.training import pretrain_job
   assert distributed.initialize(address, 2, process_id)
   done = []
   scatter, build = shards.scatter_unit, shards.build_shard

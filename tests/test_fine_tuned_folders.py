@@ -78,9 +78,10 @@ def test_load_pretrained_and_pretraining_init_from_in_a_fresh_interpreter(folder
   script = textwrap.dedent(f"""
       import dataclasses, json, sys
       import jax, numpy as np
-      from bertjax import pretrain_job, train, weights
+      from bertjax import weights
       from bertjax.parallel.sharding import MeshConfig
       from bertjax.pretrained import load_pretrained
+      from bertjax.training import pretrain_job, train
       out = {{}}
       for name, path in {folders!r}.items():
         config, encoder = load_pretrained(path)

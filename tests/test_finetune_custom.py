@@ -18,8 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import errors, predict as predict_lib
-from bertjax import taskspec as spec_lib
+from bertjax import errors, predict as predict_lib, taskspec as spec_lib
 from bertjax.finetune import custom, families, run
 from bertjax.finetune.families import classification, tagging
 from bertjax.inputs import pairs, tagged, textfiles
@@ -685,7 +684,7 @@ def test_an_export_leaves_only_its_own_files(routing, tmp_path):
 
 def test_an_export_of_a_damaged_best_step_names_the_latest_checkpoint(routing, tmp_path):
   import shutil  # pylint: disable=import-outside-toplevel
-  from bertjax import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.training import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "copy")
   shutil.copytree(routing[0], workdir)
   (step,) = [n for n in os.listdir(os.path.join(workdir, "best")) if n.isdigit()]

@@ -21,11 +21,11 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, errors, loop
+from bertjax import errors, taskspec as spec_lib
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax import taskspec as spec_lib
 from bertjax.finetune import run, squad_metrics, tasks
 from bertjax.inputs import questions
+from bertjax.training import checkpoint as checkpoint_lib, loop
 import finetune_fixtures as fx
 from test_data_fixtures import write_vocab
 

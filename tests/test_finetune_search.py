@@ -256,9 +256,9 @@ def test_trials_side_by_side_equal_trials_one_after_another():
   """The accelerators' way (vmap: batched matmuls) against the CPU's (lax.map), one step of 2
   trials of a tiny model: the same parameters to float32 reordering."""
   import jax  # pylint: disable=import-outside-toplevel
-  from bertjax import train  # pylint: disable=import-outside-toplevel
   from bertjax.finetune.families import classification  # pylint: disable=import-outside-toplevel
   from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.training import train  # pylint: disable=import-outside-toplevel
   config = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                       intermediate_size=64, max_position_embeddings=16)
   base = train.TrainConfig(batch_size=4, num_train_steps=4, warmup_steps=1, learning_rate=1e-3)

@@ -9,8 +9,9 @@ so that every byte's place is known; tests/test_aot.py holds the same on TPU com
 import jax
 import pytest
 
-from bertjax import hlocost, hlotext, roofline, train
+from bertjax import hlocost, hlotext, roofline
 from bertjax.configs import tiny
+from bertjax.training import train
 
 MIB2 = 1024 * 1024 * 2  # one bf16[1024,1024]
 

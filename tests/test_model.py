@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
-from bertjax import train
 from bertjax.configs import base
 from bertjax.model import losses
 from bertjax.model.attention import attention_with_dropout
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel, positions_from_sequence_ids
 from bertjax.model.heads import BertForPreTraining
+from bertjax.training import train
 
 SMALL = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                    max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)

@@ -255,9 +255,9 @@ def test_flop_model_counts_the_gate_and_the_windows():
 def test_a_sharded_scanned_remat_step_equals_one_device():
   """The new weights' logical axes under a data x fsdp x tensor mesh, with nn.scan and remat
   over global and local layers: one train step as on one device."""
-  from bertjax import train  # pylint: disable=import-outside-toplevel
   from bertjax.configs import base  # pylint: disable=import-outside-toplevel
   from bertjax.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from bertjax.training import train  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(MODERN, scan_layers=True, remat_policy="full",
                             tie_word_embeddings=False)
   rng = np.random.default_rng(6)

@@ -36,10 +36,10 @@ def train_losses() -> list[float]:
   """STEPS steps of a tiny BERT with dropout on the global mesh; the loss of each step."""
   import jax
 
-  from bertjax import train
   from bertjax.configs import base
   from bertjax.model.config import BertConfig
   from bertjax.parallel import sharding
+  from bertjax.training import train
 
   model = BertConfig(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=4,
                      intermediate_size=64, max_position_embeddings=L)

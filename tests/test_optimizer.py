@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from bertjax import optimizer
-from bertjax.train import TrainConfig
+from bertjax.training import optimizer
+from bertjax.training.train import TrainConfig
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-6, 0.01, 0.1
 
@@ -101,10 +101,10 @@ def _model_params_and_grads():
   (built once, for the two tests that read them; the gradient is one compiled program, not
   hundreds of operations dispatched one by one)."""
   import flax.linen as nn
-  from bertjax import train
   from bertjax.model import losses
   from bertjax.model.config import BertConfig
   from bertjax.model.heads import BertForPreTraining
+  from bertjax.training import train
   cfg = BertConfig(vocab_size=48, hidden_size=16, num_layers=2, num_heads=2,
                    intermediate_size=32, max_position_embeddings=16)
   model = BertForPreTraining(cfg)
@@ -231,9 +231,9 @@ def test_unknown_optimizer_is_named():
 def test_masks_on_the_real_scanned_model():
   # LAMB's per-layer trust ratio must see the scanned encoder's leading [num_layers] axis.
   import flax.linen as nn
-  from bertjax import train
   from bertjax.model.config import BertConfig
   from bertjax.model.heads import BertForPreTraining
+  from bertjax.training import train
   cfg = BertConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
                    intermediate_size=32, scan_layers=True)
   model = BertForPreTraining(cfg)

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import train
 from bertjax.data import packing, pipeline, prepare, tokenizer
 from bertjax.data.config import DataConfig
 from bertjax.model import losses
 from bertjax.model.config import BertConfig
 from bertjax.model.heads import BertForPreTraining
+from bertjax.training import train
 from test_data_fixtures import data_config, data_section
 
 L = 64

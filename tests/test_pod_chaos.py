@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib
 from bertjax.parallel import watchdog
+from bertjax.training import checkpoint as checkpoint_lib
 from test_launch_local import _alive, _flags, runs  # pylint: disable=unused-import  (a fixture)
 
 STEPS, SAVE_EVERY = 40, 5

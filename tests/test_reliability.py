@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, errors, files, weights
+from bertjax import errors, files, weights
 from bertjax.data.config import DataConfig
 from bertjax.finetune import init_from, run
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.model.config import BertConfig
+from bertjax.training import checkpoint as checkpoint_lib
 
 
 # 1. Fine-tuning workdir: a kill between any two writes ------------------------------------------
@@ -612,8 +613,8 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
 
 
 def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path, capsys):
-  from bertjax import pretrain_job
   from bertjax.configs import tiny
+  from bertjax.training import pretrain_job
   source = weights.Weights(str(tmp_path), "google", BertConfig(vocab_size=512), ("bert",),
                            vocab_file=str(tmp_path / "vocab.txt"), tokenizer_kind="wordpiece",
                            do_lower_case=False, casing_why="the name cased_L-2 says cased")

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, pretrain_job, train, weights, weights_match
+from bertjax import weights, weights_match
 from bertjax.convert import google as convert_google, hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import init_from
@@ -23,6 +23,7 @@ from bertjax.formats import google, hf
 from bertjax.model.heads import BertForPreTraining
 from bertjax.parallel.sharding import MeshConfig
 from bertjax.pretrained import load_pretrained
+from bertjax.training import checkpoint as checkpoint_lib, pretrain_job, train
 from conftest import xla_flags
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import write_vocab

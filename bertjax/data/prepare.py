@@ -23,8 +23,7 @@ import os
 import re
 import time
 
-from bertjax.data import corpus, packing, processes, shards, storage
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import corpus, packing, processes, shards, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.data.template import Template
 from bertjax.errors import Refusal
@@ -107,7 +106,7 @@ def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *, num_workers: int 
   gf = _gfile()
   out_dir = prepared_dir(data, tok)
   storage.make_dirs(out_dir, "prepared_dir" if data.prepared_dir else "cache_dir")
-  # On a pod, jax's preemption notifier owns SIGTERM (bertjax/control.py): a Python handler here
+  # On a pod, jax's preemption notifier owns SIGTERM (bertjax/training/control.py): a Python handler here
   # would replace it for the rest of the run, and a notice would then kill the host outright.
   # There the hosts finish preparing and stop at the first step.
   stoppable = processes.sigterm_raises() if host_count == 1 else contextlib.nullcontext()

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from bertjax import checkpoint as checkpoint_lib, errors, files, loop
+from bertjax import errors, files
+from bertjax.training import checkpoint as checkpoint_lib, loop
 
 TRAIN_DATA = "train_data"  # a checkpoint record's key: the sha256 of the features it trained on
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from bertjax import checkpoint as checkpoint_lib, loop, weights, weights_match
+from bertjax import weights, weights_match
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import init_heads
 from bertjax.finetune.config import FinetuneDataConfig
 from bertjax.model.config import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
+from bertjax.training import checkpoint as checkpoint_lib, loop
 
 
 def resolve_model(config, source: weights.Weights | None) -> BertConfig:

@@ -15,8 +15,9 @@ from typing import Any, Mapping
 
 import jax
 
-from bertjax import checkpoint as checkpoint_lib, weights
+from bertjax import weights
 from bertjax.model import heads
+from bertjax.training import checkpoint as checkpoint_lib
 
 HEAD = heads.PREDICTION_HEAD
 MLM = "mlm"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import train
 from bertjax.model import losses
+from bertjax.training import train
 
 INPUTS = ("input_ids", "input_mask", "segment_ids")
 

@@ -29,12 +29,12 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 
-from bertjax import (checkpoint as checkpoint_lib, control, errors, files, loop,
-    taskspec as spec_lib, train, weights)
+from bertjax import errors, files, taskspec as spec_lib, weights
 from bertjax.errors import Refusal
 from bertjax.finetune import families, tasks
 from bertjax.finetune.config import SearchConfig, TaskConfig
 from bertjax.parallel import sharding, watchdog
+from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
 from bertjax.finetune.evaluations import (TRAIN_DATA, Evaluations, features_digest,
     say_if_data_changed)
 from bertjax.finetune.init_from import initialiser, resolve_model, resolve_tokenizer

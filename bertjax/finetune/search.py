@@ -31,13 +31,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from bertjax import (checkpoint as checkpoint_lib, control, errors, files, loop,
-    taskspec as spec_lib, train, weights)
+from bertjax import errors, files, taskspec as spec_lib, weights
 from bertjax.errors import Refusal
 from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
 from bertjax.finetune.config import AUTO, SEARCH_KEYS, SearchConfig
 from bertjax.finetune.evaluations import Evaluations
 from bertjax.parallel import sharding
+from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
 
 SEARCH_FILE = "search.json"
 

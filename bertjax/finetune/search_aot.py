@@ -25,11 +25,12 @@ import sys
 import jax
 from absl import app, flags
 
-from bertjax import aot, cli, train
+from bertjax import aot, cli
 from bertjax.finetune import trials as trials_lib
 from bertjax.finetune.families import classification
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding, topologies
+from bertjax.training import train
 
 GIB = 2**30
 

@@ -9,7 +9,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib, train
+from bertjax import taskspec as spec_lib
+from bertjax.training import train
 
 
 @dataclasses.dataclass

@@ -30,13 +30,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from bertjax import contrastive_training, files, taskspec as spec_lib
+from bertjax import files, taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData
 from bertjax.inputs import questions, tagged, word_windows
+from bertjax.training import contrastive as contrastive_training
 
 SQUAD_TASKS = {"squad_v1.1": "squad/v1.1", "squad_v2.0": "squad/v2.0"}
 NER_TASKS = ("conll2003",)

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import optimizer as optimizer_lib, train
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding
+from bertjax.training import optimizer as optimizer_lib, train
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 # Each field's roles, stated once on the field (`_field(default, *roles)`); the tuples below are
 # read from them:
 #   shape         sets the shape or the layout of the parameters: a checkpoint that differs in one
-#                 is another model (bertjax/checkpoint.py refuses to resume it)
+#                 is another model (bertjax/training/checkpoint.py refuses to resume it)
 #   architecture  a modern option that adds, drops or reorders parameters, or changes what the
 #                 stored ones mean (pre- vs post-LN, RoPE vs a table): compared like a shape field,
 #                 but a fine-tuning config need not spell it out (init_from's value is taken)

@@ -51,7 +51,7 @@ def _ones(names):
 
 def layer_norm(config: BertConfig, name: str) -> nn.Module:
   """The config's norm (LayerNorm or RMSNorm). Names keep "layer_norm" so that the optimizer's
-  decay mask (bertjax/optimizer.py) excludes them whatever the type."""
+  decay mask (bertjax/training/optimizer.py) excludes them whatever the type."""
   # Statistics in float32 whatever the compute dtype (said explicitly: the dtype policy must not
   # hang on a library default); the output goes back to the compute dtype.
   if config.norm_type == "rmsnorm":

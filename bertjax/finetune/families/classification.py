@@ -15,13 +15,14 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib, train
+from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import TaskData
 from bertjax.model import heads
+from bertjax.training import train
 
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:

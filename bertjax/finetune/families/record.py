@@ -14,10 +14,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib, train
+from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
+from bertjax.training import train
 
 Spec = spec_lib.TaskSpec
 

@@ -17,8 +17,9 @@ import functools
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib, train
+from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
+from bertjax.training import train
 from bertjax.finetune import (custom, metrics as ft_metrics, objectives, squad_metrics,
     squad_postprocess)
 from bertjax.finetune.config import TaskConfig

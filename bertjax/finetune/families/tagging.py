@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import taskspec as spec_lib, train
+from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
@@ -30,6 +30,7 @@ from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
 from bertjax.inputs import tagged, textfiles, word_windows
 from bertjax.model import heads
+from bertjax.training import train
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   return len(spec.labels)

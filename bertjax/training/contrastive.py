@@ -14,7 +14,7 @@ queries and passages alike) gives their vectors, the outputs' "vector" [N, D].
 
 One step sees every passage of the global batch as a negative of every query (bertjax/
 contrastive.py says how, on any mesh). With `config.train.num_microbatches` k > 1 the batch is
-encoded k chunks at a time and still scored as one (GradCache, bertjax/gradcache.py): k bounds
+encoded k chunks at a time and still scored as one (GradCache, bertjax/training/gradcache.py): k bounds
 the encoder's activations, as it does for a per-row loss, and the negatives stay the whole batch.
 Chunk c's dropout key is the one microbatch c would have, fold_in(step key, c); with k = 1 the
 step is train_step's own.
@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from bertjax import gradcache, train
 from bertjax.model import contrastive, losses
 from bertjax.model.contrastive import BiEncoder, ContrastiveConfig
 from bertjax.parallel import sharding
+from bertjax.training import gradcache, train
 
 INPUTS = ("query_ids", "query_mask", "passage_ids", "passage_mask")
 KEY = "passage_key"

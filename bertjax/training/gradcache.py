@@ -22,7 +22,7 @@ element's index in its array (bertjax/model/dropout.py), so both passes draw the
 (They are not the masks of the unchunked batch, whose arrays are k times longer: with dropout, k
 chunks and one batch are two draws of the same distribution; without, the same numbers.)
 
-Nothing here knows the model: bertjax/contrastive_training.py hands it the bi-encoder.
+Nothing here knows the model: bertjax/training/contrastive.py hands it the bi-encoder.
 """
 
 from __future__ import annotations

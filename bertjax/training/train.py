@@ -26,7 +26,7 @@ Counters: `state.step` is the one count of updates. The optimizer keeps its own 
 bias correction read it); `train_step` sets it from `state.step` before every update, and
 `check_step_counters` refuses a state (a restored one) whose counters disagree.
 
-The loop (checkpoints, logging, evaluation schedule) is bertjax/loop.py; nothing here does I/O.
+The loop (checkpoints, logging, evaluation schedule) is bertjax/training/loop.py; nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bertjax import optimizer as optimizer_lib
 from bertjax.errors import Refusal
 from bertjax.model import losses
 from bertjax.model.config import BertConfig
 from bertjax.model.heads import BertForPreTraining
 from bertjax.parallel import sharding
+from bertjax.training import optimizer as optimizer_lib
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, tuple[jax.Array, jax.Array]]
@@ -207,7 +207,7 @@ class Objective:
   # With k > 1 microbatches, the gradient of an objective whose loss is not a sum over rows (a
   # contrastive loss: every query against every passage of the batch), in place of summing
   # microbatches' gradients: (params, model, batch, step_rng, denominators, k, mesh,
-  # param_shardings) -> ((loss, metrics), grads) of the whole batch (bertjax/gradcache.py).
+  # param_shardings) -> ((loss, metrics), grads) of the whole batch (bertjax/training/gradcache.py).
   chunked_gradient: Callable | None = None
   # Parameter subtrees (paths of names) the objective never reads, kept as they start: no update,
   # no weight decay (optimizer.frozen). The bi-encoder's: the encoder's tanh pooler.

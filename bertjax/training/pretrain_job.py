@@ -2,7 +2,7 @@
 bertjax.pretrain` runs. The run's vocabulary (init_from's, or trained once) and its prepared shards,
 the start from `init_from`, the tf.data batches, the held-out evaluation (the first
 `eval_sequences`, masked with the preparation seed, so every run and seed is scored on the same
-predictions) and the closing summary; bertjax/loop.py's `execute` runs the steps, saves, logs and
+predictions) and the closing summary; bertjax/training/loop.py's `execute` runs the steps, saves, logs and
 stops, as it does fine-tuning's job.
 """
 
@@ -17,11 +17,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bertjax import checkpoint as checkpoint_lib, control, flops, loop, train, weights
-from bertjax import weights_match
+from bertjax import flops, weights, weights_match
 from bertjax.data import prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
+from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
 
 
 def resolve_vocab_size(config_vocab: int, tokenizer_vocab: int) -> int:

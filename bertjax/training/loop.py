@@ -3,12 +3,12 @@
 `execute(config, workdir, job)` is the one loop of every run: restore or initialise, the steps
 (`control.run_steps`), saves, logs, stop signals, evaluations. A `Job` says what differs between
 runs: the `train.Training` (its objective), the batches, the evaluation, where new parameters come
-from. Pre-training's job is `bertjax.pretrain_job.train_and_evaluate(config, workdir)`, what
+from. Pre-training's job is `bertjax.training.pretrain_job.train_and_evaluate(config, workdir)`, what
 `python -m bertjax.pretrain` runs; fine-tuning's is `bertjax.finetune.run.finetune`. Resume is
 exact: the state is (step, params, opt_state); dropout keys are fold_in(seed, step) and the input
 pipeline restarts at any step with the same batches, so an interrupted-and-resumed run computes
 what an uninterrupted one computes. Restore order: the workdir's newest checkpoint that restores >
-`init_from` (parameters only) > scratch (bertjax/checkpoint.py says what is skipped and what refused).
+`init_from` (parameters only) > scratch (bertjax/training/checkpoint.py says what is skipped and what refused).
 
 Everything that can be checked is checked before the first step: the intervals, the workdir, the
 data (the held-out split too), the mesh and batch, and the checkpoint's model, optimizer and
@@ -27,11 +27,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from bertjax import (checkpoint as checkpoint_lib, control, files, flops, metrics as metrics_lib,
-    train)
+from bertjax import files, flops
 from bertjax.data import vocab_record
 from bertjax.errors import Refusal
 from bertjax.parallel import watchdog as watchdog_lib
+from bertjax.training import checkpoint as checkpoint_lib, control, metrics as metrics_lib, train
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What a run reports: metric reduction, TensorBoard + JSON-lines writers, speed, progress lines.
 
 The FLOP model and the devices' peaks are bertjax/flops.py; the non-finite guard is
-bertjax/control.py.
+bertjax/training/control.py.
 
 Only process 0 writes. Metrics arrive as {name: (sum, denominator)} already summed over the
 global batch; `reduce` divides them once, after any accumulation over steps.

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bertjax import metrics as metrics_lib
 from bertjax.errors import NonFiniteError, Refusal
 from bertjax.parallel import watchdog
+from bertjax.training import metrics as metrics_lib
 
 
 @dataclasses.dataclass(frozen=True)
