@@ -35,10 +35,11 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import benchmark_commands, cli, flops, opprofile
+from bertjax import benchmark_commands, cli
 from bertjax.data.config import DataConfig
-from bertjax.flops import peak_tflops, train_flops
 from bertjax.parallel import hostmem
+from bertjax.perf import flops, opprofile
+from bertjax.perf.flops import peak_tflops, train_flops
 from bertjax.training import train
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
@@ -219,7 +220,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("warmup_steps", 1, "untimed steps after compiling")
   flags.DEFINE_string("json", "", "also write the figures to this file")
   flags.DEFINE_integer("profile_steps", 0, "also trace this many steps and print where the time "
-                       "goes by kind of operation (bertjax/opprofile.py)")
+                       "goes by kind of operation (bertjax/perf/opprofile.py)")
   flags.mark_flag_as_required("config")
 
 

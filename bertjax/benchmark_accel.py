@@ -18,7 +18,7 @@ Prints one line per measured case, all in bfloat16 matmuls (parameters float32),
 Train batches hold --tokens_per_device positions per device (64 rows of 128, 16 of 512), and so
 do prediction's calls (bertjax/predict.py: length_groups).
 
-MFU = model FLOPs (bertjax/flops.py: matmuls, 3x forward) / step time / (devices x peak). The
+MFU = model FLOPs (bertjax/perf/flops.py: matmuls, 3x forward) / step time / (devices x peak). The
 peaks are dense bfloat16 TFLOP/s per chip from the vendors' data sheets, flops.PEAK_TFLOPS (the
 table is printed first); a device without an entry (a CPU) gets none. Memory is XLA's figure for
 the case's own executable (arguments + outputs + temporaries - aliased), and at the end the
@@ -49,8 +49,9 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import benchmark, benchmark_predict, cli, flops, opprofile
+from bertjax import benchmark, benchmark_predict, cli
 from bertjax.model.config import BertConfig
+from bertjax.perf import flops, opprofile
 
 SIZES = ("full", "tiny")
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=512)
@@ -249,7 +250,7 @@ def check(size: str = "full", tokens_per_device: int = 8192, steps: int = 3, dev
   after `budget_s` seconds (0: none) the cases not yet started are reported as skipped, so a
   check inside a time-limited lease still returns what it measured. `json_path` is rewritten
   after every case. Train cases whose description contains `profile` are also profiled
-  (bertjax/opprofile.py: time by kind of operation)."""
+  (bertjax/perf/opprofile.py: time by kind of operation)."""
   started = time.perf_counter()
   device = (devices or jax.devices())[0]
   fused = fused_attention()

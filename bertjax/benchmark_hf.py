@@ -23,10 +23,11 @@ import numpy as np
 import optax
 from absl import flags
 
-from bertjax import benchmark, cli, flops
+from bertjax import benchmark, cli
 from bertjax.data.config import DataConfig
 from bertjax.model.config import BertConfig
 from bertjax.parallel import hostmem
+from bertjax.perf import flops
 from bertjax.training import optimizer as optimizer_lib
 
 FLAGS = flags.FLAGS

@@ -13,7 +13,7 @@ no remat) and variants of it; each variant is compiled, warmed up twice and time
 
   A  default flags: base; unrolled layers (scan=0); two layers per loop iteration (scan_unroll=2);
      no hidden dropout; full remat; 32,768 positions; BERT-Large; also the compiled program's
-     layer loops (bertjax/layercost.py: operations per layer, writes of whole [layers, ...]
+     layer loops (bertjax/perf/layercost.py: operations per layer, writes of whole [layers, ...]
      buffers, opcodes of the loop bodies) of base and unrolled, and a trace of base (the GPU
      streams' busy time against the step's wall, kernels per step, the first events' stats);
   B  XLA command buffers off (--xla_gpu_enable_command_buffer=): base, traced;
@@ -45,8 +45,9 @@ import time
 import jax
 from absl import app, flags
 
-from bertjax import benchmark, benchmark_accel, cli, hlotext, layercost, opprofile
+from bertjax import benchmark, benchmark_accel, cli
 from bertjax.model import attention
+from bertjax.perf import hlotext, layercost, opprofile
 
 AUTOTUNE_CACHE = "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/bertjax_autotune"
 DEFAULT_BUDGET_S = 540.0
@@ -86,7 +87,7 @@ def runner(spec: str, size: str):
 
 
 def hlo_figures(text: str, num_layers: int, scan_unroll: int = 1) -> dict:
-  """The compiled program per layer (bertjax/layercost.py) and the opcodes of its layer loops."""
+  """The compiled program per layer (bertjax/perf/layercost.py) and the opcodes of its layer loops."""
   comps = opprofile.computations(text)
   bodies = layercost.layer_loops(text, num_layers, scan_unroll)
   opcodes = {body: dict(collections.Counter(

@@ -17,7 +17,7 @@ so what is left is the engine). `--extras` adds what a user tries next on a CPU:
 PyTorch loop under `torch.compile` (inductor, dynamic shapes; it needs a C++ compiler, not the
 network) or bf16 autocast, and bertjax with bf16 matmuls (with how far its probabilities move).
 Printed: sequences/s of each per round, the ratios' range, the FLOP/s achieved (the matmul FLOPs
-of the positions computed, bertjax/flops.py) against a large jitted float32 matmul's on this
+of the positions computed, bertjax/perf/flops.py) against a large jitted float32 matmul's on this
 machine, the practical ceiling, and the load average (the machine's other work moves the figures;
 the interleaved rounds share it out, but PyTorch's threads suffer more from it than XLA's).
 
@@ -40,12 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, flops, predict, prediction_rows, taskspec
+from bertjax import cli, predict, prediction_rows, taskspec
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import families
 from bertjax.finetune.families import classification
 from bertjax.formats import converted
 from bertjax.model.config import BertConfig
+from bertjax.perf import flops
 
 SHAPES = {"small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
           "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)}

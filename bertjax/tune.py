@@ -5,7 +5,7 @@
 
 From the config as it is, one setting at a time, each candidate's train step is compiled for the
 slice by libtpu's compile-only client (as `python -m bertjax.aot`) and its roofline read with every
-layer counted and HBM's bytes alone (bertjax/roofline.py); the best of each setting is kept before
+layer counted and HBM's bytes alone (bertjax/perf/roofline.py); the best of each setting is kept before
 the next is tried (a greedy search: the settings interact little, and a full grid of them would
 take hours to compile on a laptop):
 
@@ -39,11 +39,12 @@ import jax
 from absl import flags
 
 import bertjax.configs as released_configs
-from bertjax import aot, cli, flops, roofline
+from bertjax import aot, cli
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 from bertjax.model import attention
 from bertjax.parallel import topologies
+from bertjax.perf import flops, roofline
 from bertjax.training import train
 
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")

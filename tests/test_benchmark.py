@@ -102,7 +102,7 @@ def test_benchmark_imports_no_tensorflow_or_transformers():
 
 
 def test_the_profile_puts_each_operation_in_its_kind(runner):
-  from bertjax import opprofile  # pylint: disable=import-outside-toplevel
+  from bertjax.perf import opprofile  # pylint: disable=import-outside-toplevel
   hlo = """HloModule m
 
 %fused_dot (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
@@ -153,7 +153,7 @@ def test_a_gpu_trace_is_itemised_by_the_kernels_hlo_stat():
   # the library that ran them, each with an "hlo_op" stat naming the instruction; the "XLA Ops"
   # line holding only what was launched outside a command buffer (the H200's 3.4 of 75 ms).
   from types import SimpleNamespace as E  # pylint: disable=import-outside-toplevel
-  from bertjax import opprofile  # pylint: disable=import-outside-toplevel
+  from bertjax.perf import opprofile  # pylint: disable=import-outside-toplevel
   kinds = {"fusion.1": "matmul", "fusion.2": "elementwise", "copy.3": "layout"}
   ms = 1_000_000
   kernel = lambda name, dur, op=None: E(name=name, duration_ns=dur * ms,

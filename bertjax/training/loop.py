@@ -27,10 +27,11 @@ import jax
 import numpy as np
 from absl import logging
 
-from bertjax import files, flops
+from bertjax import files
 from bertjax.data import vocab_record
 from bertjax.errors import Refusal
 from bertjax.parallel import watchdog as watchdog_lib
+from bertjax.perf import flops
 from bertjax.training import checkpoint as checkpoint_lib, control, metrics as metrics_lib, train
 
 

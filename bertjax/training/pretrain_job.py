@@ -17,10 +17,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bertjax import flops, weights, weights_match
+from bertjax import weights, weights_match
 from bertjax.data import prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
+from bertjax.perf import flops
 from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
 
 

@@ -17,7 +17,7 @@ So, from the optimised HLO text and XLA's own figures:
   layer_ops       the operations per layer, scanned (the loops' bodies) or unrolled (the
                   operations named after one middle layer, `layer_i/`);
   honest_cost     the cost with every layer counted where jaxlib cannot cost a loop's body alone
-                  (bertjax/hlocost.py's program_cost does, from one compile), from two compiles
+                  (bertjax/perf/hlocost.py's program_cost does, from one compile), from two compiles
                   of a scanned step, `scan_unroll` u and k (XLA counts a body of u layers, then of k): the
                   cost of k - u layers is their difference. An upper bound on the bytes: jax's
                   unrolled scan body adds block buffers of its own;
@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import re
 
-from bertjax import hlotext, opprofile
+from bertjax.perf import hlotext, opprofile
 
 # An in-place update of one slice: what a stacked buffer should see inside a layer loop.
 IN_PLACE = {"dynamic-update-slice"}

@@ -1,6 +1,6 @@
 """The text of an optimised XLA module, as `compiled.as_text()` prints it: its computations, their
 instructions and shapes (with their layouts' memory spaces), what each calls, and how often a loop
-runs. Read by bertjax/hlocost.py (what each instruction costs) and bertjax/layercost.py (what a
+runs. Read by bertjax/perf/hlocost.py (what each instruction costs) and bertjax/perf/layercost.py (what a
 compiled step does per encoder layer)."""
 
 from __future__ import annotations

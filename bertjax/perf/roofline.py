@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import flops as flops_lib, hlocost, hlotext, layercost
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding
+from bertjax.perf import flops as flops_lib, hlocost, hlotext, layercost
 from bertjax.training import train
 
 

@@ -6,7 +6,7 @@ chip's own memory (memory space 1, `S(1)` in a layout: VMEM), moving them there 
 their own (`copy-start`/`copy-done`, `slice-start`). Such a buffer counts three times in XLA's
 total: the copy's read from HBM, its write into VMEM, and each read of an operation that uses it
 there, where HBM saw one read. A bandwidth roofline wants the bytes that cross HBM alone (the
-known-answer cases are `bertjax.roofline.check_cost_model`'s; docs/performance.md).
+known-answer cases are `bertjax.perf.roofline.check_cost_model`'s; docs/performance.md).
 
 So, from the optimised module's text:
 
@@ -33,7 +33,7 @@ import json
 import re
 from typing import Callable
 
-from bertjax import hlotext
+from bertjax.perf import hlotext
 
 _KEY = re.compile(r"^bytes accessed(\d+|out)\{([\d,]*)\}$")
 # (the custom call's line, its operands' shapes, its result's shape) -> the kernel's FLOPs, or

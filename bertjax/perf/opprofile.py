@@ -38,7 +38,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
-  """{computation name: its instruction lines} of an HLO module's text (bertjax/layercost.py
+  """{computation name: its instruction lines} of an HLO module's text (bertjax/perf/layercost.py
   reads the layer loops from the same)."""
   comps, current = {}, None
   for line in hlo_text.splitlines():
