@@ -156,7 +156,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 
 
 # The command's name where it runs under another's (`bertjax.benchmark predict` runs the module
-# bertjax.benchmark_predict as its `__main__`): set by that command.
+# bertjax.benchmark.predict as its `__main__`): set by that command.
 PROGRAM: str | None = None
 
 

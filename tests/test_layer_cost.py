@@ -13,7 +13,7 @@ import functools
 import jax
 import pytest
 
-from bertjax import benchmark
+from bertjax.benchmark import train as benchmark
 from bertjax.configs import base
 from bertjax.model import residuals
 from bertjax.perf import hlocost, layercost

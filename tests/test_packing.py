@@ -241,7 +241,7 @@ def test_packed_hosts_read_disjoint_records(cfg):
 
 
 def test_data_benchmark_figures(cfg, monkeypatch):
-  from bertjax.data import benchmark  # pylint: disable=import-outside-toplevel
+  from bertjax.benchmark import data as benchmark  # pylint: disable=import-outside-toplevel
   figures = {}
   for on in (False, True):
     figures[on] = benchmark.measure_pipeline(dataclasses.replace(cfg, packing=on),

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from bertjax import benchmark_predict
+from bertjax.benchmark import predict as benchmark_predict
 from bertjax.formats import hf, modernbert
 from bertjax.model.config import BertConfig
 from bertjax.model.heads import BertForPreTraining

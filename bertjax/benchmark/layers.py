@@ -45,7 +45,8 @@ import time
 import jax
 from absl import app, flags
 
-from bertjax import benchmark, benchmark_accel, cli
+from bertjax import cli
+from bertjax.benchmark import train as benchmark, accel as benchmark_accel
 from bertjax.model import attention
 from bertjax.perf import hlotext, layercost, opprofile
 

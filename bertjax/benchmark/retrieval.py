@@ -55,7 +55,8 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import aot, benchmark, cli, predict
+from bertjax import aot, cli, predict
+from bertjax.benchmark import train as benchmark
 from bertjax.configs import bert_base, finetune as finetune_config
 from bertjax.data import builtin_corpus, corpus as corpus_lib
 from bertjax.errors import Refusal

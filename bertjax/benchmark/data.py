@@ -26,8 +26,7 @@ import time
 from absl import app, flags
 
 from bertjax.configs import base
-from bertjax.data import corpus, pipeline, prepare
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import corpus, pipeline, prepare, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 
 

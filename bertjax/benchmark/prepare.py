@@ -21,8 +21,7 @@ import time
 from absl import app, flags
 
 from bertjax.configs import base
-from bertjax.data import corpus, prepare
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import corpus, prepare, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 
 FLAGS = flags.FLAGS

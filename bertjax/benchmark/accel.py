@@ -6,13 +6,13 @@
 
 Prints one line per measured case, all in bfloat16 matmuls (parameters float32), scanned layers
 (--noscan_layers: unrolled):
-  train   the real train step (bertjax/benchmark.py's StepRunner) of BERT-Base and BERT-Large at
+  train   the real train step (bertjax/benchmark/train.py's StepRunner) of BERT-Base and BERT-Large at
           L 128 and 512: sequences/s, MFU, memory; attention by XLA ("xla": [B, N, L, L] logits
           in memory) and by the platform's fused kernel ("cudnn" on NVIDIA GPUs, "splash" on
           TPUs), unpacked rows and rows packed with 2 (L 128) or 4 (L 512) sequences;
   local   ModernBERT-base (configs/modern_base.py) at L 1024 with its local layers (a window of
           128 keys in two of three layers) and with every layer global;
-  predict bertjax.predict's pass over texts of real lengths (bertjax/benchmark_predict.py's
+  predict bertjax.predict's pass over texts of real lengths (bertjax/benchmark/predict.py's
           log-normal spread) against transformers' PyTorch model on the GPU, where torch with
           CUDA and transformers are installed (said where not).
 Train batches hold --tokens_per_device positions per device (64 rows of 128, 16 of 512), and so
@@ -49,7 +49,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import benchmark, benchmark_predict, cli
+from bertjax import cli
+from bertjax.benchmark import train as benchmark, predict as benchmark_predict
 from bertjax.model.config import BertConfig
 from bertjax.perf import flops, opprofile
 

@@ -20,8 +20,8 @@ import time
 from absl import app, flags
 
 from bertjax.configs import base
-from bertjax.data import builtin_corpus, corpus, sentence_cases, sentences
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import (builtin_corpus, corpus, sentence_cases, sentences,
+    tokenizer as tokenizer_lib)
 from bertjax.data.config import DataConfig
 
 FLAGS = flags.FLAGS

@@ -1,10 +1,10 @@
 """bertjax.predict side by side with what a user would otherwise run: transformers' PyTorch
 `BertForSequenceClassification` under `torch.inference_mode()`, same shape, same texts.
 
-    python -m bertjax.benchmark_predict --shape=small --rounds=5     # 4 layers x 256
-    python -m bertjax.benchmark_predict --shape=base --rounds=3      # BERT-Base
-    python -m bertjax.benchmark_predict --extras=compile,bf16,bertjax_bf16   # more sides
-    python -m bertjax.benchmark_predict --rss --lines=10000,1000000  # memory while streaming
+    python -m bertjax.benchmark.predict --shape=small --rounds=5     # 4 layers x 256
+    python -m bertjax.benchmark.predict --shape=base --rounds=3      # BERT-Base
+    python -m bertjax.benchmark.predict --extras=compile,bf16,bertjax_bf16   # more sides
+    python -m bertjax.benchmark.predict --rss --lines=10000,1000000  # memory while streaming
 
 Inputs: N sequences of real lengths (log-normal around 24 tokens, 4 to max_seq_length 128, the
 spread of short support messages and reviews), 8 labels. PyTorch takes batches of 64 padded to

@@ -5,7 +5,7 @@
     python -m bertjax.benchmark SUBCOMMAND --help
 
 `train` (the default: `python -m bertjax.benchmark --config=...` is the same command) is
-bertjax/benchmark.py's own; each other one runs its module as that module's own command runs it,
+bertjax/benchmark/train.py's own; each other one runs its module as that module's own command runs it,
 with the flags after the subcommand.
 """
 
@@ -20,21 +20,21 @@ from bertjax import cli
 # below them all.
 SUBCOMMANDS = {
     "train": ("bertjax.benchmark", "the train step's throughput and MFU on synthetic batches"),
-    "hf": ("bertjax.benchmark_hf", "bertjax's train step side by side with Hugging Face's"),
-    "predict": ("bertjax.benchmark_predict",
+    "hf": ("bertjax.benchmark.hf", "bertjax's train step side by side with Hugging Face's"),
+    "predict": ("bertjax.benchmark.predict",
                 "bertjax.predict side by side with PyTorch, and its memory while streaming"),
-    "data": ("bertjax.data.benchmark", "preparation and the input pipeline, packing off and on"),
-    "prepare": ("bertjax.data.benchmark_prepare",
+    "data": ("bertjax.benchmark.data", "preparation and the input pipeline, packing off and on"),
+    "prepare": ("bertjax.benchmark.prepare",
                 "preparation's MB/s by driver (local, beam) and worker count"),
-    "finetune": ("bertjax.finetune.benchmark", "fine-tuning's host-side data speed (SQuAD)"),
-    "accel": ("bertjax.benchmark_accel", "the accelerator check: BERT-Base/Large train steps (MFU, "
+    "finetune": ("bertjax.benchmark.finetune", "fine-tuning's host-side data speed (SQuAD)"),
+    "accel": ("bertjax.benchmark.accel", "the accelerator check: BERT-Base/Large train steps (MFU, "
               "memory, attention kernels, packing), ModernBERT's windows, prediction vs PyTorch"),
-    "layers": ("bertjax.benchmark_layers", "where a scanned layer's time goes on a GPU: the train "
+    "layers": ("bertjax.benchmark.layers", "where a scanned layer's time goes on a GPU: the train "
                "step under XLA's flags and the model's variants, its loops and its trace"),
-    "retrieval": ("bertjax.benchmark_retrieval", "the embeddings family: a retriever trained "
+    "retrieval": ("bertjax.benchmark.retrieval", "the embeddings family: a retriever trained "
                   "from pairs against its untrained encoder and BM25; global against per-device "
                   "negatives and GradCache, step time"),
-    "sentences": ("bertjax.data.benchmark_sentences", "sentence segmenters on the golden rules, "
+    "sentences": ("bertjax.benchmark.sentences", "sentence segmenters on the golden rules, "
                   "other scripts and MB/s, beside the tokenizer stage"),
 }
 DEFAULT = "train"

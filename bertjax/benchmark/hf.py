@@ -23,7 +23,8 @@ import numpy as np
 import optax
 from absl import flags
 
-from bertjax import benchmark, cli
+from bertjax import cli
+from bertjax.benchmark import train as benchmark
 from bertjax.data.config import DataConfig
 from bertjax.model.config import BertConfig
 from bertjax.parallel import hostmem

@@ -1,6 +1,6 @@
 """Throughput of the real train step on synthetic batches: `python -m bertjax.benchmark --config=...`
 (`python -m bertjax.benchmark train`; the other benchmarks are its other subcommands,
-bertjax/benchmark_commands.py).
+bertjax/benchmark/commands.py).
 
     python -m bertjax.benchmark --config=configs/bert_base.py --config.train.batch_size=8 \
         --config.data.max_seq_length=128 --steps=5
@@ -12,7 +12,7 @@ host memory came on huge pages (`bertjax.parallel.hostmem`: start it with
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1, or BERTJAX_HUGE_PAGES=restart).
 
 It imports jax, flax, optax and ml_collections only (no TensorFlow, no transformers), so it runs
-on any machine that can train. `bertjax.benchmark_hf` compares against Hugging Face.
+on any machine that can train. `bertjax.benchmark.hf` compares against Hugging Face.
 
 Model FLOPs (`train_flops`) count matmuls only, 2 FLOPs per multiply-add, training = 3x forward
 (the backward computes the gradients of both inputs of every matmul). Per sequence, forward:
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import benchmark_commands, cli
+from bertjax import cli
 from bertjax.data.config import DataConfig
 from bertjax.parallel import hostmem
 from bertjax.perf import flops, opprofile
@@ -214,7 +214,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-  """The command's flags (bertjax.benchmark_hf's too), defined when it runs (see bertjax/cli.py)."""
+  """The command's flags (bertjax.benchmark.hf's too), defined when it runs (see bertjax/cli.py)."""
   cli.define_config_flag()
   flags.DEFINE_integer("steps", 5, "timed steps (the median is reported)")
   flags.DEFINE_integer("warmup_steps", 1, "untimed steps after compiling")
@@ -245,10 +245,3 @@ def main(argv):
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(figures, f, indent=1)
-
-
-if __name__ == "__main__":
-  benchmark_commands.dispatch(sys.argv)  # another subcommand runs there; train goes on here
-  hostmem.restart_with_huge_pages()
-  define_flags()
-  cli.run(main)
