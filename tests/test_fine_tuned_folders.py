@@ -154,7 +154,7 @@ def test_which_family_a_folder_is_fine_tunings_to_say(folders):
   with pytest.raises(ValueError, match="multi_label_classification"):
     families.spec_of(weights.inspect(folders["multi_label"]))
   # predict says what it reads of a BertFor* folder (it said "no task head", which is false).
-  from bertjax import predict  # pylint: disable=import-outside-toplevel
+  from bertjax.predict import predictor as predict  # pylint: disable=import-outside-toplevel
   with pytest.raises(errors.Refusal, match=r"is a huggingface folder of "
                      r"BertForSequenceClassification, a head predict does not read: predict runs "
                      r"the task of a fine-tuning workdir .* or of a ModernBertFor\* folder"):

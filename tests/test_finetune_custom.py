@@ -1,4 +1,4 @@
-"""One's own task end to end (bertjax/finetune/custom.py, bertjax/predict.py): each family trains on
+"""One's own task end to end (bertjax/finetune/custom.py, bertjax/predict/predictor.py): each family trains on
 small files in its formats to a score only a working path reaches, scores itself, writes its label
 map, and predicts new text line by line as the run's own test predictions say; 1 and 8 devices
 write the same prediction file; the readers take what real files hold (quotes with newlines, BOM,
@@ -18,10 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import errors, predict as predict_lib, taskspec as spec_lib
+from bertjax import errors, taskspec as spec_lib
 from bertjax.finetune import custom, families, run
 from bertjax.finetune.families import classification, tagging
 from bertjax.inputs import pairs, tagged, textfiles
+from bertjax.predict import predictor as predict_lib
 import finetune_fixtures as fx
 
 ROUTES = ("billing", "delivery", "login", "refund")  # the label names

@@ -18,11 +18,12 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import predict as predict_lib, taskspec as spec_lib
+from bertjax import taskspec as spec_lib
 from bertjax.convert import hf as convert_hf
 from bertjax.errors import Refusal
 from bertjax.finetune import families, retrieval, run, search
 from bertjax.inputs import passages
+from bertjax.predict import predictor as predict_lib
 import finetune_fixtures as fx
 
 EPOCHS = 5

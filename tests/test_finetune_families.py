@@ -13,13 +13,14 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import predict, taskspec as spec_lib
+from bertjax import taskspec as spec_lib
 from bertjax.finetune import families, objectives, tasks
 from bertjax.finetune.families import regression
 from bertjax.finetune.families.record import Family
 from bertjax.formats import hf
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
+from bertjax.predict import predictor as predict
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
 FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")

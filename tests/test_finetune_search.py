@@ -109,7 +109,7 @@ def test_the_winner_is_the_best_on_dev_and_the_workdir_is_a_run_of_it(grid):
   assert (w["min"], w["max"]) == (min(medians[top_rate]), max(medians[top_rate]))
   # The workdir reads as the winner's run: best/ its best epoch, results.json its scores.
   assert results["best"]["scores"]["main"] == best[w["index"]]
-  from bertjax import predict as predict_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.predict import predictor as predict_lib  # pylint: disable=import-outside-toplevel
   assert predict_lib.Predictor.from_workdir(workdir)(["refund please"])[0]["label"]
   assert os.path.getsize(os.path.join(workdir, "search.svg")) > 500
   assert "search" in results and results["search"]["winner"]["index"] == w["index"]

@@ -50,8 +50,7 @@ LAYERS = (
               "bertjax.pretrain", "bertjax.training.pretrain_job", "bertjax.tune")),
     ("finetune", ("bertjax.finetune",)),
     ("finetune-config", ("bertjax.configs.finetune",)),
-    ("commands", ("bertjax.predict", "bertjax.prediction_rows", "bertjax.prediction_files",
-                  "bertjax.prediction_vectors", "bertjax.benchmark", "bertjax.convert", "launch")),
+    ("commands", ("bertjax.predict", "bertjax.benchmark", "bertjax.convert", "launch")),
     ("faces", ("bertjax.heads", "bertjax.losses", "bertjax.nnx", "bertjax.sharding",
                "bertjax.optimizer")),
 )

@@ -1,4 +1,4 @@
-"""How bertjax.predict batches a chunk (bertjax/predict.py, bertjax/prediction_rows.py): rows
+"""How bertjax.predict batches a chunk (bertjax/predict/predictor.py, bertjax/predict/rows.py): rows
 grouped with their neighbours in length, padded little, every row once, outputs back in the input's
 order and to the same bits as a row computed in the same group; sequence-level heads with several
 texts packed into a row and the last layer at their [CLS] positions only, as a text computed
@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import predict, prediction_rows, taskspec
+from bertjax import taskspec
 from bertjax.finetune import families
 from bertjax.model import attention
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
+from bertjax.predict import predictor as predict, rows as prediction_rows
 
 # A ModernBERT-shaped encoder: pre-LN, RoPE, no segment table, a local last layer (global_every=2
 # with 2 layers), its task head.

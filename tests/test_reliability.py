@@ -117,7 +117,7 @@ def _users_files(root):
 def test_prediction_writes_over_no_file_it_did_not_write_nor_any_of_its_inputs(tmp_path, mode):
   """Refused before any model is read (the workdir here is none): an output that is one of the
   run's inputs (even with --overwrite), or a file of the user's (without it), whatever it holds."""
-  from bertjax import predict as predict_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.predict import predictor as predict_lib  # pylint: disable=import-outside-toplevel
   user = _users_files(tmp_path)
   before = {k: open(v, "rb").read() for k, v in user.items()}
   run = lambda output, **kw: predict_lib.run(

@@ -16,7 +16,7 @@ Prints one line per measured case, all in bfloat16 matmuls (parameters float32),
           log-normal spread) against transformers' PyTorch model on the GPU, where torch with
           CUDA and transformers are installed (said where not).
 Train batches hold --tokens_per_device positions per device (64 rows of 128, 16 of 512), and so
-do prediction's calls (bertjax/predict.py: length_groups).
+do prediction's calls (bertjax/predict/predictor.py: length_groups).
 
 MFU = model FLOPs (bertjax/perf/flops.py: matmuls, 3x forward) / step time / (devices x peak). The
 peaks are dense bfloat16 TFLOP/s per chip from the vendors' data sheets, flops.PEAK_TFLOPS (the

@@ -9,7 +9,7 @@
 Inputs: N sequences of real lengths (log-normal around 24 tokens, 4 to max_seq_length 128, the
 spread of short support messages and reviews), 8 labels. PyTorch takes batches of 64 padded to
 their longest sequence (transformers' DataCollatorWithPadding: the usual way); bertjax packs
-texts into rows and computes the last layer at their [CLS] alone (bertjax/prediction_rows.py).
+texts into rows and computes the last layer at their [CLS] alone (bertjax/predict/rows.py).
 Both run with every core of the machine (torch's intra-op threads = the cores, XLA's CPU client
 alike), weights random (speed does not depend on them), one warm-up pass each, then rounds interleaved so background load hits both
 alike; PyTorch also runs the texts sorted by length (its batches then pad as little as bertjax's,
@@ -40,13 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, predict, prediction_rows, taskspec
+from bertjax import cli, taskspec
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import families
 from bertjax.finetune.families import classification
 from bertjax.formats import converted
 from bertjax.model.config import BertConfig
 from bertjax.perf import flops
+from bertjax.predict import predictor as predict, rows as prediction_rows
 
 SHAPES = {"small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
           "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)}

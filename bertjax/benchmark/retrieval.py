@@ -55,7 +55,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from bertjax import aot, cli, predict
+from bertjax import aot, cli
 from bertjax.benchmark import train as benchmark
 from bertjax.configs import bert_base, finetune as finetune_config
 from bertjax.data import builtin_corpus, corpus as corpus_lib
@@ -64,6 +64,7 @@ from bertjax.finetune import bm25, retrieval, run as run_lib
 from bertjax.model.config import BertConfig
 from bertjax.model.contrastive import ContrastiveConfig
 from bertjax.parallel import sharding, topologies
+from bertjax.predict import predictor as predict
 from bertjax.training import contrastive as contrastive_training, train
 
 REPORTED = ("mrr_at_10", "recall_at_10", "ndcg_at_10")

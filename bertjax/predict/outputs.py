@@ -5,7 +5,7 @@ and the progress line on stderr. Prediction's records, vectors and search hits a
 
 Each output gets a record beside it, OUT.bertjax.json: who wrote it, the sha256 of its bytes, and
 what made it (the mode, the model, the input; for vectors the encoder and the texts:
-bertjax/prediction_vectors.py). A file is prediction's to replace only where its record says so
+bertjax/predict/vectors.py). A file is prediction's to replace only where its record says so
 and the file still has the bytes recorded: ownership is positive, a file of the user's is never
 taken for an output by its look (a JSON Lines file of `{"id", "text"}`, an .npy of floats). A
 beside record, not a mark inside the file: an .npy header takes no other keys (np.load refuses

@@ -22,7 +22,7 @@ is ordered by length and cut into groups of neighbours: a group is padded to its
 width (multiples of 8 up to 64, then four widths per doubling: 80, 96, 112, 128, 160, ...) and holds
 as many rows as --tokens_per_device positions allow at that width (1,024: 128 rows of 8 tokens,
 8 of 128), so short texts pay neither for the longest nor for small matmuls. For classification,
-regression and [CLS] vectors the rows are first packed (bertjax/prediction_rows.py): several texts in a row of
+regression and [CLS] vectors the rows are first packed (bertjax/predict/rows.py): several texts in a row of
 up to 64 tokens, each attending to itself alone, and the last layer computed at their [CLS]
 positions only. The outputs go back to the input's order. A group is what one device computes in
 one call, and the groups depend on the chunk alone: the output file is the same bits on 1 or 8
@@ -33,7 +33,7 @@ passages' vectors (or both, two files) as it was trained to make them; from any 
 `init_from` takes (a pre-training or fine-tuning workdir, a converted, Google or Hugging Face
 folder) the pooled [CLS] vector (`--pooling=cls`, the default) or the mean of the last layer over
 real tokens (`--pooling=mean`) of each row's text_a (and text_b). `--mode=search` ranks a corpus's
-passages for each query by those vectors (bertjax/prediction_vectors.py says both).
+passages for each query by those vectors (bertjax/predict/vectors.py says both).
 
 In Python: `Predictor.from_workdir(path)(["a text", ...])` gives the same records.
 """
@@ -53,18 +53,19 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import (cli, files, prediction_files, prediction_rows, prediction_vectors,
-    taskspec as spec_lib, weights)
+from bertjax import cli, files, taskspec as spec_lib, weights
+from bertjax.predict import (outputs as prediction_files, rows as prediction_rows,
+    vectors as prediction_vectors)
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
 from bertjax.inputs import pairs, textfiles
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
-# How texts are laid into calls (bertjax/prediction_rows.py), also known as bertjax.predict's.
-from bertjax.prediction_rows import bucket_width, length_groups  # pylint: disable=unused-import
+# How texts are laid into calls (bertjax/predict/rows.py), also known as bertjax.predict's.
+from bertjax.predict.rows import bucket_width, length_groups  # pylint: disable=unused-import
 # What may be written over, also known as bertjax.predict's.
-from bertjax.prediction_files import check_output  # pylint: disable=unused-import
+from bertjax.predict.outputs import check_output  # pylint: disable=unused-import
 
 # Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
 # the groups (and so the bits of every output) must not depend on how many devices there are.
@@ -442,8 +443,3 @@ def main(argv) -> None:
                 pooling=args.pooling or "", max_seq_length=args.max_seq_length,
                 columns=columns, overwrite=args.overwrite, corpus=args.corpus,
                 corpus_vectors=args.corpus_vectors, top_k=args.top_k)
-
-
-if __name__ == "__main__":
-  define_flags()
-  cli.run(main)

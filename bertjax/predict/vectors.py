@@ -29,11 +29,12 @@ from typing import Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-from bertjax import files, prediction_files, taskspec
+from bertjax import files, taskspec
 from bertjax.errors import Refusal
 from bertjax.finetune import retrieval
 from bertjax.inputs import textfiles
 from bertjax.model.config import ARCHITECTURE_FIELDS, SHAPE_FIELDS
+from bertjax.predict import outputs as prediction_files
 
 QUERIES, PASSAGES = "queries", "passages"
 PLAIN_LENGTH = 128  # tokens kept by a model whose folder records no length it was trained at
