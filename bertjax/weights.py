@@ -44,10 +44,10 @@ import orbax.checkpoint as ocp
 
 from bertjax import errors, files
 from bertjax.errors import Refusal
-from bertjax.training import checkpoint as checkpoint_lib
 from bertjax.formats import (converted, google, hf, modernbert, modernbert_tasks, tf_bundle,
-    vocabulary)
+                             vocabulary)
 from bertjax.model.config import BertConfig
+from bertjax.training import checkpoint as checkpoint_lib
 
 KINDS = ("workdir", "converted", "google", "huggingface", "modernbert")
 ENCODER = "bert"  # the encoder's subtree in every bertjax model's parameters

@@ -21,7 +21,7 @@ from absl import app, flags
 
 from bertjax.configs import base
 from bertjax.data import (builtin_corpus, corpus, sentence_cases, sentences,
-    tokenizer as tokenizer_lib)
+                          tokenizer as tokenizer_lib)
 from bertjax.data.config import DataConfig
 
 FLAGS = flags.FLAGS

@@ -33,12 +33,12 @@ from bertjax import errors, files, taskspec as spec_lib, weights
 from bertjax.errors import Refusal
 from bertjax.finetune import families, tasks
 from bertjax.finetune.config import SearchConfig, TaskConfig
-from bertjax.parallel import sharding, watchdog
-from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
 from bertjax.finetune.evaluations import (TRAIN_DATA, Evaluations, features_digest,
-    say_if_data_changed)
+                                          say_if_data_changed)
 from bertjax.finetune.init_from import initialiser, resolve_model, resolve_tokenizer
 from bertjax.model.config import BertConfig
+from bertjax.parallel import sharding, watchdog
+from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
 
 # Keys of the fine-tuning config before data, eval and checkpoint held them (the paths
 # pre-training uses for the same things): each old spelling is refused, naming its new path.

@@ -1,8 +1,10 @@
-"""`python -m bertjax.predict --workdir=FT_WORKDIR --input=FILE --output=FILE`: a fine-tuned
-model (or any encoder) on new text; its flags and what it writes: bertjax/predict/predictor.py."""
+"""`python -m bertjax.predict`: the command of bertjax/predict/predictor.py, whose docstring its
+--help prints."""
 
 from bertjax import cli
 from bertjax.predict import predictor
+
+__doc__ = predictor.__doc__  # absl's --help prints the main module's docstring
 
 if __name__ == "__main__":
   predictor.define_flags()

@@ -19,14 +19,14 @@ import numpy as np
 
 from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
-from bertjax.training import train
 from bertjax.finetune import (custom, metrics as ft_metrics, objectives, squad_metrics,
-    squad_postprocess)
+                              squad_postprocess)
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
 from bertjax.inputs import questions, textfiles
 from bertjax.model import heads, losses
+from bertjax.training import train
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   del spec
