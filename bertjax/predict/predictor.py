@@ -54,18 +54,15 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from bertjax import cli, files, taskspec as spec_lib, weights
-from bertjax.predict import (outputs as prediction_files, rows as prediction_rows,
-    vectors as prediction_vectors)
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
 from bertjax.inputs import pairs, textfiles
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
-# How texts are laid into calls (bertjax/predict/rows.py), also known as bertjax.predict's.
-from bertjax.predict.rows import bucket_width, length_groups  # pylint: disable=unused-import
-# What may be written over, also known as bertjax.predict's.
-from bertjax.predict.outputs import check_output  # pylint: disable=unused-import
+from bertjax.predict import (outputs as prediction_files, rows as prediction_rows,
+                             vectors as prediction_vectors)
+from bertjax.predict.outputs import check_output
 
 # Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
 # the groups (and so the bits of every output) must not depend on how many devices there are.
