@@ -17,12 +17,13 @@ import json
 import jax
 from absl import app, flags
 
-from bertjax import cli, weights
+from bertjax import cli
 from bertjax.configs import tiny
 from bertjax.data import pipeline
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 from bertjax.training import checkpoint as checkpoint_lib, pretrain_job, train
+from bertjax.weights import reader as weights
 
 
 def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:

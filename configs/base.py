@@ -138,7 +138,7 @@ def get_config():
   c.async_save = True  # write in the background while training goes on
   c.init_from = ""  # parameters to start from when the workdir has no checkpoint: any folder of
   #                   weights bertjax reads (another run's workdir, e.g. phase 1; the kinds:
-  #                   bertjax/weights.py); its vocabulary becomes the run's when data.vocab_path is ""
+  #                   bertjax/weights/reader.py); its vocabulary becomes the run's when data.vocab_path is ""
   c.init_from_other_vocab = False  # True: take init_from's weights although its tokenizer differs
 
   # --- mesh: see bertjax/parallel/sharding.py. -------------------------------------------------------

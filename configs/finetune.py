@@ -140,7 +140,7 @@ def get_config(task: str = "next"):
   k.negative_groups = 1  # 1: every passage of the global batch; G: each 1/G of it alone
 
   c = config.checkpoint = ml_collections.ConfigDict()
-  c.init_from = ""  # any folder of weights bertjax reads (the kinds: bertjax/weights.py); "" =
+  c.init_from = ""  # any folder of weights bertjax reads (the kinds: bertjax/weights/reader.py); "" =
   #                   random init
   c.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
   c.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary

@@ -184,8 +184,9 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
   """A task class's folder (as `export` writes it) is a weights folder too: every reader takes its
   encoder, tensor for tensor; its task head is read past, and where the class has no pooler
   (token classification, question answering) neither has the encoder read."""
-  from bertjax import taskspec as spec_lib, weights  # pylint: disable=import-outside-toplevel
   from bertjax.finetune import families  # pylint: disable=import-outside-toplevel
+  from bertjax.formats import taskspec as spec_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.weights import reader as weights  # pylint: disable=import-outside-toplevel
   config = reference["config"]
   params = hf.params_from_hf(reference["state_dict"], config, heads=())
   spec = spec_lib.TaskSpec("t", family, () if family in ("regression", "span") else ("a", "b", "c"))

@@ -12,12 +12,12 @@ import pytest
 import torch
 import transformers
 
-from bertjax import weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.formats import modernbert
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.model.heads import MlmHead
+from bertjax.weights import reader as weights
 
 # 3 layers, a global one every 2nd: layers 0 and 2 global, layer 1 local with a window of 8
 # (|i - j| <= 4) over 24 tokens, so the window cuts.

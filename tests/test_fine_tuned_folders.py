@@ -21,8 +21,10 @@ import pytest
 import torch
 import transformers
 
-from bertjax import errors, taskspec, weights
+from bertjax import errors
 from bertjax.finetune import families, init_from, run
+from bertjax.formats import taskspec
+from bertjax.weights import reader as weights
 from test_convert_modernbert import randomised
 from test_modernbert_heads import BASE
 
@@ -78,9 +80,9 @@ def test_load_pretrained_and_pretraining_init_from_in_a_fresh_interpreter(folder
   script = textwrap.dedent(f"""
       import dataclasses, json, sys
       import jax, numpy as np
-      from bertjax import weights
+      from bertjax.weights import reader as weights
       from bertjax.parallel.sharding import MeshConfig
-      from bertjax.pretrained import load_pretrained
+      from bertjax.weights.pretrained import load_pretrained
       from bertjax.training import pretrain_job, train
       out = {{}}
       for name, path in {folders!r}.items():

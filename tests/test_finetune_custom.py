@@ -18,9 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import errors, taskspec as spec_lib
+from bertjax import errors
 from bertjax.finetune import custom, families, run
 from bertjax.finetune.families import classification, tagging
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import pairs, tagged, textfiles
 from bertjax.predict import predictor as predict_lib
 import finetune_fixtures as fx
@@ -609,7 +610,7 @@ def _loaded(folder, cls_name):
 def _same_outputs(workdir, folder, cls_name, texts, pair=None):
   """transformers' outputs of the export against bertjax's head on the same ids, within 1e-4."""
   import torch  # pylint: disable=import-outside-toplevel
-  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  from bertjax.weights import reader as weights  # pylint: disable=import-outside-toplevel
   model, warned = _loaded(folder, cls_name)
   assert not warned, warned  # no missing or unused weights, nothing else
   p = predict_lib.Predictor.from_workdir(workdir)

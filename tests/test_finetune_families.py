@@ -13,11 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import taskspec as spec_lib
 from bertjax.finetune import families, objectives, tasks
 from bertjax.finetune.families import regression
 from bertjax.finetune.families.record import Family
-from bertjax.formats import hf
+from bertjax.formats import hf, taskspec as spec_lib
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.predict import predictor as predict

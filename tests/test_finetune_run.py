@@ -21,9 +21,10 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import errors, taskspec as spec_lib
+from bertjax import errors
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import run, squad_metrics, tasks
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import questions
 from bertjax.training import checkpoint as checkpoint_lib, loop
 import finetune_fixtures as fx

@@ -70,7 +70,7 @@ def test_a_trial_in_the_grid_equals_the_same_settings_run_alone(files, grid):
     for k in a:  # a vmapped matmul may sum in another order: scores within one example's worth
       assert a[k] == pytest.approx(b[k], abs=1.5 / 32), (k, a, b)
   # The weights of the trial's best epoch against the run's: the same bits.
-  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  from bertjax.weights import reader as weights  # pylint: disable=import-outside-toplevel
   mine = weights.read(weights.inspect_trained(
       os.path.join(workdir, "search", f"trial-{trial['index']}")))
   alone_params = weights.read(weights.inspect_trained(str(files[0] / "alone")))

@@ -13,12 +13,12 @@ import shutil
 import numpy as np
 import pytest
 
-from bertjax import weights
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import run
 from bertjax.formats import vocabulary
 from bertjax.inputs import pairs, questions, tagged, word_windows
 from bertjax.predict import predictor as predict_lib
+from bertjax.weights import reader as weights
 import finetune_fixtures as fx
 
 SPECIALS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")  # ModernBERT's order, after the pieces

@@ -44,15 +44,15 @@ LAYERS = (
     ("data", ("bertjax.data", "bertjax.inputs")),
     ("perf", ("bertjax.perf",)),
     ("training", ("bertjax.training",)),
-    ("formats", ("bertjax.formats", "bertjax.taskspec")),
-    ("weights", ("bertjax.weights", "bertjax.weights_match")),
-    ("runs", ("bertjax.perf.roofline", "bertjax.pretrained", "bertjax.aot", "bertjax.evaluate_mlm",
+    ("formats", ("bertjax.formats",)),
+    ("weights", ("bertjax.weights",)),
+    ("runs", ("bertjax.perf.roofline", "bertjax.aot", "bertjax.evaluate_mlm",
               "bertjax.pretrain", "bertjax.training.pretrain_job", "bertjax.tune")),
     ("finetune", ("bertjax.finetune",)),
     ("finetune-config", ("bertjax.configs.finetune",)),
     ("commands", ("bertjax.predict", "bertjax.benchmark", "bertjax.convert", "launch")),
     ("faces", ("bertjax.heads", "bertjax.losses", "bertjax.nnx", "bertjax.sharding",
-               "bertjax.optimizer")),
+               "bertjax.optimizer", "bertjax.pretrained")),
 )
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import weights
 from bertjax.model import attention
 from bertjax.model.attention import apply_rope, rope_tables
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel, SelfAttention
 from bertjax.model.heads import BertForPreTraining
+from bertjax.weights import reader as weights
 
 # Every option on: a local layer (1) between global ones (0, 2), RoPE with two bases.
 MODERN = BertConfig(

@@ -22,14 +22,14 @@ import pytest
 import torch
 import transformers
 
-from bertjax import taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import families
-from bertjax.formats import modernbert, modernbert_tasks
+from bertjax.formats import modernbert, modernbert_tasks, taskspec
 from bertjax.inputs import pairs, textfiles
 from bertjax.model import heads
 from bertjax.predict import predictor as predict
+from bertjax.weights import reader as weights
 from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import taskspec
 from bertjax.finetune import families
+from bertjax.formats import taskspec
 from bertjax.model import attention
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel

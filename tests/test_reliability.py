@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bertjax import errors, files, weights
+from bertjax import errors, files
 from bertjax.data.config import DataConfig
 from bertjax.finetune import init_from, run
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.model.config import BertConfig
 from bertjax.training import checkpoint as checkpoint_lib
+from bertjax.weights import reader as weights
 
 
 # 1. Fine-tuning workdir: a kill between any two writes ------------------------------------------

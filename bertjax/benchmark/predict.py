@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, taskspec
+from bertjax import cli
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.finetune import families
 from bertjax.finetune.families import classification
-from bertjax.formats import converted
+from bertjax.formats import converted, taskspec
 from bertjax.model.config import BertConfig
 from bertjax.perf import flops
 from bertjax.predict import predictor as predict, rows as prediction_rows

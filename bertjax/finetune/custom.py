@@ -29,10 +29,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from bertjax import files
-from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.taskdata import EvalSet
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import pairs, textfiles
 
 CONLL = "conll"

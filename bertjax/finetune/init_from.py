@@ -1,4 +1,4 @@
-"""What a fine-tuning run takes from `checkpoint.init_from` (any folder bertjax/weights.py reads):
+"""What a fine-tuning run takes from `checkpoint.init_from` (any folder bertjax/weights/reader.py reads):
 its model, with the config's overrides; its vocabulary, or the config's checked against it; and
 where the run's parameters start (its encoder, ModernBERT's prediction head). The run itself is
 bertjax/finetune/run.py's."""
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from bertjax import weights, weights_match
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import init_heads
 from bertjax.finetune.config import FinetuneDataConfig
 from bertjax.model.config import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
 from bertjax.training import checkpoint as checkpoint_lib, loop
+from bertjax.weights import reader as weights, match as weights_match
 
 
 def resolve_model(config, source: weights.Weights | None) -> BertConfig:

@@ -15,9 +15,9 @@ from typing import Any, Mapping
 
 import jax
 
-from bertjax import weights
 from bertjax.model import heads
 from bertjax.training import checkpoint as checkpoint_lib
+from bertjax.weights import reader as weights
 
 HEAD = heads.PREDICTION_HEAD
 MLM = "mlm"

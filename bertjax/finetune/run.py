@@ -3,7 +3,7 @@
 It runs through the pre-training loop's own machinery (`loop.execute`: restore or initialise,
 checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what fine-tuning adds:
 
-- the encoder of `checkpoint.init_from` (any folder bertjax/weights.py reads: a pre-training or
+- the encoder of `checkpoint.init_from` (any folder bertjax/weights/reader.py reads: a pre-training or
   fine-tuning workdir, a `convert.hf|google import` folder, a Google or Hugging Face folder), task
   heads new; or `checkpoint.random_init=True` for the same architecture and vocabulary with fresh
   weights (the comparison `make finetune` prints);
@@ -14,7 +14,7 @@ checkpoints, SIGTERM saves, stop agreement on pods, logs, NaN guard), with what 
 - at the end, predictions of the test splits (and SQuAD's dev predictions) from the best
   checkpoint in `predictions/`, `results.json`, and a one-line summary.
 
-Workdir: config.json, task.json (bertjax/taskspec.py: the label map and the rest of what
+Workdir: config.json, task.json (bertjax/formats/taskspec.py: the label map and the rest of what
 prediction and export need), checkpoints/, best/, evaluations.json, metrics.jsonl, tensorboard/,
 predictions/, results.json, vocab file (copied from init_from).
 """
@@ -29,16 +29,18 @@ from typing import Any, Iterator, Mapping
 import jax
 import numpy as np
 
-from bertjax import errors, files, taskspec as spec_lib, weights
+from bertjax import errors, files
 from bertjax.errors import Refusal
 from bertjax.finetune import families, tasks
 from bertjax.finetune.config import SearchConfig, TaskConfig
 from bertjax.finetune.evaluations import (TRAIN_DATA, Evaluations, features_digest,
                                           say_if_data_changed)
 from bertjax.finetune.init_from import initialiser, resolve_model, resolve_tokenizer
+from bertjax.formats import taskspec as spec_lib
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding, watchdog
 from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
+from bertjax.weights import reader as weights
 
 # Keys of the fine-tuning config before data, eval and checkpoint held them (the paths
 # pre-training uses for the same things): each old spelling is refused, naming its new path.

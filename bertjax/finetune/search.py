@@ -31,13 +31,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from bertjax import errors, files, taskspec as spec_lib, weights
+from bertjax import errors, files
 from bertjax.errors import Refusal
 from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
 from bertjax.finetune.config import AUTO, SEARCH_KEYS, SearchConfig
 from bertjax.finetune.evaluations import Evaluations
+from bertjax.formats import taskspec as spec_lib
 from bertjax.parallel import sharding
 from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
+from bertjax.weights import reader as weights
 
 SEARCH_FILE = "search.json"
 

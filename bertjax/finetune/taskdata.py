@@ -9,7 +9,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib
+from bertjax.formats import taskspec as spec_lib
 from bertjax.training import train
 
 

@@ -30,12 +30,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from bertjax import files, taskspec as spec_lib
+from bertjax import files
 from bertjax.errors import Refusal
 from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives, squad
 from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
 from bertjax.finetune.families import span, tagging
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import questions, tagged, word_windows
 from bertjax.training import contrastive as contrastive_training
 

@@ -6,7 +6,7 @@ so no torch is needed. Parameters are the `BertForPreTraining` tree of `bertjax.
 (`layer_N`) or scanned (`layers/layer` with a leading [num_layers] axis) as the config says. A
 fine-tuned model goes out as its transformers task class (`task_to_hf`).
 
-The commands that import and export folders are `bertjax.convert.hf`'s; bertjax/weights.py reads a
+The commands that import and export folders are `bertjax.convert.hf`'s; bertjax/weights/reader.py reads a
 Hugging Face folder through this module.
 """
 

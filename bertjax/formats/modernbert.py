@@ -18,7 +18,7 @@ Hugging Face's tensors and ours:
   mlm/decoder
 
 The commands that import and export folders are `bertjax.convert.modernbert`'s;
-bertjax/weights.py reads a ModernBERT folder through this module; which ModernBertFor* task class
+bertjax/weights/reader.py reads a ModernBERT folder through this module; which ModernBertFor* task class
 a folder holds, and an export's entries for one, are formats/modernbert_tasks.py's.
 """
 

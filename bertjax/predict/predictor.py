@@ -53,16 +53,18 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import cli, files, taskspec as spec_lib, weights
+from bertjax import cli, files
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import pairs, textfiles
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.predict import (outputs as prediction_files, rows as prediction_rows,
                              vectors as prediction_vectors)
 from bertjax.predict.outputs import check_output
+from bertjax.weights import reader as weights
 
 # Rows read, ordered by length and grouped together. A fixed count, not a multiple of the devices:
 # the groups (and so the bits of every output) must not depend on how many devices there are.
@@ -119,7 +121,7 @@ class Predictor:
                    tokens_per_device: int = TOKENS_PER_DEVICE, devices=None,
                    embed: bool = False) -> "Predictor":
     """From a fine-tuning workdir (its best checkpoint by default; "latest" or a step number), or,
-    with embed=True, any weights folder bertjax reads (bertjax/weights.py): its encoder, or an
+    with embed=True, any weights folder bertjax reads (bertjax/weights/reader.py): its encoder, or an
     embeddings model whole."""
     source = weights.inspect_trained(path, what="--workdir", checkpoint=checkpoint)
     spec = families.spec_of(source)

@@ -29,9 +29,10 @@ from typing import Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-from bertjax import files, taskspec
+from bertjax import files
 from bertjax.errors import Refusal
 from bertjax.finetune import retrieval
+from bertjax.formats import taskspec
 from bertjax.inputs import textfiles
 from bertjax.model.config import ARCHITECTURE_FIELDS, SHAPE_FIELDS
 from bertjax.predict import outputs as prediction_files

@@ -17,12 +17,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bertjax import weights, weights_match
 from bertjax.data import prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 from bertjax.perf import flops
 from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
+from bertjax.weights import reader as weights, match as weights_match
 
 
 def resolve_vocab_size(config_vocab: int, tokenizer_vocab: int) -> int:
@@ -57,7 +57,7 @@ def prepare_data(data: DataConfig) -> tuple[tokenizer_lib.Tokenizer, dict]:
 
 def init_from_source(source: weights.Weights, training: train.Training, data: DataConfig,
                      fingerprint: str, allow_other_vocab: bool) -> loop.Initialiser:
-  """Pre-training's start from `source` (bertjax/weights.py reads every kind): its encoder and
+  """Pre-training's start from `source` (bertjax/weights/reader.py reads every kind): its encoder and
   whichever pre-training heads it holds (a fine-tuning run's has none: they start fresh). A
   source of another shape or vocabulary is refused here, before anything compiles."""
   weights_match.check_model(source, training.model_config)

@@ -31,12 +31,12 @@ from typing import Mapping
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, retrieval
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.formats.sentence_transformers import SentenceVectors
 from bertjax.inputs import pairs as pairs_lib, passages, textfiles
 from bertjax.model.contrastive import ContrastiveConfig

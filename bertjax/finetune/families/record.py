@@ -3,7 +3,7 @@ family, built once by the family's module (`FAMILY` at its end) and listed in th
 (`FAMILIES` in bertjax/finetune/families/__init__.py).
 
 The record's fields are facts and functions of the family; nothing below fine-tuning sees it: the
-task spec (bertjax/taskspec.py) names a family by its name, the weights reader records what a
+task spec (bertjax/formats/taskspec.py) names a family by its name, the weights reader records what a
 folder says (its class and labels), and the families package resolves both to a record.
 """
 
@@ -14,10 +14,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.taskdata import TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.training import train
 
 Spec = spec_lib.TaskSpec

@@ -14,12 +14,12 @@ from typing import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.model import heads
 from bertjax.training import train
 

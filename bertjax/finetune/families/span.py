@@ -17,13 +17,13 @@ import functools
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import (custom, metrics as ft_metrics, objectives, squad_metrics,
                               squad_postprocess)
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import questions, textfiles
 from bertjax.model import heads, losses
 from bertjax.training import train

@@ -22,12 +22,12 @@ from typing import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import taskspec as spec_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import custom, metrics as ft_metrics, objectives
 from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
 from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import tagged, textfiles, word_windows
 from bertjax.model import heads
 from bertjax.training import train

@@ -1,6 +1,6 @@
 """A weights folder against the run that takes it: its vocabulary, casing and model refused or
 warned about before anything compiles, and what of it the run reads and leaves, for the console.
-bertjax/weights.py recognises and reads the folder."""
+bertjax/weights/reader.py recognises and reads the folder."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.formats import hf
 from bertjax.model.config import BertConfig
 from bertjax.training import checkpoint as checkpoint_lib
-from bertjax.weights import ENCODER, Weights
+from bertjax.weights.reader import ENCODER, Weights
 
 
 # Vocabulary, casing, model ---------------------------------------------------------------------
