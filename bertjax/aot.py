@@ -13,11 +13,11 @@ that fits here fits there.
 
 Prints per-chip memory from XLA's buffer assignment (arguments, outputs, temporaries, code, less
 the outputs written into donated arguments) against the chip's HBM; the FLOPs of one step (XLA's
-count per chip and the model count of bertjax.perf.flops); and at an assumed MFU (--mfu) the step
+count per chip and the model count of bertjax.training.flops); and at an assumed MFU (--mfu) the step
 time, sequences/s and chip-hours of train.num_train_steps. Beside that assumed MFU, the roofline
 of the executable itself: XLA's FLOPs and bytes accessed per chip (every layer counted: a scanned
 step's layer loop bodies are costed alone and counted once per iteration, bertjax/perf/layercost.py)
-at the chip's peak and HBM bandwidth (bertjax/perf/flops.py's CHIPS), the step time they allow, and the
+at the chip's peak and HBM bandwidth (bertjax/training/flops.py's CHIPS), the step time they allow, and the
 operations per layer; with scanned layers also any write of a whole [layers, ...] buffer inside
 the layer loops (a cost growing with depth at every layer: none expected). Exits 1, naming the
 shortfall, when the step does not fit. (XLA's TPU compiler itself works to fit HBM before it gives up, e.g. by
@@ -54,8 +54,8 @@ from bertjax import cli, versions
 from bertjax.data.config import DataConfig
 from bertjax.model import attention
 from bertjax.parallel import sharding, topologies
-from bertjax.perf import flops, layercost, roofline as roofline_lib
-from bertjax.training import train
+from bertjax.perf import layercost, roofline as roofline_lib
+from bertjax.training import flops, train
 
 GIB = 2**30
 

@@ -22,7 +22,8 @@ from bertjax.configs import tiny
 from bertjax.data import pipeline
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
-from bertjax.training import checkpoint as checkpoint_lib, pretrain_job, train
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import checkpoint as checkpoint_lib, train
 from bertjax.weights import reader as weights
 
 

@@ -44,8 +44,8 @@ from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 from bertjax.model import attention
 from bertjax.parallel import topologies
-from bertjax.perf import flops, roofline
-from bertjax.training import train
+from bertjax.perf import roofline
+from bertjax.training import flops, train
 
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
 REMAT = ("none", "dots", "dots_all", "full")

@@ -19,7 +19,8 @@ import jax
 import pytest
 
 from bertjax.configs import finetune as finetune_config, tiny
-from bertjax.training import pretrain_job, train
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import train
 from test_data_fixtures import WORDS, data_section
 
 # Words with a role in the tasks; the others are filler.

@@ -257,8 +257,7 @@ def test_a_packing_config_compiles_the_rows_the_pipeline_feeds():
   features: the compile check must lower that program, not the unpacked one."""
   from bertjax.configs import tiny  # pylint: disable=import-outside-toplevel
   from bertjax.data.config import DataConfig  # pylint: disable=import-outside-toplevel
-  from bertjax.perf import flops  # pylint: disable=import-outside-toplevel
-  from bertjax.training import train  # pylint: disable=import-outside-toplevel
+  from bertjax.training import flops, train  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.data.packing, config.data.max_sequences_per_row = True, 3
   config.model.num_layers = 1  # the rows' shapes are the input's, whatever the depth

@@ -14,7 +14,8 @@ from bertjax.configs import tiny
 from bertjax.convert import google as convert_google
 from bertjax.finetune import run
 from bertjax.formats import google
-from bertjax.training import checkpoint as checkpoint_lib, pretrain_job, train
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import checkpoint as checkpoint_lib, train
 from bertjax.weights import reader as weights, match as weights_match
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import data_section

@@ -17,7 +17,8 @@ from bertjax.configs import base, bert_base, bert_large, finetune, modern_base, 
 from bertjax.data.config import DataConfig
 from bertjax.finetune import run
 from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
-from bertjax.training import loop, pretrain_job
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import loop
 from test_data_fixtures import WORDS, data_config, data_section, write_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

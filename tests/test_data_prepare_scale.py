@@ -250,7 +250,7 @@ def host(address: str, process_id: int, config_json: str) -> None:
   """One host of a two-process pod: pretrain_job.prepare_data, recording what this host did."""
   from bertjax.data.config import DataConfig
   from bertjax.parallel import distributed
-  from bertjax.training import pretrain_job
+  from bertjax.pretrain import job as pretrain_job
   assert distributed.initialize(address, 2, process_id)
   done = []
   scatter, build = shards.scatter_unit, shards.build_shard

@@ -83,7 +83,8 @@ def test_load_pretrained_and_pretraining_init_from_in_a_fresh_interpreter(folder
       from bertjax.weights import reader as weights
       from bertjax.parallel.sharding import MeshConfig
       from bertjax.weights.pretrained import load_pretrained
-      from bertjax.training import pretrain_job, train
+      from bertjax.pretrain import job as pretrain_job
+      from bertjax.training import train
       out = {{}}
       for name, path in {folders!r}.items():
         config, encoder = load_pretrained(path)

@@ -350,7 +350,7 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
                                                                           "tokenizer.json")
   assert source.do_lower_case is False and "normalizer" in source.casing_why
   # Pre-training from the folder takes its tokenizer the same way (config.data names none).
-  from bertjax.training import pretrain_job
+  from bertjax.pretrain import job as pretrain_job
   data = pretrain_job._init_vocabulary(_data(), source)  # pylint: disable=protected-access
   assert (data.tokenizer, data.vocab_path) == ("huggingface", source.vocab_file)
   assert tokenizer_lib.load_tokenizer(data).fingerprint == tokenizer_lib.load_vocabulary(

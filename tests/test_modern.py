@@ -241,7 +241,7 @@ def test_modern_base_has_modernbert_base_parameter_count():
 
 
 def test_flop_model_counts_the_gate_and_the_windows():
-  from bertjax.perf import flops  # pylint: disable=import-outside-toplevel
+  from bertjax.training import flops  # pylint: disable=import-outside-toplevel
   length, per_seq = 64, lambda cfg: flops.forward_flops_per_sequence(cfg, length, 10)
   d, f = MODERN.hidden_size, MODERN.intermediate_size
   dense = dataclasses.replace(MODERN, mlp_type="dense")

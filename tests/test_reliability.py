@@ -615,7 +615,7 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
 
 def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path, capsys):
   from bertjax.configs import tiny
-  from bertjax.training import pretrain_job
+  from bertjax.pretrain import job as pretrain_job
   source = weights.Weights(str(tmp_path), "google", BertConfig(vocab_size=512), ("bert",),
                            vocab_file=str(tmp_path / "vocab.txt"), tokenizer_kind="wordpiece",
                            do_lower_case=False, casing_why="the name cased_L-2 says cased")

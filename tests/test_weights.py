@@ -21,7 +21,8 @@ from bertjax.finetune import init_from
 from bertjax.formats import google, hf
 from bertjax.model.heads import BertForPreTraining
 from bertjax.parallel.sharding import MeshConfig
-from bertjax.training import checkpoint as checkpoint_lib, pretrain_job, train
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import checkpoint as checkpoint_lib, train
 from bertjax.weights import reader as weights, match as weights_match
 from bertjax.weights.pretrained import load_pretrained
 from conftest import xla_flags

@@ -18,7 +18,7 @@ Prints one line per measured case, all in bfloat16 matmuls (parameters float32),
 Train batches hold --tokens_per_device positions per device (64 rows of 128, 16 of 512), and so
 do prediction's calls (bertjax/predict/predictor.py: length_groups).
 
-MFU = model FLOPs (bertjax/perf/flops.py: matmuls, 3x forward) / step time / (devices x peak). The
+MFU = model FLOPs (bertjax/training/flops.py: matmuls, 3x forward) / step time / (devices x peak). The
 peaks are dense bfloat16 TFLOP/s per chip from the vendors' data sheets, flops.PEAK_TFLOPS (the
 table is printed first); a device without an entry (a CPU) gets none. Memory is XLA's figure for
 the case's own executable (arguments + outputs + temporaries - aliased), and at the end the
@@ -52,7 +52,8 @@ from absl import app, flags
 from bertjax import cli
 from bertjax.benchmark import train as benchmark, predict as benchmark_predict
 from bertjax.model.config import BertConfig
-from bertjax.perf import flops, opprofile
+from bertjax.perf import opprofile
+from bertjax.training import flops
 
 SIZES = ("full", "tiny")
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=512)

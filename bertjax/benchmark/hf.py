@@ -28,8 +28,7 @@ from bertjax.benchmark import train as benchmark
 from bertjax.data.config import DataConfig
 from bertjax.model.config import BertConfig
 from bertjax.parallel import hostmem
-from bertjax.perf import flops
-from bertjax.training import optimizer as optimizer_lib
+from bertjax.training import flops, optimizer as optimizer_lib
 
 FLAGS = flags.FLAGS
 

@@ -17,7 +17,7 @@ so what is left is the engine). `--extras` adds what a user tries next on a CPU:
 PyTorch loop under `torch.compile` (inductor, dynamic shapes; it needs a C++ compiler, not the
 network) or bf16 autocast, and bertjax with bf16 matmuls (with how far its probabilities move).
 Printed: sequences/s of each per round, the ratios' range, the FLOP/s achieved (the matmul FLOPs
-of the positions computed, bertjax/perf/flops.py) against a large jitted float32 matmul's on this
+of the positions computed, bertjax/training/flops.py) against a large jitted float32 matmul's on this
 machine, the practical ceiling, and the load average (the machine's other work moves the figures;
 the interleaved rounds share it out, but PyTorch's threads suffer more from it than XLA's).
 
@@ -46,8 +46,8 @@ from bertjax.finetune import families
 from bertjax.finetune.families import classification
 from bertjax.formats import converted, taskspec
 from bertjax.model.config import BertConfig
-from bertjax.perf import flops
 from bertjax.predict import predictor as predict, rows as prediction_rows
+from bertjax.training import flops
 
 SHAPES = {"small": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024),
           "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)}

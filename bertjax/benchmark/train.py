@@ -38,9 +38,9 @@ from absl import flags
 from bertjax import cli
 from bertjax.data.config import DataConfig
 from bertjax.parallel import hostmem
-from bertjax.perf import flops, opprofile
-from bertjax.perf.flops import peak_tflops, train_flops
-from bertjax.training import train
+from bertjax.perf import opprofile
+from bertjax.training import flops, train
+from bertjax.training.flops import peak_tflops, train_flops
 
 def synthetic_batch(batch_size: int, seq_len: int, max_predictions: int, vocab_size: int,
                     seed: int = 0, sequences_per_row: int = 0) -> dict[str, np.ndarray]:

@@ -15,8 +15,8 @@ import numpy as np
 
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding
-from bertjax.perf import flops as flops_lib, hlocost, hlotext, layercost
-from bertjax.training import train
+from bertjax.perf import hlocost, hlotext, layercost
+from bertjax.training import flops as flops_lib, train
 
 
 def round4(x: float) -> float:

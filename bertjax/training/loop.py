@@ -3,7 +3,7 @@
 `execute(config, workdir, job)` is the one loop of every run: restore or initialise, the steps
 (`control.run_steps`), saves, logs, stop signals, evaluations. A `Job` says what differs between
 runs: the `train.Training` (its objective), the batches, the evaluation, where new parameters come
-from. Pre-training's job is `bertjax.training.pretrain_job.train_and_evaluate(config, workdir)`, what
+from. Pre-training's job is `bertjax.pretrain.job.train_and_evaluate(config, workdir)`, what
 `python -m bertjax.pretrain` runs; fine-tuning's is `bertjax.finetune.run.finetune`. Resume is
 exact: the state is (step, params, opt_state); dropout keys are fold_in(seed, step) and the input
 pipeline restarts at any step with the same batches, so an interrupted-and-resumed run computes
@@ -31,8 +31,8 @@ from bertjax import files
 from bertjax.data import vocab_record
 from bertjax.errors import Refusal
 from bertjax.parallel import watchdog as watchdog_lib
-from bertjax.perf import flops
-from bertjax.training import checkpoint as checkpoint_lib, control, metrics as metrics_lib, train
+from bertjax.training import (checkpoint as checkpoint_lib, control, flops, metrics as metrics_lib,
+                              train)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a run reports: metric reduction, TensorBoard + JSON-lines writers, speed, progress lines.
 
-The FLOP model and the devices' peaks are bertjax/perf/flops.py; the non-finite guard is
+The FLOP model and the devices' peaks are bertjax/training/flops.py; the non-finite guard is
 bertjax/training/control.py.
 
 Only process 0 writes. Metrics arrive as {name: (sum, denominator)} already summed over the

@@ -19,7 +19,7 @@ def main(argv):
   cli.start(argv)
   # lazy: pretrain_job imports TensorFlow (tf.data); cli.start sets its log level and oneDNN
   # switch first.
-  from bertjax.training import pretrain_job  # pylint: disable=import-outside-toplevel
+  from bertjax.pretrain import job as pretrain_job  # pylint: disable=import-outside-toplevel
   cli.explained(pretrain_job.train_and_evaluate, FLAGS.config, FLAGS.workdir)
 
 

@@ -20,9 +20,8 @@ from jax.experimental import multihost_utils
 from bertjax.data import prepare, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
-from bertjax.perf import flops
-from bertjax.training import checkpoint as checkpoint_lib, control, loop, train
-from bertjax.weights import reader as weights, match as weights_match
+from bertjax.training import checkpoint as checkpoint_lib, control, flops, loop, train
+from bertjax.weights import match as weights_match, reader as weights
 
 
 def resolve_vocab_size(config_vocab: int, tokenizer_vocab: int) -> int:
