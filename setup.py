@@ -32,12 +32,12 @@ setuptools.setup(
         "absl-py>=2.1,<3",
         "numpy>=1.26,<3",
         "safetensors>=0.4,<0.9",
-        # Corpora and fine-tuning files as Parquet (bertjax/data/records.py, inputs/textfiles.py):
+        # Corpora and fine-tuning files as Parquet (bertjax/data/corpora/records.py, inputs/textfiles.py):
         # the Hub's dataset format. The `beam` extra's apache-beam 2.77 holds it below 26.
         "pyarrow>=15,<26",
         # JSON Lines corpora compressed with zstd (.jsonl.zst); apache-beam holds it below 1.
         "zstandard>=0.22,<1",
-        # Sentences of Parquet, JSON Lines and TFDS documents (bertjax/data/sentences.py): chosen
+        # Sentences of Parquet, JSON Lines and TFDS documents (bertjax/data/corpora/sentences.py): chosen
         # on measurement, docs/data.md#sentences; its release is recorded with what it splits.
         "sentencex>=1.0.32,<2",
     ],

@@ -255,7 +255,7 @@ def test_data_benchmark_figures(cfg, monkeypatch):
   # long_documents regroups the built-in corpus's sentences, in order, into documents of the size
   # asked for. Regrouping is held on a stand-in corpus (parsing the real one takes ~15 s; its size
   # and contents are tests/test_data_corpus.py's test_builtin_corpus).
-  from bertjax.data import builtin_corpus  # pylint: disable=import-outside-toplevel
+  from bertjax.data.corpora import builtin_corpus  # pylint: disable=import-outside-toplevel
   stand_in = tuple(tuple(f"d{d} s{s}." for s in range(3 + d % 50)) for d in range(90))
   monkeypatch.setattr(builtin_corpus, "documents", lambda: stand_in)
   sentences = [s for d in stand_in for s in d]

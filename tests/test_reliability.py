@@ -435,7 +435,7 @@ def test_sigterm_during_data_preparation_exits_143(capsys):
   # What bertjax.pretrain does when ensure_prepared raises on SIGTERM: the README's 143 and the
   # preparation's own line, no traceback.
   from bertjax import cli
-  from bertjax.data import processes
+  from bertjax.data.preparation import processes
 
   def preparing():
     raise processes.PreparationStopped("Preparation in D stopped by SIGTERM, ... run the same "

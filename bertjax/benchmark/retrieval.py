@@ -58,7 +58,8 @@ from absl import flags
 from bertjax import aot, cli
 from bertjax.benchmark import train as benchmark
 from bertjax.configs import bert_base, finetune as finetune_config
-from bertjax.data import builtin_corpus, corpus as corpus_lib
+from bertjax.data import corpus as corpus_lib
+from bertjax.data.corpora import builtin_corpus
 from bertjax.errors import Refusal
 from bertjax.finetune import bm25, retrieval, run as run_lib
 from bertjax.model.config import BertConfig

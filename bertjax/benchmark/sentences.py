@@ -3,10 +3,10 @@ speed on one core, beside the preparation's own tokenizer stage.
 
   taskset -c 0 python -m bertjax.benchmark sentences [--seconds=10] [--vocab=...]
 
-Measures bertjax's segmenter (bertjax/data/sentences.py: sentencex and its list rule), the
-built-in corpus's regex (bertjax/data/builtin_corpus.py) and each candidate library that is
+Measures bertjax's segmenter (bertjax/data/corpora/sentences.py: sentencex and its list rule), the
+built-in corpus's regex (bertjax/data/corpora/builtin_corpus.py) and each candidate library that is
 installed (pip install pysbd blingfire syntok segtok spacy sentencex; none is needed by bertjax
-but sentencex): right cases of bertjax/data/sentence_cases.py, and MB/s of CPU time on the
+but sentencex): right cases of bertjax/data/corpora/sentence_cases.py, and MB/s of CPU time on the
 built-in corpus's text as paragraphs of five sentences (documents as web text has them). The
 tokenizer stage is the vocabulary's `encode_batch` on the same sentences (--vocab; default the
 built-in corpus's SentencePiece, trained into the cache if absent). nltk's punkt is left out: its
@@ -20,9 +20,9 @@ import time
 from absl import app, flags
 
 from bertjax.configs import base
-from bertjax.data import (builtin_corpus, corpus, sentence_cases, sentences,
-                          tokenizer as tokenizer_lib)
+from bertjax.data import corpus, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
+from bertjax.data.corpora import builtin_corpus, sentence_cases, sentences
 
 FLAGS = flags.FLAGS
 

@@ -5,10 +5,10 @@
 The source is planned as pieces of input (files, large files cut into byte ranges at blank lines).
 Step 1 reads each piece and files its documents under the shard a hash of their text chooses; step 2
 builds each shard: its documents sorted by that hash, tokenized, paired with a seed of its own
-(shards.py holds both steps). This module is the local driver: both steps run in processes of this
-machine, or of each host of a pod (host i: pieces and shards i mod hosts); beam_prepare.py is the
-other driver, and writes the same bytes. A finished piece or shard keeps a `.json` beside it; a rerun
-skips those, so an interrupted preparation resumes. The manifest (written last) records counts,
+(preparation/shards.py holds both steps). This module is the local driver: both steps run in
+processes of this machine, or of each host of a pod (host i: pieces and shards i mod hosts);
+preparation/beam.py is the other driver, and writes the same bytes. A finished piece or shard
+keeps a `.json` beside it; a rerun skips those, so an interrupted preparation resumes. The manifest (written last) records counts,
 repairs, the settings and the tokenizer fingerprint; `load_manifest` refuses shards made with
 another tokenizer or an older format.
 """
@@ -23,8 +23,9 @@ import os
 import re
 import time
 
-from bertjax.data import corpus, packing, processes, shards, storage, tokenizer as tokenizer_lib
+from bertjax.data import corpus, packing, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
+from bertjax.data.preparation import processes, shards
 from bertjax.data.template import Template
 from bertjax.errors import Refusal
 
@@ -226,7 +227,7 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
   if data.prepare_engine == "beam":
     if host == 0:  # the engine spreads the work; the other hosts only wait
       # lazy: apache-beam is the optional `beam` extra, imported only when asked for
-      from bertjax.data import beam_prepare  # pylint: disable=import-outside-toplevel
+      from bertjax.data.preparation import beam as beam_prepare  # pylint: disable=import-outside-toplevel
       steps = (functools.partial(build_tasks_after, data=data, out_dir=out_dir, units=units,
                                  settings=s, tok_spec=tok_spec),
                functools.partial(run_task, "build", data=None))

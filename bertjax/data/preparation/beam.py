@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 from bertjax import cli
-from bertjax.data import shards
+from bertjax.data.preparation import shards
 from bertjax.errors import Refusal
 
 # An exception's line of a worker's traceback, inside the error Beam raises, with the step Beam

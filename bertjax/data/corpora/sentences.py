@@ -1,5 +1,5 @@
 """A document's text cut into sentences, for every source whose documents are not already one
-sentence a line: Parquet and JSON Lines rows (bertjax/data/records.py) and TFDS text.
+sentence a line: Parquet and JSON Lines rows (bertjax/data/corpora/records.py) and TFDS text.
 
 The segmenter is sentencex (Wikimedia's, written in Rust): chosen on measurement against pySBD,
 blingfire, syntok, segtok and spaCy's sentencizer (docs/data.md#sentences; `python -m

@@ -3,7 +3,7 @@ docstrings (one document per module) and `pydoc_data.topics` (one document per h
 into sentences by a rule written for it. No download; identical on every run of the same Python.
 
 Its rule (`split_sentences`) stays its own, not the segmenter of the other sources
-(bertjax/data/sentences.py): it is tuned to docstrings (initials are rare there, "A. B" is more
+(bertjax/data/corpora/sentences.py): it is tuned to docstrings (initials are rare there, "A. B" is more
 often a variable ending a sentence), and the built-in corpus's documents, the fine-tuning task
 NEXT made from them and the figures recorded on them would all change with it.
 """

@@ -20,7 +20,7 @@ import json
 from typing import Iterable, Iterator
 
 from bertjax import files
-from bertjax.data import inputfiles
+from bertjax.data.corpora import inputfiles
 from bertjax.errors import Refusal
 
 def one_line(err: Exception) -> str:

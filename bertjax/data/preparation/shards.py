@@ -1,5 +1,5 @@
 """The two steps of preparation, each a function of its inputs alone. Both drivers (local processes
-in prepare.py, Apache Beam in beam_prepare.py) run only these, so their output is the same bytes
+in data/prepare.py, Apache Beam in beam.py) run only these, so their output is the same bytes
 whatever runs them, in whatever order, bundling or number of workers.
 
 scatter_unit: one piece of input (a byte range of a file cut at a blank line, a gzip file, ...) ->
@@ -25,8 +25,9 @@ import zlib
 
 import numpy as np
 
-from bertjax.data import corpus, instances
+from bertjax.data import corpus
 from bertjax.data.config import DataConfig
+from bertjax.data.preparation import instances
 from bertjax.errors import Refusal
 
 SPLITS = ("train", "eval")
