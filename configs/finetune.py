@@ -111,7 +111,7 @@ def get_config(task: str = "next"):
   # "label=weight,..." (others 1).
   t.class_weights = ""
 
-  # Settings chosen on dev (bertjax/finetune/search.py, docs/finetuning.md#settings-chosen-on-dev):
+  # Settings chosen on dev (bertjax/finetune/job/search.py, docs/finetuning.md#settings-chosen-on-dev):
   # each key lists the values of its `train` key to try ("5e-5,3e-5"; "" = train's one value);
   # every combination is a trial, the best on dev is kept in best/. Trials of one batch size train
   # together as one program. learning_rate=auto: the four rates scaled to the encoder's width
@@ -157,7 +157,7 @@ def get_config(task: str = "next"):
     t.learning_rate = 3e-5
   elif key in families.FAMILIES:
     # No rate known in advance for one's own task: None has the command choose it on dev among
-    # rates scaled to the encoder's width (bertjax/finetune/search.py auto_learning_rates), 4
+    # rates scaled to the encoder's width (bertjax/finetune/job/search.py auto_learning_rates), 4
     # trials in one program; a rate given on the command line runs that rate alone.
     t.learning_rate = ml_collections.FieldReference(None, field_type=float)
   elif key == "next":

@@ -359,7 +359,7 @@ def retrieval_corpus(seed, per_topic=2):
 def sigterm_at(monkeypatch, at_step):
   """Training batches as the run makes them, with a SIGTERM while the batch of step `at_step` is
   handed over (a preemption notice between two steps)."""
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import run  # pylint: disable=import-outside-toplevel
 
   real = run.train_batches
 

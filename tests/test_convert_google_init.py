@@ -12,7 +12,7 @@ import tensorflow as tf
 from bertjax import errors
 from bertjax.configs import tiny
 from bertjax.convert import google as convert_google
-from bertjax.finetune import run
+from bertjax.finetune.job import run
 from bertjax.formats import google
 from bertjax.pretrain import job as pretrain_job
 from bertjax.training import checkpoint as checkpoint_lib, train

@@ -152,7 +152,7 @@ def test_fine_tuning_starts_from_a_modernbert_folder(tmp_path, monkeypatch):
   imported one, leaf for leaf, and its architecture (RoPE, GeGLU, windows) comes with it."""
   import os  # pylint: disable=import-outside-toplevel
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import run  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
   from finetune_fixtures import Builds, tiny_next_config, write_tiny_next
   from test_data_fixtures import write_vocab  # pylint: disable=import-outside-toplevel

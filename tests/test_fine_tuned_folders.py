@@ -22,7 +22,8 @@ import torch
 import transformers
 
 from bertjax import errors
-from bertjax.finetune import families, init_from, run
+from bertjax.finetune import families
+from bertjax.finetune.job import init_from, run
 from bertjax.formats import taskspec
 from bertjax.weights import reader as weights
 from test_convert_modernbert import randomised

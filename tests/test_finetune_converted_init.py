@@ -8,7 +8,7 @@ import pytest
 
 from bertjax import errors
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
-from bertjax.finetune import run
+from bertjax.finetune.job import run
 from bertjax.formats import converted
 from bertjax.model.config import BertConfig
 from bertjax.model.heads import BertForPreTraining

@@ -1,4 +1,4 @@
-"""One's own task end to end (bertjax/finetune/custom.py, bertjax/predict/predictor.py): each family trains on
+"""One's own task end to end (bertjax/finetune/kit/custom.py, bertjax/predict/predictor.py): each family trains on
 small files in its formats to a score only a working path reaches, scores itself, writes its label
 map, and predicts new text line by line as the run's own test predictions say; 1 and 8 devices
 write the same prediction file; the readers take what real files hold (quotes with newlines, BOM,
@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 from bertjax import errors
-from bertjax.finetune import custom, families, run
+from bertjax.finetune import families
 from bertjax.finetune.families import classification, tagging
+from bertjax.finetune.job import run
+from bertjax.finetune.kit import custom
 from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import pairs, tagged, textfiles
 from bertjax.predict import predictor as predict_lib

@@ -4,7 +4,8 @@ score; BM25 against its formula worked by hand."""
 import numpy as np
 import pytest
 
-from bertjax.finetune import bm25, retrieval
+from bertjax.finetune.kit import retrieval
+from bertjax.finetune.tasks import bm25
 
 
 def test_the_metrics_of_a_ranking_scored_by_hand():

@@ -1,4 +1,4 @@
-"""Settings chosen on dev (bertjax/finetune/search.py, trials.py): a trial of a search equals the
+"""Settings chosen on dev (bertjax/finetune/job/search.py, trials.py): a trial of a search equals the
 same settings run alone; the winner is the best on dev; a stopped search resumes to the same end;
 bad grids are refused before any work."""
 
@@ -10,7 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from bertjax.finetune import config as ft_config, run, search, trials as trials_lib
+from bertjax.finetune.job import run, search, trials as trials_lib
+from bertjax.finetune.kit import config as ft_config
 import finetune_fixtures as fx
 from test_finetune_custom import custom_config, route_rows, write_csv
 
@@ -214,7 +215,7 @@ def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
   assert s.wanted(config)
   assert [t.learning_rate for t in search.expand(config, s, tiny)] == rates
   config.search.learning_rate = ""
-  with pytest.raises(ValueError, match="a search, which bertjax.finetune.search.run runs"):
+  with pytest.raises(ValueError, match="a search, which bertjax.finetune.job.search.run runs"):
     config.train.learning_rate = None
     run.finetune(config, "/nonexistent")
   assert finetune_config.get_config("mrpc").train.learning_rate == 2e-5  # benchmarks: the paper's

@@ -12,7 +12,8 @@ import pytest
 
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.data.normalize import original_normalize
-from bertjax.finetune import squad, squad_metrics as metrics, squad_postprocess as post
+from bertjax.finetune.kit import squad_metrics as metrics, squad_postprocess as post
+from bertjax.finetune.tasks import squad
 from bertjax.inputs import questions
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

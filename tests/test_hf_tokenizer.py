@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib, vocab_record
-from bertjax.finetune import run
+from bertjax.finetune.job import run
 from bertjax.formats import vocabulary
 from bertjax.inputs import pairs, questions, tagged, word_windows
 from bertjax.predict import predictor as predict_lib

@@ -47,6 +47,9 @@ LAYERS = (
     ("formats", ("bertjax.formats",)),
     ("weights", ("bertjax.weights",)),
     ("runs", ("bertjax.aot", "bertjax.evaluate_mlm", "bertjax.pretrain", "bertjax.tune")),
+    ("finetune-kit", ("bertjax.finetune.kit",)),
+    ("families", ("bertjax.finetune.families",)),
+    ("finetune-tasks", ("bertjax.finetune.tasks",)),
     ("finetune", ("bertjax.finetune",)),
     ("finetune-config", ("bertjax.configs.finetune",)),
     ("commands", ("bertjax.predict", "bertjax.benchmark", "bertjax.convert", "launch")),
@@ -222,7 +225,8 @@ def test_the_docs_state_the_same_order():
 
 # The benchmarks' readers (GLUE, SQuAD, CoNLL-2003): they build on inputs/, as the task families
 # and prediction do; what every task reads must not come through one benchmark's files.
-BENCHMARK_READERS = ("bertjax.finetune.glue", "bertjax.finetune.squad", "bertjax.finetune.ner")
+BENCHMARK_READERS = ("bertjax.finetune.tasks.glue", "bertjax.finetune.tasks.squad",
+                     "bertjax.finetune.tasks.ner")
 
 
 def _closure(module: str) -> set[str]:
@@ -245,13 +249,13 @@ def test_prediction_and_the_families_import_no_benchmark_reader():
   assert not any(through.values()), {m: found for m, found in through.items() if found}
 
 
-def test_nothing_below_finetune_reads_a_registry_of_families():
+def test_nothing_below_the_families_reads_their_registry():
   # The registry is the families package's own (bertjax/finetune/families/); a module below it
   # that read a registry would see it empty until something imported the families (as
   # load_pretrained did, in a fresh interpreter, on a ModernBertFor* folder).
   modules, _ = _graph()
-  finetune = [name for name, _ in LAYERS].index("finetune")
-  below = [m for m in modules if m not in FACES and _layer(m) < finetune]
+  families = [name for name, _ in LAYERS].index("families")
+  below = [m for m in modules if m not in FACES and _layer(m) < families]
   assert len(below) > 60, len(below)
   found = []
   for module in below:

@@ -276,7 +276,7 @@ def _mlm_folder(root, vocab, **base):
 
 
 def _finetune(tmp_path, monkeypatch, init_from, words, length, **model):
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import run  # pylint: disable=import-outside-toplevel
   from finetune_fixtures import Builds  # pylint: disable=import-outside-toplevel
   from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
@@ -386,7 +386,7 @@ def test_what_has_no_form_is_refused_naming_the_fix():
 def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, vocab, family):
   """What a tagging or span run starts from (the classification run above trains): the folder's
   encoder, the prediction head from its MLM transform, a new classifier of the family's width."""
-  from bertjax.finetune import init_from  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import init_from  # pylint: disable=import-outside-toplevel
   folder = _mlm_folder(tmp_path, vocab)
   source = weights.inspect(folder)
   spec = taskspec.TaskSpec(family, family, TAGS if family == "tagging" else ())

@@ -190,7 +190,7 @@ def test_schedule_is_the_originals():
 
 def test_schedule_gives_the_same_bits_from_python_and_traced_numbers():
   """A run alone has its rate, warmup and length as Python numbers; a search's trials have them
-  traced, sliced per trial inside one program (bertjax/finetune/trials.py), where XLA folds what
+  traced, sliced per trial inside one program (bertjax/finetune/job/trials.py), where XLA folds what
   every trial shares (here the warmup and length) and not what differs (the rate). The rates must
   be the same bits at every step: 1 ulp at one warmup step of 1e-3 grew into other dev scores
   after 4 epochs of the routing example (docs/finetuning.md#settings-chosen-on-dev)."""

@@ -20,8 +20,8 @@ import pytest
 
 from bertjax import errors, files
 from bertjax.data.config import DataConfig
-from bertjax.finetune import init_from, run
-from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune.job import init_from, run
+from bertjax.finetune.kit.config import FinetuneDataConfig, TaskConfig
 from bertjax.model.config import BertConfig
 from bertjax.training import checkpoint as checkpoint_lib
 from bertjax.weights import reader as weights
@@ -90,7 +90,7 @@ def test_a_damaged_derived_file_does_not_stop_the_rerun(tmp_path, name, capsys):
 def test_prediction_files_are_written_atomically(tmp_path, monkeypatch):
   # Every file of the workdir goes through files.write_text (temp file + rename): a kill during
   # the write leaves the previous file whole.
-  from bertjax.finetune import squad_postprocess
+  from bertjax.finetune.kit import squad_postprocess
   written = []
   real = files.write_text
   monkeypatch.setattr(files, "write_text", lambda path, text: (written.append(path),
@@ -362,7 +362,7 @@ def test_a_misspelled_fine_tuning_key_is_named_in_one_line(tmp_path):
 def test_squad_v1_given_a_v2_file_is_refused_before_any_step(tmp_path):
   import finetune_fixtures as fx
   from bertjax.data import tokenizer as tokenizer_lib
-  from bertjax.finetune import tasks
+  from bertjax.finetune.tasks import tasks
   from test_data_fixtures import write_vocab
   paragraphs = fx.squad_paragraphs(4, 0, "q")
   paragraphs[2]["qas"].append({"id": "no-answer", "question": fx.QUESTION, "answers": [],
@@ -391,7 +391,7 @@ def test_a_batch_larger_than_the_training_set_is_said():
 
 def test_a_conll_file_without_blank_lines_is_warned_about(tmp_path, caplog):
   import finetune_fixtures as fx
-  from bertjax.finetune import ner
+  from bertjax.finetune.tasks import ner
   sentences = fx.conll_sentences(200, 0)
   path = fx.write_conll(str(tmp_path / "eng.train"), sentences)
   with open(path) as f:
@@ -486,7 +486,7 @@ def _every_answer_is_a_substring(tokenizer, pool):
   none."""
   import random
   import numpy as np
-  from bertjax.finetune import squad_postprocess
+  from bertjax.finetune.kit import squad_postprocess
   from bertjax.inputs import questions
   rng = random.Random(0)
   for trial in range(150):

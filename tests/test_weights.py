@@ -17,7 +17,7 @@ import pytest
 
 from bertjax.convert import google as convert_google, hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
-from bertjax.finetune import init_from
+from bertjax.finetune.job import init_from
 from bertjax.formats import google, hf
 from bertjax.model.heads import BertForPreTraining
 from bertjax.parallel.sharding import MeshConfig

@@ -18,7 +18,7 @@ import numpy as np
 from absl import app, flags
 
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import squad_metrics, squad_postprocess
+from bertjax.finetune.kit import squad_metrics, squad_postprocess
 from bertjax.inputs import questions
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "st", "er", "an"]

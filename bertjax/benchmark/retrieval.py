@@ -23,7 +23,7 @@ Then, over the seeds, it fine-tunes the encoder with `python -m bertjax.finetune
   trained     the fine-tuned retriever's best epoch (MRR@10 picks it)
   untrained   the same encoder's vectors before fine-tuning, cosine, cls (the tanh pooler's
               output) and mean pooling; the better of the two is the fair baseline
-  bm25        bertjax/finetune/bm25.py over words
+  bm25        bertjax/finetune/tasks/bm25.py over words
 
 and prints MRR@10, recall@10 and nDCG@10 of each, per seed and as ranges, and the trained
 retriever's MRR@10 over the fair baseline's. Figures:
@@ -61,7 +61,9 @@ from bertjax.configs import bert_base, finetune as finetune_config
 from bertjax.data import corpus as corpus_lib
 from bertjax.data.corpora import builtin_corpus
 from bertjax.errors import Refusal
-from bertjax.finetune import bm25, retrieval, run as run_lib
+from bertjax.finetune.job import run as run_lib
+from bertjax.finetune.kit import retrieval
+from bertjax.finetune.tasks import bm25
 from bertjax.model.config import BertConfig
 from bertjax.model.contrastive import ContrastiveConfig
 from bertjax.parallel import sharding, topologies

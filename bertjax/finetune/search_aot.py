@@ -4,7 +4,7 @@ machine without a TPU (libtpu's compile-only client, as `python -m bertjax.aot`)
     python -m bertjax.finetune.search_aot --config=configs/bert_base.py --topology=v5p-8 \
         --batch_size=32 --seq_len=128
 
-Compiles the trials' program (bertjax/finetune/trials.py: a classification head, bfloat16
+Compiles the trials' program (bertjax/finetune/job/trials.py: a classification head, bfloat16
 matmuls as the config says) for T = chips x 1, 2, 4, ... trials, the trial axis over the chips,
 and prints each one's memory per chip from XLA's buffer assignment against the chip's HBM, until
 one does not fit: the last that fits is the answer, per chip.
@@ -26,8 +26,8 @@ import jax
 from absl import app, flags
 
 from bertjax import aot, cli
-from bertjax.finetune import trials as trials_lib
 from bertjax.finetune.families import classification
+from bertjax.finetune.job import trials as trials_lib
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding, topologies
 from bertjax.training import train

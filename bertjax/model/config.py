@@ -63,7 +63,7 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 #                 stored ones mean (pre- vs post-LN, RoPE vs a table): compared like a shape field,
 #                 but a fine-tuning config need not spell it out (init_from's value is taken)
 #   inherited     a fine-tuning config leaves it at 0 / "" to take init_from's value
-#                 (configs/finetune.py, bertjax/finetune/run.py): the encoder's shape (its layer
+#                 (configs/finetune.py, bertjax/finetune/job/run.py): the encoder's shape (its layer
 #                 layout is the task's own) and how it computes; a new head is initialized with
 #                 init_from's initializer_range
 #   head          a key of the fine-tuning head: a run's checkpoints hold its head, so resuming

@@ -15,7 +15,7 @@
           name this search's encoder and the corpus's texts, or it is refused; an .npy without a
           record is used unchecked, and said so) or encoded first. An empty passage is counted
           in a line. Memory: the corpus's vectors (M x hidden x 4 bytes) and one block of scores
-          (bertjax/finetune/retrieval.py); queries stream through a chunk at a time.
+          (bertjax/finetune/kit/retrieval.py); queries stream through a chunk at a time.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from bertjax import files
 from bertjax.errors import Refusal
-from bertjax.finetune import retrieval
+from bertjax.finetune.kit import retrieval
 from bertjax.formats import taskspec
 from bertjax.inputs import textfiles
 from bertjax.model.config import ARCHITECTURE_FIELDS, SHAPE_FIELDS

@@ -4,7 +4,7 @@
 (`control.run_steps`), saves, logs, stop signals, evaluations. A `Job` says what differs between
 runs: the `train.Training` (its objective), the batches, the evaluation, where new parameters come
 from. Pre-training's job is `bertjax.pretrain.job.train_and_evaluate(config, workdir)`, what
-`python -m bertjax.pretrain` runs; fine-tuning's is `bertjax.finetune.run.finetune`. Resume is
+`python -m bertjax.pretrain` runs; fine-tuning's is `bertjax.finetune.job.run.finetune`. Resume is
 exact: the state is (step, params, opt_state); dropout keys are fold_in(seed, step) and the input
 pipeline restarts at any step with the same batches, so an interrupted-and-resumed run computes
 what an uninterrupted one computes. Restore order: the workdir's newest checkpoint that restores >

@@ -193,7 +193,7 @@ def with_step_count(opt_state, step) -> Any:
 def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
   """Linear warmup to `peak`, then linear decay to 0 at `total_steps`, as the original.
 
-  The three may be traced scalars (fine-tuning's trials, bertjax/finetune/trials.py, give each
+  The three may be traced scalars (fine-tuning's trials, bertjax/finetune/job/trials.py, give each
   trial its own inside one program): the same operations run on them, so a trial's rates are
   those of the same run alone. Only Python numbers are checked here."""
   numbers = all(isinstance(x, (int, float)) for x in (warmup_steps, total_steps))
@@ -268,7 +268,7 @@ def create_optimizer(train_config, *, learning_rate=None, warmup_steps=None, tot
 
   `train_config` is a `bertjax.training.train.TrainConfig` (any object with the same attributes). The
   keyword arguments replace its values, traced scalars allowed (a trial's own, in a program of
-  several trials: bertjax/finetune/trials.py); the linear schedule only.
+  several trials: bertjax/finetune/job/trials.py); the linear schedule only.
   """
   c = train_config
   if c.optimizer not in OPTIMIZERS:

@@ -142,7 +142,7 @@ def check_step_counters(state: TrainState) -> None:
   the learning rate. Reads the counters to the host; call it once, after restoring.
   """
   step = int(jax.device_get(state.step))
-  # A state of several trials (bertjax/finetune/trials.py) holds a counter per trial.
+  # A state of several trials (bertjax/finetune/job/trials.py) holds a counter per trial.
   counts = [int(c) for stacked in jax.device_get(optimizer_lib.step_counts(state.opt_state))
             for c in np.ravel(stacked)]
   if any(c != step for c in counts):
@@ -193,7 +193,7 @@ class Objective:
 
   The objective is the sum, over the names `denominators` returns, of metric sum / denominator,
   each denominator taken over the whole batch (so microbatches add up exactly). Pre-training's
-  terms are mlm_loss and nsp_loss; a fine-tuning head has one term (bertjax/finetune/objectives.py).
+  terms are mlm_loss and nsp_loss; a fine-tuning head has one term (bertjax/finetune/kit/objectives.py).
   `outputs` are what a prediction returns to the host (fine-tuning's logits).
   """
 

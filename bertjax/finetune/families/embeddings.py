@@ -32,10 +32,10 @@ from typing import Mapping
 import numpy as np
 
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, retrieval
-from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
-from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.finetune.kit import custom, metrics as ft_metrics, retrieval
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import EvalSet, TaskData
 from bertjax.formats import taskspec as spec_lib
 from bertjax.formats.sentence_transformers import SentenceVectors
 from bertjax.inputs import pairs as pairs_lib, passages, textfiles

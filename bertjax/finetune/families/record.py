@@ -15,8 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from bertjax.errors import Refusal
-from bertjax.finetune.config import TaskConfig
-from bertjax.finetune.taskdata import TaskData
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import TaskData
 from bertjax.formats import taskspec as spec_lib
 from bertjax.training import train
 

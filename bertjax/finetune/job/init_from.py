@@ -1,7 +1,7 @@
 """What a fine-tuning run takes from `checkpoint.init_from` (any folder bertjax/weights/reader.py reads):
 its model, with the config's overrides; its vocabulary, or the config's checked against it; and
 where the run's parameters start (its encoder, ModernBERT's prediction head). The run itself is
-bertjax/finetune/run.py's."""
+bertjax/finetune/job/run.py's."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import dataclasses
 
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
-from bertjax.finetune import init_heads
-from bertjax.finetune.config import FinetuneDataConfig
+from bertjax.finetune.job import init_heads
+from bertjax.finetune.kit.config import FinetuneDataConfig
 from bertjax.model.config import INHERITED_FIELDS, SHAPE_FIELDS, BertConfig
 from bertjax.training import checkpoint as checkpoint_lib, loop
 from bertjax.weights import reader as weights, match as weights_match
@@ -70,7 +70,7 @@ def resolve_tokenizer(data: FinetuneDataConfig, source: weights.Weights | None, 
 
 def _encoder_loader(source: weights.Weights):
   """fresh params -> the same params with `bert` (the encoder) read from init_from (and a
-  ModernBERT prediction head: bertjax/finetune/init_heads.py)."""
+  ModernBERT prediction head: bertjax/finetune/job/init_heads.py)."""
   def load(fresh):
     like = {weights.ENCODER: checkpoint_lib.abstract_like(fresh[weights.ENCODER])}
     out = {**fresh, **weights.read(source, like=like, fresh=fresh)}

@@ -1,6 +1,6 @@
 """A fine-tuning run's scores after each epoch (evaluations.json) and its best checkpoint (best/):
 what a rerun keeps of an earlier timeline, and how a damaged record is rebuilt. A search keeps one
-per trial and adopts its winner's as the workdir's (bertjax/finetune/search.py). And what a
+per trial and adopts its winner's as the workdir's (bertjax/finetune/job/search.py). And what a
 resumed run says of its earlier timeline's data: each checkpoint records the sha256 of the
 features it trained on (TRAIN_DATA)."""
 

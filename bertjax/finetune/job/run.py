@@ -31,11 +31,12 @@ import numpy as np
 
 from bertjax import errors, files
 from bertjax.errors import Refusal
-from bertjax.finetune import families, tasks
-from bertjax.finetune.config import SearchConfig, TaskConfig
-from bertjax.finetune.evaluations import (TRAIN_DATA, Evaluations, features_digest,
-                                          say_if_data_changed)
-from bertjax.finetune.init_from import initialiser, resolve_model, resolve_tokenizer
+from bertjax.finetune import families
+from bertjax.finetune.job.evaluations import (TRAIN_DATA, Evaluations, features_digest,
+                                              say_if_data_changed)
+from bertjax.finetune.job.init_from import initialiser, resolve_model, resolve_tokenizer
+from bertjax.finetune.kit.config import SearchConfig, TaskConfig
+from bertjax.finetune.tasks import tasks
 from bertjax.formats import taskspec as spec_lib
 from bertjax.model.config import BertConfig
 from bertjax.parallel import sharding, watchdog
@@ -215,7 +216,7 @@ def train_config(config, total_steps: int, warmup: int,
 @dataclasses.dataclass
 class Setup:
   """What every fine-tuning run of a config reads before its first step (one run, or the trials
-  of a search: bertjax/finetune/search.py)."""
+  of a search: bertjax/finetune/job/search.py)."""
 
   ft: FinetuneConfig
   task_name: str
@@ -280,10 +281,10 @@ def setup(config, workdir: str, ft: FinetuneConfig | None = None) -> Setup:
 def finetune(config, workdir: str) -> dict:
   """Runs (or resumes) the fine-tuning job of `config` in `workdir`; returns results.json's dict
   ({} when a stop signal ended the run early). A config whose `search` names several settings
-  is a search: the command runs it (bertjax/finetune/search.py), this function refuses it."""
+  is a search: the command runs it (bertjax/finetune/job/search.py), this function refuses it."""
   if SearchConfig.from_config(config).wanted(config):
     raise Refusal("config.search lists settings to try (or train.learning_rate is None): a "
-                  "search, which bertjax.finetune.search.run runs (python -m bertjax.finetune "
+                  "search, which bertjax.finetune.job.search.run runs (python -m bertjax.finetune "
                   "does); run.finetune runs one setting.")
   s = setup(config, workdir)
   # Here, not in setup: a search's trials have batch sizes of their own (search.run checks them).

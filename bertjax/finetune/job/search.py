@@ -5,7 +5,7 @@ combination is a trial, scored on dev after each of its epochs, and the best is 
     python -m bertjax.finetune --config=configs/finetune.py:classification ... \
       --config.search.learning_rate=1e-4,3e-4,1e-3 --config.search.seed=0,1,2 --workdir=DIR
 
-The trials of one batch size train together as one compiled program (bertjax/finetune/trials.py),
+The trials of one batch size train together as one compiled program (bertjax/finetune/job/trials.py),
 in as few programs as memory allows (`trials_per_program`, or decided from the estimate of
 trials.per_trial_bytes against the host's or the devices' free memory). Settings are ranked by
 the median, over their seeds, of each trial's best dev score (a trial's best epoch, as a run alone
@@ -33,9 +33,10 @@ import numpy as np
 
 from bertjax import errors, files
 from bertjax.errors import Refusal
-from bertjax.finetune import run as run_lib, svg, tasks, trials as trials_lib
-from bertjax.finetune.config import AUTO, SEARCH_KEYS, SearchConfig
-from bertjax.finetune.evaluations import Evaluations
+from bertjax.finetune.job import run as run_lib, svg, trials as trials_lib
+from bertjax.finetune.job.evaluations import Evaluations
+from bertjax.finetune.kit.config import AUTO, SEARCH_KEYS, SearchConfig
+from bertjax.finetune.tasks import tasks
 from bertjax.formats import taskspec as spec_lib
 from bertjax.parallel import sharding
 from bertjax.training import checkpoint as checkpoint_lib, control, loop, train

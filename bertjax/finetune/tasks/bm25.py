@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from bertjax.finetune import retrieval
+from bertjax.finetune.kit import retrieval
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 

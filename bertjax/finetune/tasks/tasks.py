@@ -10,7 +10,7 @@ after every epoch, and the sets only predicted (test splits) with what is writte
   CoNLL-2003: dev ("testa") scored with conlleval's entity F1, test ("testb") scored and written
       as `word gold predicted` columns, the input conlleval reads.
   One's own task: the name of a task family (bertjax/finetune/families/), whose `load` reads
-      one's own files (bertjax/finetune/custom.py).
+      one's own files (bertjax/finetune/kit/custom.py).
 
 Each benchmark here is a reader: it reads its files into a family's examples and hands them to
 the family's features, objective and metric (GLUE and NEXT: classification or regression; SQuAD:
@@ -32,10 +32,12 @@ import numpy as np
 
 from bertjax import files
 from bertjax.errors import Refusal
-from bertjax.finetune import families, glue, metrics as ft_metrics, ner, objectives, squad
-from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune import families
 from bertjax.finetune.families import span, tagging
-from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.finetune.kit import metrics as ft_metrics, objectives
+from bertjax.finetune.kit.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune.kit.taskdata import EvalSet, TaskData
+from bertjax.finetune.tasks import glue, ner, squad
 from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import questions, tagged, word_windows
 from bertjax.training import contrastive as contrastive_training

@@ -1,6 +1,6 @@
 """One's own task from one's own files: `--config=configs/finetune.py:FAMILY`, FAMILY the name of
-a task family (bertjax/finetune/families/: classification, regression, tagging, span); each
-family's `load` reads its files with the pieces here.
+a task family (bertjax/finetune/families/: classification, regression, tagging, span,
+embeddings); each family's `load` reads its files with the pieces here.
 
 Classification, regression and tagging read CSV, TSV, JSON Lines or Parquet
 (bertjax/inputs/textfiles.py) with the columns named under config.data (text_a, text_b, label;
@@ -30,8 +30,8 @@ import numpy as np
 
 from bertjax import files
 from bertjax.errors import Refusal
-from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
-from bertjax.finetune.taskdata import EvalSet
+from bertjax.finetune.kit.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune.kit.taskdata import EvalSet
 from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import pairs, textfiles
 
