@@ -296,14 +296,10 @@ def one_line(err: BaseException) -> str | None:
     return f"bertjax: {said}"
   if type(err) is Refusal:  # pylint: disable=unidiomatic-typecheck
     return f"bertjax: ValueError: {err}"  # as said before Refusal was its own class
-  # control imports jax, which a data worker or the launcher need not load: a process that never
-  # imported it raised none of its errors.
-  control = sys.modules.get("bertjax.training.control")
   # The project's refusals; a missing file or folder; a file that is not UTF-8 or not JSON (what
   # was read is at fault, not bertjax); a non-finite loss.
   if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-                      UnicodeDecodeError, json.JSONDecodeError)) or (
-                          control is not None and isinstance(err, errors.NonFiniteError)):
+                      UnicodeDecodeError, json.JSONDecodeError, errors.NonFiniteError)):
     return f"bertjax: {type(err).__name__}: {err}"
   if isinstance(err, OSError):
     if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...
