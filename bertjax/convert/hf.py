@@ -208,14 +208,7 @@ def sentencepiece_to_tokenizer_json(model_path: str, output: str) -> None:
   tok.save(output)
 
 
-def _define_own_flags(command: str | None) -> None:
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if command in ("export", None):
-    flags.DEFINE_string("checkpoint", "best", "export: of a fine-tuning workdir: best (its best "
-                        "epoch), latest or a step.")
-
-
 if __name__ == "__main__":
   from bertjax.convert import command  # pylint: disable=ungrouped-imports
-  command.start("hf_dir", "Hugging Face", import_folder, export_folder, _define_own_flags,
-                export_flags={"checkpoint": str})
+  command.start("hf_dir", "Hugging Face", import_folder, export_folder,
+                command.define_checkpoint_flag, export_flags={"checkpoint": str})
