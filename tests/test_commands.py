@@ -112,3 +112,83 @@ def test_train_is_the_benchmark_without_a_subcommand(monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", ["b", "--help"])
   benchmark_commands.dispatch(sys.argv)
   assert "predict: bertjax.predict side by side with PyTorch" in capsys.readouterr().out
+
+
+# The pages a user reads: every `from bertjax... import ...`, `import bertjax...`, `python -m
+# bertjax...` and backticked `bertjax.NAME...` they show is what a user types, and must run.
+PAGES = ("README.md", "docs/using-the-modules.md", "docs/your-own-task.md", "docs/data.md",
+         "docs/pretraining.md", "docs/finetuning.md", "docs/interop.md", "docs/modern.md",
+         "docs/performance.md", "docs/reliability.md", "launch/README.md")
+
+
+def _names_the_pages_show() -> dict[str, set[str]]:
+  """Dotted name -> the pages that show it: `pkg.module` or `pkg.module.attribute`."""
+  found: dict[str, set[str]] = {}
+  for page in PAGES:
+    text = (ROOT / page).read_text()
+    names = set()
+    for module, items in re.findall(r"from (bertjax[\w.]*) import ([\w ,]+)", text):
+      names.update(f"{module}.{item.split(' as ')[0].strip()}" for item in items.split(",")
+                   if item.strip())
+    names.update(re.findall(r"(?:^|[\s;,(`])import (bertjax[\w.]*\w)", text, re.M))
+    names.update(re.findall(r"python3? -m (bertjax[\w.]*\w)", text))
+    names.update(re.findall(r"`(bertjax\.[\w.]*\w)", text))
+    for name in names:
+      found.setdefault(name, set()).add(page)
+  return found
+
+
+def test_every_name_the_pages_show_imports():
+  # In a fresh interpreter: each name is a module, or an attribute of the longest module it starts
+  # with (`bertjax.sharding.DEFAULT_RULES`, `bertjax.optimizer.adamw`).
+  shown = _names_the_pages_show()
+  assert {"bertjax.model.BertConfig", "bertjax.heads.BertForPreTraining", "bertjax.losses",
+          "bertjax.sharding.logical_context", "bertjax.nnx.to_nnx", "bertjax.optimizer.adamw",
+          "bertjax.pretrained.load_pretrained", "bertjax.predict.Predictor",
+          "bertjax.formats.converted", "bertjax.data.prepare"} <= shown.keys()  # the walk reads them
+  code = ("import importlib, sys\nbad = []\n"
+          f"for name in {sorted(shown)!r}:\n"
+          "  parts = name.split('.')\n"
+          "  for cut in range(len(parts), 0, -1):\n"
+          "    try:\n"
+          "      found = importlib.import_module('.'.join(parts[:cut]))\n"
+          "      break\n"
+          "    except ModuleNotFoundError:\n"
+          "      continue\n"
+          "  for part in parts[cut:]:\n"
+          "    found = getattr(found, part, None)\n"
+          "  if found is None:\n"
+          "    bad.append(name)\n"
+          "print(bad)\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "TF_CPP_MIN_LOG_LEVEL": "3"}
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  bad = eval(done.stdout.strip().splitlines()[-1])  # pylint: disable=eval-used
+  assert not bad, {name: sorted(shown[name]) for name in bad}
+
+
+def test_every_command_of_the_readme_table_shows_its_help():
+  # `--help` of each row (a benchmark's: of each subcommand the row names), two at a time: the
+  # command starts, defines its flags and lists them, without a traceback (absl's --help exits 1).
+  commands = [[c] for c, _ in _table() if "/" not in c]
+  commands += [["bertjax.benchmark", name] for name in benchmark_commands.SUBCOMMANDS]
+  assert len(commands) > 20, commands
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "TF_CPP_MIN_LOG_LEVEL": "3"}
+  scripts = [c for c, _ in _table() if "/" in c]
+  running = [subprocess.Popen([str(ROOT / s), "--help"], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for s in scripts]
+  failed = {}
+  for i in range(0, len(commands), 2):
+    pair = [(c, subprocess.Popen([sys.executable, "-m", *c, "--help"], cwd=ROOT, env=env,
+                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            for c in commands[i:i + 2]]
+    for command, proc in pair:
+      out, err = proc.communicate(timeout=300)
+      if proc.returncode not in (0, 1) or "Traceback" in err or "--help" not in out:
+        failed[" ".join(command)] = (proc.returncode, (out + err)[-500:])
+  for script, proc in zip(scripts, running):
+    out, err = proc.communicate(timeout=60)
+    if proc.returncode not in (0, 1) or "--help" not in out + err:
+      failed[script] = (proc.returncode, (out + err)[-500:])
+  assert not failed, failed
