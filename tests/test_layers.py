@@ -29,6 +29,7 @@ nothing below fine-tuning reads a registry of the task families.
 """
 
 import ast
+import collections
 import functools
 import pathlib
 import re
@@ -56,6 +57,13 @@ LAYERS = (
     ("faces", ("bertjax.heads", "bertjax.losses", "bertjax.nnx", "bertjax.sharding",
                "bertjax.optimizer", "bertjax.pretrained")),
 )
+# The public modules the README and docs/using-the-modules.md import, each the face of the module
+# that now defines its names (bertjax/model/__init__.py and bertjax/predict/__init__.py are the
+# faces of bertjax.model's and bertjax.predict's).
+PUBLIC_FACES = {"bertjax.heads": "bertjax.model.heads", "bertjax.losses": "bertjax.model.losses",
+                "bertjax.nnx": "bertjax.model.nnx", "bertjax.sharding": "bertjax.parallel.sharding",
+                "bertjax.optimizer": "bertjax.training.optimizer",
+                "bertjax.pretrained": "bertjax.weights.pretrained"}
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 
 
@@ -305,6 +313,20 @@ def test_no_module_is_past_450_lines():
   assert not long, long
 
 
+FOLDER_MODULES = 15
+
+
+def test_no_folder_holds_more_than_15_modules():
+  # A folder of more holds two things or more: the next cut makes a package named for what it
+  # holds, not another x_y.py beside the others (__init__.py and __main__.py are not counted).
+  counts = collections.Counter(p.parent for p in _sized_files()
+                               if p.name not in ("__init__.py", "__main__.py"))
+  assert len(counts) > 5, counts  # the walk still finds the folders
+  crowded = {str(folder.relative_to(ROOT)): n for folder, n in counts.items()
+             if n > FOLDER_MODULES}
+  assert not crowded, crowded
+
+
 def test_no_function_is_past_80_lines():
   # Every def, methods and nested ones included, from its `def` line (decorators aside) to its
   # last: past 80 lines a function does two things, and one of them wants a name.
@@ -315,6 +337,33 @@ def test_no_function_is_past_80_lines():
         if (n := node.end_lineno - node.lineno + 1) > FUNCTION_LINES:
           long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
   assert not long, long
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+  """The public names a module defines at its top: functions, classes, assigned names."""
+  names = set()
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+  return {name for name in names if not name.startswith("_")}
+
+
+def test_a_public_face_hands_on_every_name_of_its_module_and_nothing_else():
+  # `from bertjax import sharding; sharding.create_mesh(...)` as before the move: a face imports
+  # every public name its module defines, from that module alone, and defines nothing itself.
+  modules, _ = _graph()
+  assert LAYERS[-1] == ("faces", tuple(PUBLIC_FACES)), LAYERS[-1]
+  for face, definer in PUBLIC_FACES.items():
+    tree = ast.parse(modules[face].read_text())
+    body = [node for node in tree.body if not (isinstance(node, ast.Expr)
+                                               and isinstance(node.value, ast.Constant))]
+    assert all(isinstance(node, ast.ImportFrom) and node.module == definer for node in body), face
+    handed = {alias.name for node in body for alias in node.names}
+    defined = _defined_names(ast.parse(modules[definer].read_text()))
+    assert handed == defined, (face, sorted(defined - handed), sorted(handed - defined))
 
 
 def _imported_names(tree: ast.Module) -> set[str]:
