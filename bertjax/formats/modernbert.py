@@ -248,7 +248,7 @@ def _layer_from(sd: dict, config: BertConfig, i: int) -> dict:
   if i:
     out["attention_layer_norm"] = _norm_from(sd, p + "attn_norm", c)
   elif c.scan_layers:
-    # Scanned layers share one structure: layer 0 carries a norm it bypasses (model.py).
+    # Scanned layers share one structure: layer 0 carries a norm it bypasses (model/encoder.py).
     out["attention_layer_norm"] = _identity_norm(c)
   out["output_layer_norm"] = _norm_from(sd, p + "mlp_norm", c)
   return out

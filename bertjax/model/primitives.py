@@ -1,6 +1,6 @@
 """What every layer of the model is built of: parameter initialisers that carry logical axis names
 (bertjax/parallel/sharding.py maps them onto the mesh), the norm, and Dense. bertjax/model/encoder.py and
-bertjax/model/heads.py build on them; the dtype policy and the shape letters are model.py's."""
+bertjax/model/heads.py build on them; the dtype policy and the shape letters are encoder.py's."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ So, from the optimised HLO text and XLA's own figures:
                   growing linearly with depth (bertjax.aot --roofline_layers).
 
 Used by bertjax.aot (the roofline of a TPU executable), tests/test_layer_cost.py (the step's cost
-grows linearly with the layer count) and bertjax/layer_probe.py (the GPU's loop bodies).
+grows linearly with the layer count) and bertjax/benchmark/layers.py (the GPU's loop bodies).
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ class Predictor:
     return self._forward[kind]
 
   def packs(self, kind: str = "head") -> bool:
-    """Whether `kind`'s calls pack several texts into a row (prediction_rows.py): [CLS] vectors,
+    """Whether `kind`'s calls pack several texts into a row (rows.py): [CLS] vectors,
     and the head of a family that reads one state per text (not a mean over the tokens)."""
     return kind == "cls" or (kind == "head" and families.get(self.spec.family).packed
                              and not (self.config.task_head == "modernbert"
