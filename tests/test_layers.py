@@ -2,30 +2,33 @@
 
 Lowest first; a module imports from its own layer or the ones below it, never from one above:
 
-  base      errors, files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
-            opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention,
-            gradcache, residuals, layercost
-  model     model_config, primitives, model, heads, nnx, contrastive
-  configs   configs/, shipped as bertjax.configs (ml_collections files; the mesh rules and the model's fields they name)
-  data      data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a user's
-            text to features): nothing of the model
-  core      train, flops, roofline, checkpoint, contrastive_training
-  formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
-            folder an export writes) and
-            taskspec (the task spec a checkpoint carries): parsing, no reader of folders
-  weights   weights (the one reader of a weights folder), weights_match (a folder against the run)
-  runs      loop, pretrain_job, pretrained, aot, benchmark, benchmark_hf, benchmark_commands, evaluate_mlm,
-            pretrain
-  finetune  finetune/
-  finetune-config  configs/finetune.py (one's own tasks are the families' names, read from them)
-  commands  predict, prediction_rows, prediction_files, prediction_vectors, benchmark_predict,
-            benchmark_accel, benchmark_layers, benchmark_retrieval, convert/ (import and export), launch/
+  base            errors, files, config_files, cli (the commands' shell), versions, parallel/ (the
+                  mesh and its rules, processes, watchdog, platforms, TPU slices, host memory)
+  model           model/ (the encoder, its config, attention, heads, losses, NNX, the bi-encoder)
+  data            data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a
+                  user's text to features): nothing of the model
+  training        training/ (the steps, optimizer, loop, control, checkpoints, metrics, FLOPs)
+  perf            perf/ (a compiled step's roofline and costs)
+  formats         formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
+                  folder an export writes; the task spec): parsing, no reader of folders
+  weights         weights/ (the one reader of a weights folder, a folder against the run,
+                  load_pretrained)
+  runs            pretrain/ (the command and its job), aot
+  finetune-kit    finetune/kit/ (what the families share)
+  families        finetune/families/ (the families and their registry)
+  finetune-tasks  finetune/tasks/ (the benchmark tasks as readers)
+  finetune        finetune/job/ (the run, the search) and finetune/'s commands
+  configs         configs/, shipped as bertjax.configs (configs/finetune.py reads the families)
+  commands        predict/, benchmark/, convert/, tune, evaluate_mlm, launch/
+  faces           heads, losses, nnx, sharding, optimizer, pretrained: what users import, handing on
+                  the names of the module that defines them
 
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
 the comment just above it (`# lazy: ...`). docs/contributing.md#layers states the same order.
 Neither prediction nor a task family imports a benchmark's reader (GLUE, SQuAD, CoNLL-2003);
-nothing below fine-tuning reads a registry of the task families.
+nothing below the families reads their registry; a module stays within 450 lines, a function
+within 80, a folder within 15 modules; a face hands on every name of its module.
 """
 
 import ast
