@@ -22,7 +22,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
-# XLA's CPU scratch memory on huge pages (bertjax/hostmem.py: ~20% faster steps where the kernel's
+# XLA's CPU scratch memory on huge pages (bertjax/parallel/hostmem.py: ~20% faster steps where the kernel's
 # transparent huge pages are in madvise mode; a glibc older than 2.35 ignores it).
 HUGE_PAGES := GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 

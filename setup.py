@@ -4,7 +4,7 @@ import setuptools
 
 setuptools.setup(
     name="bertjax",
-    version="0.1.0",
+    version="0.2.0",
     description="Pre-train BERT (MLM + NSP) with JAX/Flax, from a CPU to a Cloud TPU pod.",
     # The released configs ship inside the package as `bertjax.configs` (`--config=tiny` names
     # one wherever bertjax is installed; bertjax/cli.py), while the repository keeps them in
@@ -20,7 +20,7 @@ setuptools.setup(
         "tensorflow-cpu>=2.18,<2.22",
         "tensorflow-datasets>=4.9.7,<5",
         # tensorflow-cpu no longer ships it: a run's event files are written with its protos and
-        # record framing (bertjax/metrics.py, no TensorFlow needed), and it is the viewer of a
+        # record framing (bertjax/training/metrics.py, no TensorFlow needed), and it is the viewer of a
         # run's logs (`tensorboard --logdir WORKDIR/tensorboard`).
         "tensorboard>=2.18,<2.22",
         # 0.2.3's model proto is generated for protobuf 7 and refuses an older runtime; the
@@ -32,12 +32,12 @@ setuptools.setup(
         "absl-py>=2.1,<3",
         "numpy>=1.26,<3",
         "safetensors>=0.4,<0.9",
-        # Corpora and fine-tuning files as Parquet (bertjax/data/records.py, inputs/textfiles.py):
+        # Corpora and fine-tuning files as Parquet (bertjax/data/corpora/records.py, inputs/textfiles.py):
         # the Hub's dataset format. The `beam` extra's apache-beam 2.77 holds it below 26.
         "pyarrow>=15,<26",
         # JSON Lines corpora compressed with zstd (.jsonl.zst); apache-beam holds it below 1.
         "zstandard>=0.22,<1",
-        # Sentences of Parquet, JSON Lines and TFDS documents (bertjax/data/sentences.py): chosen
+        # Sentences of Parquet, JSON Lines and TFDS documents (bertjax/data/corpora/sentences.py): chosen
         # on measurement, docs/data.md#sentences; its release is recorded with what it splits.
         "sentencex>=1.0.32,<2",
     ],

@@ -13,11 +13,11 @@ that fits here fits there.
 
 Prints per-chip memory from XLA's buffer assignment (arguments, outputs, temporaries, code, less
 the outputs written into donated arguments) against the chip's HBM; the FLOPs of one step (XLA's
-count per chip and the model count of bertjax.flops); and at an assumed MFU (--mfu) the step
+count per chip and the model count of bertjax.training.flops); and at an assumed MFU (--mfu) the step
 time, sequences/s and chip-hours of train.num_train_steps. Beside that assumed MFU, the roofline
 of the executable itself: XLA's FLOPs and bytes accessed per chip (every layer counted: a scanned
-step's layer loop bodies are costed alone and counted once per iteration, bertjax/layercost.py)
-at the chip's peak and HBM bandwidth (bertjax/flops.py's CHIPS), the step time they allow, and the
+step's layer loop bodies are costed alone and counted once per iteration, bertjax/perf/layercost.py)
+at the chip's peak and HBM bandwidth (bertjax/training/flops.py's CHIPS), the step time they allow, and the
 operations per layer; with scanned layers also any write of a whole [layers, ...] buffer inside
 the layer loops (a cost growing with depth at every layer: none expected). Exits 1, naming the
 shortfall, when the step does not fit. (XLA's TPU compiler itself works to fit HBM before it gives up, e.g. by
@@ -26,7 +26,7 @@ suggest.)
 
 Slice names are Cloud TPU accelerator types. The number counts TensorCores on v4 and v5p (two per
 chip, one JAX device per chip: v5p-128 is 64 chips, 4x4x4; v5p-384 is 4x4x12) and chips on v5e
-and v6e (v5e-256 is 256 chips, 16x16); bertjax.topologies lists every shape Cloud TPU documents.
+and v6e (v5e-256 is 256 chips, 16x16); bertjax.parallel.topologies lists every shape Cloud TPU documents.
 With --num_slices=N the job spans N such slices joined by DCN; the config's mesh.dcn_* sizes
 split the mesh axes over them.
 
@@ -50,9 +50,12 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import attention, cli, flops, layercost, sharding, topologies, train, versions
-from bertjax import roofline as roofline_lib
+from bertjax import cli, versions
 from bertjax.data.config import DataConfig
+from bertjax.model import attention
+from bertjax.parallel import sharding, topologies
+from bertjax.perf import layercost, roofline as roofline_lib
+from bertjax.training import flops, train
 
 GIB = 2**30
 

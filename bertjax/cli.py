@@ -21,8 +21,9 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags, logging as absl_logging
 from ml_collections import config_flags
 
-from bertjax import config_files, errors, files, hostmem, platforms, watchdog
+from bertjax import config_files, errors, files
 from bertjax.errors import Refusal
+from bertjax.parallel import hostmem, platforms, watchdog
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -120,7 +121,7 @@ def start(argv) -> None:
   hide_accelerators_from_tensorflow()
   # lazy: distributed imports jax, which the launcher and the data workers, importing this module
   # for its flags and refusals, need not load.
-  from bertjax import distributed  # pylint: disable=import-outside-toplevel
+  from bertjax.parallel import distributed  # pylint: disable=import-outside-toplevel
   flag = flags.FLAGS
   train_config = getattr(flag["config"].value, "train", None) if "config" in flag else None
   seconds = train_config.get("watchdog_seconds", 0) if train_config is not None else 0
@@ -155,7 +156,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
 
 
 # The command's name where it runs under another's (`bertjax.benchmark predict` runs the module
-# bertjax.benchmark_predict as its `__main__`): set by that command.
+# bertjax.benchmark.predict as its `__main__`): set by that command.
 PROGRAM: str | None = None
 
 
@@ -168,25 +169,6 @@ def program() -> str:
   if spec is not None and spec.name:
     return spec.name.removesuffix(".__main__")
   return os.path.basename(sys.argv[0])
-
-
-# The release that removes the old command names (`bertjax.main`, the benchmarks' module names):
-# until then each still runs, saying so (`old_name`).
-OLD_NAMES_GO_IN = "0.2.0"
-
-
-def old_name(new: str) -> None:
-  """Said by a command run under its old name, at its start (stderr) and first in its --help: the
-  name it has now (`new`, as typed after `python -m`) and the release that removes the old one.
-  Silent where the module runs under its new name (a benchmark's subcommand sets PROGRAM)."""
-  if PROGRAM is not None:
-    return
-  note = (f"`python -m {program()}` is an old name of `python -m {new}` (the same command); "
-          f"it goes in bertjax {OLD_NAMES_GO_IN}.")
-  print(f"bertjax: {note}", file=sys.stderr, flush=True)
-  main = sys.modules.get("__main__")
-  if main is not None:  # absl's --help prints the main module's docstring first
-    main.__doc__ = f"{note}\n\n{main.__doc__ or ''}"
 
 
 def usage_error(message: str, prog: str | None = None) -> NoReturn:
@@ -314,14 +296,10 @@ def one_line(err: BaseException) -> str | None:
     return f"bertjax: {said}"
   if type(err) is Refusal:  # pylint: disable=unidiomatic-typecheck
     return f"bertjax: ValueError: {err}"  # as said before Refusal was its own class
-  # control imports jax, which a data worker or the launcher need not load: a process that never
-  # imported it raised none of its errors.
-  control = sys.modules.get("bertjax.control")
   # The project's refusals; a missing file or folder; a file that is not UTF-8 or not JSON (what
   # was read is at fault, not bertjax); a non-finite loss.
   if isinstance(err, (Refusal, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-                      UnicodeDecodeError, json.JSONDecodeError)) or (
-                          control is not None and isinstance(err, errors.NonFiniteError)):
+                      UnicodeDecodeError, json.JSONDecodeError, errors.NonFiniteError)):
     return f"bertjax: {type(err).__name__}: {err}"
   if isinstance(err, OSError):
     if (said := files.unwritable(err)) is not None:  # read-only, a file in the way, ...

@@ -28,7 +28,7 @@ class CheckpointDamagedError(Refusal):
 
 class NonFiniteError(RuntimeError):
   """A loss or the gradient norm became NaN or Inf; nothing of that state was saved
-  (bertjax/control.py raises it)."""
+  (bertjax/training/control.py raises it)."""
 
 
 class DiskFullError(OSError):

@@ -17,11 +17,14 @@ import json
 import jax
 from absl import app, flags
 
-from bertjax import checkpoint as checkpoint_lib, cli, pretrain_job, train, weights
+from bertjax import cli
 from bertjax.configs import tiny
 from bertjax.data import pipeline
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import checkpoint as checkpoint_lib, train
+from bertjax.weights import reader as weights
 
 
 def score(workdir: str, data: DataConfig, sequences: int = 0) -> dict:

@@ -27,41 +27,42 @@ def _is_url(path: str) -> bool:
   return "://" in path
 
 
-def _gfile():
+def gfile():
+  """tf.io.gfile (local paths and URLs such as gs://): TensorFlow is loaded at the first call."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   return tf.io.gfile
 
 
 def open_file(path: str, mode: str = "rb"):
   if _is_url(path):
-    return _gfile().GFile(path, mode)
+    return gfile().GFile(path, mode)
   return open(path, mode)  # pylint: disable=unspecified-encoding
 
 
 def exists(path: str) -> bool:
-  return _gfile().exists(path) if _is_url(path) else os.path.exists(path)
+  return gfile().exists(path) if _is_url(path) else os.path.exists(path)
 
 
 def isdir(path: str) -> bool:
-  return _gfile().isdir(path) if _is_url(path) else os.path.isdir(path)
+  return gfile().isdir(path) if _is_url(path) else os.path.isdir(path)
 
 
 def listdir(path: str) -> list[str]:
   if _is_url(path):
-    return [name.rstrip("/") for name in _gfile().listdir(path)]
+    return [name.rstrip("/") for name in gfile().listdir(path)]
   return os.listdir(path)
 
 
 def makedirs(path: str) -> None:
   if _is_url(path):
-    _gfile().makedirs(path)
+    gfile().makedirs(path)
   else:
     os.makedirs(path, exist_ok=True)
 
 
 def remove(path: str) -> None:
   if _is_url(path):
-    _gfile().remove(path)
+    gfile().remove(path)
   else:
     os.remove(path)
 
@@ -85,7 +86,7 @@ def write_text(path: str, text: str) -> None:
   """Writes `text` to `path` atomically: a temporary file beside it, then a rename."""
   tmp = f"{path}.tmp-{os.getpid()}"
   if _is_url(path):
-    gfile = _gfile()
+    gfile = gfile()
     with gfile.GFile(tmp, "w") as f:
       f.write(text)
     gfile.rename(tmp, path, overwrite=True)
@@ -110,7 +111,7 @@ def copy(source: str, target: str) -> None:
   """Copies `source` to `target` atomically (a temporary file beside it, then a rename)."""
   tmp = f"{target}.tmp-{os.getpid()}"
   if _is_url(source) or _is_url(target):
-    gfile = _gfile()
+    gfile = gfile()
     gfile.copy(source, tmp, overwrite=True)
     gfile.rename(tmp, target, overwrite=True)
     return

@@ -5,12 +5,12 @@
 
 From the config as it is, one setting at a time, each candidate's train step is compiled for the
 slice by libtpu's compile-only client (as `python -m bertjax.aot`) and its roofline read with every
-layer counted and HBM's bytes alone (bertjax/roofline.py); the best of each setting is kept before
+layer counted and HBM's bytes alone (bertjax/perf/roofline.py); the best of each setting is kept before
 the next is tried (a greedy search: the settings interact little, and a full grid of them would
 take hours to compile on a laptop):
 
   mesh       the state replicated on every chip (data) or split over them (fsdp);
-  remat      what the backward keeps: none, dots, dots_all, full (bertjax/model_config.py);
+  remat      what the backward keeps: none, dots, dots_all, full (bertjax/model/config.py);
   attention  XLA's or the splash kernel (TPU, lengths a multiple of 128); splash has no dropout
              on attention probabilities, so it changes the model, and the table says so;
   rows       rows a chip doubled and quadrupled (what does not fit HBM is said): the global
@@ -40,9 +40,13 @@ import jax
 from absl import flags
 
 import bertjax.configs as released_configs
-from bertjax import aot, attention, cli, flops, roofline, topologies, train
+from bertjax import aot, cli
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
+from bertjax.model import attention
+from bertjax.parallel import topologies
+from bertjax.perf import roofline
+from bertjax.training import flops, train
 
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
 REMAT = ("none", "dots", "dots_all", "full")

@@ -10,7 +10,7 @@ them (`from bertjax.configs import base`).
 
 import ml_collections
 
-from bertjax import sharding
+from bertjax.parallel import sharding
 
 
 def get_config():
@@ -104,7 +104,7 @@ def get_config():
   d.max_line_chars = 20_000  # a longer line is refused, naming file and line (0: no limit)
   d.max_document_pair_share = 0.05  # warn when one document yields more of a split's pairs
 
-  # --- train: see bertjax/train.py and bertjax/optimizer.py. ---------------------------------------
+  # --- train: see bertjax/training/train.py and bertjax/training/optimizer.py. ---------------------
   t = config.train = ml_collections.ConfigDict()
   t.batch_size = 256  # global batch: rows per update, all hosts (a row = a sequence unless packing)
   t.num_microbatches = 1  # gradient accumulation: the batch is processed in this many slices
@@ -121,27 +121,27 @@ def get_config():
   t.adam_eps = 1e-6  # added to sqrt(v)
   t.bias_correction = False  # the original has none; NVIDIA's LAMB recipe sets True
   t.max_grad_norm = 1.0  # clip gradients to this global norm (0 disables)
-  # The loop (bertjax/loop.py):
+  # The loop (bertjax/training/loop.py):
   t.log_every_steps = 100  # a console line, TensorBoard and metrics.jsonl every this many steps
   t.eval_every_steps = 10_000  # held-out evaluation every this many steps (0: only at the end)
   t.eval_sequences = 10_000  # held-out sequences per evaluation, always the same ones (0: all)
   t.profile_start_step = -1  # first step of a profiler trace in workdir/profile (-1: none)
   t.profile_num_steps = 5  # steps the profiler trace covers
   # Several processes: one that makes no progress (no step or evaluation batch done) for this many
-  # seconds is named and the run ended, exit status 75, to be resumed (bertjax/watchdog.py; 0: off)
+  # seconds is named and the run ended, exit status 75, to be resumed (bertjax/parallel/watchdog.py; 0: off)
   t.watchdog_seconds = 300
 
-  # --- checkpoint: see bertjax/checkpoint.py. -------------------------------------------------------
+  # --- checkpoint: see bertjax/training/checkpoint.py. ----------------------------------------------
   c = config.checkpoint = ml_collections.ConfigDict()
   c.save_every_steps = 5_000  # also saved at the end and on SIGTERM (preemption)
   c.keep = 3  # newest checkpoints kept in workdir/checkpoints
   c.async_save = True  # write in the background while training goes on
   c.init_from = ""  # parameters to start from when the workdir has no checkpoint: any folder of
   #                   weights bertjax reads (another run's workdir, e.g. phase 1; the kinds:
-  #                   bertjax/weights.py); its vocabulary becomes the run's when data.vocab_path is ""
+  #                   bertjax/weights/reader.py); its vocabulary becomes the run's when data.vocab_path is ""
   c.init_from_other_vocab = False  # True: take init_from's weights although its tokenizer differs
 
-  # --- mesh: see bertjax/sharding.py. ----------------------------------------------------------------
+  # --- mesh: see bertjax/parallel/sharding.py. -------------------------------------------------------
   mesh = config.mesh = ml_collections.ConfigDict()
   # Mesh axis sizes. ICI: devices inside one slice (one -1 takes the devices left over); DCN:
   # slices of a multi-slice job (one -1 takes the slices left over). Axis size = ici x dcn.
@@ -153,7 +153,7 @@ def get_config():
   mesh.dcn_tensor = 1  # tensor parallelism across slices (rarely wise: DCN is slow)
   # Logical axis name -> mesh axis (or axes, or None = replicated): bertjax.sharding.DEFAULT_RULES
   # (batch over data x fsdp, parameters' "embed" over fsdp, heads and MLP over tensor, the
-  # vocabulary whole; the table and its reasons are in bertjax/sharding.py). Override here.
+  # vocabulary whole; the table and its reasons are in bertjax/parallel/sharding.py). Override here.
   mesh.logical_axis_rules = sharding.DEFAULT_RULES
 
   return config

@@ -19,9 +19,9 @@ import dataclasses
 
 import ml_collections
 
-from bertjax.finetune import families
-from bertjax.model_config import INHERITED_FIELDS, BertConfig
 from bertjax.configs import base
+from bertjax.finetune import families
+from bertjax.model.config import INHERITED_FIELDS, BertConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(BertConfig)}
 
@@ -111,7 +111,7 @@ def get_config(task: str = "next"):
   # "label=weight,..." (others 1).
   t.class_weights = ""
 
-  # Settings chosen on dev (bertjax/finetune/search.py, docs/finetuning.md#settings-chosen-on-dev):
+  # Settings chosen on dev (bertjax/finetune/job/search.py, docs/finetuning.md#settings-chosen-on-dev):
   # each key lists the values of its `train` key to try ("5e-5,3e-5"; "" = train's one value);
   # every combination is a trial, the best on dev is kept in best/. Trials of one batch size train
   # together as one program. learning_rate=auto: the four rates scaled to the encoder's width
@@ -126,7 +126,7 @@ def get_config(task: str = "next"):
   s.trials_per_program = 0  # 0 = as many as memory allows; more is refused before any work
   s.memory_gb = 0.0  # what the trials may take; 0 = what the devices (or a CPU host) have free
 
-  # embeddings: how vectors are made and scored (bertjax/contrastive.py says more).
+  # embeddings: how vectors are made and scored (bertjax/model/contrastive.py says more).
   k = config.contrastive = ml_collections.ConfigDict()
   k.loss = "infonce"  # or "sigmoid" (SigLIP's)
   k.pooling = "mean"  # over real tokens, or "cls" (the last layer's [CLS] state, not the pooler)
@@ -140,7 +140,7 @@ def get_config(task: str = "next"):
   k.negative_groups = 1  # 1: every passage of the global batch; G: each 1/G of it alone
 
   c = config.checkpoint = ml_collections.ConfigDict()
-  c.init_from = ""  # any folder of weights bertjax reads (the kinds: bertjax/weights.py); "" =
+  c.init_from = ""  # any folder of weights bertjax reads (the kinds: bertjax/weights/reader.py); "" =
   #                   random init
   c.random_init = False  # True: init_from's architecture and vocabulary, fresh weights
   c.init_from_other_vocab = False  # True: take init_from's weights with another vocabulary
@@ -157,7 +157,7 @@ def get_config(task: str = "next"):
     t.learning_rate = 3e-5
   elif key in families.FAMILIES:
     # No rate known in advance for one's own task: None has the command choose it on dev among
-    # rates scaled to the encoder's width (bertjax/finetune/search.py auto_learning_rates), 4
+    # rates scaled to the encoder's width (bertjax/finetune/job/search.py auto_learning_rates), 4
     # trials in one program; a rate given on the command line runs that rate alone.
     t.learning_rate = ml_collections.FieldReference(None, field_type=float)
   elif key == "next":

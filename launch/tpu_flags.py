@@ -9,7 +9,8 @@ import types
 
 from absl import flags
 
-from bertjax import cli, topologies
+from bertjax import cli
+from bertjax.parallel import topologies
 from launch.tpu_cloud import LaunchError, fill_from_state, state_path
 
 PROG = "launch.tpu"  # how its messages name it, as bertjax's commands name themselves (cli.program)

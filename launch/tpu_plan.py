@@ -2,7 +2,7 @@
 config's mesh against the slice (ICI) and the slices (DCN), a shared workdir and data cache for
 multi-host jobs.
 
-`bertjax` (bertjax.topologies, no jax) and `configs` are imported through the sys.path entry that
+`bertjax` (bertjax.parallel.topologies, no jax) and `configs` are imported through the sys.path entry that
 found this package: the project's root, which holds all three.
 """
 
@@ -15,7 +15,7 @@ import math
 import os
 import re
 
-from bertjax import topologies
+from bertjax.parallel import topologies
 from launch.tpu_cloud import LaunchError
 from launch.tpu_remote import RunPlan
 
@@ -56,7 +56,7 @@ class Accelerator:
 
 
 def parse_accelerator(name: str) -> Accelerator:
-  """`v5p-128` -> 64 chips on 16 hosts; every shape of bertjax.topologies (the table bertjax.aot
+  """`v5p-128` -> 64 chips on 16 hosts; every shape of bertjax.parallel.topologies (the table bertjax.aot
   compiles for). Raises LaunchError naming the nearest types for one that does not exist."""
   try:
     slice_type = topologies.parse(name)

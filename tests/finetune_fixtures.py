@@ -18,9 +18,9 @@ import tempfile
 import jax
 import pytest
 
-from bertjax import pretrain_job, train
-from bertjax.configs import finetune as finetune_config
-from bertjax.configs import tiny
+from bertjax.configs import finetune as finetune_config, tiny
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import train
 from test_data_fixtures import WORDS, data_section
 
 # Words with a role in the tasks; the others are filler.
@@ -359,7 +359,7 @@ def retrieval_corpus(seed, per_topic=2):
 def sigterm_at(monkeypatch, at_step):
   """Training batches as the run makes them, with a SIGTERM while the batch of step `at_step` is
   handed over (a preemption notice between two steps)."""
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import run  # pylint: disable=import-outside-toplevel
 
   real = run.train_batches
 

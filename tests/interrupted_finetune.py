@@ -89,7 +89,7 @@ def _arm(moment: str, workdir: str) -> None:
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
   elif what == "evaluation":
     import jax  # pylint: disable=import-outside-toplevel
-    from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+    from bertjax.finetune.job import run  # pylint: disable=import-outside-toplevel
     real_predict, real_batches = run.predict, run.eval_batches
     committed = os.path.join(workdir, "checkpoints", str(step))
 

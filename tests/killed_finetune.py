@@ -12,7 +12,7 @@ import sys
 import threading
 
 if __name__ == "__main__":
-  from bertjax import watchdog  # pylint: disable=import-outside-toplevel  (only when run)
+  from bertjax.parallel import watchdog  # pylint: disable=import-outside-toplevel  (only when run)
   victim, at, seed = (int(n) for n in os.environ["BERTJAX_TEST_KILL"].split(":"))
   ids = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--process_id=")]
   if (int(ids[0]) if ids else 0) == victim:

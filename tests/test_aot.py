@@ -13,7 +13,9 @@ import sys
 import jax
 import pytest
 
-from bertjax import aot, roofline, topologies, versions
+from bertjax import aot, versions
+from bertjax.parallel import topologies
+from bertjax.perf import roofline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config=configs/tiny.py", "--config.model.vocab_size=8000"]
@@ -106,8 +108,12 @@ import json, os, re
 for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
                     ("TPU_SKIP_MDS_QUERY", "1")):
   os.environ.setdefault(name, value)
-from bertjax import aot, attention, hlocost, layercost, roofline, sharding, topologies, train
+from bertjax import aot
 from bertjax.configs import tiny
+from bertjax.model import attention
+from bertjax.parallel import sharding, topologies
+from bertjax.perf import hlocost, layercost, roofline
+from bertjax.training import train
 v5e = aot.topology_devices(topologies.parse_topology("v5e-8"))
 print("cost_model " + json.dumps(roofline.check_cost_model(v5e, size=2048)), flush=True)
 devices = aot.topology_devices(topologies.parse_topology("v5p-8", num_slices=2))
@@ -256,9 +262,9 @@ def test_unknown_topology_is_refused_with_the_nearest_ones():
 def test_a_packing_config_compiles_the_rows_the_pipeline_feeds():
   """With data.packing the step reads S x M masked slots, sequence ids and [B, S] next-sentence
   features: the compile check must lower that program, not the unpacked one."""
-  from bertjax import flops, train  # pylint: disable=import-outside-toplevel
-  from bertjax.data.config import DataConfig  # pylint: disable=import-outside-toplevel
   from bertjax.configs import tiny  # pylint: disable=import-outside-toplevel
+  from bertjax.data.config import DataConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.training import flops, train  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.data.packing, config.data.max_sequences_per_row = True, 3
   config.model.num_layers = 1  # the rows' shapes are the input's, whatever the depth

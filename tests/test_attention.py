@@ -1,4 +1,4 @@
-"""Fused attention (bertjax/attention.py) against the XLA path: splash in its interpreter on CPU,
+"""Fused attention (bertjax/model/attention.py) against the XLA path: splash in its interpreter on CPU,
 cuDNN's arguments through the XLA implementation (no GPU here), padding and packing."""
 
 import dataclasses
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bertjax import attention, sharding
-from bertjax.model import BertConfig, BertModel
+from bertjax.model import attention
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.parallel import sharding
 
 # L = 128, the kernel's smallest block; K = 16.
 CFG = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -63,7 +65,7 @@ def test_splash_matches_the_xla_path_on_real_tokens(packed):
 
 def test_a_splash_model_under_a_mesh_matches_the_xla_path_with_packing():
   # The whole encoder, two layers: from the second on, the hidden states at padding positions
-  # differ between the two paths (bertjax/attention.py); real tokens must not see them. Under a
+  # differ between the two paths (bertjax/model/attention.py); real tokens must not see them. Under a
   # 2 x 2 x 2 mesh the kernel runs in shard_map: data x fsdp split the rows, tensor the heads.
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
   ids, mask, seg, seq = (np.concatenate([x, x[::-1]]) for x in _batch())

@@ -11,7 +11,7 @@ import time
 import jax
 import pytest
 
-from bertjax import benchmark
+from bertjax.benchmark import train as benchmark
 from bertjax.configs import base
 
 L, M = 64, 10
@@ -92,7 +92,7 @@ def test_synthetic_batch_masks_distinct_real_positions():
 
 
 def test_benchmark_imports_no_tensorflow_or_transformers():
-  code = ("import sys, bertjax.benchmark, bertjax.benchmark_accel; "
+  code = ("import sys, bertjax.benchmark.train, bertjax.benchmark.accel; "
           "bad = sorted({m.split('.')[0] for m in sys.modules} & "
           "{'tensorflow', 'transformers', 'torch'}); print(bad); assert not bad")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +102,7 @@ def test_benchmark_imports_no_tensorflow_or_transformers():
 
 
 def test_the_profile_puts_each_operation_in_its_kind(runner):
-  from bertjax import opprofile  # pylint: disable=import-outside-toplevel
+  from bertjax.perf import opprofile  # pylint: disable=import-outside-toplevel
   hlo = """HloModule m
 
 %fused_dot (p0: f32[4,4], p1: f32[4,4]) -> f32[4,4] {
@@ -153,7 +153,7 @@ def test_a_gpu_trace_is_itemised_by_the_kernels_hlo_stat():
   # the library that ran them, each with an "hlo_op" stat naming the instruction; the "XLA Ops"
   # line holding only what was launched outside a command buffer (the H200's 3.4 of 75 ms).
   from types import SimpleNamespace as E  # pylint: disable=import-outside-toplevel
-  from bertjax import opprofile  # pylint: disable=import-outside-toplevel
+  from bertjax.perf import opprofile  # pylint: disable=import-outside-toplevel
   kinds = {"fusion.1": "matmul", "fusion.2": "elementwise", "copy.3": "layout"}
   ms = 1_000_000
   kernel = lambda name, dur, op=None: E(name=name, duration_ns=dur * ms,
@@ -179,9 +179,9 @@ def test_a_gpu_trace_is_itemised_by_the_kernels_hlo_stat():
 
 
 def test_the_layer_probe_times_reads_and_traces_its_variants(tmp_path):
-  """bertjax.benchmark_layers' group on a CPU at a tiny size (3 layers of 32): what the GPU run
+  """bertjax.benchmark.layers' group on a CPU at a tiny size (3 layers of 32): what the GPU run
   writes, so that the command is ready when a GPU is."""
-  from bertjax import benchmark_layers  # pylint: disable=import-outside-toplevel
+  from bertjax.benchmark import layers as benchmark_layers  # pylint: disable=import-outside-toplevel
   results = benchmark_layers.run_group(
       "A", ("base:num_layers=3", "noscan:num_layers=3,scan=0"), str(tmp_path), "tiny",
       hlo=("base", "noscan"), traced="base")
@@ -198,7 +198,7 @@ def test_the_layer_probe_times_reads_and_traces_its_variants(tmp_path):
 def test_the_layer_probe_never_hands_xla_a_blank_flag_string(monkeypatch):
   """XLA reads an XLA_FLAGS not starting with "--" as a file of flags and dies: a group with no
   flags of its own, under a user with none, runs without the variable; the user's come last."""
-  from bertjax import benchmark_layers  # pylint: disable=import-outside-toplevel
+  from bertjax.benchmark import layers as benchmark_layers  # pylint: disable=import-outside-toplevel
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   assert "XLA_FLAGS" not in benchmark_layers._with_xla_flags("", " ")
   monkeypatch.setenv("XLA_FLAGS", "--user_flag=1")
@@ -222,10 +222,10 @@ def test_a_packed_benchmark_counts_the_sequences_of_its_rows():
 
 
 def test_the_accelerator_check_runs_every_case_at_a_tiny_size(tmp_path):
-  """bertjax.benchmark_accel at --size=tiny on one CPU device: a line per case with its figures,
+  """bertjax.benchmark.accel at --size=tiny on one CPU device: a line per case with its figures,
   so the GPU/TPU command cannot rot where the suite runs (TensorFlow-free:
   tests/test_without_tensorflow.py)."""
-  from bertjax import benchmark_accel  # pylint: disable=import-outside-toplevel
+  from bertjax.benchmark import accel as benchmark_accel  # pylint: disable=import-outside-toplevel
   full = benchmark_accel.cases("full", "cudnn")
   names = [benchmark_accel.describe(c) for c in full]
   for wanted in ("bert_base L128 xla unpacked", "bert_large L512 cudnn packed x4",
@@ -259,7 +259,7 @@ def test_the_accelerator_check_reports_a_failed_case_and_goes_on_and_skips_past_
     monkeypatch):
   """A case that fails prints its error and the next still runs; once the budget is spent the
   rest are skipped, not lost: a time-limited lease still returns what was measured."""
-  from bertjax import benchmark_accel  # pylint: disable=import-outside-toplevel
+  from bertjax.benchmark import accel as benchmark_accel  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(benchmark_accel, "cases", lambda size, fused: [
       benchmark_accel.Case("predict", "bert_base", n) for n in (16, 32, 64)])
   calls = []

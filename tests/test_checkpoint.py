@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax.checkpoint import Checkpointer, Expected
 from bertjax.errors import CheckpointMismatchError
-from bertjax.model import BertConfig
+from bertjax.model.config import BertConfig
+from bertjax.training.checkpoint import Checkpointer, Expected
 
 
 def _meta(step, config=BertConfig()):
@@ -130,7 +130,7 @@ def test_empty_directory_restores_nothing(tmp_path):
 
 
 def test_a_replicated_array_saves_without_a_compile_on_a_cpu(tmp_path):
-  """On a CPU orbax writes each replicated array from one device (bertjax/checkpoint.py): split
+  """On a CPU orbax writes each replicated array from one device (bertjax/training/checkpoint.py): split
   among its 8 replicas, every save compiled a slice per device and shape (4.6 s for a tiny
   model's first save, against 0.2 s). The restore still gives the array back on every device."""
   import logging  # pylint: disable=import-outside-toplevel
@@ -168,7 +168,7 @@ def test_the_cpu_writer_keeps_orbaxs_metadata_store_or_goes_without(monkeypatch)
   """The one-writer handler takes orbax's private metadata store where orbax has it, and none
   (as orbax's public re-registration gives) where the attribute is gone."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from bertjax import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.training import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
   handlers = ocp.type_handlers
   registered = []
   monkeypatch.setattr(handlers, "register_type_handler",

@@ -149,11 +149,6 @@ def test_subcommands_are_read_before_the_flags(capsys):
      "flag --workdir=None: Flag --workdir must have a value"),
     ("bertjax.pretrain", ["--config=configs/tiny.py", "--workdir=w", "extra"],
      "Unexpected arguments: ['extra']"),
-    # bertjax.main, pre-training's name before: the same command, its flags and refusals, after
-    # one line naming the new name and the release that removes the old one.
-    ("bertjax.main", ["--wokdir=x"], "Unknown command line flag 'wokdir'. Did you mean: workdir ?"),
-    ("bertjax.main", ["--config=configs/tiny.py", "--workdir=w", "extra"],
-     "Unexpected arguments: ['extra']"),
 ])
 def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(module, args, said):
   """absl would print two lines (FATAL ...) or the module's whole docstring, with exit status 1."""
@@ -162,11 +157,6 @@ def test_a_command_line_a_command_cannot_run_is_one_line_with_exit_status_2(modu
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 2, done.stderr[-2000:]
   err = done.stderr
-  if module == "bertjax.main":
-    note, err = err.split("\n", 1)
-    assert note == (f"bertjax: `python -m bertjax.main` is an old name of `python -m "
-                    f"bertjax.pretrain` (the same command); it goes in bertjax "
-                    f"{cli.OLD_NAMES_GO_IN}."), note
   assert err.startswith(f"{module}: error: {said}"), done.stderr[-2000:]
   assert err.count("\n") == 1, done.stderr[-2000:]
 
@@ -304,7 +294,7 @@ def test_no_module_reaches_into_another_ones_private_names():
 
 def test_a_gpu_hosts_xla_flags_are_added_but_never_over_the_users(monkeypatch):
   # platforms.GPU_XLA_FLAGS, the one place a command's GPU flags would be set (none chosen yet).
-  from bertjax import platforms  # pylint: disable=import-outside-toplevel
+  from bertjax.parallel import platforms  # pylint: disable=import-outside-toplevel
   assert platforms.GPU_XLA_FLAGS == ()  # today's behaviour until a GPU measurement chooses
   monkeypatch.setattr(platforms, "GPU_XLA_FLAGS", ("--xla_a=1", "--xla_b=2"))
   env = {"XLA_FLAGS": "--xla_b=7 --other"}
@@ -322,7 +312,8 @@ def test_only_a_refusal_is_one_line_a_plain_value_error_keeps_its_traceback():
   """cli.explained ends the command in one line on errors.Refusal (and the project's refusals
   built on it, a missing file, a file that is not text); a plain ValueError is a fault of the code
   (an unpacking gone wrong, a library called wrongly) and reaches the user with its traceback."""
-  from bertjax import checkpoint, errors  # pylint: disable=import-outside-toplevel
+  from bertjax import errors  # pylint: disable=import-outside-toplevel
+  from bertjax.training import checkpoint  # pylint: disable=import-outside-toplevel
 
   def raising(error):
     def run():

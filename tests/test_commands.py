@@ -1,8 +1,7 @@
 """One command surface: every module that runs as a command (an `if __name__ == "__main__":`
-block in bertjax/ or launch/) is in the README's commands table, or is an old name kept as an
-alias, or is internal with a reason; every entry of the table exists and its page speaks of it;
-the benchmarks are subcommands of `python -m bertjax.benchmark`, each module's own name still
-running it."""
+block in bertjax/ or launch/) is in the README's commands table, or is internal with a reason;
+every entry of the table exists and its page speaks of it; the benchmarks are subcommands of
+`python -m bertjax.benchmark`."""
 
 import ast
 import os
@@ -11,23 +10,17 @@ import re
 import subprocess
 import sys
 
-from bertjax import benchmark_commands, cli
+from bertjax.benchmark import commands as benchmark_commands
 
 from conftest import xla_flags
 
 ROOT = pathlib.Path(__file__).parent.parent
 # Commands no user types, and why.
 INTERNAL = {"launch.logsync": "launch.tpu starts it on each worker to copy the job's log"}
-# Old names that still run, and the command each is now: the benchmarks that were commands of
-# their own before `python -m bertjax.benchmark SUBCOMMAND`.
-OLD_BENCHMARKS = ("hf", "predict", "data", "prepare", "finetune", "accel", "layers", "retrieval")
-ALIASES = {"bertjax.main": "bertjax.pretrain",
-           **{benchmark_commands.SUBCOMMANDS[name][0]: f"bertjax.benchmark {name}"
-              for name in OLD_BENCHMARKS}}
-# Benchmarks added since, reached only as a subcommand (their `__main__` block is what the
-# subcommand runs): the README's benchmark row lists them.
-SUBCOMMAND_MODULES = {module for name, (module, _) in benchmark_commands.SUBCOMMANDS.items()
-                      if module != "bertjax.benchmark" and name not in OLD_BENCHMARKS}
+# The benchmarks, reached as subcommands of `python -m bertjax.benchmark` (their `__main__` block
+# is what the subcommand runs): the README's benchmark row lists them.
+SUBCOMMAND_MODULES = {module for module, _ in benchmark_commands.SUBCOMMANDS.values()
+                      if module != "bertjax.benchmark"}
 
 
 def _runs_as_a_command(tree: ast.Module) -> bool:
@@ -67,44 +60,26 @@ def test_every_command_is_in_the_readme_table_and_every_entry_exists():
   modules = {c for c in listed if "/" not in c}
   commands = _commands()
   assert len(commands) >= 20, commands  # the walk still finds them
-  missing = commands - modules - set(ALIASES) - set(INTERNAL) - SUBCOMMAND_MODULES
+  missing = commands - modules - set(INTERNAL) - SUBCOMMAND_MODULES
   assert not missing, f"commands not in the README's table (add a row, or list them here): {missing}"
   stale = modules - commands
   assert not stale, f"the README's table names commands that do not exist: {stale}"
-  assert not (modules & set(ALIASES)) and not (modules & set(INTERNAL))
+  assert not (modules & set(INTERNAL)) and not (modules & SUBCOMMAND_MODULES)
   for script in {c for c in listed if "/" in c}:
     assert os.access(ROOT / script, os.X_OK), script
   for command, link in table:
     page = (ROOT / link.split("#")[0]).read_text()
     assert command in page, f"{link} does not mention {command}"
   readme = (ROOT / "README.md").read_text()
-  for old in ALIASES:  # an old name a user may still type is said to run
-    assert f"`{old}`" in readme, old
   row = next(line for line in readme.splitlines() if line.startswith("| `python -m bertjax.benchmark`"))
   assert re.findall(r"`(\w+)`", row.split("|")[2]) == list(benchmark_commands.SUBCOMMANDS)
 
 
 def test_every_benchmark_module_is_a_subcommand():
-  benchmarks = {c for c in _commands() if c.rsplit(".", 1)[-1].startswith("benchmark")}
+  benchmarks = {c for c in _commands() if c.split(".")[:2] == ["bertjax", "benchmark"]}
+  assert len(benchmarks) > 8, benchmarks  # the walk still finds them
   assert benchmarks == {module for module, _ in benchmark_commands.SUBCOMMANDS.values()}
-  for module, _ in benchmark_commands.SUBCOMMANDS.values():
-    assert module != "bertjax.benchmark_commands"
-
-
-def test_every_old_name_says_its_new_name_and_when_it_goes():
-  # Read from the code: each old name's `__main__` block calls cli.old_name with the command it
-  # is now (the note at its start and first in its --help; tests/test_cli.py runs bertjax.main).
-  said = {}
-  for old in ALIASES:
-    path = ROOT / (old.replace(".", "/") + ".py")
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-          and node.func.attr == "old_name"):
-        said[old] = node.args[0].value
-  assert said == ALIASES, said
-  assert re.fullmatch(r"\d+\.\d+\.\d+", cli.OLD_NAMES_GO_IN)
-  readme = (ROOT / "README.md").read_text()
-  assert f"go in {cli.OLD_NAMES_GO_IN}" in " ".join(readme.split())
+  assert not {c for c in _commands() if "benchmark" in c} - benchmarks  # all in bertjax/benchmark/
 
 
 def _run(*args):
@@ -113,20 +88,13 @@ def _run(*args):
                         text=True, timeout=300)
 
 
-def test_benchmark_subcommands_run_their_module_and_the_old_names_still_run():
+def test_benchmark_subcommands_run_their_module():
   # A subcommand's flags are its module's own (a flag of another is refused by name), its
-  # messages name it as typed; the module's old name gives the same refusal under that name.
+  # messages name it as typed.
   done = _run("bertjax.benchmark", "finetune", "--seq_lengths=128")
   assert done.returncode == 2, done.stderr[-2000:]
   assert done.stderr.startswith("bertjax.benchmark finetune: error: Unknown command line flag "
                                 "'seq_lengths'"), done.stderr[-2000:]
-  done = _run("bertjax.finetune.benchmark", "--seq_lengths=128")
-  assert done.returncode == 2
-  note, err = done.stderr.split("\n", 1)
-  assert "old name of `python -m bertjax.benchmark finetune`" in note, note
-  assert f"it goes in bertjax {cli.OLD_NAMES_GO_IN}" in note, note
-  assert err.startswith("bertjax.finetune.benchmark: error: Unknown command line flag "
-                        "'seq_lengths'"), done.stderr[-2000:]
   done = _run("bertjax.benchmark", "trian", "--steps=1")
   assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
   assert done.stderr.startswith("bertjax.benchmark: error: unknown benchmark 'trian'")
@@ -134,7 +102,7 @@ def test_benchmark_subcommands_run_their_module_and_the_old_names_still_run():
 
 
 def test_train_is_the_benchmark_without_a_subcommand(monkeypatch, capsys):
-  # `train` is taken off the command line and bertjax/benchmark.py goes on with its own flags;
+  # `train` is taken off the command line and bertjax/benchmark/train.py goes on with its own flags;
   # a first word that is a flag is the old command line, left as it is.
   for argv, left in ((["b", "train", "--steps=1"], ["b", "--steps=1"]),
                      (["b", "--steps=1"], ["b", "--steps=1"]), (["b"], ["b"])):
@@ -144,3 +112,83 @@ def test_train_is_the_benchmark_without_a_subcommand(monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", ["b", "--help"])
   benchmark_commands.dispatch(sys.argv)
   assert "predict: bertjax.predict side by side with PyTorch" in capsys.readouterr().out
+
+
+# The pages a user reads: every `from bertjax... import ...`, `import bertjax...`, `python -m
+# bertjax...` and backticked `bertjax.NAME...` they show is what a user types, and must run.
+PAGES = ("README.md", "docs/using-the-modules.md", "docs/your-own-task.md", "docs/data.md",
+         "docs/pretraining.md", "docs/finetuning.md", "docs/interop.md", "docs/modern.md",
+         "docs/performance.md", "docs/reliability.md", "launch/README.md")
+
+
+def _names_the_pages_show() -> dict[str, set[str]]:
+  """Dotted name -> the pages that show it: `pkg.module` or `pkg.module.attribute`."""
+  found: dict[str, set[str]] = {}
+  for page in PAGES:
+    text = (ROOT / page).read_text()
+    names = set()
+    for module, items in re.findall(r"from (bertjax[\w.]*) import ([\w ,]+)", text):
+      names.update(f"{module}.{item.split(' as ')[0].strip()}" for item in items.split(",")
+                   if item.strip())
+    names.update(re.findall(r"(?:^|[\s;,(`])import (bertjax[\w.]*\w)", text, re.M))
+    names.update(re.findall(r"python3? -m (bertjax[\w.]*\w)", text))
+    names.update(re.findall(r"`(bertjax\.[\w.]*\w)", text))
+    for name in names:
+      found.setdefault(name, set()).add(page)
+  return found
+
+
+def test_every_name_the_pages_show_imports():
+  # In a fresh interpreter: each name is a module, or an attribute of the longest module it starts
+  # with (`bertjax.sharding.DEFAULT_RULES`, `bertjax.optimizer.adamw`).
+  shown = _names_the_pages_show()
+  assert {"bertjax.model.BertConfig", "bertjax.heads.BertForPreTraining", "bertjax.losses",
+          "bertjax.sharding.logical_context", "bertjax.nnx.to_nnx", "bertjax.optimizer.adamw",
+          "bertjax.pretrained.load_pretrained", "bertjax.predict.Predictor",
+          "bertjax.formats.converted", "bertjax.data.prepare"} <= shown.keys()  # the walk reads them
+  code = ("import importlib, sys\nbad = []\n"
+          f"for name in {sorted(shown)!r}:\n"
+          "  parts = name.split('.')\n"
+          "  for cut in range(len(parts), 0, -1):\n"
+          "    try:\n"
+          "      found = importlib.import_module('.'.join(parts[:cut]))\n"
+          "      break\n"
+          "    except ModuleNotFoundError:\n"
+          "      continue\n"
+          "  for part in parts[cut:]:\n"
+          "    found = getattr(found, part, None)\n"
+          "  if found is None:\n"
+          "    bad.append(name)\n"
+          "print(bad)\n")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "TF_CPP_MIN_LOG_LEVEL": "3"}
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  bad = eval(done.stdout.strip().splitlines()[-1])  # pylint: disable=eval-used
+  assert not bad, {name: sorted(shown[name]) for name in bad}
+
+
+def test_every_command_of_the_readme_table_shows_its_help():
+  # `--help` of each row (a benchmark's: of each subcommand the row names), two at a time: the
+  # command starts, defines its flags and lists them, without a traceback (absl's --help exits 1).
+  commands = [[c] for c, _ in _table() if "/" not in c]
+  commands += [["bertjax.benchmark", name] for name in benchmark_commands.SUBCOMMANDS]
+  assert len(commands) > 20, commands
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1), "TF_CPP_MIN_LOG_LEVEL": "3"}
+  scripts = [c for c, _ in _table() if "/" in c]
+  running = [subprocess.Popen([str(ROOT / s), "--help"], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for s in scripts]
+  failed = {}
+  for i in range(0, len(commands), 2):
+    pair = [(c, subprocess.Popen([sys.executable, "-m", *c, "--help"], cwd=ROOT, env=env,
+                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            for c in commands[i:i + 2]]
+    for command, proc in pair:
+      out, err = proc.communicate(timeout=300)
+      if proc.returncode not in (0, 1) or "Traceback" in err or "--help" not in out:
+        failed[" ".join(command)] = (proc.returncode, (out + err)[-500:])
+  for script, proc in zip(scripts, running):
+    out, err = proc.communicate(timeout=60)
+    if proc.returncode not in (0, 1) or "--help" not in out + err:
+      failed[script] = (proc.returncode, (out + err)[-500:])
+  assert not failed, failed

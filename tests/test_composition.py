@@ -8,11 +8,12 @@ import numpy as np
 import optax
 import pytest
 
-from bertjax import sharding
 from bertjax.formats import converted
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel
-from bertjax.pretrained import load_pretrained
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining
+from bertjax.parallel import sharding
+from bertjax.weights.pretrained import load_pretrained
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16)

@@ -11,11 +11,13 @@ import numpy as np
 import optax
 import pytest
 
-from bertjax import contrastive, contrastive_training, dropout, gradcache, sharding, train
-from bertjax.contrastive import ContrastiveConfig
-from bertjax.errors import Refusal
-from bertjax.model import BertConfig
 from bertjax.configs import base
+from bertjax.errors import Refusal
+from bertjax.model import contrastive, dropout
+from bertjax.model.config import BertConfig
+from bertjax.model.contrastive import ContrastiveConfig
+from bertjax.parallel import sharding
+from bertjax.training import contrastive as contrastive_training, gradcache, train
 
 TINY = BertConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16, hidden_dropout=0.0,

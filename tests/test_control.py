@@ -9,7 +9,7 @@ import textwrap
 import jax
 import numpy as np
 
-from bertjax import control
+from bertjax.training import control
 
 from conftest import xla_flags
 
@@ -20,7 +20,7 @@ from conftest import xla_flags
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from bertjax import control
+    from bertjax.training import control
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 

@@ -16,11 +16,12 @@ import tensorflow as tf
 import transformers  # the `test` extra pins 4.57, the last release with Flax BERT
 from flax.traverse_util import unflatten_dict
 
-from bertjax import cli, weights
+from bertjax import cli
 from bertjax.convert import google as convert_google
 from bertjax.formats import converted, google, tf_bundle, vocabulary
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertModel
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining
+from bertjax.weights import reader as weights
 from google_fixtures import GOOGLE_CONFIG, google_folder, random_variables, save, shapes, slots
 from parity_fixtures import parity_inputs
 

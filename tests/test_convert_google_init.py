@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from bertjax import checkpoint as checkpoint_lib, errors, pretrain_job, train, weights
-from bertjax import weights_match
-from bertjax.convert import google as convert_google
-from bertjax.formats import google
-from bertjax.finetune import run
+from bertjax import errors
 from bertjax.configs import tiny
+from bertjax.convert import google as convert_google
+from bertjax.finetune.job import run
+from bertjax.formats import google
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import checkpoint as checkpoint_lib, train
+from bertjax.weights import reader as weights, match as weights_match
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import data_section
 from finetune_fixtures import Builds, tiny_next_config, write_tiny_next

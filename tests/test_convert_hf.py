@@ -12,8 +12,9 @@ import transformers  # the `test` extra pins 4.57, the last release with Flax BE
 
 from bertjax.convert import hf as convert_hf
 from bertjax.formats import converted, hf, outfolder
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining
 from parity_fixtures import parity_inputs
 
 HF_CONFIG = dict(vocab_size=101, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -183,9 +184,9 @@ def test_a_fine_tuned_export_reads_back_as_its_encoder(reference, family, tmp_pa
   """A task class's folder (as `export` writes it) is a weights folder too: every reader takes its
   encoder, tensor for tensor; its task head is read past, and where the class has no pooler
   (token classification, question answering) neither has the encoder read."""
-  from bertjax import weights  # pylint: disable=import-outside-toplevel
-  from bertjax import taskspec as spec_lib  # pylint: disable=import-outside-toplevel
   from bertjax.finetune import families  # pylint: disable=import-outside-toplevel
+  from bertjax.formats import taskspec as spec_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.weights import reader as weights  # pylint: disable=import-outside-toplevel
   config = reference["config"]
   params = hf.params_from_hf(reference["state_dict"], config, heads=())
   spec = spec_lib.TaskSpec("t", family, () if family in ("regression", "span") else ("a", "b", "c"))

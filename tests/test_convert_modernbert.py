@@ -12,11 +12,12 @@ import pytest
 import torch
 import transformers
 
-from bertjax import weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.formats import modernbert
-from bertjax.heads import MlmHead
-from bertjax.model import BertConfig, BertModel
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import MlmHead
+from bertjax.weights import reader as weights
 
 # 3 layers, a global one every 2nd: layers 0 and 2 global, layer 1 local with a window of 8
 # (|i - j| <= 4) over 24 tokens, so the window cuts.
@@ -151,7 +152,7 @@ def test_fine_tuning_starts_from_a_modernbert_folder(tmp_path, monkeypatch):
   imported one, leaf for leaf, and its architecture (RoPE, GeGLU, windows) comes with it."""
   import os  # pylint: disable=import-outside-toplevel
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import run  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
   from finetune_fixtures import Builds, tiny_next_config, write_tiny_next
   from test_data_fixtures import write_vocab  # pylint: disable=import-outside-toplevel

@@ -13,11 +13,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from bertjax import loop, pretrain_job
-from bertjax.data.config import DataConfig
-from bertjax.finetune import run
-from bertjax.finetune.config import EvalConfig, FinetuneDataConfig, TaskConfig
 from bertjax.configs import base, bert_base, bert_large, finetune, modern_base, modern_tiny, tiny
+from bertjax.data.config import DataConfig
+from bertjax.finetune.job import run
+from bertjax.finetune.kit.config import EvalConfig, FinetuneDataConfig, TaskConfig
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import loop
 from test_data_fixtures import WORDS, data_config, data_section, write_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,8 +100,8 @@ def test_the_data_section_an_older_run_recorded_is_accepted():
 # Where a config's ConfigDict is read on purpose: the typed configs' builders and the fine-tuning
 # run (its train, checkpoint and mesh sections).
 # finetune/init_from.py: resolve_model turns config.model into the BertConfig.
-BOUNDARY = ("bertjax/data/config.py", "bertjax/finetune/config.py", "bertjax/finetune/run.py",
-            "bertjax/finetune/init_from.py")
+BOUNDARY = ("bertjax/data/config.py", "bertjax/finetune/kit/config.py", "bertjax/finetune/job/run.py",
+            "bertjax/finetune/job/init_from.py")
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from bertjax.data import builtin_corpus, corpus
+from bertjax.data import corpus
+from bertjax.data.corpora import builtin_corpus
 
 
 def _write(path, data: bytes, gz=False):

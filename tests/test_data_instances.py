@@ -4,7 +4,7 @@ import random
 
 import numpy as np
 
-from bertjax.data import instances
+from bertjax.data.preparation import instances
 
 CLS, SEP = 2, 3
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from bertjax.data import pipeline, prepare, processes, tokenizer as tokenizer_lib
+from bertjax.data import pipeline, prepare, tokenizer as tokenizer_lib
+from bertjax.data.preparation import processes
 from test_data_fixtures import data_config, random_documents, write_corpus, write_vocab
 
 
@@ -282,7 +283,7 @@ def test_a_workers_refusal_is_raised_by_the_parent_as_the_worker_raised_it(capfd
   it was the worker's traceback, then "1 of 2 preparation process(es) failed" and the parent's. A
   fault of the code keeps both."""
   from bertjax.errors import Refusal  # pylint: disable=import-outside-toplevel
-  code = ("from bertjax.data import processes\nfrom bertjax.errors import Refusal\n"
+  code = ("from bertjax.data.preparation import processes\nfrom bertjax.errors import Refusal\n"
           "def work(item):\n"
           "  if item == 'refuse':\n"
           "    raise Refusal('x.txt: 9 of 10 characters are not valid UTF-8; convert it')\n"

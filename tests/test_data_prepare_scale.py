@@ -19,7 +19,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from bertjax.data import prepare, sentences, shards, tokenizer as tokenizer_lib
+from bertjax.data import prepare, tokenizer as tokenizer_lib
+from bertjax.data.corpora import sentences
+from bertjax.data.preparation import shards
 from test_data_fixtures import data_config, random_documents, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +218,7 @@ def test_beam_refuses_bad_input_as_the_local_driver_does(tmp_path, capfd):
 
 def test_beam_options_pass_through():
   pytest.importorskip("apache_beam")  # the `beam` extra (make test installs it)
-  from bertjax.data import beam_prepare
+  from bertjax.data.preparation import beam as beam_prepare
   o = beam_prepare.pipeline_options("", 3).get_all_options()
   assert o["direct_num_workers"] == 3 and o["direct_running_mode"] == "multi_processing"
   o = beam_prepare.pipeline_options("runner=DataflowRunner,project=p,region=r,"
@@ -231,7 +233,7 @@ def test_beams_own_refusals_of_the_options_name_the_config_key(capfd):
   """Beam's ValueError for an unknown runner named no config key; a value of the wrong type came
   after Beam's usage text (argparse's, 120 lines) and ended the process."""
   pytest.importorskip("apache_beam")  # the `beam` extra (make test installs it)
-  from bertjax.data import beam_prepare
+  from bertjax.data.preparation import beam as beam_prepare
   from bertjax.errors import Refusal  # pylint: disable=import-outside-toplevel
   with pytest.raises(Refusal, match=re.escape(
       "config.data.beam_pipeline_options='runner=NoSuchRunner': Unexpected pipeline runner: "
@@ -248,8 +250,9 @@ def test_beams_own_refusals_of_the_options_name_the_config_key(capfd):
 
 def host(address: str, process_id: int, config_json: str) -> None:
   """One host of a two-process pod: pretrain_job.prepare_data, recording what this host did."""
-  from bertjax import distributed, pretrain_job
   from bertjax.data.config import DataConfig
+  from bertjax.parallel import distributed
+  from bertjax.pretrain import job as pretrain_job
   assert distributed.initialize(address, 2, process_id)
   done = []
   scatter, build = shards.scatter_unit, shards.build_shard

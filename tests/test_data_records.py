@@ -1,4 +1,4 @@
-"""Parquet and JSON Lines corpora (bertjax/data/records.py, inputfiles.py): a row a document, cut
+"""Parquet and JSON Lines corpora (bertjax/data/corpora/records.py, inputfiles.py): a row a document, cut
 into sentences; units of row groups and byte ranges; what is refused, skipped and counted."""
 
 import dataclasses

@@ -1,9 +1,10 @@
-"""The segmenter of documents not already one sentence a line (bertjax/data/sentences.py), its
-measure (the golden rules, other scripts) and its benchmark (bertjax/data/benchmark_sentences.py)."""
+"""The segmenter of documents not already one sentence a line (bertjax/data/corpora/sentences.py), its
+measure (the golden rules, other scripts) and its benchmark (bertjax/benchmark/sentences.py)."""
 
 import pytest
 
-from bertjax.data import benchmark_sentences, builtin_corpus, sentence_cases, sentences
+from bertjax.benchmark import sentences as benchmark_sentences
+from bertjax.data.corpora import builtin_corpus, sentence_cases, sentences
 from bertjax.errors import Refusal
 from test_data_fixtures import write_vocab
 

@@ -1,4 +1,4 @@
-"""bertjax/dropout.py: 16 random bits per keep/drop decision, four decisions per threefry call."""
+"""bertjax/model/dropout.py: 16 random bits per keep/drop decision, four decisions per threefry call."""
 
 import hashlib
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import dropout
+from bertjax.model import dropout
 
 
 def test_keep_rate_and_expectation():

@@ -21,8 +21,11 @@ import pytest
 import torch
 import transformers
 
-from bertjax import errors, taskspec, weights
-from bertjax.finetune import families, init_from, run
+from bertjax import errors
+from bertjax.finetune import families
+from bertjax.finetune.job import init_from, run
+from bertjax.formats import taskspec
+from bertjax.weights import reader as weights
 from test_convert_modernbert import randomised
 from test_modernbert_heads import BASE
 
@@ -78,9 +81,11 @@ def test_load_pretrained_and_pretraining_init_from_in_a_fresh_interpreter(folder
   script = textwrap.dedent(f"""
       import dataclasses, json, sys
       import jax, numpy as np
-      from bertjax import pretrain_job, train, weights
-      from bertjax.pretrained import load_pretrained
-      from bertjax.sharding import MeshConfig
+      from bertjax.weights import reader as weights
+      from bertjax.parallel.sharding import MeshConfig
+      from bertjax.weights.pretrained import load_pretrained
+      from bertjax.pretrain import job as pretrain_job
+      from bertjax.training import train
       out = {{}}
       for name, path in {folders!r}.items():
         config, encoder = load_pretrained(path)
@@ -153,7 +158,7 @@ def test_which_family_a_folder_is_fine_tunings_to_say(folders):
   with pytest.raises(ValueError, match="multi_label_classification"):
     families.spec_of(weights.inspect(folders["multi_label"]))
   # predict says what it reads of a BertFor* folder (it said "no task head", which is false).
-  from bertjax import predict  # pylint: disable=import-outside-toplevel
+  from bertjax.predict import predictor as predict  # pylint: disable=import-outside-toplevel
   with pytest.raises(errors.Refusal, match=r"is a huggingface folder of "
                      r"BertForSequenceClassification, a head predict does not read: predict runs "
                      r"the task of a fine-tuning workdir .* or of a ModernBertFor\* folder"):

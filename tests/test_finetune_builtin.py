@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 from bertjax.data import corpus
-from bertjax.finetune import builtin, glue
+from bertjax.finetune import builtin
+from bertjax.finetune.tasks import glue
 
 
 def _successors(docs):

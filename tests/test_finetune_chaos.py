@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib
+from bertjax.training import checkpoint as checkpoint_lib
 import finetune_fixtures as fx
 import interrupted_finetune
 from test_data_fixtures import write_vocab

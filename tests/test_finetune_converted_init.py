@@ -6,12 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import errors, loop, train
-from bertjax.formats import converted
+from bertjax import errors
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
-from bertjax.finetune import run
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig
+from bertjax.finetune.job import run
+from bertjax.formats import converted
+from bertjax.model.config import BertConfig
+from bertjax.model.heads import BertForPreTraining
+from bertjax.training import loop, train
 from test_data_fixtures import write_vocab
 from finetune_fixtures import Builds, tiny_next_config, write_tiny_next
 

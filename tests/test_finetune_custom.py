@@ -1,4 +1,4 @@
-"""One's own task end to end (bertjax/finetune/custom.py, bertjax/predict.py): each family trains on
+"""One's own task end to end (bertjax/finetune/kit/custom.py, bertjax/predict/predictor.py): each family trains on
 small files in its formats to a score only a working path reaches, scores itself, writes its label
 map, and predicts new text line by line as the run's own test predictions say; 1 and 8 devices
 write the same prediction file; the readers take what real files hold (quotes with newlines, BOM,
@@ -18,11 +18,14 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import errors, predict as predict_lib
-from bertjax import taskspec as spec_lib
-from bertjax.finetune import custom, families, run
+from bertjax import errors
+from bertjax.finetune import families
 from bertjax.finetune.families import classification, tagging
+from bertjax.finetune.job import run
+from bertjax.finetune.kit import custom
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import pairs, tagged, textfiles
+from bertjax.predict import predictor as predict_lib
 import finetune_fixtures as fx
 
 ROUTES = ("billing", "delivery", "login", "refund")  # the label names
@@ -609,7 +612,7 @@ def _loaded(folder, cls_name):
 def _same_outputs(workdir, folder, cls_name, texts, pair=None):
   """transformers' outputs of the export against bertjax's head on the same ids, within 1e-4."""
   import torch  # pylint: disable=import-outside-toplevel
-  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  from bertjax.weights import reader as weights  # pylint: disable=import-outside-toplevel
   model, warned = _loaded(folder, cls_name)
   assert not warned, warned  # no missing or unused weights, nothing else
   p = predict_lib.Predictor.from_workdir(workdir)
@@ -685,7 +688,7 @@ def test_an_export_leaves_only_its_own_files(routing, tmp_path):
 
 def test_an_export_of_a_damaged_best_step_names_the_latest_checkpoint(routing, tmp_path):
   import shutil  # pylint: disable=import-outside-toplevel
-  from bertjax import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.training import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / "copy")
   shutil.copytree(routing[0], workdir)
   (step,) = [n for n in os.listdir(os.path.join(workdir, "best")) if n.isdigit()]

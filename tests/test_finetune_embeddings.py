@@ -18,11 +18,14 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import predict as predict_lib, taskspec as spec_lib
 from bertjax.convert import hf as convert_hf
 from bertjax.errors import Refusal
-from bertjax.finetune import families, retrieval, run, search
+from bertjax.finetune import families
+from bertjax.finetune.job import run, search
+from bertjax.finetune.kit import retrieval
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import passages
+from bertjax.predict import predictor as predict_lib
 import finetune_fixtures as fx
 
 EPOCHS = 5
@@ -303,9 +306,9 @@ def test_a_corpus_files_notes_name_it_and_the_summary_counts_queries_and_passage
                                                                                  files):
   """Passages cut to max_seq_length are the corpus file's (were said the dev file's, once for dev
   and again for test); the dev set is 24 queries against 48 passages (was counted "dev 72")."""
-  from bertjax import weights  # pylint: disable=import-outside-toplevel
   from bertjax.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.kit.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.weights import reader as weights  # pylint: disable=import-outside-toplevel
   source = weights.inspect(pretrained)
   tokenizer = tokenizer_lib.load_vocabulary(source.vocab_file, source.tokenizer_kind, True)
   config = embeddings_config(pretrained, files)

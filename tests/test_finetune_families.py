@@ -13,12 +13,15 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import predict, taskspec as spec_lib
-from bertjax.finetune import families, objectives, tasks
-from bertjax.formats import hf
+from bertjax.finetune import families
 from bertjax.finetune.families import regression
 from bertjax.finetune.families.record import Family
-from bertjax.model import BertConfig, BertModel
+from bertjax.finetune.kit import objectives
+from bertjax.finetune.tasks import tasks
+from bertjax.formats import hf, taskspec as spec_lib
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.predict import predictor as predict
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bertjax")
 FAMILIES_DIR = os.path.join(ROOT, "finetune", "families")
@@ -145,7 +148,7 @@ def test_a_family_registered_in_one_line_is_used_by_spec_tasks_objective_and_pre
 
 def test_a_registered_family_is_a_task_its_load_reads(toy, monkeypatch):
   import finetune_fixtures as fx  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.kit.config import TaskConfig  # pylint: disable=import-outside-toplevel
   monkeypatch.setitem(families.FAMILIES, toy, dataclasses.replace(
       families.get(toy), load=lambda cfg, tokenizer: ("read", cfg.task)))
   assert tasks.load(TaskConfig.from_config(fx.ft_config("toy", "")), None) == ("read", "toy")
@@ -153,10 +156,10 @@ def test_a_registered_family_is_a_task_its_load_reads(toy, monkeypatch):
 
 def test_the_headless_family_is_used_by_spec_tasks_config_objective_predict_and_export(tmp_path):
   """embeddings: no head, its outputs the encoder's vectors, made as its spec says."""
-  from bertjax.finetune.config import TaskConfig  # pylint: disable=import-outside-toplevel
-  from bertjax.formats.sentence_transformers import SentenceVectors  # pylint: disable=import-outside-toplevel
   from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   from bertjax.finetune.families import embeddings  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.kit.config import TaskConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.formats.sentence_transformers import SentenceVectors  # pylint: disable=import-outside-toplevel
   from test_contrastive import random_params  # pylint: disable=import-outside-toplevel
   name = "embeddings"
   family = families.get(name)

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from bertjax.finetune import glue
+from bertjax.finetune.tasks import glue
 from bertjax.inputs import pairs
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "dog", "ran", "a",

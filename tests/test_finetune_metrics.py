@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from bertjax.finetune import metrics
+from bertjax.finetune.kit import metrics
 
 
 def _binary_confusion(pred, gold, positive=1):

@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from bertjax.finetune import ner
 from bertjax.finetune.families import tagging
+from bertjax.finetune.tasks import ner
 from bertjax.inputs import tagged, word_windows
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "eu", "reject", "##s", "german", "call",

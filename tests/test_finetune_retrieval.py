@@ -4,7 +4,8 @@ score; BM25 against its formula worked by hand."""
 import numpy as np
 import pytest
 
-from bertjax.finetune import bm25, retrieval
+from bertjax.finetune.kit import retrieval
+from bertjax.finetune.tasks import bm25
 
 
 def test_the_metrics_of_a_ranking_scored_by_hand():
@@ -60,7 +61,7 @@ def test_bm25_scores_its_formula_worked_by_hand():
 
 
 def test_the_largest_batch_search_doubles_then_halves_the_gap():
-  from bertjax import benchmark_retrieval
+  from bertjax.benchmark import retrieval as benchmark_retrieval
   tried = []
 
   def fits(n):
@@ -74,7 +75,7 @@ def test_the_largest_batch_search_doubles_then_halves_the_gap():
 
 
 def test_the_summary_task_pairs_a_docstrings_first_sentence_with_the_rest():
-  from bertjax import benchmark_retrieval
+  from bertjax.benchmark import retrieval as benchmark_retrieval
   pairs = list(benchmark_retrieval._summaries([["Open a file.", "It returns a stream.", "Or fails."],
                                               ["One sentence alone."]]))
   assert pairs == [("Open a file.", "It returns a stream. Or fails.")]

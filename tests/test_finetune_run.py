@@ -1,4 +1,4 @@
-"""The fine-tuning run end to end (`bertjax.finetune.run.finetune`): each task family learns a
+"""The fine-tuning run end to end (`bertjax.finetune.job.run.finetune`): each task family learns a
 synthetic task far above chance and writes its files; sharded runs equal one device; the encoder
 comes from init_from (or is refused); an interrupted run resumes exactly and keeps the best epoch;
 bad input fails before compiling, naming the file and line.
@@ -21,11 +21,14 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, errors, loop
+from bertjax import errors
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax import taskspec as spec_lib
-from bertjax.finetune import run, squad_metrics, tasks
+from bertjax.finetune.job import run
+from bertjax.finetune.kit import squad_metrics
+from bertjax.finetune.tasks import tasks
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import questions
+from bertjax.training import checkpoint as checkpoint_lib, loop
 import finetune_fixtures as fx
 from test_data_fixtures import write_vocab
 

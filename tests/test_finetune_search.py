@@ -1,4 +1,4 @@
-"""Settings chosen on dev (bertjax/finetune/search.py, trials.py): a trial of a search equals the
+"""Settings chosen on dev (bertjax/finetune/job/search.py, trials.py): a trial of a search equals the
 same settings run alone; the winner is the best on dev; a stopped search resumes to the same end;
 bad grids are refused before any work."""
 
@@ -10,7 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from bertjax.finetune import config as ft_config, run, search, trials as trials_lib
+from bertjax.finetune.job import run, search, trials as trials_lib
+from bertjax.finetune.kit import config as ft_config
 import finetune_fixtures as fx
 from test_finetune_custom import custom_config, route_rows, write_csv
 
@@ -70,7 +71,7 @@ def test_a_trial_in_the_grid_equals_the_same_settings_run_alone(files, grid):
     for k in a:  # a vmapped matmul may sum in another order: scores within one example's worth
       assert a[k] == pytest.approx(b[k], abs=1.5 / 32), (k, a, b)
   # The weights of the trial's best epoch against the run's: the same bits.
-  from bertjax import weights  # pylint: disable=import-outside-toplevel
+  from bertjax.weights import reader as weights  # pylint: disable=import-outside-toplevel
   mine = weights.read(weights.inspect_trained(
       os.path.join(workdir, "search", f"trial-{trial['index']}")))
   alone_params = weights.read(weights.inspect_trained(str(files[0] / "alone")))
@@ -109,7 +110,7 @@ def test_the_winner_is_the_best_on_dev_and_the_workdir_is_a_run_of_it(grid):
   assert (w["min"], w["max"]) == (min(medians[top_rate]), max(medians[top_rate]))
   # The workdir reads as the winner's run: best/ its best epoch, results.json its scores.
   assert results["best"]["scores"]["main"] == best[w["index"]]
-  from bertjax import predict as predict_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.predict import predictor as predict_lib  # pylint: disable=import-outside-toplevel
   assert predict_lib.Predictor.from_workdir(workdir)(["refund please"])[0]["label"]
   assert os.path.getsize(os.path.join(workdir, "search.svg")) > 500
   assert "search" in results and results["search"]["winner"]["index"] == w["index"]
@@ -197,7 +198,7 @@ def test_a_program_larger_than_memory_is_refused_with_the_largest_that_fits():
 
 def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
   from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
   assert config.train.learning_rate is None  # one's own task: no rate known in advance
   s = ft_config.SearchConfig.from_config(config)
@@ -214,7 +215,7 @@ def test_no_learning_rate_means_rates_chosen_on_dev_scaled_to_the_width():
   assert s.wanted(config)
   assert [t.learning_rate for t in search.expand(config, s, tiny)] == rates
   config.search.learning_rate = ""
-  with pytest.raises(ValueError, match="a search, which bertjax.finetune.search.run runs"):
+  with pytest.raises(ValueError, match="a search, which bertjax.finetune.job.search.run runs"):
     config.train.learning_rate = None
     run.finetune(config, "/nonexistent")
   assert finetune_config.get_config("mrpc").train.learning_rate == 2e-5  # benchmarks: the paper's
@@ -226,7 +227,7 @@ def test_the_trials_program_compiles_ahead_of_time_and_grows_with_the_trials():
   import jax  # pylint: disable=import-outside-toplevel
   from bertjax import aot  # pylint: disable=import-outside-toplevel
   from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   config = BertConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2,
                       intermediate_size=64, max_position_embeddings=32)
   # Side by side, as on a TPU (a CPU's own program runs the trials one after another).
@@ -240,9 +241,9 @@ def test_one_runs_step_compiles_ahead_of_time_and_grows_with_the_length():
   batch over 4 devices; its memory per device grows with the rows' length."""
   import jax  # pylint: disable=import-outside-toplevel
   from bertjax import aot  # pylint: disable=import-outside-toplevel
-  from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
   from bertjax.configs import modern_tiny  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune import search_aot  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   config = modern_tiny.get_config()
   model = BertConfig.from_dict(config.model, vocab_size=128, hidden_size=32, num_heads=2,
                                intermediate_size=48, max_position_embeddings=512)
@@ -256,9 +257,9 @@ def test_trials_side_by_side_equal_trials_one_after_another():
   """The accelerators' way (vmap: batched matmuls) against the CPU's (lax.map), one step of 2
   trials of a tiny model: the same parameters to float32 reordering."""
   import jax  # pylint: disable=import-outside-toplevel
-  from bertjax import train  # pylint: disable=import-outside-toplevel
   from bertjax.finetune.families import classification  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.training import train  # pylint: disable=import-outside-toplevel
   config = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                       intermediate_size=64, max_position_embeddings=16)
   base = train.TrainConfig(batch_size=4, num_train_steps=4, warmup_steps=1, learning_rate=1e-3)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from bertjax.data import tokenizer as tokenizer_lib
-from bertjax.finetune import squad
-from bertjax.finetune import squad_metrics as metrics
-from bertjax.finetune import squad_postprocess as post
+from bertjax.data.normalize import original_normalize
+from bertjax.finetune.kit import squad_metrics as metrics, squad_postprocess as post
+from bertjax.finetune.tasks import squad
 from bertjax.inputs import questions
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -61,7 +61,7 @@ def test_wordpiece_offsets_point_into_the_original_text(wp):
       if wp.pieces[i] != "[UNK]":
         # The original characters normalize to exactly the piece (a ## piece continues a word;
         # CJK characters get spaces around them).
-        normalized = tokenizer_lib.original_normalize(piece, True).strip()
+        normalized = original_normalize(piece, True).strip()
         assert normalized == wp.pieces[i].removeprefix("##")
   (_, s, e), = wp.encode_with_offsets(["Caf\u00e9 M\u00fcller"])
   assert [(int(a), int(b)) for a, b in zip(s, e)] == [(0, 4), (5, 11)]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import losses
-from bertjax.heads import (BertForPreTraining, BertForSequenceClassification, tied_decoder,
-                           BertForSpanExtraction, BertForTokenClassification)
-from bertjax.model import BertConfig
+from bertjax.model import losses
+from bertjax.model.config import BertConfig
+from bertjax.model.heads import (BertForPreTraining, BertForSequenceClassification, tied_decoder,
+                                 BertForSpanExtraction, BertForTokenClassification)
 
 CFG = BertConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
                  max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)

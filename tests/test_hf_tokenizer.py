@@ -13,11 +13,12 @@ import shutil
 import numpy as np
 import pytest
 
-from bertjax import predict as predict_lib, weights
 from bertjax.data import hf_tokenizer, masking, prepare, tokenizer as tokenizer_lib, vocab_record
-from bertjax.finetune import run
+from bertjax.finetune.job import run
 from bertjax.formats import vocabulary
 from bertjax.inputs import pairs, questions, tagged, word_windows
+from bertjax.predict import predictor as predict_lib
+from bertjax.weights import reader as weights
 import finetune_fixtures as fx
 
 SPECIALS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")  # ModernBERT's order, after the pieces
@@ -349,7 +350,7 @@ def test_a_modernbert_folder_is_a_complete_init_from(modern_folder, tok_file, tm
                                                                           "tokenizer.json")
   assert source.do_lower_case is False and "normalizer" in source.casing_why
   # Pre-training from the folder takes its tokenizer the same way (config.data names none).
-  from bertjax import pretrain_job
+  from bertjax.pretrain import job as pretrain_job
   data = pretrain_job._init_vocabulary(_data(), source)  # pylint: disable=protected-access
   assert (data.tokenizer, data.vocab_path) == ("huggingface", source.vocab_file)
   assert tokenizer_lib.load_tokenizer(data).fingerprint == tokenizer_lib.load_vocabulary(
@@ -428,7 +429,7 @@ def test_padding_ids_do_not_reach_real_positions(modern_folder):
   """Rows are padded with [PAD]'s id by the feature builders and with zeros by prediction and the
   pre-training pipeline: the real positions' outputs are the same bits either way."""
   import jax
-  from bertjax.model import BertModel
+  from bertjax.model.encoder import BertModel
   tok = tokenizer_lib.load_vocabulary(os.path.join(modern_folder, "tokenizer.json"))
   source = weights.inspect(modern_folder)
   params = weights.read(source)[weights.ENCODER]

@@ -1,5 +1,5 @@
 """What a compiled program costs, instruction by instruction, and the bytes that cross HBM
-(bertjax/hlocost.py, bertjax/hlotext.py), and the analytic floor beside them (roofline.bytes_bound).
+(bertjax/perf/hlocost.py, bertjax/perf/hlotext.py), and the analytic floor beside them (roofline.bytes_bound).
 
 XLA's cost analysis counts every operand and result in whatever memory it lies; on a TPU a buffer
 prefetched into the chip's own memory counts three times. The modules here are written by hand
@@ -9,8 +9,9 @@ so that every byte's place is known; tests/test_aot.py holds the same on TPU com
 import jax
 import pytest
 
-from bertjax import hlocost, hlotext, roofline, train
 from bertjax.configs import tiny
+from bertjax.perf import hlocost, hlotext, roofline
+from bertjax.training import train
 
 MIB2 = 1024 * 1024 * 2  # one bf16[1024,1024]
 

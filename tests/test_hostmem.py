@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from bertjax import hostmem
+from bertjax.parallel import hostmem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable-next=protected-access
@@ -46,7 +46,7 @@ def _run(code: str, timeout: int = 300, **env) -> subprocess.CompletedProcess:
 
 RESTART = """
     import os
-    from bertjax import hostmem
+    from bertjax.parallel import hostmem
     with open({log!r}, "a") as f:
       f.write(os.environ.get("GLIBC_TUNABLES", "-") + "\\n")
     hostmem.restart_with_huge_pages({mode!r})
@@ -98,7 +98,7 @@ def test_a_restarted_process_never_restarts_again(tmp_path):
   """Even where the tunables it was given read as unset (a glibc that spells them otherwise)."""
   mode, log = tmp_path / "enabled", tmp_path / "runs"
   mode.write_text("always [madvise] never\n")
-  code = RESTART.replace("from bertjax import hostmem", "from bertjax import hostmem\n"
+  code = RESTART.replace("from bertjax.parallel import hostmem", "from bertjax.parallel import hostmem\n"
                          "    hostmem.tunables_with_huge_pages = lambda current: 'x=1'")
   _run(code.format(log=str(log), mode=str(mode)), timeout=60, BERTJAX_HUGE_PAGES="restart")
   assert log.read_text().split() == ["-", "x=1"]
@@ -106,7 +106,7 @@ def test_a_restarted_process_never_restarts_again(tmp_path):
 
 FAULTS = """
     import resource, jax, jax.numpy as jnp
-    from bertjax import hostmem
+    from bertjax.parallel import hostmem
     hostmem.restart_with_huge_pages()
 
     @jax.jit

@@ -93,7 +93,7 @@ class _Run:
           args = f.read().decode().split("\0")
       except FileNotFoundError:
         continue
-      if {"bertjax.pretrain", "bertjax.main", "bertjax.finetune",
+      if {"bertjax.pretrain", "bertjax.finetune",
           "tests.killed_finetune"} & set(args):
         ids = [a.split("=", 1)[1] for a in args if a.startswith("--process_id=")]
         self.children[int(ids[0]) if ids else 0] = pid

@@ -44,7 +44,7 @@ def test_finetuning_pod_scores_as_one_process(tmp_path, runs, monkeypatch):
            "--config.train.batch_size=8", "--config.train.num_epochs=2",
            "--config.train.log_every_steps=4",
            # Dropout on: a mask depends on its row of the global batch, which the input keeps
-           # the same whatever the number of processes (bertjax/dropout.py).
+           # the same whatever the number of processes (bertjax/model/dropout.py).
            "--config.model.hidden_dropout=0.1", "--config.model.attention_dropout=0.1"]
   pod = runs.launch(["-n", "2", "-d", "2", "-m", "bertjax.finetune"],
                     flags + [f"--workdir={tmp_path / 'pod'}"])

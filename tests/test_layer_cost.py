@@ -1,8 +1,8 @@
 """The compiled train step costs the same per encoder layer at every depth, scanned and unrolled.
 
 A cost per layer that grows with the layer count (the CPU's whole stacked residual buffer
-converted at every layer: bertjax/residuals.py) makes a deep model's step grow with the square of
-its depth. Held here on the compiled program (bertjax/layercost.py): XLA's FLOPs and bytes
+converted at every layer: bertjax/model/residuals.py) makes a deep model's step grow with the square of
+its depth. Held here on the compiled program (bertjax/perf/layercost.py): XLA's FLOPs and bytes
 accessed (`compiled.cost_analysis()`) and the operations, per added layer, unrolled; scanned,
 where XLA counts the loop's body once, the operations of the layer loops per layer and the bytes
 they write to whole [layers, ...] buffers at every iteration (none: each layer updates its slice).
@@ -13,8 +13,10 @@ import functools
 import jax
 import pytest
 
-from bertjax import benchmark, hlocost, layercost, residuals
+from bertjax.benchmark import train as benchmark
 from bertjax.configs import base
+from bertjax.model import residuals
+from bertjax.perf import hlocost, layercost
 
 # The figures read here come from the optimised HLO, which these leave as it is; the machine code
 # LLVM makes of it is not read, and unoptimised it compiles in half the time.
@@ -142,7 +144,7 @@ def test_without_jaxlibs_parser_the_roofline_counts_from_a_second_compile(monkey
   # (honest_cost), and without one each body once, saying so; there is no HBM figure then.
   import types  # pylint: disable=import-outside-toplevel
   from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
-  from bertjax import roofline  # pylint: disable=import-outside-toplevel
+  from bertjax.perf import roofline  # pylint: disable=import-outside-toplevel
   private = xla_client._xla  # pylint: disable=protected-access
   monkeypatch.delattr(private, "hlo_module_cost_analysis")
   compiled, second = _compiled(6, True), _compiled(6, True, 2)

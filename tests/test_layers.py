@@ -2,33 +2,37 @@
 
 Lowest first; a module imports from its own layer or the ones below it, never from one above:
 
-  base      errors, files, cli (the commands' shell), distributed, hostmem, platforms, versions, topologies,
-            opprofile, watchdog, metrics, control, losses, optimizer, sharding, dropout, attention,
-            gradcache, residuals, layercost
-  model     model_config, primitives, model, heads, nnx, contrastive
-  configs   configs/, shipped as bertjax.configs (ml_collections files; the mesh rules and the model's fields they name)
-  data      data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a user's
-            text to features): nothing of the model
-  core      train, flops, roofline, checkpoint, contrastive_training
-  formats   formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
-            folder an export writes) and
-            taskspec (the task spec a checkpoint carries): parsing, no reader of folders
-  weights   weights (the one reader of a weights folder), weights_match (a folder against the run)
-  runs      loop, pretrain_job, pretrained, aot, benchmark, benchmark_hf, benchmark_commands, evaluate_mlm,
-            pretrain, main
-  finetune  finetune/
-  finetune-config  configs/finetune.py (one's own tasks are the families' names, read from them)
-  commands  predict, prediction_rows, prediction_files, prediction_vectors, benchmark_predict,
-            benchmark_accel, benchmark_layers, benchmark_retrieval, convert/ (import and export), launch/
+  base            errors, files, config_files, cli (the commands' shell), versions, parallel/ (the
+                  mesh and its rules, processes, watchdog, platforms, TPU slices, host memory)
+  model           model/ (the encoder, its config, attention, heads, losses, NNX, the bi-encoder)
+  data            data/ (tokenizers, corpora, preparation, the tf.data pipeline) and inputs/ (a
+                  user's text to features): nothing of the model
+  training        training/ (the steps, optimizer, loop, control, checkpoints, metrics, FLOPs)
+  perf            perf/ (a compiled step's roofline and costs)
+  formats         formats/ (Hugging Face, Google, ModernBERT and converted folders; TF bundles; the
+                  folder an export writes; the task spec): parsing, no reader of folders
+  weights         weights/ (the one reader of a weights folder, a folder against the run,
+                  load_pretrained)
+  runs            pretrain/ (the command and its job), aot
+  finetune-kit    finetune/kit/ (what the families share)
+  families        finetune/families/ (the families and their registry)
+  finetune-tasks  finetune/tasks/ (the benchmark tasks as readers)
+  finetune        finetune/job/ (the run, the search) and finetune/'s commands
+  configs         configs/, shipped as bertjax.configs (configs/finetune.py reads the families)
+  commands        predict/, benchmark/, convert/, tune, evaluate_mlm, launch/
+  faces           heads, losses, nnx, sharding, optimizer, pretrained: what users import, handing on
+                  the names of the module that defines them
 
 Held here: every module has a layer; no import runs upward; no circle (imports inside functions
 and `__main__` blocks included); a project import inside a function says why on its line or in
 the comment just above it (`# lazy: ...`). docs/contributing.md#layers states the same order.
 Neither prediction nor a task family imports a benchmark's reader (GLUE, SQuAD, CoNLL-2003);
-nothing below fine-tuning reads a registry of the task families.
+nothing below the families reads their registry; a module stays within 450 lines, a function
+within 80, a folder within 15 modules; a face hands on every name of its module.
 """
 
 import ast
+import collections
 import functools
 import pathlib
 import re
@@ -38,32 +42,31 @@ PACKAGES = ("bertjax", "launch", "configs")
 
 LAYERS = (
     ("base", ("bertjax.errors", "bertjax.files", "bertjax.config_files", "bertjax.cli",
-              "bertjax.distributed", "bertjax.hostmem",
-              "bertjax.platforms", "bertjax.versions", "bertjax.topologies", "bertjax.opprofile",
-              "bertjax.watchdog",
-              "bertjax.metrics",
-              "bertjax.control", "bertjax.losses", "bertjax.optimizer", "bertjax.sharding",
-              "bertjax.dropout", "bertjax.attention", "bertjax.gradcache", "bertjax.residuals",
-              "bertjax.hlotext", "bertjax.hlocost", "bertjax.layercost")),
-    ("model", ("bertjax.model_config", "bertjax.primitives", "bertjax.model", "bertjax.heads",
-               "bertjax.nnx",
-               "bertjax.contrastive")),
-    ("configs", ("bertjax.configs",)),
+              "bertjax.parallel", "bertjax.versions")),
+    ("model", ("bertjax.model",)),
     ("data", ("bertjax.data", "bertjax.inputs")),
-    ("core", ("bertjax.train", "bertjax.flops", "bertjax.roofline", "bertjax.checkpoint",
-              "bertjax.contrastive_training")),
-    ("formats", ("bertjax.formats", "bertjax.taskspec")),
-    ("weights", ("bertjax.weights", "bertjax.weights_match")),
-    ("runs", ("bertjax.loop", "bertjax.pretrained", "bertjax.aot", "bertjax.benchmark",
-              "bertjax.benchmark_hf", "bertjax.benchmark_commands", "bertjax.evaluate_mlm",
-              "bertjax.pretrain", "bertjax.pretrain_job", "bertjax.main", "bertjax.tune")),
+    ("training", ("bertjax.training",)),
+    ("perf", ("bertjax.perf",)),
+    ("formats", ("bertjax.formats",)),
+    ("weights", ("bertjax.weights",)),
+    ("runs", ("bertjax.aot", "bertjax.pretrain")),
+    ("finetune-kit", ("bertjax.finetune.kit",)),
+    ("families", ("bertjax.finetune.families",)),
+    ("finetune-tasks", ("bertjax.finetune.tasks",)),
     ("finetune", ("bertjax.finetune",)),
-    ("finetune-config", ("bertjax.configs.finetune",)),
-    ("commands", ("bertjax.predict", "bertjax.prediction_rows", "bertjax.prediction_files",
-                  "bertjax.prediction_vectors", "bertjax.benchmark_predict",
-                  "bertjax.benchmark_retrieval",
-                  "bertjax.benchmark_accel", "bertjax.benchmark_layers", "bertjax.convert", "launch")),
+    ("configs", ("bertjax.configs",)),
+    ("commands", ("bertjax.predict", "bertjax.benchmark", "bertjax.convert", "bertjax.evaluate_mlm",
+                  "bertjax.tune", "launch")),
+    ("faces", ("bertjax.heads", "bertjax.losses", "bertjax.nnx", "bertjax.sharding",
+               "bertjax.optimizer", "bertjax.pretrained")),
 )
+# The public modules the README and docs/using-the-modules.md import, each the face of the module
+# that now defines its names (bertjax/model/__init__.py and bertjax/predict/__init__.py are the
+# faces of bertjax.model's and bertjax.predict's).
+PUBLIC_FACES = {"bertjax.heads": "bertjax.model.heads", "bertjax.losses": "bertjax.model.losses",
+                "bertjax.nnx": "bertjax.model.nnx", "bertjax.sharding": "bertjax.parallel.sharding",
+                "bertjax.optimizer": "bertjax.training.optimizer",
+                "bertjax.pretrained": "bertjax.weights.pretrained"}
 FACES = {"bertjax"}  # bertjax/__init__.py: empty, no layer of its own
 
 
@@ -233,7 +236,8 @@ def test_the_docs_state_the_same_order():
 
 # The benchmarks' readers (GLUE, SQuAD, CoNLL-2003): they build on inputs/, as the task families
 # and prediction do; what every task reads must not come through one benchmark's files.
-BENCHMARK_READERS = ("bertjax.finetune.glue", "bertjax.finetune.squad", "bertjax.finetune.ner")
+BENCHMARK_READERS = ("bertjax.finetune.tasks.glue", "bertjax.finetune.tasks.squad",
+                     "bertjax.finetune.tasks.ner")
 
 
 def _closure(module: str) -> set[str]:
@@ -256,13 +260,13 @@ def test_prediction_and_the_families_import_no_benchmark_reader():
   assert not any(through.values()), {m: found for m, found in through.items() if found}
 
 
-def test_nothing_below_finetune_reads_a_registry_of_families():
+def test_nothing_below_the_families_reads_their_registry():
   # The registry is the families package's own (bertjax/finetune/families/); a module below it
   # that read a registry would see it empty until something imported the families (as
   # load_pretrained did, in a fresh interpreter, on a ModernBertFor* folder).
   modules, _ = _graph()
-  finetune = [name for name, _ in LAYERS].index("finetune")
-  below = [m for m in modules if m not in FACES and _layer(m) < finetune]
+  families = [name for name, _ in LAYERS].index("families")
+  below = [m for m in modules if m not in FACES and _layer(m) < families]
   assert len(below) > 60, len(below)
   found = []
   for module in below:
@@ -312,6 +316,20 @@ def test_no_module_is_past_450_lines():
   assert not long, long
 
 
+FOLDER_MODULES = 15
+
+
+def test_no_folder_holds_more_than_15_modules():
+  # A folder of more holds two things or more: the next cut makes a package named for what it
+  # holds, not another x_y.py beside the others (__init__.py and __main__.py are not counted).
+  counts = collections.Counter(p.parent for p in _sized_files()
+                               if p.name not in ("__init__.py", "__main__.py"))
+  assert len(counts) > 5, counts  # the walk still finds the folders
+  crowded = {str(folder.relative_to(ROOT)): n for folder, n in counts.items()
+             if n > FOLDER_MODULES}
+  assert not crowded, crowded
+
+
 def test_no_function_is_past_80_lines():
   # Every def, methods and nested ones included, from its `def` line (decorators aside) to its
   # last: past 80 lines a function does two things, and one of them wants a name.
@@ -322,6 +340,33 @@ def test_no_function_is_past_80_lines():
         if (n := node.end_lineno - node.lineno + 1) > FUNCTION_LINES:
           long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
   assert not long, long
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+  """The public names a module defines at its top: functions, classes, assigned names."""
+  names = set()
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+  return {name for name in names if not name.startswith("_")}
+
+
+def test_a_public_face_hands_on_every_name_of_its_module_and_nothing_else():
+  # `from bertjax import sharding; sharding.create_mesh(...)` as before the move: a face imports
+  # every public name its module defines, from that module alone, and defines nothing itself.
+  modules, _ = _graph()
+  assert LAYERS[-1] == ("faces", tuple(PUBLIC_FACES)), LAYERS[-1]
+  for face, definer in PUBLIC_FACES.items():
+    tree = ast.parse(modules[face].read_text())
+    body = [node for node in tree.body if not (isinstance(node, ast.Expr)
+                                               and isinstance(node.value, ast.Constant))]
+    assert all(isinstance(node, ast.ImportFrom) and node.module == definer for node in body), face
+    handed = {alias.name for node in body for alias in node.names}
+    defined = _defined_names(ast.parse(modules[definer].read_text()))
+    assert handed == defined, (face, sorted(defined - handed), sorted(handed - defined))
 
 
 def _imported_names(tree: ast.Module) -> set[str]:

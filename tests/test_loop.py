@@ -16,11 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import errors, pretrain_job, train
-from bertjax.checkpoint import TRAIN_ITEMS, Checkpointer
-from bertjax.errors import CheckpointMismatchError
-from bertjax.data import pipeline
+from bertjax import errors
 from bertjax.configs import tiny
+from bertjax.data import pipeline
+from bertjax.errors import CheckpointMismatchError
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import train
+from bertjax.training.checkpoint import TRAIN_ITEMS, Checkpointer
 from conftest import xla_flags
 from test_data_fixtures import data_section, write_corpus
 

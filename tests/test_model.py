@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
-from bertjax import losses, train
-from bertjax.heads import BertForPreTraining
-from bertjax.attention import attention_with_dropout
-from bertjax.model import BertConfig, BertModel, positions_from_sequence_ids
 from bertjax.configs import base
+from bertjax.model import losses
+from bertjax.model.attention import attention_with_dropout
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel, positions_from_sequence_ids
+from bertjax.model.heads import BertForPreTraining
+from bertjax.training import train
 
 SMALL = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                    max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -88,7 +90,7 @@ def test_initialisation_follows_the_original():
 def test_gelu_is_the_exact_erf_form_with_its_derivative():
   """Against x·Φ(x) and its derivative Φ(x) + x·φ(x) in float64, over the range layers see."""
   import math  # pylint: disable=import-outside-toplevel
-  from bertjax.model_config import gelu  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import gelu  # pylint: disable=import-outside-toplevel
   xs = np.linspace(-8, 8, 1601)
   phi = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in xs])
   density = np.exp(-xs ** 2 / 2) / math.sqrt(2 * math.pi)
@@ -459,7 +461,7 @@ def test_two_phase_recipe_in_the_configs():
 
 
 def test_a_fields_roles_are_stated_on_the_field_and_the_tuples_read_from_them():
-  from bertjax import model_config  # pylint: disable=import-outside-toplevel
+  from bertjax.model import config as model_config  # pylint: disable=import-outside-toplevel
   fields = dataclasses.fields(model_config.BertConfig)
   assert model_config.SHAPE_FIELDS == (
       "vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",

@@ -1,4 +1,4 @@
-"""The modern encoder options of BertConfig (bertjax/model.py): properties, not shapes.
+"""The modern encoder options of BertConfig (bertjax/model/encoder.py): properties, not shapes.
 
 RoPE makes attention depend on offsets only; local layers see exactly their window, on the XLA
 path and in splash's interpreter, and never another packed sequence; scanned == unrolled with
@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import attention, weights
-from bertjax.attention import apply_rope, rope_tables
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel, SelfAttention
+from bertjax.model import attention
+from bertjax.model.attention import apply_rope, rope_tables
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel, SelfAttention
+from bertjax.model.heads import BertForPreTraining
+from bertjax.weights import reader as weights
 
 # Every option on: a local layer (1) between global ones (0, 2), RoPE with two bases.
 MODERN = BertConfig(
@@ -239,7 +241,7 @@ def test_modern_base_has_modernbert_base_parameter_count():
 
 
 def test_flop_model_counts_the_gate_and_the_windows():
-  from bertjax import flops  # pylint: disable=import-outside-toplevel
+  from bertjax.training import flops  # pylint: disable=import-outside-toplevel
   length, per_seq = 64, lambda cfg: flops.forward_flops_per_sequence(cfg, length, 10)
   d, f = MODERN.hidden_size, MODERN.intermediate_size
   dense = dataclasses.replace(MODERN, mlp_type="dense")
@@ -253,8 +255,9 @@ def test_flop_model_counts_the_gate_and_the_windows():
 def test_a_sharded_scanned_remat_step_equals_one_device():
   """The new weights' logical axes under a data x fsdp x tensor mesh, with nn.scan and remat
   over global and local layers: one train step as on one device."""
-  from bertjax import sharding, train  # pylint: disable=import-outside-toplevel
   from bertjax.configs import base  # pylint: disable=import-outside-toplevel
+  from bertjax.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from bertjax.training import train  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(MODERN, scan_layers=True, remat_policy="full",
                             tie_word_embeddings=False)
   rng = np.random.default_rng(6)
@@ -307,8 +310,8 @@ def test_cudnn_window_arguments_match_the_explicit_reference(packed):
 def test_swiglu_and_rmsnorm_compute_their_definitions():
   """mlp_type="gated" with silu is SwiGLU, silu(x W) * (x G) W_o; RMSNorm is
   x / sqrt(mean(x^2) + eps) * scale, with no centring and no bias."""
-  from bertjax.model import Mlp  # pylint: disable=import-outside-toplevel
-  from bertjax.primitives import layer_norm  # pylint: disable=import-outside-toplevel
+  from bertjax.model.encoder import Mlp  # pylint: disable=import-outside-toplevel
+  from bertjax.model.primitives import layer_norm  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(MODERN, hidden_act="silu", norm_type="rmsnorm")
   x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 5, 32)) + 0.5, jnp.float32)
   mlp = Mlp(cfg)

@@ -22,12 +22,14 @@ import pytest
 import torch
 import transformers
 
-from bertjax import heads, predict, taskspec, weights
 from bertjax.convert import modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.finetune import families
-from bertjax.formats import modernbert, modernbert_tasks
+from bertjax.formats import modernbert, modernbert_tasks, taskspec
 from bertjax.inputs import pairs, textfiles
+from bertjax.model import heads
+from bertjax.predict import predictor as predict
+from bertjax.weights import reader as weights
 from test_convert_modernbert import randomised
 from test_data_fixtures import WORDS, write_vocab
 
@@ -274,7 +276,7 @@ def _mlm_folder(root, vocab, **base):
 
 
 def _finetune(tmp_path, monkeypatch, init_from, words, length, **model):
-  from bertjax.finetune import run  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import run  # pylint: disable=import-outside-toplevel
   from finetune_fixtures import Builds  # pylint: disable=import-outside-toplevel
   from bertjax.configs import finetune as finetune_config  # pylint: disable=import-outside-toplevel
   config = finetune_config.get_config("classification")
@@ -354,7 +356,7 @@ def test_finetune_long_inputs_from_a_modernbert_folder_then_export(tmp_path, mon
 
 def test_what_has_no_form_is_refused_naming_the_fix():
   from bertjax.formats import hf  # pylint: disable=import-outside-toplevel
-  from bertjax.model import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match="classifier_pooling='mean' is the ModernBERT head's"):
     BertConfig(classifier_pooling="mean")
   modern = modernbert.config_from_modernbert(BASE)
@@ -384,7 +386,7 @@ def test_what_has_no_form_is_refused_naming_the_fix():
 def test_every_family_starts_from_a_modernbert_folder_as_transformers(tmp_path, vocab, family):
   """What a tagging or span run starts from (the classification run above trains): the folder's
   encoder, the prediction head from its MLM transform, a new classifier of the family's width."""
-  from bertjax.finetune import init_from  # pylint: disable=import-outside-toplevel
+  from bertjax.finetune.job import init_from  # pylint: disable=import-outside-toplevel
   folder = _mlm_folder(tmp_path, vocab)
   source = weights.inspect(folder)
   spec = taskspec.TaskSpec(family, family, TAGS if family == "tagging" else ())

@@ -36,9 +36,10 @@ def train_losses() -> list[float]:
   """STEPS steps of a tiny BERT with dropout on the global mesh; the loss of each step."""
   import jax
 
-  from bertjax import sharding, train
-  from bertjax.model import BertConfig
   from bertjax.configs import base
+  from bertjax.model.config import BertConfig
+  from bertjax.parallel import sharding
+  from bertjax.training import train
 
   model = BertConfig(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=4,
                      intermediate_size=64, max_position_embeddings=L)
@@ -58,7 +59,7 @@ def train_losses() -> list[float]:
 
 
 def worker(address: str, process_id: int) -> None:
-  from bertjax import distributed
+  from bertjax.parallel import distributed
   assert distributed.initialize(address, 2, process_id)
   print("LOSSES " + json.dumps(train_losses()), flush=True)
 

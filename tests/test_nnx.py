@@ -11,10 +11,12 @@ import optax
 import pytest
 from flax import nnx
 
-from bertjax import optimizer, sharding
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel
-from bertjax.nnx import to_nnx
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining
+from bertjax.model.nnx import to_nnx
+from bertjax.parallel import sharding
+from bertjax.training import optimizer
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16)

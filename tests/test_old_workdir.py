@@ -15,7 +15,7 @@ import shutil
 import jax
 import numpy as np
 
-from bertjax import pretrain_job
+from bertjax.pretrain import job as pretrain_job
 from test_loop import _config, _final_params, _Recorder
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "workdir_b49986a"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bertjax import platforms
+from bertjax.parallel import platforms
 
 from conftest import xla_flags
 

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from bertjax import optimizer
-from bertjax.train import TrainConfig
+from bertjax.training import optimizer
+from bertjax.training.train import TrainConfig
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-6, 0.01, 0.1
 
@@ -101,9 +101,10 @@ def _model_params_and_grads():
   (built once, for the two tests that read them; the gradient is one compiled program, not
   hundreds of operations dispatched one by one)."""
   import flax.linen as nn
-  from bertjax import losses, train
-  from bertjax.heads import BertForPreTraining
-  from bertjax.model import BertConfig
+  from bertjax.model import losses
+  from bertjax.model.config import BertConfig
+  from bertjax.model.heads import BertForPreTraining
+  from bertjax.training import train
   cfg = BertConfig(vocab_size=48, hidden_size=16, num_layers=2, num_heads=2,
                    intermediate_size=32, max_position_embeddings=16)
   model = BertForPreTraining(cfg)
@@ -189,7 +190,7 @@ def test_schedule_is_the_originals():
 
 def test_schedule_gives_the_same_bits_from_python_and_traced_numbers():
   """A run alone has its rate, warmup and length as Python numbers; a search's trials have them
-  traced, sliced per trial inside one program (bertjax/finetune/trials.py), where XLA folds what
+  traced, sliced per trial inside one program (bertjax/finetune/job/trials.py), where XLA folds what
   every trial shares (here the warmup and length) and not what differs (the rate). The rates must
   be the same bits at every step: 1 ulp at one warmup step of 1e-3 grew into other dev scores
   after 4 epochs of the routing example (docs/finetuning.md#settings-chosen-on-dev)."""
@@ -230,9 +231,9 @@ def test_unknown_optimizer_is_named():
 def test_masks_on_the_real_scanned_model():
   # LAMB's per-layer trust ratio must see the scanned encoder's leading [num_layers] axis.
   import flax.linen as nn
-  from bertjax import train
-  from bertjax.heads import BertForPreTraining
-  from bertjax.model import BertConfig
+  from bertjax.model.config import BertConfig
+  from bertjax.model.heads import BertForPreTraining
+  from bertjax.training import train
   cfg = BertConfig(vocab_size=32, hidden_size=16, num_layers=3, num_heads=2,
                    intermediate_size=32, scan_layers=True)
   model = BertForPreTraining(cfg)

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import losses, train
 from bertjax.data import packing, pipeline, prepare, tokenizer
 from bertjax.data.config import DataConfig
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig
+from bertjax.model import losses
+from bertjax.model.config import BertConfig
+from bertjax.model.heads import BertForPreTraining
+from bertjax.training import train
 from test_data_fixtures import data_config, data_section
 
 L = 64
@@ -240,7 +241,7 @@ def test_packed_hosts_read_disjoint_records(cfg):
 
 
 def test_data_benchmark_figures(cfg, monkeypatch):
-  from bertjax.data import benchmark  # pylint: disable=import-outside-toplevel
+  from bertjax.benchmark import data as benchmark  # pylint: disable=import-outside-toplevel
   figures = {}
   for on in (False, True):
     figures[on] = benchmark.measure_pipeline(dataclasses.replace(cfg, packing=on),
@@ -254,7 +255,7 @@ def test_data_benchmark_figures(cfg, monkeypatch):
   # long_documents regroups the built-in corpus's sentences, in order, into documents of the size
   # asked for. Regrouping is held on a stand-in corpus (parsing the real one takes ~15 s; its size
   # and contents are tests/test_data_corpus.py's test_builtin_corpus).
-  from bertjax.data import builtin_corpus  # pylint: disable=import-outside-toplevel
+  from bertjax.data.corpora import builtin_corpus  # pylint: disable=import-outside-toplevel
   stand_in = tuple(tuple(f"d{d} s{s}." for s in range(3 + d % 50)) for d in range(90))
   monkeypatch.setattr(builtin_corpus, "documents", lambda: stand_in)
   sentences = [s for d in stand_in for s in d]

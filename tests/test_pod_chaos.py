@@ -5,7 +5,7 @@ parameters bit for bit (issue 38, item 9; docs/reliability.md).
 The moments and the processes are drawn from a seed printed by the test (BERTJAX_CHAOS_SEED=N
 replays one). A kill (SIGKILL) must end the launch at once, the launcher naming the dead process;
 a hang (SIGSTOP) must be named by the watchdog of the process left waiting, which ends the run
-within `train.watchdog_seconds` and a few seconds, exit status 75 (bertjax/watchdog.py). A kill
+within `train.watchdog_seconds` and a few seconds, exit status 75 (bertjax/parallel/watchdog.py). A kill
 also holds what launch/local.sh owes a pod whose process failed: the others stopped at once
 (within 20 s), none left running, the dead process named. The runs share the suite's persistent
 compilation cache (tests/conftest.py): only the first compiles.
@@ -21,7 +21,8 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, watchdog
+from bertjax.parallel import watchdog
+from bertjax.training import checkpoint as checkpoint_lib
 from test_launch_local import _alive, _flags, runs  # pylint: disable=unused-import  (a fixture)
 
 STEPS, SAVE_EVERY = 40, 5

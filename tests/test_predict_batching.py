@@ -1,4 +1,4 @@
-"""How bertjax.predict batches a chunk (bertjax/predict.py, bertjax/prediction_rows.py): rows
+"""How bertjax.predict batches a chunk (bertjax/predict/predictor.py, bertjax/predict/rows.py): rows
 grouped with their neighbours in length, padded little, every row once, outputs back in the input's
 order and to the same bits as a row computed in the same group; sequence-level heads with several
 texts packed into a row and the last layer at their [CLS] positions only, as a text computed
@@ -9,9 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import attention, predict, prediction_rows, taskspec
 from bertjax.finetune import families
-from bertjax.model import BertConfig, BertModel
+from bertjax.formats import taskspec
+from bertjax.model import attention
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.predict import predictor as predict, rows as prediction_rows
 
 # A ModernBERT-shaped encoder: pre-LN, RoPE, no segment table, a local last layer (global_every=2
 # with 2 layers), its task head.
@@ -39,23 +42,23 @@ def _lengths(n, seed=0):
 
 
 def test_bucket_widths_pad_at_most_8_tokens_or_a_quarter():
-  widths = sorted({predict.bucket_width(n, 512) for n in range(1, 513)})
+  widths = sorted({prediction_rows.bucket_width(n, 512) for n in range(1, 513)})
   assert widths[:9] == [8, 16, 24, 32, 40, 48, 56, 64, 80]
   assert len([w for w in widths if w <= 128]) == 12 and len(widths) == 20
   for n in range(1, 513):
-    w = predict.bucket_width(n, 512)
+    w = prediction_rows.bucket_width(n, 512)
     assert n <= w <= max(n + 7, n * 1.25)
-  assert predict.bucket_width(300, 256) == 256  # capped at the features' width
+  assert prediction_rows.bucket_width(300, 256) == 256  # capped at the features' width
 
 
 @pytest.mark.parametrize("tokens", [16, 256, 1024])
 def test_groups_take_every_row_once_within_capacity(tokens):
   lengths = _lengths(1024)
-  groups = predict.length_groups(lengths, 128, tokens)
+  groups = prediction_rows.length_groups(lengths, 128, tokens)
   rows = np.concatenate([g[0] for g in groups])
   assert sorted(rows.tolist()) == list(range(len(lengths)))
   for rows, width, capacity in groups:
-    assert lengths[rows].max() <= width == predict.bucket_width(lengths[rows].max(), 128)
+    assert lengths[rows].max() <= width == prediction_rows.bucket_width(lengths[rows].max(), 128)
     # Full groups hold tokens // width rows; one cut short, the power of two above its count.
     assert 1 <= len(rows) <= capacity == min(max(1, tokens // width),
                                              1 << (len(rows) - 1).bit_length())

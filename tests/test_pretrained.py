@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, sharding
 from bertjax.formats import converted as converted_folder
-from bertjax.heads import BertForPreTraining, BertForSequenceClassification
-from bertjax.model import BertConfig, BertModel
-from bertjax.pretrained import load_pretrained
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining, BertForSequenceClassification
+from bertjax.parallel import sharding
+from bertjax.training import checkpoint as checkpoint_lib
+from bertjax.weights.pretrained import load_pretrained
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16)

@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, errors, files, weights
+from bertjax import errors, files
 from bertjax.data.config import DataConfig
-from bertjax.model import BertConfig
-from bertjax.finetune import init_from, run
-from bertjax.finetune.config import FinetuneDataConfig, TaskConfig
+from bertjax.finetune.job import init_from, run
+from bertjax.finetune.kit.config import FinetuneDataConfig, TaskConfig
+from bertjax.model.config import BertConfig
+from bertjax.training import checkpoint as checkpoint_lib
+from bertjax.weights import reader as weights
 
 
 # 1. Fine-tuning workdir: a kill between any two writes ------------------------------------------
@@ -88,7 +90,7 @@ def test_a_damaged_derived_file_does_not_stop_the_rerun(tmp_path, name, capsys):
 def test_prediction_files_are_written_atomically(tmp_path, monkeypatch):
   # Every file of the workdir goes through files.write_text (temp file + rename): a kill during
   # the write leaves the previous file whole.
-  from bertjax.finetune import squad_postprocess
+  from bertjax.finetune.kit import squad_postprocess
   written = []
   real = files.write_text
   monkeypatch.setattr(files, "write_text", lambda path, text: (written.append(path),
@@ -116,7 +118,7 @@ def _users_files(root):
 def test_prediction_writes_over_no_file_it_did_not_write_nor_any_of_its_inputs(tmp_path, mode):
   """Refused before any model is read (the workdir here is none): an output that is one of the
   run's inputs (even with --overwrite), or a file of the user's (without it), whatever it holds."""
-  from bertjax import predict as predict_lib  # pylint: disable=import-outside-toplevel
+  from bertjax.predict import predictor as predict_lib  # pylint: disable=import-outside-toplevel
   user = _users_files(tmp_path)
   before = {k: open(v, "rb").read() for k, v in user.items()}
   run = lambda output, **kw: predict_lib.run(
@@ -360,7 +362,7 @@ def test_a_misspelled_fine_tuning_key_is_named_in_one_line(tmp_path):
 def test_squad_v1_given_a_v2_file_is_refused_before_any_step(tmp_path):
   import finetune_fixtures as fx
   from bertjax.data import tokenizer as tokenizer_lib
-  from bertjax.finetune import tasks
+  from bertjax.finetune.tasks import tasks
   from test_data_fixtures import write_vocab
   paragraphs = fx.squad_paragraphs(4, 0, "q")
   paragraphs[2]["qas"].append({"id": "no-answer", "question": fx.QUESTION, "answers": [],
@@ -389,7 +391,7 @@ def test_a_batch_larger_than_the_training_set_is_said():
 
 def test_a_conll_file_without_blank_lines_is_warned_about(tmp_path, caplog):
   import finetune_fixtures as fx
-  from bertjax.finetune import ner
+  from bertjax.finetune.tasks import ner
   sentences = fx.conll_sentences(200, 0)
   path = fx.write_conll(str(tmp_path / "eng.train"), sentences)
   with open(path) as f:
@@ -433,7 +435,7 @@ def test_sigterm_during_data_preparation_exits_143(capsys):
   # What bertjax.pretrain does when ensure_prepared raises on SIGTERM: the README's 143 and the
   # preparation's own line, no traceback.
   from bertjax import cli
-  from bertjax.data import processes
+  from bertjax.data.preparation import processes
 
   def preparing():
     raise processes.PreparationStopped("Preparation in D stopped by SIGTERM, ... run the same "
@@ -484,7 +486,7 @@ def _every_answer_is_a_substring(tokenizer, pool):
   none."""
   import random
   import numpy as np
-  from bertjax.finetune import squad_postprocess
+  from bertjax.finetune.kit import squad_postprocess
   from bertjax.inputs import questions
   rng = random.Random(0)
   for trial in range(150):
@@ -613,7 +615,7 @@ def test_a_run_classifier_output_gives_its_encoder_and_no_pretraining_heads(tmp_
 
 def test_pre_training_says_when_init_froms_casing_replaces_the_configs(tmp_path, capsys):
   from bertjax.configs import tiny
-  from bertjax import pretrain_job
+  from bertjax.pretrain import job as pretrain_job
   source = weights.Weights(str(tmp_path), "google", BertConfig(vocab_size=512), ("bert",),
                            vocab_file=str(tmp_path / "vocab.txt"), tokenizer_kind="wordpiece",
                            do_lower_case=False, casing_why="the name cased_L-2 says cased")

@@ -1,10 +1,10 @@
-"""bertjax/residuals.py: a scanned layer's residuals kept as bits, values and gradients unchanged."""
+"""bertjax/model/residuals.py: a scanned layer's residuals kept as bits, values and gradients unchanged."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import dropout, residuals
+from bertjax.model import dropout, residuals
 
 LAYERS = 3
 
@@ -71,7 +71,8 @@ def test_encode_round_trips_every_narrow_float_and_leaves_the_rest():
 def test_a_jax_whose_pullback_is_a_plain_function_calls_the_layer_directly(monkeypatch):
   # saving_bits stores jax.vjp's pullback as the pytree of its residuals (jax 0.10.2's VJP). A
   # jax where it is a plain function gets the scanned layers called as before: the same model.
-  from bertjax.model import BertConfig, BertModel  # pylint: disable=import-outside-toplevel
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.encoder import BertModel  # pylint: disable=import-outside-toplevel
   assert residuals.pullback_is_a_pytree()
   cfg = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                    hidden_dropout=0.0, attention_dropout=0.0, scan_layers=True, dtype="bfloat16")

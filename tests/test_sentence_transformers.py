@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import transformers
 
-from bertjax.contrastive import BiEncoder, ContrastiveConfig
 from bertjax.convert import hf as convert_hf, modernbert as convert_modernbert
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.formats import converted, modernbert, outfolder
 from bertjax.formats.sentence_transformers import SentenceVectors
-from bertjax.model import BertConfig
+from bertjax.model.config import BertConfig
+from bertjax.model.contrastive import BiEncoder, ContrastiveConfig
 from test_contrastive import random_params
 
 sentence_transformers = pytest.importorskip("sentence_transformers")

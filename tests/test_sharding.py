@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from bertjax import losses, sharding, train
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig, BertModel
 from bertjax.configs import base
+from bertjax.model import losses
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.heads import BertForPreTraining
+from bertjax.parallel import sharding
+from bertjax.training import train
 
 TINY = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
                   intermediate_size=64, max_position_embeddings=16)

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bertjax import control, errors, optimizer, sharding, train
-from bertjax.model import BertConfig
+from bertjax import errors
 from bertjax.configs import base
+from bertjax.model.config import BertConfig
+from bertjax.parallel import sharding
+from bertjax.training import control, optimizer, train
 
 # Dropout off so that microbatching changes nothing (tests/test_multihost.py runs with dropout).
 TINY = BertConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4,

@@ -1,9 +1,9 @@
-"""bertjax/watchdog.py: a process of several that stops making progress is named, and the run
+"""bertjax/parallel/watchdog.py: a process of several that stops making progress is named, and the run
 ended (the end to end test, a SIGSTOPped process of a pod: tests/test_pod_chaos.py)."""
 
 import time
 
-from bertjax import watchdog
+from bertjax.parallel import watchdog
 
 
 def _wait(condition, timeout=20.0):

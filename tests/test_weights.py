@@ -1,4 +1,4 @@
-"""The one reader of weights (bertjax/weights.py): every kind of folder, holding the same weights,
+"""The one reader of weights (bertjax/weights/reader.py): every kind of folder, holding the same weights,
 read by every caller alike; a damaged folder of each kind refused with the same message by every
 caller; no TensorFlow imported to read a local folder."""
 
@@ -15,14 +15,16 @@ import jax
 import numpy as np
 import pytest
 
-from bertjax import checkpoint as checkpoint_lib, pretrain_job, train, weights, weights_match
 from bertjax.convert import google as convert_google, hf as convert_hf
-from bertjax.formats import google, hf
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
-from bertjax.finetune import init_from
-from bertjax.heads import BertForPreTraining
-from bertjax.pretrained import load_pretrained
-from bertjax.sharding import MeshConfig
+from bertjax.finetune.job import init_from
+from bertjax.formats import google, hf
+from bertjax.model.heads import BertForPreTraining
+from bertjax.parallel.sharding import MeshConfig
+from bertjax.pretrain import job as pretrain_job
+from bertjax.training import checkpoint as checkpoint_lib, train
+from bertjax.weights import reader as weights, match as weights_match
+from bertjax.weights.pretrained import load_pretrained
 from conftest import xla_flags
 from google_fixtures import google_folder, random_variables, slots
 from test_data_fixtures import write_vocab
@@ -170,8 +172,8 @@ def test_a_damaged_folder_is_refused_with_one_message_by_every_caller(folders, k
 
 def test_reading_a_local_folder_of_any_kind_imports_no_tensorflow(folders):
   paths, _ = folders
-  code = ("import sys\nfrom bertjax import weights, weights_match\nfrom bertjax.pretrained import "
-          "load_pretrained\n"
+  code = ("import sys\nfrom bertjax.weights import match as weights_match, reader as weights\n"
+          "from bertjax.weights.pretrained import load_pretrained\n"
           f"for path in {list(paths[k] for k in KINDS)!r}:\n"
           "  source = weights.inspect(path)\n"
           "  weights.read(source)\n"

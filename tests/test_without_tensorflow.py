@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from bertjax import benchmark_predict
+from bertjax.benchmark import predict as benchmark_predict
 from bertjax.formats import hf, modernbert
-from bertjax.heads import BertForPreTraining
-from bertjax.model import BertConfig
+from bertjax.model.config import BertConfig
+from bertjax.model.heads import BertForPreTraining
 from conftest import xla_flags
 from google_fixtures import google_folder
 from test_launch_local_finetune import _pair_task

@@ -35,6 +35,14 @@ def define_flags(command: str | None, kind: str) -> None:
     flags.mark_flags_as_required(["weights", "output"])
 
 
+def define_checkpoint_flag(command: str | None) -> None:
+  """export's --checkpoint, of the converters whose export takes a fine-tuning workdir
+  (convert.hf, convert.modernbert)."""
+  if command in ("export", None):
+    flags.DEFINE_string("checkpoint", "best", "export: of a fine-tuning workdir: best (its best "
+                        "epoch), latest or a step.")
+
+
 Extra = Mapping[str, Callable[[Any], Any]]  # a converter's own flag -> its value as taken
 
 

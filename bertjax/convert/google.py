@@ -3,7 +3,7 @@ google-research/bert): import and export.
 
 The format itself (bert_config.json's keys, the variables' names and shapes, the checkpoint bundle
 read without TensorFlow) is bertjax/formats/google.py's and formats/tf_bundle.py's, below the one
-reader of weights (bertjax/weights.py); these commands read through that reader and write with
+reader of weights (bertjax/weights/reader.py); these commands read through that reader and write with
 the format (export with TensorFlow's own writer, imported then only).
 
 Command line:
@@ -28,10 +28,11 @@ import os
 
 from absl import logging
 
-from bertjax import files, weights
+from bertjax import files
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.formats import converted, google, tf_bundle, vocabulary
+from bertjax.weights import reader as weights
 
 
 def resolve_do_lower_case(folder: str, requested: bool | None) -> tuple[bool, str]:
@@ -98,7 +99,7 @@ def _write_vocabulary(vocab: str, fingerprint: str, output: str, lower: bool) ->
 
 def export_folder(params_path: str, output: str) -> str:
   """Writes a Google folder (bert_model.ckpt.*, bert_config.json, vocab.txt) from any folder
-  bertjax/weights.py reads that holds the pre-training heads; returns a line saying what was
+  bertjax/weights/reader.py reads that holds the pre-training heads; returns a line saying what was
   done. Uses TensorFlow's own writer."""
   source = weights.inspect(params_path, what="--weights")
   lacking = sorted({"bert", "mlm", "nsp"} - set(source.subtrees))

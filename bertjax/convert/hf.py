@@ -1,7 +1,7 @@
 """The commands of Hugging Face `BertForPreTraining` folders (`model.safetensors`): import, export.
 
 The format itself (names, config keys, arrays; a fine-tuned model's task class) is
-bertjax/formats/hf.py's, below the one reader of weights (bertjax/weights.py); these commands read
+bertjax/formats/hf.py's, below the one reader of weights (bertjax/weights/reader.py); these commands read
 through that reader and write with the format.
 
 Command line:
@@ -30,12 +30,13 @@ from __future__ import annotations
 import os
 import shutil
 
-from bertjax import files, taskspec, weights
+from bertjax import files
 from bertjax.data import hf_tokenizer, tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.finetune import families
-from bertjax.formats import converted, hf, outfolder, sentence_transformers
-from bertjax.model_config import BertConfig
+from bertjax.formats import converted, hf, outfolder, sentence_transformers, taskspec
+from bertjax.model.config import BertConfig
+from bertjax.weights import reader as weights
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -88,7 +89,7 @@ def chosen_step(source, spec, checkpoint: str = "best") -> tuple[dict, str]:
 def export_folder(params_path: str, output: str, checkpoint: str = "best",
                   sentence: sentence_transformers.SentenceVectors | None = None) -> str:
   """Writes a Hugging Face folder (config.json, model.safetensors, the tokenizer's files) from any
-  folder bertjax/weights.py reads; a fine-tuning workdir (its best epoch by default) as its task's
+  folder bertjax/weights/reader.py reads; a fine-tuning workdir (its best epoch by default) as its task's
   transformers class with its labels. `sentence`: also sentence-transformers' files, so that
   SentenceTransformer(output) gives those vectors. Returns a line saying what was done."""
   source = weights.inspect_trained(params_path, what="--weights", checkpoint=checkpoint)
@@ -207,14 +208,7 @@ def sentencepiece_to_tokenizer_json(model_path: str, output: str) -> None:
   tok.save(output)
 
 
-def _define_own_flags(command: str | None) -> None:
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if command in ("export", None):
-    flags.DEFINE_string("checkpoint", "best", "export: of a fine-tuning workdir: best (its best "
-                        "epoch), latest or a step.")
-
-
 if __name__ == "__main__":
   from bertjax.convert import command  # pylint: disable=ungrouped-imports
-  command.start("hf_dir", "Hugging Face", import_folder, export_folder, _define_own_flags,
-                export_flags={"checkpoint": str})
+  command.start("hf_dir", "Hugging Face", import_folder, export_folder,
+                command.define_checkpoint_flag, export_flags={"checkpoint": str})

@@ -2,13 +2,13 @@
 and export.
 
 The format itself (config keys, names, arrays) is bertjax/formats/modernbert.py's, below the one
-reader of weights (bertjax/weights.py); these commands read through that reader and write with the
+reader of weights (bertjax/weights/reader.py); these commands read through that reader and write with the
 format.
 
 Command line:
   python -m bertjax.convert.modernbert import --weights=DIR --output=OUT
   python -m bertjax.convert.modernbert export --weights=OUT --output=HF_DIR [--checkpoint=best]
-A ModernBERT folder is also read as it is by every `init_from` (bertjax/weights.py), its
+A ModernBERT folder is also read as it is by every `init_from` (bertjax/weights/reader.py), its
 tokenizer.json with it, and a fine-tuned one (ModernBertForSequenceClassification,
 ...ForTokenClassification, ...ForQuestionAnswering) by `bertjax.predict` as a fine-tuning
 workdir. `export` writes a fine-tuning workdir of a modern model as its task's class with
@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import os
 
-from bertjax import taskspec, weights
 from bertjax.convert import hf as convert_hf
 from bertjax.data import tokenizer as tokenizer_lib, vocab_record
 from bertjax.errors import Refusal
 from bertjax.finetune import families
-from bertjax.formats import converted, hf, modernbert, modernbert_tasks, outfolder
-from bertjax.formats import sentence_transformers
+from bertjax.formats import (converted, hf, modernbert, modernbert_tasks, outfolder,
+                             sentence_transformers, taskspec)
+from bertjax.weights import reader as weights
 
 
 def import_folder(hf_dir: str, output: str, *, scan_layers: bool = False) -> str:
@@ -65,7 +65,7 @@ def _token_ids(source: weights.Weights) -> dict | None:
 
 def export_folder(params_path: str, output: str, checkpoint: str = "best",
                   sentence: sentence_transformers.SentenceVectors | None = None) -> str:
-  """Writes a ModernBERT folder from any folder bertjax/weights.py reads: a fine-tuning workdir
+  """Writes a ModernBERT folder from any folder bertjax/weights/reader.py reads: a fine-tuning workdir
   (its best epoch by default) as its task's class (ModernBertForSequenceClassification,
   ...ForTokenClassification, ...ForQuestionAnswering) with its labels, anything else as
   ModernBertForMaskedLM. `sentence`: also sentence-transformers' files (as the BERT export)."""
@@ -109,14 +109,7 @@ def export_folder(params_path: str, output: str, checkpoint: str = "best",
           f"{said}{folder.said()})" + (f"\nExported {line}" if line else ""))
 
 
-def _define_own_flags(command: str | None) -> None:
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if command in ("export", None):
-    flags.DEFINE_string("checkpoint", "best", "export: of a fine-tuning workdir: best (its best "
-                        "epoch), latest or a step.")
-
-
 if __name__ == "__main__":
   from bertjax.convert import command  # pylint: disable=ungrouped-imports
-  command.start("hf_dir", "ModernBERT", import_folder, export_folder, _define_own_flags,
-                export_flags={"checkpoint": str})
+  command.start("hf_dir", "ModernBERT", import_folder, export_folder,
+                command.define_checkpoint_flag, export_flags={"checkpoint": str})

@@ -1,4 +1,5 @@
-"""Data: tokenizer, corpus (sources, built-in corpus, held-out split), instances (NSP pairs),
-prepare (offline shards + manifest), processes (its workers, SIGTERM), storage (folders, shared
-across hosts), masking (dynamic, in tf.data), packing (several sequences per row), pipeline
-(per-host batches), benchmark. Imports nothing from the model side."""
+"""Data: tokenizers (tokenizer.py; hf_tokenizer.py, normalize.py, template.py, vocab_record.py),
+corpus sources (corpus.py; what they are read from: corpora/), offline preparation (prepare.py;
+its steps, NSP pairs, workers and Beam driver: preparation/), storage (folders, shared across
+hosts), masking (dynamic, in tf.data), packing (several sequences per row), pipeline (per-host
+batches), config (the data section, typed). Imports nothing from the model side."""

@@ -6,7 +6,7 @@ holds no defaults: configs/base.py is the one home of every default, so a key th
 one the dataclass does not know, is an error that names it. A value of another type (a config
 built by hand, not type-checked against base.py's values) is refused too. Fine-tuning's sections
 (other data keys) are typed the same way, with `from_section` and `check_types`, in
-bertjax/finetune/config.py.
+bertjax/finetune/kit/config.py.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ Sources (`config.data.source`):
                                  line between documents; plain or gzip; globs; any tf.io.gfile path.
   "tfds:name/config:feature"     a TFDS dataset, one example per document, split into sentences.
   "gs://b/fineweb/*.parquet"     Parquet files, a row per document, its text in the column
-                                 `text_column`, split into sentences (bertjax/data/records.py).
+                                 `text_column`, split into sentences (bertjax/data/corpora/records.py).
   "docs/*.jsonl.zst"             JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst), a line per document,
                                  its text in the field `text_column`, split into sentences.
-Sentences of the last three come from bertjax/data/sentences.py (in `language`'s rules).
+Sentences of the last three come from bertjax/data/corpora/sentences.py (in `language`'s rules).
 """
 
 import dataclasses
@@ -19,8 +19,8 @@ import hashlib
 import logging
 from typing import Iterable, Iterator
 
-from bertjax.data import builtin_corpus, inputfiles, records, sentences
 from bertjax.data.config import DataConfig
+from bertjax.data.corpora import builtin_corpus, inputfiles, records, sentences
 from bertjax.errors import Refusal
 
 Document = list[str]

@@ -5,10 +5,10 @@
 The source is planned as pieces of input (files, large files cut into byte ranges at blank lines).
 Step 1 reads each piece and files its documents under the shard a hash of their text chooses; step 2
 builds each shard: its documents sorted by that hash, tokenized, paired with a seed of its own
-(shards.py holds both steps). This module is the local driver: both steps run in processes of this
-machine, or of each host of a pod (host i: pieces and shards i mod hosts); beam_prepare.py is the
-other driver, and writes the same bytes. A finished piece or shard keeps a `.json` beside it; a rerun
-skips those, so an interrupted preparation resumes. The manifest (written last) records counts,
+(preparation/shards.py holds both steps). This module is the local driver: both steps run in
+processes of this machine, or of each host of a pod (host i: pieces and shards i mod hosts);
+preparation/beam.py is the other driver, and writes the same bytes. A finished piece or shard
+keeps a `.json` beside it; a rerun skips those, so an interrupted preparation resumes. The manifest (written last) records counts,
 repairs, the settings and the tokenizer fingerprint; `load_manifest` refuses shards made with
 another tokenizer or an older format.
 """
@@ -23,11 +23,12 @@ import os
 import re
 import time
 
-from bertjax.data import corpus, packing, processes, shards, storage
-from bertjax.data import tokenizer as tokenizer_lib
+from bertjax.data import corpus, packing, storage, tokenizer as tokenizer_lib
 from bertjax.data.config import DataConfig
+from bertjax.data.preparation import processes, shards
 from bertjax.data.template import Template
 from bertjax.errors import Refusal
+from bertjax.files import gfile
 
 # 2: input_ids stored as raw little-endian bytes (uint16 when the vocabulary allows) instead of an
 # int64 list: three times faster to write and parsed without ragged tensors.
@@ -39,11 +40,6 @@ SPLITS = shards.SPLITS
 _SETTING_KEYS = ("source", "tfds_split", "max_seq_length", "nsp", "short_seq_prob", "dupe_factor",
                  "eval_dupe_factor", "eval_fraction", "num_shards", "num_eval_shards",
                  "prepare_seed")
-
-
-def _gfile():
-  import tensorflow as tf
-  return tf.io.gfile
 
 
 def id_dtype(vocab_size: int) -> str:
@@ -104,10 +100,10 @@ def prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, *, num_workers: int 
   of `data` (tokenizer.load_tokenizer), loaded once by the caller. On a pod every host calls it
   with its index, the host count and a barrier (`barrier(name)` returns once all hosts called it):
   host i does the pieces of input and the shards numbered i mod host_count."""
-  gf = _gfile()
+  gf = gfile()
   out_dir = prepared_dir(data, tok)
   storage.make_dirs(out_dir, "prepared_dir" if data.prepared_dir else "cache_dir")
-  # On a pod, jax's preemption notifier owns SIGTERM (bertjax/control.py): a Python handler here
+  # On a pod, jax's preemption notifier owns SIGTERM (bertjax/training/control.py): a Python handler here
   # would replace it for the rest of the run, and a notice would then kill the host outright.
   # There the hosts finish preparing and stop at the first step.
   stoppable = processes.sigterm_raises() if host_count == 1 else contextlib.nullcontext()
@@ -131,7 +127,7 @@ def split_settings(data: DataConfig) -> dict:
 
 def read_markers(out_dir: str, units: list[dict], want: dict) -> list[dict | None]:
   """The marker of each piece of input already scattered (None: not yet, or another piece)."""
-  gf = _gfile()
+  gf = gfile()
   found = set(gf.glob(os.path.join(out_dir, "raw", "parts", "*.json")))
   markers = []
   for u, unit in enumerate(units):
@@ -180,7 +176,7 @@ def build_tasks_after(scattered: list, *, data: DataConfig, out_dir: str, units:
 
 
 def finished_shards(out_dir: str) -> set[str]:
-  return {os.path.basename(p) for p in _gfile().glob(os.path.join(out_dir, "*-of-*.json"))}
+  return {os.path.basename(p) for p in gfile().glob(os.path.join(out_dir, "*-of-*.json"))}
 
 
 def _run(tasks: list, workers: processes.Workers | None, data: DataConfig, tok) -> None:
@@ -216,7 +212,7 @@ def _worker():
 
 def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
              num_workers: int | None, host: int, hosts: int, barrier) -> dict:
-  gf = _gfile()
+  gf = gfile()
   s = settings_of(data, tok)
   t0 = time.time()
   # What a worker loads the same tokenizer from.
@@ -227,7 +223,7 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
   if data.prepare_engine == "beam":
     if host == 0:  # the engine spreads the work; the other hosts only wait
       # lazy: apache-beam is the optional `beam` extra, imported only when asked for
-      from bertjax.data import beam_prepare  # pylint: disable=import-outside-toplevel
+      from bertjax.data.preparation import beam as beam_prepare  # pylint: disable=import-outside-toplevel
       steps = (functools.partial(build_tasks_after, data=data, out_dir=out_dir, units=units,
                                  settings=s, tok_spec=tok_spec),
                functools.partial(run_task, "build", data=None))
@@ -265,7 +261,7 @@ def _prepare(data: DataConfig, tok: tokenizer_lib.Tokenizer, out_dir: str,
 
 
 def _write_manifest(data, tok, out_dir, units, s, t0) -> dict:
-  gf = _gfile()
+  gf = gfile()
   markers = read_markers(out_dir, units, split_settings(data))
   infos = {}
   for split in SPLITS:
@@ -321,7 +317,7 @@ def _write_manifest(data, tok, out_dir, units, s, t0) -> dict:
 def load_manifest(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
                   check_files: bool = True) -> dict:
   """The manifest of prepared shards; errors if absent, made with other settings, or damaged."""
-  gf = _gfile()
+  gf = gfile()
   out_dir = prepared_dir(data, tok)
   path = os.path.join(out_dir, "manifest.json")
   if not gf.exists(path):
@@ -402,7 +398,7 @@ def ensure_prepared(data: DataConfig, tok: tokenizer_lib.Tokenizer, *,
   check_config(data)
   check_layout(data, tok)
   out_dir = prepared_dir(data, tok)
-  if _gfile().exists(os.path.join(out_dir, "manifest.json")):
+  if gfile().exists(os.path.join(out_dir, "manifest.json")):
     return load_manifest(data, tok)
   prepare(data, tok, num_workers=num_workers, **pod)
   return load_manifest(data, tok)

@@ -16,18 +16,14 @@ import numpy as np
 
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
-
-
-def _gfile():
-  import tensorflow as tf
-  return tf.io.gfile
+from bertjax.files import gfile
 
 
 def make_dirs(path: str, key: str):
   """`makedirs` whose error names the config key that chose `path` (e.g. `cache_dir`)."""
   import tensorflow as tf
   try:
-    _gfile().makedirs(path)
+    gfile().makedirs(path)
   except (tf.errors.OpError, OSError) as err:
     message = getattr(err, "message", None) or str(err)
     raise OSError(f"Cannot create the folder {path} (from config.data.{key}): "
@@ -62,7 +58,7 @@ def check_shared_storage(data: DataConfig, process_index: int, process_count: in
   if process_count <= 1:
     return
   allgather = allgather or _default_allgather
-  gf = _gfile()
+  gf = gfile()
   local = {k: p for k, p in shared_roots(data).items() if "://" not in p}
   if not local:
     return

@@ -23,9 +23,8 @@ import numpy as np
 from bertjax import files
 from bertjax.data import corpus, hf_tokenizer, storage
 from bertjax.data.config import DataConfig
-# original_normalize and normalize_with_source are also read from here (their first home).
-from bertjax.data.normalize import (  # pylint: disable=unused-import
-    normalize_with_source, original_normalize, read_wordpiece_vocab)
+from bertjax.data.normalize import (normalize_with_source, original_normalize,
+                                    read_wordpiece_vocab)
 from bertjax.data.template import Template
 from bertjax.errors import Refusal
 

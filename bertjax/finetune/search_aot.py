@@ -4,7 +4,7 @@ machine without a TPU (libtpu's compile-only client, as `python -m bertjax.aot`)
     python -m bertjax.finetune.search_aot --config=configs/bert_base.py --topology=v5p-8 \
         --batch_size=32 --seq_len=128
 
-Compiles the trials' program (bertjax/finetune/trials.py: a classification head, bfloat16
+Compiles the trials' program (bertjax/finetune/job/trials.py: a classification head, bfloat16
 matmuls as the config says) for T = chips x 1, 2, 4, ... trials, the trial axis over the chips,
 and prints each one's memory per chip from XLA's buffer assignment against the chip's HBM, until
 one does not fit: the last that fits is the answer, per chip.
@@ -25,10 +25,12 @@ import sys
 import jax
 from absl import app, flags
 
-from bertjax import aot, cli, sharding, topologies, train
-from bertjax.finetune import trials as trials_lib
+from bertjax import aot, cli
 from bertjax.finetune.families import classification
-from bertjax.model_config import BertConfig
+from bertjax.finetune.job import trials as trials_lib
+from bertjax.model.config import BertConfig
+from bertjax.parallel import sharding, topologies
+from bertjax.training import train
 
 GIB = 2**30
 
@@ -116,7 +118,7 @@ def main(argv):
 
 if __name__ == "__main__":
   cli.define_config_flag()
-  flags.DEFINE_string("topology", "v5p-8", "A Cloud TPU slice (bertjax.topologies).")
+  flags.DEFINE_string("topology", "v5p-8", "A Cloud TPU slice (bertjax.parallel.topologies).")
   flags.DEFINE_integer("batch_size", 32, "Each trial's batch.")
   flags.DEFINE_integer("seq_len", 128, "Tokens per row.")
   flags.DEFINE_integer("max_per_chip", 64, "The most trials per chip tried.")

@@ -1,6 +1,6 @@
 """The folder `convert.hf import`, `convert.google import` and `convert.modernbert import` write:
 `bert_config.json` (a BertConfig in bertjax's keys: num_layers, ...) and `params/` (an orbax
-checkpoint of the parameters). bertjax/weights.py reads it as the kind "converted".
+checkpoint of the parameters). bertjax/weights/reader.py reads it as the kind "converted".
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import orbax.checkpoint as ocp
 
 from bertjax import files
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 CONFIG_FILE = "bert_config.json"
 

@@ -8,7 +8,7 @@ weights `cls/seq_relationship/output_weights` stored [2, H]) and `vocab.txt`. It
 without TensorFlow (`tf_bundle`); the names are mapped onto Hugging Face's, whose mapping onto the
 bertjax tree (formats/hf.py) is then shared, unrolled (`layer_N`) or scanned (`layers/layer`).
 
-The commands that import and export folders are `bertjax.convert.google`'s; bertjax/weights.py
+The commands that import and export folders are `bertjax.convert.google`'s; bertjax/weights/reader.py
 reads a Google folder through this module.
 """
 
@@ -24,7 +24,7 @@ from absl import logging
 from bertjax import files
 from bertjax.errors import Refusal
 from bertjax.formats import hf, tf_bundle
-from bertjax.model_config import ACTIVATIONS, BertConfig
+from bertjax.model.config import ACTIVATIONS, BertConfig
 
 # The TensorFlow-free reader, public here too.
 CheckpointReader = tf_bundle.CheckpointReader

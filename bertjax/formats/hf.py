@@ -6,7 +6,7 @@ so no torch is needed. Parameters are the `BertForPreTraining` tree of `bertjax.
 (`layer_N`) or scanned (`layers/layer` with a leading [num_layers] axis) as the config says. A
 fine-tuned model goes out as its transformers task class (`task_to_hf`).
 
-The commands that import and export folders are `bertjax.convert.hf`'s; bertjax/weights.py reads a
+The commands that import and export folders are `bertjax.convert.hf`'s; bertjax/weights/reader.py reads a
 Hugging Face folder through this module.
 """
 
@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from bertjax import files
 from bertjax.errors import Refusal
 from bertjax.formats import outfolder
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 # Hugging Face config.json key -> BertConfig field.
 HF_CONFIG_KEYS = {

@@ -18,7 +18,7 @@ Hugging Face's tensors and ours:
   mlm/decoder
 
 The commands that import and export folders are `bertjax.convert.modernbert`'s;
-bertjax/weights.py reads a ModernBERT folder through this module; which ModernBertFor* task class
+bertjax/weights/reader.py reads a ModernBERT folder through this module; which ModernBertFor* task class
 a folder holds, and an export's entries for one, are formats/modernbert_tasks.py's.
 """
 
@@ -33,7 +33,7 @@ from bertjax.errors import Refusal
 from bertjax.formats import hf, outfolder
 from bertjax.formats.modernbert_tasks import (CLASSIFIERS, PREDICTION_HEAD, QA_HEAD, TASK_SUBTREES,
                                               heads_in)
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 MODEL_TYPE = "modernbert"
 # Their activations with the same function as ours (ACT2FN["gelu"] is the exact erf form).
@@ -248,7 +248,7 @@ def _layer_from(sd: dict, config: BertConfig, i: int) -> dict:
   if i:
     out["attention_layer_norm"] = _norm_from(sd, p + "attn_norm", c)
   elif c.scan_layers:
-    # Scanned layers share one structure: layer 0 carries a norm it bypasses (model.py).
+    # Scanned layers share one structure: layer 0 carries a norm it bypasses (model/encoder.py).
     out["attention_layer_norm"] = _identity_norm(c)
   out["output_layer_norm"] = _norm_from(sd, p + "mlp_norm", c)
   return out
@@ -272,7 +272,7 @@ def params_from_modernbert(state_dict: dict, config: BertConfig, heads=None,
                            hf_config: dict | None = None) -> dict:
   """bertjax parameters (numpy) from a ModernBERT state dict: the encoder (`bert`), and the MLM
   head (`mlm`) or a task class's heads (PREDICTION_HEAD and "classifier" or "span", as
-  bertjax/heads.py names them) when asked for or, with heads None, when present (`hf_config`,
+  bertjax/model/heads.py names them) when asked for or, with heads None, when present (`hf_config`,
   the folder's config.json, names the task class). Raises ValueError naming every missing,
   unexpected and mis-shaped tensor at once."""
   import jax  # pylint: disable=import-outside-toplevel

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from bertjax.errors import Refusal
-from bertjax.model_config import BertConfig
+from bertjax.model.config import BertConfig
 
 # transformers' task classes, by the subtree of bertjax's parameters their `classifier` goes to;
-# `head` (ModernBertPredictionHead) goes to PREDICTION_HEAD (bertjax/heads.py) in each. A class
+# `head` (ModernBertPredictionHead) goes to PREDICTION_HEAD (bertjax/model/heads.py) in each. A class
 # keeps what a fine-tuned model does with text in config.json: `architectures`, `id2label`,
 # `problem_type`, `classifier_pooling`. A folder's are read as an `hf.TaskClass` (the family it
 # is, fine-tuning says: bertjax/finetune/families/); an export's are written by `task_config`.

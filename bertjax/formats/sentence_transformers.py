@@ -9,7 +9,7 @@ normalisation included).
                                       normalised vectors, "dot" for the others
   1_Pooling/config.json               mean over real tokens ([CLS] and [SEP] included, as bertjax's
                                       mean) or the [CLS] state: the last layer's, as
-                                      bertjax/contrastive.py pools
+                                      bertjax/model/contrastive.py pools
   2_Normalize/                        present when the vectors are L2-normalised
 
 Written in the layout every sentence-transformers release since 2.0 reads (the module types'

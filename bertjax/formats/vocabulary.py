@@ -2,7 +2,7 @@
 of a vocabulary (tokenizer.json: file, kind, casing, fingerprint), else vocab.txt with the casing
 Hugging Face's tokenizer_config.json or the folder's name says, else a Hugging Face tokenizer.json
 (told from the record of that name by content) with the casing its normalizer gives.
-bertjax/weights.py gives them to every kind of folder it inspects, a run's workdir included (the
+bertjax/weights/reader.py gives them to every kind of folder it inspects, a run's workdir included (the
 copy it made, or what an older run's config.json names).
 """
 

@@ -55,7 +55,7 @@ class Pairs:
 @dataclasses.dataclass
 class Judged:
   """Queries with their relevant passages in a corpus: what the retrieval metrics score
-  (bertjax/finetune/retrieval.py). `relevant` holds corpus indices; a query without any (a test
+  (bertjax/finetune/kit/retrieval.py). `relevant` holds corpus indices; a query without any (a test
   file of queries alone) is searched, not scored."""
 
   queries: list[str]

@@ -1,6 +1,6 @@
 """Questions and their contexts as the model's input, in SQuAD's layout (v1.1, or v2.0 with
 unanswerable questions): `SquadExample`s from JSON files of that layout (the span family's own
-files, and the SQuAD benchmark's: bertjax/finetune/squad.py), and the windowed features
+files, and the SQuAD benchmark's: bertjax/finetune/tasks/squad.py), and the windowed features
 `[CLS] question [SEP] window [SEP]` of the original `run_squad.py`.
 
 The original splits contexts on whitespace and walks characters to map answers and predictions;

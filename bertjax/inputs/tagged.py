@@ -1,6 +1,6 @@
 """Tagged words, as one's own files and the benchmarks write them: `Sentence`s of words and their
 IOB2 tags, the tag schemes read to IOB2, entities as conlleval finds them, and CoNLL column files
-(the tagging family's and CoNLL-2003's; bertjax/finetune/ner.py reads that benchmark).
+(the tagging family's and CoNLL-2003's; bertjax/finetune/tasks/ner.py reads that benchmark).
 
 Tags inside bertjax are IOB2 (every entity starts with B-): files come in IOB1 (the original
 CoNLL-2003 release, where B- only separates two adjacent entities of one type), IOB2, IO or IOBES,

@@ -2,23 +2,23 @@
 (classification, regression, tagging, span, embeddings); each is one module here owning its
 reading of one's own files, its features, head and objective, metric, prediction records and
 export class, and building its typed record (`record.Family`) once, as `FAMILY`. The benchmarks (GLUE, SQuAD,
-CoNLL-2003, NEXT: bertjax/finetune/tasks.py) are readers that hand a family their examples.
+CoNLL-2003, NEXT: bertjax/finetune/tasks/tasks.py) are readers that hand a family their examples.
 
 Adding a family: a module beside these ending in its `FAMILY = Family(...)`, and one line in
 FAMILIES (docs/finetuning.md#adding-a-task-family). Nothing below fine-tuning knows the families:
-`TaskSpec.family` (bertjax/taskspec.py) is a name, which `get` resolves here, and a fine-tuned
-folder's class (bertjax/weights.py records what its config.json says) is resolved by `spec_of`.
+`TaskSpec.family` (bertjax/formats/taskspec.py) is a name, which `get` resolves here, and a fine-tuned
+folder's class (bertjax/weights/reader.py records what its config.json says) is resolved by `spec_of`.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-from bertjax import taskspec
 from bertjax.errors import Refusal
-from bertjax.finetune import metrics as ft_metrics
 from bertjax.finetune.families import classification, embeddings, regression, span, tagging
 from bertjax.finetune.families.record import Family
+from bertjax.finetune.kit import metrics as ft_metrics
+from bertjax.formats import taskspec
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     classification.FAMILY,

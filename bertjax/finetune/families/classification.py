@@ -15,12 +15,14 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, objectives
-from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
-from bertjax.finetune.taskdata import TaskData
+from bertjax.finetune.kit import custom, metrics as ft_metrics, objectives
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import TaskData
+from bertjax.formats import taskspec as spec_lib
+from bertjax.model import heads
+from bertjax.training import train
 
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
@@ -175,7 +177,7 @@ def report(predictions, labels, names: Sequence[str]) -> dict:
 # One's own task ---------------------------------------------------------------------------------
 
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
-  """Classification from one's own CSV, TSV or JSON Lines files (bertjax/finetune/custom.py)."""
+  """Classification from one's own CSV, TSV or JSON Lines files (bertjax/finetune/kit/custom.py)."""
   train_path, _, _ = custom.paths(cfg.data, "classification")
   main = ft_metrics.main_metric(cfg.eval.main_metric, "classification", FAMILY.main_metrics)
   probe = custom.spec_of("classification", cfg, ("a", "b"))

@@ -1,5 +1,5 @@
 """Embeddings: sentence vectors for search, trained contrastively from one's own (query, passage)
-pairs, as a retriever (bertjax/contrastive.py, bertjax/contrastive_training.py).
+pairs, as a retriever (bertjax/model/contrastive.py, bertjax/training/contrastive.py).
 
   model      one encoder for queries and passages (a bi-encoder), mean or [CLS] pooling, unit
              vectors or not (config.contrastive); nothing beside the encoder is predicted from
@@ -31,15 +31,16 @@ from typing import Mapping
 
 import numpy as np
 
-from bertjax import contrastive_training, taskspec as spec_lib, train
-from bertjax.contrastive import ContrastiveConfig
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, retrieval
-from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
-from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.finetune.kit import custom, metrics as ft_metrics, retrieval
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import EvalSet, TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.formats.sentence_transformers import SentenceVectors
 from bertjax.inputs import pairs as pairs_lib, passages, textfiles
+from bertjax.model.contrastive import ContrastiveConfig
+from bertjax.training import contrastive as contrastive_training, train
 
 NAME = "embeddings"
 DEPTH = 100  # ranks searched: recall_at_100's

@@ -3,7 +3,7 @@ family, built once by the family's module (`FAMILY` at its end) and listed in th
 (`FAMILIES` in bertjax/finetune/families/__init__.py).
 
 The record's fields are facts and functions of the family; nothing below fine-tuning sees it: the
-task spec (bertjax/taskspec.py) names a family by its name, the weights reader records what a
+task spec (bertjax/formats/taskspec.py) names a family by its name, the weights reader records what a
 folder says (its class and labels), and the families package resolves both to a record.
 """
 
@@ -14,10 +14,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from bertjax import taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune.config import TaskConfig
-from bertjax.finetune.taskdata import TaskData
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import TaskData
+from bertjax.formats import taskspec as spec_lib
+from bertjax.training import train
 
 Spec = spec_lib.TaskSpec
 
@@ -38,14 +39,14 @@ class Family:
   lower_is_better: tuple[str, ...]  # default) ... and those of them where lower is better
   batch_keys: tuple[str, ...]  # the target arrays a batch carries to the device, beside inputs
   # One output per text from its [CLS]: the objective's model takes sequence_ids and
-  # cls_positions, and prediction packs several texts into a row (bertjax/prediction_rows.py);
+  # cls_positions, and prediction packs several texts into a row (bertjax/predict/rows.py);
   # False for per-token heads.
   packed: bool
   num_outputs: Callable[[Spec], int]  # the head's width
   objective: Callable[[Spec], train.Objective]  # the head, its loss and outputs
   columns: Callable[[Spec, Mapping], list[str]]  # the input columns `predict` needs of a row
   as_row: Callable[[Any, Spec], dict]  # a `Predictor` input that is neither a string nor a dict
-  # One prediction record per row (bertjax/predict.py's docstring); run: features -> outputs.
+  # One prediction record per row (bertjax/predict/predictor.py's docstring); run: features -> outputs.
   records: Callable[[Sequence[Mapping], Spec, Any, Callable], list[dict]]
   load: Callable[[TaskConfig, Any], TaskData]  # one's own task from files
   # The label ids or values of the outputs (a benchmark's scores and submission); None where an

@@ -14,12 +14,14 @@ from typing import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, objectives
-from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
-from bertjax.finetune.taskdata import TaskData
+from bertjax.finetune.kit import custom, metrics as ft_metrics, objectives
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import TaskData
+from bertjax.formats import taskspec as spec_lib
+from bertjax.model import heads
+from bertjax.training import train
 
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
@@ -80,7 +82,7 @@ def report(predictions, labels) -> dict:
 
 
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
-  """Regression from one's own CSV, TSV or JSON Lines files (bertjax/finetune/custom.py)."""
+  """Regression from one's own CSV, TSV or JSON Lines files (bertjax/finetune/kit/custom.py)."""
   train_path, _, _ = custom.paths(cfg.data, "regression")
   main = ft_metrics.main_metric(cfg.eval.main_metric, "regression", FAMILY.main_metrics)
   spec = custom.spec_of("regression", cfg)

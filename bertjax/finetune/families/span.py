@@ -17,14 +17,16 @@ import functools
 
 import numpy as np
 
-from bertjax import heads, losses, taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, objectives, squad_metrics
-from bertjax.finetune import squad_postprocess
-from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
-from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.finetune.kit import (custom, metrics as ft_metrics, objectives, squad_metrics,
+                                  squad_postprocess)
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import EvalSet, TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import questions, textfiles
+from bertjax.model import heads, losses
+from bertjax.training import train
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   del spec

@@ -22,13 +22,15 @@ from typing import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax import heads, taskspec as spec_lib, train
 from bertjax.errors import Refusal
-from bertjax.finetune import custom, metrics as ft_metrics, objectives
-from bertjax.finetune.config import TaskConfig
 from bertjax.finetune.families.record import Family
-from bertjax.finetune.taskdata import EvalSet, TaskData
+from bertjax.finetune.kit import custom, metrics as ft_metrics, objectives
+from bertjax.finetune.kit.config import TaskConfig
+from bertjax.finetune.kit.taskdata import EvalSet, TaskData
+from bertjax.formats import taskspec as spec_lib
 from bertjax.inputs import tagged, textfiles, word_windows
+from bertjax.model import heads
+from bertjax.training import train
 
 def num_outputs(spec: spec_lib.TaskSpec) -> int:
   return len(spec.labels)
@@ -205,7 +207,7 @@ def tagged_sentences(raw, scheme: str, labels: Sequence[str]) -> list[tagged.Sen
 
 
 def load(cfg: TaskConfig, tokenizer) -> TaskData:
-  """Tagging from one's own files (bertjax/finetune/custom.py): CoNLL columns, or rows of words
+  """Tagging from one's own files (bertjax/finetune/kit/custom.py): CoNLL columns, or rows of words
   and tags; tags read in their scheme (config.data.tag_scheme, or detected from the training
   file) and learned as IOB2 tags of the entity types found."""
   train_path, dev_path, test_path = custom.paths(cfg.data, "tagging")

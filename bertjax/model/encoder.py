@@ -1,0 +1,394 @@
+"""The BERT encoder as Flax linen modules: embeddings, attention, MLP, layers, BertModel (its config:
+config.py; the initialisers, norm and Dense it is built of: primitives.py).
+
+Semantics follow the original release (arXiv:1810.04805, google-research/bert): post-LN layers,
+learned absolute positions, segment embeddings, LayerNorm eps 1e-12, exact-erf GELU by default,
+tanh pooler on [CLS].
+
+Shape letters used in names: B batch, L sequence length, D hidden size, N attention heads,
+K head size (D / N), F feed-forward size, V vocabulary size, M masked predictions per sequence.
+
+Dtype policy: parameters are stored in `param_dtype` (float32); matmuls run in `dtype` (bfloat16 on
+accelerators); attention softmax, LayerNorm statistics, logits and losses are float32.
+
+Every parameter carries logical axis names (see `bertjax.sharding` for the rules that map them to
+mesh axes): "vocab", "embed" (D), "heads" (N), "kv" (K), "mlp" (F), "layers" (scan), None.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.model import attention, dropout, residuals
+from bertjax.model.attention import apply_rope, rope_tables
+from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig
+from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
+from bertjax.parallel import sharding
+
+
+def positions_from_sequence_ids(sequence_ids_BxL: jax.Array) -> jax.Array:
+  """Position of each token inside its packed sequence: restarts at 0 where the id changes."""
+  idx_BxL = jnp.broadcast_to(jnp.arange(sequence_ids_BxL.shape[1]), sequence_ids_BxL.shape)
+  changed_BxL = jnp.concatenate(
+      [jnp.ones_like(sequence_ids_BxL[:, :1], dtype=bool),
+       sequence_ids_BxL[:, 1:] != sequence_ids_BxL[:, :-1]], axis=1)
+  start_BxL = jax.lax.cummax(jnp.where(changed_BxL, idx_BxL, 0), axis=1)
+  return idx_BxL - start_BxL
+
+
+class Embeddings(nn.Module):
+  """Word + position + segment embeddings, then LayerNorm and dropout.
+
+  With RoPE there is no position table (positions rotate q and k in every layer instead), with
+  type_vocab_size=0 no segment table, and embedding_norm=False drops the norm.
+  """
+
+  config: BertConfig
+
+  def setup(self):
+    cfg = self.config
+    self.word_embeddings = nn.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
+        embedding_init=normal_init(cfg, ("vocab", "embed")))
+    if cfg.position_embedding == "learned":
+      self.position_embeddings = nn.Embed(
+          cfg.max_position_embeddings, cfg.hidden_size, dtype=cfg.compute_dtype,
+          param_dtype=cfg.storage_dtype,
+          embedding_init=(sinusoidal_init(cfg) if cfg.position_init == "sinusoidal"
+                          else normal_init(cfg, (None, "embed"))))
+    if cfg.type_vocab_size:
+      self.token_type_embeddings = nn.Embed(
+          cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype,
+          param_dtype=cfg.storage_dtype, embedding_init=normal_init(cfg, (None, "embed")))
+    if cfg.embedding_norm:
+      self.layer_norm = layer_norm(cfg, "layer_norm")
+    self.dropout = dropout.Dropout(cfg.hidden_dropout)
+
+  def __call__(self, input_ids_BxL, segment_ids_BxL, position_ids_BxL, deterministic: bool):
+    cfg = self.config
+    x_BxLxD = self.word_embeddings(input_ids_BxL)
+    if cfg.position_embedding == "learned":
+      x_BxLxD = x_BxLxD + self.position_embeddings(position_ids_BxL)
+    if cfg.type_vocab_size:
+      x_BxLxD = x_BxLxD + self.token_type_embeddings(segment_ids_BxL)
+    if cfg.embedding_norm:
+      x_BxLxD = self.layer_norm(x_BxLxD)
+    return self.dropout(x_BxLxD, deterministic=deterministic)
+
+  def word_embedding_table(self) -> jax.Array:
+    """The [V, D] table, for the MLM decoder tied to it."""
+    return self.word_embeddings.embedding
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention with its output projection (before the residual).
+
+  `query_key_init="shared"` starts the key projection as a copy of the query's (both are then
+  trained apart, as in the original). Each head's score q_i . k_j is then x_i^T W W^T x_j, a
+  positive semi-definite form: from step one a token attends most to itself and to tokens whose
+  representation is close to its own, which with a sinusoidal position table means its
+  neighbours. With independent random W_Q, W_K the scores carry no such order and a small model
+  must first find one, on a plateau whose length varies from run to run (configs/tiny.py).
+
+  `layer_id` (an int, or a traced index under nn.scan) picks global or local attention and the
+  RoPE table; `rope` holds the tables BertModel built once per batch. `query_positions` [B, S]
+  (XLA path): only those positions ask (keys and values are every position's); the output is
+  theirs, [B, S, D].
+  """
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, layer_id=0,
+               query_positions=None):
+    cfg = self.config
+    shape = (cfg.num_heads, cfg.head_size)
+    names = ("embed", "heads", "kv")
+    bias = cfg.attention_bias
+    query = dense(cfg, shape, names, "query", use_bias=bias)
+    at_queries = ((lambda a: a) if query_positions is None
+                  else lambda a: attention.gather_positions(a, query_positions))
+    q_BxLxNxK = query(at_queries(x_BxLxD))  # L: S with query_positions
+    key_init = None
+    if cfg.query_key_init == "shared" and self.is_initializing():
+      # A copy (not the same array): the train step donates every buffer of the state once.
+      w_DxNxK = nn.meta.unbox(query.variables["params"]["kernel"])
+      key_init = lambda rng, shape, dtype: jnp.array(w_DxNxK, dtype=dtype, copy=True)
+    k_BxLxNxK = dense(cfg, shape, names, "key", kernel_init=key_init, use_bias=bias)(x_BxLxD)
+    v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value", use_bias=bias)(x_BxLxD)
+    is_local = cfg.is_local(layer_id)
+    if rope is not None:
+      cos_BxLxK, sin_BxLxK = rope["global"]
+      if cfg.has_local_layers and "local" in rope:
+        pick = attention.select_local
+        cos_BxLxK, sin_BxLxK = (pick(is_local, rope["local"][0], cos_BxLxK),
+                                pick(is_local, rope["local"][1], sin_BxLxK))
+      q_BxLxNxK = apply_rope(q_BxLxNxK, at_queries(cos_BxLxK), at_queries(sin_BxLxK))
+      k_BxLxNxK = apply_rope(k_BxLxNxK, cos_BxLxK, sin_BxLxK)
+    q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
+                                                       "activation_heads", "activation_kv"))
+    # `masks`: attention.attention_masks(cfg.attention_impl, ...), built once for all layers.
+    window = cfg.local_window if cfg.has_local_layers else 0
+    if cfg.attention_impl == "splash":
+      # Init runs the kernel's XLA equivalent: the parameters do not depend on it, and callers
+      # initialise on dummy batches (length 8) that the kernel's blocks do not fit.
+      splash = (attention.splash_equivalent if self.is_initializing()
+                else attention.splash_attention)
+      run = lambda w: lambda q, k, v, ids: splash(q, k, v, ids, local_window=w)
+      out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
+                                           v_BxLxNxK, masks["segment_ids"])
+    elif cfg.attention_impl == "cudnn":
+      run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
+      out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
+                                           v_BxLxNxK, masks)
+    else:
+      mask_Bx1xLxL = masks["mask"]
+      if query_positions is not None and mask_Bx1xLxL.shape[2] > 1:  # the queries' rows
+        mask_Bx1xLxL = jnp.take_along_axis(mask_Bx1xLxL, query_positions[:, None, :, None], 2)
+      if window:
+        # A [B, 1, 1, L] key mask broadcasts up to [B, 1, L, L] here, for local layers only.
+        band_1x1xLxL = attention.local_band(x_BxLxD.shape[1], window)[None, None]
+        if query_positions is not None:
+          band_1x1xLxL = jnp.asarray(band_1x1xLxL[0, 0])[query_positions][:, None]
+        mask_Bx1xLxL = attention.select_local(is_local, mask_Bx1xLxL & band_1x1xLxL,
+                                              mask_Bx1xLxL)
+      if not deterministic and cfg.attention_dropout > 0:
+        out_BxLxNxK = attention.attention_with_dropout(
+            q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, cfg.attention_dropout,
+            self.make_rng("dropout"))
+      else:
+        out_BxLxNxK = jax.nn.dot_product_attention(
+            q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL, implementation="xla")
+    return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
+                 use_bias=bias)(out_BxLxNxK)
+
+
+class Mlp(nn.Module):
+  """dense(F) -> activation -> dense(D); gated: act(dense(F)) * dense_gate(F) -> dense(D).
+
+  The gated form keeps its two F-wide projections as two kernels (not one [D, 2F]) so that each
+  is split over the `tensor` axis alike and the product needs no communication.
+  """
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    cfg = self.config
+    bias = cfg.mlp_bias
+    constrain = lambda h: nn.with_logical_constraint(
+        h, ("activation_batch", "activation_length", "activation_mlp"))
+    h_BxLxF = constrain(
+        dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate", use_bias=bias)(
+            x_BxLxD))
+    h_BxLxF = ACTIVATIONS[cfg.hidden_act](h_BxLxF)
+    if cfg.mlp_type == "gated":
+      g_BxLxF = constrain(
+          dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "gate", use_bias=bias)(x_BxLxD))
+      h_BxLxF = h_BxLxF * g_BxLxF
+    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", use_bias=bias)(h_BxLxF)
+
+
+class EncoderLayer(nn.Module):
+  """Post-LN: h = LN(x + drop(attn(x))); out = LN(h + drop(mlp(h))).
+
+  Pre-LN (norm_position="pre"): h = x + drop(attn(LN(x))); out = h + drop(mlp(LN(h))), with
+  BertModel's final norm after the last layer.
+
+  `query_positions` [B, S]: the layer's output at those positions only, [B, S, D] (the last
+  layer when only a few positions are read, e.g. each sequence's [CLS]): every position is still
+  a key and a value, but the queries, the output projection and the MLP run on S rows, not L.
+  """
+
+  config: BertConfig
+  deterministic: bool = True
+  layer_id: int | None = None  # set when unrolled; None under nn.scan (the index comes traced)
+
+  @nn.compact
+  def __call__(self, x_BxLxD, masks, rope=None, layer_id=None, query_positions=None):
+    cfg = self.config
+    layer_id = self.layer_id if layer_id is None else layer_id
+    drop = dropout.Dropout(cfg.hidden_dropout)
+    self_attention = SelfAttention(cfg, name="attention")
+    attention_fn = lambda x, *a: self_attention(x, *a, query_positions=query_positions)
+    # The residual stream at the positions computed (all of them, or the queries').
+    res_BxLxD = (x_BxLxD if query_positions is None
+                 else attention.gather_positions(x_BxLxD, query_positions))
+    if cfg.norm_position == "pre":
+      if cfg.skips_first_attention_norm and isinstance(layer_id, int):
+        in_BxLxD = (x_BxLxD if layer_id == 0
+                    else layer_norm(cfg, "attention_layer_norm")(x_BxLxD))
+      elif cfg.skips_first_attention_norm:
+        # Scanned layers share one structure: layer 0 has the norm's parameters but bypasses it.
+        in_BxLxD = jnp.where(layer_id == 0, x_BxLxD,
+                             layer_norm(cfg, "attention_layer_norm")(x_BxLxD))
+      else:
+        in_BxLxD = layer_norm(cfg, "attention_layer_norm")(x_BxLxD)
+      attn_BxLxD = attention_fn(in_BxLxD, masks, self.deterministic, rope, layer_id)
+      h_BxLxD = res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic)
+      mlp_BxLxD = Mlp(cfg, name="mlp")(layer_norm(cfg, "output_layer_norm")(h_BxLxD))
+      out_BxLxD = h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic)
+    else:
+      attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id)
+      h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
+          res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
+      mlp_BxLxD = Mlp(cfg, name="mlp")(h_BxLxD)
+      out_BxLxD = layer_norm(cfg, "output_layer_norm")(
+          h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic))
+    return nn.with_logical_constraint(
+        out_BxLxD, ("activation_batch", "activation_length", "activation_embed"))
+
+
+class _ScanBody(nn.Module):
+  """EncoderLayer in the (carry, x) -> (carry, y) form nn.scan needs; x is the layer's index.
+  Its saved residuals are kept as bits (bertjax/model/residuals.py: XLA's CPU backend rewrote every
+  bfloat16 one as a whole-buffer conversion at each layer)."""
+
+  config: BertConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x_BxLxD, masks, rope, layer_id):
+    cfg = self.config
+    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=True)
+    draws = not self.deterministic and max(cfg.hidden_dropout, cfg.attention_dropout) > 0
+    out_BxLxD = residuals.scanned_call(self, layer_cls, (cfg, self.deterministic), "layer",
+                                       (x_BxLxD, masks, rope, layer_id), draws)
+    return out_BxLxD, None
+
+
+def _maybe_remat(layer_cls, config: BertConfig, scanned: bool):
+  if config.remat_policy == "none":
+    return layer_cls
+  # prevent_cse=False is safe only inside nn.scan: the loop already keeps XLA from merging the
+  # recomputation with the forward pass. Unrolled, XLA would CSE the recomputed activations back
+  # into the saved ones and the remat would silently save nothing.
+  return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not scanned)
+
+
+class Encoder(nn.Module):
+  """The stack of layers: unrolled (`layer_0`, `layer_1`, ...) or one scanned `layers` module.
+
+  With `scan_layers`, parameters gain a leading [num_layers] axis named "layers" and XLA compiles
+  one layer instead of num_layers (compile time independent of depth). `query_positions`: the
+  last layer computes those positions only (BertModel says when).
+  """
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, query_positions=None):
+    cfg = self.config
+    if cfg.scan_layers:
+      scanned = nn.scan(
+          _ScanBody,
+          variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast, nn.broadcast, 0),
+          length=cfg.num_layers,
+          unroll=cfg.scan_unroll,
+          metadata_params={nn.PARTITION_NAME: "layers"},
+      )
+      x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(
+          x_BxLxD, masks, rope, jnp.arange(cfg.num_layers))
+      return x_BxLxD
+    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=False)
+    for i in range(cfg.num_layers):
+      last = i == cfg.num_layers - 1
+      x_BxLxD = layer_cls(cfg, deterministic, i, name=f"layer_{i}")(
+          x_BxLxD, masks, rope, None, query_positions if last else None)
+    return x_BxLxD
+
+
+class Pooler(nn.Module):
+  """tanh(dense(sequence_output[:, 0])): the [CLS] representation."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    cfg = self.config
+    return jnp.tanh(dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "dense")(x_BxLxD[:, 0]))
+
+
+class BertModel(nn.Module):
+  """The encoder. Returns (sequence_output [B, L, D], pooled_output [B, D]) in the compute dtype.
+
+  Inputs use the original feature names. `sequence_ids` (optional) packs several sequences into a
+  row: tokens attend only within their sequence id and, unless `position_ids` are given, positions
+  restart at 0 at each new id (for learned positions and RoPE alike).
+
+  `query_positions` [B, S]: only those positions are read (each packed sequence's [CLS], for a
+  sequence-level head): the output is theirs, ([B, S, D], pooled [B, S, D]), and the last layer
+  computes them alone (with attention_impl="xla" and unrolled layers; otherwise every position,
+  then those picked).
+  """
+
+  config: BertConfig
+
+  def setup(self):
+    self.embeddings = Embeddings(self.config)
+    self.encoder = Encoder(self.config)
+    if self.config.norm_position == "pre":
+      self.final_layer_norm = layer_norm(self.config, "final_layer_norm")
+    if self.config.pooler:
+      self.pooler = Pooler(self.config)
+
+  def pool(self, x_BxLxD):
+    """The pooled output of rows whose [CLS] is at position 0."""
+    return self.pooler(x_BxLxD) if self.config.pooler else x_BxLxD[:, 0]
+
+  def __call__(self, input_ids, input_mask=None, segment_ids=None, position_ids=None,
+               sequence_ids=None, deterministic: bool = True, query_positions=None):
+    cfg = self.config
+    input_ids_BxL = jnp.asarray(input_ids)
+    # Refused here, at trace time, rather than as a ShardingTypeError inside the embedding gather.
+    sharding.check_auto_axes(jax.sharding.get_abstract_mesh(), "The mesh in scope")
+    sharding.check_auto_axes(getattr(jax.typeof(input_ids_BxL).sharding, "mesh", None),
+                             "The mesh input_ids are sharded on")
+    batch, length = input_ids_BxL.shape
+    if length > cfg.max_position_embeddings:
+      raise ValueError(
+          f"Sequence length {length} exceeds max_position_embeddings="
+          f"{cfg.max_position_embeddings}; shorten the inputs (data max_seq_length) or build the "
+          f"model with a larger position table")
+    input_mask_BxL = (jnp.ones_like(input_ids_BxL) if input_mask is None
+                      else jnp.asarray(input_mask))
+    segment_ids_BxL = (jnp.zeros_like(input_ids_BxL) if segment_ids is None
+                       else jnp.asarray(segment_ids))
+    if position_ids is not None:
+      position_ids_BxL = jnp.asarray(position_ids)
+    elif sequence_ids is not None:
+      position_ids_BxL = positions_from_sequence_ids(jnp.asarray(sequence_ids))
+    else:
+      position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    masks = attention.attention_masks(
+        cfg.attention_impl, input_mask_BxL,
+        None if sequence_ids is None else jnp.asarray(sequence_ids), cfg.cudnn_packing)
+    rope = None
+    if cfg.position_embedding == "rope":
+      rope = {"global": rope_tables(position_ids_BxL, cfg.head_size, cfg.rope_theta)}
+      local_theta = cfg.local_rope_theta or cfg.rope_theta
+      if cfg.has_local_layers and local_theta != cfg.rope_theta:
+        rope["local"] = rope_tables(position_ids_BxL, cfg.head_size, local_theta)
+    x_BxLxD = self.embeddings(input_ids_BxL, segment_ids_BxL, position_ids_BxL, deterministic)
+    x_BxLxD = nn.with_logical_constraint(
+        x_BxLxD, ("activation_batch", "activation_length", "activation_embed"))
+    narrow = (query_positions is not None and cfg.attention_impl == "xla"
+              and not cfg.scan_layers)
+    qp_BxS = None if query_positions is None else jnp.asarray(query_positions, jnp.int32)
+    x_BxLxD = self.encoder(x_BxLxD, masks, deterministic, rope, qp_BxS if narrow else None)
+    if qp_BxS is not None and not narrow:
+      x_BxLxD = attention.gather_positions(x_BxLxD, qp_BxS)
+    if cfg.norm_position == "pre":
+      x_BxLxD = self.final_layer_norm(x_BxLxD)
+    if qp_BxS is None:
+      return x_BxLxD, self.pool(x_BxLxD)
+    # Each picked state as a length-1 row of its own: the pooler reads position 0.
+    b, s, d = x_BxLxD.shape
+    return x_BxLxD, self.pool(x_BxLxD.reshape(b * s, 1, d)).reshape(b, s, d)
+
+  def word_embedding_table(self) -> jax.Array:
+    return self.embeddings.word_embedding_table()

@@ -1,0 +1,247 @@
+"""Pre-training heads (masked LM, next sentence) and fine-tuning heads over `BertModel`: BERT's,
+or with task_head="modernbert" ModernBERT's (its prediction head before the classifier).
+
+The MLM head gathers the masked positions first and only then applies its transform and the
+vocabulary projection, so pre-training never builds a [B, L, V] tensor: at 15% masking that is
+about 7x less head compute and memory than projecting every position. Logits are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.model import dropout
+# Picking rows' states at positions is attention's (the encoder's last layer does it too).
+from bertjax.model.attention import gather_positions
+from bertjax.model.config import ACTIVATIONS, BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, zeros
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tied_decoder(x_BxMxD, w_VxD, bias_V, compute_dtype):
+  """float32 logits x W^T + b against the word-embedding table W, in `compute_dtype`.
+
+  The arithmetic of the einsum and its automatic gradient; only the backward pass is written out,
+  to keep the [B*M, V] gradient of the logits in the layout it is made in. Differentiated
+  automatically, W's gradient contracts the logits' gradient over its leading (B, M) axes, and XLA
+  on CPU first copies that whole tensor into transposed order (a tenth of a small model's step);
+  here the contraction runs with the small [B*M, D] input transposed instead, and the bias
+  gradient is a product with ones rather than a reduction over the same leading axes.
+  """
+  return _decode(x_BxMxD, w_VxD, bias_V, compute_dtype)
+
+
+def _decode(x_BxMxD, w_VxD, bias_V, compute_dtype):
+  logits_BxMxV = jnp.einsum("bmd,vd->bmv", x_BxMxD.astype(compute_dtype),
+                            w_VxD.astype(compute_dtype), preferred_element_type=jnp.float32)
+  return logits_BxMxV + bias_V.astype(jnp.float32)
+
+
+def _decode_fwd(x_BxMxD, w_VxD, bias_V, compute_dtype):
+  return _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), (x_BxMxD, w_VxD, bias_V)
+
+
+def _decode_bwd(compute_dtype, residuals, g_BxMxV):
+  x_BxMxD, w_VxD, bias_V = residuals
+  # As automatic differentiation does: the float32 gradient of the logits against the operands
+  # in compute dtype (bfloat16 x bfloat16 -> float32 products are not supported everywhere).
+  contract_v = (((2,), (0,)), ((), ()))
+  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), contract_v,
+                                 preferred_element_type=jnp.float32)
+  contract_bm = (((0, 1), (0, 1)), ((), ()))
+  dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, contract_bm,
+                               preferred_element_type=jnp.float32)
+  ones_BxM = jnp.ones(g_BxMxV.shape[:2], g_BxMxV.dtype)
+  dbias_V = jax.lax.dot_general(ones_BxM, g_BxMxV, contract_bm,
+                                preferred_element_type=jnp.float32)
+  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_DxV.T.astype(w_VxD.dtype),
+          dbias_V.astype(bias_V.dtype))
+
+
+tied_decoder.defvjp(_decode_fwd, _decode_bwd)
+
+
+class MlmHead(nn.Module):
+  """dense(D) -> activation -> LayerNorm -> logits against the tied word embeddings + bias.
+
+  ModernBERT's options: no transform bias (head_bias), its own activation (head_act), no output
+  bias (decoder_bias), an untied decoder matrix `decoder` [V, D] (tie_word_embeddings=False).
+  """
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_BxMxD, word_embeddings_VxD):
+    cfg = self.config
+    h_BxMxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(
+        x_BxMxD)
+    h_BxMxD = ACTIVATIONS[cfg.head_act or cfg.hidden_act](h_BxMxD)
+    h_BxMxD = layer_norm(cfg, "transform_layer_norm")(h_BxMxD)
+    if not cfg.tie_word_embeddings:
+      word_embeddings_VxD = self.param(
+          "decoder", nn.with_logical_partitioning(
+              nn.initializers.truncated_normal(stddev=cfg.initializer_range), ("vocab", "embed")),
+          (cfg.vocab_size, cfg.hidden_size), cfg.storage_dtype)
+    if cfg.decoder_bias:
+      bias_V = self.param("output_bias", zeros(("vocab",)), (cfg.vocab_size,),
+                          cfg.storage_dtype)
+    else:
+      # A constant zero: its gradient from tied_decoder is computed and dropped.
+      bias_V = jnp.zeros((cfg.vocab_size,), cfg.storage_dtype)
+    logits_BxMxV = tied_decoder(h_BxMxD, word_embeddings_VxD, bias_V, cfg.compute_dtype)
+    return nn.with_logical_constraint(
+        logits_BxMxV, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+class NspHead(nn.Module):
+  """Next-sentence logits [..., 2] from pooled outputs [..., D] (0 = IsNext, 1 = NotNext)."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, pooled_BxD):
+    return dense(self.config, 2, ("embed", None), "dense", out_dtype=jnp.float32)(pooled_BxD)
+
+
+class BertForPreTraining(nn.Module):
+  """BERT with its two pre-training heads. Returns (mlm_logits [B, M, V], nsp_logits [B, 2]).
+
+  `masked_lm_positions` [B, M] selects where MLM logits are computed; None computes them at every
+  position (for inference such as fill-in-the-blank), which builds the full [B, L, V] tensor.
+  Packed rows (bertjax/data/packing.py) pass `sequence_ids` and `nsp_positions` [B, S], the
+  [CLS] of each sequence: the pooler and the NSP head then run at each, and nsp_logits are
+  [B, S, 2].
+  """
+
+  config: BertConfig
+
+  def setup(self):
+    self.bert = BertModel(self.config)
+    self.mlm = MlmHead(self.config)
+    self.nsp = NspHead(self.config)
+
+  def __call__(self, input_ids, input_mask=None, segment_ids=None, masked_lm_positions=None,
+               deterministic: bool = True, position_ids=None, sequence_ids=None,
+               nsp_positions=None):
+    seq_BxLxD, pooled_BxD = self.bert(input_ids, input_mask, segment_ids, position_ids,
+                                      sequence_ids, deterministic)
+    x_BxMxD = (seq_BxLxD if masked_lm_positions is None
+               else gather_positions(seq_BxLxD, jnp.asarray(masked_lm_positions)))
+    mlm_logits_BxMxV = self.mlm(x_BxMxD, self.bert.word_embedding_table())
+    if nsp_positions is None:
+      return mlm_logits_BxMxV, self.nsp(pooled_BxD)
+    # The same pooler at every [CLS]: each gathered state becomes a length-1 row of its own (the
+    # pooler reads position 0), so packed and unpacked sequences share one code path.
+    cls_BxSxD = gather_positions(seq_BxLxD, jnp.asarray(nsp_positions))
+    b, s, d = cls_BxSxD.shape
+    pooled_BxSxD = self.bert.pool(cls_BxSxD.reshape(b * s, 1, d)).reshape(b, s, d)
+    return mlm_logits_BxMxV, self.nsp(pooled_BxSxD)
+
+
+class PredictionHead(nn.Module):
+  """ModernBERT's transform before a task's classifier (transformers' ModernBertPredictionHead):
+  dense(D) -> activation -> norm, with the MLM transform's options (head_bias, head_act). Its
+  parameters are named as MlmHead's transform: fine-tuning starts it from a pre-trained MLM
+  transform, as transformers loads `head.*` of a ModernBertForMaskedLM into a task class.
+  Pooled states [B, D] or every position's [B, L, D] alike."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_xD):
+    cfg = self.config
+    h_xD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(x_xD)
+    h_xD = ACTIVATIONS[cfg.head_act or cfg.hidden_act](h_xD)
+    return layer_norm(cfg, "transform_layer_norm")(h_xD)
+
+
+PREDICTION_HEAD = "prediction_head"  # its subtree beside "bert" and the classifier
+
+
+def mean_pool(seq_BxLxD: jax.Array, input_mask_BxL) -> jax.Array:
+  """The mean of each row's states over its real tokens (float32 sums). A row with none (the
+  rows that pad an evaluation batch) gives zeros, not a division by zero."""
+  m_BxLx1 = jnp.asarray(input_mask_BxL)[..., None].astype(jnp.float32)
+  total_BxD = jnp.sum(seq_BxLxD.astype(jnp.float32) * m_BxLx1, axis=1)
+  return (total_BxD / jnp.maximum(jnp.sum(m_BxLx1, axis=1), 1.0)).astype(seq_BxLxD.dtype)
+
+
+def _classify(config: BertConfig, x, num_labels: int, deterministic: bool, name: str,
+              *, modern: bool, dropout_first: bool = True):
+  """[prediction head ->] dropout -> dense(num_labels), float32 logits."""
+  if modern:
+    x = PredictionHead(config, name=PREDICTION_HEAD)(x)
+  if dropout_first:
+    x = dropout.Dropout(config.hidden_dropout)(x, deterministic=deterministic)
+  return dense(config, num_labels, ("embed", None), name, out_dtype=jnp.float32)(x)
+
+
+class BertForSequenceClassification(nn.Module):
+  """pooled -> dropout -> dense(num_labels): logits [B, num_labels] (GLUE-style tasks).
+
+  task_head="modernbert": the [CLS] state (or, classifier_pooling="mean", the mean over real
+  tokens) -> PredictionHead -> dropout -> dense, as ModernBertForSequenceClassification.
+
+  Packed rows (prediction): `sequence_ids` number each row's sequences and `cls_positions` [B, S]
+  are their [CLS] positions; the logits are then [B, S, num_labels], and the encoder's last layer
+  computes those positions alone (BertModel's query_positions). Not with mean pooling."""
+
+  config: BertConfig
+  num_labels: int
+
+  @nn.compact
+  def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True,
+               sequence_ids=None, cls_positions=None):
+    cfg = self.config
+    modern = cfg.task_head == "modernbert"
+    if cls_positions is not None:
+      if modern and cfg.classifier_pooling == "mean":
+        raise ValueError("cls_positions need classifier_pooling='cls': a mean reads every token")
+      cls_BxSxD, pooled_BxSxD = BertModel(cfg, name="bert")(
+          input_ids, input_mask, segment_ids, None, sequence_ids, deterministic, cls_positions)
+      return _classify(cfg, cls_BxSxD if modern else pooled_BxSxD, self.num_labels,
+                       deterministic, "classifier", modern=modern)
+    seq_BxLxD, pooled_BxD = BertModel(cfg, name="bert")(
+        input_ids, input_mask, segment_ids, deterministic=deterministic)
+    if modern and cfg.classifier_pooling == "mean":
+      pooled_BxD = mean_pool(seq_BxLxD, jnp.ones(seq_BxLxD.shape[:2], jnp.int32)
+                             if input_mask is None else input_mask)
+    elif modern:
+      pooled_BxD = seq_BxLxD[:, 0]
+    return _classify(cfg, pooled_BxD, self.num_labels, deterministic, "classifier", modern=modern)
+
+
+class BertForTokenClassification(nn.Module):
+  """sequence -> dropout -> dense(num_labels): logits [B, L, num_labels] (tagging, NER);
+  task_head="modernbert": PredictionHead at every position first."""
+
+  config: BertConfig
+  num_labels: int
+
+  @nn.compact
+  def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
+    seq_BxLxD, _ = BertModel(self.config, name="bert")(
+        input_ids, input_mask, segment_ids, deterministic=deterministic)
+    return _classify(self.config, seq_BxLxD, self.num_labels, deterministic, "classifier",
+                     modern=self.config.task_head == "modernbert")
+
+
+class BertForSpanExtraction(nn.Module):
+  """sequence -> dense(2): (start_logits [B, L], end_logits [B, L]) (SQuAD-style answers);
+  task_head="modernbert": PredictionHead -> dropout first, as ModernBertForQuestionAnswering."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, input_ids, input_mask=None, segment_ids=None, deterministic: bool = True):
+    seq_BxLxD, _ = BertModel(self.config, name="bert")(
+        input_ids, input_mask, segment_ids, deterministic=deterministic)
+    modern = self.config.task_head == "modernbert"
+    logits_BxLx2 = _classify(self.config, seq_BxLxD, 2, deterministic, "span", modern=modern,
+                             dropout_first=modern)
+    return logits_BxLx2[..., 0], logits_BxLx2[..., 1]
