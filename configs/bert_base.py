@@ -5,16 +5,12 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
   python -m bertjax.pretrain --config=configs/bert_base.py:phase=2 --workdir=gs://BUCKET/base_p2 \
       --config.checkpoint.init_from=gs://BUCKET/base_p1
 Parameters at vocabulary 30522: 109,482,240 in the encoder with pooler, 110,106,428 with the
-pre-training heads (decoder tied to the word embeddings). The paper trained it for 1M steps at
-batch 256 x 512 tokens with Adam lr 1e-4 (90% of steps at length 128, 10% at 512).
-Set for TPUs (base.set_accelerator, chosen by compiling: docs/performance.md): bfloat16
-matmuls, scanned layers, the state split over the chips (fsdp), remat "dots"; phase 2 attends
-by the splash kernel (no attention dropout). Roofline MFU of the compiled step, HBM bytes
-counted alone: v5p-8 0.83 (phase 1), v6e-8 0.64 (phase 1). On a GPU add
+pre-training heads. The paper: 1M steps at batch 256 x 512 tokens, Adam lr 1e-4.
+Set for TPUs (base.set_accelerator, chosen by compiling: docs/performance.md): bfloat16, scanned
+layers, fsdp, remat "dots"; phase 2 by the splash kernel (no attention dropout). Roofline MFU,
+HBM bytes alone: v5p-8 0.91 and 0.95 (phases 1 and 2), v6e-8 0.64 and 0.20. On a GPU add
 `--config.model.attention_impl=cudnn` to phase 2; on a CPU `--config.model.dtype=float32
---config.model.scan_layers=False --config.model.remat_policy=none` (and `attention_impl=xla` in
-phase 2): there the scanned loop's copies of each layer's weights and gradients in and out of
-the stacked arrays cost about 9% of a step (docs/performance.md#throughput).
+--config.model.scan_layers=False --config.model.remat_policy=none` (docs/performance.md#throughput).
 Both phases pack sequences into rows (`data.packing`; base.py `set_phase`): batch_size counts rows.
 """
 
