@@ -53,7 +53,7 @@ from absl import app, flags
 from bertjax import cli, versions
 from bertjax.data.config import DataConfig
 from bertjax.model import attention
-from bertjax.parallel import sharding, topologies
+from bertjax.parallel import platforms, sharding, topologies
 from bertjax.perf import layercost, roofline as roofline_lib
 from bertjax.training import flops, train
 
@@ -71,6 +71,8 @@ def topology_devices(topology: topologies.Topology) -> list:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # The flags a TPU host's commands start libtpu with (cli.run): the step compiled here is theirs.
+  platforms.add_libtpu_flags(compiling=True)
   shape = topology.shape + (1,) * (3 - len(topology.shape))
   # Hosts of 2x2 chips (how these slices are cabled); it only sets the devices' process_index.
   host_bounds = tuple(min(2, s) for s in shape)
@@ -215,6 +217,8 @@ def report(topology: topologies.Topology, training: train.Training, compiled,
       "topology": str(topology), "libtpu_topology": topology.libtpu_name,
       "device": f"{n} x {device_kind}", "libtpu": importlib.metadata.version("libtpu"),
       "versions": versions.format_versions(compiled_with()),
+      # What libtpu compiled with: a TPU host's commands start it with the same flags (cli.run).
+      "libtpu_flags": os.environ.get("LIBTPU_INIT_ARGS", ""),
       "mesh": dict(training.mesh.shape), "dcn_axes": list(dcn_axes(training.mesh)),
       "batch_size": tc.batch_size, "per_chip_batch": tc.batch_size / n,
       "seq_len": seq_len, "max_predictions": max_predictions,

@@ -207,6 +207,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
   quiet_tensorflow()
   platforms.skip_absent_tpu()
   platforms.add_xla_flags()
+  platforms.add_libtpu_flags()
   sys.unraisablehook = late_write_callbacks_dropped(sys.unraisablehook)
   for module, defined in list(flags.FLAGS.flags_by_module_dict().items()):
     if module.startswith("bertjax."):

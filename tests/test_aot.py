@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from bertjax import aot, versions
-from bertjax.parallel import topologies
+from bertjax.parallel import platforms, topologies
 from bertjax.perf import roofline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +23,7 @@ TINY = ["--config=configs/tiny.py", "--config.model.vocab_size=8000"]
 
 def run(*args, timeout=600):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+  env.pop("LIBTPU_INIT_ARGS", None)  # an in-process compile here sets it (aot.topology_devices)
   return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=timeout)
 
@@ -159,6 +160,8 @@ def test_tiny_config_fits_a_v5p_8(tmp_path):
   assert "bertjax.aot: fits" in result.stdout
   figures = json.loads(figures_path.read_text())
   assert figures["device"] == "4 x TPU v5"
+  # Compiled with the flags a TPU host's commands start libtpu with.
+  assert set(platforms.TPU_LIBTPU_FLAGS) <= set(figures["libtpu_flags"].split()), figures
   assert figures["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
   assert 0 < figures["memory_total_gib"] < figures["hbm_gib"] == 95.0
   assert figures["memory_arguments_gib"] > 0 and figures["memory_temporaries_gib"] > 0

@@ -308,6 +308,24 @@ def test_a_gpu_hosts_xla_flags_are_added_but_never_over_the_users(monkeypatch):
   assert empty == {"XLA_FLAGS": "--xla_a=1 --xla_b=2"}
 
 
+def test_a_tpu_hosts_libtpu_flags_are_added_where_it_compiles_and_never_over_the_users(monkeypatch):
+  # platforms.TPU_LIBTPU_FLAGS: on a TPU host (cli.run) and wherever a slice's step is compiled
+  # on this host (aot.topology_devices), so aot measures the program the slice runs.
+  from bertjax.parallel import platforms  # pylint: disable=import-outside-toplevel
+  names = [flag.split("=", 1)[0] for flag in platforms.TPU_LIBTPU_FLAGS]
+  assert "--xla_tpu_enable_windowed_einsum_for_all_gather" in names
+  monkeypatch.setattr(platforms, "tpu_attached", lambda: False)
+  env = {"LIBTPU_INIT_ARGS": f"{names[0]}=true --other"}
+  assert platforms.add_libtpu_flags(env) == [] and env["LIBTPU_INIT_ARGS"] == f"{names[0]}=true --other"
+  assert platforms.add_libtpu_flags(env, compiling=True) == list(platforms.TPU_LIBTPU_FLAGS[1:])
+  assert env["LIBTPU_INIT_ARGS"].startswith(f"{names[0]}=true --other ")  # the user's kept
+  monkeypatch.setattr(platforms, "tpu_attached", lambda: True)
+  empty = {}
+  assert platforms.add_libtpu_flags(empty) == list(platforms.TPU_LIBTPU_FLAGS)
+  assert empty == {"LIBTPU_INIT_ARGS": " ".join(platforms.TPU_LIBTPU_FLAGS)}
+  assert platforms.add_libtpu_flags(empty) == []  # a second call adds nothing
+
+
 def test_only_a_refusal_is_one_line_a_plain_value_error_keeps_its_traceback():
   """cli.explained ends the command in one line on errors.Refusal (and the project's refusals
   built on it, a missing file, a file that is not text); a plain ValueError is a fault of the code
