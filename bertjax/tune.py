@@ -191,10 +191,16 @@ def compile_all(config, all_changes: list[dict], topology_name: str, jobs: int,
         continue
       try:
         results[index] = receive.recv()
-      except EOFError:  # the process ended without a result: the compiler crashed
+      except EOFError:  # the process ended without a result
         process.join()
+        code = process.exitcode
+        # Killed by a signal: the compiler crashed (libtpu's stack overflow). An exit status: the
+        # process failed otherwise (an import, memory), and printed why above.
+        note = (f"the compiler crashed (signal {-code})" if code is not None and code < 0 else
+                f"the candidate's process ended without a result (exit {code}): its output above "
+                "says why")
         results[index] = Result(all_changes[index], compile_s=time.perf_counter() - start,
-                                note=f"the compiler crashed (exit {process.exitcode})")
+                                note=note)
       process.join()
       del running[index]
       say(line(results[index]))

@@ -78,8 +78,10 @@ def crash_on_changes(conn, config, changes, topology_name, whole):
   """compile_all's target in the test below: a process that dies as libtpu does where the
   candidate changes anything, and gives a result otherwise."""
   del config, topology_name, whole
-  if changes:
+  if changes.get("model.remat_policy") == "full":
     os.kill(os.getpid(), 11)
+  if changes:  # ends as a process whose import failed does, before any compile
+    os._exit(1)  # pylint: disable=protected-access
   conn.send(tune.Result(changes, 0.5, fits=True))
   conn.close()
 
@@ -88,8 +90,12 @@ def test_a_candidate_whose_compile_crashes_ends_no_search():
   # libtpu 0.0.42 overflows its stack compiling some steps at length 512 (signal 11): each
   # candidate compiles in a process of its own, and one that dies is listed with its exit.
   said = []
-  results = tune.compile_all(tiny.get_config(), [{}, {"model.remat_policy": "full"}], "v5e-8",
+  results = tune.compile_all(tiny.get_config(), [{}, {"model.remat_policy": "full"},
+                                                  {"model.remat_policy": "dots"}], "v5e-8",
                              jobs=2, say=said.append, target=crash_on_changes)
   assert results[0].ok and results[0].roofline_mfu == 0.5
-  assert not results[1].ok and results[1].note == "the compiler crashed (exit -11)", results[1]
-  assert len(said) == 2
+  assert not results[1].ok and results[1].note == "the compiler crashed (signal 11)", results[1]
+  # A process that exits with a status was not killed by the compiler: its own output says why.
+  assert not results[2].ok and results[2].note.startswith("the candidate's process ended "
+                                                          "without a result (exit 1)"), results[2]
+  assert len(said) == 3
