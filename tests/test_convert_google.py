@@ -354,7 +354,7 @@ def test_reading_imports_no_tensorflow(folder):
           "from bertjax.formats import google\n"
           f"values = google.read_checkpoint({path!r})\n"
           f"config, params = google.load_folder({path!r}, scan_layers=True)\n"
-          "from bertjax import weights\n"
+          "from bertjax.weights import reader as weights\n"
           f"assert weights.inspect({path!r}).kind == 'google'\n"
           f"assert len(values) == {3 * len(shapes(GOOGLE_CONFIG)) + 1}\n"
           "assert config.num_layers == 2\n"

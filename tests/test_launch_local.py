@@ -158,8 +158,7 @@ def test_pod_saves_on_sigterm_and_resumes_on_other_meshes(tmp_path, runs):
   assert any(line.startswith("[1] ") for line in pod.lines)
   assert "[local.sh] all 2 process(es) exited 0" in pod.lines
   # INFO lines are bertjax's own (absl names each one's file); orbax alone would write kilobytes.
-  own = set(os.listdir(os.path.join(ROOT, "bertjax"))) | set(
-      os.listdir(os.path.join(ROOT, "bertjax", "data")))
+  own = {name for _, _, names in os.walk(os.path.join(ROOT, "bertjax")) for name in names}
   info_files = {m.group(1) for m in (re.match(r"\[\d\] I\d{4} \S+ +\d+ ([\w.]+):\d+\]", line)
                                       for line in pod.lines) if m}
   assert info_files and info_files <= own, info_files - own

@@ -340,8 +340,7 @@ def test_command_line_refuses_unknown_key_and_survives_sigterm(tmp_path):
   assert "SIGTERM received; saved step" in out
   # A save happened, yet the INFO lines of the output are bertjax's own (orbax alone would have
   # written kilobytes): absl prints the file of each, e.g. "I1123 ... loop.py:238] Run ...".
-  own = set(os.listdir(os.path.join(ROOT, "bertjax"))) | set(
-      os.listdir(os.path.join(ROOT, "bertjax", "data")))
+  own = {name for _, _, names in os.walk(os.path.join(ROOT, "bertjax")) for name in names}
   info_files = re.findall(r"^I\d{4} \S+ +\d+ ([\w.]+):\d+\]", "".join(lines) + out, re.M)
   assert info_files and set(info_files) <= own, set(info_files) - own
   saved = Checkpointer(str(tmp_path / "run" / "checkpoints"), TRAIN_ITEMS, save_every=1, keep=1)
