@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from bertjax import files
 from bertjax.errors import Refusal
@@ -143,3 +143,22 @@ def part_file(output_path: str, record: dict) -> Iterator[str]:
     raise
   os.replace(tmp, output_path)
   os.replace(record_tmp, record_path(output_path))
+
+
+def write_lines(output_path: str, made: dict, records: Iterable[dict], progress: Progress,
+                empty: str) -> int:
+  """Writes `records` as JSON lines to `output_path` under `part_file` with the record `made`
+  (its input's row count added); refuses with `empty` where there are none. Returns the count."""
+  files.makedirs(os.path.dirname(output_path) or ".")
+  n = 0
+  with part_file(output_path, made) as tmp:
+    with files.open_file(tmp, "w") as out:
+      for record in records:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        n += 1
+        progress.update(n)
+    if n == 0:
+      raise Refusal(empty)
+    made["input"]["rows"] = n
+  progress.update(n, final=True)
+  return n

@@ -43,8 +43,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import json
-import os
 from typing import Any, Iterable, Iterator, Sequence
 
 import jax
@@ -53,7 +51,7 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax import cli, files
+from bertjax import cli
 from bertjax.data import tokenizer as tokenizer_lib
 from bertjax.errors import Refusal
 from bertjax.finetune import families
@@ -344,20 +342,11 @@ def predict_file(predictor: Predictor, input_path: str, output_path: str, fmt: s
                  columns: dict | None = None) -> int:
   """Writes one JSON line per input row (every row, in order); returns the number of rows. The
   output appears whole (written beside, then renamed)."""
-  progress = prediction_files.Progress(predictor)
-  files.makedirs(os.path.dirname(output_path) or ".")
-  n, made = 0, {"mode": "predict", "model": predictor.source, "input": {"path": input_path}}
-  with prediction_files.part_file(output_path, made) as tmp:
-    with files.open_file(tmp, "w") as out:
-      for record in predictor.predict_rows(textfiles.iter_rows(input_path, fmt), columns):
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        n += 1
-        progress.update(n)
-    if n == 0:
-      raise Refusal(f"{input_path}: no rows to predict (only a header, or blank lines).")
-    made["input"]["rows"] = n
-  progress.update(n, final=True)
-  return n
+  made = {"mode": "predict", "model": predictor.source, "input": {"path": input_path}}
+  return prediction_files.write_lines(
+      output_path, made, predictor.predict_rows(textfiles.iter_rows(input_path, fmt), columns),
+      prediction_files.Progress(predictor),
+      f"{input_path}: no rows to predict (only a header, or blank lines).")
 
 
 def run(workdir: str, input_path: str, output: str, *, mode: str = "predict",

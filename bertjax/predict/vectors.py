@@ -339,28 +339,24 @@ def search_file(predictor, input_path: str, output: str, *, corpus: str, top_k: 
   both = sides(predictor, columns, max_seq_length)
   ids, corpus_NxD, texts = corpus_vectors(predictor, corpus, both[PASSAGES], pooling,
                                           vectors_path, fmt)
-  progress, n = prediction_files.Progress(predictor), 0
-  files.makedirs(os.path.dirname(output) or ".")
   made = {"mode": "search", "encoder": encoder(predictor, both[QUERIES], pooling),
           "input": {"path": input_path}, "corpus": {"path": corpus, **texts.record()},
           "corpus_vectors": vectors_path, "top_k": top_k}
-  with prediction_files.part_file(output, made) as tmp:
-    with files.open_file(tmp, "w") as out:
-      for chunk in list_chunks(textfiles.iter_rows(input_path, fmt)):
-        queries = np.concatenate(list(vectors_of(predictor, chunk, both[QUERIES], pooling)))
-        found, scores = retrieval.search(queries, corpus_NxD, top_k)
-        for row, at, score in zip(chunk, found, scores):
-          record = {"id": str(row["id"]) if "id" in row else str(n),
-                    "hits": [{"id": ids[int(j)], "score": round(float(s), 6)}
-                             for j, s in zip(at, score)]}
-          out.write(json.dumps(record, ensure_ascii=False) + "\n")
-          n += 1
-        progress.update(n)
-    if n == 0:
-      raise Refusal(f"{input_path}: no queries to search.")
-    made["input"]["rows"] = n
-  progress.update(n, final=True)
-  return n
+
+  def records() -> Iterator[dict]:
+    n = 0
+    for chunk in list_chunks(textfiles.iter_rows(input_path, fmt)):
+      queries = np.concatenate(list(vectors_of(predictor, chunk, both[QUERIES], pooling)))
+      found, scores = retrieval.search(queries, corpus_NxD, top_k)
+      for row, at, score in zip(chunk, found, scores):
+        yield {"id": str(row["id"]) if "id" in row else str(n),
+               "hits": [{"id": ids[int(j)], "score": round(float(s), 6)}
+                        for j, s in zip(at, score)]}
+        n += 1
+
+  return prediction_files.write_lines(output, made, records(),
+                                      prediction_files.Progress(predictor),
+                                      f"{input_path}: no queries to search.")
 
 
 def list_chunks(rows: Iterable, size: int = 4096) -> Iterator[list]:
