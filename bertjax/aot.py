@@ -50,7 +50,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from bertjax import cli, versions
+from bertjax import cli, files, versions
 from bertjax.data.config import DataConfig
 from bertjax.model import attention
 from bertjax.parallel import platforms, sharding, topologies
@@ -332,6 +332,9 @@ def define_flags() -> None:
                        "at N and 2N layers (as straight code) and extrapolated linearly to the "
                        "config's depth; no compile at full depth, so no memory check. For deep "
                        "models on a small machine, where a full compile takes many minutes.")
+  flags.DEFINE_string("dump_hlo", "", "Also write the compiled train step's optimised module "
+                      "(its text) to this file: where hbm_gb_by_part's bytes go, instruction by "
+                      "instruction.")
   flags.DEFINE_bool("check_cost_model", False, "First compile the known-answer cases "
                     "(roofline.check_cost_model: a matmul, an elementwise pass, a prefetched "
                     "matmul) for the slice and print how XLA's and the HBM count read them.")
@@ -389,6 +392,8 @@ def main(argv):
     message = shortfall_message(topology, oom[0], hbm_gib, training, usable_bytes=oom[1])
     sys.exit(f"bertjax.aot: {message} (XLA's TPU compiler: {e})")
   compile_s = time.perf_counter() - start
+  if FLAGS.dump_hlo:
+    files.write_text(FLAGS.dump_hlo, compiled.as_text())
   memory = Memory.of(compiled)
   mc = training.model_config
   layers = roofline_lib.layer_figures(training, compiled, opaque_flops=attention.splash_flops)

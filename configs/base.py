@@ -38,6 +38,7 @@ def get_config():
   m.remat_policy = "none"  # "none", "full", "dots" (save matmuls without batch dims), "dots_all"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0)
   m.cudnn_packing = "mask"  # packed rows on cuDNN: "mask" (read as a bias) or "segments" (no bias)
+  m.recompute_mlm_logits = False  # True: MLM logits scored where made, recomputed in the backward
   m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
   m.query_key_init = "independent"  # "independent" (original) or "shared": W_K starts as W_Q (small models)
   # Encoders after the paper (ModernBERT, NeoBERT, Cramming; configs/modern_base.py). Each key is
@@ -202,7 +203,8 @@ def set_accelerator(config, phase: str | int) -> None:
   a TPU compile"): bfloat16 matmuls; scanned layers; the parameters and optimizer state split
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
-  each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again). At
+  each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again), and
+  the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512). At
   length 512 (phase 2) attention is the splash kernel: XLA's [B, N, L, L] scores and their
   dropout were 60-70% of the step's bytes there. The kernel has no dropout on attention
   probabilities, so phase 2 trains without it (the paper's 0.1; hidden dropout stays).
@@ -212,6 +214,7 @@ def set_accelerator(config, phase: str | int) -> None:
   m.dtype = "bfloat16"
   m.scan_layers = True
   m.remat_policy = "dots"
+  m.recompute_mlm_logits = True
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1
   if int(phase) == 2:
     m.attention_impl = "splash"

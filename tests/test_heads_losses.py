@@ -1,5 +1,7 @@
 """Heads (no full-vocabulary tensor in pre-training, fine-tuning shapes) and losses."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from bertjax.model import losses
 from bertjax.model.config import BertConfig
 from bertjax.model.heads import (BertForPreTraining, BertForSequenceClassification, tied_decoder,
-                                 BertForSpanExtraction, BertForTokenClassification)
+                                 BertForSpanExtraction, BertForTokenClassification, decoded_scores)
 
 CFG = BertConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
                  max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -192,6 +194,54 @@ def test_the_tied_decoder_s_written_gradient_is_the_automatic_one(dtype, tol):
     assert a.shape == b.shape and a.dtype == b.dtype, name
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol,
                                atol=tol * float(jnp.max(jnp.abs(b))), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_scores_made_with_the_logits_are_the_loss_s_and_its_gradient(dtype, tol):
+  """`decoded_scores` (recompute_mlm_logits) scores the logits where it makes them and remakes
+  them in the backward: the loss, the accuracy and every gradient are those of the logits
+  path (tied_decoder, then the losses); bfloat16 rounds the logits' gradient once more."""
+  k = jax.random.split(jax.random.PRNGKey(5), 5)
+  x, w = jax.random.normal(k[0], (3, 5, 16)), jax.random.normal(k[1], (50, 16)) * 0.3
+  bias = jax.random.normal(k[2], (50,))
+  # Half the labels the largest logit's: an accuracy neither 0 nor 1.
+  best = jnp.argmax(jnp.einsum("bmd,vd->bmv", x, w) + bias, axis=-1)
+  labels = jnp.where(jnp.arange(5) % 2 == 0, best, jax.random.randint(k[3], (3, 5), 0, 50))
+  weights = (jax.random.uniform(k[4], (3, 5)) > 0.3).astype(jnp.float32)
+
+  def scored(head):
+    def loss(x, w, b):
+      out = head(x, w, b)
+      nll, acc = losses.mlm_loss(out, labels, weights), losses.mlm_accuracy(out, labels, weights)
+      return nll[0] / nll[1], acc
+    (value, acc), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, bias)
+    return (value, acc[0]) + grads
+
+  fused = scored(lambda x, w, b: decoded_scores(x, w, b, labels, dtype))
+  logits = scored(lambda x, w, b: tied_decoder(x, w, b, dtype))
+  for name, a, b in zip(("loss", "accuracy", "dx", "dw", "dbias"), fused, logits):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol,
+                               atol=tol * float(jnp.max(jnp.abs(b))), err_msg=name)
+  assert 0 < float(fused[1]) < float(jnp.sum(weights))  # some right, some wrong
+
+
+def test_the_model_scores_in_its_head_when_its_config_says_so():
+  batch, length, masked = 2, 16, 3
+  ids = jax.random.randint(jax.random.PRNGKey(0), (batch, length), 0, CFG.vocab_size)
+  positions = jnp.tile(jnp.arange(masked), (batch, 1))
+  labels = ids[:, :masked]
+  model = BertForPreTraining(CFG)
+  params = model.init(jax.random.key(0), ids, masked_lm_positions=positions)["params"]
+  logits, _ = model.apply({"params": params}, ids, masked_lm_positions=positions,
+                          masked_lm_ids=labels)  # the default keeps its logits
+  assert logits.shape == (batch, masked, CFG.vocab_size)
+  fused = BertForPreTraining(dataclasses.replace(CFG, recompute_mlm_logits=True))
+  scores, _ = fused.apply({"params": params}, ids, masked_lm_positions=positions,
+                          masked_lm_ids=labels)
+  assert isinstance(scores, losses.MlmScores)
+  np.testing.assert_allclose(losses.mlm_loss(scores, labels, None)[0],
+                             losses.mlm_loss(logits, labels, None)[0], rtol=1e-6)
 
 
 def test_accuracy_counts_the_label_s_logit_being_the_largest():

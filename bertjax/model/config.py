@@ -106,6 +106,9 @@ class BertConfig:
   remat_policy: str = _field("none", "inherited")
   attention_impl: str = _field("xla", "inherited")
   cudnn_packing: str = "mask"  # packed rows on cuDNN: "mask" (a bias) or "segments" (attention.py)
+  # Pre-training scores the MLM logits where they are made and recomputes them in the backward
+  # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul.
+  recompute_mlm_logits: bool = False
   # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
   position_init: str = _field("normal", "inherited")
   query_key_init: str = _field("independent", "inherited")  # or "shared": see SelfAttention

@@ -3,7 +3,8 @@ or with task_head="modernbert" ModernBERT's (its prediction head before the clas
 
 The MLM head gathers the masked positions first and only then applies its transform and the
 vocabulary projection, so pre-training never builds a [B, L, V] tensor: at 15% masking that is
-about 7x less head compute and memory than projecting every position. Logits are float32.
+about 7x less head compute and memory than projecting every position. Logits are float32;
+pre-training on an accelerator scores them where they are made (decoded_scores).
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import dropout
+from bertjax.model import dropout, losses
 # Picking rows' states at positions is attention's (the encoder's last layer does it too).
 from bertjax.model.attention import gather_positions
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, zeros
+
+
+LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
+CONTRACT_V = (((2,), (0,)), ((), ()))  # [B, M, V] x [V, D]
+CONTRACT_BM = (((0, 1), (0, 1)), ((), ()))  # [B, M, *] x [B, M, V]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -39,7 +45,7 @@ def tied_decoder(x_BxMxD, w_VxD, bias_V, compute_dtype):
 def _decode(x_BxMxD, w_VxD, bias_V, compute_dtype):
   logits_BxMxV = jnp.einsum("bmd,vd->bmv", x_BxMxD.astype(compute_dtype),
                             w_VxD.astype(compute_dtype), preferred_element_type=jnp.float32)
-  return logits_BxMxV + bias_V.astype(jnp.float32)
+  return nn.with_logical_constraint(logits_BxMxV + bias_V.astype(jnp.float32), LOGITS_AXES)
 
 
 def _decode_fwd(x_BxMxD, w_VxD, bias_V, compute_dtype):
@@ -50,20 +56,72 @@ def _decode_bwd(compute_dtype, residuals, g_BxMxV):
   x_BxMxD, w_VxD, bias_V = residuals
   # As automatic differentiation does: the float32 gradient of the logits against the operands
   # in compute dtype (bfloat16 x bfloat16 -> float32 products are not supported everywhere).
-  contract_v = (((2,), (0,)), ((), ()))
-  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), contract_v,
+  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), CONTRACT_V,
                                  preferred_element_type=jnp.float32)
-  contract_bm = (((0, 1), (0, 1)), ((), ()))
-  dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, contract_bm,
+  dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, CONTRACT_BM,
                                preferred_element_type=jnp.float32)
   ones_BxM = jnp.ones(g_BxMxV.shape[:2], g_BxMxV.dtype)
-  dbias_V = jax.lax.dot_general(ones_BxM, g_BxMxV, contract_bm,
+  dbias_V = jax.lax.dot_general(ones_BxM, g_BxMxV, CONTRACT_BM,
                                 preferred_element_type=jnp.float32)
   return (dx_BxMxD.astype(x_BxMxD.dtype), dw_DxV.T.astype(w_VxD.dtype),
           dbias_V.astype(bias_V.dtype))
 
 
 tied_decoder.defvjp(_decode_fwd, _decode_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def decoded_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.MlmScores:
+  """The MLM scores of tied_decoder's logits at `labels`, without keeping the logits.
+
+  The forward pass writes the float32 [B, M, V] logits once and reads them once (log Z, the
+  label's logit, the largest). The backward recomputes them by the same product and makes their
+  gradient, softmax - one-hot, in compute dtype as the product's output: it is written once and
+  read by the two products after it. Automatic differentiation would keep the float32 logits and
+  read them again in each of the three products of the backward (the gradient's arithmetic
+  fused into each): BERT-Base L 512 on v6e-8, 4.8 -> 3.7 GB of HBM a chip a step for the head,
+  at a third more of its FLOPs (docs/performance.md). Values are the unfused loss's; the
+  gradient differs by its rounding to compute dtype, as every gradient of the encoder's.
+  """
+  return _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype)[0]
+
+
+def _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
+  logits_BxMxV = _decode(x_BxMxD, w_VxD, bias_V, compute_dtype)
+  log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
+  label_BxM = jnp.take_along_axis(logits_BxMxV, labels_BxM[..., None].astype(jnp.int32),
+                                  axis=-1)[..., 0]
+  correct_BxM = (label_BxM >= jnp.max(logits_BxMxV, axis=-1)).astype(jnp.float32)
+  return losses.MlmScores(log_z_BxM - label_BxM, correct_BxM), log_z_BxM
+
+
+def _scores_fwd(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
+  scores, log_z_BxM = _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype)
+  return scores, (x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM)
+
+
+def _scores_bwd(compute_dtype, residuals, g):
+  # The barrier keeps XLA from taking the forward's logits for the recomputed ones (kept alive
+  # until now, which is what this function avoids).
+  x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM = jax.lax.optimization_barrier(residuals)
+  logits_BxMxV = _decode(x_BxMxD, w_VxD, bias_V, compute_dtype)
+  one_hot_BxMxV = jax.nn.one_hot(labels_BxM, w_VxD.shape[0], dtype=jnp.float32)
+  g_BxMxV = ((jnp.exp(logits_BxMxV - log_z_BxM[..., None]) - one_hot_BxMxV)
+             * g.nll_BxM[..., None]).astype(compute_dtype)  # `correct` has no gradient
+  # Written once: without the barrier XLA computes it again from float32 logits in each reader.
+  g_BxMxV = jax.lax.optimization_barrier(g_BxMxV)
+  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), CONTRACT_V,
+                                 preferred_element_type=jnp.float32)
+  # W's and the bias's gradients in one product: x with a column of ones appended.
+  x1_BxMxD1 = jnp.concatenate([x_BxMxD.astype(compute_dtype),
+                               jnp.ones(x_BxMxD.shape[:2] + (1,), compute_dtype)], axis=-1)
+  dwb_D1xV = jax.lax.dot_general(x1_BxMxD1, g_BxMxV, CONTRACT_BM,
+                                 preferred_element_type=jnp.float32)
+  return (dx_BxMxD.astype(x_BxMxD.dtype), dwb_D1xV[:-1].T.astype(w_VxD.dtype),
+          dwb_D1xV[-1].astype(bias_V.dtype), None)
+
+
+decoded_scores.defvjp(_scores_fwd, _scores_bwd)
 
 
 class MlmHead(nn.Module):
@@ -76,7 +134,8 @@ class MlmHead(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxMxD, word_embeddings_VxD):
+  def __call__(self, x_BxMxD, word_embeddings_VxD, labels_BxM=None):
+    """Logits [B, M, V]; or with `labels_BxM`, their scores alone (decoded_scores)."""
     cfg = self.config
     h_BxMxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(
         x_BxMxD)
@@ -93,9 +152,9 @@ class MlmHead(nn.Module):
     else:
       # A constant zero: its gradient from tied_decoder is computed and dropped.
       bias_V = jnp.zeros((cfg.vocab_size,), cfg.storage_dtype)
-    logits_BxMxV = tied_decoder(h_BxMxD, word_embeddings_VxD, bias_V, cfg.compute_dtype)
-    return nn.with_logical_constraint(
-        logits_BxMxV, ("activation_batch", "activation_length", "activation_vocab"))
+    if labels_BxM is not None:
+      return decoded_scores(h_BxMxD, word_embeddings_VxD, bias_V, labels_BxM, cfg.compute_dtype)
+    return tied_decoder(h_BxMxD, word_embeddings_VxD, bias_V, cfg.compute_dtype)
 
 
 class NspHead(nn.Module):
@@ -109,7 +168,8 @@ class NspHead(nn.Module):
 
 
 class BertForPreTraining(nn.Module):
-  """BERT with its two pre-training heads. Returns (mlm_logits [B, M, V], nsp_logits [B, 2]).
+  """BERT with its two pre-training heads. Returns (mlm_logits [B, M, V], nsp_logits [B, 2]);
+  with config.recompute_mlm_logits and `masked_lm_ids` given, (losses.MlmScores, nsp_logits).
 
   `masked_lm_positions` [B, M] selects where MLM logits are computed; None computes them at every
   position (for inference such as fill-in-the-blank), which builds the full [B, L, V] tensor.
@@ -127,12 +187,15 @@ class BertForPreTraining(nn.Module):
 
   def __call__(self, input_ids, input_mask=None, segment_ids=None, masked_lm_positions=None,
                deterministic: bool = True, position_ids=None, sequence_ids=None,
-               nsp_positions=None):
+               nsp_positions=None, masked_lm_ids=None):
     seq_BxLxD, pooled_BxD = self.bert(input_ids, input_mask, segment_ids, position_ids,
                                       sequence_ids, deterministic)
     x_BxMxD = (seq_BxLxD if masked_lm_positions is None
                else gather_positions(seq_BxLxD, jnp.asarray(masked_lm_positions)))
-    mlm_logits_BxMxV = self.mlm(x_BxMxD, self.bert.word_embedding_table())
+    labels_BxM = None
+    if self.config.recompute_mlm_logits and masked_lm_ids is not None:
+      labels_BxM = jnp.asarray(masked_lm_ids)
+    mlm_logits_BxMxV = self.mlm(x_BxMxD, self.bert.word_embedding_table(), labels_BxM)
     if nsp_positions is None:
       return mlm_logits_BxMxV, self.nsp(pooled_BxD)
     # The same pooler at every [CLS]: each gathered state becomes a length-1 row of its own (the

@@ -8,7 +8,7 @@ is a gather forward and a one-hot product backward (`_picked`).
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +16,28 @@ import jax.numpy as jnp
 Metric = tuple[jax.Array, jax.Array]  # (sum, denominator)
 
 
-def weighted_cross_entropy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
-  """Sum of -log p(label) weighted by `weights`, and the sum of the weights."""
-  logits_BxMxV = logits_BxMxV.astype(jnp.float32)
+class MlmScores(NamedTuple):
+  """The MLM head's scores at each prediction, made with its logits (heads.decoded_scores, which
+  never keeps them): -log p(label) and whether the label's logit is the largest, each [B, M]."""
+  nll_BxM: jax.Array
+  correct_BxM: jax.Array
+
+
+def _weighted(values_BxM, labels_BxM, weights_BxM) -> Metric:
   weights_BxM = (jnp.ones(labels_BxM.shape, jnp.float32) if weights_BxM is None
                  else weights_BxM.astype(jnp.float32))
+  return jnp.sum(values_BxM * weights_BxM), jnp.sum(weights_BxM)
+
+
+def weighted_cross_entropy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
+  """Sum of -log p(label) weighted by `weights`, and the sum of the weights. `logits_BxMxV` may
+  be the MlmScores made with them instead."""
+  if isinstance(logits_BxMxV, MlmScores):
+    return _weighted(logits_BxMxV.nll_BxM, labels_BxM, weights_BxM)
+  logits_BxMxV = logits_BxMxV.astype(jnp.float32)
   log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
   nll_BxM = log_z_BxM - _label_logit(logits_BxMxV, labels_BxM)
-  return jnp.sum(nll_BxM * weights_BxM), jnp.sum(weights_BxM)
+  return _weighted(nll_BxM, labels_BxM, weights_BxM)
 
 
 def weighted_accuracy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
@@ -35,12 +49,12 @@ def weighted_accuracy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
   carrying reduction is several times slower on CPU. An exact tie with another piece counts as
   correct, where argmax would pick the lower index.
   """
+  if isinstance(logits_BxMxV, MlmScores):
+    return _weighted(logits_BxMxV.correct_BxM, labels_BxM, weights_BxM)
   logits_BxMxV = logits_BxMxV.astype(jnp.float32)
-  weights_BxM = (jnp.ones(labels_BxM.shape, jnp.float32) if weights_BxM is None
-                 else weights_BxM.astype(jnp.float32))
   correct_BxM = (_label_logit(logits_BxMxV, labels_BxM)
                  >= jnp.max(logits_BxMxV, axis=-1)).astype(jnp.float32)
-  return jnp.sum(correct_BxM * weights_BxM), jnp.sum(weights_BxM)
+  return _weighted(correct_BxM, labels_BxM, weights_BxM)
 
 
 def _label_logit(logits_BxMxV, labels_BxM):

@@ -170,7 +170,10 @@ def residual_bytes(model_config: BertConfig, num_layers: int, rows: int, seq_len
                     max_predictions: int, per_row: int) -> int:
   """Bytes of what the backward pass keeps from the forward (jax's residuals of the loss's vjp, at
   the config's remat policy), for `rows` rows and `num_layers` straight layers."""
-  config = dataclasses.replace(model_config, num_layers=num_layers, scan_layers=False)
+  # The logits are the bound's own term (bytes_bound): measured without them, whichever way the
+  # config's head keeps them (automatic differentiation keeps the float32 logits).
+  config = dataclasses.replace(model_config, num_layers=num_layers, scan_layers=False,
+                               recompute_mlm_logits=True)
   model = train.PRETRAINING.make_model(config)
   batch = train.dummy_batch(rows, seq_len, max_predictions, per_row)
   inputs = train.model_inputs(batch)

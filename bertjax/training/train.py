@@ -56,7 +56,9 @@ Metrics = dict[str, tuple[jax.Array, jax.Array]]
 
 # Features the model reads; the optional ones enable packed rows when the data provides them.
 MODEL_INPUTS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")
-OPTIONAL_MODEL_INPUTS = ("position_ids", "sequence_ids", "nsp_positions")
+# masked_lm_ids: the MLM head scores its logits where it makes them when the model's config says
+# so (recompute_mlm_logits), and returns them otherwise.
+OPTIONAL_MODEL_INPUTS = ("position_ids", "sequence_ids", "nsp_positions", "masked_lm_ids")
 
 
 @dataclasses.dataclass(frozen=True)
