@@ -155,9 +155,12 @@ def test_dcn_mesh_axes_span_the_slices(probes):
 
 def test_tiny_config_fits_a_v5p_8(tmp_path):
   figures_path = tmp_path / "figures.json"
-  result = run_aot(*TINY, "--topology=v5p-8", f"--json={figures_path}")
+  hlo_path = tmp_path / "step.hlo"
+  result = run_aot(*TINY, "--topology=v5p-8", f"--json={figures_path}", f"--dump_hlo={hlo_path}")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "bertjax.aot: fits" in result.stdout
+  # The optimised module the figures were read from, for reading them instruction by instruction.
+  assert hlo_path.read_text().startswith("HloModule ") and "ENTRY" in hlo_path.read_text()
   figures = json.loads(figures_path.read_text())
   assert figures["device"] == "4 x TPU v5"
   # Compiled with the flags a TPU host's commands start libtpu with.
