@@ -23,9 +23,9 @@ from bertjax.model.encoder import BertModel
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, zeros
 
 
-LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
-CONTRACT_V = (((2,), (0,)), ((), ()))  # [B, M, V] x [V, D]
-CONTRACT_BM = (((0, 1), (0, 1)), ((), ()))  # [B, M, *] x [B, M, V]
+_LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
+_CONTRACT_V = (((2,), (0,)), ((), ()))  # [B, M, V] x [V, D]
+_CONTRACT_BM = (((0, 1), (0, 1)), ((), ()))  # [B, M, *] x [B, M, V]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -45,7 +45,7 @@ def tied_decoder(x_BxMxD, w_VxD, bias_V, compute_dtype):
 def _decode(x_BxMxD, w_VxD, bias_V, compute_dtype):
   logits_BxMxV = jnp.einsum("bmd,vd->bmv", x_BxMxD.astype(compute_dtype),
                             w_VxD.astype(compute_dtype), preferred_element_type=jnp.float32)
-  return nn.with_logical_constraint(logits_BxMxV + bias_V.astype(jnp.float32), LOGITS_AXES)
+  return logits_BxMxV + bias_V.astype(jnp.float32)
 
 
 def _decode_fwd(x_BxMxD, w_VxD, bias_V, compute_dtype):
@@ -56,12 +56,12 @@ def _decode_bwd(compute_dtype, residuals, g_BxMxV):
   x_BxMxD, w_VxD, bias_V = residuals
   # As automatic differentiation does: the float32 gradient of the logits against the operands
   # in compute dtype (bfloat16 x bfloat16 -> float32 products are not supported everywhere).
-  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), CONTRACT_V,
+  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), _CONTRACT_V,
                                  preferred_element_type=jnp.float32)
-  dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, CONTRACT_BM,
+  dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, _CONTRACT_BM,
                                preferred_element_type=jnp.float32)
   ones_BxM = jnp.ones(g_BxMxV.shape[:2], g_BxMxV.dtype)
-  dbias_V = jax.lax.dot_general(ones_BxM, g_BxMxV, CONTRACT_BM,
+  dbias_V = jax.lax.dot_general(ones_BxM, g_BxMxV, _CONTRACT_BM,
                                 preferred_element_type=jnp.float32)
   return (dx_BxMxD.astype(x_BxMxD.dtype), dw_DxV.T.astype(w_VxD.dtype),
           dbias_V.astype(bias_V.dtype))
@@ -87,7 +87,8 @@ def decoded_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.
 
 
 def _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
-  logits_BxMxV = _decode(x_BxMxD, w_VxD, bias_V, compute_dtype)
+  logits_BxMxV = nn.with_logical_constraint(
+      _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
   log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
   label_BxM = jnp.take_along_axis(logits_BxMxV, labels_BxM[..., None].astype(jnp.int32),
                                   axis=-1)[..., 0]
@@ -104,18 +105,19 @@ def _scores_bwd(compute_dtype, residuals, g):
   # The barrier keeps XLA from taking the forward's logits for the recomputed ones (kept alive
   # until now, which is what this function avoids).
   x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM = jax.lax.optimization_barrier(residuals)
-  logits_BxMxV = _decode(x_BxMxD, w_VxD, bias_V, compute_dtype)
+  logits_BxMxV = nn.with_logical_constraint(
+      _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
   one_hot_BxMxV = jax.nn.one_hot(labels_BxM, w_VxD.shape[0], dtype=jnp.float32)
   g_BxMxV = ((jnp.exp(logits_BxMxV - log_z_BxM[..., None]) - one_hot_BxMxV)
              * g.nll_BxM[..., None]).astype(compute_dtype)  # `correct` has no gradient
   # Written once: without the barrier XLA computes it again from float32 logits in each reader.
   g_BxMxV = jax.lax.optimization_barrier(g_BxMxV)
-  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), CONTRACT_V,
+  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), _CONTRACT_V,
                                  preferred_element_type=jnp.float32)
   # W's and the bias's gradients in one product: x with a column of ones appended.
   x1_BxMxD1 = jnp.concatenate([x_BxMxD.astype(compute_dtype),
                                jnp.ones(x_BxMxD.shape[:2] + (1,), compute_dtype)], axis=-1)
-  dwb_D1xV = jax.lax.dot_general(x1_BxMxD1, g_BxMxV, CONTRACT_BM,
+  dwb_D1xV = jax.lax.dot_general(x1_BxMxD1, g_BxMxV, _CONTRACT_BM,
                                  preferred_element_type=jnp.float32)
   return (dx_BxMxD.astype(x_BxMxD.dtype), dwb_D1xV[:-1].T.astype(w_VxD.dtype),
           dwb_D1xV[-1].astype(bias_V.dtype), None)
@@ -154,7 +156,8 @@ class MlmHead(nn.Module):
       bias_V = jnp.zeros((cfg.vocab_size,), cfg.storage_dtype)
     if labels_BxM is not None:
       return decoded_scores(h_BxMxD, word_embeddings_VxD, bias_V, labels_BxM, cfg.compute_dtype)
-    return tied_decoder(h_BxMxD, word_embeddings_VxD, bias_V, cfg.compute_dtype)
+    return nn.with_logical_constraint(
+        tied_decoder(h_BxMxD, word_embeddings_VxD, bias_V, cfg.compute_dtype), _LOGITS_AXES)
 
 
 class NspHead(nn.Module):
