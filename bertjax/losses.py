@@ -2,5 +2,5 @@
 bertjax/model/losses.py, where bertjax's own modules import them from."""
 
 from bertjax.model.losses import (Metric, MlmScores, mlm_accuracy, mlm_loss, nsp_accuracy,
-                                  nsp_loss, pretraining_metrics, total_loss, weighted_accuracy,
-                                  weighted_cross_entropy)
+                                  nsp_loss, pretraining_metrics, scores, total_loss,
+                                  weighted_accuracy, weighted_cross_entropy)

@@ -89,11 +89,7 @@ def decoded_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.
 def _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
   logits_BxMxV = nn.with_logical_constraint(
       _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
-  log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
-  label_BxM = jnp.take_along_axis(logits_BxMxV, labels_BxM[..., None].astype(jnp.int32),
-                                  axis=-1)[..., 0]
-  correct_BxM = (label_BxM >= jnp.max(logits_BxMxV, axis=-1)).astype(jnp.float32)
-  return losses.MlmScores(log_z_BxM - label_BxM, correct_BxM), log_z_BxM
+  return losses.scores(logits_BxMxV, labels_BxM)
 
 
 def _scores_fwd(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):

@@ -29,32 +29,38 @@ def _weighted(values_BxM, labels_BxM, weights_BxM) -> Metric:
   return jnp.sum(values_BxM * weights_BxM), jnp.sum(weights_BxM)
 
 
+def scores(logits_BxMxV, labels_BxM) -> tuple[MlmScores, jax.Array]:
+  """-log p(label) and whether the label's logit is the largest, each [B, M], and log Z: the
+  terms of the loss and the accuracy (heads.decoded_scores makes them where it makes the logits).
+
+  The label's logit and the maximum serve both terms (XLA computes them once where both are
+  asked for); an argmax would be one more pass over the [B, M, V] logits, and its index-carrying
+  reduction is several times slower on CPU. An exact tie with another piece counts as correct,
+  where argmax would pick the lower index.
+  """
+  logits_BxMxV = logits_BxMxV.astype(jnp.float32)
+  log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
+  label_BxM = _label_logit(logits_BxMxV, labels_BxM)
+  correct_BxM = (label_BxM >= jnp.max(logits_BxMxV, axis=-1)).astype(jnp.float32)
+  return MlmScores(log_z_BxM - label_BxM, correct_BxM), log_z_BxM
+
+
+def _scored(logits_BxMxV, labels_BxM) -> MlmScores:
+  if isinstance(logits_BxMxV, MlmScores):  # made with the logits (heads.decoded_scores)
+    return logits_BxMxV
+  return scores(logits_BxMxV, labels_BxM)[0]
+
+
 def weighted_cross_entropy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
   """Sum of -log p(label) weighted by `weights`, and the sum of the weights. `logits_BxMxV` may
   be the MlmScores made with them instead."""
-  if isinstance(logits_BxMxV, MlmScores):
-    return _weighted(logits_BxMxV.nll_BxM, labels_BxM, weights_BxM)
-  logits_BxMxV = logits_BxMxV.astype(jnp.float32)
-  log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
-  nll_BxM = log_z_BxM - _label_logit(logits_BxMxV, labels_BxM)
-  return _weighted(nll_BxM, labels_BxM, weights_BxM)
+  return _weighted(_scored(logits_BxMxV, labels_BxM).nll_BxM, labels_BxM, weights_BxM)
 
 
 def weighted_accuracy(logits_BxMxV, labels_BxM, weights_BxM=None) -> Metric:
-  """Weighted count of predictions where the label's logit is the largest, and the sum of the
-  weights.
-
-  The label's logit and the maximum are the loss's own terms (the same expressions, which XLA
-  computes once); an argmax would be one more pass over the [B, M, V] logits, and its index-
-  carrying reduction is several times slower on CPU. An exact tie with another piece counts as
-  correct, where argmax would pick the lower index.
-  """
-  if isinstance(logits_BxMxV, MlmScores):
-    return _weighted(logits_BxMxV.correct_BxM, labels_BxM, weights_BxM)
-  logits_BxMxV = logits_BxMxV.astype(jnp.float32)
-  correct_BxM = (_label_logit(logits_BxMxV, labels_BxM)
-                 >= jnp.max(logits_BxMxV, axis=-1)).astype(jnp.float32)
-  return _weighted(correct_BxM, labels_BxM, weights_BxM)
+  """Weighted count of predictions where the label's logit is the largest (`scores`), and the
+  sum of the weights. `logits_BxMxV` may be the MlmScores made with them instead."""
+  return _weighted(_scored(logits_BxMxV, labels_BxM).correct_BxM, labels_BxM, weights_BxM)
 
 
 def _label_logit(logits_BxMxV, labels_BxM):
