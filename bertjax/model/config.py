@@ -53,6 +53,7 @@ QUERY_KEY_INITS = ("independent", "shared")
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("dense", "gated")
+MLP_IMPLS = ("xla", "pallas")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
 # Each field's roles, stated once on the field (`_field(default, *roles)`); the tuples below are
@@ -109,6 +110,9 @@ class BertConfig:
   # Pre-training scores the MLM logits where they are made and recomputes them in the backward
   # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul.
   recompute_mlm_logits: bool = False
+  # "xla" or "pallas": the MLP's two products in one kernel whose F-wide intermediate stays in
+  # VMEM (mlp_kernel.py; dense MLPs only)
+  mlp_impl: str = "xla"
   # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
   position_init: str = _field("normal", "inherited")
   query_key_init: str = _field("independent", "inherited")  # or "shared": see SelfAttention
@@ -156,7 +160,8 @@ class BertConfig:
     if int(self.type_vocab_size) < 0:
       problems.append(f"type_vocab_size={self.type_vocab_size} must be >= 0 (0: no segment table)")
     for name, allowed in (("norm_position", NORM_POSITIONS), ("norm_type", NORM_TYPES),
-                          ("mlp_type", MLP_TYPES), ("position_embedding", POSITION_EMBEDDINGS)):
+                          ("mlp_type", MLP_TYPES), ("mlp_impl", MLP_IMPLS),
+                          ("position_embedding", POSITION_EMBEDDINGS)):
       if getattr(self, name) not in allowed:
         problems.append(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
     for name, allowed in (("task_head", TASK_HEADS), ("classifier_pooling", CLASSIFIER_POOLINGS)):
@@ -185,6 +190,9 @@ class BertConfig:
           f"pick num_heads among the divisors of {self.hidden_size}")
     if self.hidden_act not in ACTIVATIONS:
       problems.append(f"hidden_act={self.hidden_act!r}; choose one of {sorted(ACTIVATIONS)}")
+    if self.mlp_impl == "pallas" and self.mlp_type != "dense":
+      problems.append(f"mlp_impl='pallas' fuses the dense MLP only; mlp_type={self.mlp_type!r} "
+                      "needs mlp_impl='xla'")
     if self.remat_policy not in REMAT_POLICIES:
       problems.append(f"remat_policy={self.remat_policy!r}; choose one of {list(REMAT_POLICIES)}")
     if self.position_init not in POSITION_INITS:

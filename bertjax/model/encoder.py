@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import attention, dropout, residuals
+from bertjax.model import attention, dropout, mlp_kernel, residuals
 from bertjax.model.attention import apply_rope, rope_tables
 from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
@@ -178,6 +178,8 @@ class Mlp(nn.Module):
   def __call__(self, x_BxLxD):
     cfg = self.config
     bias = cfg.mlp_bias
+    if cfg.mlp_impl == "pallas":
+      return self._fused(x_BxLxD)
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))
     h_BxLxF = constrain(
@@ -189,6 +191,22 @@ class Mlp(nn.Module):
           dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "gate", use_bias=bias)(x_BxLxD))
       h_BxLxF = h_BxLxF * g_BxLxF
     return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", use_bias=bias)(h_BxLxF)
+
+  def _fused(self, x_BxLxD):
+    """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels."""
+    cfg = self.config
+    dt, bias = cfg.compute_dtype, cfg.mlp_bias
+    hidden, width = cfg.intermediate_size, x_BxLxD.shape[-1]
+    w1_DxF, b1_F = dense(cfg, hidden, ("embed", "mlp"), "intermediate", use_bias=bias)(
+        x_BxLxD, weights_only=True)
+    w2_FxD, b2_D = dense(cfg, width, ("mlp", "embed"), "output", use_bias=bias)(
+        jax.ShapeDtypeStruct((hidden,), dt), weights_only=True)
+    no_bias = lambda n: jnp.zeros((n,), cfg.storage_dtype)
+    y_NxD = mlp_kernel.mlp(
+        x_BxLxD.reshape(-1, width).astype(dt), w1_DxF.astype(dt),
+        no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
+        no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act])
+    return y_NxD.reshape(x_BxLxD.shape)
 
 
 class EncoderLayer(nn.Module):

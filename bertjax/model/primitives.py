@@ -87,7 +87,9 @@ class Dense(nn.Module):
   use_bias: bool = True
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, weights_only: bool = False):
+    """x @ kernel + bias; with `weights_only`, (kernel, bias or None) as stored, for a caller that
+    runs the product itself (a fused kernel: x need only have a shape then)."""
     cfg = self.config
     features = tuple(np.atleast_1d(self.features).tolist())
     axes = tuple(a % x.ndim for a in np.atleast_1d(self.axis).tolist())
@@ -95,14 +97,15 @@ class Dense(nn.Module):
             else nn.with_logical_partitioning(self.kernel_init, self.names))
     kernel = self.param("kernel", init,
                         tuple(x.shape[a] for a in axes) + features, cfg.storage_dtype)
+    bias = (self.param("bias", zeros(self.names[len(axes):]), features, cfg.storage_dtype)
+            if self.use_bias else None)
+    if weights_only:
+      return kernel, bias
     out_dtype = cfg.compute_dtype if self.out_dtype is None else jnp.dtype(self.out_dtype)
     y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
                             ((axes, tuple(range(len(axes)))), ((), ())),
                             preferred_element_type=out_dtype)
-    if not self.use_bias:
-      return y
-    bias = self.param("bias", zeros(self.names[len(axes):]), features, cfg.storage_dtype)
-    return y + bias.astype(out_dtype)
+    return y if bias is None else y + bias.astype(out_dtype)
 
 
 def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None,

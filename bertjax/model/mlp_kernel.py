@@ -1,0 +1,223 @@
+"""The MLP, dense(F) -> activation -> dense(D), as Pallas kernels whose F-wide intermediate never
+leaves the chip's VMEM (`model.mlp_impl="pallas"`).
+
+Written by XLA, the MLP writes its [tokens, F] intermediate to HBM and reads it back in the
+forward (the saved matmul output and the activation are two buffers), and in the backward reads
+it twice more and writes and reads its gradient: eight passes over F-wide tensors a layer,
+BERT-Base's largest bytes at length 512 on v6e (docs/performance.md, "The MLP in one kernel").
+Here a block of tokens at a time, both weight matrices resident in VMEM:
+
+  forward   y = act(x W1 + b1) W2 + b2, the intermediate made and consumed F-chunk by F-chunk;
+  backward  the intermediate recomputed from x (one product more), then dx, and dW1, db1 and dW2
+            accumulated in VMEM over the token blocks and written once.
+
+So the step reads and writes only D-wide tensors and the weights, for a third more of the
+MLP's FLOPs (seven products where autodiff of the XLA path does six). The values are those of
+the XLA path but for rounding: the kernel keeps the pre-activation in float32 where the XLA path
+rounds the product to the compute dtype first (tests/test_mlp_kernel.py says how close).
+
+A kernel is one device's program: under a mesh `mlp` runs the kernels in shard_map over the
+activations' batch axes, the weights whole on each device (fsdp gathers them, as it does for
+XLA's matmuls), and sums the weights' per-device gradients outside it. On a CPU it runs Pallas'
+interpreter (slow: tests only). VMEM holds W1 and W2 in the compute dtype and, in the backward,
+their float32 gradients: BERT-Base ~30 MB, BERT-Large ~55 MB (v5e and v6e have 128 MiB a core,
+v5p 64).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec
+
+TOKEN_BLOCKS = (512, 256, 128, 64, 32, 16, 8)  # tokens a grid step, the largest that divides
+CHUNKS = (512, 256, 128)  # F columns made at a time inside a step
+_T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
+_F32 = jnp.float32
+
+
+def token_block(tokens: int) -> int:
+  return next((b for b in TOKEN_BLOCKS if tokens % b == 0), tokens)
+
+
+def _chunk(width: int) -> int:
+  return next((c for c in CHUNKS if width % c == 0), width)
+
+
+def _slope(act, pre):
+  """act(pre) and its derivative, elementwise (one jvp: the activation's own formula)."""
+  return jax.jvp(act, (pre,), (jnp.ones_like(pre),))
+
+
+def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, *, act, chunk):
+  x = x_ref[...]
+  acc = jnp.zeros((x.shape[0], w2_ref.shape[1]), _F32)
+  for start in range(0, w1_ref.shape[1], chunk):
+    cols = slice(start, start + chunk)
+    pre = jnp.dot(x, w1_ref[:, cols], preferred_element_type=_F32) + b1_ref[:, cols]
+    acc += jnp.dot(act(pre).astype(x.dtype), w2_ref[cols, :], preferred_element_type=_F32)
+  y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
+
+
+def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1_ref, dw2t_ref,
+                     *, act, chunk):
+  @pl.when(pl.program_id(1) == 0)
+  def _():
+    dw1_ref[...] = jnp.zeros_like(dw1_ref)
+    db1_ref[...] = jnp.zeros_like(db1_ref)
+    dw2t_ref[...] = jnp.zeros_like(dw2t_ref)
+
+  x, dy = x_ref[...], dy_ref[...]
+  x_t, dy_t = x.T, dy.T  # [D, tokens]: the weight gradients contract the tokens
+  dx = jnp.zeros(x.shape, _F32)
+  for start in range(0, w1_ref.shape[1], chunk):
+    cols = slice(start, start + chunk)
+    w1 = w1_ref[:, cols]
+    pre = jnp.dot(x, w1, preferred_element_type=_F32) + b1_ref[:, cols]
+    h, slope = _slope(act, pre)
+    g = jax.lax.dot_general(dy, w2_ref[cols, :], _T, preferred_element_type=_F32)
+    dpre = g * slope
+    dpre_c = dpre.astype(x.dtype)
+    dx += jax.lax.dot_general(dpre_c, w1, _T, preferred_element_type=_F32)
+    dw1_ref[0, :, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
+    dw2t_ref[0, :, cols] += jnp.dot(dy_t, h.astype(x.dtype), preferred_element_type=_F32)
+    db1_ref[0, :, cols] += jnp.sum(dpre, axis=0, keepdims=True)
+  dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+def _whole(shape):
+  """A block that is the whole array, fetched once (its index never changes) and not double
+  buffered (nothing to overlap it with)."""
+  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
+
+
+def _vmem_limit(need: int) -> int:
+  # Mosaic's default scoped limit (16-32 MiB) is below what the weights take; ask for what the
+  # blocks and the step's temporaries need, with room for Mosaic's own.
+  return int(need * 1.25) + (16 << 20)
+
+
+def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool):
+  tokens, width = x_NxD.shape
+  hidden = w1_DxF.shape[1]
+  block = token_block(tokens)
+  item = x_NxD.dtype.itemsize
+  weights = 2 * width * hidden * item
+  need = weights + 4 * block * width * item + block * width * 4 + 4 * block * _chunk(hidden) * 4
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, act=act, chunk=_chunk(hidden)),
+      out_shape=jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
+      grid=(tokens // block,),
+      in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)),
+                _whole(w1_DxF.shape), _whole(b1_1xF.shape),
+                _whole(w2_FxD.shape), _whole(b2_1xD.shape)],
+      out_specs=pl.BlockSpec((block, width), lambda i: (i, 0)),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                           vmem_limit_bytes=_vmem_limit(need)),
+      cost_estimate=pl.CostEstimate(
+          flops=4 * tokens * width * hidden, transcendentals=tokens * hidden,
+          bytes_accessed=2 * tokens * width * item + weights + 4 * (hidden + width)),
+      interpret=interpret, name="fused_mlp_fwd",
+  )(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD)
+
+
+def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
+  tokens, width = x_NxD.shape
+  hidden = w1_DxF.shape[1]
+  block = token_block(tokens)
+  steps = tokens // block
+  # Two parts of the tokens, each with its own gradient accumulators, where they divide: a chip
+  # of two TensorCores (v5p) runs one part on each; the parts' sums are added outside.
+  parts = 2 if steps % 2 == 0 else 1
+  per = steps // parts
+  item = x_NxD.dtype.itemsize
+  weights = 2 * width * hidden * item
+  grads = 2 * width * hidden * 4
+  tile = lambda: pl.BlockSpec((block, width), lambda p, i: (p * per + i, 0))
+  acc = lambda shape: pl.BlockSpec((1,) + shape, lambda p, i: (p, 0, 0),
+                                   pipeline_mode=pl.Buffered(1))
+  need = (weights + grads + 6 * block * width * item + 3 * block * width * 4
+          + 6 * block * _chunk(hidden) * 4)
+  dx, dw1, db1, dw2t = pl.pallas_call(
+      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden)),
+      out_shape=(jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
+                 jax.ShapeDtypeStruct((parts, width, hidden), _F32),
+                 jax.ShapeDtypeStruct((parts, 1, hidden), _F32),
+                 jax.ShapeDtypeStruct((parts, width, hidden), _F32)),
+      grid=(parts, per),
+      in_specs=[tile(), tile(), _whole(w1_DxF.shape), _whole(b1_1xF.shape),
+                _whole(w2_FxD.shape)],
+      out_specs=(tile(), acc((width, hidden)), acc((1, hidden)), acc((width, hidden))),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                           vmem_limit_bytes=_vmem_limit(need)),
+      cost_estimate=pl.CostEstimate(
+          flops=10 * tokens * width * hidden, transcendentals=2 * tokens * hidden,
+          bytes_accessed=3 * tokens * width * item + weights + parts * (grads + 4 * hidden)),
+      interpret=interpret, name="fused_mlp_bwd",
+  )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD)
+  return dx, dw1, db1, dw2t
+
+
+def _on_platform(fn, *args, **kwargs):
+  """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), Pallas'
+  interpreter on a CPU."""
+  return jax.lax.platform_dependent(
+      *args, tpu=functools.partial(fn, **kwargs, interpret=False),
+      cpu=functools.partial(fn, **kwargs, interpret=True))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
+  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act)
+
+
+def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
+  fwd = lambda x, w1, b1, w2, b2: _on_platform(_forward, x, w1, b1, w2, b2, act=act)
+  mesh = jax.sharding.get_abstract_mesh()
+  args = (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :])
+  if mesh.empty:
+    return fwd(x_NxD, *args)
+  batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
+  return jax.shard_map(
+      fwd, mesh=mesh,
+      in_specs=(PartitionSpec(batch, None),) + (PartitionSpec(None, None),) * 4,
+      out_specs=PartitionSpec(batch, None), check_vma=False)(x_NxD, *args)
+
+
+def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
+  # Only the inputs are kept: the backward makes the intermediate again.
+  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act), (x_NxD, w1_DxF, b1_F, w2_FxD, b2_D)
+
+
+def _mlp_bwd(act, saved, dy_NxD):
+  x_NxD, w1_DxF, b1_F, w2_FxD, b2_D = saved
+  bwd = lambda x, dy, w1, b1, w2: _on_platform(_backward, x, dy, w1, b1, w2, act=act)
+  args = (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    dx, dw1, db1, dw2t = bwd(x_NxD, dy_NxD, *args)
+  else:
+    batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
+    tokens, sums = PartitionSpec(batch, None), PartitionSpec(batch, None, None)
+    dx, dw1, db1, dw2t = jax.shard_map(
+        bwd, mesh=mesh, in_specs=(tokens, tokens) + (PartitionSpec(None, None),) * 3,
+        out_specs=(tokens, sums, sums, sums), check_vma=False)(x_NxD, dy_NxD, *args)
+  db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
+  return (dx, dw1.sum(0).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
+          dw2t.sum(0).T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype))
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
+        b2_D: jax.Array, act) -> jax.Array:
+  """act(x W1 + b1) W2 + b2 over [N, D] tokens by the fused kernels, differentiable in every
+  argument; `act` an elementwise function (its derivative is its jvp). The arrays in the dtype
+  the products run in (the biases any float type)."""
+  return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act)

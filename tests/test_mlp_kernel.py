@@ -1,0 +1,134 @@
+"""The fused MLP kernels (bertjax/model/mlp_kernel.py, `model.mlp_impl="pallas"`) against the XLA
+path: the same values and gradients, the same parameters, under a mesh too. On a CPU the
+kernels run in Pallas' interpreter; tests/test_aot.py compiles them for a TPU."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bertjax.model import mlp_kernel
+from bertjax.model.config import ACTIVATIONS, BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.parallel import sharding
+
+CFG = BertConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=384,
+                 max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _reference(x, w1, b1, w2, b2, act):
+  return act(x @ w1 + b1) @ w2 + b2
+
+
+def _probe(shape):
+  # A fixed random direction to read the output along: sum(out ** 2) of a LayerNorm's output is
+  # the same whatever the parameters (its gradient is rounding noise).
+  return jax.random.normal(jax.random.key(7), shape)
+
+
+def _arrays(tokens, width, hidden, dtype):
+  keys = jax.random.split(jax.random.key(0), 6)
+  normal = lambda k, shape, scale: (jax.random.normal(k, shape) * scale)
+  return (normal(keys[0], (tokens, width), 1.0).astype(dtype),
+          normal(keys[1], (width, hidden), 0.1).astype(dtype), normal(keys[2], (hidden,), 0.1),
+          normal(keys[3], (hidden, width), 0.1).astype(dtype), normal(keys[4], (width,), 0.1),
+          normal(keys[5], (tokens, width), 1.0).astype(dtype))
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_the_kernels_give_the_mlp_and_its_gradients(act):
+  # 2,048 tokens: four blocks of 512 in two parts of two, each part its own gradient sums; F =
+  # 384: three chunks of 128 a block.
+  *args, dy = _arrays(2048, 32, 384, jnp.float32)
+  assert mlp_kernel.token_block(2048) == 512
+  fn = ACTIVATIONS[act]
+  got, pull = jax.vjp(lambda *a: mlp_kernel.mlp(*a, fn), *args)
+  expected, pull_ref = jax.vjp(lambda *a: _reference(*a, fn), *args)
+  np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+  for name, g, e in zip(("x", "w1", "b1", "w2", "b2"), pull(dy), pull_ref(dy)):
+    assert g.dtype == e.dtype, name
+    np.testing.assert_allclose(g, e, atol=2e-4, rtol=2e-5, err_msg=f"d/d{name}")
+
+
+def test_in_bfloat16_within_its_rounding():
+  *args, dy = _arrays(256, 32, 128, jnp.bfloat16)
+  fn = ACTIVATIONS["gelu"]
+  got, pull = jax.vjp(lambda *a: mlp_kernel.mlp(*a, fn), *args)
+  # The reference in float32 from the same bfloat16 inputs: the kernel rounds only its products'
+  # inputs (as the MXU takes them) and its outputs.
+  up = [a.astype(jnp.float32) for a in args]
+  expected, pull_ref = jax.vjp(lambda *a: _reference(*a, fn), *up)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=3e-2, rtol=2e-2)
+  for name, g, e in zip(("x", "w1", "b1", "w2", "b2"), pull(dy), pull_ref(dy.astype(jnp.float32))):
+    scale = float(jnp.abs(e).max())
+    err = float(jnp.abs(g.astype(jnp.float32) - e).max())
+    assert err <= 2e-2 * scale, (name, err, scale)
+
+
+@pytest.mark.parametrize("layers", [{}, {"scan_layers": True, "remat_policy": "dots"}])
+def test_a_model_takes_the_same_parameters_and_gives_the_same_values(layers):
+  # Straight layers, and the released configs' scanned layers with remat "dots" (the kernels'
+  # forward runs again in the backward there: its output is no matmul's for the policy to keep).
+  ids = np.random.default_rng(0).integers(0, 97, (4, 16))
+  config = dataclasses.replace(CFG, **layers)
+  fused = dataclasses.replace(config, mlp_impl="pallas")
+  params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
+  params_fused = nn.unbox(BertModel(fused).init(jax.random.key(0), ids)["params"])
+  # The same tree and initial values: a checkpoint moves between the two settings.
+  assert jax.tree.structure(params) == jax.tree.structure(params_fused)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_fused)):
+    np.testing.assert_array_equal(a, b)
+
+  def loss(p, cfg):
+    out, pooled = BertModel(cfg).apply({"params": p}, ids)
+    return jnp.sum(out * _probe(out.shape)) + jnp.sum(pooled)
+
+  value, grads = jax.value_and_grad(loss)(params, config)
+  value_f, grads_f = jax.value_and_grad(loss)(params, fused)
+  np.testing.assert_allclose(value_f, value, rtol=1e-5)
+  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads_f), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(g, e, atol=1e-4, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
+  # data x fsdp x tensor = 2 x 2 x 2: the kernels run in shard_map on a quarter of the rows each,
+  # the weights whole; the weights' gradients are summed over the devices outside.
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  ids = np.random.default_rng(1).integers(0, 97, (8, 16))
+  fused = dataclasses.replace(CFG, mlp_impl="pallas")
+  params = nn.unbox(BertModel(CFG).init(jax.random.key(0), ids)["params"])
+
+  def loss(p, cfg, batch):
+    out, _ = BertModel(cfg).apply({"params": p}, batch)
+    return jnp.sum(out * _probe(out.shape))
+
+  expected = jax.value_and_grad(loss)(params, CFG, ids)
+  run = jax.jit(sharding.logical_context(mesh)(jax.value_and_grad(
+      lambda p, b: loss(p, fused, b))))
+  rows = jax.device_put(ids, NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES)))
+  text = run.lower(params, rows).as_text()
+  # Each device's program: its 32 tokens, one part of the weights' gradient sums.
+  assert 'manual_axes={"data", "fsdp", "tensor"}' in text
+  assert "tensor<1x32x384xf32>" in text and "tensor<4x32x384xf32>" in text
+  value, grads = run(params, rows)
+  np.testing.assert_allclose(value, expected[0], rtol=1e-5)
+  # Eight devices sum in another order than one: each leaf within 1e-4 of the largest gradient
+  # entry (not of its own: the key bias's true gradient is zero, softmax being blind to it; a
+  # gradient summed over a quarter of the rows would be off by most of itself).
+  scale = max(float(jnp.abs(e).max()) for e in jax.tree.leaves(expected[1]))
+  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads),
+                          jax.tree.leaves(expected[1])):
+    err = float(jnp.abs(g - e).max()) / scale
+    assert err < 1e-4, (jax.tree_util.keystr(path), err)
+
+
+def test_a_gated_mlp_is_refused_with_the_fix():
+  with pytest.raises(ValueError, match="mlp_impl='pallas' fuses the dense MLP only.*mlp_impl='xla'"):
+    BertConfig(mlp_type="gated", hidden_act="silu", mlp_impl="pallas")
+  with pytest.raises(ValueError, match="mlp_impl='triton'; choose one of"):
+    BertConfig(mlp_impl="triton")
