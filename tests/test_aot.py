@@ -127,12 +127,16 @@ for name, cfg in {"data": sharding.MeshConfig(),
 print("dcn " + json.dumps(out), flush=True)
 config = tiny.get_config()
 # 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
-config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3)
+config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3,
+                    mlp_impl="pallas")
 config.data.max_seq_length = 128
 devices = aot.topology_devices(topologies.parse_topology("v5p-8"))
 text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
 print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
                   "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text))),
+                  "mlp_kernels": sorted(set(re.findall(r"fused_mlp_[a-z]+", text))),
+                  "mlp_flops": [r["flops"] for r in hlocost.program_rows(text)
+                                if r["opcode"] == "custom-call" and "fused_mlp" in r["op_name"]],
                   "layer_loops": len(layercost.layer_loops(text, 3)),
                   "ops_per_layer": layercost.layer_ops(text, 3, scanned=True),
                   "stack_writes": layercost.stack_writes(text, 3),
@@ -212,6 +216,16 @@ def test_the_splash_kernel_compiles_into_the_train_step_for_v5p(probes):
   added = out["counted"]["flops"] - out["uncounted"]["flops"]
   assert added == (4 + 10) * per_layer * 3, added
   assert out["counted"]["opaque"] == [] and len(out["uncounted"]["opaque"]) == 2
+
+
+def test_the_fused_mlp_kernels_compile_into_the_train_step_and_count_their_own_flops(probes):
+  # The same step with mlp_impl="pallas": its forward and backward kernels are Mosaic's, and the
+  # roofline counts each by the estimate it carries, never as zero: 2 rows a chip of 128 tokens,
+  # D 128, F 512; the forward's two products, the backward's five (the intermediate made again).
+  out = probes["splash"]
+  assert out["mlp_kernels"] == ["fused_mlp_bwd", "fused_mlp_fwd"]
+  product = 2 * (2 * 128) * 128 * 512
+  assert sorted(out["mlp_flops"]) == [2 * product, 5 * product], out["mlp_flops"]
 
 
 def test_the_cost_model_reads_the_known_answers_on_a_tpu_compile(probes):

@@ -3,6 +3,7 @@ path: the same values and gradients, the same parameters, under a mesh too. On a
 kernels run in Pallas' interpreter; tests/test_aot.py compiles them for a TPU."""
 
 import dataclasses
+import types
 
 import flax.linen as nn
 import jax
@@ -41,10 +42,10 @@ def _arrays(tokens, width, hidden, dtype):
 
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))
 def test_the_kernels_give_the_mlp_and_its_gradients(act):
-  # 2,048 tokens: four blocks of 512 in two parts of two, each part its own gradient sums; F =
-  # 384: three chunks of 128 a block.
-  *args, dy = _arrays(2048, 32, 384, jnp.float32)
-  assert mlp_kernel.token_block(2048) == 512
+  # 1,024 tokens: the forward in two blocks of 512; the backward in four of 256, two parts of
+  # two, each part its own gradient sums. F = 384: three chunks of 128 a block.
+  *args, dy = _arrays(1024, 32, 384, jnp.float32)
+  assert (mlp_kernel.token_block(1024), mlp_kernel.token_block(1024, 256)) == (512, 256)
   fn = ACTIVATIONS[act]
   got, pull = jax.vjp(lambda *a: mlp_kernel.mlp(*a, fn), *args)
   expected, pull_ref = jax.vjp(lambda *a: _reference(*a, fn), *args)
@@ -132,3 +133,44 @@ def test_a_gated_mlp_is_refused_with_the_fix():
     BertConfig(mlp_type="gated", hidden_act="silu", mlp_impl="pallas")
   with pytest.raises(ValueError, match="mlp_impl='triton'; choose one of"):
     BertConfig(mlp_impl="triton")
+
+
+def test_without_mosaic_xla_computes_what_the_kernels_do():
+  # A GPU has no Mosaic: there the same forward and backward run as XLA's products, so a config
+  # that asks for the kernels still trains (the GPU probe, docs/performance.md).
+  *args, dy = _arrays(256, 32, 128, jnp.float32)
+  fn = ACTIVATIONS["gelu"]
+  b1, b2 = args[2][None, :], args[4][None, :]
+  forward = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, fn, interpret=True)
+  np.testing.assert_allclose(mlp_kernel._xla_forward(args[0], args[1], b1, args[3], b2, fn),
+                             forward, atol=1e-5)
+  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], fn, interpret=True)
+  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], fn)
+  for name, got, expected in zip(("dx", "dw1", "db1", "dw2t"), xla, kernel):
+    assert got.shape == expected.shape, name
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5, err_msg=name)
+  # And it is what a program lowered for a GPU holds: XLA's products, no TPU kernel.
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(mlp_kernel.mlp(*a, fn)), argnums=(0, 1, 2, 3, 4)))
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+  for platform, kernels in (("cuda", False), ("tpu", True)):
+    text = jax.export.export(grad, platforms=[platform])(*shapes).mlir_module()
+    assert ("tpu_custom_call" in text) == kernels, platform
+    assert ("stablehlo.dot_general" in text) != kernels, platform
+
+
+def test_auto_takes_the_kernels_where_they_measured_faster():
+  chip = lambda kind, platform="tpu": types.SimpleNamespace(device_kind=kind, platform=platform)
+  auto = dataclasses.replace(CFG, mlp_impl="auto")
+  assert mlp_kernel.chosen(auto, chip("TPU v6 lite")) == "pallas"
+  # v5p and v5e: their steps are bound by FLOPs, which the kernels add.
+  assert mlp_kernel.chosen(auto, chip("TPU v5")) == mlp_kernel.chosen(auto, chip("TPU v5 lite")) == "xla"
+  assert mlp_kernel.chosen(auto, chip("cpu", "cpu")) == "xla"
+  gated = dataclasses.replace(auto, mlp_type="gated", hidden_act="silu")
+  assert mlp_kernel.chosen(gated, chip("TPU v6 lite")) == "xla"
+  assert mlp_kernel.chosen(dataclasses.replace(CFG, mlp_impl="pallas"), chip("TPU v5")) == "pallas"
+  # train.build settles it for its mesh's chips: on this CPU, XLA's MLP.
+  from bertjax.training import train
+  from bertjax.configs import tiny
+  config = tiny.get_config()
+  config.model.update(vocab_size=100, mlp_impl="auto")
+  assert train.from_config(config).model_config.mlp_impl == "xla"

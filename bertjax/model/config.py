@@ -53,7 +53,7 @@ QUERY_KEY_INITS = ("independent", "shared")
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("dense", "gated")
-MLP_IMPLS = ("xla", "pallas")
+MLP_IMPLS = ("xla", "pallas", "auto")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
 # Each field's roles, stated once on the field (`_field(default, *roles)`); the tuples below are
@@ -110,8 +110,9 @@ class BertConfig:
   # Pre-training scores the MLM logits where they are made and recomputes them in the backward
   # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul.
   recompute_mlm_logits: bool = False
-  # "xla" or "pallas": the MLP's two products in one kernel whose F-wide intermediate stays in
-  # VMEM (mlp_kernel.py; dense MLPs only)
+  # "xla", "pallas" (the MLP's two products in one kernel whose F-wide intermediate stays in
+  # VMEM: mlp_kernel.py; dense MLPs only) or "auto" (the kernel on the TPUs where it measured
+  # faster, mlp_kernel.FASTER_ON; XLA elsewhere)
   mlp_impl: str = "xla"
   # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
   position_init: str = _field("normal", "inherited")

@@ -178,7 +178,9 @@ class Mlp(nn.Module):
   def __call__(self, x_BxLxD):
     cfg = self.config
     bias = cfg.mlp_bias
-    if cfg.mlp_impl == "pallas":
+    # "auto" is settled by train.build for its mesh's chips; a model used outside it, here for
+    # the default device.
+    if mlp_kernel.chosen(cfg, jax.devices()[0]) == "pallas":
       return self._fused(x_BxLxD)
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))

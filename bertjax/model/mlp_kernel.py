@@ -26,6 +26,7 @@ v5p 64).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -35,14 +36,34 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
+# The chips where the kernels made the released configs' steps faster by the compile's roofline
+# (device_kind as jax names them): v6e, whose steps XLA's MLP left bound by HBM. On v5p and v5e
+# the steps are bound by their FLOPs, and the kernels' extra products (the intermediate made
+# again) cost more than the bytes they save (docs/performance.md, "The MLP in one kernel").
+FASTER_ON = ("TPU v6 lite",)
 TOKEN_BLOCKS = (512, 256, 128, 64, 32, 16, 8)  # tokens a grid step, the largest that divides
 CHUNKS = (512, 256, 128)  # F columns made at a time inside a step
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
 _F32 = jnp.float32
 
 
-def token_block(tokens: int) -> int:
-  return next((b for b in TOKEN_BLOCKS if tokens % b == 0), tokens)
+def chosen(config, device) -> str:
+  """What `mlp_impl="auto"` means on `device`: "pallas" on FASTER_ON's chips for a dense MLP,
+  "xla" elsewhere; another setting as it is."""
+  if config.mlp_impl != "auto":
+    return config.mlp_impl
+  fits = config.mlp_type == "dense" and getattr(device, "platform", "") == "tpu"
+  return "pallas" if fits and getattr(device, "device_kind", "") in FASTER_ON else "xla"
+
+
+def resolved(config, device):
+  """`config` with mlp_impl "auto" made the setting `device` gets (`chosen`)."""
+  impl = chosen(config, device)
+  return config if impl == config.mlp_impl else dataclasses.replace(config, mlp_impl=impl)
+
+
+def token_block(tokens: int, largest: int = TOKEN_BLOCKS[0]) -> int:
+  return next((b for b in TOKEN_BLOCKS if b <= largest and tokens % b == 0), tokens)
 
 
 def _chunk(width: int) -> int:
@@ -129,7 +150,9 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool):
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
   tokens, width = x_NxD.shape
   hidden = w1_DxF.shape[1]
-  block = token_block(tokens)
+  # Blocks of 256 tokens: beside the weights and their float32 sums (BERT-Large: 50 MB), 512
+  # overflowed v5p's 64 MiB of VMEM; the weights are read once either way.
+  block = token_block(tokens, 256)
   steps = tokens // block
   # Two parts of the tokens, each with its own gradient accumulators, where they divide: a chip
   # of two TensorCores (v5p) runs one part on each; the parts' sums are added outside.
@@ -163,12 +186,35 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
   return dx, dw1, db1, dw2t
 
 
+def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act):
+  h_NxF = act(jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF).astype(x_NxD.dtype)
+  return (jnp.dot(h_NxF, w2_FxD, preferred_element_type=_F32) + b2_1xD).astype(x_NxD.dtype)
+
+
+def _xla_forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret=None):
+  del interpret
+  return _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act)
+
+
+def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret=None):
+  """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
+  del interpret
+  zero = jnp.zeros((1, w2_FxD.shape[1]), _F32)
+  _, pull = jax.vjp(lambda x, w1, b1, w2: _products(x, w1, b1, w2, zero, act),
+                    x_NxD, w1_DxF, b1_1xF, w2_FxD)
+  dx, dw1, db1, dw2 = pull(dy_NxD)
+  return dx, dw1.astype(_F32)[None], db1[None], dw2.astype(_F32).T[None]
+
+
 def _on_platform(fn, *args, **kwargs):
   """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), Pallas'
-  interpreter on a CPU."""
+  interpreter on a CPU (tests), and elsewhere (a GPU) XLA's products of the same arithmetic, so
+  a config that asks for the kernels still runs there."""
+  fallback = {_forward: _xla_forward, _backward: _xla_backward}[fn]
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(fn, **kwargs, interpret=False),
-      cpu=functools.partial(fn, **kwargs, interpret=True))
+      cpu=functools.partial(fn, **kwargs, interpret=True),
+      default=functools.partial(fallback, **kwargs))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
