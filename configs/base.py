@@ -207,7 +207,9 @@ def set_accelerator(config, phase: str | int) -> None:
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
   each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again), and
-  the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512). At
+  the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
+  v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
+  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds). At
   length 512 (phase 2) attention is the splash kernel: XLA's [B, N, L, L] scores and their
   dropout were 60-70% of the step's bytes there. The kernel has no dropout on attention
   probabilities, so phase 2 trains without it (the paper's 0.1; hidden dropout stays).

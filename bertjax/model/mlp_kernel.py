@@ -66,6 +66,18 @@ def token_block(tokens: int, largest: int = TOKEN_BLOCKS[0]) -> int:
   return next((b for b in TOKEN_BLOCKS if b <= largest and tokens % b == 0), tokens)
 
 
+def _backward_block(tokens: int) -> int:
+  # Blocks of 256 tokens: beside the weights and their float32 sums (BERT-Large: 50 MB), 512
+  # overflowed v5p's 64 MiB of VMEM; the weights are read once either way.
+  return token_block(tokens, 256)
+
+
+def _parts(tokens: int) -> int:
+  """The backward's parts of the tokens, each with its own gradient sums (added outside), two
+  where the blocks divide: a chip of two TensorCores (v5p) runs one part on each."""
+  return 2 if (tokens // _backward_block(tokens)) % 2 == 0 else 1
+
+
 def _chunk(width: int) -> int:
   return next((c for c in CHUNKS if width % c == 0), width)
 
@@ -150,14 +162,9 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool):
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
   tokens, width = x_NxD.shape
   hidden = w1_DxF.shape[1]
-  # Blocks of 256 tokens: beside the weights and their float32 sums (BERT-Large: 50 MB), 512
-  # overflowed v5p's 64 MiB of VMEM; the weights are read once either way.
-  block = token_block(tokens, 256)
-  steps = tokens // block
-  # Two parts of the tokens, each with its own gradient accumulators, where they divide: a chip
-  # of two TensorCores (v5p) runs one part on each; the parts' sums are added outside.
-  parts = 2 if steps % 2 == 0 else 1
-  per = steps // parts
+  block = _backward_block(tokens)
+  parts = _parts(tokens)
+  per = tokens // block // parts
   item = x_NxD.dtype.itemsize
   weights = 2 * width * hidden * item
   grads = 2 * width * hidden * 4
@@ -203,7 +210,10 @@ def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret=None):
   _, pull = jax.vjp(lambda x, w1, b1, w2: _products(x, w1, b1, w2, zero, act),
                     x_NxD, w1_DxF, b1_1xF, w2_FxD)
   dx, dw1, db1, dw2 = pull(dy_NxD)
-  return dx, dw1.astype(_F32)[None], db1[None], dw2.astype(_F32).T[None]
+  # In the kernel's shapes: its parts' sums, here the whole sum in the first.
+  parts = _parts(x_NxD.shape[0])
+  stack = lambda g: jnp.concatenate([g.astype(_F32)[None], jnp.zeros((parts - 1,) + g.shape, _F32)])
+  return dx, stack(dw1), stack(db1), stack(dw2.T)
 
 
 def _on_platform(fn, *args, **kwargs):
