@@ -72,12 +72,6 @@ def _backward_block(tokens: int) -> int:
   return token_block(tokens, 256)
 
 
-def _parts(tokens: int) -> int:
-  """The backward's parts of the tokens, each with its own gradient sums (added outside), two
-  where the blocks divide: a chip of two TensorCores (v5p) runs one part on each."""
-  return 2 if (tokens // _backward_block(tokens)) % 2 == 0 else 1
-
-
 def _chunk(width: int) -> int:
   return next((c for c in CHUNKS if width % c == 0), width)
 
@@ -97,16 +91,16 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, *, act, chunk)
   y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
 
 
-def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1_ref, dw2t_ref,
+def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1_ref, dw2_ref,
                      *, act, chunk):
-  @pl.when(pl.program_id(1) == 0)
+  @pl.when(pl.program_id(0) == 0)
   def _():
     dw1_ref[...] = jnp.zeros_like(dw1_ref)
     db1_ref[...] = jnp.zeros_like(db1_ref)
-    dw2t_ref[...] = jnp.zeros_like(dw2t_ref)
+    dw2_ref[...] = jnp.zeros_like(dw2_ref)
 
   x, dy = x_ref[...], dy_ref[...]
-  x_t, dy_t = x.T, dy.T  # [D, tokens]: the weight gradients contract the tokens
+  x_t = x.T  # [D, tokens]: the weights' gradients contract the tokens
   dx = jnp.zeros(x.shape, _F32)
   for start in range(0, w1_ref.shape[1], chunk):
     cols = slice(start, start + chunk)
@@ -118,7 +112,7 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1
     dpre_c = dpre.astype(x.dtype)
     dx += jax.lax.dot_general(dpre_c, w1, _T, preferred_element_type=_F32)
     dw1_ref[0, :, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
-    dw2t_ref[0, :, cols] += jnp.dot(dy_t, h.astype(x.dtype), preferred_element_type=_F32)
+    dw2_ref[0, cols, :] += jnp.dot(h.astype(x.dtype).T, dy, preferred_element_type=_F32)
     db1_ref[0, :, cols] += jnp.sum(dpre, axis=0, keepdims=True)
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
@@ -163,34 +157,37 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
   tokens, width = x_NxD.shape
   hidden = w1_DxF.shape[1]
   block = _backward_block(tokens)
-  parts = _parts(tokens)
-  per = tokens // block // parts
   item = x_NxD.dtype.itemsize
   weights = 2 * width * hidden * item
   grads = 2 * width * hidden * 4
-  tile = lambda: pl.BlockSpec((block, width), lambda p, i: (p * per + i, 0))
-  acc = lambda shape: pl.BlockSpec((1,) + shape, lambda p, i: (p, 0, 0),
+  tile = lambda: pl.BlockSpec((block, width), lambda i: (i, 0))
+  # The gradients' sums stay in VMEM over the token blocks (their index never changes) and are
+  # written once, float32 with a leading axis of one: under a mesh, the devices' sums stack
+  # along it for the caller to add. One sequence of blocks: a chip of two TensorCores (v5p)
+  # would split a parallel axis over them, at the price of a second set of float32 sums to
+  # write, more than BERT-Large's MLP saves at length 128.
+  acc = lambda shape: pl.BlockSpec((1,) + shape, lambda i: (0, 0, 0),
                                    pipeline_mode=pl.Buffered(1))
   need = (weights + grads + 6 * block * width * item + 3 * block * width * 4
           + 6 * block * _chunk(hidden) * 4)
-  dx, dw1, db1, dw2t = pl.pallas_call(
+  dx, dw1, db1, dw2 = pl.pallas_call(
       functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden)),
       out_shape=(jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
-                 jax.ShapeDtypeStruct((parts, width, hidden), _F32),
-                 jax.ShapeDtypeStruct((parts, 1, hidden), _F32),
-                 jax.ShapeDtypeStruct((parts, width, hidden), _F32)),
-      grid=(parts, per),
+                 jax.ShapeDtypeStruct((1, width, hidden), _F32),
+                 jax.ShapeDtypeStruct((1, 1, hidden), _F32),
+                 jax.ShapeDtypeStruct((1, hidden, width), _F32)),
+      grid=(tokens // block,),
       in_specs=[tile(), tile(), _whole(w1_DxF.shape), _whole(b1_1xF.shape),
                 _whole(w2_FxD.shape)],
-      out_specs=(tile(), acc((width, hidden)), acc((1, hidden)), acc((width, hidden))),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+      out_specs=(tile(), acc((width, hidden)), acc((1, hidden)), acc((hidden, width))),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                            vmem_limit_bytes=_vmem_limit(need)),
       cost_estimate=pl.CostEstimate(
           flops=10 * tokens * width * hidden, transcendentals=2 * tokens * hidden,
-          bytes_accessed=3 * tokens * width * item + weights + parts * (grads + 4 * hidden)),
+          bytes_accessed=3 * tokens * width * item + weights + grads + 4 * hidden),
       interpret=interpret, name="fused_mlp_bwd",
   )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD)
-  return dx, dw1, db1, dw2t
+  return dx, dw1, db1, dw2
 
 
 def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act):
@@ -210,10 +207,7 @@ def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret=None):
   _, pull = jax.vjp(lambda x, w1, b1, w2: _products(x, w1, b1, w2, zero, act),
                     x_NxD, w1_DxF, b1_1xF, w2_FxD)
   dx, dw1, db1, dw2 = pull(dy_NxD)
-  # In the kernel's shapes: its parts' sums, here the whole sum in the first.
-  parts = _parts(x_NxD.shape[0])
-  stack = lambda g: jnp.concatenate([g.astype(_F32)[None], jnp.zeros((parts - 1,) + g.shape, _F32)])
-  return dx, stack(dw1), stack(db1), stack(dw2.T)
+  return dx, dw1.astype(_F32)[None], db1[None], dw2.astype(_F32)[None]
 
 
 def _on_platform(fn, *args, **kwargs):
@@ -256,16 +250,16 @@ def _mlp_bwd(act, saved, dy_NxD):
   args = (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    dx, dw1, db1, dw2t = bwd(x_NxD, dy_NxD, *args)
+    dx, dw1, db1, dw2 = bwd(x_NxD, dy_NxD, *args)
   else:
     batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
     tokens, sums = PartitionSpec(batch, None), PartitionSpec(batch, None, None)
-    dx, dw1, db1, dw2t = jax.shard_map(
+    dx, dw1, db1, dw2 = jax.shard_map(
         bwd, mesh=mesh, in_specs=(tokens, tokens) + (PartitionSpec(None, None),) * 3,
         out_specs=(tokens, sums, sums, sums), check_vma=False)(x_NxD, dy_NxD, *args)
   db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
   return (dx, dw1.sum(0).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
-          dw2t.sum(0).T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype))
+          dw2.sum(0).astype(w2_FxD.dtype), db2.astype(b2_D.dtype))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
