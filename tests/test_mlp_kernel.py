@@ -165,6 +165,7 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
   # v5p and v5e: their steps are bound by FLOPs, which the kernels add.
   assert mlp_kernel.chosen(auto, chip("TPU v5")) == mlp_kernel.chosen(auto, chip("TPU v5 lite")) == "xla"
   assert mlp_kernel.chosen(auto, chip("cpu", "cpu")) == "xla"
+  assert mlp_kernel.chosen(auto, chip("TPU v6 lite"), tensor_parallel=2) == "xla"
   gated = dataclasses.replace(auto, mlp_type="gated", hidden_act="silu")
   assert mlp_kernel.chosen(gated, chip("TPU v6 lite")) == "xla"
   assert mlp_kernel.chosen(dataclasses.replace(CFG, mlp_impl="pallas"), chip("TPU v5")) == "pallas"

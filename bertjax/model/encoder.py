@@ -180,7 +180,8 @@ class Mlp(nn.Module):
     bias = cfg.mlp_bias
     # "auto" is settled by train.build for its mesh's chips; a model used outside it, here for
     # the default device.
-    if mlp_kernel.chosen(cfg, jax.devices()[0]) == "pallas":
+    tensor = dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1)
+    if mlp_kernel.chosen(cfg, jax.devices()[0], tensor) == "pallas":
       return self._fused(x_BxLxD)
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))

@@ -11,17 +11,21 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
   backward  the intermediate recomputed from x (one product more), then dx, and dW1, db1 and dW2
             accumulated in VMEM over the token blocks and written once.
 
-So the step reads and writes only D-wide tensors and the weights, for a third more of the
-MLP's FLOPs (seven products where autodiff of the XLA path does six). The values are those of
-the XLA path but for rounding: the kernel keeps the pre-activation in float32 where the XLA path
-rounds the product to the compute dtype first (tests/test_mlp_kernel.py says how close).
+So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
+seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
+forward kernel again in the backward (its output is no matmul's for the policy to keep). Where
+a step is bound by HBM that pays, where it is bound by FLOPs it does not: `mlp_impl="auto"`
+takes the kernels on the chips in FASTER_ON alone. The values are those of the XLA path but for
+rounding: the kernel keeps the pre-activation in float32 where the XLA path rounds the product
+to the compute dtype first (tests/test_mlp_kernel.py says how close).
 
 A kernel is one device's program: under a mesh `mlp` runs the kernels in shard_map over the
 activations' batch axes, the weights whole on each device (fsdp gathers them, as it does for
-XLA's matmuls), and sums the weights' per-device gradients outside it. On a CPU it runs Pallas'
-interpreter (slow: tests only). VMEM holds W1 and W2 in the compute dtype and, in the backward,
-their float32 gradients: BERT-Base ~30 MB, BERT-Large ~55 MB (v5e and v6e have 128 MiB a core,
-v5p 64).
+XLA's matmuls; with a tensor axis each of its devices computes the same rows' whole MLP), and
+sums the weights' per-device gradients outside it. On a CPU it runs Pallas' interpreter (slow:
+tests only), on a GPU XLA's products of the same arithmetic. VMEM holds W1 and W2 in the compute
+dtype and, in the backward, their float32 sums: BERT-Base ~30 MB, BERT-Large ~55 MB (v5e and
+v6e have 128 MiB a core, v5p 64).
 """
 
 from __future__ import annotations
@@ -47,18 +51,20 @@ _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b'
 _F32 = jnp.float32
 
 
-def chosen(config, device) -> str:
-  """What `mlp_impl="auto"` means on `device`: "pallas" on FASTER_ON's chips for a dense MLP,
+def chosen(config, device, tensor_parallel: int = 1) -> str:
+  """What `mlp_impl="auto"` means on `device`: "pallas" on FASTER_ON's chips for a dense MLP
+  whose F is not split over a tensor axis (the kernels would compute every split's whole MLP),
   "xla" elsewhere; another setting as it is."""
   if config.mlp_impl != "auto":
     return config.mlp_impl
-  fits = config.mlp_type == "dense" and getattr(device, "platform", "") == "tpu"
+  fits = (config.mlp_type == "dense" and tensor_parallel == 1
+          and getattr(device, "platform", "") == "tpu")
   return "pallas" if fits and getattr(device, "device_kind", "") in FASTER_ON else "xla"
 
 
-def resolved(config, device):
-  """`config` with mlp_impl "auto" made the setting `device` gets (`chosen`)."""
-  impl = chosen(config, device)
+def resolved(config, mesh):
+  """`config` with mlp_impl "auto" made the setting `mesh`'s chips get (`chosen`)."""
+  impl = chosen(config, mesh.devices.flat[0], dict(mesh.shape).get("tensor", 1))
   return config if impl == config.mlp_impl else dataclasses.replace(config, mlp_impl=impl)
 
 
@@ -129,12 +135,16 @@ def _vmem_limit(need: int) -> int:
   return int(need * 1.25) + (16 << 20)
 
 
-def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool):
+def _sizes(x_NxD, w1_DxF, block_of):
+  """(tokens, D, F, the token block, bytes an element, the weights' bytes) of a kernel's call."""
   tokens, width = x_NxD.shape
   hidden = w1_DxF.shape[1]
-  block = token_block(tokens)
   item = x_NxD.dtype.itemsize
-  weights = 2 * width * hidden * item
+  return tokens, width, hidden, block_of(tokens), item, 2 * width * hidden * item
+
+
+def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool):
+  tokens, width, hidden, block, item, weights = _sizes(x_NxD, w1_DxF, token_block)
   need = weights + 4 * block * width * item + block * width * 4 + 4 * block * _chunk(hidden) * 4
   return pl.pallas_call(
       functools.partial(_forward_kernel, act=act, chunk=_chunk(hidden)),
@@ -154,11 +164,7 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool):
 
 
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
-  tokens, width = x_NxD.shape
-  hidden = w1_DxF.shape[1]
-  block = _backward_block(tokens)
-  item = x_NxD.dtype.itemsize
-  weights = 2 * width * hidden * item
+  tokens, width, hidden, block, item, weights = _sizes(x_NxD, w1_DxF, _backward_block)
   grads = 2 * width * hidden * 4
   tile = lambda: pl.BlockSpec((block, width), lambda i: (i, 0))
   # The gradients' sums stay in VMEM over the token blocks (their index never changes) and are

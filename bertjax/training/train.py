@@ -383,7 +383,7 @@ def build(model_config: BertConfig, train_config: TrainConfig,
           objective: Objective = PRETRAINING) -> Training:
   """Mesh, model, optimizer, shardings and the jitted functions. Checks sizes before compiling."""
   mesh = sharding.create_mesh(mesh_config, devices)
-  model_config = mlp_kernel.resolved(model_config, mesh.devices.flat[0])
+  model_config = mlp_kernel.resolved(model_config, mesh)
   sharding.check_model_fits(model_config, mesh)
   sharding.check_batch_size(train_config.batch_size, mesh, train_config.num_microbatches)
   rules = mesh_config.logical_axis_rules
