@@ -178,10 +178,11 @@ class Mlp(nn.Module):
   def __call__(self, x_BxLxD):
     cfg = self.config
     bias = cfg.mlp_bias
-    # "auto" is settled by train.build for its mesh's chips; a model used outside it, here for
-    # the default device.
-    tensor = dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1)
-    if mlp_kernel.chosen(cfg, jax.devices()[0], tensor) == "pallas":
+    impl = cfg.mlp_impl
+    if impl == "auto":  # train.build settles it for its mesh's chips; outside it, here
+      impl = mlp_kernel.chosen(cfg, jax.devices()[0],
+                               dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1))
+    if impl == "pallas":
       return self._fused(x_BxLxD)
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))
