@@ -101,14 +101,15 @@ def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
   # the weights whole; the weights' gradients are summed over the devices outside.
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
   ids = np.random.default_rng(1).integers(0, 97, (8, 16))
-  fused = dataclasses.replace(CFG, mlp_impl="pallas")
-  params = nn.unbox(BertModel(CFG).init(jax.random.key(0), ids)["params"])
+  config = dataclasses.replace(CFG, num_layers=1)  # one layer: the interpreter runs 8 devices
+  fused = dataclasses.replace(config, mlp_impl="pallas")
+  params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
 
   def loss(p, cfg, batch):
     out, _ = BertModel(cfg).apply({"params": p}, batch)
     return jnp.sum(out * _probe(out.shape))
 
-  expected = jax.value_and_grad(loss)(params, CFG, ids)
+  expected = jax.value_and_grad(loss)(params, config, ids)
   run = jax.jit(sharding.logical_context(mesh)(jax.value_and_grad(
       lambda p, b: loss(p, fused, b))))
   rows = jax.device_put(ids, NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES)))
