@@ -16,7 +16,10 @@ take hours to compile on a laptop):
   rows       rows a chip doubled and quadrupled (what does not fit HBM is said): the global
              batch grows, which changes the recipe (its learning rate is yours to set), and the
              table says so;
-  layers     scanned (one compiled layer) or straight code.
+  layers     scanned (one compiled layer) or straight code;
+  mlp        (asked for by name: --dimensions=...,mlp) XLA's MLP or the fused Pallas kernels
+             (bertjax/model/mlp_kernel.py), both tried where the config says "auto" (one of
+             them is what "auto" gives the slice, the table shows which).
 
 A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
 loop and its memory is the step's own. A straight one is compiled at 1 and 2 layers and
@@ -49,6 +52,8 @@ from bertjax.perf import roofline
 from bertjax.training import flops, train
 
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
+# Searched when named: mlp_impl "auto" already takes, per chip, what compiling found faster.
+OPTIONAL_DIMENSIONS = ("mlp",)
 REMAT = ("none", "dots", "dots_all", "full")
 # The mesh's two layouts of the state over a slice's chips (DCN axes as the config sets them).
 MESHES = {"data": {"mesh.ici_data": -1, "mesh.ici_fsdp": 1},
@@ -98,7 +103,13 @@ def candidates(dimension: str, config, best: dict) -> list[dict]:
     return [{**best, "train.batch_size": current.train.batch_size * k} for k in (2, 4)]
   if dimension == "layers":
     return [{**best, "model.scan_layers": not current.model.scan_layers}]
-  raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from {', '.join(DIMENSIONS)}")
+  if dimension == "mlp":
+    if current.model.mlp_type != "dense":
+      return []
+    return [{**best, "model.mlp_impl": impl} for impl in ("xla", "pallas")
+            if impl != current.model.mlp_impl]
+  raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from "
+                f"{', '.join(DIMENSIONS + OPTIONAL_DIMENSIONS)}")
 
 
 def note(changes: dict, config) -> str:

@@ -27,6 +27,9 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   [splash] = tune.candidates("attention", base, {})
   assert splash["model.attention_dropout"] == 0.0  # the kernel has none: said in the table
   assert "no attention dropout (was 0.1)" in tune.note(splash, base)
+  # The MLP: the other implementation, or both where the config leaves it to "auto".
+  assert tune.candidates("mlp", config, {}) == [{"model.mlp_impl": "pallas"}]
+  assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {})] == ["xla", "pallas"]
   rows = tune.candidates("rows", config, {})
   assert [c["train.batch_size"] for c in rows] == [2 * config.train.batch_size,
                                                    4 * config.train.batch_size]
