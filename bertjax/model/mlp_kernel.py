@@ -232,17 +232,30 @@ def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
   return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act)
 
 
+def _per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
+  """fn(*tokens, *whole) on each device's rows under the mesh in scope (shard_map over the
+  activations' batch axes), or once without one. `tokens`: [N, ...] arrays split by rows;
+  `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens" (split by
+  rows) or "sums" ([1, ...] per device, stacked over the devices for the caller to add)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*tokens, *whole)
+  batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
+  spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None)}
+  out_specs = tuple(spec[kind] for kind in outputs)
+  return jax.shard_map(
+      fn, mesh=mesh,
+      in_specs=(spec["tokens"],) * len(tokens) + tuple(PartitionSpec(None, None) for _ in whole),
+      out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
+      # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
+      check_vma=False)(*tokens, *whole)
+
+
 def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
   fwd = lambda x, w1, b1, w2, b2: _on_platform(_forward, x, w1, b1, w2, b2, act=act)
-  mesh = jax.sharding.get_abstract_mesh()
-  args = (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :])
-  if mesh.empty:
-    return fwd(x_NxD, *args)
-  batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
-  return jax.shard_map(
-      fwd, mesh=mesh,
-      in_specs=(PartitionSpec(batch, None),) + (PartitionSpec(None, None),) * 4,
-      out_specs=PartitionSpec(batch, None), check_vma=False)(x_NxD, *args)
+  return _per_device(fwd, (x_NxD,),
+                     (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :]),
+                     ("tokens",))
 
 
 def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
@@ -253,16 +266,9 @@ def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
 def _mlp_bwd(act, saved, dy_NxD):
   x_NxD, w1_DxF, b1_F, w2_FxD, b2_D = saved
   bwd = lambda x, dy, w1, b1, w2: _on_platform(_backward, x, dy, w1, b1, w2, act=act)
-  args = (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD)
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    dx, dw1, db1, dw2 = bwd(x_NxD, dy_NxD, *args)
-  else:
-    batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
-    tokens, sums = PartitionSpec(batch, None), PartitionSpec(batch, None, None)
-    dx, dw1, db1, dw2 = jax.shard_map(
-        bwd, mesh=mesh, in_specs=(tokens, tokens) + (PartitionSpec(None, None),) * 3,
-        out_specs=(tokens, sums, sums, sums), check_vma=False)(x_NxD, dy_NxD, *args)
+  dx, dw1, db1, dw2 = _per_device(bwd, (x_NxD, dy_NxD),
+                                  (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD),
+                                  ("tokens", "sums", "sums", "sums"))
   db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
   return (dx, dw1.sum(0).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
           dw2.sum(0).astype(w2_FxD.dtype), db2.astype(b2_D.dtype))
