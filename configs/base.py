@@ -35,7 +35,9 @@ def get_config():
   m.param_dtype = "float32"  # storage dtype of parameters
   m.scan_layers = False  # stack layers with nn.scan: one compiled layer, faster compiles
   m.scan_unroll = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
-  m.remat_policy = "none"  # "none", "full", "dots" (save matmuls without batch dims), "dots_all"
+  # "none", "full", "dots" (save matmuls without batch dims), "dots_all", "dots_mlp" (dots and the
+  # fused MLP kernels' output)
+  m.remat_policy = "none"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0)
   m.cudnn_packing = "mask"  # packed rows on cuDNN: "mask" (read as a bias) or "segments" (no bias)
   m.recompute_mlm_logits = False  # True: MLM logits scored where made, recomputed in the backward
@@ -206,7 +208,8 @@ def set_accelerator(config, phase: str | int) -> None:
   a TPU compile"): bfloat16 matmuls; scanned layers; the parameters and optimizer state split
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
-  each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again), and
+  each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again; at
+  length 128 "dots_mlp", which also keeps the fused MLP's output on v6e), and
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
   "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds). At
@@ -218,7 +221,9 @@ def set_accelerator(config, phase: str | int) -> None:
   m = config.model
   m.dtype = "bfloat16"
   m.scan_layers = True
-  m.remat_policy = "dots"
+  # At length 128 the fused MLP's output kept too (on v6e: the step is bound by FLOPs there,
+  # which its second forward run adds; elsewhere the same as "dots").
+  m.remat_policy = "dots_mlp" if int(phase) == 1 else "dots"
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1

@@ -6,8 +6,7 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
       --config.checkpoint.init_from=gs://BUCKET/large_p1
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
 pre-training heads. Set for TPUs as configs/bert_base.py (base.set_accelerator): roofline MFU
-of the compiled step v5p-8 0.98 and 0.96 (phases 1 and 2), v6e-8 0.77 and 0.66 (phase 2 with
-the fused MLP kernel, phase 1 without: it adds more FLOPs there than it saves bytes). On a GPU
+of the compiled step v5p-8 0.98 and 0.96 (phases 1 and 2), v6e-8 0.79 and 0.66. On a GPU
 or a CPU, configs/bert_base.py says what to change.
 Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
 train.batch_size counts rows.
@@ -27,9 +26,4 @@ def get_config(arg=None):
   m.num_layers = 24
   m.num_heads = 16
   m.intermediate_size = 4096
-  if int(phase) == 1:
-    # At length 128 the fused MLP's extra products leave BERT-Large's step on v6e bound by its
-    # FLOPs: 0.746 against XLA's MLP's 0.772 by the compile's roofline (docs/performance.md, "The
-    # MLP in one kernel"); at 512 the kernel is ahead (0.655 against 0.533).
-    m.mlp_impl = "xla"
   return config

@@ -71,7 +71,8 @@ def test_in_bfloat16_within_its_rounding():
     assert err <= 2e-2 * scale, (name, err, scale)
 
 
-@pytest.mark.parametrize("layers", [{}, {"scan_layers": True, "remat_policy": "dots"}])
+@pytest.mark.parametrize("layers", [{}, {"scan_layers": True, "remat_policy": "dots"},
+                                    {"scan_layers": True, "remat_policy": "dots_mlp"}])
 def test_a_model_takes_the_same_parameters_and_gives_the_same_values(layers):
   # Straight layers, and the released configs' scanned layers with remat "dots" (the kernels'
   # forward runs again in the backward there: its output is no matmul's for the policy to keep).
@@ -176,3 +177,19 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
   config = tiny.get_config()
   config.model.update(vocab_size=100, mlp_impl="auto")
   assert train.from_config(config).model_config.mlp_impl == "xla"
+
+
+def test_remat_dots_mlp_keeps_the_kernels_output_so_their_forward_runs_once():
+  # Under remat "dots" the forward kernel runs again in the backward (its output is no matmul's);
+  # "dots_mlp" keeps that output, and the backward calls the forward kernel no more.
+  ids = np.random.default_rng(0).integers(0, 97, (4, 16))
+  config = dataclasses.replace(CFG, scan_layers=True, mlp_impl="pallas")
+  params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
+  calls = {}
+  for policy in ("none", "dots", "dots_mlp"):
+    cfg = dataclasses.replace(config, remat_policy=policy)
+    loss = lambda p, cfg=cfg: jnp.sum(BertModel(cfg).apply({"params": p}, ids)[0])
+    text = str(jax.make_jaxpr(jax.grad(loss))(params))
+    calls[policy] = (text.count("fused_mlp_fwd"), text.count("fused_mlp_bwd"))
+  assert calls["dots_mlp"] == calls["none"], calls
+  assert calls["dots"][0] > calls["dots_mlp"][0] and calls["dots"][1] == calls["dots_mlp"][1], calls

@@ -44,6 +44,12 @@ REMAT_POLICIES = {
     # softmax, GELU and LayerNorm: most of the memory saving for a fraction of the compute.
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots_all": jax.checkpoint_policies.checkpoint_dots,  # keep every matmul output
+    # "dots", and the fused MLP kernels' output (mlp_impl "pallas"), which is no matmul's: the
+    # forward kernel then does not run again in the backward. Fewer FLOPs, more bytes; with
+    # XLA's MLP the same as "dots" (docs/performance.md, "The MLP in one kernel").
+    "dots_mlp": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("mlp_output")),
 }
 
 ATTENTION_IMPLS = attention.IMPLS

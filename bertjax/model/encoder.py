@@ -210,7 +210,8 @@ class Mlp(nn.Module):
         x_BxLxD.reshape(-1, width).astype(dt), w1_DxF.astype(dt),
         no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
         no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act])
-    return y_NxD.reshape(x_BxLxD.shape)
+    # Named for remat "dots_mlp", which keeps it.
+    return jax.ad_checkpoint.checkpoint_name(y_NxD.reshape(x_BxLxD.shape), "mlp_output")
 
 
 class EncoderLayer(nn.Module):
