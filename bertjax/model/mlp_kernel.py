@@ -13,7 +13,8 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
 
 So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
 seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
-forward kernel again in the backward (its output is no matmul's for the policy to keep). Where
+forward kernel again in the backward (its output is no matmul's for the policy to keep; remat
+"dots_mlp" keeps it, encoder.Mlp names it). Where
 a step is bound by HBM that pays, where it is bound by FLOPs it does not: `mlp_impl="auto"`
 takes the kernels on the chips in FASTER_ON alone. The values are those of the XLA path but for
 rounding: the kernel keeps the pre-activation in float32 where the XLA path rounds the product
@@ -201,14 +202,8 @@ def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act):
   return (jnp.dot(h_NxF, w2_FxD, preferred_element_type=_F32) + b2_1xD).astype(x_NxD.dtype)
 
 
-def _xla_forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret=None):
-  del interpret
-  return _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act)
-
-
-def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret=None):
+def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act):
   """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
-  del interpret
   zero = jnp.zeros((1, w2_FxD.shape[1]), _F32)
   _, pull = jax.vjp(lambda x, w1, b1, w2: _products(x, w1, b1, w2, zero, act),
                     x_NxD, w1_DxF, b1_1xF, w2_FxD)
@@ -220,7 +215,7 @@ def _on_platform(fn, *args, **kwargs):
   """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), Pallas'
   interpreter on a CPU (tests), and elsewhere (a GPU) XLA's products of the same arithmetic, so
   a config that asks for the kernels still runs there."""
-  fallback = {_forward: _xla_forward, _backward: _xla_backward}[fn]
+  fallback = {_forward: _products, _backward: _xla_backward}[fn]
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(fn, **kwargs, interpret=False),
       cpu=functools.partial(fn, **kwargs, interpret=True),
