@@ -6,9 +6,12 @@
   "cudnn"   cuDNN's fused (flash) attention through jax.nn.dot_product_attention;
   "splash"  the Pallas splash attention kernel on TPU, its interpreter on CPU (slow: tests only);
             no GPU branch (use "cudnn"). Blockwise, never materialising [L, L].
-Neither kernel has dropout on attention probabilities: BertConfig requires attention_dropout=0
-with them (a departure from the original's 0.1; launch/README.md has its measured effect and the
-memory saved at L=512).
+  "fused"   bertjax.model.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU, XLA on
+            a GPU) that computes each head's whole [L, L] in VMEM, dropout on the probabilities
+            included (L a multiple of 128, at most 1024).
+cuDNN and splash have no dropout on attention probabilities: BertConfig requires
+attention_dropout=0 with them (a departure from the original's 0.1; launch/README.md has its
+measured effect and the memory saved at L=512).
 
 Each implementation gets the padding and packing masks in the form its kernel reads
 (`attention_masks`). What the XLA path computes at padding query positions (attention over the
@@ -37,7 +40,7 @@ from bertjax.errors import Refusal
 from bertjax.model import dropout
 
 
-IMPLS = ("xla", "cudnn", "splash")
+IMPLS = ("xla", "cudnn", "splash", "fused")
 # The splash kernel works on blocks of the sequence whose kv side must be a multiple of the TPU's
 # 128 lanes; larger blocks are fewer grid steps. The largest of these dividing L is used.
 SPLASH_BLOCKS = (512, 256, 128)
@@ -223,7 +226,7 @@ def cudnn_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks: dict, local_window: 
 def attention_masks(impl: str, input_mask_BxL: jax.Array,
                     sequence_ids_BxL: jax.Array | None = None, cudnn_packing: str = "mask") -> dict:
   """What SelfAttention of `impl` masks with, built once per batch and shared by every layer."""
-  if impl == "splash":
+  if impl in ("splash", "fused"):
     return {"segment_ids": splash_segment_ids(input_mask_BxL, sequence_ids_BxL)}
   if impl == "cudnn":
     return cudnn_arguments(input_mask_BxL, sequence_ids_BxL, cudnn_packing)

@@ -217,7 +217,7 @@ class BertConfig:
     if self.attention_impl in ("cudnn", "splash") and self.attention_dropout > 0:
       problems.append(f"attention_impl={self.attention_impl!r} has no dropout on attention "
                       f"probabilities (attention_dropout={self.attention_dropout}); set "
-                      "attention_dropout=0.0 or use attention_impl='xla'")
+                      "attention_dropout=0.0 or use attention_impl='fused' (TPU) or 'xla'")
     for name in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, name))

@@ -40,14 +40,14 @@ _PER_WORD = 32 // BITS
 _PER_EVALUATION = 2 * _PER_WORD  # threefry-2x32 returns two 32-bit words per evaluation
 
 
-def _threshold(rate: float) -> int:
+def threshold(rate: float) -> int:
   """16-bit values below it are dropped."""
   return round(rate * _LEVELS)
 
 
 def quantised_rate(rate: float) -> float:
   """The drop probability `keep_mask` realises for `rate`: the nearest multiple of 1/65536."""
-  return _threshold(rate) / _LEVELS
+  return threshold(rate) / _LEVELS
 
 
 def _threefry_key_words(rng):
@@ -83,10 +83,10 @@ def keep_mask(rng, shape, rate: float) -> jax.Array:
   # where it is cut from its word, and the four [..., groups] decisions stacked (one byte an
   # element): stacking the 32-bit words or pieces first made XLA's TPU compiler write a u32
   # [..., 4, groups] buffer, four bytes an element, at every attention dropout.
-  threshold = jnp.uint32(_threshold(rate))
+  cut = jnp.uint32(threshold(rate))
   low = jnp.uint32(_LEVELS - 1)
-  keeps = [(y1 & low) >= threshold, (y1 >> BITS) >= threshold,
-           (y2 & low) >= threshold, (y2 >> BITS) >= threshold]
+  keeps = [(y1 & low) >= cut, (y1 >> BITS) >= cut,
+           (y2 & low) >= cut, (y2 >> BITS) >= cut]
   keep = jnp.stack(keeps, axis=-2)
   return keep.reshape(shape[:-1] + (_PER_EVALUATION * groups,))[..., :shape[-1]]
 

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import attention, dropout, mlp_kernel, residuals
+from bertjax.model import attention, attention_kernel, dropout, mlp_kernel, residuals
 from bertjax.model.attention import apply_rope, rope_tables
 from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
@@ -139,6 +139,14 @@ class SelfAttention(nn.Module):
       run = lambda w: lambda q, k, v, ids: splash(q, k, v, ids, local_window=w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks["segment_ids"])
+    elif cfg.attention_impl == "fused":
+      rate = 0.0 if deterministic else cfg.attention_dropout
+      rng = self.make_rng("dropout") if rate > 0 and not self.is_initializing() else None
+      fused = lambda w: lambda q, k, v, ids: (
+          attention.splash_equivalent(q, k, v, ids, local_window=w) if self.is_initializing()
+          else attention_kernel.fused_attention(q, k, v, ids, rng, rate, local_window=w))
+      out_BxLxNxK = attention.choose_local(is_local, fused(window), fused(0), q_BxLxNxK,
+                                           k_BxLxNxK, v_BxLxNxK, masks["segment_ids"])
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,

@@ -1,0 +1,352 @@
+"""Attention with dropout on its probabilities, in one Pallas kernel (`attention_impl="fused"`).
+
+BERT trains with dropout on the attention probabilities (0.1). XLA's attention writes the float32
+[B, N, L, L] scores, the probabilities and the dropout's keep decisions to HBM and reads them
+back in the backward: at length 128 half of BERT-Base's step bytes on v6e (docs/performance.md).
+The splash kernel never writes them, but has no dropout. Here, for rows short enough that a
+head's whole [L, L] fits the chip's VMEM (L a multiple of 128, up to MAX_LENGTH), each (row,
+head) is computed whole:
+
+  forward   s = q k^T / sqrt(K), masked to the row's segments; p = softmax(s); p' = p kept
+            by the dropout and scaled by 1 / (1 - rate); out = p' v;
+  backward  s, p and the keep decisions made again from q, k and the key, then dv = p'^T do,
+            dp = do v^T (kept and scaled), ds = p (dp - rowsum(p dp)) / sqrt(K), dq = ds k,
+            dk = ds^T q.
+
+Nothing [L, L] leaves VMEM and nothing but the inputs is kept for the backward.
+
+The dropout's bits. A kernel cannot read a mask it did not write, so it draws its keep decisions
+itself, and the backward draws them again: threefry-2x32 (20 rounds, the generator of
+jax.random's default keys; `threefry2x32` here, the same words as jax's own) keyed by the
+layer's dropout key, on counters made of the element's global row, head, query and key. Each
+evaluation's two 32-bit words give four 16-bit pieces, four decisions (rate quantised to 1/65536
+as bertjax.model.dropout): piece p of the evaluation at (query group g, key j) decides
+(query p * L/4 + g, key j), so the four [L/4, L] pieces stack along the queries (whole (8, 128)
+tiles, no lane shuffles). Not the bits of attention_impl="xla" (whose pieces run along the keys),
+but the same on every device kind and mesh: the decisions depend on the key and each element's
+global (row, head, query, key) alone. On a GPU, where there is no Mosaic, `reference` computes
+the same arithmetic with XLA.
+
+A kernel is one device's program: under a mesh it runs in shard_map over the activations' batch
+and heads axes, each device on its rows and heads, with their global numbers for the counters.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec
+
+from bertjax.errors import Refusal
+from bertjax.model import dropout
+
+MULTIPLE = 128  # keys lie along the TPU's 128 lanes
+MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB each at 1024
+# Rows a grid step: as many as keep the step's [N, L, K] blocks (double buffered) within this.
+ROW_BLOCK_BYTES = 8 << 20
+_F32, _U32 = jnp.float32, jnp.uint32
+_T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
+# Threefry-2x32's rotation constants and key-schedule parity (Salmon et al., "Parallel random
+# numbers: as easy as 1, 2, 3", SC 2011; Random123), 20 rounds as jax.random's.
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = 0x1BD11BDA
+_PIECES = 4  # 16-bit decisions an evaluation gives
+BIG_NEGATIVE = 0.7 * float(np.finfo(np.float32).min)  # a masked score, as the XLA path
+
+
+def threefry2x32(k1, k2, x1, x2):
+  """Threefry-2x32 of the counters (x1, x2) under the key (k1, k2): two uint32 words. Plain
+  uint32 arithmetic (adds, shifts, xors), so a Pallas kernel computes it as XLA does."""
+  k3 = k1 ^ k2 ^ _U32(_PARITY)
+  keys = (k1, k2, k3)
+  x1, x2 = x1 + k1, x2 + k2
+  for block in range(5):
+    for r in _ROTATIONS[block % 2]:
+      x1 = x1 + x2
+      x2 = (x2 << _U32(r)) | (x2 >> _U32(32 - r))
+      x2 = x1 ^ x2
+    x1 = x1 + keys[(block + 1) % 3]
+    x2 = x2 + keys[(block + 2) % 3] + _U32(block + 1)
+  return x1, x2
+
+
+def keep_decisions(k1, k2, row, head, length: int, rate: float):
+  """Boolean [..., L, L]: which attention probabilities of (row, head) survive dropout at
+  `rate`. `row` and `head` are uint32 arrays broadcasting together (scalars in the kernel,
+  [B, 1, 1, 1] and [1, N, 1, 1] for a whole batch)."""
+  group = length // _PIECES
+  shape = jnp.broadcast_shapes(jnp.shape(row), jnp.shape(head))[:-2] + (group, length)
+  g = jax.lax.broadcasted_iota(_U32, shape, len(shape) - 2)
+  j = jax.lax.broadcasted_iota(_U32, shape, len(shape) - 1)
+  # One counter per (row, head, query group, key): x2 < N * L^2 / 4, far below 2**32.
+  x2 = (head * _U32(group) + g) * _U32(length) + j
+  y1, y2 = threefry2x32(k1, k2, jnp.broadcast_to(row, shape), x2)
+  threshold, low = _U32(dropout.threshold(rate)), _U32((1 << dropout.BITS) - 1)
+  pieces = [(y1 & low) >= threshold, (y1 >> _U32(dropout.BITS)) >= threshold,
+            (y2 & low) >= threshold, (y2 >> _U32(dropout.BITS)) >= threshold]
+  return jnp.concatenate(pieces, axis=-2)
+
+
+def check_length(length: int) -> None:
+  if length % MULTIPLE or length > MAX_LENGTH:
+    raise Refusal(
+        f"attention_impl='fused' computes a head's whole [L, L] in VMEM: it needs a sequence "
+        f"length that is a multiple of {MULTIPLE} and at most {MAX_LENGTH}; got {length}. Set "
+        f"data.max_seq_length to one (e.g. {min(MAX_LENGTH, max(MULTIPLE, -(-length // MULTIPLE) * MULTIPLE))}), "
+        f"or use attention_impl='splash' (no attention dropout) or 'xla'")
+
+
+def _allowed(seg_q_Lx1, seg_k_1xL, local_window: int):
+  same = seg_q_Lx1 == seg_k_1xL
+  if local_window:
+    length = seg_k_1xL.shape[-1]
+    i = jax.lax.broadcasted_iota(jnp.int32, (length, length), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (length, length), 1)
+    same = same & (jnp.abs(i - j) <= local_window // 2)
+  return same
+
+
+def _probabilities(q_LxK, k_LxK, allowed_LxL, scale: float):
+  s = jax.lax.dot_general(q_LxK, k_LxK, _T, preferred_element_type=_F32) * scale
+  s = jnp.where(allowed_LxL, s, BIG_NEGATIVE)
+  e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+  return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _dropped(p, keep, rate: float):
+  if rate <= 0.0:
+    return p
+  return jnp.where(keep, p * (1.0 / (1.0 - dropout.quantised_rate(rate))), 0.0)
+
+
+def _column(seg_1xL):
+  """[1, L] -> [L, 1] by a masked sum over the lanes (Mosaic transposes no [1, L] vector)."""
+  length = seg_1xL.shape[-1]
+  i = jax.lax.broadcasted_iota(jnp.int32, (length, length), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (length, length), 1)
+  return jnp.sum(jnp.where(i == j, jnp.broadcast_to(seg_1xL, (length, length)), 0), axis=1,
+                 keepdims=True)
+
+
+def _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, heads: int, body):
+  """body(i, n, global row, global head, allowed [L, L]) for each row of the block and each
+  head; the segments' mask made once a row."""
+  block = seg_ref.shape[0]
+  first_row = pl.program_id(0) * block  # read outside the loops: the interpreter wants it so
+
+  def per_row(i, carry):
+    seg_k = seg_ref[i]
+    allowed = _allowed(_column(seg_k), seg_k, arith.local_window)
+    row = rows_ref[first_row + i].astype(_U32)
+
+    def per_head(n, carry):
+      body(i, n, row, (first_head_ref[0] + n).astype(_U32), allowed)
+      return carry
+    return jax.lax.fori_loop(0, heads, per_head, carry)
+  jax.lax.fori_loop(0, block, per_row, 0)
+
+
+class _Body:
+  """The arithmetic one (row, head) shares between the kernels."""
+
+  def __init__(self, key_ref, rate, local_window, scale):
+    self.key_ref, self.rate, self.local_window, self.scale = key_ref, rate, local_window, scale
+
+  def probabilities(self, q, k, allowed, row, head):
+    p = _probabilities(q, k, allowed, self.scale)
+    keep = None
+    if self.rate > 0:
+      keep = keep_decisions(self.key_ref[0].astype(_U32), self.key_ref[1].astype(_U32), row,
+                            head, p.shape[-1], self.rate)
+    return p, keep
+
+
+def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, *,
+                    rate, local_window, scale):
+  arith = _Body(key_ref, rate, local_window, scale)
+
+  def body(i, n, row, head, allowed):
+    p, keep = arith.probabilities(q_ref[i, n], k_ref[i, n], allowed, row, head)
+    v = v_ref[i, n]
+    o_ref[i, n] = jnp.dot(_dropped(p, keep, rate).astype(v.dtype), v,
+                          preferred_element_type=_F32).astype(o_ref.dtype)
+  _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
+
+
+def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, q_ref, k_ref, v_ref, do_ref,
+                     dq_ref, dk_ref, dv_ref, *, rate, local_window, scale):
+  arith = _Body(key_ref, rate, local_window, scale)
+
+  def body(i, n, row, head, allowed):
+    q, k, v, do = q_ref[i, n], k_ref[i, n], v_ref[i, n], do_ref[i, n]
+    p, keep = arith.probabilities(q, k, allowed, row, head)
+    dv_ref[i, n] = jnp.dot(_dropped(p, keep, rate).astype(do.dtype).T, do,
+                           preferred_element_type=_F32).astype(dv_ref.dtype)
+    dp = _dropped(jax.lax.dot_general(do, v, _T, preferred_element_type=_F32), keep, rate)
+    ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale).astype(q.dtype)
+    dq_ref[i, n] = jnp.dot(ds, k, preferred_element_type=_F32).astype(dq_ref.dtype)
+    dk_ref[i, n] = jnp.dot(ds.T, q, preferred_element_type=_F32).astype(dk_ref.dtype)
+  _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
+
+
+def _rows_a_block(rows: int, heads: int, length: int, size: int, tensors: int) -> int:
+  """Rows a grid step: the most dividing `rows` whose `tensors` [N, L, K] blocks (double
+  buffered) stay within ROW_BLOCK_BYTES of VMEM; one at least."""
+  per_row = 2 * tensors * heads * length * size
+  return max(b for b in range(1, rows + 1) if rows % b == 0 and (b == 1 or b * per_row <= ROW_BLOCK_BYTES))
+
+
+def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, *, rate, local_window,
+          flops, interpret):
+  rows, heads, length, size = inputs[0].shape
+  item = inputs[0].dtype.itemsize
+  block = _rows_a_block(rows, heads, length, size * item, len(inputs) + outputs)
+  tile = pl.BlockSpec((block, heads, length, size), lambda b, *_: (b, 0, 0, 0))
+  fn = functools.partial(kernel, rate=rate, local_window=local_window,
+                         scale=1.0 / np.sqrt(size))
+  shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
+  # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
+  need = 2 * (len(inputs) + outputs) * block * heads * length * size * item + 10 * length * length * 4
+  result = pl.pallas_call(
+      fn,
+      out_shape=(shape,) * outputs,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(rows // block,),
+          in_specs=[pl.BlockSpec((block, 1, length), lambda b, *_: (b, 0, 0))]
+          + [tile] * len(inputs),
+          out_specs=(tile,) * outputs),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                           vmem_limit_bytes=need + (16 << 20)),
+      cost_estimate=pl.CostEstimate(
+          flops=flops * rows * heads * length * length * size,
+          transcendentals=rows * heads * length * length,
+          bytes_accessed=(len(inputs) + outputs) * rows * heads * length * size * item
+          + rows * length * 4),
+      interpret=interpret, name=name,
+  )(rows_ids, first_head, key, seg, *inputs)
+  return result if outputs > 1 else result[0]
+
+
+def _forward(rows_ids, first_head, key, seg, q, k, v, *, rate, local_window, interpret):
+  # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
+  return _call(_forward_kernel, "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key,
+               seg, rate=rate, local_window=local_window, flops=4, interpret=interpret)
+
+
+def _backward(rows_ids, first_head, key, seg, q, k, v, do, *, rate, local_window, interpret):
+  # 10: q k^T again, do v^T, dv, dq and dk.
+  return _call(_backward_kernel, "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head,
+               key, seg, rate=rate, local_window=local_window, flops=10, interpret=interpret)
+
+
+def reference(rows_ids, first_head, key, seg, q, k, v, *, rate, local_window):
+  """The kernels' arithmetic by XLA, heads first ([B, N, L, K]): where there is no Mosaic, and
+  what the tests hold the kernels to."""
+  length = q.shape[2]
+  seg_k = seg[:, :, None, :]  # [B, 1, 1, L]
+  allowed = _allowed(jnp.swapaxes(seg_k, -1, -2), seg_k, local_window)
+  p = jax.vmap(jax.vmap(functools.partial(_probabilities, scale=1.0 / np.sqrt(q.shape[-1]))))(
+      q, k, jnp.broadcast_to(allowed, q.shape[:2] + (length, length)))
+  keep = None
+  if rate > 0:
+    rows = rows_ids.astype(_U32)[:, None, None, None]
+    heads = (first_head[0] + jnp.arange(q.shape[1])).astype(_U32)[None, :, None, None]
+    keep = keep_decisions(key[0].astype(_U32), key[1].astype(_U32), rows, heads, length, rate)
+  return jnp.einsum("bnqs,bnsk->bnqk", _dropped(p, keep, rate).astype(v.dtype), v)
+
+
+def _reference_backward(rows_ids, first_head, key, seg, q, k, v, do, *, rate, local_window):
+  _, pull = jax.vjp(lambda q, k, v: reference(rows_ids, first_head, key, seg, q, k, v, rate=rate,
+                                              local_window=local_window), q, k, v)
+  return pull(do)
+
+
+def _on_platform(fn, *args, **kwargs):
+  """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), Pallas'
+  interpreter on a CPU (tests), and elsewhere (a GPU) `reference`'s XLA arithmetic."""
+  fallback = {_forward: reference, _backward: _reference_backward}[fn]
+  return jax.lax.platform_dependent(
+      *args, tpu=functools.partial(fn, **kwargs, interpret=False),
+      cpu=functools.partial(fn, **kwargs, interpret=True),
+      default=functools.partial(fallback, **kwargs))
+
+
+def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
+  """fn on each device's rows and heads under the mesh in scope (shard_map over the
+  activations' batch and heads axes), or once without one. `arrays`: [B, L, N, K] (heads
+  first inside fn); `ids`: (global row ids [B], global head ids [N], key [2], segments [B, L])."""
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+
+  def run(*args):
+    rows_ids, heads_ids, key, seg = args[len(arrays):]
+    out = fn(rows_ids, heads_ids[:1], key, seg[:, None, :], *map(heads_first, args[:len(arrays)]))
+    return tuple(map(heads_first, out)) if outputs > 1 else heads_first(out)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return run(*arrays, *ids)
+  batch, _, heads, _ = nn.logical_to_mesh_axes(
+      ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+  qkv = PartitionSpec(batch, None, heads, None)
+  specs = (PartitionSpec(batch), PartitionSpec(heads), PartitionSpec(None),
+           PartitionSpec(batch, None))
+  return jax.shard_map(
+      run, mesh=mesh, in_specs=(qkv,) * len(arrays) + specs,
+      out_specs=(qkv,) * outputs if outputs > 1 else qkv,
+      # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
+      check_vma=False)(*arrays, *ids)
+
+
+def _ids(q_BxLxNxK, segment_ids_BxL, key):
+  rows, _, heads, _ = q_BxLxNxK.shape
+  return (jnp.arange(rows, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32),
+          key, segment_ids_BxL.astype(jnp.int32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, segment_ids, key, rate, local_window):
+  fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window)
+  return _per_device(fwd, (q, k, v), _ids(q, segment_ids, key), 1)
+
+
+def _attention_fwd(q, k, v, segment_ids, key, rate, local_window):
+  # Only the inputs are kept: the backward makes the scores and the decisions again.
+  return _attention(q, k, v, segment_ids, key, rate, local_window), (q, k, v, segment_ids, key)
+
+
+def _attention_bwd(rate, local_window, saved, do):
+  q, k, v, segment_ids, key = saved
+  bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window)
+  dq, dk, dv = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key), 3)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def key_words(rng) -> jax.Array:
+  """The uint32 pair the kernels' threefry is keyed with, from a jax key (typed or raw; another
+  implementation's key data gives its first two words)."""
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  return jax.lax.bitcast_convert_type(rng.reshape(-1)[:2].astype(_U32), jnp.int32)
+
+
+def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
+                    rate: float = 0.0, local_window: int = 0):
+  """Softmax(q k^T / sqrt(K)) v within segments (splash's segment ids: attention.
+  splash_segment_ids), the probabilities dropped at `rate` by `rng` (a jax key; none at rate 0).
+  [B, L, N, K] in and out; differentiable in q, k and v. `local_window` > 0: only keys with
+  |i - j| <= local_window // 2."""
+  check_length(q_BxLxNxK.shape[1])
+  if rate > 0 and rng is None:
+    raise ValueError("fused_attention: a dropout rate needs an rng")
+  key = key_words(rng) if rate > 0 else jnp.zeros((2,), jnp.int32)
+  return _attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, key, float(rate),
+                    int(local_window))

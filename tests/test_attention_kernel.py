@@ -1,0 +1,189 @@
+"""Attention with dropout in one Pallas kernel (bertjax/model/attention_kernel.py,
+`attention_impl="fused"`) against XLA: the same values and gradients, the dropout's bits pinned
+and the same on any mesh. On a CPU the kernels run in Pallas' interpreter; tests/test_aot.py
+compiles them for a TPU."""
+
+import dataclasses
+import hashlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import random as jex_random
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bertjax.errors import Refusal
+from bertjax.model import attention, attention_kernel as ak, dropout
+from bertjax.model.config import BertConfig
+from bertjax.model.encoder import BertModel
+from bertjax.parallel import sharding
+
+B, L, N, K = 4, 128, 4, 32
+RATE = 0.1
+
+
+def _inputs(seed=0):
+  r = np.random.default_rng(seed)
+  q, k, v, do = (jnp.asarray(r.normal(size=(B, L, N, K)), jnp.float32) for _ in range(4))
+  # Packed rows: two sequences, then padding; the last row one sequence without padding.
+  ids = np.zeros((B, L), np.int32)
+  ids[:, :50], ids[:, 50:110] = 1, 2
+  ids[-1] = 1
+  seg = attention.splash_segment_ids(jnp.asarray(ids > 0, jnp.int32), jnp.asarray(ids))
+  return q, k, v, do, seg
+
+
+def _by_hand(q, k, v, seg, keep, rate, window=0):
+  """Softmax attention within segments, dropped by `keep` [B, N, L, L]: written out."""
+  s = jnp.einsum("bqnk,bsnk->bnqs", q, k) / np.sqrt(q.shape[-1])
+  allowed = seg[:, None, :, None] == seg[:, None, None, :]
+  if window:
+    i = np.arange(q.shape[1])
+    allowed = allowed & (np.abs(i[:, None] - i[None, :]) <= window // 2)
+  p = jax.nn.softmax(jnp.where(allowed, s, -1e30), axis=-1)
+  if keep is not None:
+    p = jnp.where(keep, p / (1 - dropout.quantised_rate(rate)), 0.0)
+  return jnp.einsum("bnqs,bsnk->bqnk", p, v)
+
+
+def _keep(rng, rows=B, heads=N, length=L, rate=RATE):
+  k1, k2 = (w.astype(jnp.uint32) for w in ak.key_words(rng))
+  return ak.keep_decisions(k1, k2, jnp.arange(rows, dtype=jnp.uint32)[:, None, None, None],
+                           jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None], length,
+                           rate)
+
+
+def test_threefry_gives_jax_s_words():
+  k1, k2 = jnp.uint32(0x9E3779B9), jnp.uint32(0x7F4A7C15)
+  x1 = jnp.arange(1000, dtype=jnp.uint32) * jnp.uint32(2654435761)
+  x2 = jnp.arange(1000, dtype=jnp.uint32)
+  ours = ak.threefry2x32(k1, k2, x1, x2)
+  jax_s = jex_random.threefry2x32_p.bind(k1, k2, x1, x2)
+  for a, b in zip(ours, jax_s):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_dropout_s_bits_are_pinned_and_drop_at_the_rate():
+  keep = np.asarray(_keep(jax.random.key(1234), rows=8, heads=12))
+  # A resumed run draws what it drew: these bits may never change silently.
+  assert hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()[:16] == "45c7c3357acda8e9"
+  dropped = 1 - keep.mean()
+  # 1.57M decisions: the standard error of the rate is 0.00024.
+  assert abs(dropped - dropout.quantised_rate(RATE)) < 0.0012, dropped
+  # Every (row, head) and every quarter of the queries has its own bits.
+  flat = keep.reshape(8 * 12 * 4, -1)
+  assert len({row.tobytes() for row in flat}) == len(flat)
+
+
+@pytest.mark.parametrize("rate,window", [(0.0, 0), (RATE, 0), (RATE, 64)])
+def test_the_kernels_give_attention_and_its_gradients(rate, window, monkeypatch):
+  # One row a grid step: the kernels find each row's global number from the step's index.
+  monkeypatch.setattr(ak, "ROW_BLOCK_BYTES", 0)
+  q, k, v, do, seg = _inputs()
+  rng = jax.random.key(5)
+  keep = _keep(rng) if rate else None
+  got, pull = jax.vjp(lambda *a: ak.fused_attention(*a, seg, rng, rate, local_window=window),
+                      q, k, v)
+  expected, pull_ref = jax.vjp(lambda *a: _by_hand(*a, seg, keep, rate, window), q, k, v)
+  real = np.asarray(seg >= 0)  # padding queries are computed and never read
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=2e-6)
+  do = do * real[:, :, None, None]
+  for name, g, e in zip("qkv", pull(do), pull_ref(do)):
+    np.testing.assert_allclose(g, e, atol=2e-5, err_msg=f"d{name}")
+  if rate:  # and the dropout did drop: without it the values differ
+    assert float(jnp.abs(got - _by_hand(q, k, v, seg, None, 0.0, window))[real].max()) > 0.1
+
+
+def test_in_bfloat16_within_its_rounding():
+  q, k, v, do, seg = _inputs(1)
+  rng = jax.random.key(6)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  got = ak.fused_attention(bf(q), bf(k), bf(v), seg, rng, RATE)
+  expected = _by_hand(bf(q).astype(jnp.float32), bf(k).astype(jnp.float32),
+                      bf(v).astype(jnp.float32), seg, _keep(rng), RATE)
+  real = np.asarray(seg >= 0)
+  assert got.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(got, np.float32) - np.asarray(expected))[real]
+  assert err.max() < 0.05 and err.mean() < 0.005, (err.max(), err.mean())
+
+
+def test_without_mosaic_xla_computes_what_the_kernels_do():
+  # A GPU has no Mosaic: there `reference` runs, with the same bits.
+  q, k, v, do, seg = _inputs(2)
+  rng = jax.random.key(7)
+  args = (jnp.arange(B), jnp.zeros((1,), jnp.int32), ak.key_words(rng), seg[:, None, :])
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+  qh, kh, vh, doh = map(heads_first, (q, k, v, do))
+  kw = dict(rate=RATE, local_window=0)
+  np.testing.assert_allclose(ak.reference(*args, qh, kh, vh, **kw),
+                             ak._forward(*args, qh, kh, vh, **kw, interpret=True), atol=2e-6)
+  for got, expected in zip(ak._reference_backward(*args, qh, kh, vh, doh, **kw),
+                           ak._backward(*args, qh, kh, vh, doh, **kw, interpret=True)):
+    np.testing.assert_allclose(got, expected, atol=2e-5)
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ak.fused_attention(q, k, v, seg, rng, RATE)),
+                          argnums=(0, 1, 2)))
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)]
+  for platform, kernels in (("cuda", False), ("tpu", True)):
+    text = jax.export.export(grad, platforms=[platform])(*shapes).mlir_module()
+    assert ("tpu_custom_call" in text) == kernels, platform
+
+
+def test_under_a_mesh_each_device_draws_its_rows_and_heads_bits():
+  # data x fsdp x tensor = 2 x 2 x 2: rows over data x fsdp, heads over tensor. Each device
+  # numbers its rows and heads globally, so the output and gradients are one device's.
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  q, k, v, do, seg = _inputs(3)
+  rng = jax.random.key(8)
+  loss = lambda q, k, v, seg: jnp.sum(ak.fused_attention(q, k, v, seg, rng, RATE) * do)
+  expected = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, seg)
+  qkv = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES, None, "tensor", None))
+  rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES, None))
+  run = jax.jit(sharding.logical_context(mesh)(jax.value_and_grad(loss, argnums=(0, 1, 2))))
+  placed = [jax.device_put(x, qkv) for x in (q, k, v)] + [jax.device_put(seg, rows)]
+  assert 'manual_axes={"data", "fsdp", "tensor"}' in run.lower(*placed).as_text()
+  value, grads = run(*placed)
+  np.testing.assert_allclose(value, expected[0], rtol=1e-5)
+  for g, e in zip(grads, expected[1]):
+    np.testing.assert_allclose(g, e, atol=1e-5)
+
+
+def test_a_model_trains_with_it_and_its_dropout():
+  cfg = BertConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2,
+                   intermediate_size=128, max_position_embeddings=L, hidden_dropout=0.0,
+                   attention_dropout=RATE, scan_layers=True, remat_policy="dots")
+  fused = dataclasses.replace(cfg, attention_impl="fused")
+  ids = np.random.default_rng(0).integers(1, 97, (2, L))
+  mask = np.ones_like(ids)
+  mask[1, 100:] = 0
+  params = nn.unbox(BertModel(cfg).init(jax.random.key(0), ids)["params"])
+  assert jax.tree.structure(params) == jax.tree.structure(
+      nn.unbox(BertModel(fused).init(jax.random.key(0), ids)["params"]))
+
+  def out(c, deterministic, seed=0):
+    return BertModel(c).apply({"params": params}, ids, mask, deterministic=deterministic,
+                              rngs={"dropout": jax.random.key(seed)})[0]
+  real = mask.astype(bool)
+  # Without dropout the XLA path's values; with it the dropout acts, the same for a key.
+  np.testing.assert_allclose(np.asarray(out(fused, True))[real], np.asarray(out(cfg, True))[real],
+                             atol=1e-5)
+  assert float(jnp.abs(out(fused, False) - out(fused, True))[real].max()) > 1e-3
+  np.testing.assert_array_equal(out(fused, False), out(fused, False))
+  assert float(jnp.abs(out(fused, False, 1) - out(fused, False))[real].max()) > 1e-3
+  grads = jax.grad(lambda p: jnp.sum(BertModel(fused).apply(
+      {"params": p}, ids, mask, deterministic=False, rngs={"dropout": jax.random.key(0)})[0]))(
+          params)
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_a_length_the_kernel_cannot_hold_is_refused_with_the_fix():
+  q = jnp.zeros((1, 100, 2, 8))
+  with pytest.raises(Refusal, match="multiple of 128.*max_seq_length"):
+    ak.fused_attention(q, q, q, jnp.zeros((1, 100), jnp.int32))
+  with pytest.raises(Refusal, match="at most 1024"):
+    ak.check_length(2048)
+  # It has dropout: the config takes a rate with it, as it refuses one with splash.
+  BertConfig(attention_impl="fused", attention_dropout=0.1)
+  with pytest.raises(Exception, match="attention_impl='fused'"):
+    BertConfig(attention_impl="splash", attention_dropout=0.1)
