@@ -10,9 +10,11 @@ the next is tried (a greedy search: the settings interact little, and a full gri
 take hours to compile on a laptop):
 
   mesh       the state replicated on every chip (data) or split over them (fsdp);
-  remat      what the backward keeps: none, dots, dots_all, full (bertjax/model/config.py);
-  attention  XLA's or the splash kernel (TPU, lengths a multiple of 128); splash has no dropout
-             on attention probabilities, so it changes the model, and the table says so;
+  remat      what the backward keeps: none, dots, dots_all, full, dots_kernels
+             (bertjax/model/config.py);
+  attention  XLA's, the splash kernel or the fused one (TPU, lengths a multiple of 128; fused up
+             to 1,024); splash has no dropout on attention probabilities, so it changes the
+             model, and the table says so;
   rows       rows a chip doubled and quadrupled (what does not fit HBM is said): the global
              batch grows, which changes the recipe (its learning rate is yours to set), and the
              table says so;
@@ -54,7 +56,7 @@ from bertjax.training import flops, train
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
 # Searched when named: mlp_impl "auto" already takes, per chip, what compiling found faster.
 OPTIONAL_DIMENSIONS = ("mlp",)
-REMAT = ("none", "dots", "dots_all", "full")
+REMAT = ("none", "dots", "dots_all", "full", "dots_kernels")
 # The mesh's two layouts of the state over a slice's chips (DCN axes as the config sets them).
 MESHES = {"data": {"mesh.ici_data": -1, "mesh.ici_fsdp": 1},
           "fsdp": {"mesh.ici_data": 1, "mesh.ici_fsdp": -1}}
@@ -96,9 +98,10 @@ def candidates(dimension: str, config, best: dict) -> list[dict]:
   if dimension == "remat":
     return [{**best, "model.remat_policy": p} for p in REMAT if p != current.model.remat_policy]
   if dimension == "attention":
-    if current.model.attention_impl == "splash":
-      return []
-    return [{**best, "model.attention_impl": "splash", "model.attention_dropout": 0.0}]
+    # The splash kernel without attention dropout; the fused kernel with the config's.
+    tries = [{"model.attention_impl": "splash", "model.attention_dropout": 0.0},
+             {"model.attention_impl": "fused"}]
+    return [{**best, **t} for t in tries if t["model.attention_impl"] != current.model.attention_impl]
   if dimension == "rows":
     return [{**best, "train.batch_size": current.train.batch_size * k} for k in (2, 4)]
   if dimension == "layers":

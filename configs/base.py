@@ -27,7 +27,7 @@ def get_config():
   m.max_position_embeddings = 512  # longest sequence the position table covers
   m.type_vocab_size = 2  # segment (token type) ids: 0 = sentence A, 1 = sentence B
   m.hidden_dropout = 0.1  # dropout after embeddings and each sub-layer
-  m.attention_dropout = 0.1  # dropout on attention probabilities; "xla" only (0 for cudnn, splash)
+  m.attention_dropout = 0.1  # dropout on attention probabilities; "xla" and "fused" (0 for cudnn, splash)
   m.initializer_range = 0.02  # stddev of the truncated-normal weight init
   m.layer_norm_eps = 1e-12  # epsilon of every LayerNorm, as the original
   m.hidden_act = "gelu"  # "gelu" (exact erf, the 2018 checkpoints) or "gelu_tanh"
@@ -36,9 +36,10 @@ def get_config():
   m.scan_layers = False  # stack layers with nn.scan: one compiled layer, faster compiles
   m.scan_unroll = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   # "none", "full", "dots" (save matmuls without batch dims), "dots_all", "dots_mlp" (dots and the
-  # fused MLP kernels' output)
+  # fused MLP kernels' output), "dots_kernels" (dots_mlp and the fused attention kernel's output)
   m.remat_policy = "none"
-  m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0)
+  m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0),
+  # "fused" (TPU; L % 128 == 0, L <= 1024; with attention dropout)
   m.cudnn_packing = "mask"  # packed rows on cuDNN: "mask" (read as a bias) or "segments" (no bias)
   m.recompute_mlm_logits = False  # True: MLM logits scored where made, recomputed in the backward
   # "pallas": the MLP's two products in one kernel, its F-wide intermediate in VMEM; "auto": that
@@ -209,25 +210,27 @@ def set_accelerator(config, phase: str | int) -> None:
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
   each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again; at
-  length 128 "dots_mlp", which also keeps the fused MLP's output on v6e), and
+  length 128 "dots_kernels", which also keeps the fused kernels' outputs), and
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
-  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds). At
-  length 512 (phase 2) attention is the splash kernel: XLA's [B, N, L, L] scores and their
-  dropout were 60-70% of the step's bytes there. The kernel has no dropout on attention
-  probabilities, so phase 2 trains without it (the paper's 0.1; hidden dropout stays).
-  On a GPU, phase 2 takes `--config.model.attention_impl=cudnn`, on a CPU `=xla`.
+  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds).
+  Attention is bertjax's fused kernel in both phases (attention_impl "fused"): each head's
+  [L, L] scores, probabilities and dropout stay in VMEM, where XLA's were half of BERT-Base's
+  bytes at length 128 and most of them at 512; it keeps the paper's dropout on attention
+  probabilities (0.1), which the splash kernel has not.
+  Off a TPU the kernel runs as XLA's arithmetic (a GPU) or Pallas' interpreter (a CPU: slow):
+  on a GPU `--config.model.attention_impl=cudnn --config.model.attention_dropout=0` is faster,
+  on a CPU `--config.model.attention_impl=xla`.
   """
   m = config.model
   m.dtype = "bfloat16"
   m.scan_layers = True
-  # At length 128 the fused MLP's output kept too (on v6e: the step is bound by FLOPs there,
-  # which its second forward run adds; elsewhere the same as "dots").
-  m.remat_policy = "dots_mlp" if int(phase) == 1 else "dots"
+  # At length 128 the fused kernels' outputs kept too (the steps are bound by FLOPs there, which
+  # the kernels' second forward run adds); at 512 v6e's steps are bound by HBM, where keeping
+  # them costs more than it saves (docs/performance.md, "Attention and its dropout in one kernel").
+  m.remat_policy = "dots_kernels" if int(phase) == 1 else "dots"
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1
-  if int(phase) == 2:
-    m.attention_impl = "splash"
-    m.attention_dropout = 0.0
+  m.attention_impl = "fused"
 

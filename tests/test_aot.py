@@ -141,13 +141,19 @@ print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tp
                   "ops_per_layer": layercost.layer_ops(text, 3, scanned=True),
                   "stack_writes": layercost.stack_writes(text, 3),
                   "counted": hlocost.program_cost(text, attention.splash_flops),
-                  "uncounted": hlocost.program_cost(text)}))
+                  "uncounted": hlocost.program_cost(text)}), flush=True)
+config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="xla")
+text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
+print("fused " + json.dumps({
+    "kernels": sorted(set(re.findall(r"fused_attention_[a-z]+", text))),
+    "flops": sorted(r["flops"] for r in hlocost.program_rows(text)
+                    if r["opcode"] == "custom-call" and "fused_attention" in r["op_name"])}))
 """
   result = run("-c", probe, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
           for line in result.stdout.splitlines()
-          if line.startswith(("dcn ", "splash ", "cost_model "))}
+          if line.startswith(("dcn ", "splash ", "cost_model ", "fused "))}
 
 
 def test_dcn_mesh_axes_span_the_slices(probes):
@@ -226,6 +232,17 @@ def test_the_fused_mlp_kernels_compile_into_the_train_step_and_count_their_own_f
   assert out["mlp_kernels"] == ["fused_mlp_bwd", "fused_mlp_fwd"]
   product = 2 * (2 * 128) * 128 * 512
   assert sorted(out["mlp_flops"]) == [2 * product, 5 * product], out["mlp_flops"]
+
+
+def test_the_fused_attention_kernels_compile_into_the_train_step_with_dropout(probes):
+  # The step with attention_impl="fused" and attention dropout: Mosaic's forward and backward
+  # kernels (the dropout drawn inside them), each counted by the estimate it carries: 2 rows a
+  # chip, 2 heads of 64 at length 128; the forward's 4 and the backward's 10 matmul FLOPs per
+  # query, key and head dimension.
+  out = probes["fused"]
+  assert out["kernels"] == ["fused_attention_bwd", "fused_attention_fwd"]
+  per_layer = 2 * 2 * 128 * 128 * 64
+  assert out["flops"] == [4 * per_layer, 10 * per_layer], out["flops"]
 
 
 def test_the_cost_model_reads_the_known_answers_on_a_tpu_compile(probes):

@@ -189,10 +189,11 @@ def test_splash_refuses_lengths_off_its_blocks_and_attention_dropout():
       128, 256, 128, 512, 512]
   with pytest.raises(ValueError, match=r"attention_impl='splash' has no dropout on attention "
                                        r"probabilities \(attention_dropout=0.1\); set "
-                                       r"attention_dropout=0.0 or use attention_impl='xla'"):
+                                       r"attention_dropout=0.0 or use attention_impl='fused' "
+                                       r"\(TPU\) or 'xla'"):
     dataclasses.replace(cfg, attention_dropout=0.1)
   with pytest.raises(ValueError, match=r"attention_impl='flash'; choose one of \('xla', 'cudnn', "
-                                       r"'splash'\)"):
+                                       r"'splash', 'fused'\)"):
     BertConfig(attention_impl="flash")
 
 

@@ -187,3 +187,23 @@ def test_a_length_the_kernel_cannot_hold_is_refused_with_the_fix():
   BertConfig(attention_impl="fused", attention_dropout=0.1)
   with pytest.raises(Exception, match="attention_impl='fused'"):
     BertConfig(attention_impl="splash", attention_dropout=0.1)
+
+
+def test_remat_dots_kernels_keeps_the_kernel_s_output_so_its_forward_runs_once():
+  # Under remat "dots" the forward kernel runs again in the backward (its output is no matmul's);
+  # "dots_kernels" keeps that output (and the fused MLP's), and the backward calls it no more.
+  ids = np.random.default_rng(0).integers(1, 97, (2, L))
+  config = BertConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2,
+                      intermediate_size=128, max_position_embeddings=L, hidden_dropout=0.0,
+                      attention_dropout=RATE, scan_layers=True, attention_impl="fused")
+  params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
+  calls = {}
+  for policy in ("none", "dots", "dots_kernels"):
+    cfg = dataclasses.replace(config, remat_policy=policy)
+    loss = lambda p, cfg=cfg: jnp.sum(BertModel(cfg).apply(
+        {"params": p}, ids, deterministic=False, rngs={"dropout": jax.random.key(1)})[0])
+    text = str(jax.make_jaxpr(jax.grad(loss))(params))
+    calls[policy] = (text.count("fused_attention_fwd"), text.count("fused_attention_bwd"))
+  assert calls["dots_kernels"] == calls["none"], calls
+  assert calls["dots"][0] > calls["dots_kernels"][0], calls
+  assert calls["dots"][1] == calls["dots_kernels"][1], calls

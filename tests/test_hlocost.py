@@ -6,6 +6,8 @@ prefetched into the chip's own memory counts three times. The modules here are w
 so that every byte's place is known; tests/test_aot.py holds the same on TPU compiles.
 """
 
+import math
+
 import jax
 import pytest
 
@@ -139,6 +141,14 @@ def test_the_bytes_bound_follows_remat_and_the_state_split():
   fsdp = roofline.bytes_bound(train.from_config(config, devices=jax.devices()[:8]), 64, 10)
   # Each chip holds an eighth of what fsdp splits (the embed axis); biases stay whole.
   assert fsdp["bound_parts_gb"]["state"] < 0.2 * split["bound_parts_gb"]["state"], (fsdp, split)
+  # And computes with the whole of it: the seven eighths it gathers (written, read) and their
+  # gradients before the reduce-scatter (written, read), in the compute dtype (float32 here).
+  assert split["bound_parts_gb"]["gathered_weights"] == 0.0
+  leaves = jax.tree.leaves(train.from_config(config, devices=jax.devices()[:8])
+                           .abstract_state.params)
+  rest = sum(x.size - math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
+  assert rest > 0.8 * sum(x.size for x in leaves)
+  assert fsdp["bound_parts_gb"]["gathered_weights"] == roofline.round4(4 * 4 * rest / 1e9), fsdp
 
 
 def test_without_jaxlibs_analysis_the_program_is_not_costed(monkeypatch):

@@ -22,11 +22,13 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   mesh = tune.candidates("mesh", config, best)
   assert mesh == [{"model.remat_policy": "dots", "mesh.ici_data": 1, "mesh.ici_fsdp": -1}]
   remat = tune.candidates("remat", config, best)
-  assert [c["model.remat_policy"] for c in remat] == ["none", "dots_all", "full"]
+  assert [c["model.remat_policy"] for c in remat] == ["none", "dots_all", "full", "dots_kernels"]
   base = bert_base.get_config()  # trained with attention dropout, as the paper
-  [splash] = tune.candidates("attention", base, {})
+  [splash] = tune.candidates("attention", base, {})  # it ships with the fused kernel
   assert splash["model.attention_dropout"] == 0.0  # the kernel has none: said in the table
   assert "no attention dropout (was 0.1)" in tune.note(splash, base)
+  splash, fused = tune.candidates("attention", base, {"model.attention_impl": "xla"})
+  assert fused == {"model.attention_impl": "fused"} and not tune.note(fused, base)  # it has
   # The MLP: the other implementation, or both where the config leaves it to "auto".
   assert tune.candidates("mlp", config, {}) == [{"model.mlp_impl": "pallas"}]
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {})] == ["xla", "pallas"]

@@ -50,6 +50,11 @@ REMAT_POLICIES = {
     "dots_mlp": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("mlp_output")),
+    # "dots_mlp", and the fused attention kernel's output (attention_impl "fused"): neither
+    # kernel's forward runs again in the backward.
+    "dots_kernels": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("mlp_output", "attention_output")),
 }
 
 ATTENTION_IMPLS = attention.IMPLS

@@ -147,6 +147,8 @@ class SelfAttention(nn.Module):
           else attention_kernel.fused_attention(q, k, v, ids, rng, rate, local_window=w))
       out_BxLxNxK = attention.choose_local(is_local, fused(window), fused(0), q_BxLxNxK,
                                            k_BxLxNxK, v_BxLxNxK, masks["segment_ids"])
+      # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
+      out_BxLxNxK = jax.ad_checkpoint.checkpoint_name(out_BxLxNxK, "attention_output")
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
@@ -218,7 +220,7 @@ class Mlp(nn.Module):
         x_BxLxD.reshape(-1, width).astype(dt), w1_DxF.astype(dt),
         no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
         no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act])
-    # Named for remat "dots_mlp", which keeps it.
+    # Named for remat "dots_mlp" and "dots_kernels", which keep it.
     return jax.ad_checkpoint.checkpoint_name(y_NxD.reshape(x_BxLxD.shape), "mlp_output")
 
 

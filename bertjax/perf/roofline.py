@@ -166,6 +166,24 @@ def _per_chip_bytes(tree) -> int:
   return total
 
 
+def _gathered_bytes(tree, itemsize: int) -> int:
+  """Bytes, in the compute dtype, of what a chip computes with but does not hold: of each array
+  split over more than the tensor axis (fsdp), the rest of its tensor-axis share, which the chip
+  gathers for its matmuls."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "spec"):
+      continue
+    sizes = dict(sharding.mesh.shape)
+    tensor = math.prod(sizes[axis] for entry in sharding.spec if entry is not None
+                       for axis in ((entry,) if isinstance(entry, str) else entry)
+                       if axis == "tensor")
+    own = math.prod(sharding.shard_shape(x.shape))
+    total += (math.prod(x.shape) // tensor - own) * itemsize
+  return total
+
+
 def residual_bytes(model_config: BertConfig, num_layers: int, rows: int, seq_len: int,
                     max_predictions: int, per_row: int) -> int:
   """Bytes of what the backward pass keeps from the forward (jax's residuals of the loss's vjp, at
@@ -188,9 +206,11 @@ def residual_bytes(model_config: BertConfig, num_layers: int, rows: int, seq_len
 def bytes_bound(training: train.Training, seq_len: int, max_predictions: int,
                 per_row: int = 0) -> dict:
   """An analytic floor on the HBM bytes a chip moves in one train step: its parameters, their
-  gradients and the optimizer state each read and written once (its own shard of each); the
-  activations the backward keeps written once and read once; the MLM head's logits written once
-  and read once; the batch read once. Per layer and for the whole step.
+  gradients and the optimizer state each read and written once (its own shard of each); with
+  the state split (fsdp), the weights it gathers for its matmuls (written by the gather, read
+  once) and their gradients before the reduce-scatter (written once, read once), in the compute
+  dtype; the activations the backward keeps written once and read once; the MLM head's logits
+  written once and read once; the batch read once. Per layer and for the whole step.
 
   The activations are jax's own residuals of the loss at the config's remat policy, measured on
   one and two rows and one and two layers (so a row's and a layer's share are their differences,
@@ -199,13 +219,16 @@ def bytes_bound(training: train.Training, seq_len: int, max_predictions: int,
   rows = tc.batch_size // sharding.batch_axis_size(training.mesh)
   state = training.abstract_state
   params = _per_chip_bytes(state.params)
-  layer_params = _per_chip_bytes(
-      [x for path, x in jax.tree_util.tree_leaves_with_path(state.params)
-       if re.search(r"layer", jax.tree_util.keystr(path))]) / mc.num_layers
+  layer_leaves = [x for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+                  if re.search(r"layer", jax.tree_util.keystr(path))]
+  layer_params = _per_chip_bytes(layer_leaves) / mc.num_layers
   opt = _per_chip_bytes(state.opt_state)
   # Read and written once each: parameters, gradients (their size), optimizer state.
   state_bytes = 2 * (2 * params + opt)
   layer_state = 2 * layer_params * (2 + opt / params)
+  itemsize = jnp.dtype(mc.dtype).itemsize
+  gathered = 4 * _gathered_bytes(state.params, itemsize)
+  layer_gathered = 4 * _gathered_bytes(layer_leaves, itemsize) / mc.num_layers
   residual = {(r, n): residual_bytes(mc, n, r, seq_len, max_predictions, per_row)
               for r in (1, 2) for n in (1, 2)}
   per_row_layer = residual[2, 2] - residual[2, 1] - residual[1, 2] + residual[1, 1]
@@ -214,10 +237,12 @@ def bytes_bound(training: train.Training, seq_len: int, max_predictions: int,
   logits = 2 * rows * max_predictions * mc.vocab_size * 4
   batch = rows * sum(x.nbytes // x.shape[0] for x in
                      train.dummy_batch(1, seq_len, max_predictions, per_row).values())
-  total = state_bytes + activations + logits + batch
+  total = state_bytes + gathered + activations + logits + batch
   return {"bound_gb_per_chip": round4(total / 1e9),
-          "bound_gb_per_layer": round4((layer_state + 2 * rows * per_row_layer) / 1e9),
+          "bound_gb_per_layer": round4(
+              (layer_state + layer_gathered + 2 * rows * per_row_layer) / 1e9),
           "bound_parts_gb": {"state": round4(state_bytes / 1e9),
+                             "gathered_weights": round4(gathered / 1e9),
                              "activations": round4(activations / 1e9),
                              "mlm_logits": round4(logits / 1e9)}}
 
