@@ -79,8 +79,11 @@ def test_the_dropout_s_bits_are_pinned_and_drop_at_the_rate():
 
 @pytest.mark.parametrize("rate,window", [(0.0, 0), (RATE, 0), (RATE, 64)])
 def test_the_kernels_give_attention_and_its_gradients(rate, window, monkeypatch):
-  # One row a grid step: the kernels find each row's global number from the step's index.
-  monkeypatch.setattr(ak, "ROW_BLOCK_BYTES", 0)
+  # One row and one head a grid step: the kernels find each row's and head's global number from
+  # the step's indices.
+  monkeypatch.setattr(ak, "ROW_BYTES", 0)
+  monkeypatch.setattr(ak, "HEAD_BYTES", 0)
+  assert ak._block(B, N, L, 2 * K, 7) == (1, 1)
   q, k, v, do, seg = _inputs()
   rng = jax.random.key(5)
   keep = _keep(rng) if rate else None
@@ -207,3 +210,12 @@ def test_remat_dots_kernels_keeps_the_kernel_s_output_so_its_forward_runs_once()
   assert calls["dots_kernels"] == calls["none"], calls
   assert calls["dots"][0] > calls["dots_kernels"][0], calls
   assert calls["dots"][1] == calls["dots_kernels"][1], calls
+
+
+def test_blocks_take_rows_while_they_fit_and_split_heads_only_for_long_rows():
+  # BERT-Base's backward (7 blocks of bfloat16 heads of 64) at 128: 2 rows a step of 32, all 12
+  # heads (its forward, 4 blocks: 4 rows); at 512, one row and its 12 heads; BERT-Large at 1,024,
+  # one row and 8 of its 16 heads (all 16 overflowed v5p's VMEM).
+  assert ak._block(32, 12, 128, 128, 7) == (2, 12) and ak._block(32, 12, 128, 128, 4) == (4, 12)
+  assert ak._block(32, 12, 512, 128, 7) == (1, 12)
+  assert ak._block(32, 16, 1024, 128, 7) == (1, 8)

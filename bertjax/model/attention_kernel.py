@@ -48,8 +48,10 @@ from bertjax.model import dropout
 
 MULTIPLE = 128  # keys lie along the TPU's 128 lanes
 MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB each at 1024
-# Rows a grid step: as many as keep the step's [N, L, K] blocks (double buffered) within this.
-ROW_BLOCK_BYTES = 8 << 20
+# A grid step's blocks (double buffered): as many rows as fit ROW_BYTES, all their heads; where
+# one row's heads pass HEAD_BYTES (long rows), one row and as many heads as fit it (v5p's 64 MiB
+# of VMEM holds BERT-Large's backward at 1,024 so).
+ROW_BYTES, HEAD_BYTES = 8 << 20, 16 << 20
 _F32, _U32 = jnp.float32, jnp.uint32
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
 # Threefry-2x32's rotation constants and key-schedule parity (Salmon et al., "Parallel random
@@ -95,11 +97,12 @@ def keep_decisions(k1, k2, row, head, length: int, rate: float):
 
 def check_length(length: int) -> None:
   if length % MULTIPLE or length > MAX_LENGTH:
+    fits = min(MAX_LENGTH, max(MULTIPLE, -(-length // MULTIPLE) * MULTIPLE))
     raise Refusal(
         f"attention_impl='fused' computes a head's whole [L, L] in VMEM: it needs a sequence "
         f"length that is a multiple of {MULTIPLE} and at most {MAX_LENGTH}; got {length}. Set "
-        f"data.max_seq_length to one (e.g. {min(MAX_LENGTH, max(MULTIPLE, -(-length // MULTIPLE) * MULTIPLE))}), "
-        f"or use attention_impl='splash' (no attention dropout) or 'xla'")
+        f"data.max_seq_length to one (e.g. {fits}), or use attention_impl='splash' (no "
+        f"attention dropout) or 'xla'")
 
 
 def _allowed(seg_q_Lx1, seg_k_1xL, local_window: int):
@@ -136,9 +139,11 @@ def _column(seg_1xL):
 
 def _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, heads: int, body):
   """body(i, n, global row, global head, allowed [L, L]) for each row of the block and each
-  head; the segments' mask made once a row."""
+  of its `heads`; the segments' mask made once a row."""
   block = seg_ref.shape[0]
-  first_row = pl.program_id(0) * block  # read outside the loops: the interpreter wants it so
+  # Read outside the loops: the interpreter wants it so.
+  first_row = pl.program_id(0) * block
+  first_head = first_head_ref[0] + pl.program_id(1) * heads
 
   def per_row(i, carry):
     seg_k = seg_ref[i]
@@ -146,7 +151,7 @@ def _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, heads: int, body):
     row = rows_ref[first_row + i].astype(_U32)
 
     def per_head(n, carry):
-      body(i, n, row, (first_head_ref[0] + n).astype(_U32), allowed)
+      body(i, n, row, (first_head + n).astype(_U32), allowed)
       return carry
     return jax.lax.fori_loop(0, heads, per_head, carry)
   jax.lax.fori_loop(0, block, per_row, 0)
@@ -195,33 +200,39 @@ def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, q_ref, k_ref, v
   _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
 
 
-def _rows_a_block(rows: int, heads: int, length: int, size: int, tensors: int) -> int:
-  """Rows a grid step: the most dividing `rows` whose `tensors` [N, L, K] blocks (double
-  buffered) stay within ROW_BLOCK_BYTES of VMEM; one at least."""
-  per_row = 2 * tensors * heads * length * size
-  return max(b for b in range(1, rows + 1) if rows % b == 0 and (b == 1 or b * per_row <= ROW_BLOCK_BYTES))
+def _block(rows: int, heads: int, length: int, size: int, tensors: int) -> tuple[int, int]:
+  """(rows, heads) a grid step, each dividing its whole, for `tensors` [rows, heads, L, K] blocks
+  (double buffered; `size` bytes a head's row of K): the most rows within ROW_BYTES with all
+  heads, where one row's heads fit HEAD_BYTES; else one row and the most heads within it. One
+  of each at least."""
+  per_head = 2 * tensors * length * size
+  most = lambda n, limit: max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or limit(d)))
+  if heads * per_head <= HEAD_BYTES:
+    return most(rows, lambda b: b * heads * per_head <= ROW_BYTES), heads
+  return 1, most(heads, lambda h: h * per_head <= HEAD_BYTES)
 
 
 def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, *, rate, local_window,
           flops, interpret):
   rows, heads, length, size = inputs[0].shape
   item = inputs[0].dtype.itemsize
-  block = _rows_a_block(rows, heads, length, size * item, len(inputs) + outputs)
-  tile = pl.BlockSpec((block, heads, length, size), lambda b, *_: (b, 0, 0, 0))
+  block, head_block = _block(rows, heads, length, size * item, len(inputs) + outputs)
+  tile = pl.BlockSpec((block, head_block, length, size), lambda b, h, *_: (b, h, 0, 0))
   fn = functools.partial(kernel, rate=rate, local_window=local_window,
                          scale=1.0 / np.sqrt(size))
   shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
   # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
-  need = 2 * (len(inputs) + outputs) * block * heads * length * size * item + 10 * length * length * 4
+  need = (2 * (len(inputs) + outputs) * block * head_block * length * size * item
+          + 10 * length * length * 4)
   result = pl.pallas_call(
       fn,
       out_shape=(shape,) * outputs,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(rows // block,),
-          in_specs=[pl.BlockSpec((block, 1, length), lambda b, *_: (b, 0, 0))]
+          num_scalar_prefetch=3, grid=(rows // block, heads // head_block),
+          in_specs=[pl.BlockSpec((block, 1, length), lambda b, h, *_: (b, 0, 0))]
           + [tile] * len(inputs),
           out_specs=(tile,) * outputs),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                            vmem_limit_bytes=need + (16 << 20)),
       cost_estimate=pl.CostEstimate(
           flops=flops * rows * heads * length * length * size,
