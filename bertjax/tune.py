@@ -101,7 +101,8 @@ def candidates(dimension: str, config, best: dict) -> list[dict]:
     # The splash kernel without attention dropout; the fused kernel with the config's.
     tries = [{"model.attention_impl": "splash", "model.attention_dropout": 0.0},
              {"model.attention_impl": "fused"}]
-    return [{**best, **t} for t in tries if t["model.attention_impl"] != current.model.attention_impl]
+    now = {"auto": "fused"}.get(current.model.attention_impl, current.model.attention_impl)
+    return [{**best, **t} for t in tries if t["model.attention_impl"] != now]
   if dimension == "rows":
     return [{**best, "train.batch_size": current.train.batch_size * k} for k in (2, 4)]
   if dimension == "layers":

@@ -39,7 +39,8 @@ def get_config():
   # fused MLP kernels' output), "dots_kernels" (dots_mlp and the fused attention kernel's output)
   m.remat_policy = "none"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0),
-  # "fused" (TPU; L % 128 == 0, L <= 1024; with attention dropout)
+  # "fused" (TPU; L % 128 == 0, L <= 1024; with attention dropout), "auto" (fused on TPU, its
+  # arithmetic by XLA elsewhere and XLA's attention at other lengths)
   m.cudnn_packing = "mask"  # packed rows on cuDNN: "mask" (read as a bias) or "segments" (no bias)
   m.recompute_mlm_logits = False  # True: MLM logits scored where made, recomputed in the backward
   # "pallas": the MLP's two products in one kernel, its F-wide intermediate in VMEM; "auto": that
@@ -214,13 +215,13 @@ def set_accelerator(config, phase: str | int) -> None:
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
   "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds).
-  Attention is bertjax's fused kernel in both phases (attention_impl "fused"): each head's
+  Attention is bertjax's fused kernel in both phases (attention_impl "auto"): each head's
   [L, L] scores, probabilities and dropout stay in VMEM, where XLA's were half of BERT-Base's
   bytes at length 128 and most of them at 512; it keeps the paper's dropout on attention
-  probabilities (0.1), which the splash kernel has not.
-  Off a TPU the kernel runs as XLA's arithmetic (a GPU) or Pallas' interpreter (a CPU: slow):
-  on a GPU `--config.model.attention_impl=cudnn --config.model.attention_dropout=0` is faster,
-  on a CPU `--config.model.attention_impl=xla`.
+  probabilities (0.1), which the splash kernel has not. Off a TPU "auto" runs the kernel's
+  arithmetic by XLA (the same dropout bits), and where a length does not fit the kernel (a
+  fine-tuning task's, which inherits the setting) XLA's attention; on a GPU
+  `--config.model.attention_impl=cudnn --config.model.attention_dropout=0` is faster.
   """
   m = config.model
   m.dtype = "bfloat16"
@@ -232,5 +233,5 @@ def set_accelerator(config, phase: str | int) -> None:
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1
-  m.attention_impl = "fused"
+  m.attention_impl = "auto"
 

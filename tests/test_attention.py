@@ -193,7 +193,7 @@ def test_splash_refuses_lengths_off_its_blocks_and_attention_dropout():
                                        r"\(TPU\) or 'xla'"):
     dataclasses.replace(cfg, attention_dropout=0.1)
   with pytest.raises(ValueError, match=r"attention_impl='flash'; choose one of \('xla', 'cudnn', "
-                                       r"'splash', 'fused'\)"):
+                                       r"'splash', 'fused', 'auto'\)"):
     BertConfig(attention_impl="flash")
 
 

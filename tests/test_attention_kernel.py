@@ -219,3 +219,37 @@ def test_blocks_take_rows_while_they_fit_and_split_heads_only_for_long_rows():
   assert ak._block(32, 12, 128, 128, 7) == (2, 12) and ak._block(32, 12, 128, 128, 4) == (4, 12)
   assert ak._block(32, 12, 512, 128, 7) == (1, 12)
   assert ak._block(32, 16, 1024, 128, 7) == (1, 8)
+
+
+def test_auto_runs_the_kernel_s_arithmetic_by_xla_off_a_tpu_and_xla_s_attention_at_other_lengths():
+  # The released configs' setting: on a CPU the same values and dropout bits as the kernel, by
+  # XLA's operations (no interpreter: no loops over the grid, rows and heads in the program); a
+  # program lowered for a TPU holds the kernel.
+  q, k, v, do, seg = _inputs(4)
+  rng = jax.random.key(9)
+  run = lambda interpret: jax.jit(lambda q, k, v: ak.fused_attention(
+      q, k, v, seg, rng, RATE, interpret_on_cpu=interpret))
+  np.testing.assert_allclose(run(False)(q, k, v), run(True)(q, k, v), atol=2e-6)
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)]
+  lowered = {(interpret, platform): jax.export.export(run(interpret), platforms=[platform])(
+      *shapes).mlir_module() for interpret in (True, False) for platform in ("cpu", "tpu")}
+  assert "stablehlo.while" in lowered[True, "cpu"]
+  assert "stablehlo.while" not in lowered[False, "cpu"]
+  assert "tpu_custom_call" in lowered[False, "tpu"]
+  # In a model: "auto" is "fused" at a length the kernel holds, and XLA's attention at another.
+  cfg = BertConfig(vocab_size=97, hidden_size=64, num_layers=1, num_heads=2,
+                   intermediate_size=128, max_position_embeddings=L, hidden_dropout=0.0,
+                   attention_dropout=RATE)
+  ids = np.random.default_rng(0).integers(1, 97, (2, L))
+  params = nn.unbox(BertModel(cfg).init(jax.random.key(0), ids)["params"])
+  out = lambda impl, ids: BertModel(dataclasses.replace(cfg, attention_impl=impl)).apply(
+      {"params": params}, ids, deterministic=False, rngs={"dropout": jax.random.key(2)})[0]
+  np.testing.assert_allclose(out("auto", ids), out("fused", ids), atol=2e-5)
+  loops = {impl: jax.export.export(jax.jit(lambda ids, impl=impl: out(impl, ids)),
+                                  platforms=["cpu"])(jax.ShapeDtypeStruct(ids.shape, ids.dtype))
+           .mlir_module().count("stablehlo.while") for impl in ("auto", "fused")}
+  assert loops["auto"] < loops["fused"], loops  # the interpreter's loops are the fused one's
+  short = ids[:, :100]
+  np.testing.assert_array_equal(out("auto", short), out("xla", short))
+  with pytest.raises(Refusal, match="multiple of 128"):
+    out("fused", short)

@@ -149,6 +149,7 @@ def test_the_bytes_bound_follows_remat_and_the_state_split():
   rest = sum(x.size - math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
   assert rest > 0.8 * sum(x.size for x in leaves)
   assert fsdp["bound_parts_gb"]["gathered_weights"] == roofline.round4(4 * 4 * rest / 1e9), fsdp
+  assert fsdp["bound_gb_per_chip"] >= sum(fsdp["bound_parts_gb"].values()) - 2e-4, fsdp
 
 
 def test_without_jaxlibs_analysis_the_program_is_not_costed(monkeypatch):

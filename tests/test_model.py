@@ -454,7 +454,7 @@ def test_two_phase_recipe_in_the_configs():
     one, two = config.get_config(), config.get_config("phase=2")
     differ = {k for k in one.model if one.model[k] != two.model[k]}
     assert differ == {"remat_policy"}, differ
-    assert one.model.attention_impl == "fused" and one.model.attention_dropout == 0.1
+    assert one.model.attention_impl == "auto" and one.model.attention_dropout == 0.1
   assert one.data.packing and two.data.packing  # docs/data.md#packing: 1.09x and 1.23x the tokens
   from bertjax.configs import tiny  # pylint: disable=import-outside-toplevel
   assert not tiny.get_config().data.packing  # `make pretrain` as measured

@@ -8,7 +8,9 @@
             no GPU branch (use "cudnn"). Blockwise, never materialising [L, L].
   "fused"   bertjax.model.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU, XLA on
             a GPU) that computes each head's whole [L, L] in VMEM, dropout on the probabilities
-            included (L a multiple of 128, at most 1024).
+            included (L a multiple of 128, at most 1024);
+  "auto"    the fused kernel on a TPU, and its arithmetic (the same dropout bits) by XLA on a CPU
+            or a GPU; XLA's attention ("xla") for lengths the kernel does not hold.
 cuDNN and splash have no dropout on attention probabilities: BertConfig requires
 attention_dropout=0 with them (a departure from the original's 0.1; launch/README.md has its
 measured effect and the memory saved at L=512).
@@ -37,10 +39,10 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import dropout
+from bertjax.model import attention_kernel, dropout
 
 
-IMPLS = ("xla", "cudnn", "splash", "fused")
+IMPLS = ("xla", "cudnn", "splash", "fused", "auto")
 # The splash kernel works on blocks of the sequence whose kv side must be a multiple of the TPU's
 # 128 lanes; larger blocks are fewer grid steps. The largest of these dividing L is used.
 SPLASH_BLOCKS = (512, 256, 128)
@@ -226,7 +228,8 @@ def cudnn_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks: dict, local_window: 
 def attention_masks(impl: str, input_mask_BxL: jax.Array,
                     sequence_ids_BxL: jax.Array | None = None, cudnn_packing: str = "mask") -> dict:
   """What SelfAttention of `impl` masks with, built once per batch and shared by every layer."""
-  if impl in ("splash", "fused"):
+  if impl in ("splash", "fused") or (
+      impl == "auto" and attention_kernel.fits(input_mask_BxL.shape[1])):
     return {"segment_ids": splash_segment_ids(input_mask_BxL, sequence_ids_BxL)}
   if impl == "cudnn":
     return cudnn_arguments(input_mask_BxL, sequence_ids_BxL, cudnn_packing)

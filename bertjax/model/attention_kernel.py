@@ -95,13 +95,18 @@ def keep_decisions(k1, k2, row, head, length: int, rate: float):
   return jnp.concatenate(pieces, axis=-2)
 
 
+def fits(length: int) -> bool:
+  """Whether the kernel holds rows of `length`."""
+  return length % MULTIPLE == 0 and length <= MAX_LENGTH
+
+
 def check_length(length: int) -> None:
-  if length % MULTIPLE or length > MAX_LENGTH:
-    fits = min(MAX_LENGTH, max(MULTIPLE, -(-length // MULTIPLE) * MULTIPLE))
+  if not fits(length):
+    nearest = min(MAX_LENGTH, max(MULTIPLE, -(-length // MULTIPLE) * MULTIPLE))
     raise Refusal(
         f"attention_impl='fused' computes a head's whole [L, L] in VMEM: it needs a sequence "
         f"length that is a multiple of {MULTIPLE} and at most {MAX_LENGTH}; got {length}. Set "
-        f"data.max_seq_length to one (e.g. {fits}), or use attention_impl='splash' (no "
+        f"data.max_seq_length to one (e.g. {nearest}), or use attention_impl='splash' (no "
         f"attention dropout) or 'xla'")
 
 
@@ -278,14 +283,16 @@ def _reference_backward(rows_ids, first_head, key, seg, q, k, v, do, *, rate, lo
   return pull(do)
 
 
-def _on_platform(fn, *args, **kwargs):
-  """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), Pallas'
-  interpreter on a CPU (tests), and elsewhere (a GPU) `reference`'s XLA arithmetic."""
-  fallback = {_forward: reference, _backward: _reference_backward}[fn]
+def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
+  """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), and
+  elsewhere `reference`'s XLA arithmetic; on a CPU Pallas' interpreter instead where
+  `interpret_on_cpu` (tests: slow)."""
+  fallback = functools.partial({_forward: reference, _backward: _reference_backward}[fn],
+                               **kwargs)
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(fn, **kwargs, interpret=False),
-      cpu=functools.partial(fn, **kwargs, interpret=True),
-      default=functools.partial(fallback, **kwargs))
+      cpu=functools.partial(fn, **kwargs, interpret=True) if interpret_on_cpu else fallback,
+      default=fallback)
 
 
 def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
@@ -320,20 +327,23 @@ def _ids(q_BxLxNxK, segment_ids_BxL, key):
           key, segment_ids_BxL.astype(jnp.int32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, segment_ids, key, rate, local_window):
-  fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, segment_ids, key, rate, local_window, interpret_on_cpu):
+  fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window,
+                          interpret_on_cpu=interpret_on_cpu)
   return _per_device(fwd, (q, k, v), _ids(q, segment_ids, key), 1)
 
 
-def _attention_fwd(q, k, v, segment_ids, key, rate, local_window):
+def _attention_fwd(q, k, v, segment_ids, key, rate, local_window, interpret_on_cpu):
   # Only the inputs are kept: the backward makes the scores and the decisions again.
-  return _attention(q, k, v, segment_ids, key, rate, local_window), (q, k, v, segment_ids, key)
+  out = _attention(q, k, v, segment_ids, key, rate, local_window, interpret_on_cpu)
+  return out, (q, k, v, segment_ids, key)
 
 
-def _attention_bwd(rate, local_window, saved, do):
+def _attention_bwd(rate, local_window, interpret_on_cpu, saved, do):
   q, k, v, segment_ids, key = saved
-  bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window)
+  bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window,
+                          interpret_on_cpu=interpret_on_cpu)
   dq, dk, dv = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key), 3)
   return dq, dk, dv, None, None
 
@@ -350,14 +360,15 @@ def key_words(rng) -> jax.Array:
 
 
 def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
-                    rate: float = 0.0, local_window: int = 0):
+                    rate: float = 0.0, local_window: int = 0, interpret_on_cpu: bool = True):
   """Softmax(q k^T / sqrt(K)) v within segments (splash's segment ids: attention.
   splash_segment_ids), the probabilities dropped at `rate` by `rng` (a jax key; none at rate 0).
   [B, L, N, K] in and out; differentiable in q, k and v. `local_window` > 0: only keys with
-  |i - j| <= local_window // 2."""
+  |i - j| <= local_window // 2. The kernel on a TPU; on a CPU its interpreter, or with
+  `interpret_on_cpu=False` the same arithmetic and bits by XLA (as on a GPU)."""
   check_length(q_BxLxNxK.shape[1])
   if rate > 0 and rng is None:
     raise ValueError("fused_attention: a dropout rate needs an rng")
   key = key_words(rng) if rate > 0 else jnp.zeros((2,), jnp.int32)
   return _attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, key, float(rate),
-                    int(local_window))
+                    int(local_window), bool(interpret_on_cpu))

@@ -139,12 +139,16 @@ class SelfAttention(nn.Module):
       run = lambda w: lambda q, k, v, ids: splash(q, k, v, ids, local_window=w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks["segment_ids"])
-    elif cfg.attention_impl == "fused":
+    elif cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks:
+      # "auto": the kernel's arithmetic by XLA on a CPU, not its interpreter; at lengths the
+      # kernel does not hold, attention_masks gave XLA's mask, for the branch below.
       rate = 0.0 if deterministic else cfg.attention_dropout
       rng = self.make_rng("dropout") if rate > 0 and not self.is_initializing() else None
+      interpret = cfg.attention_impl == "fused"
       fused = lambda w: lambda q, k, v, ids: (
           attention.splash_equivalent(q, k, v, ids, local_window=w) if self.is_initializing()
-          else attention_kernel.fused_attention(q, k, v, ids, rng, rate, local_window=w))
+          else attention_kernel.fused_attention(q, k, v, ids, rng, rate, local_window=w,
+                                                interpret_on_cpu=interpret))
       out_BxLxNxK = attention.choose_local(is_local, fused(window), fused(0), q_BxLxNxK,
                                            k_BxLxNxK, v_BxLxNxK, masks["segment_ids"])
       # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
