@@ -304,6 +304,21 @@ def define_flags() -> None:
   flags.DEFINE_string("json", "", "Also write every result to this file.")
 
 
+def settle_winner(config, topology: str, results: list[Result], say=print):
+  """The best result and the results, a straight winner compiled whole (its memory needs the
+  whole step): its whole compile takes the place of its extrapolated row, and if it no longer
+  wins, the next is settled the same way."""
+  while True:
+    winner = ranked(results)[0]
+    if not winner.ok:
+      raise Refusal(f"no candidate compiled and fit {topology}: see the reasons above")
+    if winner.memory_gib is not None:
+      return winner, results
+    say("bertjax.tune: compiling the winner whole, for its memory")
+    whole = compile_all(config, [winner.changes], topology, 1, whole=True, say=say)
+    results = [r for r in results if r is not winner] + whole
+
+
 def main(argv):
   del argv
   jax.config.update("jax_platforms", "cpu")  # nothing runs here; libtpu compiles only
@@ -314,13 +329,7 @@ def main(argv):
       f"each), {FLAGS.jobs} compiles at a time; columns: roofline MFU, HBM GB a chip a step, "
       "memory GiB, compile s, changes")
   results = search(config, str(topology), FLAGS.dimensions, FLAGS.budget_s, FLAGS.jobs, say)
-  winner = ranked(results)[0]
-  if not winner.ok:
-    raise Refusal(f"no candidate compiled and fit {topology}: see the reasons above")
-  if winner.memory_gib is None:  # straight layers, extrapolated: their memory needs the whole
-    say("bertjax.tune: compiling the winner whole, for its memory")
-    results += compile_all(config, [winner.changes], str(topology), 1, whole=True, say=say)
-    winner = ranked(results)[0]
+  winner, results = settle_winner(config, str(topology), results, say)
   say("\nbertjax.tune: ranked")
   for rank, result in enumerate(ranked(results), 1):
     say(f"{rank:>3}. {line(result)}")

@@ -104,3 +104,21 @@ def test_a_candidate_whose_compile_crashes_ends_no_search():
   assert not results[2].ok and results[2].note.startswith("the candidate's process ended "
                                                           "without a result (exit 1)"), results[2]
   assert len(said) == 3
+
+
+def test_a_straight_winner_s_whole_compile_takes_its_extrapolated_row_s_place(monkeypatch):
+  given = tune.Result({}, 0.72, hbm_gb=83.0, memory_gib=8.6, fits=True)
+  straight = tune.Result({"model.scan_layers": False}, 0.75, hbm_gb=76.0)  # extrapolated
+  for whole_mfu, expected in ((0.74, "straight"), (0.70, "given")):
+    whole = tune.Result({"model.scan_layers": False}, whole_mfu, hbm_gb=79.5, memory_gib=8.3,
+                        fits=True)
+    calls = []
+
+    def compile_all(*args, result=whole, **kwargs):
+      calls.append(args)
+      assert len(calls) == 1, "compiled the same candidate again"  # red, not a hang
+      return [result]
+    monkeypatch.setattr(tune, "compile_all", compile_all)
+    winner, results = tune.settle_winner(None, "v6e-8", [given, straight], say=lambda _: None)
+    assert winner is (whole if expected == "straight" else given)
+    assert results == [given, whole]  # one row for the candidate: its whole compile's
