@@ -338,9 +338,17 @@ def holder(tmp_path):
   device.write_text("")
   p = subprocess.Popen([sys.executable, "-c", f"f = open({str(device)!r}); import time; "
                         "time.sleep(60)"])
+  def holds() -> bool:
+    for fd in os.listdir(f"/proc/{p.pid}/fd"):
+      try:
+        if os.readlink(f"/proc/{p.pid}/fd/{fd}") == str(device):
+          return True
+      except FileNotFoundError:  # closed between the listing and the look: Python starting up
+        pass
+    return False
+
   for _ in range(100):
-    if any(os.readlink(f"/proc/{p.pid}/fd/{fd}") == str(device)
-           for fd in os.listdir(f"/proc/{p.pid}/fd")):
+    if holds():
       break
     time.sleep(0.05)
   yield p
