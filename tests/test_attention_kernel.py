@@ -253,3 +253,21 @@ def test_auto_runs_the_kernel_s_arithmetic_by_xla_off_a_tpu_and_xla_s_attention_
   np.testing.assert_array_equal(out("auto", short), out("xla", short))
   with pytest.raises(Refusal, match="multiple of 128"):
     out("fused", short)
+
+
+def test_modern_layers_local_and_global_scanned_give_the_xla_path_s_values():
+  # ModernBERT's alternation (a local window on every other layer, chosen per scanned layer by a
+  # traced index) with RoPE: the kernel's values are XLA attention's without dropout.
+  cfg = BertConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2,
+                   intermediate_size=128, max_position_embeddings=L, hidden_dropout=0.0,
+                   attention_dropout=0.0, scan_layers=True, global_every=2, local_window=32,
+                   position_embedding="rope")
+  ids = np.random.default_rng(3).integers(1, 97, (2, L))
+  mask = np.ones_like(ids)
+  mask[0, 90:] = 0
+  params = nn.unbox(BertModel(cfg).init(jax.random.key(0), ids)["params"])
+  out = {impl: BertModel(dataclasses.replace(cfg, attention_impl=impl)).apply(
+      {"params": params}, ids, mask)[0] for impl in ("xla", "fused")}
+  real = mask.astype(bool)
+  np.testing.assert_allclose(np.asarray(out["fused"])[real], np.asarray(out["xla"])[real],
+                             atol=2e-5)
