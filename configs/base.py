@@ -36,7 +36,8 @@ def get_config():
   m.scan_layers = False  # stack layers with nn.scan: one compiled layer, faster compiles
   m.scan_unroll = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   # "none", "full", "dots" (save matmuls without batch dims), "dots_all", "dots_mlp" (dots and the
-  # fused MLP kernels' output), "dots_kernels" (dots_mlp and the fused attention kernel's output)
+  # fused MLP kernels' output), "dots_kernels" (dots_mlp and the fused attention kernel's output),
+  # "auto" (dots_kernels, but dots on v6e: the released configs' choice at length 512)
   m.remat_policy = "none"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0),
   # "fused" (TPU; L % 128 == 0, L <= 1024; with attention dropout), "auto" (fused on TPU, its
@@ -210,8 +211,8 @@ def set_accelerator(config, phase: str | int) -> None:
   a TPU compile"): bfloat16 matmuls; scanned layers; the parameters and optimizer state split
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
-  each layer's matmul outputs and recomputes the rest (remat "dots": half the bytes again; at
-  length 128 "dots_kernels", which also keeps the fused kernels' outputs), and
+  each layer's matmul outputs and the fused kernels' and recomputes the rest (remat
+  "dots_kernels"; at length 512 "auto": "dots" on v6e, bound by HBM there), and
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
   "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds).
@@ -226,10 +227,10 @@ def set_accelerator(config, phase: str | int) -> None:
   m = config.model
   m.dtype = "bfloat16"
   m.scan_layers = True
-  # At length 128 the fused kernels' outputs kept too (the steps are bound by FLOPs there, which
-  # the kernels' second forward run adds); at 512 v6e's steps are bound by HBM, where keeping
-  # them costs more than it saves (docs/performance.md, "Attention and its dropout in one kernel").
-  m.remat_policy = "dots_kernels" if int(phase) == 1 else "dots"
+  # The fused kernels' outputs kept too (the steps bound by FLOPs spare the kernels' second
+  # forward run), but at 512 on v6e, whose steps are bound by HBM there and keep less ("auto":
+  # config.REMAT_AUTO_DOTS_ON; docs/performance.md, "Attention and its dropout in one kernel").
+  m.remat_policy = "dots_kernels" if int(phase) == 1 else "auto"
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1

@@ -57,6 +57,22 @@ REMAT_POLICIES = {
         jax.checkpoint_policies.save_only_these_names("mlp_output", "attention_output")),
 }
 
+# remat_policy "auto": "dots_kernels" (the steps bound by their FLOPs keep what the kernels' second
+# forward run would cost), but "dots" on these chips (device_kind as jax names them), whose steps
+# at length 512 are bound by HBM, where keeping the kernels' outputs costs more than it saves
+# (docs/performance.md, "Attention and its dropout in one kernel"). The released configs take it
+# at length 512; at 128 every chip's steps are bound by FLOPs, and they take "dots_kernels".
+REMAT_AUTO_DOTS_ON = ("TPU v6 lite",)
+
+
+def chosen_remat(policy: str, device) -> str:
+  """What remat_policy `policy` means on `device`: "auto" settled (REMAT_AUTO_DOTS_ON), another
+  policy as it is."""
+  if policy != "auto":
+    return policy
+  return "dots" if getattr(device, "device_kind", "") in REMAT_AUTO_DOTS_ON else "dots_kernels"
+
+
 ATTENTION_IMPLS = attention.IMPLS
 CUDNN_PACKINGS = ("mask", "segments")
 POSITION_INITS = ("normal", "sinusoidal")
@@ -205,8 +221,9 @@ class BertConfig:
     if self.mlp_impl == "pallas" and self.mlp_type != "dense":
       problems.append(f"mlp_impl='pallas' fuses the dense MLP only; mlp_type={self.mlp_type!r} "
                       "needs mlp_impl='xla'")
-    if self.remat_policy not in REMAT_POLICIES:
-      problems.append(f"remat_policy={self.remat_policy!r}; choose one of {list(REMAT_POLICIES)}")
+    if self.remat_policy not in REMAT_POLICIES and self.remat_policy != "auto":
+      problems.append(f"remat_policy={self.remat_policy!r}; choose one of "
+                      f"{list(REMAT_POLICIES) + ['auto']}")
     if self.position_init not in POSITION_INITS:
       problems.append(f"position_init={self.position_init!r}; choose one of {POSITION_INITS}")
     if self.query_key_init not in QUERY_KEY_INITS:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from bertjax.model import attention, attention_kernel, dropout, mlp_kernel, residuals
 from bertjax.model.attention import apply_rope, rope_tables
-from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig
+from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig, chosen_remat
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
 from bertjax.parallel import sharding
 
@@ -302,7 +302,9 @@ def _maybe_remat(layer_cls, config: BertConfig, scanned: bool):
   # prevent_cse=False is safe only inside nn.scan: the loop already keeps XLA from merging the
   # recomputation with the forward pass. Unrolled, XLA would CSE the recomputed activations back
   # into the saved ones and the remat would silently save nothing.
-  return nn.remat(layer_cls, policy=REMAT_POLICIES[config.remat_policy], prevent_cse=not scanned)
+  # "auto": train.build settles it for its mesh's chips; outside it, here.
+  policy = chosen_remat(config.remat_policy, jax.devices()[0])
+  return nn.remat(layer_cls, policy=REMAT_POLICIES[policy], prevent_cse=not scanned)
 
 
 class Encoder(nn.Module):
