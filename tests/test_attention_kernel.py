@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import random as jex_random
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
@@ -54,16 +53,6 @@ def _keep(rng, rows=B, heads=N, length=L, rate=RATE):
   return ak.keep_decisions(k1, k2, jnp.arange(rows, dtype=jnp.uint32)[:, None, None, None],
                            jnp.arange(heads, dtype=jnp.uint32)[None, :, None, None], length,
                            rate)
-
-
-def test_threefry_gives_jax_s_words():
-  k1, k2 = jnp.uint32(0x9E3779B9), jnp.uint32(0x7F4A7C15)
-  x1 = jnp.arange(1000, dtype=jnp.uint32) * jnp.uint32(2654435761)
-  x2 = jnp.arange(1000, dtype=jnp.uint32)
-  ours = ak.threefry2x32(k1, k2, x1, x2)
-  jax_s = jex_random.threefry2x32_p.bind(k1, k2, x1, x2)
-  for a, b in zip(ours, jax_s):
-    np.testing.assert_array_equal(a, b)
 
 
 def test_the_dropout_s_bits_are_pinned_and_drop_at_the_rate():
@@ -224,8 +213,8 @@ def test_blocks_take_rows_while_they_fit_and_split_heads_only_for_long_rows():
 
 def test_auto_runs_the_kernel_s_arithmetic_by_xla_off_a_tpu_and_xla_s_attention_at_other_lengths():
   # The released configs' setting: on a CPU the same values and dropout bits as the kernel, by
-  # XLA's operations (no interpreter: no loops over the grid, rows and heads in the program); a
-  # program lowered for a TPU holds the kernel.
+  # XLA's operations (no interpreter: none of its loops over the grid, rows and heads; threefry's
+  # own rounds are a loop on a CPU either way); a program lowered for a TPU holds the kernel.
   q, k, v, do, seg = _inputs(4)
   rng = jax.random.key(9)
   run = lambda interpret: jax.jit(lambda q, k, v: ak.fused_attention(
@@ -234,8 +223,9 @@ def test_auto_runs_the_kernel_s_arithmetic_by_xla_off_a_tpu_and_xla_s_attention_
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)]
   lowered = {(interpret, platform): jax.export.export(run(interpret), platforms=[platform])(
       *shapes).mlir_module() for interpret in (True, False) for platform in ("cpu", "tpu")}
-  assert "stablehlo.while" in lowered[True, "cpu"]
-  assert "stablehlo.while" not in lowered[False, "cpu"]
+  loops = {interpret: lowered[interpret, "cpu"].count("stablehlo.while")
+           for interpret in (True, False)}
+  assert loops[True] >= loops[False] + 3, loops  # the grid's, the rows' and the heads' loops
   assert "tpu_custom_call" in lowered[False, "tpu"]
   # In a model: "auto" is "fused" at a length the kernel holds, and XLA's attention at another.
   cfg = BertConfig(vocab_size=97, hidden_size=64, num_layers=1, num_heads=2,

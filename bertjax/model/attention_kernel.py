@@ -16,8 +16,8 @@ head) is computed whole:
 Nothing [L, L] leaves VMEM and nothing but the inputs is kept for the backward.
 
 The dropout's bits. A kernel cannot read a mask it did not write, so it draws its keep decisions
-itself, and the backward draws them again: threefry-2x32 (20 rounds, the generator of
-jax.random's default keys; `threefry2x32` here, the same words as jax's own) keyed by the
+itself, and the backward draws them again: threefry-2x32 (jax.random's default generator, its
+`threefry2x32_p` primitive, which Mosaic lowers inside a kernel) keyed by the
 layer's dropout key, on counters made of the element's global row, head, query and key. Each
 evaluation's two 32-bit words give four 16-bit pieces, four decisions (rate quantised to 1/65536
 as bertjax.model.dropout): piece p of the evaluation at (query group g, key j) decides
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import random as jex_random
 from jax.sharding import PartitionSpec
 
 from bertjax.errors import Refusal
@@ -54,28 +55,8 @@ MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB 
 ROW_BYTES, HEAD_BYTES = 8 << 20, 16 << 20
 _F32, _U32 = jnp.float32, jnp.uint32
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
-# Threefry-2x32's rotation constants and key-schedule parity (Salmon et al., "Parallel random
-# numbers: as easy as 1, 2, 3", SC 2011; Random123), 20 rounds as jax.random's.
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_PARITY = 0x1BD11BDA
-_PIECES = 4  # 16-bit decisions an evaluation gives
+_PIECES = 4  # keep decisions a threefry evaluation gives (dropout.decisions)
 BIG_NEGATIVE = 0.7 * float(np.finfo(np.float32).min)  # a masked score, as the XLA path
-
-
-def threefry2x32(k1, k2, x1, x2):
-  """Threefry-2x32 of the counters (x1, x2) under the key (k1, k2): two uint32 words. Plain
-  uint32 arithmetic (adds, shifts, xors), so a Pallas kernel computes it as XLA does."""
-  k3 = k1 ^ k2 ^ _U32(_PARITY)
-  keys = (k1, k2, k3)
-  x1, x2 = x1 + k1, x2 + k2
-  for block in range(5):
-    for r in _ROTATIONS[block % 2]:
-      x1 = x1 + x2
-      x2 = (x2 << _U32(r)) | (x2 >> _U32(32 - r))
-      x2 = x1 ^ x2
-    x1 = x1 + keys[(block + 1) % 3]
-    x2 = x2 + keys[(block + 2) % 3] + _U32(block + 1)
-  return x1, x2
 
 
 def keep_decisions(k1, k2, row, head, length: int, rate: float):
@@ -88,11 +69,9 @@ def keep_decisions(k1, k2, row, head, length: int, rate: float):
   j = jax.lax.broadcasted_iota(_U32, shape, len(shape) - 1)
   # One counter per (row, head, query group, key): x2 < N * L^2 / 4, far below 2**32.
   x2 = (head * _U32(group) + g) * _U32(length) + j
-  y1, y2 = threefry2x32(k1, k2, jnp.broadcast_to(row, shape), x2)
-  threshold, low = _U32(dropout.threshold(rate)), _U32((1 << dropout.BITS) - 1)
-  pieces = [(y1 & low) >= threshold, (y1 >> _U32(dropout.BITS)) >= threshold,
-            (y2 & low) >= threshold, (y2 >> _U32(dropout.BITS)) >= threshold]
-  return jnp.concatenate(pieces, axis=-2)
+  # jax's own threefry primitive: XLA computes it, and Mosaic has a lowering of its own for it.
+  y1, y2 = jex_random.threefry2x32_p.bind(k1, k2, jnp.broadcast_to(row, shape), x2)
+  return jnp.concatenate(dropout.decisions(y1, y2, rate), axis=-2)
 
 
 def fits(length: int) -> bool:
@@ -128,9 +107,7 @@ def _probabilities(q_LxK, k_LxK, allowed_LxL, scale: float):
 
 
 def _dropped(p, keep, rate: float):
-  if rate <= 0.0:
-    return p
-  return jnp.where(keep, p * (1.0 / (1.0 - dropout.quantised_rate(rate))), 0.0)
+  return p if rate <= 0.0 else dropout.kept(p, keep, rate)
 
 
 def _column(seg_1xL):
@@ -142,7 +119,7 @@ def _column(seg_1xL):
                  keepdims=True)
 
 
-def _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, heads: int, body):
+def _row_head_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body):
   """body(i, n, global row, global head, allowed [L, L]) for each row of the block and each
   of its `heads`; the segments' mask made once a row."""
   block = seg_ref.shape[0]
@@ -152,7 +129,7 @@ def _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, heads: int, body):
 
   def per_row(i, carry):
     seg_k = seg_ref[i]
-    allowed = _allowed(_column(seg_k), seg_k, arith.local_window)
+    allowed = _allowed(_column(seg_k), seg_k, local_window)
     row = rows_ref[first_row + i].astype(_U32)
 
     def per_head(n, carry):
@@ -162,47 +139,38 @@ def _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, heads: int, body):
   jax.lax.fori_loop(0, block, per_row, 0)
 
 
-class _Body:
-  """The arithmetic one (row, head) shares between the kernels."""
-
-  def __init__(self, key_ref, rate, local_window, scale):
-    self.key_ref, self.rate, self.local_window, self.scale = key_ref, rate, local_window, scale
-
-  def probabilities(self, q, k, allowed, row, head):
-    p = _probabilities(q, k, allowed, self.scale)
-    keep = None
-    if self.rate > 0:
-      keep = keep_decisions(self.key_ref[0].astype(_U32), self.key_ref[1].astype(_U32), row,
-                            head, p.shape[-1], self.rate)
-    return p, keep
+def _probabilities_kept(q, k, allowed, row, head, key_ref, rate: float, scale: float):
+  """A (row, head)'s probabilities and, at a rate, its keep decisions (None without)."""
+  p = _probabilities(q, k, allowed, scale)
+  if rate <= 0:
+    return p, None
+  return p, keep_decisions(key_ref[0].astype(_U32), key_ref[1].astype(_U32), row, head,
+                           p.shape[-1], rate)
 
 
 def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, *,
                     rate, local_window, scale):
-  arith = _Body(key_ref, rate, local_window, scale)
-
   def body(i, n, row, head, allowed):
-    p, keep = arith.probabilities(q_ref[i, n], k_ref[i, n], allowed, row, head)
+    p, keep = _probabilities_kept(q_ref[i, n], k_ref[i, n], allowed, row, head, key_ref, rate,
+                                  scale)
     v = v_ref[i, n]
     o_ref[i, n] = jnp.dot(_dropped(p, keep, rate).astype(v.dtype), v,
                           preferred_element_type=_F32).astype(o_ref.dtype)
-  _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
+  _row_head_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
 
 
 def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, q_ref, k_ref, v_ref, do_ref,
                      dq_ref, dk_ref, dv_ref, *, rate, local_window, scale):
-  arith = _Body(key_ref, rate, local_window, scale)
-
   def body(i, n, row, head, allowed):
     q, k, v, do = q_ref[i, n], k_ref[i, n], v_ref[i, n], do_ref[i, n]
-    p, keep = arith.probabilities(q, k, allowed, row, head)
+    p, keep = _probabilities_kept(q, k, allowed, row, head, key_ref, rate, scale)
     dv_ref[i, n] = jnp.dot(_dropped(p, keep, rate).astype(do.dtype).T, do,
                            preferred_element_type=_F32).astype(dv_ref.dtype)
     dp = _dropped(jax.lax.dot_general(do, v, _T, preferred_element_type=_F32), keep, rate)
     ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale).astype(q.dtype)
     dq_ref[i, n] = jnp.dot(ds, k, preferred_element_type=_F32).astype(dq_ref.dtype)
     dk_ref[i, n] = jnp.dot(ds.T, q, preferred_element_type=_F32).astype(dk_ref.dtype)
-  _row_head_loop(arith, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
+  _row_head_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
 
 
 def _block(rows: int, heads: int, length: int, size: int, tensors: int) -> tuple[int, int]:

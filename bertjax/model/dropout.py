@@ -83,22 +83,30 @@ def keep_mask(rng, shape, rate: float) -> jax.Array:
   # where it is cut from its word, and the four [..., groups] decisions stacked (one byte an
   # element): stacking the 32-bit words or pieces first made XLA's TPU compiler write a u32
   # [..., 4, groups] buffer, four bytes an element, at every attention dropout.
-  cut = jnp.uint32(threshold(rate))
-  low = jnp.uint32(_LEVELS - 1)
-  keeps = [(y1 & low) >= cut, (y1 >> BITS) >= cut,
-           (y2 & low) >= cut, (y2 >> BITS) >= cut]
-  keep = jnp.stack(keeps, axis=-2)
+  keep = jnp.stack(decisions(y1, y2, rate), axis=-2)
   return keep.reshape(shape[:-1] + (_PER_EVALUATION * groups,))[..., :shape[-1]]
+
+
+def decisions(y1, y2, rate: float) -> list:
+  """The four keep decisions a threefry evaluation's two words (y1, y2) give at `rate`: their
+  16-bit pieces, y1's then y2's, low half first, each compared with the threshold where it is
+  cut from its word."""
+  cut, low = jnp.uint32(threshold(rate)), jnp.uint32(_LEVELS - 1)
+  return [(y1 & low) >= cut, (y1 >> BITS) >= cut, (y2 & low) >= cut, (y2 >> BITS) >= cut]
+
+
+def kept(x, keep, rate: float):
+  """x where `keep`, scaled to keep the expectation at `rate`; 0 elsewhere."""
+  scale = 1.0 / (1.0 - quantised_rate(rate))
+  # Scaled in float32 whatever x's dtype: 1/0.9 in bfloat16 would be 0.16% off.
+  return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros((), x.dtype))
 
 
 def apply(x, rng, rate: float):
   """x with elements dropped at `rate` and the rest scaled to keep the expectation."""
   if rate <= 0.0:
     return x
-  keep = keep_mask(rng, x.shape, rate)
-  scale = 1.0 / (1.0 - quantised_rate(rate))
-  # Scaled in float32 whatever x's dtype: 1/0.9 in bfloat16 would be 0.16% off.
-  return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros((), x.dtype))
+  return kept(x, keep_mask(rng, x.shape, rate), rate)
 
 
 class Dropout(nn.Module):
