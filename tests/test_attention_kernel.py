@@ -20,7 +20,7 @@ from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import sharding
 
-B, L, N, K = 4, 128, 4, 32
+B, L, N, K = 4, 128, 4, 64  # two heads a block (128 lanes), two blocks a row
 RATE = 0.1
 
 
@@ -69,11 +69,10 @@ def test_the_dropout_s_bits_are_pinned_and_drop_at_the_rate():
 
 @pytest.mark.parametrize("rate,window", [(0.0, 0), (RATE, 0), (RATE, 64)])
 def test_the_kernels_give_attention_and_its_gradients(rate, window, monkeypatch):
-  # One row and one head a grid step: the kernels find each row's and head's global number from
-  # the step's indices.
+  # One row and two of its four heads a grid step: the kernels find each row's and head's global
+  # number from the step's indices, and each head its lanes of the block.
   monkeypatch.setattr(ak, "ROW_BYTES", 0)
-  monkeypatch.setattr(ak, "HEAD_BYTES", 0)
-  assert ak._block(B, N, L, 2 * K, 7) == (1, 1)
+  assert ak._block(B, L, 2 * K * 4, 7) == 1 and ak._heads_a_block(N, K) == 2
   q, k, v, do, seg = _inputs()
   rng = jax.random.key(5)
   keep = _keep(rng) if rate else None
@@ -106,16 +105,17 @@ def test_without_mosaic_xla_computes_what_the_kernels_do():
   # A GPU has no Mosaic: there `reference` runs, with the same bits.
   q, k, v, do, seg = _inputs(2)
   rng = jax.random.key(7)
-  args = (jnp.arange(B), jnp.zeros((1,), jnp.int32), ak.key_words(rng), seg[:, None, :])
-  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
-  qh, kh, vh, doh = map(heads_first, (q, k, v, do))
-  kw = dict(rate=RATE, local_window=0)
-  np.testing.assert_allclose(ak.reference(*args, qh, kh, vh, **kw),
-                             ak._forward(*args, qh, kh, vh, **kw, interpret=True), atol=2e-6)
-  for got, expected in zip(ak._reference_backward(*args, qh, kh, vh, doh, **kw),
-                           ak._backward(*args, qh, kh, vh, doh, **kw, interpret=True)):
+  bias = jnp.asarray(np.random.default_rng(8).normal(size=(3, N * K)), jnp.float32)
+  args = (jnp.arange(B), jnp.zeros((1,), jnp.int32), ak.key_words(rng), seg[:, None, :], bias)
+  kw = dict(rate=RATE, local_window=0, size=K)
+  q, k, v, do = (x.reshape(B, L, N * K) for x in (q, k, v, do))  # the heads side by side
+  np.testing.assert_allclose(ak.reference(*args, q, k, v, **kw),
+                             ak._forward(*args, q, k, v, **kw, interpret=True), atol=2e-6)
+  for got, expected in zip(ak._reference_backward(*args, q, k, v, do, **kw),
+                           ak._backward(*args, q, k, v, do, **kw, interpret=True)):
     np.testing.assert_allclose(got, expected, atol=2e-5)
-  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ak.fused_attention(q, k, v, seg, rng, RATE)),
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ak.fused_attention(q, k, v, seg, rng, RATE,
+                                                                     head_size=K)),
                           argnums=(0, 1, 2)))
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v)]
   for platform, kernels in (("cuda", False), ("tpu", True)):
@@ -153,6 +153,11 @@ def test_a_model_trains_with_it_and_its_dropout():
   params = nn.unbox(BertModel(cfg).init(jax.random.key(0), ids)["params"])
   assert jax.tree.structure(params) == jax.tree.structure(
       nn.unbox(BertModel(fused).init(jax.random.key(0), ids)["params"]))
+  # Biases away from their zero start: the kernel adds q's, k's and v's itself.
+  leaves, tree = jax.tree.flatten(params)
+  noise = [0.1 * jax.random.normal(k, x.shape) for k, x in
+           zip(jax.random.split(jax.random.key(1), len(leaves)), leaves)]
+  params = jax.tree.unflatten(tree, [x + n for x, n in zip(leaves, noise)])
 
   def out(c, deterministic, seed=0):
     return BertModel(c).apply({"params": params}, ids, mask, deterministic=deterministic,
@@ -161,6 +166,13 @@ def test_a_model_trains_with_it_and_its_dropout():
   # Without dropout the XLA path's values; with it the dropout acts, the same for a key.
   np.testing.assert_allclose(np.asarray(out(fused, True))[real], np.asarray(out(cfg, True))[real],
                              atol=1e-5)
+  # And the same gradients, the biases' among them.
+  grad = lambda c: jax.grad(lambda p: jnp.sum(BertModel(c).apply(
+      {"params": p}, ids, mask, deterministic=True)[0] * real[..., None]))(params)
+  for (path, got), expected in zip(jax.tree_util.tree_leaves_with_path(grad(fused)),
+                                   jax.tree.leaves(grad(cfg))):
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=1e-3,
+                               err_msg=jax.tree_util.keystr(path))
   assert float(jnp.abs(out(fused, False) - out(fused, True))[real].max()) > 1e-3
   np.testing.assert_array_equal(out(fused, False), out(fused, False))
   assert float(jnp.abs(out(fused, False, 1) - out(fused, False))[real].max()) > 1e-3
@@ -202,13 +214,16 @@ def test_remat_dots_kernels_keeps_the_kernel_s_output_so_its_forward_runs_once()
   assert calls["dots"][1] == calls["dots_kernels"][1], calls
 
 
-def test_blocks_take_rows_while_they_fit_and_split_heads_only_for_long_rows():
-  # BERT-Base's backward (7 blocks of bfloat16 heads of 64) at 128: 2 rows a step of 32, all 12
-  # heads (its forward, 4 blocks: 4 rows); at 512, one row and its 12 heads; BERT-Large at 1,024,
-  # one row and 8 of its 16 heads (all 16 overflowed v5p's VMEM).
-  assert ak._block(32, 12, 128, 128, 7) == (2, 12) and ak._block(32, 12, 128, 128, 4) == (4, 12)
-  assert ak._block(32, 12, 512, 128, 7) == (1, 12)
-  assert ak._block(32, 16, 1024, 128, 7) == (1, 8)
+def test_blocks_hold_whole_lane_tiles_of_heads_and_as_many_rows_as_fit():
+  # Heads side by side, as the projections lay them out: BERT's heads of 64 two to a 128-lane
+  # tile; heads of 128 one; heads whose lanes never make whole tiles, all of them (full width).
+  assert ak._heads_a_block(12, 64) == 2 and ak._heads_a_block(16, 64) == 2
+  assert ak._heads_a_block(12, 128) == 1 and ak._heads_a_block(4, 32) == 4
+  assert ak._heads_a_block(3, 96) == 3
+  # BERT-Base's backward (7 blocks of 128 bfloat16 lanes) at 128: 16 rows of 32 a step; at 512,
+  # 4; at 1,024, 2 (VMEM's [L, L] temporaries beside them: 40 MB).
+  assert [ak._block(32, length, 256, 7) for length in (128, 512, 1024)] == [16, 4, 2]
+  assert ak._block(32, 128, 256, 4) == 32  # the forward's 4 blocks
 
 
 def test_auto_runs_the_kernel_s_arithmetic_by_xla_off_a_tpu_and_xla_s_attention_at_other_lengths():
@@ -225,7 +240,7 @@ def test_auto_runs_the_kernel_s_arithmetic_by_xla_off_a_tpu_and_xla_s_attention_
       *shapes).mlir_module() for interpret in (True, False) for platform in ("cpu", "tpu")}
   loops = {interpret: lowered[interpret, "cpu"].count("stablehlo.while")
            for interpret in (True, False)}
-  assert loops[True] >= loops[False] + 3, loops  # the grid's, the rows' and the heads' loops
+  assert loops[True] >= loops[False] + 2, loops  # the grid's and the rows' loops
   assert "tpu_custom_call" in lowered[False, "tpu"]
   # In a model: "auto" is "fused" at a length the kernel holds, and XLA's attention at another.
   cfg = BertConfig(vocab_size=97, hidden_size=64, num_layers=1, num_heads=2,

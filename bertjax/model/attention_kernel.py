@@ -15,6 +15,17 @@ head) is computed whole:
 
 Nothing [L, L] leaves VMEM and nothing but the inputs is kept for the backward.
 
+The layout. q, k, v and the output are [B, L, N * K], the heads side by side as the projections
+write them (model.encoder asks for them so): lane-dense, with no transpose between a product and
+the kernel, where heads first ([B, N, L, K]) took one each way and padded K = 64 to 128 lanes in
+HBM. A grid step reads a few rows' lanes of a few heads (two of BERT's 64: one 128-lane tile),
+and each head's products run over the block's lanes with the others' zeroed in q (the scores)
+or in do (dp), each result keeping its own head's lanes: a 64-deep product fills the MXU no
+better than a 128-deep one, so this costs no pass of it (the cost estimate counts K). The
+projections' biases come in apart (`biases`) and are added as the kernel reads q, k and v: the
+products' outputs, which remat "dots" keeps, go in as they are, and no biased copy of each is
+written (and, under remat, made again).
+
 The dropout's bits. A kernel cannot read a mask it did not write, so it draws its keep decisions
 itself, and the backward draws them again: threefry-2x32 (jax.random's default generator, its
 `threefry2x32_p` primitive, which Mosaic lowers inside a kernel) keyed by the
@@ -49,10 +60,9 @@ from bertjax.model import dropout
 
 MULTIPLE = 128  # keys lie along the TPU's 128 lanes
 MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB each at 1024
-# A grid step's blocks (double buffered): as many rows as fit ROW_BYTES, all their heads; where
-# one row's heads pass HEAD_BYTES (long rows), one row and as many heads as fit it (v5p's 64 MiB
-# of VMEM holds BERT-Large's backward at 1,024 so).
-ROW_BYTES, HEAD_BYTES = 8 << 20, 16 << 20
+# A grid step's blocks (double buffered): a few heads' lanes (`_heads_a_block`) of as many rows as
+# fit ROW_BYTES.
+ROW_BYTES = 8 << 20
 _F32, _U32 = jnp.float32, jnp.uint32
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
 _PIECES = 4  # keep decisions a threefry evaluation gives (dropout.decisions)
@@ -119,24 +129,37 @@ def _column(seg_1xL):
                  keepdims=True)
 
 
-def _row_head_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body):
-  """body(i, n, global row, global head, allowed [L, L]) for each row of the block and each
-  of its `heads`; the segments' mask made once a row."""
+def _head_lanes(width: int, size: int, n: int):
+  """[1, width] bool: the lanes of a block's head `n` (heads of `size` side by side)."""
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+  return (lane >= n * size) & (lane < (n + 1) * size)
+
+
+def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body):
+  """body(i, global row, the block's first global head, allowed [L, L]) for each row of the
+  block; the segments' mask made once a row."""
   block = seg_ref.shape[0]
-  # Read outside the loops: the interpreter wants it so.
+  # Read outside the loop: the interpreter wants it so.
   first_row = pl.program_id(0) * block
-  first_head = first_head_ref[0] + pl.program_id(1) * heads
+  first_head = (first_head_ref[0] + pl.program_id(1) * heads).astype(_U32)
 
   def per_row(i, carry):
     seg_k = seg_ref[i]
-    allowed = _allowed(_column(seg_k), seg_k, local_window)
-    row = rows_ref[first_row + i].astype(_U32)
-
-    def per_head(n, carry):
-      body(i, n, row, (first_head + n).astype(_U32), allowed)
-      return carry
-    return jax.lax.fori_loop(0, heads, per_head, carry)
+    body(i, rows_ref[first_row + i].astype(_U32), first_head,
+         _allowed(_column(seg_k), seg_k, local_window))
+    return carry
   jax.lax.fori_loop(0, block, per_row, 0)
+
+
+def _per_head(heads: int, size: int, width: int, fn):
+  """fn(n, lanes of head n) for each of a block's heads, in turn (few: see `_heads_a_block`); the
+  results' arrays [L, width] combined lane by lane, each head's lanes from its own call."""
+  out = None
+  for n in range(heads):
+    mine = _head_lanes(width, size, n)
+    got = fn(n, mine)
+    out = got if out is None else tuple(jnp.where(mine, g, o) for g, o in zip(got, out))
+  return out
 
 
 def _probabilities_kept(q, k, allowed, row, head, key_ref, rate: float, scale: float):
@@ -148,61 +171,89 @@ def _probabilities_kept(q, k, allowed, row, head, key_ref, rate: float, scale: f
                            p.shape[-1], rate)
 
 
-def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, q_ref, k_ref, v_ref, o_ref, *,
-                    rate, local_window, scale):
-  def body(i, n, row, head, allowed):
-    p, keep = _probabilities_kept(q_ref[i, n], k_ref[i, n], allowed, row, head, key_ref, rate,
-                                  scale)
-    v = v_ref[i, n]
-    o_ref[i, n] = jnp.dot(_dropped(p, keep, rate).astype(v.dtype), v,
-                          preferred_element_type=_F32).astype(o_ref.dtype)
-  _row_head_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
+def _biased(bias_ref, *blocks):
+  """A row's q, k and v blocks each with its bias added (float32 [3, width] in `bias_ref`, its
+  values those of the compute dtype, so the sum rounds as XLA's `product + bias` does)."""
+  return tuple((x.astype(_F32) + bias_ref[j:j + 1, :]).astype(x.dtype)
+               for j, x in enumerate(blocks))
 
 
-def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, q_ref, k_ref, v_ref, do_ref,
-                     dq_ref, dk_ref, dv_ref, *, rate, local_window, scale):
-  def body(i, n, row, head, allowed):
-    q, k, v, do = q_ref[i, n], k_ref[i, n], v_ref[i, n], do_ref[i, n]
-    p, keep = _probabilities_kept(q, k, allowed, row, head, key_ref, rate, scale)
-    dv_ref[i, n] = jnp.dot(_dropped(p, keep, rate).astype(do.dtype).T, do,
-                           preferred_element_type=_F32).astype(dv_ref.dtype)
-    dp = _dropped(jax.lax.dot_general(do, v, _T, preferred_element_type=_F32), keep, rate)
-    ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale).astype(q.dtype)
-    dq_ref[i, n] = jnp.dot(ds, k, preferred_element_type=_F32).astype(dq_ref.dtype)
-    dk_ref[i, n] = jnp.dot(ds.T, q, preferred_element_type=_F32).astype(dk_ref.dtype)
-  _row_head_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[1], body)
+def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
+                    o_ref, *, rate, local_window, scale, size):
+  def body(i, row, first_head, allowed):
+    q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
+    zero = jnp.zeros((), q.dtype)
+
+    def head(n, mine):
+      # Other heads' lanes zero in q: q k^T over the block's lanes is head n's scores.
+      p, keep = _probabilities_kept(jnp.where(mine, q, zero), k, allowed, row, first_head + n,
+                                    key_ref, rate, scale)
+      return (jnp.dot(_dropped(p, keep, rate).astype(v.dtype), v, preferred_element_type=_F32),)
+    o_ref[i] = _per_head(q_ref.shape[2] // size, size, q.shape[-1], head)[0].astype(
+        o_ref.dtype)
+  _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body)
 
 
-def _block(rows: int, heads: int, length: int, size: int, tensors: int) -> tuple[int, int]:
-  """(rows, heads) a grid step, each dividing its whole, for `tensors` [rows, heads, L, K] blocks
-  (double buffered; `size` bytes a head's row of K): the most rows within ROW_BYTES with all
-  heads, where one row's heads fit HEAD_BYTES; else one row and the most heads within it. One
-  of each at least."""
-  per_head = 2 * tensors * length * size
-  most = lambda n, limit: max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or limit(d)))
-  if heads * per_head <= HEAD_BYTES:
-    return most(rows, lambda b: b * heads * per_head <= ROW_BYTES), heads
-  return 1, most(heads, lambda h: h * per_head <= HEAD_BYTES)
+def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
+                     do_ref, dq_ref, dk_ref, dv_ref, *, rate, local_window, scale, size):
+  def body(i, row, first_head, allowed):
+    q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
+    do = do_ref[i]
+    zero = jnp.zeros((), q.dtype)
+
+    def head(n, mine):
+      p, keep = _probabilities_kept(jnp.where(mine, q, zero), k, allowed, row, first_head + n,
+                                    key_ref, rate, scale)
+      dv = jnp.dot(_dropped(p, keep, rate).astype(do.dtype).T, do, preferred_element_type=_F32)
+      dp = _dropped(jax.lax.dot_general(jnp.where(mine, do, zero), v, _T,
+                                        preferred_element_type=_F32), keep, rate)
+      ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale).astype(q.dtype)
+      return (jnp.dot(ds, k, preferred_element_type=_F32),
+              jnp.dot(ds.T, q, preferred_element_type=_F32), dv)
+    heads = q_ref.shape[2] // size
+    for ref, value in zip((dq_ref, dk_ref, dv_ref), _per_head(heads, size, q.shape[-1], head)):
+      ref[i] = value.astype(ref.dtype)
+  _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body)
 
 
-def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, *, rate, local_window,
-          flops, interpret):
-  rows, heads, length, size = inputs[0].shape
+def _heads_a_block(heads: int, size: int) -> int:
+  """Heads side by side in a block: the fewest, dividing `heads`, whose lanes make whole
+  128-lane tiles (2 of BERT's 64), else all of them (the array's whole width)."""
+  return next((h for h in range(1, heads + 1) if heads % h == 0 and h * size % MULTIPLE == 0),
+              heads)
+
+
+def _block(rows: int, length: int, width: int, tensors: int) -> int:
+  """Rows a grid step, dividing `rows`: the most whose `tensors` [rows, L, width] blocks (double
+  buffered; `width` bytes a position) fit ROW_BYTES; one at least."""
+  per_row = 2 * tensors * length * width
+  return max(d for d in range(1, rows + 1)
+             if rows % d == 0 and (d == 1 or d * per_row <= ROW_BYTES))
+
+
+def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
+          local_window, size, flops, interpret):
+  # [B, L, N * K], as the projections write it: lane-dense. Heads first ([B, N, L, K]) took a
+  # transpose each way and padded K = 64 to 128 lanes in HBM.
+  rows, length, heads = inputs[0].shape[:2] + (inputs[0].shape[2] // size,)
   item = inputs[0].dtype.itemsize
-  block, head_block = _block(rows, heads, length, size * item, len(inputs) + outputs)
-  tile = pl.BlockSpec((block, head_block, length, size), lambda b, h, *_: (b, h, 0, 0))
+  group = _heads_a_block(heads, size)
+  width = group * size
+  block = _block(rows, length, width * item, len(inputs) + outputs)
+  tile = pl.BlockSpec((block, length, width), lambda b, h, *_: (b, 0, h))
   fn = functools.partial(kernel, rate=rate, local_window=local_window,
-                         scale=1.0 / np.sqrt(size))
+                         scale=1.0 / np.sqrt(size), size=size)
   shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
   # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
-  need = (2 * (len(inputs) + outputs) * block * head_block * length * size * item
+  need = (2 * (len(inputs) + outputs) * block * length * width * item
           + 10 * length * length * 4)
   result = pl.pallas_call(
       fn,
       out_shape=(shape,) * outputs,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(rows // block, heads // head_block),
-          in_specs=[pl.BlockSpec((block, 1, length), lambda b, h, *_: (b, 0, 0))]
+          num_scalar_prefetch=3, grid=(rows // block, heads // group),
+          in_specs=[pl.BlockSpec((block, 1, length), lambda b, h, *_: (b, 0, 0)),
+                    pl.BlockSpec((3, width), lambda b, h, *_: (0, h))]
           + [tile] * len(inputs),
           out_specs=(tile,) * outputs),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
@@ -213,41 +264,53 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, *, rate
           bytes_accessed=(len(inputs) + outputs) * rows * heads * length * size * item
           + rows * length * 4),
       interpret=interpret, name=name,
-  )(rows_ids, first_head, key, seg, *inputs)
+  )(rows_ids, first_head, key, seg, bias.astype(inputs[0].dtype).astype(_F32), *inputs)
   return result if outputs > 1 else result[0]
 
 
-def _forward(rows_ids, first_head, key, seg, q, k, v, *, rate, local_window, interpret):
+def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size,
+             interpret):
   # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
   return _call(_forward_kernel, "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key,
-               seg, rate=rate, local_window=local_window, flops=4, interpret=interpret)
+               seg, bias, rate=rate, local_window=local_window, size=size, flops=4,
+               interpret=interpret)
 
 
-def _backward(rows_ids, first_head, key, seg, q, k, v, do, *, rate, local_window, interpret):
+def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,
+              interpret):
   # 10: q k^T again, do v^T, dv, dq and dk.
   return _call(_backward_kernel, "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head,
-               key, seg, rate=rate, local_window=local_window, flops=10, interpret=interpret)
+               key, seg, bias, rate=rate, local_window=local_window, size=size, flops=10,
+               interpret=interpret)
 
 
-def reference(rows_ids, first_head, key, seg, q, k, v, *, rate, local_window):
-  """The kernels' arithmetic by XLA, heads first ([B, N, L, K]): where there is no Mosaic, and
-  what the tests hold the kernels to."""
-  length = q.shape[2]
+def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size):
+  """The kernels' arithmetic by XLA ([B, L, N * K] in and out, heads of `size`; `bias` [3,
+  N * K] added to q, k and v first): where there is no Mosaic, and what the tests hold the
+  kernels to."""
+  rows, length, width = q.shape
+  q, k, v = ((x + b.astype(x.dtype)).reshape(rows, length, width // size, size)
+             for x, b in zip((q, k, v), bias))
   seg_k = seg[:, :, None, :]  # [B, 1, 1, L]
   allowed = _allowed(jnp.swapaxes(seg_k, -1, -2), seg_k, local_window)
-  p = jax.vmap(jax.vmap(functools.partial(_probabilities, scale=1.0 / np.sqrt(q.shape[-1]))))(
-      q, k, jnp.broadcast_to(allowed, q.shape[:2] + (length, length)))
+  # Each row's heads (axis 1 of its [L, N, K]), then each row: p [B, N, L, L].
+  p = jax.vmap(jax.vmap(functools.partial(_probabilities, scale=1.0 / np.sqrt(size)),
+                        in_axes=(1, 1, 0)))(
+      q, k, jnp.broadcast_to(allowed, (rows, q.shape[2], length, length)))
   keep = None
   if rate > 0:
-    rows = rows_ids.astype(_U32)[:, None, None, None]
-    heads = (first_head[0] + jnp.arange(q.shape[1])).astype(_U32)[None, :, None, None]
-    keep = keep_decisions(key[0].astype(_U32), key[1].astype(_U32), rows, heads, length, rate)
-  return jnp.einsum("bnqs,bnsk->bnqk", _dropped(p, keep, rate).astype(v.dtype), v)
+    row = rows_ids.astype(_U32)[:, None, None, None]
+    heads = (first_head[0] + jnp.arange(q.shape[2])).astype(_U32)[None, :, None, None]
+    keep = keep_decisions(key[0].astype(_U32), key[1].astype(_U32), row, heads, length, rate)
+  out = jnp.einsum("bnqs,bsnk->bqnk", _dropped(p, keep, rate).astype(v.dtype), v)
+  return out.reshape(rows, length, width)
 
 
-def _reference_backward(rows_ids, first_head, key, seg, q, k, v, do, *, rate, local_window):
-  _, pull = jax.vjp(lambda q, k, v: reference(rows_ids, first_head, key, seg, q, k, v, rate=rate,
-                                              local_window=local_window), q, k, v)
+def _reference_backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate,
+                        local_window, size):
+  _, pull = jax.vjp(lambda q, k, v: reference(rows_ids, first_head, key, seg, bias, q, k, v,
+                                              rate=rate, local_window=local_window, size=size),
+                    q, k, v)
   return pull(do)
 
 
@@ -265,23 +328,21 @@ def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
 
 def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
   """fn on each device's rows and heads under the mesh in scope (shard_map over the
-  activations' batch and heads axes), or once without one. `arrays`: [B, L, N, K] (heads
-  first inside fn); `ids`: (global row ids [B], global head ids [N], key [2], segments [B, L])."""
-  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+  activations' batch and heads axes), or once without one. `arrays`: [B, L, N * K]; `ids`:
+  (global row ids [B], global head ids [N], key [2], segments [B, L], biases [3, N * K])."""
 
   def run(*args):
-    rows_ids, heads_ids, key, seg = args[len(arrays):]
-    out = fn(rows_ids, heads_ids[:1], key, seg[:, None, :], *map(heads_first, args[:len(arrays)]))
-    return tuple(map(heads_first, out)) if outputs > 1 else heads_first(out)
+    rows_ids, heads_ids, key, seg, bias = args[len(arrays):]
+    return fn(rows_ids, heads_ids[:1], key, seg[:, None, :], bias, *args[:len(arrays)])
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return run(*arrays, *ids)
-  batch, _, heads, _ = nn.logical_to_mesh_axes(
-      ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-  qkv = PartitionSpec(batch, None, heads, None)
+  batch, _, heads = nn.logical_to_mesh_axes(
+      ("activation_batch", "activation_length", "activation_heads"))
+  qkv = PartitionSpec(batch, None, heads)  # whole heads a device: N divides over `heads`' axis
   specs = (PartitionSpec(batch), PartitionSpec(heads), PartitionSpec(None),
-           PartitionSpec(batch, None))
+           PartitionSpec(batch, None), PartitionSpec(None, heads))
   return jax.shard_map(
       run, mesh=mesh, in_specs=(qkv,) * len(arrays) + specs,
       out_specs=(qkv,) * outputs if outputs > 1 else qkv,
@@ -289,31 +350,33 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
       check_vma=False)(*arrays, *ids)
 
 
-def _ids(q_BxLxNxK, segment_ids_BxL, key):
-  rows, _, heads, _ = q_BxLxNxK.shape
-  return (jnp.arange(rows, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32),
-          key, segment_ids_BxL.astype(jnp.int32))
+def _ids(q_BxLxNK, segment_ids_BxL, key, bias, size: int):
+  rows, _, width = q_BxLxNK.shape
+  return (jnp.arange(rows, dtype=jnp.int32), jnp.arange(width // size, dtype=jnp.int32),
+          key, segment_ids_BxL.astype(jnp.int32), bias)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, segment_ids, key, rate, local_window, interpret_on_cpu):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size):
   fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window,
-                          interpret_on_cpu=interpret_on_cpu)
-  return _per_device(fwd, (q, k, v), _ids(q, segment_ids, key), 1)
+                          size=size, interpret_on_cpu=interpret_on_cpu)
+  return _per_device(fwd, (q, k, v), _ids(q, segment_ids, key, bias, size), 1)
 
 
-def _attention_fwd(q, k, v, segment_ids, key, rate, local_window, interpret_on_cpu):
+def _attention_fwd(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size):
   # Only the inputs are kept: the backward makes the scores and the decisions again.
-  out = _attention(q, k, v, segment_ids, key, rate, local_window, interpret_on_cpu)
-  return out, (q, k, v, segment_ids, key)
+  out = _attention(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size)
+  return out, (q, k, v, bias, segment_ids, key)
 
 
-def _attention_bwd(rate, local_window, interpret_on_cpu, saved, do):
-  q, k, v, segment_ids, key = saved
+def _attention_bwd(rate, local_window, interpret_on_cpu, size, saved, do):
+  q, k, v, bias, segment_ids, key = saved
   bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window,
-                          interpret_on_cpu=interpret_on_cpu)
-  dq, dk, dv = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key), 3)
-  return dq, dk, dv, None, None
+                          size=size, interpret_on_cpu=interpret_on_cpu)
+  grads = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, size), 3)
+  # A bias's gradient is its sum's: the biased q's gradient (the kernel's) summed over positions.
+  dbias = jnp.stack([g.sum((0, 1), dtype=_F32) for g in grads]).astype(bias.dtype)
+  return (*grads, dbias, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -328,15 +391,29 @@ def key_words(rng) -> jax.Array:
 
 
 def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
-                    rate: float = 0.0, local_window: int = 0, interpret_on_cpu: bool = True):
+                    rate: float = 0.0, local_window: int = 0, interpret_on_cpu: bool = True,
+                    head_size: int | None = None, biases=None):
   """Softmax(q k^T / sqrt(K)) v within segments (splash's segment ids: attention.
   splash_segment_ids), the probabilities dropped at `rate` by `rng` (a jax key; none at rate 0).
-  [B, L, N, K] in and out; differentiable in q, k and v. `local_window` > 0: only keys with
-  |i - j| <= local_window // 2. The kernel on a TPU; on a CPU its interpreter, or with
-  `interpret_on_cpu=False` the same arithmetic and bits by XLA (as on a GPU)."""
+  [B, L, N, K] in and out, or with `head_size` K, [B, L, N * K] (the heads side by side, as a
+  projection writes them: what the kernel reads, so no copy comes between); differentiable in
+  q, k and v. `biases` ([3, N * K], or one [N * K] each): added to q, k and v inside the kernel,
+  so the products' outputs (what remat "dots" keeps) go in as they are and no biased copy is
+  written; differentiable. `local_window` > 0: only keys with |i - j| <= local_window // 2. The
+  kernel on a TPU; on a CPU its interpreter, or with `interpret_on_cpu=False` the same arithmetic
+  and bits by XLA (as on a GPU)."""
   check_length(q_BxLxNxK.shape[1])
   if rate > 0 and rng is None:
     raise ValueError("fused_attention: a dropout rate needs an rng")
   key = key_words(rng) if rate > 0 else jnp.zeros((2,), jnp.int32)
-  return _attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, key, float(rate),
-                    int(local_window), bool(interpret_on_cpu))
+  shape = q_BxLxNxK.shape
+  if len(shape) == 3 and head_size is None:
+    raise ValueError("fused_attention: [B, L, N * K] inputs need head_size")
+  size = shape[-1] if len(shape) == 4 else int(head_size)
+  flat = lambda x: x.reshape(shape[:2] + (-1,))
+  width = int(np.prod(shape[2:]))
+  bias = (jnp.zeros((3, width), q_BxLxNxK.dtype) if biases is None
+          else jnp.stack([jnp.reshape(b, (width,)) for b in biases]))
+  out = _attention(flat(q_BxLxNxK), flat(k_BxLxNxK), flat(v_BxLxNxK), bias, segment_ids_BxL,
+                   key, float(rate), int(local_window), bool(interpret_on_cpu), size)
+  return out.reshape(shape)

@@ -107,17 +107,32 @@ class SelfAttention(nn.Module):
     shape = (cfg.num_heads, cfg.head_size)
     names = ("embed", "heads", "kv")
     bias = cfg.attention_bias
+    # The fused kernel reads the heads side by side, [B, L, N * K], as one 2-D product writes
+    # them: q, k and v stay so (`flat`), with no copy between the products and the kernel.
+    # Their biases too, unless RoPE comes between: the kernel adds them as it reads q, k and v,
+    # so no biased copy of each is written (and made again under remat "dots").
+    kernel = cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks
+    apart = dict(flat=True, bias_apart=rope is None) if kernel else {}
     query = dense(cfg, shape, names, "query", use_bias=bias)
     at_queries = ((lambda a: a) if query_positions is None
                   else lambda a: attention.gather_positions(a, query_positions))
-    q_BxLxNxK = query(at_queries(x_BxLxD))  # L: S with query_positions
+    q_BxLxNxK = query(at_queries(x_BxLxD), **apart)  # L: S with query_positions
     key_init = None
     if cfg.query_key_init == "shared" and self.is_initializing():
       # A copy (not the same array): the train step donates every buffer of the state once.
       w_DxNxK = nn.meta.unbox(query.variables["params"]["kernel"])
       key_init = lambda rng, shape, dtype: jnp.array(w_DxNxK, dtype=dtype, copy=True)
-    k_BxLxNxK = dense(cfg, shape, names, "key", kernel_init=key_init, use_bias=bias)(x_BxLxD)
-    v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value", use_bias=bias)(x_BxLxD)
+    k_BxLxNxK = dense(cfg, shape, names, "key", kernel_init=key_init, use_bias=bias)(
+        x_BxLxD, **apart)
+    v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value", use_bias=bias)(
+        x_BxLxD, **apart)
+    heads = lambda x: x.reshape(x.shape[:2] + shape)  # [B, L, N * K] -> [B, L, N, K]
+    biases = None
+    if apart.get("bias_apart"):
+      (q_BxLxNxK, bq), (k_BxLxNxK, bk), (v_BxLxNxK, bv) = q_BxLxNxK, k_BxLxNxK, v_BxLxNxK
+      biases = None if bq is None else (bq, bk, bv)
+    if kernel:
+      q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = map(heads, (q_BxLxNxK, k_BxLxNxK, v_BxLxNxK))
     is_local = cfg.is_local(layer_id)
     if rope is not None:
       cos_BxLxK, sin_BxLxK = rope["global"]
@@ -145,14 +160,17 @@ class SelfAttention(nn.Module):
       rate = 0.0 if deterministic else cfg.attention_dropout
       rng = self.make_rng("dropout") if rate > 0 and not self.is_initializing() else None
       interpret = cfg.attention_impl == "fused"
+      flat = lambda x: x.reshape(x.shape[:2] + (-1,))
       fused = lambda w: lambda q, k, v, ids: (
-          attention.splash_equivalent(q, k, v, ids, local_window=w) if self.is_initializing()
+          flat(attention.splash_equivalent(*map(heads, (q, k, v)), ids, local_window=w))
+          if self.is_initializing()
           else attention_kernel.fused_attention(q, k, v, ids, rng, rate, local_window=w,
-                                                interpret_on_cpu=interpret))
-      out_BxLxNxK = attention.choose_local(is_local, fused(window), fused(0), q_BxLxNxK,
-                                           k_BxLxNxK, v_BxLxNxK, masks["segment_ids"])
+                                                interpret_on_cpu=interpret,
+                                                head_size=cfg.head_size, biases=biases))
+      out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), flat(q_BxLxNxK),
+                                          flat(k_BxLxNxK), flat(v_BxLxNxK), masks["segment_ids"])
       # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
-      out_BxLxNxK = jax.ad_checkpoint.checkpoint_name(out_BxLxNxK, "attention_output")
+      out_BxLxNxK = heads(jax.ad_checkpoint.checkpoint_name(out_BxLxNK, "attention_output"))
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
@@ -176,7 +194,7 @@ class SelfAttention(nn.Module):
         out_BxLxNxK = jax.nn.dot_product_attention(
             q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL, implementation="xla")
     return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
-                 use_bias=bias)(out_BxLxNxK)
+                 use_bias=bias)(out_BxLxNxK, flat=kernel)
 
 
 class Mlp(nn.Module):

@@ -87,9 +87,14 @@ class Dense(nn.Module):
   use_bias: bool = True
 
   @nn.compact
-  def __call__(self, x, weights_only: bool = False):
+  def __call__(self, x, weights_only: bool = False, flat: bool = False,
+               bias_apart: bool = False):
     """x @ kernel + bias; with `weights_only`, (kernel, bias or None) as stored, for a caller that
-    runs the product itself (a fused kernel: x need only have a shape then)."""
+    runs the product itself (a fused kernel: x need only have a shape then). `flat`: one 2-D
+    product, x's contracted axes (its last ones) and the features each merged into one axis, so
+    the result is [..., prod(features)] (the attention kernel's lane-dense layout: no copy comes
+    between the product and the kernel); the same parameters. `bias_apart`: (x @ kernel, bias or
+    None), for a kernel that adds the bias where it reads the product."""
     cfg = self.config
     features = tuple(np.atleast_1d(self.features).tolist())
     axes = tuple(a % x.ndim for a in np.atleast_1d(self.axis).tolist())
@@ -102,9 +107,21 @@ class Dense(nn.Module):
     if weights_only:
       return kernel, bias
     out_dtype = cfg.compute_dtype if self.out_dtype is None else jnp.dtype(self.out_dtype)
-    y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
-                            ((axes, tuple(range(len(axes)))), ((), ())),
-                            preferred_element_type=out_dtype)
+    if flat:
+      if axes != tuple(range(x.ndim - len(axes), x.ndim)):
+        raise ValueError(f"Dense(flat=True) contracts x's last axes; got axis={self.axis}")
+      lead = x.shape[:x.ndim - len(axes)]
+      inner = int(np.prod(kernel.shape[:len(axes)]))
+      y = jax.lax.dot_general(x.reshape(lead + (inner,)).astype(cfg.compute_dtype),
+                              kernel.reshape(inner, -1).astype(cfg.compute_dtype),
+                              (((len(lead),), (0,)), ((), ())), preferred_element_type=out_dtype)
+      bias = None if bias is None else bias.reshape(-1)
+    else:
+      y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
+                              ((axes, tuple(range(len(axes)))), ((), ())),
+                              preferred_element_type=out_dtype)
+    if bias_apart:
+      return y, bias
     return y if bias is None else y + bias.astype(out_dtype)
 
 
