@@ -383,6 +383,27 @@ def attention_with_dropout(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate: 
   return jnp.einsum("bnqs,bsnk->bqnk", probs_BxNxLxL.astype(v_BxLxNxK.dtype), v_BxLxNxK)
 
 
+def masked_attention(q_BxSxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, is_local, window: int,
+                     query_positions_BxS, rate: float, rng):
+  """XLA's attention under a boolean mask (attention_mask's), a local layer's band added.
+
+  `query_positions_BxS` (or None): the positions q holds, whose rows of the mask apply. `rng`
+  None: no dropout (jax.nn.dot_product_attention); else dropout on the probabilities at `rate`.
+  """
+  if query_positions_BxS is not None and mask_Bx1xLxL.shape[2] > 1:  # the queries' rows
+    mask_Bx1xLxL = jnp.take_along_axis(mask_Bx1xLxL, query_positions_BxS[:, None, :, None], 2)
+  if window:
+    # A [B, 1, 1, L] key mask broadcasts up to [B, 1, L, L] here, for local layers only.
+    band_1x1xLxL = local_band(k_BxLxNxK.shape[1], window)[None, None]
+    if query_positions_BxS is not None:
+      band_1x1xLxL = jnp.asarray(band_1x1xLxL[0, 0])[query_positions_BxS][:, None]
+    mask_Bx1xLxL = select_local(is_local, mask_Bx1xLxL & band_1x1xLxL, mask_Bx1xLxL)
+  if rng is not None:
+    return attention_with_dropout(q_BxSxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, rate, rng)
+  return jax.nn.dot_product_attention(q_BxSxNxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL,
+                                      implementation="xla")
+
+
 # Matmul FLOPs of each splash kernel per query-key pair and head dimension: the forward's
 # q k^T and p v (2 + 2); the backward's dkv kernel recomputes q k^T, then dp = do v^T, dv and dk
 # (2 each), and when fused with dq (three gradients out) also dq; a separate dq kernel recomputes

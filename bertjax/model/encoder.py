@@ -154,47 +154,44 @@ class SelfAttention(nn.Module):
       run = lambda w: lambda q, k, v, ids: splash(q, k, v, ids, local_window=w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks["segment_ids"])
-    elif cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks:
-      # "auto": the kernel's arithmetic by XLA on a CPU, not its interpreter; at lengths the
-      # kernel does not hold, attention_masks gave XLA's mask, for the branch below.
-      rate = 0.0 if deterministic else cfg.attention_dropout
-      rng = self.make_rng("dropout") if rate > 0 and not self.is_initializing() else None
-      interpret = cfg.attention_impl == "fused"
-      flat = lambda x: x.reshape(x.shape[:2] + (-1,))
-      fused = lambda w: lambda q, k, v, ids: (
-          flat(attention.splash_equivalent(*map(heads, (q, k, v)), ids, local_window=w))
-          if self.is_initializing()
-          else attention_kernel.fused_attention(q, k, v, ids, rng, rate, local_window=w,
-                                                interpret_on_cpu=interpret,
-                                                head_size=cfg.head_size, biases=biases))
-      out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), flat(q_BxLxNxK),
-                                          flat(k_BxLxNxK), flat(v_BxLxNxK), masks["segment_ids"])
-      # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
-      out_BxLxNxK = heads(jax.ad_checkpoint.checkpoint_name(out_BxLxNK, "attention_output"))
+    elif kernel:
+      out_BxLxNxK = self._kernel(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["segment_ids"],
+                                 is_local, window, biases, deterministic)
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
                                            v_BxLxNxK, masks)
     else:
-      mask_Bx1xLxL = masks["mask"]
-      if query_positions is not None and mask_Bx1xLxL.shape[2] > 1:  # the queries' rows
-        mask_Bx1xLxL = jnp.take_along_axis(mask_Bx1xLxL, query_positions[:, None, :, None], 2)
-      if window:
-        # A [B, 1, 1, L] key mask broadcasts up to [B, 1, L, L] here, for local layers only.
-        band_1x1xLxL = attention.local_band(x_BxLxD.shape[1], window)[None, None]
-        if query_positions is not None:
-          band_1x1xLxL = jnp.asarray(band_1x1xLxL[0, 0])[query_positions][:, None]
-        mask_Bx1xLxL = attention.select_local(is_local, mask_Bx1xLxL & band_1x1xLxL,
-                                              mask_Bx1xLxL)
-      if not deterministic and cfg.attention_dropout > 0:
-        out_BxLxNxK = attention.attention_with_dropout(
-            q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask_Bx1xLxL, cfg.attention_dropout,
-            self.make_rng("dropout"))
-      else:
-        out_BxLxNxK = jax.nn.dot_product_attention(
-            q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=mask_Bx1xLxL, implementation="xla")
+      rng = (self.make_rng("dropout") if not deterministic and cfg.attention_dropout > 0
+             else None)
+      out_BxLxNxK = attention.masked_attention(
+          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["mask"], is_local, window, query_positions,
+          cfg.attention_dropout, rng)
     return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
                  use_bias=bias)(out_BxLxNxK, flat=kernel)
+
+  def _kernel(self, q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, is_local, window: int,
+              biases, deterministic: bool):
+    """The fused kernel, on the heads side by side ([B, L, N * K]), or its XLA equivalent at init.
+
+    "auto": the kernel's arithmetic by XLA on a CPU, not its interpreter; at lengths the kernel
+    does not hold, attention_masks gave XLA's mask and __call__ does not come here.
+    """
+    cfg = self.config
+    rate = 0.0 if deterministic else cfg.attention_dropout
+    rng = self.make_rng("dropout") if rate > 0 and not self.is_initializing() else None
+    heads = lambda x: x.reshape(x.shape[:2] + (cfg.num_heads, cfg.head_size))
+    flat = lambda x: x.reshape(x.shape[:2] + (-1,))
+    fused = lambda w: lambda q, k, v, ids: (
+        flat(attention.splash_equivalent(*map(heads, (q, k, v)), ids, local_window=w))
+        if self.is_initializing()
+        else attention_kernel.fused_attention(
+            q, k, v, ids, rng, rate, local_window=w, head_size=cfg.head_size, biases=biases,
+            interpret_on_cpu=cfg.attention_impl == "fused"))
+    out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), flat(q_BxLxNxK),
+                                        flat(k_BxLxNxK), flat(v_BxLxNxK), segment_ids_BxL)
+    # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
+    return heads(jax.ad_checkpoint.checkpoint_name(out_BxLxNK, "attention_output"))
 
 
 class Mlp(nn.Module):
