@@ -31,6 +31,10 @@ setuptools.setup(
         "ml_collections>=1.0,<2",
         "absl-py>=2.1,<3",
         "numpy>=1.26,<3",
+        # jax's own dtypes (bfloat16 and kin). 0.7 spends 1-1.5 s of every process's start
+        # registering numpy loops (0.1 s for 0.5 and 0.6): every command, every pod host, every
+        # process a test starts. jax 0.10 and TensorFlow 2.21 ask for 0.5 or later.
+        "ml_dtypes>=0.5.1,<0.7",
         "safetensors>=0.4,<0.9",
         # Corpora and fine-tuning files as Parquet (bertjax/data/corpora/records.py, inputs/textfiles.py):
         # the Hub's dataset format. The `beam` extra's apache-beam 2.77 holds it below 26.

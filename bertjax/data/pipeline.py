@@ -78,6 +78,13 @@ def epoch_plan(manifest: dict, split: str, *, epoch: int, seed: int, shuffle: bo
                    tuple(counts[i] for i in mine), steps, False, skip=lo - first_start)
 
 
+def _plain(fn):
+  """fn as tf.data traces it, without AutoGraph's rewrite: the input functions branch on Python
+  values alone, and the rewrite (parsing and converting each function and all it calls) was a
+  second or two of every run's start."""
+  return tf.autograph.experimental.do_not_convert(fn)
+
+
 def _windows(plan: EpochPlan, skip: int, *, window: int, shuffle: bool, seed: int,
              epoch: int) -> tf.data.Dataset:
   """Blocks of (global ids, serialized examples): each file cut into windows of `window` records,
@@ -113,11 +120,11 @@ def _windows(plan: EpochPlan, skip: int, *, window: int, shuffle: bool, seed: in
       cut = tf.where(w == 0, drop, 0)
       return ids[cut:], recs[cut:]
     ds = tf.data.TFRecordDataset(path, buffer_size=1 << 20).skip(start).batch(window)
-    return ds.enumerate().map(block)
+    return ds.enumerate().map(_plain(block))
 
   return tf.data.Dataset.from_tensor_slices(
       (tf.constant(files), tf.constant(bases, tf.int64), tf.constant(starts, tf.int64),
-       tf.constant(drops, tf.int64))).flat_map(read)
+       tf.constant(drops, tf.int64))).flat_map(_plain(read))
 
 
 def _epoch_dataset(plan: EpochPlan, *, epoch: int, skip_steps: int, seed: int, shuffle: bool,
@@ -130,7 +137,7 @@ def _epoch_dataset(plan: EpochPlan, *, epoch: int, skip_steps: int, seed: int, s
   if plan.rows_mode:
     ds = ds.shard(process_count, process_index)
   ds = ds.take(plan.steps - skip_steps)
-  ds = ds.map(lambda ids, recs: parse_and_mask(ids, recs, tf.constant(epoch, tf.int64)),
+  ds = ds.map(_plain(lambda ids, recs: parse_and_mask(ids, recs, tf.constant(epoch, tf.int64))),
               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   return ds
 
@@ -247,8 +254,7 @@ class Pipeline:
     left = self._budget(plan) - records_before
     ds = _windows(plan, max(plan.skip, start), window=self.window, shuffle=self.shuffle,
                   seed=self.seed, epoch=epoch)
-    call = tf.autograph.experimental.do_not_convert(
-        lambda ids, recs: fn(ids, recs, tf.constant(epoch, tf.int64)))
+    call = _plain(lambda ids, recs: fn(ids, recs, tf.constant(epoch, tf.int64)))
     ds = ds.map(call, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
     blocks = ds.as_numpy_iterator()
     while left > 0:
