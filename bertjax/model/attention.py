@@ -413,9 +413,9 @@ _SPLASH_FLOPS = {"fwd": 4, "dkv": 8, "dkv_fused": 10, "dq": 6}
 
 def splash_flops(line: str, operand_shapes: list[str], result_shape: str) -> float | None:
   """The FLOPs of a splash kernel's call in a compiled TPU program, which XLA's cost analysis
-  cannot see into (bertjax/perf/hlocost.py asks): from its q and k operands ([..., L, K]) and its kind,
-  named in the call's name by jax; every block counted (a local window's skipped blocks too: an
-  upper bound there). None for any other custom call."""
+  cannot see into (bertjax/perf/hlocost.py asks): from its q and k operands ([..., L, K]) and
+  its kind, named in the call's name by jax; every block counted (a local window's skipped
+  blocks too: an upper bound there). None for any other custom call."""
   kind = re.search(r"%?splash_mha_(fwd|dkv|dq)", line.split("=", 1)[0])
   arrays = [[int(d) for d in dims.split(",")]
             for shape in operand_shapes
