@@ -385,3 +385,28 @@ def test_preflight_stops_what_holds_the_tpu_and_removes_a_stale_lock(tmp_path, h
   assert "removed a stale" in r.stdout
   (found,) = tpu_remote.parse_host_versions(r.stdout).values()
   assert found == versions.installed(versions.read_lock())
+
+
+def test_the_lock_installs_beside_the_package_it_pins():
+  # `launch/tpu.py setup` installs `-r LOCK -e .[tpu]` on each worker: a pin outside setup.py's
+  # range for the same package is pip's ResolutionImpossible on every worker, before any job runs.
+  import runpy
+  from unittest import mock
+
+  import setuptools
+  from packaging.requirements import Requirement
+
+  kwargs = {}
+  with mock.patch.object(setuptools, "setup", lambda **kw: kwargs.update(kw)):
+    runpy.run_path(str(REPO / "setup.py"))
+  pins = versions.read_lock()
+  checked = set()
+  for line in kwargs["install_requires"] + kwargs["extras_require"]["tpu"]:
+    wanted = Requirement(line)
+    name = versions.canonical(wanted.name)
+    if name in pins:
+      assert wanted.specifier.contains(pins[name], prereleases=True), (
+          f"launch/requirements-tpu.lock pins {name}=={pins[name]}, setup.py asks for "
+          f"{wanted.specifier}")
+      checked.add(name)
+  assert {"jax", "libtpu", "sentencepiece", "ml-dtypes", "numpy"} <= checked, checked
