@@ -11,12 +11,16 @@ import io
 import json
 import os
 import pathlib
+import runpy
 import shlex
 import subprocess
 import sys
 import time
+from unittest import mock
 
+from packaging.requirements import Requirement
 import pytest
+import setuptools
 
 from bertjax import versions
 from launch import tpu, tpu_remote
@@ -390,12 +394,6 @@ def test_preflight_stops_what_holds_the_tpu_and_removes_a_stale_lock(tmp_path, h
 def test_the_lock_installs_beside_the_package_it_pins():
   # `launch/tpu.py setup` installs `-r LOCK -e .[tpu]` on each worker: a pin outside setup.py's
   # range for the same package is pip's ResolutionImpossible on every worker, before any job runs.
-  import runpy
-  from unittest import mock
-
-  import setuptools
-  from packaging.requirements import Requirement
-
   kwargs = {}
   with mock.patch.object(setuptools, "setup", lambda **kw: kwargs.update(kw)):
     runpy.run_path(str(REPO / "setup.py"))
