@@ -7,6 +7,7 @@ so that every byte's place is known; tests/test_aot.py holds the same on TPU com
 """
 
 import math
+import re
 
 import jax
 import pytest
@@ -64,6 +65,32 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 }
 """
 
+# A kernel (a Pallas call, its own cost estimate in its backend config) fused by XLA with the
+# update that writes its result into a loop's stack: XLA counts no FLOPs for it.
+KERNEL_IN_FUSION = """HloModule kernel_in_fusion
+
+%fused (p0: f32[8,128], p1: f32[4,8,128], p2: s32[]) -> f32[4,8,128] {
+  %p0 = f32[8,128]{1,0} parameter(0)
+  %p1 = f32[4,8,128]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %k = f32[8,128]{1,0} custom-call(%p0), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"cost_estimate": {
+"bytes_accessed":8192,
+"flops":1000000,
+"transcendentals":0
+}}}
+  %b = f32[1,8,128]{2,1,0} bitcast(%k)
+  %zero = s32[] constant(0)
+  ROOT %u = f32[4,8,128]{2,1,0} dynamic-update-slice(%p1, %b, %p2, %zero, %zero)
+}
+
+ENTRY %main (x: f32[8,128], s: f32[4,8,128], i: s32[]) -> f32[4,8,128] {
+  %x = f32[8,128]{1,0} parameter(0)
+  %s = f32[4,8,128]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = f32[4,8,128]{2,1,0} fusion(%x, %s, %i), kind=kOutput, calls=%fused
+}
+"""
+
 
 def test_a_prefetched_operand_crosses_hbm_once():
   cost = hlocost.program_cost(PREFETCHED)
@@ -92,6 +119,18 @@ def test_an_instruction_over_several_lines_is_one():
   lines = hlotext.blocks(text)["main"]
   assert sum("fusion(" in line for line in lines) == 1 and lines[-1] == "}"
   assert "\n" in next(line for line in lines if "fusion(" in line)
+
+
+def test_a_kernel_inside_a_fusion_counts_by_its_own_estimate():
+  [row] = [r for r in hlocost.program_rows(KERNEL_IN_FUSION) if r["opcode"] == "fusion"]
+  assert row["flops"] == 1e6 and not row.get("opaque"), row
+  # Without an estimate of its own it is named, never counted as zero silently; what the caller
+  # knows of the kernel counts in its place.
+  bare = re.sub(r", backend_config=\{.*?\}\}\}", "", KERNEL_IN_FUSION, flags=re.S)
+  assert "cost_estimate" not in bare
+  assert hlocost.program_cost(bare)["opaque"] == ["f"]
+  known = hlocost.program_cost(bare, lambda line, operands, shape: 7.0)
+  assert known["flops"] == 7.0 and known["opaque"] == [], known
 
 
 def test_the_known_answers_on_a_cpu_compile():

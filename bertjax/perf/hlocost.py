@@ -193,8 +193,7 @@ def instruction_costs(hlo_text: str, computation: str,
       row.update(flops=0.0, bytes=float(sum(hlotext.array_bytes(x) for x in io)),
                  hbm_bytes=float(sum(hlotext.array_bytes(x, "hbm") for x in io)))
       own = _own_estimate(line)
-      flops = own["flops"] if own else (
-          opaque_flops(line, operand_shapes, shape) if opaque_flops else None)
+      flops = _kernel_flops(line, operand_shapes, shape, opaque_flops)
       if own:
         scale = row["hbm_bytes"] / row["bytes"] if row["bytes"] else 1.0
         row.update(bytes=own["bytes"], hbm_bytes=own["bytes"] * scale)
@@ -202,7 +201,39 @@ def instruction_costs(hlo_text: str, computation: str,
         row["opaque"] = True
       else:
         row["flops"] = float(flops)
+    elif opcode == "fusion":
+      # XLA may fuse a kernel with what its results feed (a kernel's output written into a
+      # scanned loop's stack): the fusion's bytes are its own operands and results, but XLA
+      # counts no FLOPs for the kernel inside it, so they are added here.
+      inner = _fused_kernels(comps, line)
+      if inner:
+        flops = [_kernel_flops(k_line, k_operands, k_shape, opaque_flops)
+                 for k_line, k_operands, k_shape in inner]
+        row["flops"] += sum(f for f in flops if f is not None)
+        if None in flops:
+          row["opaque"] = True
     out.append(row)
+  return out
+
+
+def _kernel_flops(line: str, operand_shapes: list[str], shape: str,
+                  opaque_flops: OpaqueFlops | None) -> float | None:
+  """A kernel's FLOPs: its own estimate's, or what `opaque_flops` says, or None (unknown)."""
+  own = _own_estimate(line)
+  if own:
+    return own["flops"]
+  return opaque_flops(line, operand_shapes, shape) if opaque_flops else None
+
+
+def _fused_kernels(comps: dict[str, list[str]], line: str) -> list[tuple[str, list[str], str]]:
+  """(line, operands' shapes, result's shape) of each kernel custom call inside the computations
+  a fusion runs."""
+  out = []
+  for name in hlotext.reachable(comps, hlotext.called(line)):
+    found = hlotext.parse(comps[name][1:])
+    shapes = {n: shape for n, shape, _, _ in found}
+    out += [(l, [shapes[o] for o in hlotext.operands(l, op) if o in shapes], shape)
+            for _, shape, op, l in found if op == "custom-call" and _KERNEL_TARGETS.search(l)]
   return out
 
 
