@@ -20,8 +20,9 @@ take hours to compile on a laptop):
              table says so;
   layers     scanned (one compiled layer) or straight code;
   mlp        (asked for by name: --dimensions=...,mlp) XLA's MLP or the fused Pallas kernels
-             (bertjax/model/mlp_kernel.py), both tried where the config says "auto" (one of
-             them is what "auto" gives the slice, the table shows which).
+             (bertjax/model/mlp_kernel.py), the intermediate made again in the backward
+             ("pallas") or kept for it ("pallas_kept"); all three where the config says "auto"
+             (one of them is what "auto" gives the slice, the table shows which).
 
 A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
 loop and its memory is the step's own. A straight one is compiled at 1 and 2 layers and
@@ -110,7 +111,7 @@ def candidates(dimension: str, config, best: dict) -> list[dict]:
   if dimension == "mlp":
     if current.model.mlp_type != "dense":
       return []
-    return [{**best, "model.mlp_impl": impl} for impl in ("xla", "pallas")
+    return [{**best, "model.mlp_impl": impl} for impl in ("xla", "pallas", "pallas_kept")
             if impl != current.model.mlp_impl]
   raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from "
                 f"{', '.join(DIMENSIONS + OPTIONAL_DIMENSIONS)}")

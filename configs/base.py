@@ -215,7 +215,9 @@ def set_accelerator(config, phase: str | int) -> None:
   "dots_kernels"; at length 512 "auto": "dots" on v6e, bound by HBM there), and
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
-  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds).
+  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds; under
+  remat "dots_kernels" the kernel's backward reads the pre-activation its forward wrote,
+  "pallas_kept", and under "dots" makes it again, "pallas").
   Attention is bertjax's fused kernel in both phases (attention_impl "auto"): each head's
   [L, L] scores, probabilities and dropout stay in VMEM, where XLA's were half of BERT-Base's
   bytes at length 128 and most of them at 512; it keeps the paper's dropout on attention

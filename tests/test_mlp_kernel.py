@@ -1,6 +1,7 @@
-"""The fused MLP kernels (bertjax/model/mlp_kernel.py, `model.mlp_impl="pallas"`) against the XLA
-path: the same values and gradients, the same parameters, under a mesh too. On a CPU the
-kernels run in Pallas' interpreter; tests/test_aot.py compiles them for a TPU."""
+"""The fused MLP kernels (bertjax/model/mlp_kernel.py, `model.mlp_impl="pallas"` and
+"pallas_kept") against the XLA path: the same values and gradients, the same parameters, under a
+mesh too. On a CPU the kernels run in Pallas' interpreter; tests/test_aot.py compiles them for a
+TPU."""
 
 import dataclasses
 import types
@@ -55,10 +56,14 @@ def test_the_kernels_give_the_mlp_and_its_gradients(act):
     np.testing.assert_allclose(g, e, atol=2e-4, rtol=2e-5, err_msg=f"d/d{name}")
 
 
-def test_in_bfloat16_within_its_rounding():
+@pytest.mark.parametrize("keep", [False, True])
+def test_in_bfloat16_within_its_rounding(keep):
+  # keep: the pre-activation rounded to bfloat16 once more (as XLA's product is), the same bound.
   *args, dy = _arrays(256, 32, 128, jnp.bfloat16)
   fn = ACTIVATIONS["gelu"]
-  got, pull = jax.vjp(lambda *a: mlp_kernel.mlp(*a, fn), *args)
+  got, pull = jax.vjp(lambda *a: mlp_kernel.mlp(*a, fn, keep=keep), *args)
+  # Not differentiated (prediction writes nothing for a backward): the same values, bit for bit.
+  np.testing.assert_array_equal(mlp_kernel.mlp(*args, fn, keep=keep), got)
   # The reference in float32 from the same bfloat16 inputs: the kernel rounds only its products'
   # inputs (as the MXU takes them) and its outputs.
   up = [a.astype(jnp.float32) for a in args]
@@ -71,14 +76,17 @@ def test_in_bfloat16_within_its_rounding():
     assert err <= 2e-2 * scale, (name, err, scale)
 
 
-@pytest.mark.parametrize("layers", [{}, {"scan_layers": True, "remat_policy": "dots"},
-                                    {"scan_layers": True, "remat_policy": "dots_mlp"}])
-def test_a_model_takes_the_same_parameters_and_gives_the_same_values(layers):
+@pytest.mark.parametrize("layers,impl", [
+    ({}, "pallas"), ({"scan_layers": True, "remat_policy": "dots"}, "pallas"),
+    ({"scan_layers": True, "remat_policy": "dots_mlp"}, "pallas"),
+    ({"scan_layers": True, "remat_policy": "dots_kernels"}, "pallas_kept")])
+def test_a_model_takes_the_same_parameters_and_gives_the_same_values(layers, impl):
   # Straight layers, and the released configs' scanned layers with remat "dots" (the kernels'
-  # forward runs again in the backward there: its output is no matmul's for the policy to keep).
+  # forward runs again in the backward there: its output is no matmul's for the policy to keep);
+  # "pallas_kept" with the policy that keeps its pre-activation through the scan.
   ids = np.random.default_rng(0).integers(0, 97, (4, 16))
   config = dataclasses.replace(CFG, **layers)
-  fused = dataclasses.replace(config, mlp_impl="pallas")
+  fused = dataclasses.replace(config, mlp_impl=impl)
   params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
   params_fused = nn.unbox(BertModel(fused).init(jax.random.key(0), ids)["params"])
   # The same tree and initial values: a checkpoint moves between the two settings.
@@ -131,9 +139,10 @@ def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
 
 
 def test_a_gated_mlp_is_refused_with_the_fix():
-  with pytest.raises(ValueError,
-                     match="mlp_impl='pallas' fuses the dense MLP only.*mlp_impl='xla'"):
-    BertConfig(mlp_type="gated", hidden_act="silu", mlp_impl="pallas")
+  for impl in ("pallas", "pallas_kept"):
+    with pytest.raises(ValueError,
+                       match=f"mlp_impl='{impl}' fuses the dense MLP only.*mlp_impl='xla'"):
+      BertConfig(mlp_type="gated", hidden_act="silu", mlp_impl=impl)
   with pytest.raises(ValueError, match="mlp_impl='triton'; choose one of"):
     BertConfig(mlp_impl="triton")
 
@@ -147,24 +156,47 @@ def test_without_mosaic_xla_computes_what_the_kernels_do():
   forward = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, fn, interpret=True)
   np.testing.assert_allclose(mlp_kernel._products(args[0], args[1], b1, args[3], b2, fn),
                              forward, atol=1e-5)
-  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], fn, interpret=True)
-  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], fn)
+  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], None, fn, interpret=True)
+  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, fn)
   for name, got, expected in zip(("dx", "dw1", "db1", "dw2"), xla, kernel):
     assert got.shape == expected.shape, name
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5, err_msg=name)
+  # "pallas_kept": the forward also gives the pre-activation, and the backward reads the one it
+  # is given (here not x W1 + b1, so a backward that made it again from x would differ).
+  y, pre = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, fn, interpret=True, kept=True)
+  for got, expected in zip((y, pre), mlp_kernel._products(args[0], args[1], b1, args[3], b2, fn,
+                                                          kept=True)):
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+  np.testing.assert_allclose(pre, args[0] @ args[1] + b1, atol=1e-5)
+  shifted = pre + 0.5
+  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], shifted, fn, interpret=True)
+  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], shifted, fn)
+  made_again = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, fn)
+  for name, got, expected, other in zip(("dx", "dw1", "db1", "dw2"), xla, kernel, made_again):
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5, err_msg=name)
+    assert float(jnp.abs(expected - other).max()) > 1e-2, name
   # And it is what a program lowered for a GPU holds: XLA's products, no TPU kernel.
-  grad = jax.jit(jax.grad(lambda *a: jnp.sum(mlp_kernel.mlp(*a, fn)), argnums=(0, 1, 2, 3, 4)))
   shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-  for platform, kernels in (("cuda", False), ("tpu", True)):
-    text = jax.export.export(grad, platforms=[platform])(*shapes).mlir_module()
-    assert ("tpu_custom_call" in text) == kernels, platform
-    assert ("stablehlo.dot_general" in text) != kernels, platform
+  for keep in (False, True):
+    grad = jax.jit(jax.grad(lambda *a, keep=keep: jnp.sum(mlp_kernel.mlp(*a, fn, keep=keep)),
+                            argnums=(0, 1, 2, 3, 4)))
+    for platform, kernels in (("cuda", False), ("tpu", True)):
+      text = jax.export.export(grad, platforms=[platform])(*shapes).mlir_module()
+      assert ("tpu_custom_call" in text) == kernels, (platform, keep)
+      assert ("stablehlo.dot_general" in text) != kernels, (platform, keep)
 
 
 def test_auto_takes_the_kernels_where_they_measured_faster():
   chip = lambda kind, platform="tpu": types.SimpleNamespace(device_kind=kind, platform=platform)
   auto = dataclasses.replace(CFG, mlp_impl="auto")
-  assert mlp_kernel.chosen(auto, chip("TPU v6 lite")) == "pallas"
+  # On v6e: the kernels that keep the pre-activation where the remat policy keeps it (and the
+  # backward then reads it), those that make it again where it does not ("auto" on v6e: "dots").
+  for policy, impl in (("none", "pallas_kept"), ("dots_kernels", "pallas_kept"),
+                       ("dots_mlp", "pallas_kept"), ("dots", "pallas"), ("full", "pallas"),
+                       ("auto", "pallas")):
+    chosen = mlp_kernel.chosen(dataclasses.replace(auto, remat_policy=policy), chip("TPU v6 lite"))
+    assert chosen == impl, (policy, chosen)
+  auto = dataclasses.replace(auto, remat_policy="dots")
   # v5p and v5e: their steps are bound by FLOPs, which the kernels add.
   assert mlp_kernel.chosen(auto, chip("TPU v5")) == "xla"
   assert mlp_kernel.chosen(auto, chip("TPU v5 lite")) == "xla"
@@ -181,11 +213,13 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
   assert train.from_config(config).model_config.mlp_impl == "xla"
 
 
-def test_remat_dots_mlp_keeps_the_kernels_output_so_their_forward_runs_once():
+@pytest.mark.parametrize("impl", ["pallas", "pallas_kept"])
+def test_remat_dots_mlp_keeps_the_kernels_output_so_their_forward_runs_once(impl):
   # Under remat "dots" the forward kernel runs again in the backward (its output is no matmul's);
-  # "dots_mlp" keeps that output, and the backward calls the forward kernel no more.
+  # "dots_mlp" keeps that output (and with "pallas_kept" the pre-activation the backward reads),
+  # and the backward calls the forward kernel no more.
   ids = np.random.default_rng(0).integers(0, 97, (4, 16))
-  config = dataclasses.replace(CFG, scan_layers=True, mlp_impl="pallas")
+  config = dataclasses.replace(CFG, scan_layers=True, mlp_impl=impl)
   params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
   calls = {}
   for policy in ("none", "dots", "dots_mlp"):

@@ -30,8 +30,10 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   splash, fused = tune.candidates("attention", base, {"model.attention_impl": "xla"})
   assert fused == {"model.attention_impl": "fused"} and not tune.note(fused, base)  # it has
   # The MLP: the other implementation, or both where the config leaves it to "auto".
-  assert tune.candidates("mlp", config, {}) == [{"model.mlp_impl": "pallas"}]
-  assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {})] == ["xla", "pallas"]
+  assert tune.candidates("mlp", config, {}) == [{"model.mlp_impl": "pallas"},
+                                               {"model.mlp_impl": "pallas_kept"}]
+  assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {})] == [
+      "xla", "pallas", "pallas_kept"]
   rows = tune.candidates("rows", config, {})
   assert [c["train.batch_size"] for c in rows] == [2 * config.train.batch_size,
                                                    4 * config.train.batch_size]

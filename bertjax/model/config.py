@@ -46,15 +46,17 @@ REMAT_POLICIES = {
     "dots_all": jax.checkpoint_policies.checkpoint_dots,  # keep every matmul output
     # "dots", and the fused MLP kernels' output (mlp_impl "pallas"), which is no matmul's: the
     # forward kernel then does not run again in the backward. Fewer FLOPs, more bytes; with
-    # XLA's MLP the same as "dots" (docs/performance.md, "The MLP in one kernel").
+    # XLA's MLP the same as "dots" (docs/performance.md, "The MLP in one kernel"). With
+    # "pallas_kept" also the pre-activation its forward writes for the backward.
     "dots_mlp": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("mlp_output")),
+        jax.checkpoint_policies.save_only_these_names("mlp_output", "mlp_hidden")),
     # "dots_mlp", and the fused attention kernel's output (attention_impl "fused"): neither
     # kernel's forward runs again in the backward.
     "dots_kernels": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("mlp_output", "attention_output")),
+        jax.checkpoint_policies.save_only_these_names("mlp_output", "mlp_hidden",
+                                                      "attention_output")),
 }
 
 # remat_policy "auto": "dots_kernels" (the steps bound by their FLOPs keep what the kernels' second
@@ -80,7 +82,7 @@ QUERY_KEY_INITS = ("independent", "shared")
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("dense", "gated")
-MLP_IMPLS = ("xla", "pallas", "auto")
+MLP_IMPLS = ("xla", "pallas", "pallas_kept", "auto")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
 # Each field's roles, stated once on the field (`_field(default, *roles)`); the tuples below are
@@ -138,8 +140,10 @@ class BertConfig:
   # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul.
   recompute_mlm_logits: bool = False
   # "xla", "pallas" (the MLP's two products in one kernel whose F-wide intermediate stays in
-  # VMEM: mlp_kernel.py; dense MLPs only) or "auto" (the kernel on the TPUs where it measured
-  # faster, mlp_kernel.FASTER_ON; XLA elsewhere)
+  # VMEM: mlp_kernel.py; dense MLPs only), "pallas_kept" (the same, its backward reading the
+  # pre-activation the forward wrote rather than making it again) or "auto" (the kernels on the
+  # TPUs where they measured faster, mlp_kernel.FASTER_ON, kept where remat keeps it; XLA
+  # elsewhere)
   mlp_impl: str = "xla"
   # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
   position_init: str = _field("normal", "inherited")
@@ -218,9 +222,9 @@ class BertConfig:
           f"pick num_heads among the divisors of {self.hidden_size}")
     if self.hidden_act not in ACTIVATIONS:
       problems.append(f"hidden_act={self.hidden_act!r}; choose one of {sorted(ACTIVATIONS)}")
-    if self.mlp_impl == "pallas" and self.mlp_type != "dense":
-      problems.append(f"mlp_impl='pallas' fuses the dense MLP only; mlp_type={self.mlp_type!r} "
-                      "needs mlp_impl='xla'")
+    if self.mlp_impl in ("pallas", "pallas_kept") and self.mlp_type != "dense":
+      problems.append(f"mlp_impl={self.mlp_impl!r} fuses the dense MLP only; "
+                      f"mlp_type={self.mlp_type!r} needs mlp_impl='xla'")
     if self.remat_policy not in REMAT_POLICIES and self.remat_policy != "auto":
       problems.append(f"remat_policy={self.remat_policy!r}; choose one of "
                       f"{list(REMAT_POLICIES) + ['auto']}")

@@ -211,8 +211,8 @@ class Mlp(nn.Module):
     if impl == "auto":  # train.build settles it for its mesh's chips; outside it, here
       impl = mlp_kernel.chosen(cfg, jax.devices()[0],
                                dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1))
-    if impl == "pallas":
-      return self._fused(x_BxLxD)
+    if impl in ("pallas", "pallas_kept"):
+      return self._fused(x_BxLxD, keep=impl == "pallas_kept")
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))
     h_BxLxF = constrain(
@@ -225,8 +225,9 @@ class Mlp(nn.Module):
       h_BxLxF = h_BxLxF * g_BxLxF
     return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", use_bias=bias)(h_BxLxF)
 
-  def _fused(self, x_BxLxD):
-    """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels."""
+  def _fused(self, x_BxLxD, keep: bool):
+    """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels; `keep`:
+    the backward reads the pre-activation the forward wrote (mlp_kernel.mlp)."""
     cfg = self.config
     dt, bias = cfg.compute_dtype, cfg.mlp_bias
     hidden, width = cfg.intermediate_size, x_BxLxD.shape[-1]
@@ -238,7 +239,7 @@ class Mlp(nn.Module):
     y_NxD = mlp_kernel.mlp(
         x_BxLxD.reshape(-1, width).astype(dt), w1_DxF.astype(dt),
         no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
-        no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act])
+        no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep)
     # Named for remat "dots_mlp" and "dots_kernels", which keep it.
     return jax.ad_checkpoint.checkpoint_name(y_NxD.reshape(x_BxLxD.shape), "mlp_output")
 

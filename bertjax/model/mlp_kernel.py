@@ -14,11 +14,19 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
 So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
 seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
 forward kernel again in the backward (its output is no matmul's for the policy to keep; remat
-"dots_mlp" keeps it, encoder.Mlp names it). Where
-a step is bound by HBM that pays, where it is bound by FLOPs it does not: `mlp_impl="auto"`
-takes the kernels on the chips in FASTER_ON alone. The values are those of the XLA path but for
-rounding: the kernel keeps the pre-activation in float32 where the XLA path rounds the product
-to the compute dtype first (tests/test_mlp_kernel.py says how close).
+"dots_mlp" keeps it, encoder.Mlp names it).
+
+`mlp_impl="pallas_kept"` trades the other way: the forward also writes the pre-activation
+x W1 + b1 (rounded to the compute dtype, as XLA's product is), named "mlp_hidden" for the remat
+policies that keep it, and the backward reads it in place of the product that makes it again:
+the XLA path's six products, and two passes over the [tokens, F] intermediate a layer where
+XLA's MLP makes six to fourteen (more where a scanned loop copies it in and out of its stack).
+
+Where a step is bound by HBM the kernels pay, where it is bound by FLOPs the first kind does not:
+`mlp_impl="auto"` takes them on the chips in FASTER_ON alone, "pallas_kept" where the remat
+policy keeps its pre-activation. The values are those of the XLA path but for rounding:
+"pallas" keeps the pre-activation in float32 where the XLA path rounds the product to the
+compute dtype first (tests/test_mlp_kernel.py says how close).
 
 A kernel is one device's program: under a mesh `mlp` runs the kernels in shard_map over the
 activations' batch axes, the weights whole on each device (fsdp gathers them, as it does for
@@ -41,11 +49,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
+from bertjax.model.config import chosen_remat
+
 # The chips where the kernels made the released configs' steps faster by the compile's roofline
 # (device_kind as jax names them): v6e, whose steps XLA's MLP left bound by HBM. On v5p and v5e
-# the steps are bound by their FLOPs, and the kernels' extra products (the intermediate made
-# again) cost more than the bytes they save (docs/performance.md, "The MLP in one kernel").
+# the steps are bound by their FLOPs: the kernels that make the intermediate again cost more
+# than the bytes they save, and those that keep it gain 0.2-0.3% by the roofline, less than the
+# count can tell from the kernels' own speed on a chip (docs/performance.md, "The MLP's
+# pre-activation kept for its backward").
 FASTER_ON = ("TPU v6 lite",)
+# The remat policies under which "pallas_kept"'s pre-activation is kept for the backward (named
+# "mlp_hidden"): under the others it would be written, dropped and written again.
+KEEPS_HIDDEN = ("none", "dots_mlp", "dots_kernels")
 TOKEN_BLOCKS = (512, 256, 128, 64, 32, 16, 8)  # tokens a grid step, the largest that divides
 CHUNKS = (512, 256, 128)  # F columns made at a time inside a step
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
@@ -53,14 +68,18 @@ _F32 = jnp.float32
 
 
 def chosen(config, device, tensor_parallel: int = 1) -> str:
-  """What `mlp_impl="auto"` means on `device`: "pallas" on FASTER_ON's chips for a dense MLP
+  """What `mlp_impl="auto"` means on `device`: the kernels on FASTER_ON's chips for a dense MLP
   whose F is not split over a tensor axis (the kernels would compute every split's whole MLP),
-  "xla" elsewhere; another setting as it is."""
+  "pallas_kept" where the remat policy keeps their pre-activation (KEEPS_HIDDEN), "pallas"
+  where it does not; "xla" elsewhere; another setting as it is."""
   if config.mlp_impl != "auto":
     return config.mlp_impl
   fits = (config.mlp_type == "dense" and tensor_parallel == 1
           and getattr(device, "platform", "") == "tpu")
-  return "pallas" if fits and getattr(device, "device_kind", "") in FASTER_ON else "xla"
+  if not fits or getattr(device, "device_kind", "") not in FASTER_ON:
+    return "xla"
+  kept = chosen_remat(config.remat_policy, device) in KEEPS_HIDDEN
+  return "pallas_kept" if kept else "pallas"
 
 
 def resolved(config, mesh):
@@ -88,18 +107,30 @@ def _slope(act, pre):
   return jax.jvp(act, (pre,), (jnp.ones_like(pre),))
 
 
-def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, *, act, chunk):
+def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, *kept_ref, act, chunk, rounded):
+  """y for a block of tokens. `rounded` (mlp_impl "pallas_kept"): the pre-activation rounded to
+  the compute dtype, as XLA's product is, before the activation reads it; with `kept_ref` that
+  rounded value is also written, for the backward to read."""
   x = x_ref[...]
   acc = jnp.zeros((x.shape[0], w2_ref.shape[1]), _F32)
   for start in range(0, w1_ref.shape[1], chunk):
     cols = slice(start, start + chunk)
     pre = jnp.dot(x, w1_ref[:, cols], preferred_element_type=_F32) + b1_ref[:, cols]
+    if rounded:
+      kept = pre.astype(x.dtype)
+      if kept_ref:
+        kept_ref[0][:, cols] = kept
+      pre = kept.astype(_F32)
     acc += jnp.dot(act(pre).astype(x.dtype), w2_ref[cols, :], preferred_element_type=_F32)
   y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
 
 
-def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1_ref, dw2_ref,
-                     *, act, chunk):
+def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept):
+  """dx of a block of tokens, and dW1, db1, dW2 summed over the blocks. The pre-activation is
+  made again from x (`kept` False), or read where the forward wrote it (`kept`: the first of
+  `refs`; then b1_ref is not read)."""
+  kept_ref, (dx_ref, dw1_ref, db1_ref, dw2_ref) = (refs[0], refs[1:]) if kept else (None, refs)
+
   @pl.when(pl.program_id(0) == 0)
   def _():
     dw1_ref[...] = jnp.zeros_like(dw1_ref)
@@ -112,7 +143,10 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, dx_ref, dw1_ref, db1
   for start in range(0, w1_ref.shape[1], chunk):
     cols = slice(start, start + chunk)
     w1 = w1_ref[:, cols]
-    pre = jnp.dot(x, w1, preferred_element_type=_F32) + b1_ref[:, cols]
+    if kept:
+      pre = kept_ref[:, cols].astype(_F32)
+    else:
+      pre = jnp.dot(x, w1, preferred_element_type=_F32) + b1_ref[:, cols]
     h, slope = _slope(act, pre)
     g = jax.lax.dot_general(dy, w2_ref[cols, :], _T, preferred_element_type=_F32)
     dpre = g * slope
@@ -144,28 +178,39 @@ def _sizes(x_NxD, w1_DxF, block_of):
   return tokens, width, hidden, block_of(tokens), item, 2 * width * hidden * item
 
 
-def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool):
+def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool, rounded: bool = False,
+             kept: bool = False):
+  """y, or (y, the pre-activation [tokens, F]) with `kept` (which implies `rounded`)."""
+  rounded = rounded or kept
   tokens, width, hidden, block, item, weights = _sizes(x_NxD, w1_DxF, token_block)
   need = weights + 4 * block * width * item + block * width * 4 + 4 * block * _chunk(hidden) * 4
+  y = jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)
+  y_spec = pl.BlockSpec((block, width), lambda i: (i, 0))
+  if kept:
+    need += 2 * block * hidden * item
   return pl.pallas_call(
-      functools.partial(_forward_kernel, act=act, chunk=_chunk(hidden)),
-      out_shape=jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
+      functools.partial(_forward_kernel, act=act, chunk=_chunk(hidden), rounded=rounded),
+      out_shape=(y, jax.ShapeDtypeStruct((tokens, hidden), x_NxD.dtype)) if kept else y,
       grid=(tokens // block,),
       in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)),
                 _whole(w1_DxF.shape), _whole(b1_1xF.shape),
                 _whole(w2_FxD.shape), _whole(b2_1xD.shape)],
-      out_specs=pl.BlockSpec((block, width), lambda i: (i, 0)),
+      out_specs=(y_spec, pl.BlockSpec((block, hidden), lambda i: (i, 0))) if kept else y_spec,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                            vmem_limit_bytes=_vmem_limit(need)),
       cost_estimate=pl.CostEstimate(
           flops=4 * tokens * width * hidden, transcendentals=tokens * hidden,
-          bytes_accessed=2 * tokens * width * item + weights + 4 * (hidden + width)),
+          bytes_accessed=(2 * tokens * width * item + weights + 4 * (hidden + width)
+                          + kept * tokens * hidden * item)),
       interpret=interpret, name="fused_mlp_fwd",
   )(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD)
 
 
-def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
+def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act, interpret: bool):
+  """dx and the weights' gradient sums; `kept_NxF` the forward's pre-activation, or None to
+  make it again from x (one product more)."""
   tokens, width, hidden, block, item, weights = _sizes(x_NxD, w1_DxF, _backward_block)
+  kept = kept_NxF is not None
   grads = 2 * width * hidden * 4
   tile = lambda: pl.BlockSpec((block, width), lambda i: (i, 0))
   # The gradients' sums stay in VMEM over the token blocks (their index never changes) and are
@@ -176,39 +221,55 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act, interpret: bool):
   acc = lambda shape: pl.BlockSpec((1,) + shape, lambda i: (0, 0, 0),
                                    pipeline_mode=pl.Buffered(1))
   need = (weights + grads + 6 * block * width * item + 3 * block * width * 4
-          + 6 * block * _chunk(hidden) * 4)
+          + 6 * block * _chunk(hidden) * 4 + kept * 2 * block * hidden * item)
   dx, dw1, db1, dw2 = pl.pallas_call(
-      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden)),
+      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept),
       out_shape=(jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
                  jax.ShapeDtypeStruct((1, width, hidden), _F32),
                  jax.ShapeDtypeStruct((1, 1, hidden), _F32),
                  jax.ShapeDtypeStruct((1, hidden, width), _F32)),
       grid=(tokens // block,),
       in_specs=[tile(), tile(), _whole(w1_DxF.shape), _whole(b1_1xF.shape),
-                _whole(w2_FxD.shape)],
+                _whole(w2_FxD.shape)]
+               + ([pl.BlockSpec((block, hidden), lambda i: (i, 0))] if kept else []),
       out_specs=(tile(), acc((width, hidden)), acc((1, hidden)), acc((hidden, width))),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                            vmem_limit_bytes=_vmem_limit(need)),
       cost_estimate=pl.CostEstimate(
-          flops=10 * tokens * width * hidden, transcendentals=2 * tokens * hidden,
-          bytes_accessed=3 * tokens * width * item + weights + grads + 4 * hidden),
+          flops=(8 if kept else 10) * tokens * width * hidden, transcendentals=2 * tokens * hidden,
+          bytes_accessed=(3 * tokens * width * item + weights + grads + 4 * hidden
+                          + kept * tokens * hidden * item)),
       interpret=interpret, name="fused_mlp_bwd",
-  )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD)
+  )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, *([kept_NxF] if kept else []))
   return dx, dw1, db1, dw2
 
 
-def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act):
-  h_NxF = act(jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF).astype(x_NxD.dtype)
-  return (jnp.dot(h_NxF, w2_FxD, preferred_element_type=_F32) + b2_1xD).astype(x_NxD.dtype)
+def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, rounded: bool = False,
+              kept: bool = False):
+  """The forward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
+  pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
+  if rounded or kept:
+    pre_NxF = pre.astype(x_NxD.dtype)
+    pre = pre_NxF.astype(_F32)
+  h_NxF = act(pre).astype(x_NxD.dtype)
+  y = (jnp.dot(h_NxF, w2_FxD, preferred_element_type=_F32) + b2_1xD).astype(x_NxD.dtype)
+  return (y, pre_NxF) if kept else y
 
 
-def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, act):
+def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act):
   """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
-  zero = jnp.zeros((1, w2_FxD.shape[1]), _F32)
-  _, pull = jax.vjp(lambda x, w1, b1, w2: _products(x, w1, b1, w2, zero, act),
-                    x_NxD, w1_DxF, b1_1xF, w2_FxD)
-  dx, dw1, db1, dw2 = pull(dy_NxD)
-  return dx, dw1.astype(_F32)[None], db1[None], dw2.astype(_F32)[None]
+  dt = x_NxD.dtype
+  if kept_NxF is None:
+    pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
+  else:
+    pre = kept_NxF.astype(_F32)
+  h, slope = _slope(act, pre)
+  dpre = jax.lax.dot_general(dy_NxD, w2_FxD, _T, preferred_element_type=_F32) * slope
+  dpre_c = dpre.astype(dt)
+  dx = jax.lax.dot_general(dpre_c, w1_DxF, _T, preferred_element_type=_F32).astype(dt)
+  dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32)
+  dw2 = jnp.dot(h.astype(dt).T, dy_NxD, preferred_element_type=_F32)
+  return dx, dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2[None]
 
 
 def _on_platform(fn, *args, **kwargs):
@@ -222,9 +283,10 @@ def _on_platform(fn, *args, **kwargs):
       default=functools.partial(fallback, **kwargs))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
-  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep):
+  # Not differentiated (prediction): nothing is written for a backward, the values the same.
+  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep, write=False)
 
 
 def _per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
@@ -246,24 +308,37 @@ def _per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
       check_vma=False)(*tokens, *whole)
 
 
-def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
-  fwd = lambda x, w1, b1, w2, b2: _on_platform(_forward, x, w1, b1, w2, b2, act=act)
+def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep, write=True):
+  kept = keep and write
+  fwd = lambda x, w1, b1, w2, b2: _on_platform(_forward, x, w1, b1, w2, b2, act=act,
+                                               rounded=keep, kept=kept)
   return _per_device(fwd, (x_NxD,),
                      (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :]),
-                     ("tokens",))
+                     ("tokens",) * (1 + kept))
 
 
-def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act):
-  # Only the inputs are kept: the backward makes the intermediate again.
-  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act), (x_NxD, w1_DxF, b1_F, w2_FxD, b2_D)
+def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep):
+  # The inputs are kept, and with `keep` the pre-activation, named for the remat policies that
+  # keep it ("dots_mlp", "dots_kernels"); without it the backward makes it again.
+  out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep)
+  y_NxD, pre_NxF = out if keep else (out, None)
+  if keep:
+    pre_NxF = jax.ad_checkpoint.checkpoint_name(pre_NxF, "mlp_hidden")
+  return y_NxD, (x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D)
 
 
-def _mlp_bwd(act, saved, dy_NxD):
-  x_NxD, w1_DxF, b1_F, w2_FxD, b2_D = saved
-  bwd = lambda x, dy, w1, b1, w2: _on_platform(_backward, x, dy, w1, b1, w2, act=act)
-  dx, dw1, db1, dw2 = _per_device(bwd, (x_NxD, dy_NxD),
-                                  (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD),
-                                  ("tokens", "sums", "sums", "sums"))
+def _mlp_bwd(act, keep, saved, dy_NxD):
+  x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D = saved
+  bwd = lambda x, dy, *rest: _on_platform(_backward, x, dy, *rest, act=act)
+  b1 = b1_F.astype(_F32)[None, :]
+  if keep:
+    dx, dw1, db1, dw2 = _per_device(lambda x, dy, pre, w1, b1, w2: bwd(x, dy, w1, b1, w2, pre),
+                                    (x_NxD, dy_NxD, pre_NxF), (w1_DxF, b1, w2_FxD),
+                                    ("tokens", "sums", "sums", "sums"))
+  else:
+    dx, dw1, db1, dw2 = _per_device(lambda x, dy, w1, b1, w2: bwd(x, dy, w1, b1, w2, None),
+                                    (x_NxD, dy_NxD), (w1_DxF, b1, w2_FxD),
+                                    ("tokens", "sums", "sums", "sums"))
   db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
   return (dx, dw1.sum(0).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
           dw2.sum(0).astype(w2_FxD.dtype), db2.astype(b2_D.dtype))
@@ -273,8 +348,13 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
-        b2_D: jax.Array, act) -> jax.Array:
+        b2_D: jax.Array, act, keep: bool = False) -> jax.Array:
   """act(x W1 + b1) W2 + b2 over [N, D] tokens by the fused kernels, differentiable in every
   argument; `act` an elementwise function (its derivative is its jvp). The arrays in the dtype
-  the products run in (the biases any float type)."""
-  return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act)
+  the products run in (the biases any float type).
+
+  `keep` (mlp_impl "pallas_kept"): the forward also writes the pre-activation x W1 + b1, rounded
+  to the compute dtype, and the backward reads it instead of making it again: the XLA path's six
+  products and two passes over the [N, F] intermediate. Kept through remat by the policies that
+  keep "mlp_hidden"."""
+  return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep)
