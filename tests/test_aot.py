@@ -142,7 +142,8 @@ print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tp
                   "stack_writes": layercost.stack_writes(text, 3),
                   "counted": hlocost.program_cost(text, attention.splash_flops),
                   "uncounted": hlocost.program_cost(text)}), flush=True)
-config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="pallas_kept")
+config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="pallas_kept",
+                    recompute_mlm_logits=True)
 text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
 print("fused " + json.dumps({
     "kernels": sorted(set(re.findall(r"fused_attention_[a-z]+", text))),
@@ -150,7 +151,10 @@ print("fused " + json.dumps({
                     if r["opcode"] == "custom-call" and "fused_attention" in r["op_name"]),
     # The forward kernel may come fused with the update of the loop's stack its result goes to.
     "mlp_flops": [r["flops"] for r in hlocost.program_rows(text)
-                  if r["opcode"] in ("custom-call", "fusion") and "fused_mlp" in r["op_name"]]}))
+                  if r["opcode"] in ("custom-call", "fusion") and "fused_mlp" in r["op_name"]],
+    "mlm_flops": [r["flops"] for r in hlocost.program_rows(text)
+                  if r["opcode"] in ("custom-call", "fusion") and "mlm_scores" in r["op_name"]],
+    "predictions": config.data.max_predictions_per_seq}))
 """
   result = run("-c", probe, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -239,6 +243,16 @@ def test_the_fused_mlp_kernels_compile_into_the_train_step_and_count_their_own_f
   # the forward wrote, four products, the XLA path's six in all. XLA fuses that forward kernel
   # with the update writing its pre-activation into the loop's stack: counted all the same.
   assert sorted(probes["fused"]["mlp_flops"]) == [2 * product, 4 * product], probes["fused"]
+
+
+def test_the_mlm_scores_kernel_compiles_into_the_train_step_and_counts_its_flops(probes):
+  # recompute_mlm_logits on a TPU: the MLM head's forward is mlm_kernel's (its logits never
+  # written), counted by its own estimate: 2 rows a chip of 10 predictions, padded to 24 (no
+  # block of mlm_kernel.ROW_BLOCKS divides 20), against a vocabulary of 8,000 padded to whole
+  # blocks of 2,048, D 128.
+  out = probes["fused"]
+  assert out["predictions"] == 10
+  assert out["mlm_flops"] == [2 * 24 * 8192 * 128], out
 
 
 def test_the_fused_attention_kernels_compile_into_the_train_step_with_dropout(probes):

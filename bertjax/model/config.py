@@ -137,7 +137,8 @@ class BertConfig:
   attention_impl: str = _field("xla", "inherited")
   cudnn_packing: str = "mask"  # packed rows on cuDNN: "mask" (a bias) or "segments" (attention.py)
   # Pre-training scores the MLM logits where they are made and recomputes them in the backward
-  # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul.
+  # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul. On a
+  # TPU the forward's logits never leave VMEM (mlm_kernel).
   recompute_mlm_logits: bool = False
   # "xla", "pallas" (the MLP's two products in one kernel whose F-wide intermediate stays in
   # VMEM: mlp_kernel.py; dense MLPs only), "pallas_kept" (the same, its backward reading the

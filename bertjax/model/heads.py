@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import dropout, losses
+from bertjax.model import dropout, losses, mlm_kernel
 # Picking rows' states at positions is attention's (the encoder's last layer does it too).
 from bertjax.model.attention import gather_positions
 from bertjax.model.config import ACTIVATIONS, BertConfig
@@ -75,7 +75,8 @@ def decoded_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.
   """The MLM scores of tied_decoder's logits at `labels`, without keeping the logits.
 
   The forward pass writes the float32 [B, M, V] logits once and reads them once (log Z, the
-  label's logit, the largest). The backward recomputes them by the same product and makes their
+  label's logit, the largest); on a TPU it never writes them (mlm_kernel: made and read in
+  VMEM). The backward recomputes them by the same product and makes their
   gradient, softmax - one-hot, in compute dtype as the product's output: it is written once and
   read by the two products after it. Automatic differentiation would keep the float32 logits and
   read them again in each of the three products of the backward (the gradient's arithmetic
@@ -87,9 +88,15 @@ def decoded_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.
 
 
 def _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
-  logits_BxMxV = nn.with_logical_constraint(
-      _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
-  return losses.scores(logits_BxMxV, labels_BxM)
+  def xla(x_BxMxD, w_VxD, bias_V, labels_BxM):
+    logits_BxMxV = nn.with_logical_constraint(
+        _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
+    return losses.figures(logits_BxMxV, labels_BxM)
+
+  # On a TPU the logits are made and read in VMEM (mlm_kernel), never written.
+  figures = mlm_kernel.on_platform(x_BxMxD.astype(compute_dtype), w_VxD.astype(compute_dtype),
+                                   bias_V, labels_BxM, xla)
+  return losses.scores_of(*figures)
 
 
 def _scores_fwd(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):

@@ -38,10 +38,20 @@ def scores(logits_BxMxV, labels_BxM) -> tuple[MlmScores, jax.Array]:
   reduction is several times slower on CPU. An exact tie with another piece counts as correct,
   where argmax would pick the lower index.
   """
+  return scores_of(*figures(logits_BxMxV, labels_BxM))
+
+
+def figures(logits_BxMxV, labels_BxM) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """log Z, the label's logit and the largest logit, each [B, M] float32."""
   logits_BxMxV = logits_BxMxV.astype(jnp.float32)
-  log_z_BxM = jax.nn.logsumexp(logits_BxMxV, axis=-1)
-  label_BxM = _label_logit(logits_BxMxV, labels_BxM)
-  correct_BxM = (label_BxM >= jnp.max(logits_BxMxV, axis=-1)).astype(jnp.float32)
+  return (jax.nn.logsumexp(logits_BxMxV, axis=-1), _label_logit(logits_BxMxV, labels_BxM),
+          jnp.max(logits_BxMxV, axis=-1))
+
+
+def scores_of(log_z_BxM, label_BxM, top_BxM) -> tuple[MlmScores, jax.Array]:
+  """`scores` from the three figures it reads of the logits: log Z, the label's logit and the
+  largest (a kernel that never writes the logits makes them: heads.decoded_scores on a TPU)."""
+  correct_BxM = (label_BxM >= top_BxM).astype(jnp.float32)
   return MlmScores(log_z_BxM - label_BxM, correct_BxM), log_z_BxM
 
 

@@ -289,7 +289,7 @@ def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep):
   return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep, write=False)
 
 
-def _per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
+def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
   """fn(*tokens, *whole) on each device's rows under the mesh in scope (shard_map over the
   activations' batch axes), or once without one. `tokens`: [N, ...] arrays split by rows;
   `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens" (split by
@@ -312,7 +312,7 @@ def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep, write=True):
   kept = keep and write
   fwd = lambda x, w1, b1, w2, b2: _on_platform(_forward, x, w1, b1, w2, b2, act=act,
                                                rounded=keep, kept=kept)
-  return _per_device(fwd, (x_NxD,),
+  return per_device(fwd, (x_NxD,),
                      (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :]),
                      ("tokens",) * (1 + kept))
 
@@ -332,11 +332,11 @@ def _mlp_bwd(act, keep, saved, dy_NxD):
   bwd = lambda x, dy, *rest: _on_platform(_backward, x, dy, *rest, act=act)
   b1 = b1_F.astype(_F32)[None, :]
   if keep:
-    dx, dw1, db1, dw2 = _per_device(lambda x, dy, pre, w1, b1, w2: bwd(x, dy, w1, b1, w2, pre),
+    dx, dw1, db1, dw2 = per_device(lambda x, dy, pre, w1, b1, w2: bwd(x, dy, w1, b1, w2, pre),
                                     (x_NxD, dy_NxD, pre_NxF), (w1_DxF, b1, w2_FxD),
                                     ("tokens", "sums", "sums", "sums"))
   else:
-    dx, dw1, db1, dw2 = _per_device(lambda x, dy, w1, b1, w2: bwd(x, dy, w1, b1, w2, None),
+    dx, dw1, db1, dw2 = per_device(lambda x, dy, w1, b1, w2: bwd(x, dy, w1, b1, w2, None),
                                     (x_NxD, dy_NxD), (w1_DxF, b1, w2_FxD),
                                     ("tokens", "sums", "sums", "sums"))
   db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)

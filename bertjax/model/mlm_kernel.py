@@ -1,0 +1,135 @@
+"""The MLM head's scores made in VMEM: a Pallas kernel whose float32 [predictions, V] logits never
+reach HBM (the forward of heads.decoded_scores on a TPU).
+
+XLA writes the logits x W^T + b once and reads them back for log Z, the label's logit and the
+largest: two float32 passes over [predictions, V], the largest tensor of a pre-training step
+(BERT-Base L 512 on v6e-8: 0.89 GB each). Here the vocabulary is walked a block at a time, the
+outer loop of the grid, each block of W read once; for each block of predictions, the inner loop,
+the block's logits are made and folded into the running largest logit, the running sum of
+exp(logit - largest) (log Z's online form) and the label's logit, which stay in VMEM for all the
+chip's predictions and are written once at the end. The predictions' states are read once per
+block of the vocabulary: [predictions, D] in the compute dtype, small beside [predictions, V].
+
+The backward is unchanged (heads._scores_bwd: the logits made again by XLA's product). On a CPU
+the kernel runs in Pallas' interpreter (tests), and elsewhere XLA's arithmetic (heads._scores).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from bertjax.model import mlp_kernel
+
+_F32 = jnp.float32
+_T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (W's transpose)
+# Vocabulary columns a block (W's rows): W read once whatever the size; a block of predictions'
+# states is read once per vocabulary block, so fewer, larger blocks read less.
+VOCAB_BLOCK = 2048
+# Predictions a block, the largest of these that divides the chip's (else they are padded): the
+# logits' tile [rows, VOCAB_BLOCK] float32, 4 MB at 512. Any size reads W once.
+ROW_BLOCKS = (512, 256, 128, 64, 32, 16, 8)
+# A padded vocabulary column's bias: its exp is 0 against any real logit, and finite, so the
+# running largest and sum never meet inf - inf.
+_PAD = -1e30
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _kernel(labels_ref, x_ref, w_ref, b_ref, top_ref, sum_ref, label_ref, *, rows: int,
+            vocab_block: int):
+  j, i = pl.program_id(0), pl.program_id(1)  # vocabulary block (outer), predictions' block
+  at = pl.ds(pl.multiple_of(i * rows, rows), rows)
+
+  @pl.when(j == 0)
+  def _():
+    top_ref[at, :] = jnp.full((rows, 1), _PAD, _F32)
+    sum_ref[at, :] = jnp.zeros((rows, 1), _F32)
+    label_ref[at, :] = jnp.zeros((rows, 1), _F32)
+
+  logits = jax.lax.dot_general(x_ref[...], w_ref[...], _T, preferred_element_type=_F32)
+  logits = logits + b_ref[...]
+  column = j * vocab_block + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+  label_ref[at, :] += jnp.sum(jnp.where(column == labels_ref[...], logits, 0.0), axis=1,
+                              keepdims=True)
+  top = top_ref[at, :]
+  new_top = jnp.maximum(top, jnp.max(logits, axis=1, keepdims=True))
+  sum_ref[at, :] = (sum_ref[at, :] * jnp.exp(top - new_top)
+                    + jnp.sum(jnp.exp(logits - new_top), axis=1, keepdims=True))
+  top_ref[at, :] = new_top
+
+
+def _call(x_RxD, w_VxD, bias_1xV, labels_Rx1, interpret: bool):
+  """(largest logit, sum of exp(logit - largest), label's logit), each [R, 1] float32, for rows
+  and a vocabulary already padded to whole blocks."""
+  rows_total, width = x_RxD.shape
+  vocab = w_VxD.shape[0]
+  rows = next(r for r in ROW_BLOCKS if rows_total % r == 0)
+  vocab_block = min(VOCAB_BLOCK, vocab)
+  item = x_RxD.dtype.itemsize
+  stats = jax.ShapeDtypeStruct((rows_total, 1), _F32)
+  # Every row's running figures resident in VMEM for the whole grid (their block never moves):
+  # an [R, 1] float32 array fills a 128-lane tile a row.
+  whole = pl.BlockSpec((rows_total, 1), lambda j, i: (0, 0), pipeline_mode=pl.Buffered(1))
+  need = (3 * rows_total * 128 * 4 + 2 * (rows * width + vocab_block * width) * item
+          + 3 * rows * vocab_block * 4 + 2 * rows * 128 * 4)
+  blocks = vocab // vocab_block
+  return pl.pallas_call(
+      functools.partial(_kernel, rows=rows, vocab_block=vocab_block),
+      out_shape=(stats, stats, stats),
+      grid=(blocks, rows_total // rows),
+      in_specs=[pl.BlockSpec((rows, 1), lambda j, i: (i, 0)),
+                pl.BlockSpec((rows, width), lambda j, i: (i, 0)),
+                pl.BlockSpec((vocab_block, width), lambda j, i: (j, 0)),
+                pl.BlockSpec((1, vocab_block), lambda j, i: (0, j))],
+      out_specs=(whole, whole, whole),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
+                                           vmem_limit_bytes=int(need * 1.25) + (16 << 20)),
+      cost_estimate=pl.CostEstimate(
+          flops=2 * rows_total * vocab * width, transcendentals=rows_total * vocab,
+          bytes_accessed=(blocks * rows_total * (width * item + 4) + vocab * (width * item + 4)
+                          + 3 * rows_total * 4)),
+      interpret=interpret, name="mlm_scores_fwd",
+  )(labels_Rx1, x_RxD, w_VxD, bias_1xV)
+
+
+def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
+  """(log Z, the label's logit, the largest logit), each [R] float32, of the logits
+  x W^T + b (x and W in the compute dtype, the products in float32), without writing them."""
+  rows_total, vocab = x_RxD.shape[0], w_VxD.shape[0]
+  rows = next((r for r in ROW_BLOCKS if rows_total % r == 0),
+              min(ROW_BLOCKS[0], _round_up(rows_total, 8)))
+  padded_rows = _round_up(rows_total, rows)
+  vocab_block = min(VOCAB_BLOCK, _round_up(vocab, 128))
+  padded_vocab = _round_up(vocab, vocab_block)
+  pad_rows = lambda a: jnp.pad(a, ((0, padded_rows - rows_total),) + ((0, 0),) * (a.ndim - 1))
+  w = jnp.pad(w_VxD, ((0, padded_vocab - vocab), (0, 0)))
+  bias = jnp.pad(bias_V.astype(_F32), (0, padded_vocab - vocab), constant_values=_PAD)
+  top, total, label = _call(pad_rows(x_RxD), w, bias[None, :],
+                            pad_rows(labels_R.astype(jnp.int32)[:, None]), interpret)
+  top, total, label = (a[:rows_total, 0] for a in (top, total, label))
+  return top + jnp.log(total), label, top
+
+
+def on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, xla):
+  """`scores` of [B, M] predictions by the kernel on a TPU (also a TPU program compiled on a CPU
+  host), run on each device's rows under the mesh in scope (W whole on each, as XLA's product
+  gathers it); elsewhere `xla(x, w, bias, labels)`, the same figures from XLA's logits (a CPU's
+  runs keep XLA's speed; tests run the kernel in Pallas' interpreter through `scores`)."""
+  def kernel(x_RxD, labels_Rx1, w_VxD, bias_1xV):
+    figures = scores(x_RxD, w_VxD, bias_1xV[0], labels_Rx1[:, 0])
+    return tuple(f[:, None] for f in figures)
+
+  def tpu(x_BxMxD, w_VxD, bias_V, labels_BxM):
+    figures = mlp_kernel.per_device(
+        kernel, (x_BxMxD.reshape(-1, x_BxMxD.shape[-1]), labels_BxM.reshape(-1, 1)),
+        (w_VxD, bias_V[None, :]), ("tokens", "tokens", "tokens"))
+    return tuple(f.reshape(labels_BxM.shape) for f in figures)
+
+  return jax.lax.platform_dependent(x_BxMxD, w_VxD, bias_V, labels_BxM, tpu=tpu, default=xla)

@@ -1,0 +1,63 @@
+"""The MLM scores kernel (bertjax/model/mlm_kernel.py: the logits made and read in VMEM, never
+written) against XLA's logits and losses.scores. On a CPU it runs in Pallas' interpreter;
+tests/test_aot.py compiles it into a TPU train step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bertjax.model import heads, losses, mlm_kernel
+
+
+def _arrays(rows, vocab, width, dtype):
+  # Logits of order one: every column's exp counts in log Z, a padded one's too if it leaked.
+  keys = jax.random.split(jax.random.key(3), 4)
+  return ((jax.random.normal(keys[0], (rows, width)) * width ** -0.5).astype(dtype),
+          jax.random.normal(keys[1], (vocab, width)).astype(dtype),
+          jax.random.normal(keys[2], (vocab,)) * 0.5,
+          jax.random.randint(keys[3], (rows,), 0, vocab))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_gives_the_scores_of_xlas_logits(dtype, monkeypatch):
+  # Small blocks, so that 300 predictions and a vocabulary of 1,000 take several of each: the
+  # running largest and sum carried over four vocabulary blocks (the last one padded, its
+  # columns out of the count); the rows, which no block divides, padded to three blocks of 128.
+  monkeypatch.setattr(mlm_kernel, "VOCAB_BLOCK", 256)
+  monkeypatch.setattr(mlm_kernel, "ROW_BLOCKS", (128, 8))
+  x, w, bias, labels = _arrays(300, 1000, 64, dtype)
+  log_z, label, top = mlm_kernel.scores(x, w, bias, labels, interpret=True)
+  logits = jnp.einsum("rd,vd->rv", x, w, preferred_element_type=jnp.float32) + bias
+  expected = losses.figures(logits, labels)
+  for name, got, want in zip(("log Z", "label", "largest"), (log_z, label, top), expected):
+    assert got.shape == (300,) and got.dtype == jnp.float32, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=name)
+  # A padded column never wins the largest: the tail block's real columns alone count.
+  assert float(jnp.min(top)) > -1e3
+  (nll, correct), _ = losses.scores_of(log_z, label, top)
+  (nll_x, correct_x), _ = losses.scores(logits, labels)
+  np.testing.assert_allclose(nll, nll_x, rtol=1e-5, atol=1e-4)
+  assert 0 < float(jnp.mean(correct)) and bool(jnp.all(correct == correct_x))
+
+
+def test_on_a_tpu_the_head_runs_the_kernel_and_elsewhere_xla():
+  # decoded_scores' forward: the kernel in a program for a TPU, XLA's logits for a GPU or a CPU;
+  # the same scores (the CPU runs XLA's path here).
+  x, w, bias, labels = _arrays(24, 97, 32, jnp.float32)
+  x, labels = x.reshape(2, 12, 32), labels.reshape(2, 12)
+  scores = lambda x, w, b: heads.decoded_scores(x, w, b, labels, jnp.bfloat16)
+  loss = lambda x, w, b: jnp.sum(scores(x, w, b).nll_BxM)
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w, bias)]
+  for platform, kernel in (("tpu", True), ("cuda", False), ("cpu", False)):
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                             platforms=[platform])(*shapes).mlir_module()
+    assert ("mlm_scores_fwd" in text) == kernel, platform
+  got = scores(x, w, bias)
+  logits = heads.tied_decoder(x, w, bias, jnp.bfloat16)
+  want, _ = losses.scores(logits, labels)
+  np.testing.assert_allclose(got.nll_BxM, want.nll_BxM, rtol=1e-6)
+  kernel = mlm_kernel.scores(x.reshape(24, 32).astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                             bias, labels.reshape(24), interpret=True)
+  np.testing.assert_allclose(losses.scores_of(*kernel)[0].nll_BxM, want.nll_BxM.reshape(24),
+                             rtol=1e-5, atol=1e-4)
