@@ -42,8 +42,11 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def _kernel(labels_ref, x_ref, w_ref, b_ref, top_ref, sum_ref, label_ref, *, rows: int,
-            vocab_block: int):
+def _kernel(labels_ref, x_ref, w_ref, *refs, rows: int, vocab_block: int, full: int | None):
+  """One block of predictions against one block of the vocabulary. `full`: the blocks read in
+  place from W, the last one (the vocabulary's tail) from a padded copy of its own, the first of
+  `refs`; None where every block is W's."""
+  (tail_ref, b_ref, top_ref, sum_ref, label_ref) = refs if full is not None else (None, *refs)
   j, i = pl.program_id(0), pl.program_id(1)  # vocabulary block (outer), predictions' block
   at = pl.ds(pl.multiple_of(i * rows, rows), rows)
 
@@ -53,25 +56,32 @@ def _kernel(labels_ref, x_ref, w_ref, b_ref, top_ref, sum_ref, label_ref, *, row
     sum_ref[at, :] = jnp.zeros((rows, 1), _F32)
     label_ref[at, :] = jnp.zeros((rows, 1), _F32)
 
-  logits = jax.lax.dot_general(x_ref[...], w_ref[...], _T, preferred_element_type=_F32)
-  logits = logits + b_ref[...]
-  column = j * vocab_block + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-  label_ref[at, :] += jnp.sum(jnp.where(column == labels_ref[...], logits, 0.0), axis=1,
-                              keepdims=True)
-  top = top_ref[at, :]
-  new_top = jnp.maximum(top, jnp.max(logits, axis=1, keepdims=True))
-  sum_ref[at, :] = (sum_ref[at, :] * jnp.exp(top - new_top)
-                    + jnp.sum(jnp.exp(logits - new_top), axis=1, keepdims=True))
-  top_ref[at, :] = new_top
+  def fold(w):
+    logits = jax.lax.dot_general(x_ref[...], w, _T, preferred_element_type=_F32) + b_ref[...]
+    column = j * vocab_block + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    label_ref[at, :] += jnp.sum(jnp.where(column == labels_ref[...], logits, 0.0), axis=1,
+                                keepdims=True)
+    top = top_ref[at, :]
+    new_top = jnp.maximum(top, jnp.max(logits, axis=1, keepdims=True))
+    sum_ref[at, :] = (sum_ref[at, :] * jnp.exp(top - new_top)
+                      + jnp.sum(jnp.exp(logits - new_top), axis=1, keepdims=True))
+    top_ref[at, :] = new_top
+
+  if full is None:
+    fold(w_ref[...])
+  else:
+    pl.when(j < full)(lambda: fold(w_ref[...]))
+    pl.when(j == full)(lambda: fold(tail_ref[...]))
 
 
-def _call(x_RxD, w_VxD, bias_1xV, labels_Rx1, interpret: bool):
+def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, vocab_block: int, interpret: bool):
   """(largest logit, sum of exp(logit - largest), label's logit), each [R, 1] float32, for rows
-  and a vocabulary already padded to whole blocks."""
+  padded to whole blocks; W's whole blocks read in place, its tail (if any) from `tail`, a block
+  of its own; the bias padded to whole blocks."""
   rows_total, width = x_RxD.shape
-  vocab = w_VxD.shape[0]
+  full = w_VxD.shape[0] // vocab_block
+  blocks = full + (tail is not None)
   rows = next(r for r in ROW_BLOCKS if rows_total % r == 0)
-  vocab_block = min(VOCAB_BLOCK, vocab)
   item = x_RxD.dtype.itemsize
   stats = jax.ShapeDtypeStruct((rows_total, 1), _F32)
   # Every row's running figures resident in VMEM for the whole grid (their block never moves):
@@ -79,14 +89,21 @@ def _call(x_RxD, w_VxD, bias_1xV, labels_Rx1, interpret: bool):
   whole = pl.BlockSpec((rows_total, 1), lambda j, i: (0, 0), pipeline_mode=pl.Buffered(1))
   need = (3 * rows_total * 128 * 4 + 2 * (rows * width + vocab_block * width) * item
           + 3 * rows * vocab_block * 4 + 2 * rows * 128 * 4)
-  blocks = vocab // vocab_block
+  # W's block index stays at its last whole block for the tail's step: no copy is made again.
+  w_spec = pl.BlockSpec((vocab_block, width), lambda j, i: (jnp.minimum(j, full - 1), 0))
+  tail_specs, tail_args = [], []
+  if tail is not None:
+    need += vocab_block * width * item
+    tail_specs = [pl.BlockSpec(tail.shape, lambda j, i: (0, 0), pipeline_mode=pl.Buffered(1))]
+    tail_args = [tail]
+  vocab = blocks * vocab_block
   return pl.pallas_call(
-      functools.partial(_kernel, rows=rows, vocab_block=vocab_block),
+      functools.partial(_kernel, rows=rows, vocab_block=vocab_block,
+                        full=full if tail is not None else None),
       out_shape=(stats, stats, stats),
       grid=(blocks, rows_total // rows),
       in_specs=[pl.BlockSpec((rows, 1), lambda j, i: (i, 0)),
-                pl.BlockSpec((rows, width), lambda j, i: (i, 0)),
-                pl.BlockSpec((vocab_block, width), lambda j, i: (j, 0)),
+                pl.BlockSpec((rows, width), lambda j, i: (i, 0)), w_spec, *tail_specs,
                 pl.BlockSpec((1, vocab_block), lambda j, i: (0, j))],
       out_specs=(whole, whole, whole),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
@@ -96,7 +113,7 @@ def _call(x_RxD, w_VxD, bias_1xV, labels_Rx1, interpret: bool):
           bytes_accessed=(blocks * rows_total * (width * item + 4) + vocab * (width * item + 4)
                           + 3 * rows_total * 4)),
       interpret=interpret, name="mlm_scores_fwd",
-  )(labels_Rx1, x_RxD, w_VxD, bias_1xV)
+  )(labels_Rx1, x_RxD, w_VxD, *tail_args, bias_1xV)
 
 
 def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
@@ -108,11 +125,18 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
   padded_rows = _round_up(rows_total, rows)
   vocab_block = min(VOCAB_BLOCK, _round_up(vocab, 128))
   padded_vocab = _round_up(vocab, vocab_block)
-  pad_rows = lambda a: jnp.pad(a, ((0, padded_rows - rows_total),) + ((0, 0),) * (a.ndim - 1))
-  w = jnp.pad(w_VxD, ((0, padded_vocab - vocab), (0, 0)))
+  pad = lambda a, n: jnp.pad(a, ((0, n - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
+  # W is not copied whole to pad it (BERT-Base's: 47 MB read and written a step, more than the
+  # logits at a few rows a chip): its whole blocks are read in place, and only the rows past
+  # the last of them are copied, padded to a block. A vocabulary under one block is all tail.
+  whole = vocab // vocab_block * vocab_block
+  tail = pad(w_VxD[whole:], vocab_block) if whole < vocab else None
+  w = w_VxD if whole else tail
+  tail = tail if whole else None
   bias = jnp.pad(bias_V.astype(_F32), (0, padded_vocab - vocab), constant_values=_PAD)
-  top, total, label = _call(pad_rows(x_RxD), w, bias[None, :],
-                            pad_rows(labels_R.astype(jnp.int32)[:, None]), interpret)
+  top, total, label = _call(pad(x_RxD, padded_rows), w, tail, bias[None, :],
+                            pad(labels_R.astype(jnp.int32)[:, None], padded_rows), vocab_block,
+                            interpret)
   top, total, label = (a[:rows_total, 0] for a in (top, total, label))
   return top + jnp.log(total), label, top
 
