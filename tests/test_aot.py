@@ -144,7 +144,8 @@ print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tp
                   "uncounted": hlocost.program_cost(text)}), flush=True)
 config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="pallas_kept",
                     recompute_mlm_logits=True)
-text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
+# 80 predictions a row: enough a chip for the MLM scores kernel (mlm_kernel.worth_it: > D / 2).
+text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 80).as_text()
 print("fused " + json.dumps({
     "kernels": sorted(set(re.findall(r"fused_attention_[a-z]+", text))),
     "flops": sorted(r["flops"] for r in hlocost.program_rows(text)
@@ -153,8 +154,8 @@ print("fused " + json.dumps({
     "mlp_flops": [r["flops"] for r in hlocost.program_rows(text)
                   if r["opcode"] in ("custom-call", "fusion") and "fused_mlp" in r["op_name"]],
     "mlm_flops": [r["flops"] for r in hlocost.program_rows(text)
-                  if r["opcode"] in ("custom-call", "fusion") and "mlm_scores" in r["op_name"]],
-    "predictions": config.data.max_predictions_per_seq}))
+                  if r["opcode"] in ("custom-call", "fusion")
+                  and r["op_name"].endswith("mlm_scores_fwd/pallas_call")]}))
 """
   result = run("-c", probe, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -247,12 +248,12 @@ def test_the_fused_mlp_kernels_compile_into_the_train_step_and_count_their_own_f
 
 def test_the_mlm_scores_kernel_compiles_into_the_train_step_and_counts_its_flops(probes):
   # recompute_mlm_logits on a TPU: the MLM head's forward is mlm_kernel's (its logits never
-  # written), counted by its own estimate: 2 rows a chip of 10 predictions, padded to 24 (no
-  # block of mlm_kernel.ROW_BLOCKS divides 20), against a vocabulary of 8,000 padded to whole
-  # blocks of 2,048, D 128.
+  # written), counted by its own estimate: 2 rows a chip of 80 predictions against a vocabulary
+  # of 8,000 padded to whole blocks of 2,048, D 128.
+  # XLA names the slices of the kernel's results after it too: their few FLOPs beside it.
   out = probes["fused"]
-  assert out["predictions"] == 10
-  assert out["mlm_flops"] == [2 * 24 * 8192 * 128], out
+  *rest, kernel = sorted(out["mlm_flops"])
+  assert kernel == 2 * 160 * 8192 * 128 and sum(rest) < 1e4, out
 
 
 def test_the_fused_attention_kernels_compile_into_the_train_step_with_dropout(probes):

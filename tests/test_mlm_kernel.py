@@ -57,6 +57,14 @@ def test_on_a_tpu_the_head_runs_the_kernel_and_elsewhere_xla():
     text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
                              platforms=[platform])(*shapes).mlir_module()
     assert ("mlm_scores_fwd" in text) == kernel, platform
+  # Too few predictions for their logits to outweigh the table's copy (24 against D / 2 = 32
+  # at D 64): XLA's logits on a TPU too.
+  assert mlm_kernel.worth_it(24, 32) and not mlm_kernel.worth_it(24, 64)
+  wide = [jax.ShapeDtypeStruct((2, 12, 64), x.dtype), jax.ShapeDtypeStruct((97, 64), w.dtype),
+          shapes[2]]
+  text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                           platforms=["tpu"])(*wide).mlir_module()
+  assert "mlm_scores_fwd" not in text
   got = scores(x, w, bias)
   logits = heads.tied_decoder(x, w, bias, jnp.bfloat16)
   want, _ = losses.scores(logits, labels)

@@ -17,7 +17,9 @@ the kernel runs in Pallas' interpreter (tests), and elsewhere XLA's arithmetic (
 from __future__ import annotations
 
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -141,16 +143,37 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
   return top + jnp.log(total), label, top
 
 
+def worth_it(predictions: int, width: int) -> bool:
+  """Whether the kernel moves fewer bytes than XLA's logits for a device's `predictions`: it
+  spares their float32 [predictions, V] logits written and read (8 bytes a logit), and costs a
+  copy of the table W in the compute dtype, which XLA's product reads where it is gathered
+  (~2 x 2 bytes an entry of [V, D], measured: v5p-128 at 4 rows a chip, docs/performance.md).
+  So predictions > D / 2."""
+  return 2 * predictions > width
+
+
+def _batch_shards() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
+  axes = (axes,) if isinstance(axes, str) else (axes or ())
+  return math.prod(dict(mesh.shape)[a] for a in axes)
+
+
 def on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, xla):
   """`scores` of [B, M] predictions by the kernel on a TPU (also a TPU program compiled on a CPU
-  host), run on each device's rows under the mesh in scope (W whole on each, as XLA's product
-  gathers it); elsewhere `xla(x, w, bias, labels)`, the same figures from XLA's logits (a CPU's
-  runs keep XLA's speed; tests run the kernel in Pallas' interpreter through `scores`)."""
+  host) where a device holds enough predictions (`worth_it`), run on each device's rows under
+  the mesh in scope (W whole on each, as XLA's product gathers it); elsewhere `xla(x, w, bias,
+  labels)`, the same figures from XLA's logits (a CPU's runs keep XLA's speed; tests run the
+  kernel in Pallas' interpreter through `scores`)."""
   def kernel(x_RxD, labels_Rx1, w_VxD, bias_1xV):
     figures = scores(x_RxD, w_VxD, bias_1xV[0], labels_Rx1[:, 0])
     return tuple(f[:, None] for f in figures)
 
   def tpu(x_BxMxD, w_VxD, bias_V, labels_BxM):
+    if not worth_it(labels_BxM.size // _batch_shards(), x_BxMxD.shape[-1]):
+      return xla(x_BxMxD, w_VxD, bias_V, labels_BxM)
     figures = mlp_kernel.per_device(
         kernel, (x_BxMxD.reshape(-1, x_BxMxD.shape[-1]), labels_BxM.reshape(-1, 1)),
         (w_VxD, bias_V[None, :]), ("tokens", "tokens", "tokens"))
