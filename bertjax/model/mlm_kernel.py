@@ -76,14 +76,14 @@ def _kernel(labels_ref, x_ref, w_ref, *refs, rows: int, vocab_block: int, full: 
     pl.when(j == full)(lambda: fold(tail_ref[...]))
 
 
-def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, vocab_block: int, interpret: bool):
+def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
+          interpret: bool):
   """(largest logit, sum of exp(logit - largest), label's logit), each [R, 1] float32, for rows
-  padded to whole blocks; W's whole blocks read in place, its tail (if any) from `tail`, a block
-  of its own; the bias padded to whole blocks."""
+  padded to whole blocks of `rows`; W's whole blocks read in place, its tail (if any) from
+  `tail`, a block of its own; the bias padded to whole blocks."""
   rows_total, width = x_RxD.shape
   full = w_VxD.shape[0] // vocab_block
   blocks = full + (tail is not None)
-  rows = next(r for r in ROW_BLOCKS if rows_total % r == 0)
   item = x_RxD.dtype.itemsize
   stats = jax.ShapeDtypeStruct((rows_total, 1), _F32)
   # Every row's running figures resident in VMEM for the whole grid (their block never moves):
@@ -132,13 +132,16 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
   # logits at a few rows a chip): its whole blocks are read in place, and only the rows past
   # the last of them are copied, padded to a block. A vocabulary under one block is all tail.
   whole = vocab // vocab_block * vocab_block
-  tail = pad(w_VxD[whole:], vocab_block) if whole < vocab else None
-  w = w_VxD if whole else tail
-  tail = tail if whole else None
+  if whole == vocab:
+    w, tail = w_VxD, None
+  elif whole == 0:
+    w, tail = pad(w_VxD, vocab_block), None
+  else:
+    w, tail = w_VxD, pad(w_VxD[whole:], vocab_block)
   bias = jnp.pad(bias_V.astype(_F32), (0, padded_vocab - vocab), constant_values=_PAD)
   top, total, label = _call(pad(x_RxD, padded_rows), w, tail, bias[None, :],
-                            pad(labels_R.astype(jnp.int32)[:, None], padded_rows), vocab_block,
-                            interpret)
+                            pad(labels_R.astype(jnp.int32)[:, None], padded_rows), rows,
+                            vocab_block, interpret)
   top, total, label = (a[:rows_total, 0] for a in (top, total, label))
   return top + jnp.log(total), label, top
 

@@ -329,16 +329,13 @@ def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep):
 
 def _mlp_bwd(act, keep, saved, dy_NxD):
   x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D = saved
-  bwd = lambda x, dy, *rest: _on_platform(_backward, x, dy, *rest, act=act)
-  b1 = b1_F.astype(_F32)[None, :]
-  if keep:
-    dx, dw1, db1, dw2 = per_device(lambda x, dy, pre, w1, b1, w2: bwd(x, dy, w1, b1, w2, pre),
-                                    (x_NxD, dy_NxD, pre_NxF), (w1_DxF, b1, w2_FxD),
-                                    ("tokens", "sums", "sums", "sums"))
-  else:
-    dx, dw1, db1, dw2 = per_device(lambda x, dy, w1, b1, w2: bwd(x, dy, w1, b1, w2, None),
-                                    (x_NxD, dy_NxD), (w1_DxF, b1, w2_FxD),
-                                    ("tokens", "sums", "sums", "sums"))
+  def bwd(x, dy, *rest):  # rest: the pre-activation's rows where it was kept, then the weights
+    pre, (w1, b1, w2) = (rest[0], rest[1:]) if keep else (None, rest)
+    return _on_platform(_backward, x, dy, w1, b1, w2, pre, act=act)
+
+  dx, dw1, db1, dw2 = per_device(bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()),
+                                 (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD),
+                                 ("tokens", "sums", "sums", "sums"))
   db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
   return (dx, dw1.sum(0).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
           dw2.sum(0).astype(w2_FxD.dtype), db2.astype(b2_D.dtype))
