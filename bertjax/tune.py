@@ -10,7 +10,7 @@ the next is tried (a greedy search: the settings interact little, and a full gri
 take hours to compile on a laptop):
 
   mesh       the state replicated on every chip (data) or split over them (fsdp);
-  remat      what the backward keeps: none, dots, dots_all, full, dots_kernels
+  remat      what the backward keeps: none, dots, dots_all, full, dots_kernels, dots_outputs
              (bertjax/model/config.py);
   attention  XLA's, the splash kernel or the fused one (TPU, lengths a multiple of 128; fused up
              to 1,024); splash has no dropout on attention probabilities, so it changes the
@@ -57,7 +57,7 @@ from bertjax.training import flops, train
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
 # Searched when named: mlp_impl "auto" already takes, per chip, what compiling found faster.
 OPTIONAL_DIMENSIONS = ("mlp",)
-REMAT = ("none", "dots", "dots_all", "full", "dots_kernels")
+REMAT = ("none", "dots", "dots_all", "full", "dots_kernels", "dots_outputs")
 # The mesh's two layouts of the state over a slice's chips (DCN axes as the config sets them).
 MESHES = {"data": {"mesh.ici_data": -1, "mesh.ici_fsdp": 1},
           "fsdp": {"mesh.ici_data": 1, "mesh.ici_fsdp": -1}}

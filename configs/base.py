@@ -212,12 +212,13 @@ def set_accelerator(config, phase: str | int) -> None:
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
   each layer's matmul outputs and the fused kernels' and recomputes the rest (remat
-  "dots_kernels"; at length 512 "auto": "dots" on v6e, bound by HBM there), and
+  "dots_kernels"; at length 512 "auto": on v6e, bound by HBM there, "dots_outputs", which makes
+  the MLP's pre-activation again rather than keep it), and
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
   "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds; under
   remat "dots_kernels" the kernel's backward reads the pre-activation its forward wrote,
-  "pallas_kept", and under "dots" makes it again, "pallas").
+  "pallas_kept", and elsewhere makes it again, "pallas").
   Attention is bertjax's fused kernel in both phases (attention_impl "auto"): each head's
   [L, L] scores, probabilities and dropout stay in VMEM, where XLA's were half of BERT-Base's
   bytes at length 128 and most of them at 512; it keeps the paper's dropout on attention
@@ -230,8 +231,9 @@ def set_accelerator(config, phase: str | int) -> None:
   m.dtype = "bfloat16"
   m.scan_layers = True
   # The fused kernels' outputs kept too (the steps bound by FLOPs spare the kernels' second
-  # forward run), but at 512 on v6e, whose steps are bound by HBM there and keep less ("auto":
-  # config.REMAT_AUTO_DOTS_ON; docs/performance.md, "Attention and its dropout in one kernel").
+  # forward run); at 512 on v6e, whose steps are bound by HBM there, not the MLP's pre-activation
+  # ("auto": config.REMAT_AUTO_OUTPUTS_ON; docs/performance.md, "The kernels' outputs kept, the
+  # MLP's pre-activation made again").
   m.remat_policy = "dots_kernels" if int(phase) == 1 else "auto"
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"

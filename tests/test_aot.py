@@ -104,7 +104,7 @@ def probes():
   """One interpreter loading libtpu (~3 s a start) for two probes: the DCN axes of two v5p-8
   slices, and the splash kernel compiled into the train step for v5p (the libtpu environment
   is the v5p-8 slice's, as bertjax.aot sets it)."""
-  probe = """
+  probe = r"""
 import json, os, re
 for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
                     ("TPU_SKIP_MDS_QUERY", "1")):
@@ -146,14 +146,32 @@ config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="pal
                     recompute_mlm_logits=True)
 # 80 predictions a row: enough a chip for the MLM scores kernel (mlm_kernel.worth_it: > D / 2).
 text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 80).as_text()
+bwd = next(l for l in text.splitlines() if re.match(r"\s*%fused_attention_bwd[.0-9]* = ", l))
+inside = re.search(r"calls=%([\w.-]+)", bwd)
+body = text.split("%" + inside.group(1) + " ", 1)[1].split("\n}", 1)[0] if inside else ""
+rows = hlocost.program_rows(text)
 print("fused " + json.dumps({
     "kernels": sorted(set(re.findall(r"fused_attention_[a-z]+", text))),
-    "flops": sorted(r["flops"] for r in hlocost.program_rows(text)
-                    if r["opcode"] == "custom-call" and "fused_attention" in r["op_name"]),
+    # Kernels XLA fused with their operands' slicing count as fusions, by their own estimate.
+    "flops": sorted(r["flops"] for r in rows
+                    if r["opcode"] in ("custom-call", "fusion")
+                    and r["op_name"].endswith(("fused_attention_fwd/pallas_call",
+                                               "fused_attention_bwd/pallas_call"))),
+    "bwd_opcode": re.search(r"[})] (fusion|custom-call)\(", bwd).group(1),
+    # The kernel's q, k and v (operands 5-7 after the 3 scalars, segments and biases): made
+    # inside the fusion from its parameters (a slice of a stack), or parameters themselves.
+    "bwd_fused_qkv": sum(not re.search(rf"%{re.escape(name)} = [^\n]* parameter\(", body)
+                         for name in re.findall(r"%([\w.-]+)", re.search(
+                             r"ROOT [^\n]*custom-call\(([^)]*)\)", body).group(1))[5:8])
+                     if body else 0,
+    "bwd_bytes": [r["hbm_bytes"] for r in rows
+                  if r["op_name"].endswith("fused_attention_bwd/pallas_call")
+                  and r["opcode"] in ("custom-call", "fusion")],
+    "bwd_estimate": int(re.search(r"bytes_accessed\W*(\d+)", body or bwd).group(1)),
     # The forward kernel may come fused with the update of the loop's stack its result goes to.
-    "mlp_flops": [r["flops"] for r in hlocost.program_rows(text)
+    "mlp_flops": [r["flops"] for r in rows
                   if r["opcode"] in ("custom-call", "fusion") and "fused_mlp" in r["op_name"]],
-    "mlm_flops": [r["flops"] for r in hlocost.program_rows(text)
+    "mlm_flops": [r["flops"] for r in rows
                   if r["opcode"] in ("custom-call", "fusion")
                   and r["op_name"].endswith("mlm_scores_fwd/pallas_call")]}))
 """
@@ -265,6 +283,20 @@ def test_the_fused_attention_kernels_compile_into_the_train_step_with_dropout(pr
   assert out["kernels"] == ["fused_attention_bwd", "fused_attention_fwd"]
   per_layer = 2 * 2 * 128 * 128 * 64
   assert out["flops"] == [4 * per_layer, 10 * per_layer], out["flops"]
+
+
+def test_the_attention_backward_reads_q_k_and_v_in_the_loop_s_stacks(probes):
+  # The scanned layers' backward: XLA fuses the slicing of the saved q, k and v out of the
+  # loop's [layers, rows, L, width] stacks into the kernel's reads (attention_kernel._call's
+  # `fused`), where it copied each out whole first. The count gives such a fusion the slices'
+  # bytes, not the stacks' (what the kernel's own estimate says it moves), so a stack is not
+  # counted three times over.
+  out = probes["fused"]
+  assert out["bwd_opcode"] == "fusion" and out["bwd_fused_qkv"] == 3, out
+  # Counted whole, the stacks alone would be more than the kernel's estimate (7 slices); XLA may
+  # also have moved a slice into VMEM ahead, which the HBM count leaves out.
+  (counted,) = out["bwd_bytes"]
+  assert 0.5 * out["bwd_estimate"] < counted < 1.01 * out["bwd_estimate"], out
 
 
 def test_the_cost_model_reads_the_known_answers_on_a_tpu_compile(probes):

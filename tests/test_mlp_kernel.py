@@ -190,10 +190,11 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
   chip = lambda kind, platform="tpu": types.SimpleNamespace(device_kind=kind, platform=platform)
   auto = dataclasses.replace(CFG, mlp_impl="auto")
   # On v6e: the kernels that keep the pre-activation where the remat policy keeps it (and the
-  # backward then reads it), those that make it again where it does not ("auto" on v6e: "dots").
+  # backward then reads it), those that make it again where it does not ("auto" on v6e:
+  # "dots_outputs", the kernels' outputs kept but not the pre-activation).
   for policy, impl in (("none", "pallas_kept"), ("dots_kernels", "pallas_kept"),
                        ("dots_mlp", "pallas_kept"), ("dots", "pallas"), ("full", "pallas"),
-                       ("auto", "pallas")):
+                       ("dots_outputs", "pallas"), ("auto", "pallas")):
     chosen = mlp_kernel.chosen(dataclasses.replace(auto, remat_policy=policy), chip("TPU v6 lite"))
     assert chosen == impl, (policy, chosen)
   auto = dataclasses.replace(auto, remat_policy="dots")
@@ -217,15 +218,17 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
 def test_remat_dots_mlp_keeps_the_kernels_output_so_their_forward_runs_once(impl):
   # Under remat "dots" the forward kernel runs again in the backward (its output is no matmul's);
   # "dots_mlp" keeps that output (and with "pallas_kept" the pre-activation the backward reads),
-  # and the backward calls the forward kernel no more.
+  # and the backward calls the forward kernel no more. "dots_outputs" keeps the output but not
+  # the pre-activation: enough for "pallas" (what "auto" pairs it with), not for "pallas_kept".
   ids = np.random.default_rng(0).integers(0, 97, (4, 16))
   config = dataclasses.replace(CFG, scan_layers=True, mlp_impl=impl)
   params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
   calls = {}
-  for policy in ("none", "dots", "dots_mlp"):
+  for policy in ("none", "dots", "dots_mlp", "dots_outputs"):
     cfg = dataclasses.replace(config, remat_policy=policy)
     loss = lambda p, cfg=cfg: jnp.sum(BertModel(cfg).apply({"params": p}, ids)[0])
     text = str(jax.make_jaxpr(jax.grad(loss))(params))
     calls[policy] = (text.count("fused_mlp_fwd"), text.count("fused_mlp_bwd"))
   assert calls["dots_mlp"] == calls["none"], calls
   assert calls["dots"][0] > calls["dots_mlp"][0] and calls["dots"][1] == calls["dots_mlp"][1], calls
+  assert (calls["dots_outputs"] == calls["none"]) == (impl == "pallas"), calls

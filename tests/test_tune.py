@@ -22,7 +22,8 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   mesh = tune.candidates("mesh", config, best)
   assert mesh == [{"model.remat_policy": "dots", "mesh.ici_data": 1, "mesh.ici_fsdp": -1}]
   remat = tune.candidates("remat", config, best)
-  assert [c["model.remat_policy"] for c in remat] == ["none", "dots_all", "full", "dots_kernels"]
+  assert [c["model.remat_policy"] for c in remat] == ["none", "dots_all", "full", "dots_kernels",
+                                                     "dots_outputs"]
   base = bert_base.get_config()  # trained with attention dropout, as the paper
   [splash] = tune.candidates("attention", base, {})  # it ships with the fused kernel
   assert splash["model.attention_dropout"] == 0.0  # the kernel has none: said in the table

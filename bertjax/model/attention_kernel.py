@@ -135,9 +135,11 @@ def _head_lanes(width: int, size: int, n: int):
   return (lane >= n * size) & (lane < (n + 1) * size)
 
 
-def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body):
+def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body,
+              unrolled: bool = False):
   """body(i, global row, the block's first global head, allowed [L, L]) for each row of the
-  block; the segments' mask made once a row."""
+  block; the segments' mask made once a row. `unrolled`: i a constant in each copy of the body,
+  which an operand XLA computes inside the kernel's reads needs (`_call`'s `fused`)."""
   block = seg_ref.shape[0]
   # Read outside the loop: the interpreter wants it so.
   first_row = pl.program_id(0) * block
@@ -148,7 +150,7 @@ def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, 
     body(i, rows_ref[first_row + i].astype(_U32), first_head,
          _allowed(_column(seg_k), seg_k, local_window))
     return carry
-  jax.lax.fori_loop(0, block, per_row, 0)
+  jax.lax.fori_loop(0, block, per_row, 0, unroll=unrolled)
 
 
 def _per_head(heads: int, size: int, width: int, fn):
@@ -195,7 +197,8 @@ def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref,
 
 
 def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
-                     do_ref, dq_ref, dk_ref, dv_ref, *, rate, local_window, scale, size):
+                     do_ref, dq_ref, dk_ref, dv_ref, *, rate, local_window, scale, size,
+                     unrolled=False):
   def body(i, row, first_head, allowed):
     q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
     do = do_ref[i]
@@ -213,7 +216,8 @@ def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref
     heads = q_ref.shape[2] // size
     for ref, value in zip((dq_ref, dk_ref, dv_ref), _per_head(heads, size, q.shape[-1], head)):
       ref[i] = value.astype(ref.dtype)
-  _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body)
+  _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body,
+            unrolled)
 
 
 def _heads_a_block(heads: int, size: int) -> int:
@@ -232,7 +236,13 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 
 
 def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
-          local_window, size, flops, interpret):
+          local_window, size, flops, interpret, fused=()):
+  """`fused`: for each of `inputs`, whether XLA may compute it inside the kernel's reads of it
+  (Pallas' allow_input_fusion). In the scanned layers' backward q, k and v are slices of the
+  loop's stacks of saved residuals: fused, the kernel reads them where they lie, where otherwise
+  each was first copied out whole for the kernel (a custom call's operand is a buffer of its
+  own). The kernel then reads its rows at constant offsets (`_row_loop`'s `unrolled`): with a
+  traced row index libtpu 0.0.42 fails a RET_CHECK on such an operand."""
   # [B, L, N * K], as the projections write it: lane-dense. Heads first ([B, N, L, K]) took a
   # transpose each way and padded K = 64 to 128 lanes in HBM.
   rows, length, heads = inputs[0].shape[:2] + (inputs[0].shape[2] // size,)
@@ -241,8 +251,10 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
   width = group * size
   block = _block(rows, length, width * item, len(inputs) + outputs)
   tile = pl.BlockSpec((block, length, width), lambda b, h, *_: (b, 0, h))
+  fused = tuple(fused) + (False,) * (len(inputs) - len(fused))
   fn = functools.partial(kernel, rate=rate, local_window=local_window,
-                         scale=1.0 / np.sqrt(size), size=size)
+                         scale=1.0 / np.sqrt(size), size=size,
+                         **({"unrolled": True} if any(fused) else {}))
   shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
   # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(inputs) + outputs) * block * length * width * item
@@ -257,6 +269,7 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
           + [tile] * len(inputs),
           out_specs=(tile,) * outputs),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                           allow_input_fusion=(False,) * 5 + fused,
                                            vmem_limit_bytes=need + (16 << 20)),
       cost_estimate=pl.CostEstimate(
           flops=flops * rows * heads * length * length * size,
@@ -281,7 +294,7 @@ def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_
   # 10: q k^T again, do v^T, dv, dq and dk.
   return _call(_backward_kernel, "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head,
                key, seg, bias, rate=rate, local_window=local_window, size=size, flops=10,
-               interpret=interpret)
+               interpret=interpret, fused=(True, True, True))
 
 
 def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size):

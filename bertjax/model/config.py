@@ -57,22 +57,30 @@ REMAT_POLICIES = {
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names("mlp_output", "mlp_hidden",
                                                       "attention_output")),
+    # "dots_kernels" but the MLP's pre-activation: the kernels' outputs alone. Under it
+    # mlp_impl "auto" gives "pallas" (the backward kernel makes the pre-activation again), where
+    # a [tokens, F] residual kept in the scanned loop's stack costs more bytes than its product.
+    "dots_outputs": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("mlp_output", "attention_output")),
 }
 
 # remat_policy "auto": "dots_kernels" (the steps bound by their FLOPs keep what the kernels' second
-# forward run would cost), but "dots" on these chips (device_kind as jax names them), whose steps
-# at length 512 are bound by HBM, where keeping the kernels' outputs costs more than it saves
-# (docs/performance.md, "Attention and its dropout in one kernel"). The released configs take it
-# at length 512; at 128 every chip's steps are bound by FLOPs, and they take "dots_kernels".
-REMAT_AUTO_DOTS_ON = ("TPU v6 lite",)
+# forward run would cost), but "dots_outputs" on these chips (device_kind as jax names them),
+# whose steps at length 512 are bound by HBM, where the MLP's kept pre-activation costs more
+# bytes than the product that makes it again (docs/performance.md, "The kernels' outputs kept,
+# the MLP's pre-activation made again"). The released configs take it at length 512; at 128
+# every chip's steps are bound by FLOPs, and they take "dots_kernels".
+REMAT_AUTO_OUTPUTS_ON = ("TPU v6 lite",)
 
 
 def chosen_remat(policy: str, device) -> str:
-  """What remat_policy `policy` means on `device`: "auto" settled (REMAT_AUTO_DOTS_ON), another
-  policy as it is."""
+  """What remat_policy `policy` means on `device`: "auto" settled (REMAT_AUTO_OUTPUTS_ON),
+  another policy as it is."""
   if policy != "auto":
     return policy
-  return "dots" if getattr(device, "device_kind", "") in REMAT_AUTO_DOTS_ON else "dots_kernels"
+  return ("dots_outputs" if getattr(device, "device_kind", "") in REMAT_AUTO_OUTPUTS_ON
+          else "dots_kernels")
 
 
 ATTENTION_IMPLS = attention.IMPLS
