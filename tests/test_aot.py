@@ -101,9 +101,10 @@ def test_xla_out_of_memory_reads_both_wordings():
 
 @pytest.fixture(scope="module")
 def probes():
-  """One interpreter loading libtpu (~3 s a start) for two probes: the DCN axes of two v5p-8
-  slices, and the splash kernel compiled into the train step for v5p (the libtpu environment
-  is the v5p-8 slice's, as bertjax.aot sets it)."""
+  """One interpreter loading libtpu (~3 s a start) for the probes: the cost model's known
+  answers on v5e-8, the DCN axes of two v5p-8 slices, and the splash and the fused kernels
+  compiled into the train step for v5p (the libtpu environment is the v5p-8 slice's, as
+  bertjax.aot sets it)."""
   probe = r"""
 import json, os, re
 for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"),
