@@ -181,7 +181,7 @@ def _biased(bias_ref, *blocks):
 
 
 def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
-                    o_ref, *, rate, local_window, scale, size):
+                    o_ref, *, rate, local_window, scale, size, unrolled):
   def body(i, row, first_head, allowed):
     q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
     zero = jnp.zeros((), q.dtype)
@@ -193,12 +193,13 @@ def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref,
       return (jnp.dot(_dropped(p, keep, rate).astype(v.dtype), v, preferred_element_type=_F32),)
     o_ref[i] = _per_head(q_ref.shape[2] // size, size, q.shape[-1], head)[0].astype(
         o_ref.dtype)
-  _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body)
+  _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body,
+            unrolled)
 
 
 def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
                      do_ref, dq_ref, dk_ref, dv_ref, *, rate, local_window, scale, size,
-                     unrolled=False):
+                     unrolled):
   def body(i, row, first_head, allowed):
     q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
     do = do_ref[i]
@@ -253,8 +254,7 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
   tile = pl.BlockSpec((block, length, width), lambda b, h, *_: (b, 0, h))
   fused = tuple(fused) + (False,) * (len(inputs) - len(fused))
   fn = functools.partial(kernel, rate=rate, local_window=local_window,
-                         scale=1.0 / np.sqrt(size), size=size,
-                         **({"unrolled": True} if any(fused) else {}))
+                         scale=1.0 / np.sqrt(size), size=size, unrolled=any(fused))
   shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
   # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(inputs) + outputs) * block * length * width * item
