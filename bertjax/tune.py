@@ -27,7 +27,9 @@ take hours to compile on a laptop):
 A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
 loop and its memory is the step's own. A straight one is compiled at 1 and 2 layers and
 extrapolated (`bertjax.aot --roofline_layers`' count), and compiled whole only if it wins, for
-its memory. A candidate that does not fit HBM, or that the config cannot take, is listed with the
+its memory; where a setting has fewer candidates than --jobs (the layers, tried last), a
+straight one is compiled whole at once on the core that would wait. A setting that "auto"
+already gives the slice's chips (the remat policy, the MLP) is not compiled a second time. A candidate that does not fit HBM, or that the config cannot take, is listed with the
 reason. Prints the ranked table (roofline MFU, HBM GB a step, memory GiB, compile s), then the
 winner's flags; --write_config=PATH writes them as a config file.
 """
@@ -41,6 +43,7 @@ import multiprocessing.connection
 import os
 import sys
 import time
+import types
 
 import jax
 from absl import flags
@@ -49,7 +52,8 @@ import bertjax.configs as released_configs
 from bertjax import aot, cli
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
-from bertjax.model import attention
+from bertjax.model import attention, mlp_kernel
+from bertjax.model.config import chosen_remat
 from bertjax.parallel import topologies
 from bertjax.perf import roofline
 from bertjax.training import flops, train
@@ -90,14 +94,19 @@ def apply(config, changes: dict):
   return out
 
 
-def candidates(dimension: str, config, best: dict) -> list[dict]:
-  """The changes to try for one setting, each on top of `best` (the winner so far)."""
+def candidates(dimension: str, config, best: dict, device_kind: str = "") -> list[dict]:
+  """The changes to try for one setting, each on top of `best` (the winner so far). On a slice
+  of `device_kind`'s chips, a setting that "auto" already gives there is not tried again: it
+  would compile the same program as the candidate it is (the remat policy, the MLP)."""
   current = apply(config, best)
+  chip = types.SimpleNamespace(platform="tpu", device_kind=device_kind)
   if dimension == "mesh":
     fsdp = current.mesh.ici_fsdp != 1
     return [{**best, **MESHES["data" if fsdp else "fsdp"]}]
   if dimension == "remat":
-    return [{**best, "model.remat_policy": p} for p in REMAT if p != current.model.remat_policy]
+    now = current.model.remat_policy
+    same = {now, chosen_remat(now, chip) if device_kind else now}
+    return [{**best, "model.remat_policy": p} for p in REMAT if p not in same]
   if dimension == "attention":
     # The splash kernel without attention dropout; the fused kernel with the config's.
     tries = [{"model.attention_impl": "splash", "model.attention_dropout": 0.0},
@@ -111,8 +120,11 @@ def candidates(dimension: str, config, best: dict) -> list[dict]:
   if dimension == "mlp":
     if current.model.mlp_type != "dense":
       return []
+    now = current.model.mlp_impl
+    if device_kind:
+      now = mlp_kernel.chosen(current.model, chip, current.mesh.ici_tensor)
     return [{**best, "model.mlp_impl": impl} for impl in ("xla", "pallas", "pallas_kept")
-            if impl != current.model.mlp_impl]
+            if impl not in (now, current.model.mlp_impl)]
   raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from "
                 f"{', '.join(DIMENSIONS + OPTIONAL_DIMENSIONS)}")
 
@@ -185,11 +197,12 @@ def _compile_one(conn, config, changes: dict, topology_name: str, whole: bool) -
 
 
 def compile_all(config, all_changes: list[dict], topology_name: str, jobs: int,
-                whole: bool = False, say=print, target=None) -> list[Result]:
+                whole: bool | list[bool] = False, say=print, target=None) -> list[Result]:
   """`evaluate` each candidate in a process of its own, `jobs` at a time: XLA's compile of one
   program runs mostly on one core, and a compiler that crashes on one (libtpu 0.0.42 overflows
-  its stack on some steps at length 512) takes only its own process with it. `target`: what
-  each process runs (`_compile_one`)."""
+  its stack on some steps at length 512) takes only its own process with it. `whole`: for every
+  candidate, or one flag each. `target`: what each process runs (`_compile_one`)."""
+  wholes = whole if isinstance(whole, list) else [whole] * len(all_changes)
   context = multiprocessing.get_context("spawn")
   waiting, running, results = list(enumerate(all_changes)), {}, [None] * len(all_changes)
   while waiting or running:
@@ -197,7 +210,7 @@ def compile_all(config, all_changes: list[dict], topology_name: str, jobs: int,
       index, changes = waiting.pop(0)
       receive, send = context.Pipe(duplex=False)
       process = context.Process(target=target or _compile_one,
-                                args=(send, config, changes, topology_name, whole))
+                                args=(send, config, changes, topology_name, wholes[index]))
       process.start()
       send.close()
       running[index] = (process, receive, time.perf_counter())
@@ -223,6 +236,19 @@ def compile_all(config, all_changes: list[dict], topology_name: str, jobs: int,
   return results
 
 
+def at_once_whole(config, batch: list[dict], jobs: int) -> list[bool]:
+  """Which of `batch`'s candidates compile whole at once: straight ones, while fewer candidates
+  than `jobs` leave a core free. Compiled at 1 and 2 layers, a straight candidate that wins is
+  compiled whole after the search, alone (settle_winner); compiled whole here, on a core that
+  would wait, it needs no second compile, and its row counts every layer and says the memory."""
+  spare = jobs - len(batch)
+  out = []
+  for changes in batch:
+    out.append(spare > 0 and not apply(config, changes).model.scan_layers)
+    spare -= out[-1]
+  return out
+
+
 def search(config, topology_name: str, dimensions, budget_s: float, jobs: int = 1,
            say=print) -> list[Result]:
   """The greedy search: the config as it is, then each setting's candidates (compiled `jobs` at
@@ -230,9 +256,12 @@ def search(config, topology_name: str, dimensions, budget_s: float, jobs: int = 
   Every result, in the order tried."""
   start = time.perf_counter()
   results, best = [], None
+  kind = topologies.parse_topology(topology_name).slice_type.generation.device_kind
   for position, dimension in enumerate(dimensions):
-    batch = ([] if best else [{}]) + candidates(dimension, config, best.changes if best else {})
-    found = compile_all(config, batch, topology_name, jobs, say=say)
+    batch = ([] if best else [{}]) + candidates(dimension, config,
+                                                best.changes if best else {}, kind)
+    found = compile_all(config, batch, topology_name, jobs, at_once_whole(config, batch, jobs),
+                        say=say)
     results += found
     for result in found:
       if result.ok and (best is None or not best.ok or result.roofline_mfu > best.roofline_mfu):

@@ -126,6 +126,13 @@ for name, cfg in {"data": sharding.MeshConfig(),
   mesh = sharding.create_mesh(cfg, devices)
   out[name] = [dict(mesh.shape), list(aot.dcn_axes(mesh))]
 print("dcn " + json.dumps(out), flush=True)
+# The device kind each generation's table row names (what "auto" settings read before a compile).
+kinds = {}
+for name in ("v4-8", "v5p-8", "v5e-8", "v6e-8"):
+  topology = topologies.parse_topology(name)
+  kinds[name] = [aot.topology_devices(topology)[0].device_kind,
+                 topology.slice_type.generation.device_kind]
+print("kinds " + json.dumps(kinds), flush=True)
 config = tiny.get_config()
 # 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
 config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3,
@@ -180,7 +187,7 @@ print("fused " + json.dumps({
   assert result.returncode == 0, result.stderr[-3000:]
   return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
           for line in result.stdout.splitlines()
-          if line.startswith(("dcn ", "splash ", "cost_model ", "fused "))}
+          if line.startswith(("dcn ", "kinds ", "splash ", "cost_model ", "fused "))}
 
 
 def test_dcn_mesh_axes_span_the_slices(probes):
@@ -188,6 +195,11 @@ def test_dcn_mesh_axes_span_the_slices(probes):
   out = probes["dcn"]
   assert out["data"] == [{"data": 8, "fsdp": 1, "tensor": 1}, ["data"]]
   assert out["fsdp"] == [{"data": 1, "fsdp": 8, "tensor": 1}, ["fsdp"]]
+
+
+def test_each_generation_names_the_device_kind_libtpu_gives_its_chips(probes):
+  for name, (libtpu, table) in probes["kinds"].items():
+    assert libtpu == table, name
 
 
 def test_tiny_config_fits_a_v5p_8(tmp_path):

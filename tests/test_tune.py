@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from bertjax import tune
-from bertjax.configs import bert_base, tiny
+from bertjax.configs import bert_base, bert_large, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,6 +35,19 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
                                                {"model.mlp_impl": "pallas_kept"}]
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {})] == [
       "xla", "pallas", "pallas_kept"]
+  # What "auto" gives the slice's chips is the config as given: not compiled a second time.
+  large512 = bert_large.get_config("phase=2")  # remat and MLP "auto"
+  v6e, v5p = "TPU v6 lite", "TPU v5"
+  assert [c["model.remat_policy"] for c in tune.candidates("remat", large512, {}, v6e)] == [
+      "none", "dots", "dots_all", "full", "dots_kernels"]  # not dots_outputs
+  assert [c["model.remat_policy"] for c in tune.candidates("remat", large512, {}, v5p)] == [
+      "none", "dots", "dots_all", "full", "dots_outputs"]  # not dots_kernels
+  assert [c["model.mlp_impl"] for c in tune.candidates("mlp", large512, {}, v6e)] == [
+      "xla", "pallas_kept"]  # "pallas" under dots_outputs
+  assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {}, v6e)] == [
+      "xla", "pallas"]  # "pallas_kept" under dots_kernels (phase 1)
+  assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {}, v5p)] == [
+      "pallas", "pallas_kept"]
   rows = tune.candidates("rows", config, {})
   assert [c["train.batch_size"] for c in rows] == [2 * config.train.batch_size,
                                                    4 * config.train.batch_size]
@@ -125,3 +138,25 @@ def test_a_straight_winner_s_whole_compile_takes_its_extrapolated_row_s_place(mo
     winner, results = tune.settle_winner(None, "v6e-8", [given, straight], say=lambda _: None)
     assert winner is (whole if expected == "straight" else given)
     assert results == [given, whole]  # one row for the candidate: its whole compile's
+
+
+def test_a_straight_candidate_compiles_whole_at_once_where_a_core_would_wait(monkeypatch):
+  config = tiny.get_config()
+  config.model.scan_layers = True
+  straight = {"model.scan_layers": False}
+  assert tune.at_once_whole(config, [straight], jobs=2) == [True]
+  assert tune.at_once_whole(config, [straight], jobs=1) == [False]  # no core free
+  assert tune.at_once_whole(config, [{}, straight], jobs=2) == [False, False]
+  assert tune.at_once_whole(config, [straight, straight], jobs=3) == [True, False]
+  calls = []
+
+  def compile_all(config, batch, topology_name, jobs, whole=False, say=print):
+    calls.append((batch, whole))
+    return [tune.Result(c, 0.5 if c else 0.4, hbm_gb=1.0, memory_gib=1.0, fits=True)
+            for c in batch]
+  monkeypatch.setattr(tune, "compile_all", compile_all)
+  results = tune.search(config, "v5e-8", ["mesh", "layers"], 1e9, jobs=2, say=lambda _: None)
+  assert [w for _, w in calls] == [[False, False], [True]]
+  assert calls[1][0] == [{**tune.MESHES["fsdp"], **straight}]  # on top of the mesh's winner
+  assert len(results) == 3
+

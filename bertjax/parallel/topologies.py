@@ -38,6 +38,7 @@ class Generation:
   hbm_gib: float  # HBM per chip
   runtime_version: str  # https://cloud.google.com/tpu/docs/runtimes
   shapes: tuple[tuple[int, ...], ...]  # every slice shape, in chips along each ICI dimension
+  device_kind: str  # what jax names its devices (Device.device_kind), which the "auto" settings read
 
 
 # Below one cube, the shapes the v4 and v5p pages list; from one cube (4x4x4) up, every AxBxC of
@@ -57,12 +58,13 @@ def _cube_shapes(max_cubes: int) -> tuple[tuple[int, int, int], ...]:
 
 GENERATIONS = {
     "v4": Generation("v4", "v4", 2, "v4", "megacore", 32.0, "tpu-ubuntu2204-base",
-                     _SMALL_3D + _cube_shapes(64)),
+                     _SMALL_3D + _cube_shapes(64), "TPU v4"),
     "v5p": Generation("v5p", "v5p", 2, "v5", "megacore", 95.0, "v2-alpha-tpuv5",
-                      _SMALL_3D + _cube_shapes(96)),
+                      _SMALL_3D + _cube_shapes(96), "TPU v5"),
     "v5litepod": Generation("v5litepod", "v5e", 1, "v5e", "default", 16.0, "v2-alpha-tpuv5-lite",
-                            _GRIDS),
-    "v6e": Generation("v6e", "v6e", 1, "v6e", "default", 32.0, "v2-alpha-tpuv6e", _GRIDS),
+                            _GRIDS, "TPU v5 lite"),
+    "v6e": Generation("v6e", "v6e", 1, "v6e", "default", 32.0, "v2-alpha-tpuv6e", _GRIDS,
+                     "TPU v6 lite"),
 }
 ALIASES = {"v5e": "v5litepod"}  # bertjax.aot has always taken v5e-N
 
