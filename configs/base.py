@@ -208,7 +208,8 @@ def set_phase(config, phase: str | int, total_steps: int) -> None:
 def set_accelerator(config, phase: str | int) -> None:
   """The released sizes' settings for accelerators, chosen by compiling each for v5p-8, v6e-8 and
   v5e-8 and reading the roofline (`python -m bertjax.tune`; docs/performance.md, "The roofline of
-  a TPU compile"): bfloat16 matmuls; scanned layers; the parameters and optimizer state split
+  a TPU compile"): bfloat16 matmuls; the layers scanned in phase 1 and straight in phase 2; the
+  parameters and optimizer state split
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
   each layer's matmul outputs and the fused kernels' and recomputes the rest (remat
@@ -229,7 +230,12 @@ def set_accelerator(config, phase: str | int) -> None:
   """
   m = config.model
   m.dtype = "bfloat16"
-  m.scan_layers = True
+  # Phase 1 scans its layers, phase 2 runs them straight: whichever compiled step is faster on
+  # every chip, or no slower (docs/performance.md, "Scanned layers against straight code"). At
+  # length 128 scanning is ahead on v6e and even elsewhere; at 512 straight code moves fewer
+  # bytes and is ahead on v6e (bound by HBM there). Phase 2 starts from phase 1's weights by
+  # init_from, which restacks them, and a run resumes in either layout (training/checkpoint.py).
+  m.scan_layers = int(phase) == 1
   # The fused kernels' outputs kept too (the steps bound by FLOPs spare the kernels' second
   # forward run); at 512 on v6e, whose steps are bound by HBM there, not the MLP's pre-activation
   # ("auto": config.REMAT_AUTO_OUTPUTS_ON; docs/performance.md, "The kernels' outputs kept, the

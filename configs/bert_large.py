@@ -6,7 +6,7 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
       --config.checkpoint.init_from=gs://BUCKET/large_p1
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
 pre-training heads. Set for TPUs as configs/bert_base.py (base.set_accelerator): roofline MFU
-of the compiled step v5p-8 0.98 and 0.97 (phases 1 and 2), v6e-8 0.96 and 0.86, v5e-8 0.98
+of the compiled step v5p-8 0.98 and 0.97 (phases 1 and 2), v6e-8 0.96 and 0.89, v5e-8 0.98
 (phase 1). On a GPU or a CPU, configs/bert_base.py says what to change.
 Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
 train.batch_size counts rows.
