@@ -36,7 +36,8 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {})] == [
       "xla", "pallas", "pallas_kept"]
   # What "auto" gives the slice's chips is the config as given: not compiled a second time.
-  large512 = bert_large.get_config("phase=2")  # remat and MLP "auto"
+  large512 = bert_large.get_config("phase=2")
+  large512.model.remat_policy = "auto"  # remat and MLP "auto" (BERT-Base's phase 2)
   v6e, v5p = "TPU v6 lite", "TPU v5"
   assert [c["model.remat_policy"] for c in tune.candidates("remat", large512, {}, v6e)] == [
       "none", "dots", "dots_all", "full", "dots_kernels"]  # not dots_outputs
