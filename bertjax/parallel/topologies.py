@@ -38,7 +38,7 @@ class Generation:
   hbm_gib: float  # HBM per chip
   runtime_version: str  # https://cloud.google.com/tpu/docs/runtimes
   shapes: tuple[tuple[int, ...], ...]  # every slice shape, in chips along each ICI dimension
-  device_kind: str  # what jax names its devices (Device.device_kind), which the "auto" settings read
+  device_kind: str  # jax's Device.device_kind for its chips, which the "auto" settings read
 
 
 # Below one cube, the shapes the v4 and v5p pages list; from one cube (4x4x4) up, every AxBxC of
