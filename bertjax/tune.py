@@ -30,8 +30,9 @@ extrapolated (`bertjax.aot --roofline_layers`' count), and compiled whole only i
 its memory; where a setting has fewer candidates than --jobs (the layers, tried last), a
 straight one is compiled whole at once on the core that would wait. A setting that "auto"
 already gives the slice's chips (the remat policy, the MLP) is not compiled a second time. A
-candidate that does not fit HBM, or that the config cannot take, is listed with the reason. Prints the ranked table (roofline MFU, HBM GB a step, memory GiB, compile s), then the
-winner's flags; --write_config=PATH writes them as a config file.
+candidate that does not fit HBM, or that the config cannot take, is listed with the reason.
+Prints the ranked table (roofline MFU, HBM GB a step, memory GiB, compile s), then the winner's
+flags; --write_config=PATH writes them as a config file.
 """
 
 from __future__ import annotations
