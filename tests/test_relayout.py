@@ -7,7 +7,7 @@ import pytest
 
 from bertjax.errors import CheckpointMismatchError
 from bertjax.pretrain import job as pretrain_job
-from bertjax.training import checkpoint as checkpoint_lib
+from bertjax.training import relayout
 from bertjax.weights.reader import restack
 from test_loop import _config, _final_params, _Recorder
 
@@ -72,10 +72,10 @@ def test_relaid_names_what_has_no_counterpart():
   stored = {"bert": {"encoder": {"layer_0": {"w": np.zeros(2)}, "layer_1": {"w": np.ones(2)}}}}
   like = lambda shape: np.zeros(shape)
   scanned = {"bert": {"encoder": {"layers": {"layer": {"w": like((2, 2))}}}}}
-  out = checkpoint_lib.relaid(stored, scanned, 2, "here")
+  out = relayout.relaid(stored, scanned, 2, "here")
   np.testing.assert_array_equal(out["bert"]["encoder"]["layers"]["layer"]["w"], [[0, 0], [1, 1]])
-  back = checkpoint_lib.relaid(out, stored, 2, "here")
+  back = relayout.relaid(out, stored, 2, "here")
   np.testing.assert_array_equal(back["bert"]["encoder"]["layer_1"]["w"], [1, 1])
   with pytest.raises(CheckpointMismatchError, match="no counterpart for bert/encoder/layers/"
                      "layer/w.*model.scan_layers"):
-    checkpoint_lib.relaid(stored, scanned, 3, "here")  # a third layer it does not hold
+    relayout.relaid(stored, scanned, 3, "here")  # a third layer it does not hold

@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 
 from bertjax import errors
 from bertjax.errors import CheckpointMismatchError
+from bertjax.training import relayout
 # The model fields compared on resume (their roles: bertjax/model/config.py).
 from bertjax.model.config import ARCHITECTURE_FIELDS, HEAD_FIELDS, SHAPE_FIELDS, BertConfig
 
@@ -134,7 +135,7 @@ class Expected:
       diffs += [f"model.{k}: checkpoint {have[k]!r} vs config {current[k]!r}"
                 for k in SHAPE_FIELDS + ARCHITECTURE_FIELDS + (HEAD_FIELDS if self.heads else ())
                 if k in have and have[k] != current[k]
-                and not (relayable and k in LAYOUT_FIELDS)]
+                and not (relayable and k in relayout.LAYOUT_FIELDS)]
     if self.optimizer is not None:
       have = saved.get("optimizer", {})
       diffs += [f"train.{k}: checkpoint {have[k]!r} vs config {v!r}"
@@ -149,65 +150,6 @@ class Expected:
           f"The checkpoint at {where} was saved by a different run ({'; '.join(diffs)}). Use the "
           "config it was trained with, or a new --workdir to start another run (to start from its "
           "weights with a new layout or vocabulary, convert them first).")
-
-
-# The shape fields that only lay the same parameters out otherwise: layers scanned (one stacked
-# `layers/layer` tree) or straight (`layer_0`, `layer_1`, ...). A run resumes across them, its
-# parameters and optimizer state restacked (`relaid`), so a run can move to a config, or a chip,
-# whose step is faster the other way.
-LAYOUT_FIELDS = ("scan_layers",)
-
-
-def _names(path) -> tuple:
-  """A pytree path as plain names: a dict key, an attribute (a NamedTuple's field, which orbax
-  stores as a dict key) and a sequence index read alike."""
-  out = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        out.append(getattr(key, attr))
-        break
-    else:
-      out.append(str(key))
-  return tuple(str(x) for x in out)
-
-
-def relaid(stored: Any, abstract: Any, num_layers: int, where: str) -> Any:
-  """`stored` (a restored tree of host arrays, in the other layer layout) as `abstract`'s tree
-  (ShapeDtypeStructs): each leaf found under the same names, and the layers' leaves restacked,
-  scanned `.../layers/layer/X` [num_layers, ...] <-> straight `.../layer_i/X`. Works on any tree
-  that holds parameter-shaped subtrees (the parameters, the optimizer's moments). Raises
-  CheckpointMismatchError naming what has no counterpart."""
-  have = {_names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(stored)}
-  values, problems = [], []
-  for path, like in jax.tree_util.tree_leaves_with_path(abstract):
-    names = _names(path)
-    if names in have:
-      values.append(have[names])
-      continue
-    found = None
-    for at in range(len(names) - 1):
-      if names[at:at + 2] == ("layers", "layer"):  # wanted scanned: stack the straight layers
-        parts = [have.get(names[:at] + (f"layer_{i}",) + names[at + 2:])
-                 for i in range(num_layers)]
-        if all(p is not None for p in parts):
-          found = np.stack([np.asarray(p) for p in parts])
-        break
-      layer = re.fullmatch(r"layer_(\d+)", names[at])
-      if layer:  # wanted straight: one layer of the stack
-        stack = have.get(names[:at] + ("layers", "layer") + names[at + 1:])
-        if stack is not None:
-          found = np.asarray(stack)[int(layer.group(1))]
-        break
-    if found is None:
-      problems.append("/".join(names))
-    values.append(found)
-  if problems:
-    raise CheckpointMismatchError(
-        f"{where}: its layers could not be restacked to this config's layout (no counterpart "
-        f"for {', '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}). Resume with the "
-        "config's model.scan_layers as the checkpoint has it.")
-  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), values)
 
 
 def optimizer_fields(train_config) -> dict:
@@ -322,25 +264,16 @@ class Checkpointer:
 
   def restore_relaid(self, step: int, abstract_items: Mapping[str, Any], model: BertConfig,
                      where: str) -> tuple[dict, dict]:
-    """`restore` of a step saved in the other layer layout (scanned or straight layers): each
-    item read whole onto one local device in its stored shapes, restacked (`relaid`) and placed
-    as `abstract_items` says."""
-    if model.skips_first_attention_norm:
-      # Scanned, layer 0 carries an identity attention norm that straight code lacks: its
-      # parameters and its moments would need values of their own kinds.
-      raise CheckpointMismatchError(
-          f"{where} was saved with model.scan_layers={not model.scan_layers}, and this model "
-          "(its first layer without an attention norm) is not restacked on resume: resume with "
-          f"--config.model.scan_layers={not model.scan_layers}.")
+    """`restore` of a step saved in the other layer layout: each item read whole onto one local
+    device, restacked (relayout.relaid) and placed as `abstract_items` says."""
+    relayout.check_restackable(model, where)
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    whole = {name: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
-                                self.item_metadata(step, name))
-             for name in abstract_items}
-    items, meta = self.restore(step, whole)
-    out = {}
-    for name, abstract in abstract_items.items():
-      host = jax.tree.map(np.asarray, items[name])
-      out[name] = put_like(relaid(host, abstract, model.num_layers, where), abstract)
+    items, meta = self.restore(step, {name: jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+        self.item_metadata(step, name)) for name in abstract_items})
+    out = {name: put_like(relayout.relaid(jax.tree.map(np.asarray, items[name]), abstract,
+                                          model.num_layers, where), abstract)
+           for name, abstract in abstract_items.items()}
     if jax.process_index() == 0:
       print(f"bertjax: {where} was saved with model.scan_layers={not model.scan_layers}; its "
             f"parameters and optimizer state restacked for model.scan_layers={model.scan_layers}",
