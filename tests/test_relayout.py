@@ -1,9 +1,10 @@
 """A pre-training run resumes across the layers' layout (model.scan_layers): its parameters and its
-optimizer state restacked (bertjax/training/checkpoint.py, `relaid`), it ends where the run that
+optimizer state restacked (bertjax/training/relayout.py, `relaid`), it ends where the run that
 kept one layout ends. Apart from tests/test_loop.py so that the suite's two workers share them."""
 
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from bertjax.errors import CheckpointMismatchError
 from bertjax.pretrain import job as pretrain_job
@@ -31,20 +32,11 @@ def _straight(params):
 
 
 def _assert_close(got, want):
-  flat = lambda tree: {k: np.asarray(v) for k, v in _flatten(tree)}
-  got, want = flat(_straight(got)), flat(_straight(want))
+  got, want = (traverse_util.flatten_dict(_straight(t), sep="/") for t in (got, want))
   assert got.keys() == want.keys() and len(want) > 20
   for key in want:
     # Scanned and straight steps sum in other orders: float32 rounding, over a few Adam steps.
     np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=2e-6, err_msg=key)
-
-
-def _flatten(tree, prefix=""):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _flatten(value, f"{prefix}{key}/")
-    else:
-      yield f"{prefix}{key}", value
 
 
 def test_a_run_resumes_in_the_other_layout_and_ends_where_one_layout_ends(tmp_path, capsys,

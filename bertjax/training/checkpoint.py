@@ -329,9 +329,8 @@ class Checkpointer:
         meta = self.read_meta(step)
         if expected is not None:
           expected.check(meta, where, relayable=True)
-        stored_scan = meta.get("model", {}).get("scan_layers")
-        if (expected is not None and expected.model is not None and stored_scan is not None
-            and stored_scan != expected.model.scan_layers):
+        if expected is not None and expected.model is not None and relayout.differs(
+            meta, expected.model):
           items, meta = self.restore_relaid(step, abstract_items, expected.model, where)
         else:
           items, meta = self.restore(step, abstract_items)

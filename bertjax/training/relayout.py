@@ -30,18 +30,18 @@ def check_restackable(model, where: str) -> None:
         f"--config.model.scan_layers={not model.scan_layers}.")
 
 
+def differs(meta: dict, model) -> bool:
+  """Whether a checkpoint's record (`meta`, as Expected.meta writes it) lays the layers out
+  otherwise than `model` (a BertConfig). A record without the field is taken as the same."""
+  stored = meta.get("model", {})
+  return any(k in stored and stored[k] != getattr(model, k) for k in LAYOUT_FIELDS)
+
+
 def _names(path) -> tuple:
   """A pytree path as plain names: a dict key, an attribute (a NamedTuple's field, which orbax
   stores as a dict key) and a sequence index read alike."""
-  out = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        out.append(getattr(key, attr))
-        break
-    else:
-      out.append(str(key))
-  return tuple(str(x) for x in out)
+  return tuple(str(next((getattr(key, a) for a in ("key", "name", "idx") if hasattr(key, a)),
+                        key)) for key in path)
 
 
 def relaid(stored: Any, abstract: Any, num_layers: int, where: str) -> Any:
@@ -63,7 +63,7 @@ def relaid(stored: Any, abstract: Any, num_layers: int, where: str) -> Any:
         parts = [have.get(names[:at] + (f"layer_{i}",) + names[at + 2:])
                  for i in range(num_layers)]
         if all(p is not None for p in parts):
-          found = np.stack([np.asarray(p) for p in parts])
+          found = np.stack(parts)
         break
       layer = re.fullmatch(r"layer_(\d+)", names[at])
       if layer:  # wanted straight: one layer of the stack
