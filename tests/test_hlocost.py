@@ -6,6 +6,7 @@ prefetched into the chip's own memory counts three times. The modules here are w
 so that every byte's place is known; tests/test_aot.py holds the same on TPU compiles.
 """
 
+import dataclasses
 import math
 import re
 
@@ -155,8 +156,9 @@ def _training(**model):
 def test_the_bytes_bound_counts_every_row_and_layer_of_the_residuals():
   # bytes_bound takes a row's and a layer's share of jax's residuals from one and two rows and
   # layers; its activations must equal twice (written, read) the residuals that the chip's own
-  # rows add at the model's depth, measured directly.
-  training = _training()
+  # rows add at the model's depth, measured directly (at a policy that keeps fewer than the
+  # floor's).
+  training = _training(remat_policy="dots")
   bound = roofline.bytes_bound(training, 64, 10)
   rows = 16 // 8
   layers = training.model_config.num_layers
@@ -169,9 +171,16 @@ def test_the_bytes_bound_counts_every_row_and_layer_of_the_residuals():
 
 
 def test_the_bytes_bound_follows_remat_and_the_state_split():
-  plain, full = (roofline.bytes_bound(_training(remat_policy=p), 64, 10)
-                 for p in ("none", "full"))
+  plain, full, kept = (roofline.bytes_bound(_training(remat_policy=p), 64, 10)
+                       for p in ("none", "full", roofline.FLOOR_POLICY))
   assert full["bound_parts_gb"]["activations"] < 0.5 * plain["bound_parts_gb"]["activations"]
+  # "none" keeps more residuals than the floor's policy, which XLA makes again unasked: the
+  # floor counts the fewer.
+  mc = _training().model_config
+  shares = {p: roofline._residual_shares(dataclasses.replace(mc, remat_policy=p), 64, 10, 0)  # pylint: disable=protected-access
+            for p in ("none", roofline.FLOOR_POLICY)}
+  assert shares["none"][1] > 1.5 * shares[roofline.FLOOR_POLICY][1], shares
+  assert plain["bound_parts_gb"] == kept["bound_parts_gb"], (plain, kept)
   split = roofline.bytes_bound(_training(), 64, 10)
   config = tiny.get_config()
   config.model.vocab_size = 512
