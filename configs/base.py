@@ -37,7 +37,7 @@ def get_config():
   m.scan_unroll = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   # "none", "full", "dots" (save matmuls without batch dims), "dots_all", "dots_mlp" (dots and the
   # fused MLP kernels' output), "dots_kernels" (dots_mlp and the fused attention kernel's output),
-  # "auto" (dots_kernels, but dots on v6e: the released configs' choice at length 512)
+  # "auto" (dots_kernels, but dots_outputs on v6e: the released configs' choice at length 512)
   m.remat_policy = "none"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0),
   # "fused" (TPU; L % 128 == 0, L <= 1024; with attention dropout), "auto" (fused on TPU, its
@@ -208,18 +208,19 @@ def set_phase(config, phase: str | int, total_steps: int) -> None:
 def set_accelerator(config, phase: str | int) -> None:
   """The released sizes' settings for accelerators, chosen by compiling each for v5p-8, v6e-8 and
   v5e-8 and reading the roofline (`python -m bertjax.tune`; docs/performance.md, "The roofline of
-  a TPU compile"): bfloat16 matmuls; the layers scanned in phase 1 and straight in phase 2; the
-  parameters and optimizer state split
+  a TPU compile"): bfloat16 matmuls; the layers straight (not scanned); the parameters and
+  optimizer state split
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
-  chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
-  each layer's matmul outputs and the fused kernels' and recomputes the rest (remat
-  "dots_kernels"; at length 512 "auto": on v6e, bound by HBM there, "dots_outputs", which makes
-  the MLP's pre-activation again rather than keep it), and
+  chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); at length 128 the
+  backward keeps every activation (remat "none": XLA makes the cheap ones again by itself); at
+  512 it keeps each layer's matmul outputs and the fused kernels' and recomputes the rest
+  (remat "auto": "dots_kernels", and on v6e, bound by HBM there, "dots_outputs", which makes the
+  MLP's pre-activation again rather than keep it), and
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
-  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds; under
-  remat "dots_kernels" the kernel's backward reads the pre-activation its forward wrote,
-  "pallas_kept", and elsewhere makes it again, "pallas").
+  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds; where
+  remat keeps the pre-activation, "none" or "dots_kernels", the kernel's backward reads what its
+  forward wrote, "pallas_kept", and elsewhere makes it again, "pallas").
   Attention is bertjax's fused kernel in both phases (attention_impl "auto"): each head's
   [L, L] scores, probabilities and dropout stay in VMEM, where XLA's were half of BERT-Base's
   bytes at length 128 and most of them at 512; it keeps the paper's dropout on attention
@@ -230,18 +231,17 @@ def set_accelerator(config, phase: str | int) -> None:
   """
   m = config.model
   m.dtype = "bfloat16"
-  # Phase 1 scans its layers, phase 2 runs them straight: whichever compiled step is faster on
-  # every chip, or no slower (docs/performance.md, "Scanned layers against straight code"). At
-  # length 128 scanning is ahead on v6e and even elsewhere; at 512 straight code moves fewer
-  # bytes and is ahead on v6e (bound by HBM there). Phase 2 starts from phase 1's weights by
-  # init_from, which restacks them, and a run resumes in either layout (training/checkpoint.py).
-  m.scan_layers = int(phase) == 1
-  # The fused kernels' outputs kept too (the steps bound by FLOPs spare the kernels' second
-  # forward run); at 512 on v6e, whose steps are bound by HBM there, not the MLP's pre-activation
+  # Straight layers in both phases, and at length 128 nothing recomputed: on every chip the
+  # compiled step is faster than the scanned loop's or no slower, by the roofline
+  # (docs/performance.md, "Straight layers at length 128, nothing recomputed"). A run resumes in
+  # either layout (training/relayout.py), so a user may scan to compile faster.
+  m.scan_layers = False
+  # At 512 the fused kernels' outputs kept (the steps bound by FLOPs spare the kernels' second
+  # forward run); on v6e, whose steps are bound by HBM there, not the MLP's pre-activation
   # ("auto": config.REMAT_AUTO_OUTPUTS_ON; docs/performance.md, "The kernels' outputs kept, the
   # MLP's pre-activation made again").
   # (configs/bert_large.py's phase 2 takes "none": with straight layers its step is faster.)
-  m.remat_policy = "dots_kernels" if int(phase) == 1 else "auto"
+  m.remat_policy = "none" if int(phase) == 1 else "auto"
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1
