@@ -221,6 +221,15 @@ def _residual_shares(mc: BertConfig, seq_len: int, max_predictions: int,
   return (residual[2, 1] - residual[1, 1]) - per_row_layer, per_row_layer
 
 
+def _floor_shares(mc: BertConfig, seq_len: int, max_predictions: int,
+                  per_row: int) -> tuple[int, int]:
+  """_residual_shares at mc's remat policy, or at FLOOR_POLICY where that keeps fewer."""
+  return min((_residual_shares(dataclasses.replace(mc, remat_policy=p),
+                               seq_len, max_predictions, per_row)
+              for p in {mc.remat_policy, FLOOR_POLICY}),
+             key=lambda shares: shares[0] + mc.num_layers * shares[1])
+
+
 def bytes_bound(training: train.Training, seq_len: int, max_predictions: int,
                 per_row: int = 0) -> dict:
   """An analytic floor on the HBM bytes a chip moves in one train step: its parameters, their
@@ -248,10 +257,7 @@ def bytes_bound(training: train.Training, seq_len: int, max_predictions: int,
   itemsize = jnp.dtype(mc.dtype).itemsize
   gathered = 4 * _gathered_bytes(state.params, itemsize)
   layer_gathered = 4 * _gathered_bytes(layer_leaves, itemsize) / mc.num_layers
-  per_row_rest, per_row_layer = min(
-      (_residual_shares(dataclasses.replace(mc, remat_policy=p), seq_len, max_predictions,
-                        per_row) for p in {mc.remat_policy, FLOOR_POLICY}),
-      key=lambda shares: shares[0] + mc.num_layers * shares[1])
+  per_row_rest, per_row_layer = _floor_shares(mc, seq_len, max_predictions, per_row)
   activations = 2 * rows * (per_row_rest + mc.num_layers * per_row_layer)
   logits = 2 * rows * max_predictions * mc.vocab_size * 4
   batch = rows * sum(x.nbytes // x.shape[0] for x in
