@@ -6,9 +6,9 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
       --config.checkpoint.init_from=gs://BUCKET/large_p1
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
 pre-training heads. Set for TPUs as configs/bert_base.py (base.set_accelerator): roofline MFU
-of the compiled step v5p-8 0.98 and 0.97 (phases 1 and 2), v6e-8 0.96 and 0.97, v5e-8 0.98
-(phase 1). Phase 2 keeps every activation for the backward (remat "none"; BERT-Base recomputes
-some). On a GPU or a CPU, configs/bert_base.py says what to change.
+of the compiled step v5p-8 0.98 and 0.97 (phases 1 and 2), v6e-8 0.98 and 0.97, v5e-8 0.98
+(phase 1). Both phases keep every activation for the backward (remat "none"; BERT-Base's
+phase 2 recomputes some). On a GPU or a CPU, configs/bert_base.py says what to change.
 Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
 train.batch_size counts rows.
 MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.
