@@ -26,9 +26,10 @@ take hours to compile on a laptop):
 
 A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
 loop and its memory is the step's own. A straight one is compiled at 1 and 2 layers and
-extrapolated (`bertjax.aot --roofline_layers`' count), and compiled whole only if it wins, for
-its memory; where a setting has fewer candidates than --jobs (the layers, tried last), a
-straight one is compiled whole at once on the core that would wait. A setting that "auto"
+extrapolated (`bertjax.aot --roofline_layers`' count), and compiled whole if it wins, for its
+memory, beside the config as given and the next extrapolated candidates (`whole_batch`);
+where a setting has fewer candidates than --jobs (the layers, tried last), a straight one is
+compiled whole at once on the core that would wait. A setting that "auto"
 already gives the slice's chips (the remat policy, the MLP) is not compiled a second time. A
 candidate that does not fit HBM, or that the config cannot take, is listed with the reason.
 Prints the ranked table (roofline MFU, HBM GB a step, memory GiB, compile s), then the winner's

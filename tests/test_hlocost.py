@@ -176,12 +176,13 @@ def test_the_bytes_bound_follows_remat_and_the_state_split():
   assert full["bound_parts_gb"]["activations"] < 0.5 * plain["bound_parts_gb"]["activations"]
   # "none" keeps more residuals than the floor's policy, which XLA makes again unasked: the
   # floor counts the fewer.
-  mc = _training().model_config
-  shares = {p: roofline._residual_shares(dataclasses.replace(mc, remat_policy=p), 64, 10, 0)  # pylint: disable=protected-access
+  training = _training()
+  shares = {p: roofline._residual_shares(  # pylint: disable=protected-access
+      dataclasses.replace(training.model_config, remat_policy=p), 64, 10, 0)
             for p in ("none", roofline.FLOOR_POLICY)}
   assert shares["none"][1] > 1.5 * shares[roofline.FLOOR_POLICY][1], shares
   assert plain["bound_parts_gb"] == kept["bound_parts_gb"], (plain, kept)
-  split = roofline.bytes_bound(_training(), 64, 10)
+  split = roofline.bytes_bound(training, 64, 10)
   config = tiny.get_config()
   config.model.vocab_size = 512
   config.train.batch_size = 16
