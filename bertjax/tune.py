@@ -21,7 +21,8 @@ take hours to compile on a laptop):
   layers     scanned (one compiled layer) or straight code;
   mlp        (asked for by name: --dimensions=...,mlp) XLA's MLP or the fused Pallas kernels
              (bertjax/model/mlp_kernel.py), the intermediate made again in the backward
-             ("pallas") or kept for it ("pallas_kept"); all three where the config says "auto"
+             ("pallas") or kept for it ("pallas_kept"); under remat "none" also XLA's keeping
+             the pre-activation alone ("xla_remade"); all of them where the config says "auto"
              (one of them is what "auto" gives the slice, the table shows which).
 
 A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
@@ -125,7 +126,10 @@ def candidates(dimension: str, config, best: dict, device_kind: str = "") -> lis
     now = current.model.mlp_impl
     if device_kind:
       now = mlp_kernel.chosen(current.model, chip, current.mesh.ici_tensor)
-    return [{**best, "model.mlp_impl": impl} for impl in ("xla", "pallas", "pallas_kept")
+    # "xla_remade" differs from "xla" only where nothing is rematerialised.
+    remade = ("xla_remade",) if chosen_remat(current.model.remat_policy, chip) == "none" else ()
+    return [{**best, "model.mlp_impl": impl}
+            for impl in ("xla",) + remade + ("pallas", "pallas_kept")
             if impl not in (now, current.model.mlp_impl)]
   raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from "
                 f"{', '.join(DIMENSIONS + OPTIONAL_DIMENSIONS)}")

@@ -218,9 +218,10 @@ def set_accelerator(config, phase: str | int) -> None:
   MLP's pre-activation again rather than keep it), and
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
-  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds; where
-  remat keeps the pre-activation, "none" or "dots_kernels", the kernel's backward reads what its
-  forward wrote, "pallas_kept", and elsewhere makes it again, "pallas").
+  "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds, keeping
+  the pre-activation alone where remat is "none", "xla_remade"; on v6e, where remat keeps the
+  pre-activation, "none" or "dots_kernels", the kernel's backward reads what its forward wrote,
+  "pallas_kept", and elsewhere makes it again, "pallas").
   Attention is bertjax's fused kernel in both phases (attention_impl "auto"): each head's
   [L, L] scores, probabilities and dropout stay in VMEM, where XLA's were half of BERT-Base's
   bytes at length 128 and most of them at 512; it keeps the paper's dropout on attention

@@ -206,6 +206,16 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
   gated = dataclasses.replace(auto, mlp_type="gated", hidden_act="silu")
   assert mlp_kernel.chosen(gated, chip("TPU v6 lite")) == "xla"
   assert mlp_kernel.chosen(dataclasses.replace(CFG, mlp_impl="pallas"), chip("TPU v5")) == "pallas"
+  # Elsewhere XLA's products; on a TPU with nothing rematerialised, keeping the pre-activation
+  # alone (fewer bytes); on a CPU as written (faster there).
+  none = dataclasses.replace(auto, remat_policy="none")
+  assert mlp_kernel.chosen(none, chip("TPU v5")) == "xla_remade"
+  assert mlp_kernel.chosen(none, chip("TPU v5 lite")) == "xla_remade"
+  assert mlp_kernel.chosen(none, chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"
+  assert mlp_kernel.chosen(dataclasses.replace(none, mlp_type="gated", hidden_act="silu"),
+                           chip("TPU v6 lite")) == "xla_remade"
+  assert mlp_kernel.chosen(none, chip("cpu", "cpu")) == "xla"
+  assert mlp_kernel.chosen(none, chip("NVIDIA H200", "gpu")) == "xla"
   # train.build settles it for its mesh's chips: on this CPU, XLA's MLP.
   from bertjax.training import train
   from bertjax.configs import tiny

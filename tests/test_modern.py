@@ -310,7 +310,7 @@ def test_cudnn_window_arguments_match_the_explicit_reference(packed):
 def test_swiglu_and_rmsnorm_compute_their_definitions():
   """mlp_type="gated" with silu is SwiGLU, silu(x W) * (x G) W_o; RMSNorm is
   x / sqrt(mean(x^2) + eps) * scale, with no centring and no bias."""
-  from bertjax.model.encoder import Mlp  # pylint: disable=import-outside-toplevel
+  from bertjax.model.mlp import Mlp  # pylint: disable=import-outside-toplevel
   from bertjax.model.primitives import layer_norm  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(MODERN, hidden_act="silu", norm_type="rmsnorm")
   x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 5, 32)) + 0.5, jnp.float32)

@@ -31,10 +31,11 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   splash, fused = tune.candidates("attention", base, {"model.attention_impl": "xla"})
   assert fused == {"model.attention_impl": "fused"} and not tune.note(fused, base)  # it has
   # The MLP: the other implementation, or both where the config leaves it to "auto".
-  assert tune.candidates("mlp", config, {}) == [{"model.mlp_impl": "pallas"},
+  assert tune.candidates("mlp", config, {}) == [{"model.mlp_impl": "xla_remade"},
+                                               {"model.mlp_impl": "pallas"},
                                                {"model.mlp_impl": "pallas_kept"}]
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {})] == [
-      "xla", "pallas", "pallas_kept"]
+      "xla", "xla_remade", "pallas", "pallas_kept"]  # "xla_remade": phase 1 has remat "none"
   # What "auto" gives the slice's chips is the config as given: not compiled a second time.
   large512 = bert_large.get_config("phase=2")
   large512.model.remat_policy = "auto"  # remat and MLP "auto" (BERT-Base's phase 2)
@@ -46,9 +47,9 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", large512, {}, v6e)] == [
       "xla", "pallas_kept"]  # "pallas" under dots_outputs
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {}, v6e)] == [
-      "xla", "pallas"]  # "pallas_kept" under dots_kernels (phase 1)
+      "xla", "xla_remade", "pallas"]  # "pallas_kept" under "none" (phase 1)
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {}, v5p)] == [
-      "pallas", "pallas_kept"]
+      "xla", "pallas", "pallas_kept"]  # "xla_remade" under remat "none" on v5p
   rows = tune.candidates("rows", config, {})
   assert [c["train.batch_size"] for c in rows] == [2 * config.train.batch_size,
                                                    4 * config.train.batch_size]

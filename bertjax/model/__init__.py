@@ -1,5 +1,5 @@
 """The model: the encoder (encoder.py) and its config (config.py), what they are built of
-(attention.py, mlp_kernel.py, dropout.py, primitives.py, residuals.py), the heads (heads.py)
+(attention.py, mlp.py, mlp_kernel.py, dropout.py, primitives.py, residuals.py), the heads (heads.py)
 and losses (losses.py), NNX (nnx.py) and the bi-encoder (contrastive.py).
 
 `from bertjax.model import BertConfig, BertModel`, as the README writes it, imports from here;
@@ -7,5 +7,6 @@ bertjax's own modules import each name from the module that defines it.
 """
 
 from bertjax.model.config import BertConfig
-from bertjax.model.encoder import (BertModel, Embeddings, Encoder, EncoderLayer, Mlp, Pooler,
+from bertjax.model.encoder import (BertModel, Embeddings, Encoder, EncoderLayer, Pooler,
                                    SelfAttention, positions_from_sequence_ids)
+from bertjax.model.mlp import Mlp

@@ -90,7 +90,7 @@ QUERY_KEY_INITS = ("independent", "shared")
 NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("dense", "gated")
-MLP_IMPLS = ("xla", "pallas", "pallas_kept", "auto")
+MLP_IMPLS = ("xla", "xla_remade", "pallas", "pallas_kept", "auto")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
 # Each field's roles, stated once on the field (`_field(default, *roles)`); the tuples below are
@@ -148,11 +148,14 @@ class BertConfig:
   # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul. On a
   # TPU the forward's logits never leave VMEM (mlm_kernel).
   recompute_mlm_logits: bool = False
-  # "xla", "pallas" (the MLP's two products in one kernel whose F-wide intermediate stays in
-  # VMEM: mlp_kernel.py; dense MLPs only), "pallas_kept" (the same, its backward reading the
-  # pre-activation the forward wrote rather than making it again) or "auto" (the kernels on the
-  # TPUs where they measured faster, mlp_kernel.FASTER_ON, kept where remat keeps it; XLA
-  # elsewhere)
+  # "xla", "xla_remade" (XLA's products, and under remat "none" the backward keeps the
+  # pre-activation alone and makes the activation again from it, where "xla" keeps the
+  # activation's own intermediates too; under another policy the same as "xla"), "pallas" (the
+  # MLP's two products in one kernel whose F-wide intermediate stays in VMEM: mlp_kernel.py;
+  # dense MLPs only), "pallas_kept" (the same, its backward reading the pre-activation the
+  # forward wrote rather than making it again) or "auto" (the kernels on the TPUs where they
+  # measured faster, mlp_kernel.FASTER_ON, kept where remat keeps it; XLA's products elsewhere,
+  # "xla_remade" on other TPUs)
   mlp_impl: str = "xla"
   # "normal" (the original) or "sinusoidal" (see sinusoidal_init)
   position_init: str = _field("normal", "inherited")

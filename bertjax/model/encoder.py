@@ -1,5 +1,5 @@
-"""The BERT encoder as Flax linen modules: embeddings, attention, MLP, layers, BertModel (its config:
-config.py; the initialisers, norm and Dense it is built of: primitives.py).
+"""The BERT encoder as Flax linen modules: embeddings, attention, layers, BertModel (its config:
+config.py; its MLP: mlp.py; the initialisers, norm and Dense it is built of: primitives.py).
 
 Semantics follow the original release (arXiv:1810.04805, google-research/bert): post-LN layers,
 learned absolute positions, segment embeddings, LayerNorm eps 1e-12, exact-erf GELU by default,
@@ -21,9 +21,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import attention, attention_kernel, dropout, mlp_kernel, residuals
+from bertjax.model import attention, attention_kernel, dropout, residuals
 from bertjax.model.attention import apply_rope, rope_tables
-from bertjax.model.config import ACTIVATIONS, REMAT_POLICIES, BertConfig, chosen_remat
+from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_remat
+from bertjax.model.mlp import Mlp
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
 from bertjax.parallel import sharding
 
@@ -192,56 +193,6 @@ class SelfAttention(nn.Module):
                                         flat(k_BxLxNxK), flat(v_BxLxNxK), segment_ids_BxL)
     # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
     return heads(jax.ad_checkpoint.checkpoint_name(out_BxLxNK, "attention_output"))
-
-
-class Mlp(nn.Module):
-  """dense(F) -> activation -> dense(D); gated: act(dense(F)) * dense_gate(F) -> dense(D).
-
-  The gated form keeps its two F-wide projections as two kernels (not one [D, 2F]) so that each
-  is split over the `tensor` axis alike and the product needs no communication.
-  """
-
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, x_BxLxD):
-    cfg = self.config
-    bias = cfg.mlp_bias
-    impl = cfg.mlp_impl
-    if impl == "auto":  # train.build settles it for its mesh's chips; outside it, here
-      impl = mlp_kernel.chosen(cfg, jax.devices()[0],
-                               dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1))
-    if impl in ("pallas", "pallas_kept"):
-      return self._fused(x_BxLxD, keep=impl == "pallas_kept")
-    constrain = lambda h: nn.with_logical_constraint(
-        h, ("activation_batch", "activation_length", "activation_mlp"))
-    h_BxLxF = constrain(
-        dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate", use_bias=bias)(
-            x_BxLxD))
-    h_BxLxF = ACTIVATIONS[cfg.hidden_act](h_BxLxF)
-    if cfg.mlp_type == "gated":
-      g_BxLxF = constrain(
-          dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "gate", use_bias=bias)(x_BxLxD))
-      h_BxLxF = h_BxLxF * g_BxLxF
-    return dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", use_bias=bias)(h_BxLxF)
-
-  def _fused(self, x_BxLxD, keep: bool):
-    """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels; `keep`:
-    the backward reads the pre-activation the forward wrote (mlp_kernel.mlp)."""
-    cfg = self.config
-    dt, bias = cfg.compute_dtype, cfg.mlp_bias
-    hidden, width = cfg.intermediate_size, x_BxLxD.shape[-1]
-    w1_DxF, b1_F = dense(cfg, hidden, ("embed", "mlp"), "intermediate", use_bias=bias)(
-        x_BxLxD, weights_only=True)
-    w2_FxD, b2_D = dense(cfg, width, ("mlp", "embed"), "output", use_bias=bias)(
-        jax.ShapeDtypeStruct((hidden,), dt), weights_only=True)
-    no_bias = lambda n: jnp.zeros((n,), cfg.storage_dtype)
-    y_NxD = mlp_kernel.mlp(
-        x_BxLxD.reshape(-1, width).astype(dt), w1_DxF.astype(dt),
-        no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
-        no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep)
-    # Named for remat "dots_mlp" and "dots_kernels", which keep it.
-    return jax.ad_checkpoint.checkpoint_name(y_NxD.reshape(x_BxLxD.shape), "mlp_output")
 
 
 class EncoderLayer(nn.Module):

@@ -14,7 +14,7 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
 So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
 seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
 forward kernel again in the backward (its output is no matmul's for the policy to keep; remat
-"dots_mlp" keeps it, encoder.Mlp names it).
+"dots_mlp" keeps it, mlp.Mlp names it).
 
 `mlp_impl="pallas_kept"` trades the other way: the forward also writes the pre-activation
 x W1 + b1 (rounded to the compute dtype, as XLA's product is), named "mlp_hidden" for the remat
@@ -71,13 +71,18 @@ def chosen(config, device, tensor_parallel: int = 1) -> str:
   """What `mlp_impl="auto"` means on `device`: the kernels on FASTER_ON's chips for a dense MLP
   whose F is not split over a tensor axis (the kernels would compute every split's whole MLP),
   "pallas_kept" where the remat policy keeps their pre-activation (KEEPS_HIDDEN), "pallas"
-  where it does not; "xla" elsewhere; another setting as it is."""
+  where it does not; XLA's elsewhere ("xla_remade" on a TPU under remat "none"); another
+  setting as it is."""
   if config.mlp_impl != "auto":
     return config.mlp_impl
-  fits = (config.mlp_type == "dense" and tensor_parallel == 1
-          and getattr(device, "platform", "") == "tpu")
+  tpu = getattr(device, "platform", "") == "tpu"
+  fits = config.mlp_type == "dense" and tensor_parallel == 1 and tpu
   if not fits or getattr(device, "device_kind", "") not in FASTER_ON:
-    return "xla"
+    # Nothing rematerialised on a TPU: the pre-activation alone kept (docs/performance.md, "The
+    # MLP's activation made again"). On a CPU it was no faster (a BERT-Base step 2% slower by
+    # the median of three); a GPU has not measured it.
+    remade = tpu and chosen_remat(config.remat_policy, device) == "none"
+    return "xla_remade" if remade else "xla"
   kept = chosen_remat(config.remat_policy, device) in KEEPS_HIDDEN
   return "pallas_kept" if kept else "pallas"
 

@@ -117,12 +117,19 @@ class Dense(nn.Module):
                               (((len(lead),), (0,)), ((), ())), preferred_element_type=out_dtype)
       bias = None if bias is None else bias.reshape(-1)
     else:
-      y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
-                              ((axes, tuple(range(len(axes)))), ((), ())),
-                              preferred_element_type=out_dtype)
+      y = product(cfg, x, kernel, None, axes, out_dtype)
     if bias_apart:
       return y, bias
     return y if bias is None else y + bias.astype(out_dtype)
+
+
+def product(cfg: BertConfig, x, kernel, bias, axes, out_dtype):
+  """Dense's x @ kernel + bias, contracting `axes` of x with the kernel's leading axes, in the
+  compute dtype, accumulated and returned in `out_dtype`; for a caller holding the weights."""
+  y = jax.lax.dot_general(x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype),
+                          ((axes, tuple(range(len(axes)))), ((), ())),
+                          preferred_element_type=out_dtype)
+  return y if bias is None else y + bias.astype(out_dtype)
 
 
 def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None,

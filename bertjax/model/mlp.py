@@ -1,0 +1,80 @@
+"""The MLP block of an encoder layer: dense(F) -> activation -> dense(D), or the gated form; by
+XLA's products or by the fused kernels of mlp_kernel.py (`BertConfig.mlp_impl`).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bertjax.model import mlp_kernel
+from bertjax.model.config import ACTIVATIONS
+from bertjax.model.primitives import dense, product
+
+
+class Mlp(nn.Module):
+  """dense(F) -> activation -> dense(D); gated: act(dense(F)) * dense_gate(F) -> dense(D).
+
+  The gated form keeps its two F-wide projections as two kernels (not one [D, 2F]) so that each
+  is split over the `tensor` axis alike and the product needs no communication.
+  """
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    cfg = self.config
+    bias = cfg.mlp_bias
+    impl = cfg.mlp_impl
+    if impl == "auto":  # train.build settles it for its mesh's chips; outside it, here
+      impl = mlp_kernel.chosen(cfg, jax.devices()[0],
+                               dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1))
+    if impl in ("pallas", "pallas_kept"):
+      return self._fused(x_BxLxD, keep=impl == "pallas_kept")
+    constrain = lambda h: nn.with_logical_constraint(
+        h, ("activation_batch", "activation_length", "activation_mlp"))
+    h_BxLxF = constrain(
+        dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "intermediate", use_bias=bias)(
+            x_BxLxD))
+    g_BxLxF = None
+    if cfg.mlp_type == "gated":
+      g_BxLxF = constrain(
+          dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "gate", use_bias=bias)(x_BxLxD))
+    output = dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", use_bias=bias)
+    act = ACTIVATIONS[cfg.hidden_act]
+    if impl != "xla_remade" or cfg.remat_policy != "none":
+      # "xla": differentiated as written. Under a remat policy "xla_remade" is the same: the
+      # layer's remat keeps h (a matmul's output) and makes the activation again already.
+      a_BxLxF = act(h_BxLxF) if g_BxLxF is None else act(h_BxLxF) * g_BxLxF
+      return output(a_BxLxF)
+
+    # Nothing rematerialised: differentiated as written, the backward keeps the activation's
+    # own intermediates beside h, and XLA writes two F-wide tensors for an erf GELU and reads
+    # both in two backward products. Here it keeps h alone, and the activation is made again
+    # inside the products that read it (docs/performance.md, "The MLP's activation made again").
+    w2_FxD, b2_D = output(h_BxLxF, weights_only=True)
+
+    def act_and_output(h_BxLxF, g_BxLxF, w2_FxD, b2_D):
+      a_BxLxF = act(h_BxLxF) if g_BxLxF is None else act(h_BxLxF) * g_BxLxF
+      return product(cfg, a_BxLxF, w2_FxD, b2_D, (a_BxLxF.ndim - 1,), cfg.compute_dtype)
+    return jax.checkpoint(act_and_output, policy=jax.checkpoint_policies.nothing_saveable)(
+        h_BxLxF, g_BxLxF, w2_FxD, b2_D)
+
+  def _fused(self, x_BxLxD, keep: bool):
+    """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels; `keep`:
+    the backward reads the pre-activation the forward wrote (mlp_kernel.mlp)."""
+    cfg = self.config
+    dt, bias = cfg.compute_dtype, cfg.mlp_bias
+    hidden, width = cfg.intermediate_size, x_BxLxD.shape[-1]
+    w1_DxF, b1_F = dense(cfg, hidden, ("embed", "mlp"), "intermediate", use_bias=bias)(
+        x_BxLxD, weights_only=True)
+    w2_FxD, b2_D = dense(cfg, width, ("mlp", "embed"), "output", use_bias=bias)(
+        jax.ShapeDtypeStruct((hidden,), dt), weights_only=True)
+    no_bias = lambda n: jnp.zeros((n,), cfg.storage_dtype)
+    y_NxD = mlp_kernel.mlp(
+        x_BxLxD.reshape(-1, width).astype(dt), w1_DxF.astype(dt),
+        no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
+        no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep)
+    # Named for remat "dots_mlp" and "dots_kernels", which keep it.
+    return jax.ad_checkpoint.checkpoint_name(y_NxD.reshape(x_BxLxD.shape), "mlp_output")
