@@ -45,6 +45,20 @@ def test_the_kernel_gives_the_scores_of_xlas_logits(dtype, vocab, monkeypatch):
   assert bool(jnp.all(correct[:100] == 1)) and bool(jnp.all(correct == correct_x))
 
 
+def test_a_device_with_many_predictions_makes_a_call_for_each_group(monkeypatch):
+  # Each call keeps its predictions' running figures in VMEM (1.5 KB a prediction): 29,184 in
+  # one call overflowed v5p's 64 MiB. In groups of at most MAX_ROWS, the same scores.
+  monkeypatch.setattr(mlm_kernel, "MAX_ROWS", 128)
+  monkeypatch.setattr(mlm_kernel, "VOCAB_BLOCK", 256)
+  x, w, bias, labels = _arrays(300, 600, 32, jnp.float32)
+  run = lambda x: mlm_kernel.scores(x, w, bias, labels, interpret=True)
+  calls = [e for e in jax.make_jaxpr(run)(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
+  assert [e.invars[1].aval.shape[0] for e in calls] == [104, 104, 96]  # 300 in three
+  logits = jnp.einsum("rd,vd->rv", x, w, preferred_element_type=jnp.float32) + bias
+  for got, want in zip(run(x), losses.figures(logits, labels)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_on_a_tpu_the_head_runs_the_kernel_and_elsewhere_xla():
   # decoded_scores' forward: the kernel in a program for a TPU, XLA's logits for a GPU or a CPU;
   # the same scores (the CPU runs XLA's path here).

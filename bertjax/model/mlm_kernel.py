@@ -35,6 +35,13 @@ VOCAB_BLOCK = 2048
 # Predictions a block, the largest of these that divides the chip's (else they are padded): the
 # logits' tile [rows, VOCAB_BLOCK] float32, 4 MB at 512. Any size reads W once.
 ROW_BLOCKS = (512, 256, 128, 64, 32, 16, 8)
+# Predictions a call at most. Their running figures stay in VMEM for the whole grid, and an
+# [R, 1] float32 array fills a 128-lane tile a row: 1.5 KB a prediction for the three, 12 MiB
+# here. More (BERT-Large L 512 at 128 rows a chip: 29,184 predictions, 43 MiB of figures beside
+# W's blocks) overflowed v5p's 64 MiB of VMEM, so a device with more makes one call for each
+# group of this many, each reading W once more (BERT-Large's, bf16: 62 MB; one group's float32
+# logits written and read by XLA would be 2 GB).
+MAX_ROWS = 8192
 # A padded vocabulary column's bias: its exp is 0 against any real logit, and finite, so the
 # running largest and sum never meet inf - inf.
 _PAD = -1e30
@@ -120,8 +127,14 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
 
 def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
   """(log Z, the label's logit, the largest logit), each [R] float32, of the logits
-  x W^T + b (x and W in the compute dtype, the products in float32), without writing them."""
+  x W^T + b (x and W in the compute dtype, the products in float32), without writing them; in
+  as few calls of at most MAX_ROWS predictions as there can be."""
   rows_total, vocab = x_RxD.shape[0], w_VxD.shape[0]
+  if rows_total > MAX_ROWS:  # groups of one size (one kernel compiled), the last one shorter
+    size = _round_up(-(-rows_total // -(-rows_total // MAX_ROWS)), 8)
+    groups = [scores(x_RxD[at:at + size], w_VxD, bias_V, labels_R[at:at + size], interpret)
+              for at in range(0, rows_total, size)]
+    return tuple(jnp.concatenate(parts) for parts in zip(*groups))
   rows = next((r for r in ROW_BLOCKS if rows_total % r == 0),
               min(ROW_BLOCKS[0], _round_up(rows_total, 8)))
   padded_rows = _round_up(rows_total, rows)
