@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -97,6 +98,23 @@ def test_xla_out_of_memory_reads_both_wordings():
   assert aot.xla_out_of_memory(RuntimeError(new)) == (47.99 * 2**30, 15.75 * 2**30)
   assert aot.xla_out_of_memory(RuntimeError(old)) == (20.25 * 2**30, 15.48 * 2**30)
   assert aot.xla_out_of_memory(RuntimeError("INTERNAL: something else")) is None
+
+
+def test_a_kernel_over_vmem_is_a_one_line_refusal_naming_it():
+  # As libtpu words it (BERT-Large L 512 at 128 rows a chip on v5p-128, before the MLM kernel
+  # split its predictions): not HBM, so no shortfall of HBM is claimed.
+  error = RuntimeError(
+      "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+      "vmem. Used 76.17M of 63.94M vmem. Exceeded vmem capacity by 12.23M.\n\nProgram vmem "
+      "requirement 76.17M:\n  1. Size: 16.00M\n     Operator: op_name=\"jit(<lambda>)/jvp("
+      "BertForPreTraining)/mlm/cond/branch_0_fun/shard_map/mlm_scores_fwd/pallas_call\"\n")
+  training = types.SimpleNamespace(
+      train_config=types.SimpleNamespace(batch_size=8192, num_microbatches=1))
+  message = aot.vmem_message(error, topologies.parse_topology("v5p-128"), training)
+  assert "76.2 MiB of a core's VMEM, v5p has 63.9 (mlm_scores_fwd)" in message
+  assert "lower train.batch_size (now 8192, 128 per chip)" in message
+  assert aot.xla_out_of_memory(error) is None
+  assert aot.vmem_message(RuntimeError("INTERNAL: something else"), None, training) is None
 
 
 @pytest.fixture(scope="module")
