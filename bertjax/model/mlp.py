@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import mlp_kernel
-from bertjax.model.config import ACTIVATIONS
+from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.primitives import dense, product
 
 
@@ -43,11 +43,11 @@ class Mlp(nn.Module):
           dense(cfg, cfg.intermediate_size, ("embed", "mlp"), "gate", use_bias=bias)(x_BxLxD))
     output = dense(cfg, cfg.hidden_size, ("mlp", "embed"), "output", use_bias=bias)
     act = ACTIVATIONS[cfg.hidden_act]
+    activated = lambda h, g: act(h) if g is None else act(h) * g
     if impl != "xla_remade" or cfg.remat_policy != "none":
       # "xla": differentiated as written. Under a remat policy "xla_remade" is the same: the
       # layer's remat keeps h (a matmul's output) and makes the activation again already.
-      a_BxLxF = act(h_BxLxF) if g_BxLxF is None else act(h_BxLxF) * g_BxLxF
-      return output(a_BxLxF)
+      return output(activated(h_BxLxF, g_BxLxF))
 
     # Nothing rematerialised: differentiated as written, the backward keeps the activation's
     # own intermediates beside h, and XLA writes two F-wide tensors for an erf GELU and reads
@@ -56,8 +56,8 @@ class Mlp(nn.Module):
     w2_FxD, b2_D = output(h_BxLxF, weights_only=True)
 
     def act_and_output(h_BxLxF, g_BxLxF, w2_FxD, b2_D):
-      a_BxLxF = act(h_BxLxF) if g_BxLxF is None else act(h_BxLxF) * g_BxLxF
-      return product(cfg, a_BxLxF, w2_FxD, b2_D, (a_BxLxF.ndim - 1,), cfg.compute_dtype)
+      return product(cfg, activated(h_BxLxF, g_BxLxF), w2_FxD, b2_D, (h_BxLxF.ndim - 1,),
+                     cfg.compute_dtype)
     return jax.checkpoint(act_and_output, policy=jax.checkpoint_policies.nothing_saveable)(
         h_BxLxF, g_BxLxF, w2_FxD, b2_D)
 
