@@ -162,30 +162,25 @@ def xla_out_of_memory(error: Exception) -> tuple[float, float] | None:
   return None
 
 
-# How it words a kernel's or a fusion's working set that overflows the core's VMEM, and the
-# first operator it names among the largest allocations.
-_XLA_VMEM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) vmem")
-_XLA_OPERATOR = re.compile(r'Operator: op_name="([^"]+)"')
+# How it words a working set over a core's VMEM, and the first operation it names there.
+_XLA_VMEM = (re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) vmem"),
+             re.compile(r'op_name="[^"]*/([^"/]+)/[^"/]+"'))
 
 
-def vmem_message(error: Exception, topology: topologies.Topology,
-                 training: train.Training) -> str | None:
-  """What to say when XLA's TPU compiler refused a program whose working set overflows VMEM (a
-  chip's on-core memory: not HBM, so the memory check's figures do not speak of it)."""
-  found = _XLA_VMEM.search(str(error))
+def vmem_message(error: Exception, topology, training) -> str | None:
+  """What to say when XLA's TPU compiler refused a step over a core's VMEM (not HBM)."""
+  found, operation = (pattern.search(str(error)) for pattern in _XLA_VMEM)
   if found is None:
     return None
-  used, used_unit, usable, usable_unit = found.groups()
-  operator = _XLA_OPERATOR.search(str(error))
+  used, usable = (float(n) * _UNITS[u] / 2**20 for n, u in zip(*[iter(found.groups())] * 2))
   tc = training.train_config
-  return (f"{topology}: an operation of the train step needs "
-          f"{float(used) * _UNITS[used_unit] / 2**20:.1f} MiB of a core's VMEM, "
-          f"{topology.generation} has {float(usable) * _UNITS[usable_unit] / 2**20:.1f}"
-          + (f" ({operator.group(1).rsplit('/', 2)[-2]})" if operator else "")
-          + f"; fewer rows a chip hold less: lower train.batch_size (now {tc.batch_size}, "
-          f"{tc.batch_size / topology.num_chips:g} per chip) or raise train.num_microbatches "
-          f"(now {tc.num_microbatches}). bertjax sizes its kernels to fit VMEM: this is a bug "
-          f"to report with the command.")
+  return (f"{topology}: an operation of the train step needs {used:.1f} MiB of a core's VMEM, "
+          f"{topology.generation} has {usable:.1f}"
+          + (f" ({operation.group(1)})" if operation else "") + "; fewer rows a chip hold less: "
+          f"lower train.batch_size (now {tc.batch_size}, {tc.batch_size / topology.num_chips:g} "
+          f"per chip) or raise train.num_microbatches (now {tc.num_microbatches}). bertjax sizes "
+          f"its kernels to fit VMEM: a bug to report with the command. (XLA's TPU compiler: "
+          f"{str(error).splitlines()[0]})")
 
 
 def shortfall_message(topology: topologies.Topology, need_bytes: float, hbm_gib: float,
@@ -411,16 +406,13 @@ def main(argv):
   try:
     compiled = compile_train_step(training, seq_len, max_predictions, per_row)
   except jax.errors.JaxRuntimeError as e:
-    oom = xla_out_of_memory(e)
-    if oom is None:
-      vmem = vmem_message(e, topology, training)
-      if vmem is None:
-        raise
-      sys.exit(f"bertjax.aot: {vmem} (XLA's TPU compiler: {str(e).splitlines()[0]})")
+    oom, vmem = xla_out_of_memory(e), vmem_message(e, topology, training)
+    if oom is None and vmem is None:
+      raise
     # XLA's TPU compiler refuses a program that overflows HBM even after rematerialising what it
     # can; its usable HBM is the chip's less the runtime's reserve.
-    message = shortfall_message(topology, oom[0], hbm_gib, training, usable_bytes=oom[1])
-    sys.exit(f"bertjax.aot: {message} (XLA's TPU compiler: {e})")
+    sys.exit("bertjax.aot: " + (vmem or shortfall_message(
+        topology, oom[0], hbm_gib, training, usable_bytes=oom[1]) + f" (XLA's TPU compiler: {e})"))
   compile_s = time.perf_counter() - start
   if FLAGS.dump_hlo:
     files.write_text(FLAGS.dump_hlo, compiled.as_text())
