@@ -146,15 +146,20 @@ class Memory:
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-# The two ways XLA's TPU compiler words a program that overflows HBM (sizes in binary units).
-_XLA_OOM = (re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
-            re.compile(r"required for [\w ]+ \(([\d.]+)([KMGT]?)\) exceeds available HBM "
-                       r"\(([\d.]+)([KMGT]?)\)"))
+# How XLA's TPU compiler words a program that overflows a memory (sizes in binary units): HBM
+# two ways, a core's VMEM one; and the operation it names first among the largest allocations.
+_USED = r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) {}"
+_XLA_OOM = {"hbm": (re.compile(_USED.format("hbm")),
+                    re.compile(r"required for [\w ]+ \(([\d.]+)([KMGT]?)\) exceeds available HBM "
+                               r"\(([\d.]+)([KMGT]?)\)")),
+            "vmem": (re.compile(_USED.format("vmem")),)}
+_XLA_OPERATION = re.compile(r'op_name="[^"]*/([^"/]+)/[^"/]+"')
 
 
-def xla_out_of_memory(error: Exception) -> tuple[float, float] | None:
-  """(bytes needed, bytes usable) when XLA's TPU compiler refused a program too big for HBM."""
-  for pattern in _XLA_OOM:
+def xla_out_of_memory(error: Exception, space: str = "hbm") -> tuple[float, float] | None:
+  """(bytes needed, bytes usable) when XLA's TPU compiler refused a program too big for `space`:
+  "hbm", or "vmem" (a core's)."""
+  for pattern in _XLA_OOM[space]:
     found = pattern.search(str(error))
     if found:
       used, used_unit, usable, usable_unit = found.groups()
@@ -162,20 +167,15 @@ def xla_out_of_memory(error: Exception) -> tuple[float, float] | None:
   return None
 
 
-# How it words a working set over a core's VMEM, and the first operation it names there.
-_XLA_VMEM = (re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) vmem"),
-             re.compile(r'op_name="[^"]*/([^"/]+)/[^"/]+"'))
-
-
 def vmem_message(error: Exception, topology, training) -> str | None:
   """What to say when XLA's TPU compiler refused a step over a core's VMEM (not HBM)."""
-  found, operation = (pattern.search(str(error)) for pattern in _XLA_VMEM)
-  if found is None:
+  vmem = xla_out_of_memory(error, "vmem")
+  if vmem is None:
     return None
-  used, usable = (float(n) * _UNITS[u] / 2**20 for n, u in zip(*[iter(found.groups())] * 2))
+  operation = _XLA_OPERATION.search(str(error))
   tc = training.train_config
-  return (f"{topology}: an operation of the train step needs {used:.1f} MiB of a core's VMEM, "
-          f"{topology.generation} has {usable:.1f}"
+  return (f"{topology}: an operation of the train step needs {vmem[0] / 2**20:.1f} MiB of a "
+          f"core's VMEM, {topology.generation} has {vmem[1] / 2**20:.1f}"
           + (f" ({operation.group(1)})" if operation else "") + "; fewer rows a chip hold less: "
           f"lower train.batch_size (now {tc.batch_size}, {tc.batch_size / topology.num_chips:g} "
           f"per chip) or raise train.num_microbatches (now {tc.num_microbatches}). bertjax sizes "
@@ -411,8 +411,8 @@ def main(argv):
       raise
     # XLA's TPU compiler refuses a program that overflows HBM even after rematerialising what it
     # can; its usable HBM is the chip's less the runtime's reserve.
-    sys.exit("bertjax.aot: " + (vmem or shortfall_message(
-        topology, oom[0], hbm_gib, training, usable_bytes=oom[1]) + f" (XLA's TPU compiler: {e})"))
+    sys.exit("bertjax.aot: " + (vmem or (shortfall_message(
+        topology, oom[0], hbm_gib, training, usable_bytes=oom[1]) + f" (XLA's TPU compiler: {e})")))
   compile_s = time.perf_counter() - start
   if FLAGS.dump_hlo:
     files.write_text(FLAGS.dump_hlo, compiled.as_text())

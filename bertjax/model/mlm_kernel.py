@@ -128,16 +128,9 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
 def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
   """(log Z, the label's logit, the largest logit), each [R] float32, of the logits
   x W^T + b (x and W in the compute dtype, the products in float32), without writing them; in
-  as few calls of at most MAX_ROWS predictions as there can be."""
+  as few calls of at most MAX_ROWS predictions as there can be, of one size (one kernel
+  compiled), W prepared once for all."""
   rows_total, vocab = x_RxD.shape[0], w_VxD.shape[0]
-  if rows_total > MAX_ROWS:  # groups of one size (one kernel compiled), the last one shorter
-    size = _round_up(-(-rows_total // -(-rows_total // MAX_ROWS)), 8)
-    groups = [scores(x_RxD[at:at + size], w_VxD, bias_V, labels_R[at:at + size], interpret)
-              for at in range(0, rows_total, size)]
-    return tuple(jnp.concatenate(parts) for parts in zip(*groups))
-  rows = next((r for r in ROW_BLOCKS if rows_total % r == 0),
-              min(ROW_BLOCKS[0], _round_up(rows_total, 8)))
-  padded_rows = _round_up(rows_total, rows)
   vocab_block = min(VOCAB_BLOCK, _round_up(vocab, 128))
   padded_vocab = _round_up(vocab, vocab_block)
   pad = lambda a, n: jnp.pad(a, ((0, n - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
@@ -152,10 +145,23 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
   else:
     w, tail = w_VxD, pad(w_VxD[whole:], vocab_block)
   bias = jnp.pad(bias_V.astype(_F32), (0, padded_vocab - vocab), constant_values=_PAD)
-  top, total, label = _call(pad(x_RxD, padded_rows), w, tail, bias[None, :],
-                            pad(labels_R.astype(jnp.int32)[:, None], padded_rows), rows,
-                            vocab_block, interpret)
-  top, total, label = (a[:rows_total, 0] for a in (top, total, label))
+  labels_Rx1 = labels_R.astype(jnp.int32)[:, None]
+
+  def group(x_GxD, labels_Gx1):
+    count = x_GxD.shape[0]
+    rows = next((r for r in ROW_BLOCKS if count % r == 0),
+                min(ROW_BLOCKS[0], _round_up(count, 8)))
+    padded_rows = _round_up(count, rows)
+    figures = _call(pad(x_GxD, padded_rows), w, tail, bias[None, :], pad(labels_Gx1, padded_rows),
+                    rows, vocab_block, interpret)
+    return [a[:count, 0] for a in figures]
+
+  calls = -(-rows_total // MAX_ROWS)
+  size = _round_up(-(-rows_total // calls), 8)
+  groups = [group(x_RxD[at:at + size], labels_Rx1[at:at + size])
+            for at in range(0, rows_total, size)]
+  top, total, label = (parts[0] if calls == 1 else jnp.concatenate(parts)
+                       for parts in zip(*groups))
   return top + jnp.log(total), label, top
 
 
