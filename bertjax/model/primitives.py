@@ -112,15 +112,11 @@ class Dense(nn.Module):
         raise ValueError(f"Dense(flat=True) contracts x's last axes; got axis={self.axis}")
       lead = x.shape[:x.ndim - len(axes)]
       inner = int(np.prod(kernel.shape[:len(axes)]))
-      y = jax.lax.dot_general(x.reshape(lead + (inner,)).astype(cfg.compute_dtype),
-                              kernel.reshape(inner, -1).astype(cfg.compute_dtype),
-                              (((len(lead),), (0,)), ((), ())), preferred_element_type=out_dtype)
+      x, kernel, axes = x.reshape(lead + (inner,)), kernel.reshape(inner, -1), (len(lead),)
       bias = None if bias is None else bias.reshape(-1)
-    else:
-      y = product(cfg, x, kernel, None, axes, out_dtype)
     if bias_apart:
-      return y, bias
-    return y if bias is None else y + bias.astype(out_dtype)
+      return product(cfg, x, kernel, None, axes, out_dtype), bias
+    return product(cfg, x, kernel, bias, axes, out_dtype)
 
 
 def product(cfg: BertConfig, x, kernel, bias, axes, out_dtype):
