@@ -1,5 +1,7 @@
 """bertjax/model/residuals.py: a scanned layer's residuals kept as bits, values and gradients unchanged."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,3 +96,51 @@ def test_a_jax_whose_pullback_is_a_plain_function_calls_the_layer_directly(monke
     np.testing.assert_array_equal(a, b)
   jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
   assert "custom_vjp" not in jaxpr and "uint16" not in jaxpr  # called directly, as before
+
+
+@jax.custom_vjp
+def _opaque(x):
+  """A stand-in for a Pallas kernel: a result XLA cannot fuse a rounding into."""
+  return jnp.sin(x)
+
+
+_opaque.defvjp(lambda x: (jnp.sin(x), x), lambda x, dy: (jnp.cos(x) * dy,))
+
+
+def _kept_by_name(name_it):
+  def f(w_DxD, x_BxD):
+    y = name_it(_opaque(x_BxD @ w_DxD).astype(jnp.bfloat16), "kernel_output")
+    return jnp.sum(jnp.tanh(y.astype(jnp.float32)) * x_BxD)
+  return jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("kernel_output"))
+
+
+def test_a_named_residual_is_kept_as_bits_with_no_rounding_and_the_same_gradients():
+  w, x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, 8)) * 0.5, jnp.float32)
+  grad = lambda name_it: jax.grad(_kept_by_name(name_it), argnums=(0, 1))
+  plain, bits = grad(jax.ad_checkpoint.checkpoint_name), grad(residuals.named)
+  for ours, reference in zip(jax.jit(bits)(w, x), jax.jit(plain)(w, x)):
+    np.testing.assert_array_equal(ours, reference)
+  # jax's remat rounds a float residual through reduce_precision (a pass of its own after a
+  # kernel); the bits it keeps as they are.
+  assert "reduce_precision" in str(jax.make_jaxpr(plain)(w, x))
+  program = str(jax.make_jaxpr(bits)(w, x))
+  assert "reduce_precision" not in program
+  assert re.search(r"u16\[8,8\] = name\[name=kernel_output\]", program), program
+
+
+def test_the_kernels_outputs_are_kept_as_bits_by_the_remat_policies():
+  # The three names the kernel-keeping policies save: each a uint16 residual, so no rounding
+  # pass follows the attention and MLP kernels on a TPU.
+  from bertjax.model.config import BertConfig  # pylint: disable=import-outside-toplevel
+  from bertjax.model.encoder import BertModel  # pylint: disable=import-outside-toplevel
+  cfg = BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                   hidden_dropout=0.0, attention_dropout=0.0, dtype="bfloat16",
+                   attention_impl="fused", mlp_impl="pallas_kept", remat_policy="dots_kernels")
+  ids = jnp.asarray(np.random.default_rng(1).integers(5, 64, (1, 128)), jnp.int32)
+  model = BertModel(cfg)
+  params = model.init(jax.random.key(0), ids)
+  loss = lambda p: jnp.sum(model.apply(p, ids)[0].astype(jnp.float32) ** 2)
+  program = str(jax.make_jaxpr(jax.grad(loss))(params))
+  kept = re.findall(r"(\w+)\[[\d,]*\] = name\[name=(\w+)\]", program)
+  assert sorted(set(kept)) == [("u16", "attention_output"), ("u16", "mlp_hidden"),
+                               ("u16", "mlp_output")], kept

@@ -192,7 +192,7 @@ class SelfAttention(nn.Module):
     out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), flat(q_BxLxNxK),
                                         flat(k_BxLxNxK), flat(v_BxLxNxK), segment_ids_BxL)
     # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
-    return heads(jax.ad_checkpoint.checkpoint_name(out_BxLxNK, "attention_output"))
+    return heads(residuals.named(out_BxLxNK, "attention_output"))
 
 
 class EncoderLayer(nn.Module):

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import mlp_kernel
+from bertjax.model import mlp_kernel, residuals
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.primitives import dense, product
 
@@ -77,4 +77,4 @@ class Mlp(nn.Module):
         no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
         no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep)
     # Named for remat "dots_mlp" and "dots_kernels", which keep it.
-    return jax.ad_checkpoint.checkpoint_name(y_NxD.reshape(x_BxLxD.shape), "mlp_output")
+    return residuals.named(y_NxD.reshape(x_BxLxD.shape), "mlp_output")

@@ -12,10 +12,13 @@ on a CPU). Integers it updates in place on every backend.
 16-bit (or 8-bit) float type are stored as unsigned integers of the same width
 (`lax.bitcast_convert_type`, free on every backend) and turned back before the backward pass
 reads them. `scanned_call` applies it to the layer inside nn.scan's body.
+
+`named(x, name)` keeps a named residual as bits the same way, for the remat policies.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -58,6 +61,43 @@ def decode(tree):
   """`encode` undone."""
   return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x.bits, x.dtype)
                       if isinstance(x, Bits) else x, tree, is_leaf=lambda x: isinstance(x, Bits))
+
+
+def _through_bits(x, name: str):
+  if not _narrow_float(x):
+    return jax.ad_checkpoint.checkpoint_name(x, name)
+  bits = jax.ad_checkpoint.checkpoint_name(
+      jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]), name)
+  return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def named(x, name: str):
+  """`jax.ad_checkpoint.checkpoint_name(x, name)`, the value a remat policy keeps stored as the
+  unsigned integers of its bits when x is a 16-bit (or 8-bit) float; the same value and gradient.
+
+  jax's remat rounds every float residual it keeps through a `reduce_precision` placed on the
+  residual's producer (so the backward reads what the forward used). After a matmul XLA fuses it
+  into the product; after a Pallas kernel it cannot, and the rounding runs as an operation of its
+  own that reads the kernel's output and writes a second copy, a pass over [tokens, D] at each
+  kernel a layer (docs/performance.md). The bits need no rounding and are kept as written.
+  """
+  return _through_bits(x, name)
+
+
+@named.defjvp
+def _named_jvp(name, primals, tangents):
+  return _through_bits(primals[0], name), tangents[0]
+
+
+def named_bits(x, name: str):
+  """`encode(x)` with its bits named `name` for the remat policies: what a custom_vjp's forward
+  returns as a residual that a policy may keep (no rounding pass, as `named`); `decode` turns it
+  back in the backward. A residual kept as the float `named` returns would be a second copy."""
+  kept = encode(x)
+  if isinstance(kept, Bits):
+    return Bits(jax.ad_checkpoint.checkpoint_name(kept.bits, name), kept.dtype)
+  return jax.ad_checkpoint.checkpoint_name(x, name)
 
 
 def saving_bits(f: Callable) -> Callable:
