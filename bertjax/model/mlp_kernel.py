@@ -49,7 +49,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
-from bertjax.model import residuals
 from bertjax.model.config import chosen_remat
 
 # The chips where the kernels made the released configs' steps faster by the compile's roofline
@@ -329,12 +328,14 @@ def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep):
   out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep)
   y_NxD, pre_NxF = out if keep else (out, None)
   if keep:
-    pre_NxF = residuals.named_bits(pre_NxF, "mlp_hidden")
+    # Kept as a float: as bits (residuals.named) the step moved more, BERT-Base L 512 on v5e-8
+    # 24.48 -> 29.47 GB by the count (docs/performance.md).
+    pre_NxF = jax.ad_checkpoint.checkpoint_name(pre_NxF, "mlp_hidden")
   return y_NxD, (x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D)
 
 
 def _mlp_bwd(act, keep, saved, dy_NxD):
-  x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D = residuals.decode(saved)
+  x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D = saved
   def bwd(x, dy, *rest):  # rest: the pre-activation's rows where it was kept, then the weights
     pre, (w1, b1, w2) = (rest[0], rest[1:]) if keep else (None, rest)
     return _on_platform(_backward, x, dy, w1, b1, w2, pre, act=act)

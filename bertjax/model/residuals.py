@@ -90,16 +90,6 @@ def _named_jvp(name, primals, tangents):
   return _through_bits(primals[0], name), tangents[0]
 
 
-def named_bits(x, name: str):
-  """`encode(x)` with its bits named `name` for the remat policies: what a custom_vjp's forward
-  returns as a residual that a policy may keep (no rounding pass, as `named`); `decode` turns it
-  back in the backward. A residual kept as the float `named` returns would be a second copy."""
-  kept = encode(x)
-  if isinstance(kept, Bits):
-    return Bits(jax.ad_checkpoint.checkpoint_name(kept.bits, name), kept.dtype)
-  return jax.ad_checkpoint.checkpoint_name(x, name)
-
-
 def saving_bits(f: Callable) -> Callable:
   """f(params, x, *rest) differentiated in params and x (not `rest`: masks, keys, indices), its
   residuals saved as `encode` keeps them.
