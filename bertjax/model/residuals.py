@@ -80,7 +80,9 @@ def named(x, name: str):
   residual's producer (so the backward reads what the forward used). After a matmul XLA fuses it
   into the product; after a Pallas kernel it cannot, and the rounding runs as an operation of its
   own that reads the kernel's output and writes a second copy, a pass over [tokens, D] at each
-  kernel a layer (docs/performance.md). The bits need no rounding and are kept as written.
+  kernel a layer. The bits need no rounding. (A TPU kernel's result may sit in VMEM, and then an
+  op still writes the kept bits to HBM, as the floor counts; docs/performance.md has the step's
+  figures before and after.)
   """
   return _through_bits(x, name)
 
