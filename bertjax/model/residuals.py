@@ -10,10 +10,12 @@ on a CPU). Integers it updates in place on every backend.
 
 `saving_bits(f)` is `f` with the same values and gradients, bit for bit, whose residuals of a
 16-bit (or 8-bit) float type are stored as unsigned integers of the same width
-(`lax.bitcast_convert_type`, free on every backend) and turned back before the backward pass
-reads them. `scanned_call` applies it to the layer inside nn.scan's body.
+(`lax.bitcast_convert_type`: no arithmetic, the same bytes) and turned back before the backward
+pass reads them. `scanned_call` applies it to the layer inside nn.scan's body.
 
-`named(x, name)` keeps a named residual as bits the same way, for the remat policies.
+`named(x, name)` keeps a named residual as bits the same way, for the remat policies. (On a TPU a
+bitcast of a Pallas kernel's result held in VMEM still runs as an op: the write of the kept copy
+to HBM, which the residual needs anyway.)
 """
 
 from __future__ import annotations
