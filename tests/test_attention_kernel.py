@@ -127,14 +127,19 @@ def test_under_a_mesh_each_device_draws_its_rows_and_heads_bits():
   # data x fsdp x tensor = 2 x 2 x 2: rows over data x fsdp, heads over tensor. Each device
   # numbers its rows and heads globally, so the output and gradients are one device's.
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  # The biases' gradients too: each device sums its rows' and heads' share in the kernel.
   q, k, v, do, seg = _inputs(3)
   rng = jax.random.key(8)
-  loss = lambda q, k, v, seg: jnp.sum(ak.fused_attention(q, k, v, seg, rng, RATE) * do)
-  expected = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, seg)
+  bias = jnp.asarray(np.random.default_rng(9).normal(size=(3, N * K)), jnp.float32)
+  loss = lambda q, k, v, bias, seg: jnp.sum(
+      ak.fused_attention(q, k, v, seg, rng, RATE, biases=bias) * do)
+  expected = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias, seg)
   qkv = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES, None, "tensor", None))
   rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES, None))
-  run = jax.jit(sharding.logical_context(mesh)(jax.value_and_grad(loss, argnums=(0, 1, 2))))
-  placed = [jax.device_put(x, qkv) for x in (q, k, v)] + [jax.device_put(seg, rows)]
+  run = jax.jit(sharding.logical_context(mesh)(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))))
+  placed = ([jax.device_put(x, qkv) for x in (q, k, v)]
+            + [jax.device_put(bias, NamedSharding(mesh, PartitionSpec(None, "tensor"))),
+               jax.device_put(seg, rows)])
   assert 'manual_axes={"data", "fsdp", "tensor"}' in run.lower(*placed).as_text()
   value, grads = run(*placed)
   np.testing.assert_allclose(value, expected[0], rtol=1e-5)

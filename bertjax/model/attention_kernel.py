@@ -198,8 +198,10 @@ def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref,
 
 
 def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
-                     do_ref, dq_ref, dk_ref, dv_ref, *, rate, local_window, scale, size,
-                     unrolled):
+                     do_ref, dq_ref, dk_ref, dv_ref, sums_ref, *, rate, local_window, scale,
+                     size, unrolled):
+  # `sums_ref`: each row's dq, dk and dv summed over its positions (the biases' gradients), here
+  # where they are in VMEM: XLA read each from HBM again to sum it.
   def body(i, row, first_head, allowed):
     q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
     do = do_ref[i]
@@ -215,8 +217,10 @@ def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref
       return (jnp.dot(ds, k, preferred_element_type=_F32),
               jnp.dot(ds.T, q, preferred_element_type=_F32), dv)
     heads = q_ref.shape[2] // size
-    for ref, value in zip((dq_ref, dk_ref, dv_ref), _per_head(heads, size, q.shape[-1], head)):
+    for j, (ref, value) in enumerate(zip((dq_ref, dk_ref, dv_ref),
+                                         _per_head(heads, size, q.shape[-1], head))):
       ref[i] = value.astype(ref.dtype)
+      sums_ref[i, j:j + 1, :] = jnp.sum(ref[i].astype(_F32), axis=0, keepdims=True)
   _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body,
             unrolled)
 
@@ -237,8 +241,9 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 
 
 def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
-          local_window, size, flops, interpret, fused=()):
-  """`fused`: for each of `inputs`, whether XLA may compute it inside the kernel's reads of it
+          local_window, size, flops, interpret, fused=(), sums=False):
+  """`sums`: one more output, float32 [B, 3, N * K], the first three summed over positions.
+  `fused`: for each of `inputs`, whether XLA may compute it inside the kernel's reads of it
   (Pallas' allow_input_fusion). In the scanned layers' backward q, k and v are slices of the
   loop's stacks of saved residuals: fused, the kernel reads them where they lie, where otherwise
   each was first copied out whole for the kernel (a custom call's operand is a buffer of its
@@ -259,15 +264,17 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
   # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(inputs) + outputs) * block * length * width * item
           + 10 * length * length * 4)
+  sums_shape = (jax.ShapeDtypeStruct((rows, 3, heads * size), _F32),) if sums else ()
+  sums_spec = (pl.BlockSpec((block, 3, width), lambda b, h, *_: (b, 0, h)),) if sums else ()
   result = pl.pallas_call(
       fn,
-      out_shape=(shape,) * outputs,
+      out_shape=(shape,) * outputs + sums_shape,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3, grid=(rows // block, heads // group),
           in_specs=[pl.BlockSpec((block, 1, length), lambda b, h, *_: (b, 0, 0)),
                     pl.BlockSpec((3, width), lambda b, h, *_: (0, h))]
           + [tile] * len(inputs),
-          out_specs=(tile,) * outputs),
+          out_specs=(tile,) * outputs + sums_spec),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                            allow_input_fusion=(False,) * 5 + fused,
                                            vmem_limit_bytes=need + (16 << 20)),
@@ -275,10 +282,10 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
           flops=flops * rows * heads * length * length * size,
           transcendentals=rows * heads * length * length,
           bytes_accessed=(len(inputs) + outputs) * rows * heads * length * size * item
-          + rows * length * 4),
+          + rows * length * 4 + sums * rows * 3 * heads * size * 4),
       interpret=interpret, name=name,
   )(rows_ids, first_head, key, seg, bias.astype(inputs[0].dtype).astype(_F32), *inputs)
-  return result if outputs > 1 else result[0]
+  return result if len(result) > 1 else result[0]
 
 
 def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size,
@@ -291,10 +298,10 @@ def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_windo
 
 def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,
               interpret):
-  # 10: q k^T again, do v^T, dv, dq and dk.
+  # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv and their sums (`_call`'s).
   return _call(_backward_kernel, "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head,
                key, seg, bias, rate=rate, local_window=local_window, size=size, flops=10,
-               interpret=interpret, fused=(True, True, True))
+               interpret=interpret, fused=(True, True, True), sums=True)
 
 
 def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size):
@@ -324,7 +331,8 @@ def _reference_backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, ra
   _, pull = jax.vjp(lambda q, k, v: reference(rows_ids, first_head, key, seg, bias, q, k, v,
                                               rate=rate, local_window=local_window, size=size),
                     q, k, v)
-  return pull(do)
+  grads = pull(do)
+  return (*grads, jnp.stack([g.sum(1, dtype=_F32) for g in grads], axis=1))
 
 
 def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
@@ -339,10 +347,11 @@ def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
       default=fallback)
 
 
-def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
+def _per_device(fn, arrays: tuple, ids: tuple, outputs: int, sums: bool = False):
   """fn on each device's rows and heads under the mesh in scope (shard_map over the
   activations' batch and heads axes), or once without one. `arrays`: [B, L, N * K]; `ids`:
-  (global row ids [B], global head ids [N], key [2], segments [B, L], biases [3, N * K])."""
+  (global row ids [B], global head ids [N], key [2], segments [B, L], biases [3, N * K]).
+  `sums`: after the `outputs`, fn's [B, 3, N * K] sums."""
 
   def run(*args):
     rows_ids, heads_ids, key, seg, bias = args[len(arrays):]
@@ -358,7 +367,8 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
            PartitionSpec(batch, None), PartitionSpec(None, heads))
   return jax.shard_map(
       run, mesh=mesh, in_specs=(qkv,) * len(arrays) + specs,
-      out_specs=(qkv,) * outputs if outputs > 1 else qkv,
+      out_specs=((qkv,) * outputs + (PartitionSpec(batch, None, heads),) * sums
+                 if outputs + sums > 1 else qkv),
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*arrays, *ids)
 
@@ -386,9 +396,11 @@ def _attention_bwd(rate, local_window, interpret_on_cpu, size, saved, do):
   q, k, v, bias, segment_ids, key = saved
   bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window,
                           size=size, interpret_on_cpu=interpret_on_cpu)
-  grads = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, size), 3)
-  # A bias's gradient is its sum's: the biased q's gradient (the kernel's) summed over positions.
-  dbias = jnp.stack([g.sum((0, 1), dtype=_F32) for g in grads]).astype(bias.dtype)
+  *grads, sums = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, size), 3,
+                             sums=True)
+  # A bias's gradient is its sum's: the biased q's gradient (the kernel's) summed over positions
+  # (by the kernel, a row at a time) and rows.
+  dbias = sums.sum(0).astype(bias.dtype)
   return (*grads, dbias, None, None)
 
 
