@@ -3,9 +3,8 @@
 BERT trains with dropout on the attention probabilities (0.1). XLA's attention writes the float32
 [B, N, L, L] scores, the probabilities and the dropout's keep decisions to HBM and reads them
 back in the backward: at length 128 half of BERT-Base's step bytes on v6e (docs/performance.md).
-The splash kernel never writes them, but has no dropout. Here, for rows short enough that a
-head's whole [L, L] fits the chip's VMEM (L a multiple of 128, up to MAX_LENGTH), each (row,
-head) is computed whole:
+Splash never writes them, but has no dropout. Here, for rows short enough that a head's [L, L]
+fits VMEM (L a multiple of 128, up to MAX_LENGTH), each (row, head) is computed whole:
 
   forward   s = q k^T / sqrt(K), masked to the row's segments; p = softmax(s); p' = p kept
             by the dropout and scaled by 1 / (1 - rate); out = p' v;
@@ -24,7 +23,8 @@ or in do (dp), each result keeping its own head's lanes: a 64-deep product fills
 better than a 128-deep one, so this costs no pass of it (the cost estimate counts K). The
 projections' biases come in apart (`biases`) and are added as the kernel reads q, k and v: the
 products' outputs, which remat "dots" keeps, go in as they are, and no biased copy of each is
-written (and, under remat, made again).
+written (and, under remat, made again). The backward sums dq, dk and dv over positions as it
+writes them (the biases' gradients), and the forward writes its output's bits (what remat keeps).
 
 The dropout's bits. A kernel cannot read a mask it did not write, so it draws its keep decisions
 itself, and the backward draws them again: threefry-2x32 (jax.random's default generator, its
@@ -56,7 +56,7 @@ from jax.extend import random as jex_random
 from jax.sharding import PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import dropout
+from bertjax.model import dropout, residuals
 
 MULTIPLE = 128  # keys lie along the TPU's 128 lanes
 MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB each at 1024
@@ -191,8 +191,8 @@ def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref,
       p, keep = _probabilities_kept(jnp.where(mine, q, zero), k, allowed, row, first_head + n,
                                     key_ref, rate, scale)
       return (jnp.dot(_dropped(p, keep, rate).astype(v.dtype), v, preferred_element_type=_F32),)
-    o_ref[i] = _per_head(q_ref.shape[2] // size, size, q.shape[-1], head)[0].astype(
-        o_ref.dtype)
+    o_ref[i] = jax.lax.bitcast_convert_type(_per_head(
+        q_ref.shape[2] // size, size, q.shape[-1], head)[0].astype(q.dtype), o_ref.dtype)
   _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body,
             unrolled)
 
@@ -241,14 +241,15 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 
 
 def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
-          local_window, size, flops, interpret, fused=(), sums=False):
-  """`sums`: one more output, float32 [B, 3, N * K], the first three summed over positions.
-  `fused`: for each of `inputs`, whether XLA may compute it inside the kernel's reads of it
-  (Pallas' allow_input_fusion). In the scanned layers' backward q, k and v are slices of the
-  loop's stacks of saved residuals: fused, the kernel reads them where they lie, where otherwise
-  each was first copied out whole for the kernel (a custom call's operand is a buffer of its
-  own). The kernel then reads its rows at constant offsets (`_row_loop`'s `unrolled`): with a
-  traced row index libtpu 0.0.42 fails a RET_CHECK on such an operand."""
+          local_window, size, flops, interpret, fused=()):
+  """`outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention` turns them
+  back); or 3 and a fourth, float32 [B, 3, N * K], the three summed over positions. `fused`:
+  for each of `inputs`, whether XLA may compute it inside the kernel's reads of it (Pallas'
+  allow_input_fusion). In the scanned layers' backward q, k and v are slices of the loop's
+  stacks of saved residuals: fused, the kernel reads them where they lie, where otherwise each
+  was first copied out whole for the kernel (a custom call's operand is a buffer of its own).
+  The kernel then reads its rows at constant offsets (`_row_loop`'s `unrolled`): with a traced
+  row index libtpu 0.0.42 fails a RET_CHECK on such an operand."""
   # [B, L, N * K], as the projections write it: lane-dense. Heads first ([B, N, L, K]) took a
   # transpose each way and padded K = 64 to 128 lanes in HBM.
   rows, length, heads = inputs[0].shape[:2] + (inputs[0].shape[2] // size,)
@@ -260,21 +261,22 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
   fused = tuple(fused) + (False,) * (len(inputs) - len(fused))
   fn = functools.partial(kernel, rate=rate, local_window=local_window,
                          scale=1.0 / np.sqrt(size), size=size, unrolled=any(fused))
-  shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype)
+  sums = outputs > 1
+  shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype if sums else f"uint{8 * item}")
   # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(inputs) + outputs) * block * length * width * item
           + 10 * length * length * 4)
-  sums_shape = (jax.ShapeDtypeStruct((rows, 3, heads * size), _F32),) if sums else ()
-  sums_spec = (pl.BlockSpec((block, 3, width), lambda b, h, *_: (b, 0, h)),) if sums else ()
+  sums_shape, sums_spec = ((jax.ShapeDtypeStruct((rows, 3, heads * size), _F32),),
+                           (pl.BlockSpec((block, 3, width), lambda b, h, *_: (b, 0, h)),))
   result = pl.pallas_call(
       fn,
-      out_shape=(shape,) * outputs + sums_shape,
+      out_shape=(shape,) * outputs + sums_shape * sums,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3, grid=(rows // block, heads // group),
           in_specs=[pl.BlockSpec((block, 1, length), lambda b, h, *_: (b, 0, 0)),
                     pl.BlockSpec((3, width), lambda b, h, *_: (0, h))]
           + [tile] * len(inputs),
-          out_specs=(tile,) * outputs + sums_spec),
+          out_specs=(tile,) * outputs + sums_spec * sums),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                            allow_input_fusion=(False,) * 5 + fused,
                                            vmem_limit_bytes=need + (16 << 20)),
@@ -301,7 +303,7 @@ def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_
   # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv and their sums (`_call`'s).
   return _call(_backward_kernel, "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head,
                key, seg, bias, rate=rate, local_window=local_window, size=size, flops=10,
-               interpret=interpret, fused=(True, True, True), sums=True)
+               interpret=interpret, fused=(True, True, True))
 
 
 def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size):
@@ -339,7 +341,8 @@ def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
   """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), and
   elsewhere `reference`'s XLA arithmetic; on a CPU Pallas' interpreter instead where
   `interpret_on_cpu` (tests: slow)."""
-  fallback = functools.partial({_forward: reference, _backward: _reference_backward}[fn],
+  fallback = functools.partial({_forward: lambda *a, **k: residuals.bits(reference(*a, **k)),
+                                _backward: _reference_backward}[fn],
                                **kwargs)
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(fn, **kwargs, interpret=False),
@@ -347,11 +350,11 @@ def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
       default=fallback)
 
 
-def _per_device(fn, arrays: tuple, ids: tuple, outputs: int, sums: bool = False):
+def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
   """fn on each device's rows and heads under the mesh in scope (shard_map over the
   activations' batch and heads axes), or once without one. `arrays`: [B, L, N * K]; `ids`:
   (global row ids [B], global head ids [N], key [2], segments [B, L], biases [3, N * K]).
-  `sums`: after the `outputs`, fn's [B, 3, N * K] sums."""
+  More than one output: the [B, L, N * K] ones, then fn's [B, 3, N * K] sums (`_call`'s)."""
 
   def run(*args):
     rows_ids, heads_ids, key, seg, bias = args[len(arrays):]
@@ -367,8 +370,7 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int, sums: bool = False)
            PartitionSpec(batch, None), PartitionSpec(None, heads))
   return jax.shard_map(
       run, mesh=mesh, in_specs=(qkv,) * len(arrays) + specs,
-      out_specs=((qkv,) * outputs + (PartitionSpec(batch, None, heads),) * sums
-                 if outputs + sums > 1 else qkv),
+      out_specs=(*(qkv,) * outputs, PartitionSpec(batch, None, heads)) if outputs > 1 else qkv,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*arrays, *ids)
 
@@ -383,7 +385,10 @@ def _ids(q_BxLxNK, segment_ids_BxL, key, bias, size: int):
 def _attention(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size):
   fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window,
                           size=size, interpret_on_cpu=interpret_on_cpu)
-  return _per_device(fwd, (q, k, v), _ids(q, segment_ids, key, bias, size), 1)
+  # The kernel writes its output's bits: residuals.named keeps bits through remat, XLA folds the
+  # two bitcasts, and the kernel's own output is kept (a float's was copied, by an op).
+  return jax.lax.bitcast_convert_type(
+      _per_device(fwd, (q, k, v), _ids(q, segment_ids, key, bias, size), 1), q.dtype)
 
 
 def _attention_fwd(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size):
@@ -396,8 +401,7 @@ def _attention_bwd(rate, local_window, interpret_on_cpu, size, saved, do):
   q, k, v, bias, segment_ids, key = saved
   bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window,
                           size=size, interpret_on_cpu=interpret_on_cpu)
-  *grads, sums = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, size), 3,
-                             sums=True)
+  *grads, sums = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, size), 3)
   # A bias's gradient is its sum's: the biased q's gradient (the kernel's) summed over positions
   # (by the kernel, a row at a time) and rows.
   dbias = sums.sum(0).astype(bias.dtype)

@@ -52,6 +52,11 @@ def _narrow_float(x) -> bool:
           and jnp.dtype(dtype).itemsize in _UINT)
 
 
+def bits(x) -> jax.Array:
+  """A float array's bits, as the unsigned integers of its width (32-bit floats' too)."""
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
 def encode(tree):
   """Each float leaf narrower than 32 bits as its Bits; the rest as they are."""
   return jax.tree.map(
