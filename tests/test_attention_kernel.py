@@ -308,3 +308,37 @@ def test_remat_auto_keeps_the_kernels_outputs_and_on_v6e_not_the_mlp_s_pre_activ
   assert train.from_config(config).model_config.remat_policy == "dots_kernels"  # this CPU
   with pytest.raises(ValueError, match="remat_policy='dot'; choose one of .*'auto'"):
     BertConfig(remat_policy="dot")
+
+
+def test_under_a_mesh_the_model_leaves_the_kernel_s_inputs_to_its_shard_map():
+  # A constraint on q with its heads apart ([B, L, N, K]) made XLA copy dq into a layout with
+  # the length minor for the query product's backward, a [B, L, D] pass a layer on a TPU: the
+  # kernel path places its [B, L, N * K] inputs by its shard_map alone, with the same values
+  # and gradients as one device ("auto": on a CPU the kernel's arithmetic by XLA).
+  cfg = BertConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=4,
+                   intermediate_size=64, max_position_embeddings=L, hidden_dropout=0.0,
+                   attention_dropout=0.0, attention_impl="auto")
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  ids = np.random.default_rng(1).integers(1, 97, (8, L))
+  mask = np.ones_like(ids)
+  mask[1, 100:] = 0
+  params = nn.unbox(BertModel(cfg).init(jax.random.key(0), ids)["params"])
+
+  def loss(p, ids, mask):
+    out = BertModel(cfg).apply({"params": p}, ids, mask)[0]
+    return jnp.sum(out * jax.random.normal(jax.random.key(7), out.shape))
+  expected = jax.value_and_grad(loss)(params, ids, mask)
+  run = jax.jit(sharding.logical_context(mesh)(jax.value_and_grad(loss)))
+  rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES))
+  placed = [jax.device_put(x, rows) for x in (ids, mask)]
+  text = run.lower(params, *placed).as_text()
+  assert 'manual_axes={"data", "fsdp", "tensor"}' in text  # the kernel path, heads over tensor
+  heads_apart = f"tensor<8x{L}x4x8x"
+  assert not [line for line in text.splitlines()
+              if "sharding_constraint" in line and heads_apart in line]
+  value, grads = run(params, *placed)
+  np.testing.assert_allclose(value, expected[0], rtol=1e-5)
+  scale = max(float(jnp.abs(e).max()) for e in jax.tree.leaves(expected[1]))
+  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads),
+                          jax.tree.leaves(expected[1])):
+    assert float(jnp.abs(g - e).max()) / scale < 1e-4, jax.tree_util.keystr(path)

@@ -143,8 +143,12 @@ class SelfAttention(nn.Module):
                                 pick(is_local, rope["local"][1], sin_BxLxK))
       q_BxLxNxK = apply_rope(q_BxLxNxK, at_queries(cos_BxLxK), at_queries(sin_BxLxK))
       k_BxLxNxK = apply_rope(k_BxLxNxK, cos_BxLxK, sin_BxLxK)
-    q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
-                                                       "activation_heads", "activation_kv"))
+    if not kernel:
+      # The kernel's shard_map places its [B, L, N * K] inputs itself. There, this constraint on
+      # the heads apart made XLA copy dq into a layout with the length minor for its products:
+      # a [B, L, D] pass a layer (docs/performance.md).
+      q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
+                                                         "activation_heads", "activation_kv"))
     # `masks`: attention.attention_masks(cfg.attention_impl, ...), built once for all layers.
     window = cfg.local_window if cfg.has_local_layers else 0
     if cfg.attention_impl == "splash":
