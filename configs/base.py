@@ -205,17 +205,14 @@ def set_phase(config, phase: str | int, total_steps: int) -> None:
     t.num_train_steps = total_steps - total_steps * 9 // 10
     t.warmup_steps = min(t.warmup_steps, t.num_train_steps // 10)
 
-def set_accelerator(config, phase: str | int) -> None:
+def set_accelerator(config) -> None:
   """The released sizes' settings for accelerators, chosen by compiling each for v5p-8, v6e-8 and
   v5e-8 and reading the roofline (`python -m bertjax.tune`; docs/performance.md, "The roofline of
   a TPU compile"): bfloat16 matmuls; the layers straight (not scanned); the parameters and
   optimizer state split
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
-  chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); at length 128 the
-  backward keeps every activation (remat "none": XLA makes the cheap ones again by itself); at
-  512 it keeps each layer's matmul outputs and the fused kernels' and recomputes the rest
-  (remat "auto": "dots_kernels", and on v6e, bound by HBM there, "dots_outputs", which makes the
-  MLP's pre-activation again rather than keep it), and
+  chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
+  every activation (remat "none": XLA makes the cheap ones again by itself), and recomputes
   the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
   v6e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl
   "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds, keeping
@@ -232,17 +229,13 @@ def set_accelerator(config, phase: str | int) -> None:
   """
   m = config.model
   m.dtype = "bfloat16"
-  # Straight layers in both phases, and at length 128 nothing recomputed: on every chip the
-  # compiled step is faster than the scanned loop's or no slower, by the roofline
-  # (docs/performance.md, "Straight layers at length 128, nothing recomputed"). A run resumes in
-  # either layout (training/relayout.py), so a user may scan to compile faster.
+  # Straight layers in both phases, and nothing recomputed: on every chip the compiled step is
+  # faster than the scanned loop's or no slower, by the roofline, and at length 512 faster than
+  # under remat "auto", within memory (docs/performance.md, "Straight layers at length 128,
+  # nothing recomputed" and "Every released config, compiled"). A run resumes in either layout
+  # (training/relayout.py), so a user may scan to compile faster.
   m.scan_layers = False
-  # At 512 the fused kernels' outputs kept (the steps bound by FLOPs spare the kernels' second
-  # forward run); on v6e, whose steps are bound by HBM there, not the MLP's pre-activation
-  # ("auto": config.REMAT_AUTO_OUTPUTS_ON; docs/performance.md, "The kernels' outputs kept, the
-  # MLP's pre-activation made again").
-  # (configs/bert_large.py's phase 2 takes "none": with straight layers its step is faster.)
-  m.remat_policy = "none" if int(phase) == 1 else "auto"
+  m.remat_policy = "none"
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1

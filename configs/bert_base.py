@@ -7,9 +7,9 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
 Parameters at vocabulary 30522: 109,482,240 in the encoder with pooler, 110,106,428 with the
 pre-training heads. The paper: 1M steps at batch 256 x 512 tokens, Adam lr 1e-4.
 Set for TPUs (base.set_accelerator, chosen by compiling): bfloat16, straight layers, fsdp,
-remat "none" in phase 1 and "auto" in phase 2, the fused attention kernel with the paper's
-attention dropout, on v6e the fused MLP. Roofline MFU, phases 1 and 2:
-v5p-8 0.95, 0.95; v6e-8 0.96, 0.88; v5e-8 0.95, 0.95 (docs/performance.md). On a GPU
+remat "none" (every activation kept), the fused attention kernel with the paper's attention
+dropout, on v6e the fused MLP. Roofline MFU, phases 1 and 2:
+v5p-8 0.95, 0.95; v6e-8 0.96, 0.95; v5e-8 0.95, 0.95 (docs/performance.md). On a GPU
 add `--config.model.attention_impl=cudnn --config.model.attention_dropout=0`; on a CPU
 `--config.model.dtype=float32 --config.model.remat_policy=none`.
 Both phases pack sequences into rows (`data.packing`; base.py `set_phase`): batch_size counts rows.
@@ -22,5 +22,5 @@ def get_config(arg=None):
   config = base.get_config()
   phase = base.parse_arg(arg).get("phase", 1)
   base.set_phase(config, phase, total_steps=1_000_000)
-  base.set_accelerator(config, phase)
+  base.set_accelerator(config)
   return config  # base.py's model section is BERT-Base

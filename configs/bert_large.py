@@ -7,8 +7,8 @@ Phase 1 (900k steps at length 128), then phase 2 (100k steps at 512) from phase 
 Parameters at vocabulary 30522: 335,141,888 in the encoder with pooler, 336,226,108 with the
 pre-training heads. Set for TPUs as configs/bert_base.py (base.set_accelerator): roofline MFU
 of the compiled step v5p-8 0.98 and 0.97 (phases 1 and 2), v6e-8 0.98 and 0.97, v5e-8 0.98
-(phase 1). Both phases keep every activation for the backward (remat "none"; BERT-Base's
-phase 2 recomputes some). On a GPU or a CPU, configs/bert_base.py says what to change.
+(phase 1). Both phases keep every activation for the backward (remat "none"). On a GPU or a
+CPU, configs/bert_base.py says what to change.
 Both phases pack several sequences into a row (`data.packing`; configs/base.py `set_phase`):
 train.batch_size counts rows.
 MLPerf's BERT-Large target is masked-LM accuracy 0.720 on its fixed evaluation set.
@@ -21,16 +21,10 @@ def get_config(arg=None):
   config = base.get_config()
   phase = base.parse_arg(arg).get("phase", 1)
   base.set_phase(config, phase, total_steps=1_000_000)
-  base.set_accelerator(config, phase)
+  base.set_accelerator(config)
   m = config.model
   m.hidden_size = 1024
   m.num_layers = 24
   m.num_heads = 16
   m.intermediate_size = 4096
-  if int(phase) == 2:
-    # With its layers straight at length 512 nothing is worth recomputing: on v6e-8 remat "none"
-    # is 0.972 by the roofline against "auto"'s 0.886, at 11.2 GiB a chip of 32; on v5p-8 no
-    # slower (`python -m bertjax.tune`; docs/performance.md, "The best settings found by
-    # compiling"). BERT-Base's step is not: "auto" stays there (0.875 against 0.865 on v6e).
-    m.remat_policy = "none"
   return config
