@@ -37,7 +37,7 @@ def get_config():
   m.scan_unroll = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   # "none", "full", "dots" (save matmuls without batch dims), "dots_all", "dots_mlp" (dots and the
   # fused MLP kernels' output), "dots_kernels" (dots_mlp and the fused attention kernel's output),
-  # "auto" (dots_kernels, but dots_outputs on v6e: the released configs' choice at length 512)
+  # "auto" (dots_kernels, but dots_outputs on v6e); the released configs keep everything ("none")
   m.remat_policy = "none"
   m.attention_impl = "xla"  # "xla" (any device), "cudnn" (NVIDIA GPUs), "splash" (TPU; L % 128 == 0),
   # "fused" (TPU; L % 128 == 0, L <= 1024; with attention dropout), "auto" (fused on TPU, its

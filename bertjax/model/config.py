@@ -69,8 +69,8 @@ REMAT_POLICIES = {
 # forward run would cost), but "dots_outputs" on these chips (device_kind as jax names them),
 # whose steps at length 512 are bound by HBM, where the MLP's kept pre-activation costs more
 # bytes than the product that makes it again (docs/performance.md, "The kernels' outputs kept,
-# the MLP's pre-activation made again"). The released configs take it at length 512; at 128
-# every chip's steps are bound by FLOPs, and they take "dots_kernels".
+# the MLP's pre-activation made again"). At 128 every chip's steps are bound by FLOPs, and they
+# take "dots_kernels". The released configs keep everything instead ("none": configs/base.py).
 REMAT_AUTO_OUTPUTS_ON = ("TPU v6 lite",)
 
 
