@@ -38,7 +38,7 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
       "xla", "xla_remade", "pallas", "pallas_kept"]  # "xla_remade": phase 1 has remat "none"
   # What "auto" gives the slice's chips is the config as given: not compiled a second time.
   large512 = bert_large.get_config("phase=2")
-  large512.model.remat_policy = "auto"  # remat and MLP "auto" (BERT-Base's phase 2)
+  large512.model.remat_policy = "auto"  # remat and MLP "auto"
   v6e, v5p = "TPU v6 lite", "TPU v5"
   assert [c["model.remat_policy"] for c in tune.candidates("remat", large512, {}, v6e)] == [
       "none", "dots", "dots_all", "full", "dots_kernels"]  # not dots_outputs
