@@ -262,7 +262,8 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
   fn = functools.partial(kernel, rate=rate, local_window=local_window,
                          scale=1.0 / np.sqrt(size), size=size, unrolled=any(fused))
   sums = outputs > 1
-  shape = jax.ShapeDtypeStruct(inputs[0].shape, inputs[0].dtype if sums else f"uint{8 * item}")
+  dtype = inputs[0].dtype
+  shape = jax.ShapeDtypeStruct(inputs[0].shape, dtype if sums else residuals.bits_type(dtype))
   # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(inputs) + outputs) * block * length * width * item
           + 10 * length * length * 4)

@@ -14,8 +14,7 @@ on a CPU). Integers it updates in place on every backend.
 pass reads them. `scanned_call` applies it to the layer inside nn.scan's body.
 
 `named(x, name)` keeps a named residual as bits the same way, for the remat policies. (On a TPU a
-bitcast of a Pallas kernel's result held in VMEM still runs as an op: the write of the kept copy
-to HBM, which the residual needs anyway.)
+bitcast of a Pallas kernel's result still runs as an op, unless the kernel writes the bits.)
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16}  # bytes -> the unsigned type whose bits a float is kept in
+_NARROW = (1, 2)  # the bytes of the float types whose residuals are kept as their bits
 
 
 @jax.tree_util.register_pytree_node_class
@@ -49,18 +48,23 @@ class Bits:
 def _narrow_float(x) -> bool:
   dtype = getattr(x, "dtype", None)
   return (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-          and jnp.dtype(dtype).itemsize in _UINT)
+          and jnp.dtype(dtype).itemsize in _NARROW)
+
+
+def bits_type(dtype) -> jnp.dtype:
+  """The unsigned integer type as wide as `dtype`."""
+  return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
 
 
 def bits(x) -> jax.Array:
   """A float array's bits, as the unsigned integers of its width (32-bit floats' too)."""
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+  return jax.lax.bitcast_convert_type(x, bits_type(x.dtype))
 
 
 def encode(tree):
   """Each float leaf narrower than 32 bits as its Bits; the rest as they are."""
   return jax.tree.map(
-      lambda x: (Bits(jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]), x.dtype)
+      lambda x: (Bits(bits(x), x.dtype)
                  if _narrow_float(x) else x), tree)
 
 
@@ -73,9 +77,7 @@ def decode(tree):
 def _through_bits(x, name: str):
   if not _narrow_float(x):
     return jax.ad_checkpoint.checkpoint_name(x, name)
-  bits = jax.ad_checkpoint.checkpoint_name(
-      jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]), name)
-  return jax.lax.bitcast_convert_type(bits, x.dtype)
+  return jax.lax.bitcast_convert_type(jax.ad_checkpoint.checkpoint_name(bits(x), name), x.dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -87,9 +89,10 @@ def named(x, name: str):
   residual's producer (so the backward reads what the forward used). After a matmul XLA fuses it
   into the product; after a Pallas kernel it cannot, and the rounding runs as an operation of its
   own that reads the kernel's output and writes a second copy, a pass over [tokens, D] at each
-  kernel a layer. The bits need no rounding. (A TPU kernel's result may sit in VMEM, and then an
-  op still writes the kept bits to HBM, as the floor counts; docs/performance.md has the step's
-  figures before and after.)
+  kernel a layer. The bits need no rounding. The bitcast to bits may itself run as an op after a
+  kernel; a kernel that writes its result's bits (the fused attention's forward, turned back
+  after it) leaves XLA a pair of bitcasts to fold, and its own output is what is kept
+  (docs/performance.md has the step's figures).
   """
   return _through_bits(x, name)
 
