@@ -23,7 +23,9 @@ take hours to compile on a laptop):
              (bertjax/model/mlp_kernel.py), the intermediate made again in the backward
              ("pallas") or kept for it ("pallas_kept"); under remat "none" also XLA's keeping
              the pre-activation alone ("xla_remade"); all of them where the config says "auto"
-             (one of them is what "auto" gives the slice, the table shows which).
+             (one of them is what "auto" gives the slice, the table shows which);
+  qkv        (asked for by name) q, k and v as three products or one (x @ [Wq Wk Wv], the same
+             parameters): the one "auto" does not give the slice, or both.
 
 A scanned candidate is compiled whole, once: its roofline counts every iteration of its layer
 loop and its memory is the step's own. A straight one is compiled at 1 and 2 layers and
@@ -56,14 +58,15 @@ from bertjax import aot, cli
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 from bertjax.model import attention, mlp_kernel
-from bertjax.model.config import chosen_remat
+from bertjax.model.config import chosen_qkv, chosen_remat
 from bertjax.parallel import topologies
 from bertjax.perf import roofline
 from bertjax.training import flops, train
 
 DIMENSIONS = ("mesh", "remat", "attention", "rows", "layers")
-# Searched when named: mlp_impl "auto" already takes, per chip, what compiling found faster.
-OPTIONAL_DIMENSIONS = ("mlp",)
+# Searched when named: mlp_impl and qkv_product "auto" already take, per chip, what compiling
+# found faster.
+OPTIONAL_DIMENSIONS = ("mlp", "qkv")
 REMAT = ("none", "dots", "dots_all", "full", "dots_kernels", "dots_outputs")
 # The mesh's two layouts of the state over a slice's chips (DCN axes as the config sets them).
 MESHES = {"data": {"mesh.ici_data": -1, "mesh.ici_fsdp": 1},
@@ -131,6 +134,10 @@ def candidates(dimension: str, config, best: dict, device_kind: str = "") -> lis
     return [{**best, "model.mlp_impl": impl}
             for impl in ("xla",) + remade + ("pallas", "pallas_kept")
             if impl not in (now, current.model.mlp_impl)]
+  if dimension == "qkv":
+    now = {current.model.qkv_product, chosen_qkv(current.model.qkv_product, chip)}
+    return [{**best, "model.qkv_product": p} for p in ("three", "one")
+            if p not in (now if device_kind else {current.model.qkv_product})]
   raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from "
                 f"{', '.join(DIMENSIONS + OPTIONAL_DIMENSIONS)}")
 

@@ -47,6 +47,9 @@ def get_config():
   # "pallas": the MLP's two products in one kernel, its F-wide intermediate in VMEM; "auto": that
   # kernel on the TPUs where it measured faster (v6e), XLA elsewhere
   m.mlp_impl = "xla"
+  # q, k and v: "three" products, "one" (x @ [Wq Wk Wv] on the fused attention kernel's path, the
+  # same parameters) or "auto" (one on the TPUs where it moved fewer bytes: v6e, v5p)
+  m.qkv_product = "three"
   m.position_init = "normal"  # position table start: "normal" (original) or "sinusoidal" (small models)
   m.query_key_init = "independent"  # "independent" (original) or "shared": W_K starts as W_Q (small models)
   # Encoders after the paper (ModernBERT, NeoBERT, Cramming; configs/modern_base.py). Each key is
@@ -218,7 +221,9 @@ def set_accelerator(config) -> None:
   "auto": XLA's MLP on v5p and v5e, whose steps are bound by the FLOPs the kernel adds, keeping
   the pre-activation alone where remat is "none", "xla_remade"; on v6e, where remat keeps the
   pre-activation, "none" or "dots_kernels", the kernel's backward reads what its forward wrote,
-  "pallas_kept", and elsewhere makes it again, "pallas").
+  "pallas_kept", and elsewhere makes it again, "pallas"). On v6e and v5p q, k and v are one
+  product, x @ [Wq Wk Wv] (qkv_product "auto"; the parameters the same three), where XLA reads
+  x once and the backward makes one weight gradient; on v5e three, where one moved more bytes.
   Attention is bertjax's fused kernel in both phases (attention_impl "auto"): each head's
   [L, L] scores, probabilities and dropout stay in VMEM, where XLA's were half of BERT-Base's
   bytes at length 128 and most of them at 512; it keeps the paper's dropout on attention
@@ -238,6 +243,7 @@ def set_accelerator(config) -> None:
   m.remat_policy = "none"
   m.recompute_mlm_logits = True
   m.mlp_impl = "auto"
+  m.qkv_product = "auto"
   config.mesh.ici_data, config.mesh.ici_fsdp = 1, -1
   m.attention_impl = "auto"
 

@@ -169,14 +169,28 @@ print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tp
                   "counted": hlocost.program_cost(text, attention.splash_flops),
                   "uncounted": hlocost.program_cost(text)}), flush=True)
 config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="pallas_kept",
-                    recompute_mlm_logits=True)
+                    recompute_mlm_logits=True, qkv_product="auto")
 # 80 predictions a row: enough a chip for the MLM scores kernel (mlm_kernel.worth_it: > D / 2).
-text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 80).as_text()
-bwd = next(l for l in text.splitlines() if re.match(r"\s*%fused_attention_bwd[.0-9]* = ", l))
-inside = re.search(r"calls=%([\w.-]+)", bwd)
-body = text.split("%" + inside.group(1) + " ", 1)[1].split("\n}", 1)[0] if inside else ""
+training = train.from_config(config, devices=devices)
+text = aot.compile_train_step(training, 128, 80).as_text()
+
+def kernel(name):
+  line = next(l for l in text.splitlines() if re.match(rf"\s*%{name}[.0-9]* = ", l))
+  inside = re.search(r"calls=%([\w.-]+)", line)
+  body = text.split("%" + inside.group(1) + " ", 1)[1].split("\n}", 1)[0] if inside else ""
+  # The kernel's q, k and v (operands 5-7 after the 3 scalars, segments and biases): made
+  # inside the fusion from its parameters (a slice of a stack or of one product), or
+  # parameters themselves.
+  fused = sum(not re.search(rf"%{re.escape(operand)} = [^\n]* parameter\(", body)
+              for operand in re.findall(r"%([\w.-]+)", re.search(
+                  r"= [^\n]*custom-call\(([^)]*)\)", body).group(1))[5:8]) if body else 0
+  return line, body, fused
+
+bwd, body, bwd_fused = kernel("fused_attention_bwd")
 rows = hlocost.program_rows(text)
 print("fused " + json.dumps({
+    "qkv_product": training.model_config.qkv_product,
+    "fwd_fused_qkv": kernel("fused_attention_fwd")[2],
     "kernels": sorted(set(re.findall(r"fused_attention_[a-z]+", text))),
     # Kernels XLA fused with their operands' slicing count as fusions, by their own estimate.
     "flops": sorted(r["flops"] for r in rows
@@ -184,12 +198,7 @@ print("fused " + json.dumps({
                     and r["op_name"].endswith(("fused_attention_fwd/pallas_call",
                                                "fused_attention_bwd/pallas_call"))),
     "bwd_opcode": re.search(r"[})] (fusion|custom-call)\(", bwd).group(1),
-    # The kernel's q, k and v (operands 5-7 after the 3 scalars, segments and biases): made
-    # inside the fusion from its parameters (a slice of a stack), or parameters themselves.
-    "bwd_fused_qkv": sum(not re.search(rf"%{re.escape(name)} = [^\n]* parameter\(", body)
-                         for name in re.findall(r"%([\w.-]+)", re.search(
-                             r"ROOT [^\n]*custom-call\(([^)]*)\)", body).group(1))[5:8])
-                     if body else 0,
+    "bwd_fused_qkv": bwd_fused,
     "bwd_bytes": [r["hbm_bytes"] for r in rows
                   if r["op_name"].endswith("fused_attention_bwd/pallas_call")
                   and r["opcode"] in ("custom-call", "fusion")],
@@ -314,6 +323,14 @@ def test_the_fused_attention_kernels_compile_into_the_train_step_with_dropout(pr
   assert out["kernels"] == ["fused_attention_bwd", "fused_attention_fwd"]
   per_layer = 2 * 2 * 128 * 128 * 64
   assert out["flops"] == [4 * per_layer, 10 * per_layer], out["flops"]
+
+
+def test_on_v5p_q_k_and_v_are_one_product_whose_thirds_the_forward_kernel_reads_in_place(probes):
+  # qkv_product "auto" is "one" on v5p (train.build settles it for the mesh's chips), and the
+  # forward kernel's q, k and v are slices of that product, computed inside its reads
+  # (attention_kernel._call's `fused`): no copy of each third is written for the kernel.
+  out = probes["fused"]
+  assert out["qkv_product"] == "one" and out["fwd_fused_qkv"] == 3, out
 
 
 def test_the_attention_backward_reads_q_k_and_v_in_the_loop_s_stacks(probes):

@@ -4,6 +4,7 @@ and the same on any mesh. On a CPU the kernels run in Pallas' interpreter; tests
 compiles them for a TPU."""
 
 import dataclasses
+import functools
 import hashlib
 import types
 
@@ -16,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
 from bertjax.model import attention, attention_kernel as ak, dropout
-from bertjax.model.config import BertConfig
+from bertjax.model.config import BertConfig, chosen_qkv
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import sharding
 
@@ -249,7 +250,9 @@ def test_auto_runs_the_kernel_s_arithmetic_by_xla_off_a_tpu_and_xla_s_attention_
       *shapes).mlir_module() for interpret in (True, False) for platform in ("cpu", "tpu")}
   loops = {interpret: lowered[interpret, "cpu"].count("stablehlo.while")
            for interpret in (True, False)}
-  assert loops[True] >= loops[False] + 2, loops  # the grid's and the rows' loops
+  # The grid's loop (and the backward's rows; the forward's are unrolled: its inputs may be
+  # slices of one product, computed inside its reads).
+  assert loops[True] >= loops[False] + 1, loops
   assert "tpu_custom_call" in lowered[False, "tpu"]
   # In a model: "auto" is "fused" at a length the kernel holds, and XLA's attention at another.
   cfg = BertConfig(vocab_size=97, hidden_size=64, num_layers=1, num_heads=2,
@@ -342,3 +345,44 @@ def test_under_a_mesh_the_model_leaves_the_kernel_s_inputs_to_its_shard_map():
   for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads),
                           jax.tree.leaves(expected[1])):
     assert float(jnp.abs(g - e).max()) / scale < 1e-4, jax.tree_util.keystr(path)
+
+
+def test_the_kernel_s_path_makes_q_k_and_v_in_one_product_where_the_heads_are_whole():
+  # qkv_product "one": x read once for the three, one weight gradient and one input gradient in
+  # the backward; under a mesh that splits the heads, three products (the packed output's
+  # thirds would have to be re-placed over the devices). Values and gradients as XLA's
+  # attention, biases moved. "auto" is "one" on v6e and v5p alone.
+  cfg = BertConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=4,
+                   intermediate_size=64, max_position_embeddings=L, hidden_dropout=0.0,
+                   attention_dropout=0.0, attention_impl="auto", qkv_product="one")
+  ids = np.random.default_rng(2).integers(1, 97, (8, L))
+  mask = np.ones_like(ids)
+  params = nn.unbox(BertModel(cfg).init(jax.random.key(0), ids)["params"])
+  params = jax.tree.map(lambda x: x + 0.1, params)
+
+  def grads(c, p):
+    return jax.value_and_grad(lambda p: jnp.sum(BertModel(c).apply({"params": p}, ids, mask)[0]
+                                                * jnp.linspace(-1, 1, 32)))(p)
+  packed = f"tensor<8x{L}x96xf32>"
+  products = lambda text: [line for line in text.splitlines()
+                           if "dot_general" in line and packed in line]
+  lowered = lambda c: jax.jit(functools.partial(grads, c)).lower(params).as_text()
+  assert products(lowered(cfg))
+  for setting in ("three", "auto"):  # "auto" on a CPU: three
+    assert not products(lowered(dataclasses.replace(cfg, qkv_product=setting))), setting
+  chips = {kind: chosen_qkv("auto", types.SimpleNamespace(device_kind=kind))
+           for kind in ("TPU v6 lite", "TPU v5", "TPU v5 lite", "cpu")}
+  assert chips == {"TPU v6 lite": "one", "TPU v5": "one", "TPU v5 lite": "three",
+                   "cpu": "three"}, chips
+  (value, got), (value_xla, expected) = grads(cfg, params), grads(
+      dataclasses.replace(cfg, attention_impl="xla"), params)
+  np.testing.assert_allclose(value, value_xla, rtol=1e-5)
+  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(g, e, atol=2e-4, rtol=1e-3, err_msg=jax.tree_util.keystr(path))
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  split = jax.jit(sharding.logical_context(mesh)(functools.partial(grads, cfg)))
+  assert not products(split.lower(params).as_text())
+  # A key shared with the query starts as its weights, from the same parameters either way.
+  shared = BertModel(dataclasses.replace(cfg, query_key_init="shared")).init(
+      jax.random.key(0), ids)["params"]["encoder"]["layer_0"]["attention"]
+  assert np.array_equal(nn.unbox(shared["key"]["kernel"]), nn.unbox(shared["query"]["kernel"]))

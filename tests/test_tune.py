@@ -50,6 +50,10 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
       "xla", "xla_remade", "pallas"]  # "pallas_kept" under "none" (phase 1)
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {}, v5p)] == [
       "xla", "pallas", "pallas_kept"]  # "xla_remade" under remat "none" on v5p
+  # q, k and v: the product count "auto" does not give the chips, or both without a chip.
+  assert [c["model.qkv_product"] for c in tune.candidates("qkv", base, {})] == ["three", "one"]
+  for chip, other in ((v6e, "three"), (v5p, "three"), ("TPU v5 lite", "one")):
+    assert tune.candidates("qkv", base, {}, chip) == [{"model.qkv_product": other}], chip
   rows = tune.candidates("rows", config, {})
   assert [c["train.batch_size"] for c in rows] == [2 * config.train.batch_size,
                                                    4 * config.train.batch_size]

@@ -245,9 +245,10 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
   """`outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention` turns them
   back); or 3 and a fourth, float32 [B, 3, N * K], the three summed over positions. `fused`:
   for each of `inputs`, whether XLA may compute it inside the kernel's reads of it (Pallas'
-  allow_input_fusion). In the scanned layers' backward q, k and v are slices of the loop's
-  stacks of saved residuals: fused, the kernel reads them where they lie, where otherwise each
-  was first copied out whole for the kernel (a custom call's operand is a buffer of its own).
+  allow_input_fusion). q, k and v may be slices: of the scanned loop's stacks of saved
+  residuals in the backward, of one product's output (qkv_product "one"). Fused, the kernel
+  reads them where they lie, where each was first copied out whole (a custom call's operand
+  is a buffer of its own); whole arrays moved the same bytes either way.
   The kernel then reads its rows at constant offsets (`_row_loop`'s `unrolled`): with a traced
   row index libtpu 0.0.42 fails a RET_CHECK on such an operand."""
   # [B, L, N * K], as the projections write it: lane-dense. Heads first ([B, N, L, K]) took a
@@ -296,7 +297,7 @@ def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_windo
   # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
   return _call(_forward_kernel, "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key,
                seg, bias, rate=rate, local_window=local_window, size=size, flops=4,
-               interpret=interpret)
+               interpret=interpret, fused=(True, True, True))
 
 
 def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,

@@ -83,6 +83,21 @@ def chosen_remat(policy: str, device) -> str:
           else "dots_kernels")
 
 
+# q, k and v as one product, x @ [Wq Wk Wv] (the same three parameters, joined in the step), on
+# the chips where compiling found it moves fewer HBM bytes: v6e and v5p. On v5e XLA copied the
+# product's thirds out for the attention kernel and wrote the joined gradient whole before its
+# products, more bytes than three products (docs/performance.md, "q, k and v in one product").
+QKV_ONE_PRODUCT_ON = ("TPU v6 lite", "TPU v5")
+
+
+def chosen_qkv(setting: str, device) -> str:
+  """What qkv_product `setting` means on `device`: "auto" settled (QKV_ONE_PRODUCT_ON), another
+  setting as it is."""
+  if setting != "auto":
+    return setting
+  return "one" if getattr(device, "device_kind", "") in QKV_ONE_PRODUCT_ON else "three"
+
+
 ATTENTION_IMPLS = attention.IMPLS
 CUDNN_PACKINGS = ("mask", "segments")
 POSITION_INITS = ("normal", "sinusoidal")
@@ -91,6 +106,7 @@ NORM_POSITIONS = ("post", "pre")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("dense", "gated")
 MLP_IMPLS = ("xla", "xla_remade", "pallas", "pallas_kept", "auto")
+QKV_PRODUCTS = ("three", "one", "auto")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
 # Each field's roles, stated once on the field (`_field(default, *roles)`); the tuples below are
@@ -143,6 +159,11 @@ class BertConfig:
   scan_unroll: int = 1  # scanned layers per iteration of the compiled loop (nn.scan's unroll)
   remat_policy: str = _field("none", "inherited")
   attention_impl: str = _field("xla", "inherited")
+  # "three" (a product each for q, k and v), "one" (x @ [Wq Wk Wv] where the fused attention
+  # kernel reads them, its biases apart, and no mesh axis splits the heads: x read once, one
+  # weight gradient and one input gradient; elsewhere three) or "auto" (chosen_qkv: "one" on
+  # the TPUs where it moved fewer bytes). The parameters are the same three either way.
+  qkv_product: str = "three"
   cudnn_packing: str = "mask"  # packed rows on cuDNN: "mask" (a bias) or "segments" (attention.py)
   # Pre-training scores the MLM logits where they are made and recomputes them in the backward
   # instead of keeping them (heads.decoded_scores): fewer HBM bytes, one more head matmul. On a
@@ -205,6 +226,7 @@ class BertConfig:
       problems.append(f"type_vocab_size={self.type_vocab_size} must be >= 0 (0: no segment table)")
     for name, allowed in (("norm_position", NORM_POSITIONS), ("norm_type", NORM_TYPES),
                           ("mlp_type", MLP_TYPES), ("mlp_impl", MLP_IMPLS),
+                          ("qkv_product", QKV_PRODUCTS),
                           ("position_embedding", POSITION_EMBEDDINGS)):
       if getattr(self, name) not in allowed:
         problems.append(f"{name}={getattr(self, name)!r}; choose one of {allowed}")

@@ -21,9 +21,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import attention, attention_kernel, dropout, residuals
+from bertjax.model import attention, attention_kernel, dropout, primitives, residuals
 from bertjax.model.attention import apply_rope, rope_tables
-from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_remat
+from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.mlp import Mlp
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
 from bertjax.parallel import sharding
@@ -83,6 +83,16 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
+def _heads_split() -> bool:
+  """Whether the mesh in scope splits the attention heads over more than one device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return False
+  axes = nn.logical_to_mesh_axes(("activation_heads",))[0]
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  return any(a is not None and dict(mesh.shape)[a] > 1 for a in axes)
+
+
 class SelfAttention(nn.Module):
   """Multi-head self-attention with its output projection (before the residual).
 
@@ -106,27 +116,20 @@ class SelfAttention(nn.Module):
                query_positions=None):
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
-    names = ("embed", "heads", "kv")
-    bias = cfg.attention_bias
     # The fused kernel reads the heads side by side, [B, L, N * K], as one 2-D product writes
     # them: q, k and v stay so (`flat`), with no copy between the products and the kernel.
     # Their biases too, unless RoPE comes between: the kernel adds them as it reads q, k and v,
     # so no biased copy of each is written (and made again under remat "dots").
     kernel = cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks
     apart = dict(flat=True, bias_apart=rope is None) if kernel else {}
-    query = dense(cfg, shape, names, "query", use_bias=bias)
     at_queries = ((lambda a: a) if query_positions is None
                   else lambda a: attention.gather_positions(a, query_positions))
-    q_BxLxNxK = query(at_queries(x_BxLxD), **apart)  # L: S with query_positions
-    key_init = None
-    if cfg.query_key_init == "shared" and self.is_initializing():
-      # A copy (not the same array): the train step donates every buffer of the state once.
-      w_DxNxK = nn.meta.unbox(query.variables["params"]["kernel"])
-      key_init = lambda rng, shape, dtype: jnp.array(w_DxNxK, dtype=dtype, copy=True)
-    k_BxLxNxK = dense(cfg, shape, names, "key", kernel_init=key_init, use_bias=bias)(
-        x_BxLxD, **apart)
-    v_BxLxNxK = dense(cfg, shape, ("embed", "heads", "kv"), "value", use_bias=bias)(
-        x_BxLxD, **apart)
+    # One product for q, k and v (qkv_product "one") where the heads are whole on each device:
+    # split heads would need the packed output's thirds re-placed over the devices first.
+    # "auto": train.build settles it for its mesh's chips; outside it, here.
+    packed = (apart.get("bias_apart") and query_positions is None and not _heads_split()
+              and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
+    q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = self._projections(x_BxLxD, apart, at_queries, packed)
     heads = lambda x: x.reshape(x.shape[:2] + shape)  # [B, L, N * K] -> [B, L, N, K]
     biases = None
     if apart.get("bias_apart"):
@@ -173,7 +176,32 @@ class SelfAttention(nn.Module):
           q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["mask"], is_local, window, query_positions,
           cfg.attention_dropout, rng)
     return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
-                 use_bias=bias)(out_BxLxNxK, flat=kernel)
+                 use_bias=cfg.attention_bias)(out_BxLxNxK, flat=kernel)
+
+  def _projections(self, x_BxLxD, apart: dict, at_queries, packed: bool):
+    """q, k and v by Dense's `apart` options (L: S for q with query positions); with `packed`
+    the thirds of one product, each with its bias apart. The parameters are the same."""
+    cfg = self.config
+    shape, names = (cfg.num_heads, cfg.head_size), ("embed", "heads", "kv")
+    bias = cfg.attention_bias
+    query = dense(cfg, shape, names, "query", use_bias=bias)
+    # Called first: a key shared with the query starts as the query's initialised weights.
+    q = query(x_BxLxD, weights_only=True) if packed else query(at_queries(x_BxLxD), **apart)
+    key_init = None
+    if cfg.query_key_init == "shared" and self.is_initializing():
+      # A copy (not the same array): the train step donates every buffer of the state once.
+      w_DxNxK = nn.meta.unbox(query.variables["params"]["kernel"])
+      key_init = lambda rng, shape, dtype: jnp.array(w_DxNxK, dtype=dtype, copy=True)
+    key = dense(cfg, shape, names, "key", kernel_init=key_init, use_bias=bias)
+    value = dense(cfg, shape, names, "value", use_bias=bias)
+    if not packed:
+      return q, key(x_BxLxD, **apart), value(x_BxLxD, **apart)
+    ws, bs = zip(q, *(m(x_BxLxD, weights_only=True) for m in (key, value)))
+    w = jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=1)
+    qkv = primitives.product(cfg, x_BxLxD, w, None, (2,), cfg.compute_dtype)
+    width = w.shape[1] // 3
+    return tuple((qkv[..., j * width:(j + 1) * width], None if b is None else b.reshape(-1))
+                 for j, b in enumerate(bs))
 
   def _kernel(self, q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, is_local, window: int,
               biases, deterministic: bool):

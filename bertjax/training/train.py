@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
 from bertjax.model import losses, mlp_kernel
-from bertjax.model.config import BertConfig, chosen_remat
+from bertjax.model.config import BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.heads import BertForPreTraining
 from bertjax.parallel import sharding
 from bertjax.training import optimizer as optimizer_lib
@@ -384,9 +384,10 @@ def build(model_config: BertConfig, train_config: TrainConfig,
   """Mesh, model, optimizer, shardings and the jitted functions. Checks sizes before compiling."""
   mesh = sharding.create_mesh(mesh_config, devices)
   model_config = mlp_kernel.resolved(model_config, mesh)
-  remat = chosen_remat(model_config.remat_policy, mesh.devices.flat[0])
-  if remat != model_config.remat_policy:
-    model_config = dataclasses.replace(model_config, remat_policy=remat)
+  chip = mesh.devices.flat[0]
+  model_config = dataclasses.replace(
+      model_config, remat_policy=chosen_remat(model_config.remat_policy, chip),
+      qkv_product=chosen_qkv(model_config.qkv_product, chip))
   sharding.check_model_fits(model_config, mesh)
   sharding.check_batch_size(train_config.batch_size, mesh, train_config.num_microbatches)
   rules = mesh_config.logical_axis_rules
