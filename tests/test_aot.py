@@ -266,6 +266,19 @@ def test_tiny_config_fits_a_v5p_8(tmp_path):
   assert 0.9 * hbm <= sum(figures["hbm_gb_by_part"].values()) <= 1.0001 * hbm, figures
 
 
+def test_each_part_of_the_step_is_named_by_its_instructions_op_names():
+  layer = "jit(train_step)/transpose(jvp(BertForPreTraining))/bert/encoder/layer_3/attention/"
+  named = {roofline.part_of({"op_name": layer + tail, "opcode": "fusion"}): tail for tail in (
+      "attention._kernel/shard_map/cond/branch_0_fun/fused_attention_bwd/pallas_call",
+      "attention._projections/dot_general", "query/dot_general", "output/dot_general")}
+  assert set(named) == {"attention kernel (backward)", "attention projections (backward)"}, named
+  forward = roofline.part_of({"op_name": layer.replace("transpose(jvp(", "jvp((") + "key/add",
+                              "opcode": "fusion"})
+  assert forward == "attention projections", forward
+  assert roofline.part_of({"op_name": "", "opcode": "copy-start"}) == (
+      "copies between memories (unnamed)")
+
+
 def test_the_splash_kernel_compiles_into_the_train_step_for_v5p(probes):
   # The tiny config at length 128 (the kernel's block), 3 layers scanned (one compiled layer):
   # the step's program holds the Pallas kernels themselves (Mosaic custom calls), forward and

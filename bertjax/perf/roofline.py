@@ -334,8 +334,9 @@ def check_cost_model(devices, tolerance: float = 0.05, size: int = 4096,
 _PARTS = (("attention dropout bits", r"/attention/.*(threefry|_where|broadcast_in_dim|shift)"),
           ("attention scores and softmax", r"/attention/(bqnk|bnqs|sub|exp|reduce_max|div|ge"
                                            r"|jit\(_where\)|select|add|convert_element_type)"),
-          ("attention projections", r"/attention/(query|key|value|output)"),
-          ("attention kernel", r"splash|dot_product_attention"),
+          # attention._projections: q, k and v as one product (qkv_product "one").
+          ("attention projections", r"/attention/(query|key|value|output|attention\._projections)"),
+          ("attention kernel", r"splash|dot_product_attention|fused_attention"),
           ("MLP", r"/mlp/"), ("hidden dropout", r"[Dd]ropout"), ("LayerNorm", r"layer_norm"),
           ("embeddings", r"/embeddings/"), ("MLM head", r"/mlm/|cls/predictions"),
           ("NSP head and pooler", r"/nsp|/pooler"),
