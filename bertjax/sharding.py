@@ -6,5 +6,5 @@ from bertjax.parallel.sharding import (BATCH_AXES, DEFAULT_RULES, MESH_AXES, Mes
                                        batch_axis_size, batch_sharding, check_auto_axes,
                                        check_batch_size, check_model_fits, check_spec_divides,
                                        create_mesh, fill_sizes, host_batch_to_global,
-                                       logical_context, logical_shardings, mesh_shape,
-                                       replicated, rules_from_config)
+                                       logical_context, logical_shardings, logical_shards,
+                                       mesh_shape, replicated, rules_from_config)

@@ -135,9 +135,11 @@ def candidates(dimension: str, config, best: dict, device_kind: str = "") -> lis
             for impl in ("xla",) + remade + ("pallas", "pallas_kept")
             if impl not in (now, current.model.mlp_impl)]
   if dimension == "qkv":
-    now = {current.model.qkv_product, chosen_qkv(current.model.qkv_product, chip)}
+    now = current.model.qkv_product
+    if device_kind:
+      now = chosen_qkv(now, chip)
     return [{**best, "model.qkv_product": p} for p in ("three", "one")
-            if p not in (now if device_kind else {current.model.qkv_product})]
+            if p not in (now, current.model.qkv_product)]
   raise Refusal(f"--dimensions: unknown setting {dimension!r}; choose from "
                 f"{', '.join(DIMENSIONS + OPTIONAL_DIMENSIONS)}")
 

@@ -83,16 +83,6 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
-def _heads_split() -> bool:
-  """Whether the mesh in scope splits the attention heads over more than one device."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return False
-  axes = nn.logical_to_mesh_axes(("activation_heads",))[0]
-  axes = axes if isinstance(axes, tuple) else (axes,)
-  return any(a is not None and dict(mesh.shape)[a] > 1 for a in axes)
-
-
 class SelfAttention(nn.Module):
   """Multi-head self-attention with its output projection (before the residual).
 
@@ -127,7 +117,8 @@ class SelfAttention(nn.Module):
     # One product for q, k and v (qkv_product "one") where the heads are whole on each device:
     # split heads would need the packed output's thirds re-placed over the devices first.
     # "auto": train.build settles it for its mesh's chips; outside it, here.
-    packed = (apart.get("bias_apart") and query_positions is None and not _heads_split()
+    packed = (apart.get("bias_apart") and query_positions is None
+              and sharding.logical_shards("activation_heads") == 1
               and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
     q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = self._projections(x_BxLxD, apart, at_queries, packed)
     heads = lambda x: x.reshape(x.shape[:2] + shape)  # [B, L, N * K] -> [B, L, N, K]

@@ -17,15 +17,14 @@ the kernel runs in Pallas' interpreter (tests), and elsewhere XLA's arithmetic (
 from __future__ import annotations
 
 import functools
-import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.model import mlp_kernel
+from bertjax.parallel import sharding
 
 _F32 = jnp.float32
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (W's transpose)
@@ -174,15 +173,6 @@ def worth_it(predictions: int, width: int) -> bool:
   return 2 * predictions > width
 
 
-def _batch_shards() -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return 1
-  axes = nn.logical_to_mesh_axes(("activation_batch",))[0]
-  axes = (axes,) if isinstance(axes, str) else (axes or ())
-  return math.prod(dict(mesh.shape)[a] for a in axes)
-
-
 def on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, xla):
   """`scores` of [B, M] predictions by the kernel on a TPU (also a TPU program compiled on a CPU
   host) where a device holds enough predictions (`worth_it`), run on each device's rows under
@@ -194,7 +184,8 @@ def on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, xla):
     return tuple(f[:, None] for f in figures)
 
   def tpu(x_BxMxD, w_VxD, bias_V, labels_BxM):
-    if not worth_it(labels_BxM.size // _batch_shards(), x_BxMxD.shape[-1]):
+    shards = sharding.logical_shards("activation_batch")
+    if not worth_it(labels_BxM.size // shards, x_BxMxD.shape[-1]):
       return xla(x_BxMxD, w_VxD, bias_V, labels_BxM)
     figures = mlp_kernel.per_device(
         kernel, (x_BxMxD.reshape(-1, x_BxMxD.shape[-1]), labels_BxM.reshape(-1, 1)),

@@ -215,6 +215,17 @@ def logical_context(mesh: Mesh | AbstractMesh | None = None, rules: Rules | None
         yield
 
 
+def logical_shards(name: str) -> int:
+  """How many ways the mesh in scope splits the logical axis `name` (1 without a mesh): the
+  product of the sizes of the mesh axes the rules in scope map it to."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = nn.logical_to_mesh_axes((name,))[0]
+  axes = (axes,) if isinstance(axes, str) else (axes or ())
+  return math.prod(dict(mesh.shape)[a] for a in axes if a is not None)
+
+
 def batch_axis_size(mesh: Mesh) -> int:
   """Number of ways the batch dimension is split (data x fsdp)."""
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
