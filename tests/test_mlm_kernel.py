@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.model import heads, losses, mlm_kernel
 
@@ -54,6 +55,38 @@ def test_a_device_with_many_predictions_makes_a_call_for_each_group(monkeypatch)
   run = lambda x: mlm_kernel.scores(x, w, bias, labels, interpret=True)
   calls = [e for e in jax.make_jaxpr(run)(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
   assert [e.invars[1].aval.shape[0] for e in calls] == [104, 104, 96]  # 300 in three
+  logits = jnp.einsum("rd,vd->rv", x, w, preferred_element_type=jnp.float32) + bias
+  for got, want in zip(run(x), losses.figures(logits, labels)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_blocks_fit_a_core_s_vmem_on_every_tpu_and_are_halved_where_it_is_small(monkeypatch):
+  # Every released step's predictions a chip (BERT-Base and -Large at 128 and 512, 64 rows a
+  # chip on v4-8 and v5p-8, 32 on v5e-8 and v6e-8): with Mosaic's room, a call fits the core's
+  # VMEM as jax gives it. The sizes that fit v5p's 64 MiB took 18.3 MiB of v4's 16 in
+  # BERT-Base's step (the compile refused it); v5p, v5e and v6e keep them whole.
+  whole = (mlm_kernel.MAX_ROWS, mlm_kernel.ROW_BLOCKS[0], mlm_kernel.VOCAB_BLOCK)
+  for chip in ("v4", "v5p", "v5e", "v6e"):
+    vmem = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(chip), 1).vmem_capacity_bytes
+    for rows, predictions, width in ((64, 20, 768), (64, 20, 1024), (64, 76, 768),
+                                     (64, 76, 1024), (32, 76, 1024)):
+      calls, largest, block = sizes = mlm_kernel._sizes(rows * predictions, 30522, width, 2, vmem)
+      need = mlm_kernel._need(min(calls, rows * predictions), largest, block, width, 2, True)
+      assert int(need * 1.25) + (2 << 20) <= vmem, (chip, rows, predictions, width, sizes)
+      assert (sizes == whole) == (chip != "v4"), (chip, sizes)
+  # Halved, the same scores: a VMEM that holds a quarter of the test's sizes and no more takes
+  # calls of at most 64 predictions, blocks of 32 and vocabulary blocks of 128 (their least).
+  monkeypatch.setattr(mlm_kernel, "MAX_ROWS", 256)
+  monkeypatch.setattr(mlm_kernel, "ROW_BLOCKS", (128, 64, 32, 8))
+  monkeypatch.setattr(mlm_kernel, "VOCAB_BLOCK", 512)
+  x, w, bias, labels = _arrays(150, 600, 32, jnp.float32)
+  small = int(mlm_kernel._need(64, 32, 128, 32, 4, True) * 1.25) + (2 << 20)
+  assert mlm_kernel._sizes(150, 600, 32, 4, 1 << 30) == (256, 128, 512)
+  assert mlm_kernel._sizes(150, 600, 32, 4, small) == (64, 32, 128)
+  run = lambda x: mlm_kernel.scores(x, w, bias, labels, interpret=True, vmem=small)
+  calls = [e for e in jax.make_jaxpr(run)(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
+  # 150 in three calls of 56, 56 and 38 (the last padded to two blocks of 32).
+  assert [e.invars[1].aval.shape[0] for e in calls] == [56, 56, 64]
   logits = jnp.einsum("rd,vd->rv", x, w, preferred_element_type=jnp.float32) + bias
   for got, want in zip(run(x), losses.figures(logits, labels)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.model import mlp_kernel
-from bertjax.parallel import sharding
+from bertjax.parallel import platforms, sharding
 
 _F32 = jnp.float32
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (W's transpose)
@@ -41,6 +41,8 @@ ROW_BLOCKS = (512, 256, 128, 64, 32, 16, 8)
 # group of this many, each reading W once more (BERT-Large's, bf16: 62 MB; one group's float32
 # logits written and read by XLA would be 2 GB).
 MAX_ROWS = 8192
+# The three above are the sizes where a core's VMEM holds them (v5p's 64 MiB, v5e's and v6e's
+# 128); on a chip with less (v4's 16 MiB) they are halved together until a call fits (`_sizes`).
 # A padded vocabulary column's bias: its exp is 0 against any real logit, and finite, so the
 # running largest and sum never meet inf - inf.
 _PAD = -1e30
@@ -48,6 +50,37 @@ _PAD = -1e30
 
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
+
+
+def _need(rows_total: int, rows: int, vocab_block: int, width: int, item: int,
+          tail: bool) -> int:
+  """A call's VMEM in bytes: the running figures of all its predictions (an [R, 1] float32
+  array fills a 128-lane tile a row), the double-buffered blocks of x and W (and the tail's),
+  the logits' block and its kin in float32, the labels' block."""
+  return (3 * rows_total * 128 * 4 + 2 * (rows * width + vocab_block * width) * item
+          + 3 * rows * vocab_block * 4 + 2 * rows * 128 * 4 + tail * vocab_block * width * item)
+
+
+def _limit(need: int, vmem: int) -> int:
+  # Room for Mosaic's own temporaries, within the core's VMEM.
+  return min(int(need * 1.25) + (16 << 20), vmem)
+
+
+def _sizes(rows_total: int, vocab: int, width: int, item: int, vmem: int):
+  """(predictions a call at most, a block of them at most, vocabulary columns a block):
+  MAX_ROWS, ROW_BLOCKS[0] and VOCAB_BLOCK, halved together until a call's blocks and Mosaic's
+  room (`_limit`'s quarter, 2 MiB more) fit a core's VMEM of `vmem` bytes. v5p, v5e and v6e take
+  them whole for every released config; v4's 16 MiB takes a quarter (W read in more blocks,
+  the predictions' states read once a block)."""
+  calls, rows, block = MAX_ROWS, ROW_BLOCKS[0], VOCAB_BLOCK
+  while rows > ROW_BLOCKS[-1]:
+    vocab_block = min(block, _round_up(vocab, 128))
+    need = _need(min(calls, _round_up(rows_total, 8)), rows, vocab_block, width, item,
+                 vocab % vocab_block != 0)
+    if int(need * 1.25) + (2 << 20) <= vmem:
+      break
+    calls, rows, block = calls // 2, rows // 2, max(128, block // 2)
+  return calls, rows, min(block, _round_up(vocab, 128))
 
 
 def _kernel(labels_ref, x_ref, w_ref, *refs, rows: int, vocab_block: int, full: int | None):
@@ -82,7 +115,7 @@ def _kernel(labels_ref, x_ref, w_ref, *refs, rows: int, vocab_block: int, full: 
     pl.when(j == full)(lambda: fold(tail_ref[...]))
 
 
-def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
+def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int, vmem: int,
           interpret: bool):
   """(largest logit, sum of exp(logit - largest), label's logit), each [R, 1] float32, for rows
   padded to whole blocks of `rows`; W's whole blocks read in place, its tail (if any) from
@@ -92,16 +125,13 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
   blocks = full + (tail is not None)
   item = x_RxD.dtype.itemsize
   stats = jax.ShapeDtypeStruct((rows_total, 1), _F32)
-  # Every row's running figures resident in VMEM for the whole grid (their block never moves):
-  # an [R, 1] float32 array fills a 128-lane tile a row.
+  # Every row's running figures resident in VMEM for the whole grid (their block never moves).
   whole = pl.BlockSpec((rows_total, 1), lambda j, i: (0, 0), pipeline_mode=pl.Buffered(1))
-  need = (3 * rows_total * 128 * 4 + 2 * (rows * width + vocab_block * width) * item
-          + 3 * rows * vocab_block * 4 + 2 * rows * 128 * 4)
+  need = _need(rows_total, rows, vocab_block, width, item, tail is not None)
   # W's block index stays at its last whole block for the tail's step: no copy is made again.
   w_spec = pl.BlockSpec((vocab_block, width), lambda j, i: (jnp.minimum(j, full - 1), 0))
   tail_specs, tail_args = [], []
   if tail is not None:
-    need += vocab_block * width * item
     tail_specs = [pl.BlockSpec(tail.shape, lambda j, i: (0, 0), pipeline_mode=pl.Buffered(1))]
     tail_args = [tail]
   vocab = blocks * vocab_block
@@ -115,7 +145,7 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
                 pl.BlockSpec((1, vocab_block), lambda j, i: (0, j))],
       out_specs=(whole, whole, whole),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
-                                           vmem_limit_bytes=int(need * 1.25) + (16 << 20)),
+                                           vmem_limit_bytes=_limit(need, vmem)),
       cost_estimate=pl.CostEstimate(
           flops=2 * rows_total * vocab * width, transcendentals=rows_total * vocab,
           bytes_accessed=(blocks * rows_total * (width * item + 4) + vocab * (width * item + 4)
@@ -124,13 +154,16 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
   )(labels_Rx1, x_RxD, w_VxD, *tail_args, bias_1xV)
 
 
-def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
+def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False, vmem: int | None = None):
   """(log Z, the label's logit, the largest logit), each [R] float32, of the logits
   x W^T + b (x and W in the compute dtype, the products in float32), without writing them; in
-  as few calls of at most MAX_ROWS predictions as there can be, of one size (one kernel
-  compiled), W prepared once for all."""
+  as few calls of at most MAX_ROWS predictions as there can be (fewer where a core's VMEM, `vmem`
+  bytes, the chip's by default, is small: `_sizes`), of one size (one kernel compiled), W
+  prepared once for all."""
   rows_total, vocab = x_RxD.shape[0], w_VxD.shape[0]
-  vocab_block = min(VOCAB_BLOCK, _round_up(vocab, 128))
+  vmem = platforms.vmem_bytes() if vmem is None else vmem
+  most, largest, vocab_block = _sizes(rows_total, vocab, x_RxD.shape[1], x_RxD.dtype.itemsize,
+                                      vmem)
   padded_vocab = _round_up(vocab, vocab_block)
   pad = lambda a, n: jnp.pad(a, ((0, n - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
   # W is not copied whole to pad it (BERT-Base's: 47 MB read and written a step, more than the
@@ -148,14 +181,14 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
 
   def group(x_GxD, labels_Gx1):
     count = x_GxD.shape[0]
-    rows = next((r for r in ROW_BLOCKS if count % r == 0),
-                min(ROW_BLOCKS[0], _round_up(count, 8)))
+    rows = next((r for r in ROW_BLOCKS if r <= largest and count % r == 0),
+                min(largest, _round_up(count, 8)))
     padded_rows = _round_up(count, rows)
     figures = _call(pad(x_GxD, padded_rows), w, tail, bias[None, :], pad(labels_Gx1, padded_rows),
-                    rows, vocab_block, interpret)
+                    rows, vocab_block, vmem, interpret)
     return [a[:count, 0] for a in figures]
 
-  calls = -(-rows_total // MAX_ROWS)
+  calls = -(-rows_total // most)
   size = _round_up(-(-rows_total // calls), 8)
   groups = [group(x_RxD[at:at + size], labels_Rx1[at:at + size])
             for at in range(0, rows_total, size)]

@@ -58,6 +58,23 @@ def skip_absent_tpu() -> bool:
   return True
 
 
+# A TensorCore's VMEM where jax names no TPU chip: a CPU runs the kernels in Pallas' interpreter,
+# where VMEM holds anything, so the kernels take the sizes they take on v5e and v6e.
+VMEM_UNKNOWN = 128 << 20
+
+
+def vmem_bytes() -> int:
+  """A TensorCore's VMEM on the TPU chips the step is traced for (the mesh in scope's, set by
+  `jax.set_mesh`, as `bertjax.aot` compiles for a slice on a CPU; else jax's default device),
+  what a Pallas kernel's blocks must fit: v4 16 MiB, v5p 64, v5e and v6e 128. VMEM_UNKNOWN where
+  that is no TPU."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
+  try:  # lazy, like skip_absent_tpu's: a command adds its flags before jax is imported
+    return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+  except ValueError:  # jax 0.10: "Unsupported TPU device kind: cpu"
+    return VMEM_UNKNOWN
+
+
 # XLA flags for GPU hosts, added by every command before jax starts (cli.run). None yet: each
 # candidate waits for its measurement (docs/performance.md, "The next GPU session").
 GPU_XLA_FLAGS: tuple[str, ...] = ()
