@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from bertjax.errors import Refusal
 from bertjax.model import mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
-from bertjax.parallel import sharding
+from bertjax.parallel import platforms, sharding
 
 CFG = BertConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=384,
                  max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -145,6 +146,26 @@ def test_a_gated_mlp_is_refused_with_the_fix():
       BertConfig(mlp_type="gated", hidden_act="silu", mlp_impl=impl)
   with pytest.raises(ValueError, match="mlp_impl='triton'; choose one of"):
     BertConfig(mlp_impl="triton")
+
+
+def test_weights_over_a_core_s_vmem_are_refused_when_traced_with_the_fix(monkeypatch):
+  # BERT-Base's MLP (768 x 3,072 in bf16: 9 MB of weights, 18 MiB with the forward's blocks)
+  # on v4's 16 MiB a core: said when the step is traced for the TPU, not by libtpu's refusal
+  # of the compile. With v5p's 64 MiB the same trace goes through; Pallas' interpreter on a
+  # CPU has no VMEM to fit.
+  *args, _ = _arrays(512, 768, 3072, jnp.bfloat16)
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+  for vmem, refused in ((64 << 20, False), (16 << 20, True)):
+    monkeypatch.setattr(platforms, "vmem_bytes", lambda vmem=vmem: vmem)
+    # A function of its own each time: jit would reuse the first trace.
+    tpu = jax.export.export(jax.jit(lambda *a: mlp_kernel.mlp(*a, ACTIVATIONS["gelu"])),
+                            platforms=["tpu"])
+    if refused:
+      with pytest.raises(Refusal, match=r"needs 1[0-9.]+ MiB, the chips compiled for have 16 "
+                         r"MiB a core; use mlp_impl='auto' or 'xla'"):
+        tpu(*shapes)
+    else:
+      assert "fused_mlp_fwd" in tpu(*shapes).mlir_module()
 
 
 def test_without_mosaic_xla_computes_what_the_kernels_do():

@@ -49,7 +49,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
+from bertjax.errors import Refusal
 from bertjax.model.config import chosen_remat
+from bertjax.parallel import platforms
 
 # The chips where the kernels made the released configs' steps faster by the compile's roofline
 # (device_kind as jax names them): v6e, whose steps XLA's MLP left bound by HBM. On v5p and v5e
@@ -169,9 +171,17 @@ def _whole(shape):
   return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
 
 
-def _vmem_limit(need: int) -> int:
+def _vmem_limit(need: int, interpret: bool) -> int:
   # Mosaic's default scoped limit (16-32 MiB) is below what the weights take; ask for what the
-  # blocks and the step's temporaries need, with room for Mosaic's own.
+  # blocks and the step's temporaries need, with room for Mosaic's own. Weights over the core's
+  # VMEM are said here, at trace time, not by libtpu's refusal minutes into a compile.
+  vmem = platforms.vmem_bytes()
+  if need > vmem and not interpret:
+    raise Refusal(
+        f"mlp_impl='pallas' and 'pallas_kept' hold both of the MLP's weight matrices (and, in "
+        f"the backward, their float32 gradients) in a core's VMEM: this MLP needs "
+        f"{need / 2**20:.1f} MiB, the chips compiled for have {vmem / 2**20:.0f} MiB a core; use "
+        f"mlp_impl='auto' or 'xla'")
   return int(need * 1.25) + (16 << 20)
 
 
@@ -202,7 +212,7 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool, rounde
                 _whole(w2_FxD.shape), _whole(b2_1xD.shape)],
       out_specs=(y_spec, pl.BlockSpec((block, hidden), lambda i: (i, 0))) if kept else y_spec,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                           vmem_limit_bytes=_vmem_limit(need)),
+                                           vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
           flops=4 * tokens * width * hidden, transcendentals=tokens * hidden,
           bytes_accessed=(2 * tokens * width * item + weights + 4 * (hidden + width)
@@ -239,7 +249,7 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act, interpret: b
                + ([pl.BlockSpec((block, hidden), lambda i: (i, 0))] if kept else []),
       out_specs=(tile(), acc((width, hidden)), acc((1, hidden)), acc((hidden, width))),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                           vmem_limit_bytes=_vmem_limit(need)),
+                                           vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
           flops=(8 if kept else 10) * tokens * width * hidden, transcendentals=2 * tokens * hidden,
           bytes_accessed=(3 * tokens * width * item + weights + grads + 4 * hidden
