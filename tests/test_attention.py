@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.model import attention
@@ -211,3 +212,37 @@ def test_a_jax_without_the_private_packed_layout_is_detected_so_the_public_path_
   monkeypatch.setitem(sys.modules, "jax._src.cudnn.fused_attention_stablehlo", None)
   assert attention._private_cudnn_attention() is None  # pylint: disable=protected-access
   assert not attention.cudnn_packed_layout()
+
+
+def test_the_count_of_splash_s_flops_takes_the_blocks_a_local_window_computes():
+  # At length 2,048 in blocks of 512 a window of 128 touches 10 of the 16 [L, L] blocks (each
+  # query block its own and its neighbours'): the kernel computes those alone, and names them
+  # in its call's scope for the roofline (attention.splash_flops), since the compiled program
+  # holds the block map as an elided constant. A full mask computes all 16.
+  for size, window in ((2048, 128), (8192, 128), (8192, 0), (1024, 256)):
+    mask = (splash.LocalMask((size, size), window_size=(window // 2,) * 2, offset=0) if window
+            else splash.FullMask((size, size)))
+    blocks = splash.BlockSizes(block_q=512, block_kv=512, block_kv_compute=512,
+                               block_q_dkv=512, block_kv_dkv=512, block_kv_dkv_compute=512,
+                               use_fused_bwd_kernel=True)
+    kernel = splash.make_splash_mha(splash.MultiHeadMask([mask]), block_sizes=blocks,
+                                    head_shards=1, q_seq_shards=1)
+    assert attention.splash_blocks(size, 512, window) == np.count_nonzero(
+        kernel.fwd_mask_info.block_mask) == np.count_nonzero(kernel.dkv_mask_info.block_mask)
+  length, shape = 2048, (1, 2048, 2, 64)
+  arrays = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3 + [
+      jax.ShapeDtypeStruct((1, length), jnp.int32)]
+  for window, walked in ((128, 10), (0, 16)):
+    run = lambda q, k, v, ids, window=window: attention._splash_local(
+        q, k, v, ids, interpret=True, local_window=window)
+    text = jax.jit(run).trace(*arrays).lower(lowering_platforms=("tpu",)).as_text(
+        debug_info=True)
+    assert f"splash_blocks_{walked}_of_16" in text, window
+    line = (f'%splash_mha_fwd_segmented_residuals.5 = custom-call(), metadata={{op_name='
+            f'"jit(f)/splash_blocks_{walked}_of_16/vmap/splash_mha_fwd/pallas_call"}}')
+    operands = ["bf16[2,2048,64]{2,1,0}"] * 3
+    assert attention.splash_flops(line, operands, "bf16[2,2048,64]") == 4 * 2 * 2048 * 2048 * 64 \
+        * walked / 16
+  # Without the scope (a program compiled before it), every block: an upper bound.
+  assert attention.splash_flops("%splash_mha_fwd.1 = custom-call()", operands, "") == \
+      4 * 2 * 2048 * 2048 * 64

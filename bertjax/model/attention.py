@@ -256,6 +256,17 @@ def splash_block_size(length: int) -> int:
       f"attention_impl='xla'")
 
 
+def splash_blocks(length: int, block: int, local_window: int = 0) -> int:
+  """How many of the [L, L] scores' blocks (`block` a side) the splash kernel computes: all of
+  them, or with a local window those that hold a query and a key within half of it (the kernel's
+  block map skips the others)."""
+  count = length // block
+  half = local_window // 2
+  return sum(1 for i in range(count) for j in range(count)
+             if not local_window or (j * block <= (i + 1) * block - 1 + half
+                                     and (j + 1) * block - 1 >= i * block - half))
+
+
 def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: bool,
                   local_window: int = 0):
   """The kernel on the arrays one device holds: vmapped over the batch, all heads at once."""
@@ -285,8 +296,12 @@ def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: b
     return kernel(q_NxLxK, k_NxLxK, v_NxLxK, splash.SegmentIds(q=ids_L, kv=ids_L))
 
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)
-  out_BxNxLxK = jax.vmap(one)(heads_first(q_BxLxNxK), heads_first(k_BxLxNxK),
-                              heads_first(v_BxLxNxK), segment_ids_BxL)
+  # The blocks the kernel computes, named for the roofline's count (splash_flops): XLA's
+  # analysis cannot see them, and the HLO holds the kernel's block map as an elided constant.
+  with jax.named_scope(f"splash_blocks_{splash_blocks(length, block, local_window)}_of_"
+                       f"{(length // block) ** 2}"):
+    out_BxNxLxK = jax.vmap(one)(heads_first(q_BxLxNxK), heads_first(k_BxLxNxK),
+                                heads_first(v_BxLxNxK), segment_ids_BxL)
   return heads_first(out_BxNxLxK)
 
 
@@ -413,9 +428,12 @@ _SPLASH_FLOPS = {"fwd": 4, "dkv": 8, "dkv_fused": 10, "dq": 6}
 
 def splash_flops(line: str, operand_shapes: list[str], result_shape: str) -> float | None:
   """The FLOPs of a splash kernel's call in a compiled TPU program, which XLA's cost analysis
-  cannot see into (bertjax/perf/hlocost.py asks): from its q and k operands ([..., L, K]) and
-  its kind, named in the call's name by jax; every block counted (a local window's skipped
-  blocks too: an upper bound there). None for any other custom call."""
+  cannot see into (bertjax/perf/hlocost.py asks): from its q and k operands ([..., L, K]), its
+  kind, named in the call's name by jax, and the share of the [L, L] blocks it computes, which
+  `_splash_local` names in the call's scope (`splash_blocks_K_of_N`): all of them for a full
+  mask; for a local window the blocks it touches, the partial ones at its edges whole (46 of
+  256 for a window of 128 at length 8192 in blocks of 512). Without the scope, every block (an
+  upper bound). None for any other custom call."""
   kind = re.search(r"%?splash_mha_(fwd|dkv|dq)", line.split("=", 1)[0])
   arrays = [[int(d) for d in dims.split(",")]
             for shape in operand_shapes
@@ -424,9 +442,12 @@ def splash_flops(line: str, operand_shapes: list[str], result_shape: str) -> flo
   if not kind or len(arrays) < 2:
     return None
   q, k = arrays[0], arrays[1]
+  # The blocks the call computes of all there are: _splash_local names them in a scope.
+  walked = re.search(r"splash_blocks_(\d+)_of_(\d+)", line)
+  share = int(walked.group(1)) / int(walked.group(2)) if walked else 1.0
   name = kind.group(1)
   if name == "dkv":
     grads = [dims for dims in re.findall(r"(?:f32|bf16|f16)\[([\d,]+)\]", result_shape)
              if dims.count(",") >= 2]
     name = "dkv_fused" if len(grads) >= 3 else "dkv"
-  return float(_SPLASH_FLOPS[name] * math.prod(q[:-1]) * k[-2] * q[-1])
+  return float(_SPLASH_FLOPS[name] * math.prod(q[:-1]) * k[-2] * q[-1] * share)
