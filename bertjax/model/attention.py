@@ -257,14 +257,11 @@ def splash_block_size(length: int) -> int:
 
 
 def splash_blocks(length: int, block: int, local_window: int = 0) -> int:
-  """How many of the [L, L] scores' blocks (`block` a side) the splash kernel computes: all of
-  them, or with a local window those that hold a query and a key within half of it (the kernel's
-  block map skips the others)."""
-  count = length // block
-  half = local_window // 2
-  return sum(1 for i in range(count) for j in range(count)
-             if not local_window or (j * block <= (i + 1) * block - 1 + half
-                                     and (j + 1) * block - 1 >= i * block - half))
+  """How many of the [L, L] scores' blocks (`block` a side) the splash kernel computes: all, or
+  those holding a query and a key within half a local window (its block map skips the rest)."""
+  n, half = length // block, local_window // 2
+  return sum(1 for i in range(n) for j in range(n) if not local_window
+             or (j * block <= (i + 1) * block - 1 + half and (j + 1) * block - 1 >= i * block - half))
 
 
 def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: bool,
