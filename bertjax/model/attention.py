@@ -260,8 +260,8 @@ def splash_blocks(length: int, block: int, local_window: int = 0) -> int:
   """How many of the [L, L] scores' blocks (`block` a side) the splash kernel computes: all, or
   those holding a query and a key within half a local window (its block map skips the rest)."""
   n, half = length // block, local_window // 2
-  return sum(1 for i in range(n) for j in range(n) if not local_window
-             or (j * block <= (i + 1) * block - 1 + half and (j + 1) * block - 1 >= i * block - half))
+  near = lambda i, j: j * block <= (i + 1) * block - 1 + half and (j + 1) * block > i * block - half
+  return sum(1 for i in range(n) for j in range(n) if not local_window or near(i, j))
 
 
 def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: bool,
