@@ -93,6 +93,44 @@ ENTRY %main (x: f32[8,128], s: f32[4,8,128], i: s32[]) -> f32[4,8,128] {
 """
 
 
+# One branch a product (4.2 MFLOP, 0.2 MB), the other an elementwise pass (0.26 MFLOP, 3 MB):
+# the program does not say which runs (ModernBERT's global and local layers in one scanned loop).
+CONDITIONAL = """HloModule conditional
+
+%product (p: f32[128,128]) -> f32[128,128] {
+  %p = f32[128,128]{1,0} parameter(0)
+  ROOT %d = f32[128,128]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%pass (p: f32[512,512]) -> f32[128,128] {
+  %p = f32[512,512]{1,0} parameter(0)
+  %a = f32[512,512]{1,0} add(%p, %p)
+  ROOT %s = f32[128,128]{1,0} slice(%a), slice={[0:128], [0:128]}
+}
+
+ENTRY %main (i: s32[], x: f32[128,128], y: f32[512,512]) -> f32[128,128] {
+  %i = s32[] parameter(0)
+  %x = f32[128,128]{1,0} parameter(1)
+  %y = f32[512,512]{1,0} parameter(2)
+  ROOT %c = f32[128,128]{1,0} conditional(%i, %x, %y), branch_computations={%product, %pass}
+}
+"""
+
+
+def test_a_conditional_counts_its_dearest_branch_in_flops_and_in_bytes_and_says_so():
+  cost = hlocost.program_cost(CONDITIONAL)
+  product, elementwise = 2 * 128 ** 3, 512 * 512
+  # The pass's bytes (the branch of most HBM bytes) and the product's FLOPs: an upper bound on
+  # each, named. Counting the pass's alone, its FLOPs, was 16 times short of the product's.
+  assert cost["flops"] == max(product, elementwise), cost
+  assert cost["hbm_bytes"] >= 2 * 512 * 512 * 4, cost
+  assert cost["upper_bound"] == ["c"], cost
+  # Branches that cost alike are no estimate.
+  alike = CONDITIONAL.replace("branch_computations={%product, %pass}",
+                              "branch_computations={%pass, %pass}")
+  assert hlocost.program_cost(alike)["upper_bound"] == []
+
+
 def test_a_prefetched_operand_crosses_hbm_once():
   cost = hlocost.program_cost(PREFETCHED)
   # a read by the copy, b read by the fusion, the result written: three arrays through HBM.

@@ -97,6 +97,8 @@ def _figures(cost: dict, counted_as: str) -> dict:
     out["hbm_gb_by_part"] = cost["by_part"]
   if cost.get("opaque"):  # kernels whose FLOPs nothing could count: the figure is short of them
     out["uncounted_kernels"] = sorted(set(cost["opaque"]))
+  if cost.get("upper_bound"):  # a branch the program alone cannot name, counted by the dearest
+    out["conditionals_counted_by_dearest_branch"] = cost["upper_bound"]
   out["all_layers_counted_as"] = counted_as
   return out
 
