@@ -215,10 +215,12 @@ def test_a_jax_without_the_private_packed_layout_is_detected_so_the_public_path_
 
 
 def test_the_count_of_splash_s_flops_takes_the_blocks_a_local_window_computes():
-  # At length 2,048 in blocks of 512 a window of 128 touches 10 of the 16 [L, L] blocks (each
-  # query block its own and its neighbours'): the kernel computes those alone, and names them
-  # in its call's scope for the roofline (attention.splash_flops), since the compiled program
-  # holds the block map as an elided constant. A full mask computes all 16.
+  # A window of 128 touches 10 of 16 [L, L] blocks of 512 at length 2,048 (each query block its
+  # own and its neighbours'), as the kernel's block map says; the kernel computes those alone,
+  # and names them in its call's scope for the roofline (attention.splash_flops), since the
+  # compiled program holds the map as an elided constant. A local window takes blocks no wider
+  # than itself: 46 of 256 blocks of 128, 18% of the scores where blocks of 512 computed 62%.
+  # A full mask computes all 16 of 512.
   for size, window in ((2048, 128), (8192, 128), (8192, 0), (1024, 256)):
     mask = (splash.LocalMask((size, size), window_size=(window // 2,) * 2, offset=0) if window
             else splash.FullMask((size, size)))
@@ -232,17 +234,19 @@ def test_the_count_of_splash_s_flops_takes_the_blocks_a_local_window_computes():
   length, shape = 2048, (1, 2048, 2, 64)
   arrays = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3 + [
       jax.ShapeDtypeStruct((1, length), jnp.int32)]
-  for window, walked in ((128, 10), (0, 16)):
+  assert attention.splash_block_size(length, 128) == 128
+  assert attention.splash_block_size(length, 0) == attention.splash_block_size(length, 1024) == 512
+  for window, walked, blocks in ((128, 46, 256), (0, 16, 16)):
     run = lambda q, k, v, ids, window=window: attention._splash_local(
         q, k, v, ids, interpret=True, local_window=window)
     text = jax.jit(run).trace(*arrays).lower(lowering_platforms=("tpu",)).as_text(
         debug_info=True)
-    assert f"splash_blocks_{walked}_of_16" in text, window
+    assert f"splash_blocks_{walked}_of_{blocks}" in text, window
     line = (f'%splash_mha_fwd_segmented_residuals.5 = custom-call(), metadata={{op_name='
-            f'"jit(f)/splash_blocks_{walked}_of_16/vmap/splash_mha_fwd/pallas_call"}}')
+            f'"jit(f)/splash_blocks_{walked}_of_{blocks}/vmap/splash_mha_fwd/pallas_call"}}')
     operands = ["bf16[2,2048,64]{2,1,0}"] * 3
     assert attention.splash_flops(line, operands, "bf16[2,2048,64]") == 4 * 2 * 2048 * 2048 * 64 \
-        * walked / 16
+        * walked / blocks
   # Without the scope (a program compiled before it), every block: an upper bound.
   assert attention.splash_flops("%splash_mha_fwd.1 = custom-call()", operands, "") == \
       4 * 2 * 2048 * 2048 * 64

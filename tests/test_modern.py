@@ -129,14 +129,16 @@ def test_local_layer_attention_matches_an_explicit_window():
   assert np.abs(np.asarray(glob) - np.asarray(got))[real].max() > 1e-3
 
 
-def test_splash_local_window_matches_an_explicit_reference_with_packing():
-  """Splash's LocalMask (interpreted on CPU) and its XLA equivalent, packed rows, padding."""
-  length, window = 128, 16
+@pytest.mark.parametrize("length,window", [(128, 16), (512, 128)])
+def test_splash_local_window_matches_an_explicit_reference_with_packing(length, window):
+  """Splash's LocalMask (interpreted on CPU) and its XLA equivalent, packed rows, padding; at
+  512 in four blocks of 128 (a local window's blocks are no wider than it), some skipped."""
   rng = np.random.default_rng(3)
   q, k, v = (jnp.asarray(rng.normal(size=(2, length, 2, 16)), jnp.float32) for _ in range(3))
   seq = np.zeros((2, length), np.int32)
-  seq[0, :40], seq[0, 40:90], seq[0, 90:117] = 1, 2, 3
-  seq[1, :100] = 1
+  at = length // 128  # the same packing, stretched over the length
+  seq[0, :40 * at], seq[0, 40 * at:90 * at], seq[0, 90 * at:117 * at] = 1, 2, 3
+  seq[1, :100 * at] = 1
   mask = (seq > 0).astype(np.int32)
   ids = attention.splash_segment_ids(jnp.asarray(mask), jnp.asarray(seq))
   got = attention.splash_attention(q, k, v, ids, local_window=window)

@@ -5,7 +5,8 @@
             attention dropout): float32 [B, N, L, L] logits and probabilities in memory, any device;
   "cudnn"   cuDNN's fused (flash) attention through jax.nn.dot_product_attention;
   "splash"  the Pallas splash attention kernel on TPU, its interpreter on CPU (slow: tests only);
-            no GPU branch (use "cudnn"). Blockwise, never materialising [L, L].
+            no GPU branch (use "cudnn"). Blockwise, never materialising [L, L]; a local window's
+            blocks outside it skipped.
   "fused"   bertjax.model.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU, XLA on
             a GPU) that computes each head's whole [L, L] in VMEM, dropout on the probabilities
             included (L a multiple of 128, at most 1024);
@@ -16,10 +17,9 @@ attention_dropout=0 with them (a departure from the original's 0.1; launch/READM
 measured effect and the memory saved at L=512).
 
 Each implementation gets the padding and packing masks in the form its kernel reads
-(`attention_masks`). What the XLA path computes at padding query positions (attention over the
-real keys; with packing, uniform over all keys) differs between implementations, and no real token
-ever reads it: keys are masked for every real query, and the heads read real positions only. The
-outputs at real tokens, and so every loss and gradient, agree (tests/test_attention.py).
+(`attention_masks`). What is computed at padding query positions differs between them, and no
+real token ever reads it (keys are masked for every real query, the heads read real positions):
+the outputs at real tokens, and every loss and gradient, agree (tests/test_attention.py).
 
 Shape letters as in bertjax/model/encoder.py: B batch, L length, N heads, K head size.
 """
@@ -244,10 +244,11 @@ def splash_equivalent(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, local_wi
   return jax.nn.dot_product_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, mask=same_Bx1xLxL)
 
 
-def splash_block_size(length: int) -> int:
-  """The kernel's block along the sequence; raises, naming the fix, when L does not fit."""
+def splash_block_size(length: int, local_window: int = 0) -> int:
+  """The kernel's block along the sequence (for a local window, within it: 384 keys a query
+  where blocks of 512 compute 1,536); raises, naming the fix, when L does not fit."""
   for block in SPLASH_BLOCKS:
-    if length % block == 0:
+    if length % block == 0 and block <= max(local_window or block, SPLASH_BLOCKS[-1]):
       return block
   raise Refusal(
       f"attention_impl='splash' needs a sequence length that is a multiple of "
@@ -268,7 +269,7 @@ def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: b
                   local_window: int = 0):
   """The kernel on the arrays one device holds: vmapped over the batch, all heads at once."""
   _, length, heads, head_size = q_BxLxNxK.shape
-  block = splash_block_size(length)
+  block = splash_block_size(length, local_window)
   # One backward kernel for dq, dk and dv: q k^T and the probabilities' gradient are computed once
   # instead of once per gradient kernel (5 matmuls of the backward pass, not 7). Its dq comes in
   # one partial per kv block, L / block of them (1 up to L = 512).
@@ -426,11 +427,10 @@ _SPLASH_FLOPS = {"fwd": 4, "dkv": 8, "dkv_fused": 10, "dq": 6}
 def splash_flops(line: str, operand_shapes: list[str], result_shape: str) -> float | None:
   """The FLOPs of a splash kernel's call in a compiled TPU program, which XLA's cost analysis
   cannot see into (bertjax/perf/hlocost.py asks): from its q and k operands ([..., L, K]), its
-  kind, named in the call's name by jax, and the share of the [L, L] blocks it computes, which
-  `_splash_local` names in the call's scope (`splash_blocks_K_of_N`): all of them for a full
-  mask; for a local window the blocks it touches, the partial ones at its edges whole (46 of
-  256 for a window of 128 at length 8192 in blocks of 512). Without the scope, every block (an
-  upper bound). None for any other custom call."""
+  kind, named in the call's name by jax, and the share of the [L, L] blocks it computes, named
+  in the call's scope by `_splash_local` (`splash_blocks_K_of_N`; a local window's partial
+  blocks counted whole): without the scope, every block (an upper bound). None for any other
+  custom call."""
   kind = re.search(r"%?splash_mha_(fwd|dkv|dq)", line.split("=", 1)[0])
   arrays = [[int(d) for d in dims.split(",")]
             for shape in operand_shapes
