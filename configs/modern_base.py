@@ -5,9 +5,9 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
-Compile check without a TPU (8 microbatches and full remat, as set: 40 of 95 GiB a chip on a
-v5p-8's 4 chips in both phases, 4,600 and 7,094 model TFLOP a step, 5.6 and 8.6 s at 45% MFU;
-without them 4608 rows of 1024 need 1,423 GiB a chip; a larger slice can drop them):
+Compile check without a TPU (8 microbatches and full remat, as set: 36.5 of 95 GiB a chip on a
+v5p-8's 4 chips in both phases, 4,600 and 7,094 model TFLOP a step, roofline MFU 0.765 and
+0.725; without them 4608 rows of 1024 need 1,423 GiB a chip; a larger slice can drop them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
 Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152: 149,014,272 parameters in the encoder;
 no NSP, 30% masking, packed rows, warmup-stable-decay. The rest of the shape and what differs
@@ -59,7 +59,11 @@ def get_config(arg=None):
   m.global_every = 3
   m.local_window = 128
   m.dtype = "bfloat16"
-  m.scan_layers = True
+  # Straight layers: in one scanned loop the global and local layers are a conditional the
+  # compile's count can only bound (every layer its dearest branch), and straight the step moved
+  # fewer bytes for the same FLOPs (docs/performance.md, "ModernBERT-base, compiled"); a run
+  # resumes in either layout (training/relayout.py).
+  m.scan_layers = False
   m.attention_impl = "splash"
   m.remat_policy = "full"  # with 8 microbatches: fits a v5p-8 (module docstring)
 

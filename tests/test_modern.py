@@ -232,8 +232,10 @@ def test_modern_base_has_modernbert_base_parameter_count():
   shapes = jax.eval_shape(lambda: BertForPreTraining(cfg).init(
       jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
-  # Scanned, layer 0 carries the 768 scales of the norm it bypasses (model.py).
-  encoder = count(shapes["bert"]) - cfg.hidden_size
+  # Scanned, layer 0 carries the 768 scales of the norm it bypasses (model.py); the config's
+  # layers are straight.
+  assert not cfg.scan_layers
+  encoder = count(shapes["bert"])
   with torch.device("meta"):
     theirs = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig())
   assert transformers.ModernBertConfig().num_hidden_layers == cfg.num_layers

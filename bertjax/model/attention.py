@@ -43,8 +43,7 @@ from bertjax.model import attention_kernel, dropout
 
 
 IMPLS = ("xla", "cudnn", "splash", "fused", "auto")
-# The splash kernel works on blocks of the sequence whose kv side must be a multiple of the TPU's
-# 128 lanes; larger blocks are fewer grid steps. The largest of these dividing L is used.
+# Splash's blocks of the sequence: multiples of the TPU's 128 lanes, larger ones fewer grid steps.
 SPLASH_BLOCKS = (512, 256, 128)
 # The segment id of padding tokens for splash: no real token carries it (sequence ids are >= 0),
 # so a real query never attends to padding, even when a caller numbers a real sequence 0.
@@ -245,8 +244,8 @@ def splash_equivalent(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, local_wi
 
 
 def splash_block_size(length: int, local_window: int = 0) -> int:
-  """The kernel's block along the sequence (for a local window, within it: 384 keys a query
-  where blocks of 512 compute 1,536); raises, naming the fix, when L does not fit."""
+  """The kernel's block along the sequence (a local window's within it: 384 keys a query, not
+  1,536 in blocks of 512); raises, naming the fix, when L does not fit."""
   for block in SPLASH_BLOCKS:
     if length % block == 0 and block <= max(local_window or block, SPLASH_BLOCKS[-1]):
       return block
@@ -270,12 +269,13 @@ def _splash_local(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, interpret: b
   """The kernel on the arrays one device holds: vmapped over the batch, all heads at once."""
   _, length, heads, head_size = q_BxLxNxK.shape
   block = splash_block_size(length, local_window)
-  # One backward kernel for dq, dk and dv: q k^T and the probabilities' gradient are computed once
-  # instead of once per gradient kernel (5 matmuls of the backward pass, not 7). Its dq comes in
-  # one partial per kv block, L / block of them (1 up to L = 512).
+  # One backward kernel for dq, dk and dv (5 matmuls, not 7), whose dq comes in L / block partials
+  # (1 up to L = 512): a local window's narrow blocks would make 64 at 8,192 (7 GB a ModernBERT
+  # layer), so it takes dq's kernel of its own.
+  dq = {"block_q_dq": block, "block_kv_dq": block} if local_window else {}
   sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                             block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                            use_fused_bwd_kernel=True)
+                            use_fused_bwd_kernel=not local_window, **dq)
   # The static mask: everything, or the sliding window (whose blocks beyond it the kernel
   # skips); the segment ids carry padding and packing.
   if local_window:
