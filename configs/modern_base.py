@@ -5,9 +5,10 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
-Compile check without a TPU (8 microbatches and full remat, as set: 36.5 of 95 GiB a chip on a
-v5p-8's 4 chips in both phases, 4,600 and 7,094 model TFLOP a step, roofline MFU 0.765 and
-0.725; without them 4608 rows of 1024 need 1,423 GiB a chip; a larger slice can drop them):
+Compile check without a TPU (12 microbatches and remat "dots", as set: 62.8 of 95 GiB a chip on
+a v5p-8's 4 chips in both phases, 4,600 and 7,094 model TFLOP a step, roofline MFU 0.809 and
+0.794; with neither, 4608 rows of 1024 needed 1,423 GiB a chip; a larger slice needs fewer
+microbatches, and a batch that divides over its chips and them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
 Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152: 149,014,272 parameters in the encoder;
 no NSP, 30% masking, packed rows, warmup-stable-decay. The rest of the shape and what differs
@@ -65,7 +66,10 @@ def get_config(arg=None):
   # resumes in either layout (training/relayout.py).
   m.scan_layers = False
   m.attention_impl = "splash"
-  m.remat_policy = "full"  # with 8 microbatches: fits a v5p-8 (module docstring)
+  # The matmuls' outputs kept, in 12 microbatches: fits a v5p-8 (63 of 95 GiB a chip), where
+  # full remat in 8 made the forward again for 0.765 and 0.725 by the roofline (docs/performance.md,
+  # "ModernBERT-base, compiled"). 12 divide both phases' batches over 4 chips and over 8.
+  m.remat_policy = "dots"
 
   d = config.data
   d.max_seq_length = 1024 if phase == 1 else 8192
@@ -73,7 +77,7 @@ def get_config(arg=None):
 
   t = config.train
   t.batch_size = 4608 if phase == 1 else 576  # rows of 1024 (ModernBERT's final batch) / 8192
-  t.num_microbatches = 8
+  t.num_microbatches = 12
   t.num_train_steps = 350_000 if phase == 1 else 50_000
   t.learning_rate = 8e-4 if phase == 1 else 3e-4
   t.warmup_steps = 3_000 if phase == 1 else 500
