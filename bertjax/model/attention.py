@@ -246,9 +246,9 @@ def splash_equivalent(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, local_wi
 def splash_block_size(length: int, local_window: int = 0) -> int:
   """The kernel's block along the sequence (a local window's within it: 384 keys a query, not
   1,536 in blocks of 512); raises, naming the fix, when L does not fit."""
-  for block in SPLASH_BLOCKS:
-    if length % block == 0 and block <= max(local_window or block, SPLASH_BLOCKS[-1]):
-      return block
+  widest = max(local_window, SPLASH_BLOCKS[-1]) if local_window else SPLASH_BLOCKS[0]
+  for block in (b for b in SPLASH_BLOCKS if length % b == 0 and b <= widest):
+    return block
   raise Refusal(
       f"attention_impl='splash' needs a sequence length that is a multiple of "
       f"{SPLASH_BLOCKS[-1]} (the kernel's smallest block); got {length}. Set data.max_seq_length "

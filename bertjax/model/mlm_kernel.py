@@ -61,26 +61,20 @@ def _need(rows_total: int, rows: int, vocab_block: int, width: int, item: int,
           + 3 * rows * vocab_block * 4 + 2 * rows * 128 * 4 + tail * vocab_block * width * item)
 
 
-def _limit(need: int, vmem: int) -> int:
-  # Room for Mosaic's own temporaries, within the core's VMEM.
-  return min(int(need * 1.25) + (16 << 20), vmem)
-
-
 def _sizes(rows_total: int, vocab: int, width: int, item: int, vmem: int):
   """(predictions a call at most, a block of them at most, vocabulary columns a block):
   MAX_ROWS, ROW_BLOCKS[0] and VOCAB_BLOCK, halved together until a call's blocks and Mosaic's
-  room (`_limit`'s quarter, 2 MiB more) fit a core's VMEM of `vmem` bytes. v5p, v5e and v6e take
-  them whole for every released config; v4's 16 MiB takes a quarter (W read in more blocks,
-  the predictions' states read once a block)."""
+  room (`platforms.vmem_limit`'s quarter, 2 MiB more) fit a core's VMEM of `vmem` bytes, or the
+  blocks are the least. v5p, v5e and v6e take them whole for every released config; v4's 16 MiB
+  takes a quarter (W read in more blocks, the predictions' states read once a block)."""
   calls, rows, block = MAX_ROWS, ROW_BLOCKS[0], VOCAB_BLOCK
-  while rows > ROW_BLOCKS[-1]:
+  while True:
     vocab_block = min(block, _round_up(vocab, 128))
     need = _need(min(calls, _round_up(rows_total, 8)), rows, vocab_block, width, item,
                  vocab % vocab_block != 0)
-    if int(need * 1.25) + (2 << 20) <= vmem:
-      break
+    if int(need * 1.25) + (2 << 20) <= vmem or rows <= ROW_BLOCKS[-1]:
+      return calls, rows, vocab_block
     calls, rows, block = calls // 2, rows // 2, max(128, block // 2)
-  return calls, rows, min(block, _round_up(vocab, 128))
 
 
 def _kernel(labels_ref, x_ref, w_ref, *refs, rows: int, vocab_block: int, full: int | None):
@@ -145,7 +139,7 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
                 pl.BlockSpec((1, vocab_block), lambda j, i: (0, j))],
       out_specs=(whole, whole, whole),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
-                                           vmem_limit_bytes=_limit(need, vmem)),
+                                           vmem_limit_bytes=platforms.vmem_limit(need, vmem)),
       cost_estimate=pl.CostEstimate(
           flops=2 * rows_total * vocab * width, transcendentals=rows_total * vocab,
           bytes_accessed=(blocks * rows_total * (width * item + 4) + vocab * (width * item + 4)

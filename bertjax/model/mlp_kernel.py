@@ -172,9 +172,8 @@ def _whole(shape):
 
 
 def _vmem_limit(need: int, interpret: bool) -> int:
-  # Mosaic's default scoped limit (16-32 MiB) is below what the weights take; ask for what the
-  # blocks and the step's temporaries need, with room for Mosaic's own. Weights over the core's
-  # VMEM are said here, at trace time, not by libtpu's refusal minutes into a compile.
+  # Weights over a core's VMEM are said here, at trace time, not by libtpu's refusal minutes
+  # into a compile.
   vmem = platforms.vmem_bytes()
   if need > vmem and not interpret:
     raise Refusal(
@@ -182,7 +181,7 @@ def _vmem_limit(need: int, interpret: bool) -> int:
         f"the backward, their float32 gradients) in a core's VMEM: this MLP needs "
         f"{need / 2**20:.1f} MiB, the chips compiled for have {vmem / 2**20:.0f} MiB a core; use "
         f"mlp_impl='auto' or 'xla'")
-  return int(need * 1.25) + (16 << 20)
+  return platforms.vmem_limit(need, vmem)
 
 
 def _sizes(x_NxD, w1_DxF, block_of):

@@ -75,6 +75,13 @@ def vmem_bytes() -> int:
     return VMEM_UNKNOWN
 
 
+def vmem_limit(need: int, vmem: int | None = None) -> int:
+  """The scoped VMEM a Pallas kernel asks Mosaic for (its default, 16-32 MiB, is below what
+  bertjax's kernels hold): the `need` of its blocks and temporaries, a quarter more and 16 MiB
+  for Mosaic's own, within a core's VMEM (`vmem`, the chip's by default)."""
+  return min(int(need * 1.25) + (16 << 20), vmem_bytes() if vmem is None else vmem)
+
+
 # XLA flags for GPU hosts, added by every command before jax starts (cli.run). None yet: each
 # candidate waits for its measurement (docs/performance.md, "The next GPU session").
 GPU_XLA_FLAGS: tuple[str, ...] = ()

@@ -248,16 +248,17 @@ def program_rows(hlo_text: str, opaque_flops: OpaqueFlops | None = None,
       lambda name: instruction_costs(hlo_text, name, opaque_flops))
   out = []
 
+  def runs(row: dict) -> int:  # how often a row's callees run each time it does
+    return (row["trips"] or default_trips) if row["opcode"] == "while" else 1
+
   @functools.lru_cache(maxsize=None)
   def whole(computation: str, key: str) -> float:
     """`key` of a computation with all it runs (a conditional's dearest branch)."""
     cost = 0.0
     for row in costed(computation):
-      callees = [c for c in row["calls"] if c in comps]
-      inner = [whole(c, key) for c in callees]
-      cost += row[key] + (max(inner, default=0.0) if row["opcode"] == "conditional" else
-                          sum(inner) * ((row["trips"] or default_trips)
-                                        if row["opcode"] == "while" else 1))
+      inner = [whole(c, key) for c in row["calls"] if c in comps]
+      cost += row[key] + (max(inner, default=0.0) if row["opcode"] == "conditional"
+                          else sum(inner) * runs(row))
     return cost
 
   def visit(computation: str, times: int) -> None:
@@ -275,9 +276,8 @@ def program_rows(hlo_text: str, opaque_flops: OpaqueFlops | None = None,
         if extra > 0:
           out.append(dict(row, name=row["name"] + ".dearest_flops", flops=extra, calls=[],
                           times=times, computation=computation, upper_bound=True))
-      inner = times * ((row["trips"] or default_trips) if row["opcode"] == "while" else 1)
       for callee in callees:
-        visit(callee, inner)
+        visit(callee, times * runs(row))
 
   visit(hlotext.entry_name(hlo_text), 1)
   return out
