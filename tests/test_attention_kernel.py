@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import attention, attention_kernel as ak, dropout
+from bertjax.model import attention, attention_kernel as ak, dropout, rope
 from bertjax.model.config import BertConfig, chosen_qkv
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import sharding
@@ -386,3 +386,36 @@ def test_the_kernel_s_path_makes_q_k_and_v_in_one_product_where_the_heads_are_wh
   shared = BertModel(dataclasses.replace(cfg, query_key_init="shared")).init(
       jax.random.key(0), ids)["params"]["encoder"]["layer_0"]["attention"]
   assert np.array_equal(nn.unbox(shared["key"]["kernel"]), nn.unbox(shared["query"]["kernel"]))
+
+
+@pytest.mark.parametrize("window", [0, 64])
+def test_rope_turns_q_and_k_inside_the_kernels_as_xla_does_before_them(window):
+  # ModernBERT's RoPE in the kernel (`turn`): values and the gradients of q, k, v and the biases
+  # those of XLA's turn (rope.apply_rope, after the biases) and attention written out; a row's
+  # positions restart at each packed sequence.
+  q, k, v, do, seg = _inputs(4)
+  r = np.random.default_rng(9)
+  biases = jnp.asarray(r.normal(size=(3, N * K)), jnp.float32)
+  positions = jnp.asarray(np.where(np.arange(L) < 50, np.arange(L), np.arange(L) - 50)[None]
+                          .repeat(B, 0))
+  cos, sin = rope.rope_tables(positions, K, 500.0)
+  turn = (positions, rope.lane_frequencies(K, N, 500.0))
+
+  def by_hand(q, k, v, biases):
+    q, k, v = (x + b.reshape(N, K) for x, b in zip((q, k, v), biases))
+    return _by_hand(rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin), v, seg, None,
+                    0.0, window)
+
+  real = np.asarray(seg >= 0)
+  do = do * real[:, :, None, None]
+  expected, pull_ref = jax.vjp(by_hand, q, k, v, biases)
+  for xla in (False, True):  # the kernels in Pallas' interpreter; `reference` by XLA
+    got, pull = jax.vjp(lambda *a: ak.fused_attention(
+        *a[:3], seg, local_window=window, biases=a[3], turn=turn, interpret_on_cpu=not xla),
+                        q, k, v, biases)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=2e-5)
+    for name, g, e in zip(("q", "k", "v", "biases"), pull(do), pull_ref(do)):
+      np.testing.assert_allclose(g, e, atol=1e-4, err_msg=f"d{name}")
+  # and the turn did turn: without it the values differ
+  plain = ak.fused_attention(q, k, v, seg, local_window=window, biases=biases)
+  assert float(jnp.abs(plain - expected)[real].max()) > 0.1

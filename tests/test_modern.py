@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bertjax.model import attention
-from bertjax.model.attention import apply_rope, rope_tables
+from bertjax.model.rope import apply_rope, rope_tables
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel, SelfAttention
 from bertjax.model.heads import BertForPreTraining

@@ -338,28 +338,6 @@ def splash_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, local_win
   return mapped(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL)
 
 
-def rope_tables(position_ids_BxL: jax.Array, head_size: int, theta: float):
-  """(cos, sin) [B, L, K] float32 of rotary embeddings for the given positions.
-
-  Dimension i of the first half pairs with dimension i + K/2 (the "rotate half" layout of
-  GPT-NeoX and Hugging Face's ModernBERT, so that imported q/k weights need no permutation),
-  turning at frequency theta^(-2i/K).
-  """
-  inv_freq_H = 1.0 / theta ** (np.arange(0, head_size, 2, dtype=np.float64) / head_size)
-  angle_BxLxH = position_ids_BxL.astype(jnp.float32)[..., None] * inv_freq_H.astype(np.float32)
-  angle_BxLxK = jnp.concatenate([angle_BxLxH, angle_BxLxH], axis=-1)
-  return jnp.cos(angle_BxLxK), jnp.sin(angle_BxLxK)
-
-
-def apply_rope(x_BxLxNxK: jax.Array, cos_BxLxK: jax.Array, sin_BxLxK: jax.Array) -> jax.Array:
-  """x rotated by its positions' angles, in float32 and back to x's dtype."""
-  x = x_BxLxNxK.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  out = x * cos_BxLxK[:, :, None, :] + rotated * sin_BxLxK[:, :, None, :]
-  return out.astype(x_BxLxNxK.dtype)
-
-
 def select_local(is_local, local_value, global_value):
   """jnp.where for a traced choice; the value itself for a static one (no broadcast to both)."""
   if isinstance(is_local, (bool, np.bool_)):

@@ -25,18 +25,11 @@ projections' biases come in apart (`biases`) and are added as the kernel reads q
 products' outputs, which remat "dots" keeps, go in as they are, and no biased copy of each is
 written (and, under remat, made again). The backward sums dq, dk and dv over positions as it
 writes them (the biases' gradients), and the forward writes its output's bits (what remat keeps).
+With RoPE (`turn`), q and k are turned after their biases, in VMEM (rope.py).
 
-The dropout's bits. A kernel cannot read a mask it did not write, so it draws its keep decisions
-itself, and the backward draws them again: threefry-2x32 (jax.random's default generator, its
-`threefry2x32_p` primitive, which Mosaic lowers inside a kernel) keyed by the
-layer's dropout key, on counters made of the element's global row, head, query and key. Each
-evaluation's two 32-bit words give four 16-bit pieces, four decisions (rate quantised to 1/65536
-as bertjax.model.dropout): piece p of the evaluation at (query group g, key j) decides
-(query p * L/4 + g, key j), so the four [L/4, L] pieces stack along the queries (whole (8, 128)
-tiles, no lane shuffles). Not the bits of attention_impl="xla" (whose pieces run along the keys),
-but the same on every device kind and mesh: the decisions depend on the key and each element's
-global (row, head, query, key) alone. On a GPU, where there is no Mosaic, `reference` computes
-the same arithmetic with XLA.
+The dropout's bits: each kernel draws its keep decisions itself (dropout.keep_decisions; the same
+on every device kind and mesh). On a GPU, where there is no Mosaic, `reference` computes the same
+arithmetic with XLA.
 
 A kernel is one device's program: under a mesh it runs in shard_map over the activations' batch
 and heads axes, each device on its rows and heads, with their global numbers for the counters.
@@ -52,11 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.extend import random as jex_random
 from jax.sharding import PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import dropout, residuals
+from bertjax.model import dropout, residuals, rope
+from bertjax.model.dropout import keep_decisions, key_words
 
 MULTIPLE = 128  # keys lie along the TPU's 128 lanes
 MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB each at 1024
@@ -65,23 +58,8 @@ MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB 
 ROW_BYTES = 8 << 20
 _F32, _U32 = jnp.float32, jnp.uint32
 _T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
-_PIECES = 4  # keep decisions a threefry evaluation gives (dropout.decisions)
 BIG_NEGATIVE = 0.7 * float(np.finfo(np.float32).min)  # a masked score, as the XLA path
 
-
-def keep_decisions(k1, k2, row, head, length: int, rate: float):
-  """Boolean [..., L, L]: which attention probabilities of (row, head) survive dropout at
-  `rate`. `row` and `head` are uint32 arrays broadcasting together (scalars in the kernel,
-  [B, 1, 1, 1] and [1, N, 1, 1] for a whole batch)."""
-  group = length // _PIECES
-  shape = jnp.broadcast_shapes(jnp.shape(row), jnp.shape(head))[:-2] + (group, length)
-  g = jax.lax.broadcasted_iota(_U32, shape, len(shape) - 2)
-  j = jax.lax.broadcasted_iota(_U32, shape, len(shape) - 1)
-  # One counter per (row, head, query group, key): x2 < N * L^2 / 4, far below 2**32.
-  x2 = (head * _U32(group) + g) * _U32(length) + j
-  # jax's own threefry primitive: XLA computes it, and Mosaic has a lowering of its own for it.
-  y1, y2 = jex_random.threefry2x32_p.bind(k1, k2, jnp.broadcast_to(row, shape), x2)
-  return jnp.concatenate(dropout.decisions(y1, y2, rate), axis=-2)
 
 
 def fits(length: int) -> bool:
@@ -137,18 +115,22 @@ def _head_lanes(width: int, size: int, n: int):
 
 def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body,
               unrolled: bool = False):
-  """body(i, global row, the block's first global head, allowed [L, L]) for each row of the
-  block; the segments' mask made once a row. `unrolled`: i a constant in each copy of the body,
-  which an operand XLA computes inside the kernel's reads needs (`_call`'s `fused`)."""
+  """body(i, global row, the block's first global head, allowed [L, L], positions [L, 1]
+  float32 or None) for each row of the block; the segments' mask made once a row, and with RoPE
+  (`seg_ref` [rows, 2, L]: segments, positions) the positions' column. `unrolled`: i a constant
+  in each copy of the body, which an operand XLA computes inside the kernel's reads needs
+  (`_call`'s `fused`)."""
   block = seg_ref.shape[0]
   # Read outside the loop: the interpreter wants it so.
   first_row = pl.program_id(0) * block
   first_head = (first_head_ref[0] + pl.program_id(1) * heads).astype(_U32)
 
   def per_row(i, carry):
-    seg_k = seg_ref[i]
+    ids = seg_ref[i]
+    seg_k = ids[0:1]
+    pos = _column(ids[1:2]).astype(_F32) if ids.shape[0] > 1 else None
     body(i, rows_ref[first_row + i].astype(_U32), first_head,
-         _allowed(_column(seg_k), seg_k, local_window))
+         _allowed(_column(seg_k), seg_k, local_window), pos)
     return carry
   jax.lax.fori_loop(0, block, per_row, 0, unroll=unrolled)
 
@@ -173,17 +155,22 @@ def _probabilities_kept(q, k, allowed, row, head, key_ref, rate: float, scale: f
                            p.shape[-1], rate)
 
 
-def _biased(bias_ref, *blocks):
+def _biased(bias_ref, pos, size: int, *blocks):
   """A row's q, k and v blocks each with its bias added (float32 [3, width] in `bias_ref`, its
-  values those of the compute dtype, so the sum rounds as XLA's `product + bias` does)."""
-  return tuple((x.astype(_F32) + bias_ref[j:j + 1, :]).astype(x.dtype)
-               for j, x in enumerate(blocks))
+  values those of the compute dtype, so the sum rounds as XLA's `product + bias` does), then
+  with `pos` q and k turned (RoPE: row 3 of `bias_ref` the lanes' frequencies); and the angles."""
+  q, k, v = ((x.astype(_F32) + bias_ref[j:j + 1, :]).astype(x.dtype)
+             for j, x in enumerate(blocks))
+  if pos is None:
+    return q, k, v, None
+  angle = pos * bias_ref[3:4, :]
+  return rope.turned(q, angle, size), rope.turned(k, angle, size), v, angle
 
 
 def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
                     o_ref, *, rate, local_window, scale, size, unrolled):
-  def body(i, row, first_head, allowed):
-    q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
+  def body(i, row, first_head, allowed, pos):
+    q, k, v, _ = _biased(bias_ref, pos, size, q_ref[i], k_ref[i], v_ref[i])
     zero = jnp.zeros((), q.dtype)
 
     def head(n, mine):
@@ -202,8 +189,8 @@ def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref
                      size, unrolled):
   # `sums_ref`: each row's dq, dk and dv summed over its positions (the biases' gradients), here
   # where they are in VMEM: XLA read each from HBM again to sum it.
-  def body(i, row, first_head, allowed):
-    q, k, v = _biased(bias_ref, q_ref[i], k_ref[i], v_ref[i])
+  def body(i, row, first_head, allowed, pos):
+    q, k, v, angle = _biased(bias_ref, pos, size, q_ref[i], k_ref[i], v_ref[i])
     do = do_ref[i]
     zero = jnp.zeros((), q.dtype)
 
@@ -217,8 +204,11 @@ def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref
       return (jnp.dot(ds, k, preferred_element_type=_F32),
               jnp.dot(ds.T, q, preferred_element_type=_F32), dv)
     heads = q_ref.shape[2] // size
-    for j, (ref, value) in enumerate(zip((dq_ref, dk_ref, dv_ref),
-                                         _per_head(heads, size, q.shape[-1], head))):
+    grads = _per_head(heads, size, q.shape[-1], head)
+    if angle is not None:  # turned q's and k's gradients, rounded as XLA's would be, turned back
+      grads = (*(rope.turned_back(g.astype(q.dtype).astype(_F32), angle, size)
+                 for g in grads[:2]), grads[2])
+    for j, (ref, value) in enumerate(zip((dq_ref, dk_ref, dv_ref), grads)):
       ref[i] = value.astype(ref.dtype)
       sums_ref[i, j:j + 1, :] = jnp.sum(ref[i].astype(_F32), axis=0, keepdims=True)
   _row_loop(local_window, seg_ref, rows_ref, first_head_ref, q_ref.shape[2] // size, body,
@@ -242,7 +232,8 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 
 def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
           local_window, size, flops, interpret, fused=()):
-  """`outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention` turns them
+  """`seg` int32 [B, 1, L] (segments; [B, 2, L] with positions: RoPE), `bias` float32 [3, N * K]
+  (values of the inputs' dtype; [4, ...] with the lanes' RoPE frequencies). `outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention` turns them
   back); or 3 and a fourth, float32 [B, 3, N * K], the three summed over positions. `fused`:
   for each of `inputs`, whether XLA may compute it inside the kernel's reads of it (Pallas'
   allow_input_fusion). q, k and v may be slices: of the scanned loop's stacks of saved
@@ -275,8 +266,8 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
       out_shape=(shape,) * outputs + sums_shape * sums,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3, grid=(rows // block, heads // group),
-          in_specs=[pl.BlockSpec((block, 1, length), lambda b, h, *_: (b, 0, 0)),
-                    pl.BlockSpec((3, width), lambda b, h, *_: (0, h))]
+          in_specs=[pl.BlockSpec((block, seg.shape[1], length), lambda b, h, *_: (b, 0, 0)),
+                    pl.BlockSpec((bias.shape[0], width), lambda b, h, *_: (0, h))]
           + [tile] * len(inputs),
           out_specs=(tile,) * outputs + sums_spec * sums),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
@@ -284,11 +275,12 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
                                            vmem_limit_bytes=need + (16 << 20)),
       cost_estimate=pl.CostEstimate(
           flops=flops * rows * heads * length * length * size,
-          transcendentals=rows * heads * length * length,
+          # exp of the scores, and with RoPE the angles' cos and sin
+          transcendentals=rows * heads * length * (length + 2 * size * (seg.shape[1] - 1)),
           bytes_accessed=(len(inputs) + outputs) * rows * heads * length * size * item
-          + rows * length * 4 + sums * rows * 3 * heads * size * 4),
+          + seg.size * 4 + sums * rows * 3 * heads * size * 4),
       interpret=interpret, name=name,
-  )(rows_ids, first_head, key, seg, bias.astype(inputs[0].dtype).astype(_F32), *inputs)
+  )(rows_ids, first_head, key, seg, bias, *inputs)
   return result if len(result) > 1 else result[0]
 
 
@@ -313,9 +305,12 @@ def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_wind
   N * K] added to q, k and v first): where there is no Mosaic, and what the tests hold the
   kernels to."""
   rows, length, width = q.shape
-  q, k, v = ((x + b.astype(x.dtype)).reshape(rows, length, width // size, size)
-             for x, b in zip((q, k, v), bias))
-  seg_k = seg[:, :, None, :]  # [B, 1, 1, L]
+  q, k, v = (x + b.astype(x.dtype) for x, b in zip((q, k, v), bias))
+  if seg.shape[1] > 1:  # RoPE, as the kernel turns q and k
+    angle = seg[:, 1, :, None].astype(_F32) * bias[3]
+    q, k = (rope.turned(x, angle, size, in_kernel=False) for x in (q, k))
+  q, k, v = (x.reshape(rows, length, width // size, size) for x in (q, k, v))
+  seg_k = seg[:, :1, None, :]  # [B, 1, 1, L]
   allowed = _allowed(jnp.swapaxes(seg_k, -1, -2), seg_k, local_window)
   # Each row's heads (axis 1 of its [L, N, K]), then each row: p [B, N, L, L].
   p = jax.vmap(jax.vmap(functools.partial(_probabilities, scale=1.0 / np.sqrt(size)),
@@ -360,7 +355,7 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
 
   def run(*args):
     rows_ids, heads_ids, key, seg, bias = args[len(arrays):]
-    return fn(rows_ids, heads_ids[:1], key, seg[:, None, :], bias, *args[:len(arrays)])
+    return fn(rows_ids, heads_ids[:1], key, seg, bias, *args[:len(arrays)])
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -369,7 +364,7 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
       ("activation_batch", "activation_length", "activation_heads"))
   qkv = PartitionSpec(batch, None, heads)  # whole heads a device: N divides over `heads`' axis
   specs = (PartitionSpec(batch), PartitionSpec(heads), PartitionSpec(None),
-           PartitionSpec(batch, None), PartitionSpec(None, heads))
+           PartitionSpec(batch, None, None), PartitionSpec(None, heads))
   return jax.shard_map(
       run, mesh=mesh, in_specs=(qkv,) * len(arrays) + specs,
       out_specs=(*(qkv,) * outputs, PartitionSpec(batch, None, heads)) if outputs > 1 else qkv,
@@ -377,60 +372,64 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
       check_vma=False)(*arrays, *ids)
 
 
-def _ids(q_BxLxNK, segment_ids_BxL, key, bias, size: int):
+def _ids(q_BxLxNK, segment_ids_BxL, key, bias, turn, size: int):
+  """`_per_device`'s ids: the segments [B, 1, L] and the biases float32 [3, N * K], with RoPE's
+  positions [B, 2, L] and the lanes' frequencies [4, N * K] (`_call`'s `seg` and `bias`)."""
   rows, _, width = q_BxLxNK.shape
+  seg = segment_ids_BxL.astype(jnp.int32)[:, None, :]
+  table = bias.astype(q_BxLxNK.dtype).astype(_F32)
+  if turn is not None:
+    seg = jnp.concatenate([seg, turn[0].astype(jnp.int32)[:, None, :]], axis=1)
+    table = jnp.concatenate([table, jnp.reshape(turn[1], (1, width)).astype(_F32)])
   return (jnp.arange(rows, dtype=jnp.int32), jnp.arange(width // size, dtype=jnp.int32),
-          key, segment_ids_BxL.astype(jnp.int32), bias)
+          key, seg, table)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _attention(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
+               size):
   fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window,
                           size=size, interpret_on_cpu=interpret_on_cpu)
   # The kernel writes its output's bits: residuals.named keeps bits through remat, XLA folds the
   # two bitcasts, and the kernel's own output is kept (a float's was copied, by an op).
   return jax.lax.bitcast_convert_type(
-      _per_device(fwd, (q, k, v), _ids(q, segment_ids, key, bias, size), 1), q.dtype)
+      _per_device(fwd, (q, k, v), _ids(q, segment_ids, key, bias, turn, size), 1), q.dtype)
 
 
-def _attention_fwd(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size):
+def _attention_fwd(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
+                   size):
   # Only the inputs are kept: the backward makes the scores and the decisions again.
-  out = _attention(q, k, v, bias, segment_ids, key, rate, local_window, interpret_on_cpu, size)
-  return out, (q, k, v, bias, segment_ids, key)
+  out = _attention(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
+                   size)
+  return out, (q, k, v, bias, segment_ids, key, turn)
 
 
 def _attention_bwd(rate, local_window, interpret_on_cpu, size, saved, do):
-  q, k, v, bias, segment_ids, key = saved
+  q, k, v, bias, segment_ids, key, turn = saved
   bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window,
                           size=size, interpret_on_cpu=interpret_on_cpu)
-  *grads, sums = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, size), 3)
+  *grads, sums = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, turn, size), 3)
   # A bias's gradient is its sum's: the biased q's gradient (the kernel's) summed over positions
   # (by the kernel, a row at a time) and rows.
   dbias = sums.sum(0).astype(bias.dtype)
-  return (*grads, dbias, None, None)
+  return (*grads, dbias, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def key_words(rng) -> jax.Array:
-  """The uint32 pair the kernels' threefry is keyed with, from a jax key (typed or raw; another
-  implementation's key data gives its first two words)."""
-  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    rng = jax.random.key_data(rng)
-  return jax.lax.bitcast_convert_type(rng.reshape(-1)[:2].astype(_U32), jnp.int32)
-
-
 def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
                     rate: float = 0.0, local_window: int = 0, interpret_on_cpu: bool = True,
-                    head_size: int | None = None, biases=None):
+                    head_size: int | None = None, biases=None, turn=None):
   """Softmax(q k^T / sqrt(K)) v within segments (splash's segment ids: attention.
   splash_segment_ids), the probabilities dropped at `rate` by `rng` (a jax key; none at rate 0).
   [B, L, N, K] in and out, or with `head_size` K, [B, L, N * K] (the heads side by side, as a
   projection writes them: what the kernel reads, so no copy comes between); differentiable in
   q, k and v. `biases` ([3, N * K], or one [N * K] each): added to q, k and v inside the kernel,
   so the products' outputs (what remat "dots" keeps) go in as they are and no biased copy is
-  written; differentiable. `local_window` > 0: only keys with |i - j| <= local_window // 2. The
+  written; differentiable. `turn`: (positions [B, L], `rope.lane_frequencies` [N * K]), q and k
+  turned by RoPE after their biases, in the kernel. `local_window` > 0: only keys with
+  |i - j| <= local_window // 2. The
   kernel on a TPU; on a CPU its interpreter, or with `interpret_on_cpu=False` the same arithmetic
   and bits by XLA (as on a GPU)."""
   check_length(q_BxLxNxK.shape[1])
@@ -446,5 +445,5 @@ def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
   bias = (jnp.zeros((3, width), q_BxLxNxK.dtype) if biases is None
           else jnp.stack([jnp.reshape(b, (width,)) for b in biases]))
   out = _attention(flat(q_BxLxNxK), flat(k_BxLxNxK), flat(v_BxLxNxK), bias, segment_ids_BxL,
-                   key, float(rate), int(local_window), bool(interpret_on_cpu), size)
+                   key, turn, float(rate), int(local_window), bool(interpret_on_cpu), size)
   return out.reshape(shape)

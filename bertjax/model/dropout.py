@@ -21,6 +21,17 @@ batch. The inputs guarantee that: fine-tuning orders each global batch before ho
 rows; pre-training's hosts read shards of their own, so its batches (not its masks) change with
 the number of processes.
 
+The fused attention kernel's bits (attention_kernel.py; `keep_decisions`). A kernel cannot read a
+mask it did not write, so it draws its keep decisions itself, and the backward draws them again:
+threefry-2x32 (jax.random's default generator, its `threefry2x32_p` primitive, which Mosaic lowers
+inside a kernel) keyed by the layer's dropout key (`key_words`), on counters made of the element's
+global row, head, query and key. Each evaluation's two 32-bit words give four 16-bit pieces, four
+decisions (the rate quantised as above): piece p of the evaluation at (query group g, key j)
+decides (query p * L/4 + g, key j), so the four [L/4, L] pieces stack along the queries (whole
+(8, 128) tiles, no lane shuffles). Not the bits of attention_impl="xla" (whose pieces run along
+the keys), but the same on every device kind and mesh: the decisions depend on the key and each
+element's global (row, head, query, key) alone.
+
 Keys that are not threefry (an `rbg` or `unsafe_rbg` default implementation) fall back to
 `jax.random.bernoulli`.
 """
@@ -122,3 +133,30 @@ class Dropout(nn.Module):
     if deterministic or self.rate <= 0.0:  # no key drawn: a rate of 0 needs no "dropout" rng
       return x
     return apply(x, self.make_rng("dropout"), self.rate)
+
+
+_PIECES = 4  # keep decisions a threefry evaluation gives (`decisions`)
+_U32 = jnp.uint32
+
+
+def keep_decisions(k1, k2, row, head, length: int, rate: float):
+  """Boolean [..., L, L]: which attention probabilities of (row, head) survive dropout at
+  `rate`. `row` and `head` are uint32 arrays broadcasting together (scalars in the kernel,
+  [B, 1, 1, 1] and [1, N, 1, 1] for a whole batch)."""
+  group = length // _PIECES
+  shape = jnp.broadcast_shapes(jnp.shape(row), jnp.shape(head))[:-2] + (group, length)
+  g = jax.lax.broadcasted_iota(_U32, shape, len(shape) - 2)
+  j = jax.lax.broadcasted_iota(_U32, shape, len(shape) - 1)
+  # One counter per (row, head, query group, key): x2 < N * L^2 / 4, far below 2**32.
+  x2 = (head * _U32(group) + g) * _U32(length) + j
+  # jax's own threefry primitive: XLA computes it, and Mosaic has a lowering of its own for it.
+  y1, y2 = jex_random.threefry2x32_p.bind(k1, k2, jnp.broadcast_to(row, shape), x2)
+  return jnp.concatenate(decisions(y1, y2, rate), axis=-2)
+
+
+def key_words(rng) -> jax.Array:
+  """The uint32 pair the kernels' threefry is keyed with, from a jax key (typed or raw; another
+  implementation's key data gives its first two words)."""
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  return jax.lax.bitcast_convert_type(rng.reshape(-1)[:2].astype(_U32), jnp.int32)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import attention, attention_kernel, dropout, primitives, residuals
-from bertjax.model.attention import apply_rope, rope_tables
+from bertjax.model.rope import apply_rope, lane_frequencies, rope_tables
 from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.mlp import Mlp
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
@@ -108,10 +108,10 @@ class SelfAttention(nn.Module):
     shape = (cfg.num_heads, cfg.head_size)
     # The fused kernel reads the heads side by side, [B, L, N * K], as one 2-D product writes
     # them: q, k and v stay so (`flat`), with no copy between the products and the kernel.
-    # Their biases too, unless RoPE comes between: the kernel adds them as it reads q, k and v,
+    # Their biases too: the kernel adds them as it reads q, k and v (then turns q and k by RoPE),
     # so no biased copy of each is written (and made again under remat "dots").
     kernel = cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks
-    apart = dict(flat=True, bias_apart=rope is None) if kernel else {}
+    apart = dict(flat=True, bias_apart=True) if kernel else {}
     at_queries = ((lambda a: a) if query_positions is None
                   else lambda a: attention.gather_positions(a, query_positions))
     # One product for q, k and v (qkv_product "one") where the heads are whole on each device:
@@ -129,7 +129,15 @@ class SelfAttention(nn.Module):
     if kernel:
       q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = map(heads, (q_BxLxNxK, k_BxLxNxK, v_BxLxNxK))
     is_local = cfg.is_local(layer_id)
-    if rope is not None:
+    turn = None
+    if rope is not None and kernel:
+      # RoPE in the kernel (rope.py): XLA's float32 turns and their relayouts were most of
+      # ModernBERT's bytes.
+      frequencies = lambda theta: lane_frequencies(cfg.head_size, cfg.num_heads, theta)
+      turn = (rope["positions"], attention.select_local(
+          is_local, frequencies(cfg.local_rope_theta or cfg.rope_theta),
+          frequencies(cfg.rope_theta)))
+    elif rope is not None:
       cos_BxLxK, sin_BxLxK = rope["global"]
       if cfg.has_local_layers and "local" in rope:
         pick = attention.select_local
@@ -155,7 +163,7 @@ class SelfAttention(nn.Module):
                                            v_BxLxNxK, masks["segment_ids"])
     elif kernel:
       out_BxLxNxK = self._kernel(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["segment_ids"],
-                                 is_local, window, biases, deterministic)
+                                 is_local, window, biases, deterministic, turn)
     elif cfg.attention_impl == "cudnn":
       run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
       out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
@@ -195,7 +203,7 @@ class SelfAttention(nn.Module):
                  for j, b in enumerate(bs))
 
   def _kernel(self, q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, is_local, window: int,
-              biases, deterministic: bool):
+              biases, deterministic: bool, turn=None):
     """The fused kernel, on the heads side by side ([B, L, N * K]), or its XLA equivalent at init.
 
     "auto": the kernel's arithmetic by XLA on a CPU, not its interpreter; at lengths the kernel
@@ -211,7 +219,7 @@ class SelfAttention(nn.Module):
         if self.is_initializing()
         else attention_kernel.fused_attention(
             q, k, v, ids, rng, rate, local_window=w, head_size=cfg.head_size, biases=biases,
-            interpret_on_cpu=cfg.attention_impl == "fused"))
+            interpret_on_cpu=cfg.attention_impl == "fused", turn=turn))
     out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), flat(q_BxLxNxK),
                                         flat(k_BxLxNxK), flat(v_BxLxNxK), segment_ids_BxL)
     # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
@@ -398,7 +406,8 @@ class BertModel(nn.Module):
         None if sequence_ids is None else jnp.asarray(sequence_ids), cfg.cudnn_packing)
     rope = None
     if cfg.position_embedding == "rope":
-      rope = {"global": rope_tables(position_ids_BxL, cfg.head_size, cfg.rope_theta)}
+      rope = {"global": rope_tables(position_ids_BxL, cfg.head_size, cfg.rope_theta),
+              "positions": position_ids_BxL}
       local_theta = cfg.local_rope_theta or cfg.rope_theta
       if cfg.has_local_layers and local_theta != cfg.rope_theta:
         rope["local"] = rope_tables(position_ids_BxL, cfg.head_size, local_theta)
