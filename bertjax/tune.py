@@ -20,7 +20,7 @@ take hours to compile on a laptop):
              table says so;
   layers     scanned (one compiled layer) or straight code;
   mlp        (asked for by name: --dimensions=...,mlp) XLA's MLP or the fused Pallas kernels
-             (bertjax/model/mlp_kernel.py), the intermediate made again in the backward
+             (bertjax/model/kernels/mlp_kernel.py), the intermediate made again in the backward
              ("pallas") or kept for it ("pallas_kept"); under remat "none" also XLA's keeping
              the pre-activation alone ("xla_remade"); all of them where the config says "auto"
              (one of them is what "auto" gives the slice, the table shows which);
@@ -57,7 +57,8 @@ import bertjax.configs as released_configs
 from bertjax import aot, cli
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
-from bertjax.model import attention, mlp_kernel
+from bertjax.model import attention
+from bertjax.model.kernels import mlp_kernel
 from bertjax.model.config import chosen_qkv, chosen_remat
 from bertjax.parallel import topologies
 from bertjax.perf import roofline

@@ -1,4 +1,4 @@
-"""Attention with dropout in one Pallas kernel (bertjax/model/attention_kernel.py,
+"""Attention with dropout in one Pallas kernel (bertjax/model/kernels/attention_kernel.py,
 `attention_impl="fused"`) against XLA: the same values and gradients, the dropout's bits pinned
 and the same on any mesh. On a CPU the kernels run in Pallas' interpreter; tests/test_aot.py
 compiles them for a TPU."""
@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import attention, attention_kernel as ak, dropout, rope
+from bertjax.model import attention, dropout, rope
+from bertjax.model.kernels import attention_kernel as ak
 from bertjax.model.config import BertConfig, chosen_qkv
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import sharding

@@ -1,4 +1,4 @@
-"""The MLM scores kernel (bertjax/model/mlm_kernel.py: the logits made and read in VMEM, never
+"""The MLM scores kernel (bertjax/model/kernels/mlm_kernel.py: the logits made and read in VMEM, never
 written) against XLA's logits and losses.scores. On a CPU it runs in Pallas' interpreter;
 tests/test_aot.py compiles it into a TPU train step."""
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.model import heads, losses, mlm_kernel
+from bertjax.model import heads, losses
+from bertjax.model.kernels import mlm_kernel
 
 
 def _arrays(rows, vocab, width, dtype):

@@ -1,4 +1,4 @@
-"""The fused MLP kernels (bertjax/model/mlp_kernel.py, `model.mlp_impl="pallas"` and
+"""The fused MLP kernels (bertjax/model/kernels/mlp_kernel.py, `model.mlp_impl="pallas"` and
 "pallas_kept") against the XLA path: the same values and gradients, the same parameters, under a
 mesh too. On a CPU the kernels run in Pallas' interpreter; tests/test_aot.py compiles them for a
 TPU."""
@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import mlp_kernel
+from bertjax.model.kernels import mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import platforms, sharding

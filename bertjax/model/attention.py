@@ -7,7 +7,7 @@
   "splash"  the Pallas splash attention kernel on TPU, its interpreter on CPU (slow: tests only);
             no GPU branch (use "cudnn"). Blockwise, never materialising [L, L]; a local window's
             blocks outside it skipped.
-  "fused"   bertjax.model.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU, XLA on
+  "fused"   bertjax.model.kernels.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU, XLA on
             a GPU) that computes each head's whole [L, L] in VMEM, dropout on the probabilities
             included (L a multiple of 128, at most 1024);
   "auto"    the fused kernel on a TPU, and its arithmetic (the same dropout bits) by XLA on a CPU
@@ -39,7 +39,8 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import attention_kernel, dropout
+from bertjax.model import dropout
+from bertjax.model.kernels import attention_kernel
 
 
 IMPLS = ("xla", "cudnn", "splash", "fused", "auto")

@@ -21,7 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import attention, attention_kernel, dropout, primitives, residuals
+from bertjax.model import attention, dropout, primitives, residuals
+from bertjax.model.kernels import attention_kernel
 from bertjax.model.rope import apply_rope, lane_frequencies, rope_tables
 from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.mlp import Mlp

@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import dropout, losses, mlm_kernel
+from bertjax.model import dropout, losses
+from bertjax.model.kernels import mlm_kernel
 # Picking rows' states at positions is attention's (the encoder's last layer does it too).
 from bertjax.model.attention import gather_positions
 from bertjax.model.config import ACTIVATIONS, BertConfig

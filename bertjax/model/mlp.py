@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import mlp_kernel, residuals
+from bertjax.model import residuals
+from bertjax.model.kernels import mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.primitives import dense, product
 

@@ -45,7 +45,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model import losses, mlp_kernel
+from bertjax.model import losses
+from bertjax.model.kernels import mlp_kernel
 from bertjax.model.config import BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.heads import BertForPreTraining
 from bertjax.parallel import sharding

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.model import mlp_kernel
+from bertjax.model.kernels import mlp_kernel
 from bertjax.parallel import platforms, sharding
 
 _F32 = jnp.float32
