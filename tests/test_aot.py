@@ -131,6 +131,7 @@ for name, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", 
 from bertjax import aot
 from bertjax.configs import tiny
 from bertjax.model import attention
+from bertjax.model.kernels import attention_blocks
 from bertjax.parallel import platforms, sharding, topologies
 from bertjax.perf import hlocost, layercost, roofline
 from bertjax.training import train
@@ -151,8 +152,10 @@ for name in ("v4-8", "v5p-8", "v5e-8", "v6e-8"):
   topology = topologies.parse_topology(name)
   chips = aot.topology_devices(topology)
   with sharding.logical_context(sharding.create_mesh(sharding.MeshConfig(), chips)):
-    vmem = platforms.vmem_bytes()
-  kinds[name] = [chips[0].device_kind, topology.slice_type.generation.device_kind, vmem]
+    vmem, chip = platforms.vmem_bytes(), platforms.tpu_chip()
+    slabs = [attention_blocks.by_slabs(n, 128, 0.0, 1024) for n in (1024, 8192)]
+  kinds[name] = [chips[0].device_kind, topology.slice_type.generation.device_kind, vmem, chip,
+                 slabs]
 print("kinds " + json.dumps(kinds), flush=True)
 config = tiny.get_config()
 # 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
@@ -228,17 +231,25 @@ def test_dcn_mesh_axes_span_the_slices(probes):
 
 
 def test_each_generation_names_the_device_kind_libtpu_gives_its_chips(probes):
-  for name, (libtpu, table, _) in probes["kinds"].items():
+  for name, (libtpu, table, *_) in probes["kinds"].items():
     assert libtpu == table, name
 
 
-def test_the_kernels_read_a_core_s_vmem_from_the_chips_of_the_mesh_in_scope(probes):
+def test_the_kernels_read_a_core_s_vmem_and_chip_from_the_mesh_in_scope(probes):
   # mlm_kernel sizes its blocks by it: on v4 the sizes that fit v5p's 64 MiB needed 18.3 MiB of
   # 16 and BERT-Base's released step did not compile. Outside a TPU mesh (this CPU) no TPU is
   # named, and the kernels run in Pallas' interpreter at v5e's and v6e's sizes.
-  vmem = {name: mib for name, (_, _, mib) in probes["kinds"].items()}
+  vmem = {name: mib for name, (_, _, mib, *_) in probes["kinds"].items()}
   assert vmem == {"v4-8": 16 << 20, "v5p-8": 64 << 20, "v5e-8": 128 << 20, "v6e-8": 128 << 20}
   assert platforms.vmem_bytes() == platforms.VMEM_UNKNOWN
+  # And the chip, by which a local window at lengths the whole-row attention kernel holds runs
+  # by slabs (bound by FLOPs) or whole (v6e, bound by HBM); past it by slabs on every chip.
+  chips = {name: chip for name, (*_, chip, _) in probes["kinds"].items()}
+  assert chips == {"v4-8": "TPU_V4", "v5p-8": "TPU_V5P", "v5e-8": "TPU_V5E", "v6e-8": "TPU_V6E"}
+  slabs = {name: at for name, (*_, at) in probes["kinds"].items()}
+  assert slabs == {"v4-8": [True, True], "v5p-8": [True, True], "v5e-8": [True, True],
+                   "v6e-8": [False, True]}
+  assert platforms.tpu_chip() == ""
 
 
 def test_tiny_config_fits_a_v5p_8(tmp_path):

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
 from bertjax.model import attention, dropout, rope
-from bertjax.model.kernels import attention_kernel as ak
+from bertjax.model.kernels import attention_blocks as blocks, attention_kernel as ak
 from bertjax.model.config import BertConfig, chosen_qkv
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import sharding
@@ -292,6 +292,29 @@ def test_modern_layers_local_and_global_scanned_give_the_xla_path_s_values():
                              atol=2e-5)
 
 
+def test_under_splash_straight_local_layers_past_a_slab_take_the_kernel_s_slabs(monkeypatch):
+  # ModernBERT's phase 2: splash's global layers, and its local layers (straight, the window
+  # within a block) by the fused kernel's slabs with RoPE inside; values those of XLA's path.
+  length = 384
+  cfg = BertConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=2,
+                   intermediate_size=128, max_position_embeddings=length, hidden_dropout=0.0,
+                   attention_dropout=0.0, global_every=2, local_window=32,
+                   position_embedding="rope", local_rope_theta=100.0)
+  ids = np.random.default_rng(4).integers(1, 97, (1, length))
+  mask = np.ones_like(ids)
+  mask[0, 300:] = 0
+  params = nn.unbox(BertModel(cfg).init(jax.random.key(0), ids)["params"])
+  windows, fused = [], ak.fused_attention
+  monkeypatch.setattr(ak, "fused_attention",
+                      lambda *a, **kw: (windows.append(kw["local_window"]), fused(*a, **kw))[1])
+  out = {impl: BertModel(dataclasses.replace(cfg, attention_impl=impl)).apply(
+      {"params": params}, ids, mask)[0] for impl in ("xla", "splash")}
+  assert windows == [32]  # layer 1 alone (layer 0 is global: splash)
+  real = mask.astype(bool)
+  np.testing.assert_allclose(np.asarray(out["splash"])[real], np.asarray(out["xla"])[real],
+                             atol=2e-5)
+
+
 def test_remat_auto_keeps_the_kernels_outputs_and_on_v6e_not_the_mlp_s_pre_activation():
   # "auto" at length 512 (the released configs keep everything since 2026-12-05, faster by the
   # roofline): "dots_kernels" where the steps are bound by FLOPs (v5p, v5e: 0.946 and 0.947
@@ -420,3 +443,51 @@ def test_rope_turns_q_and_k_inside_the_kernels_as_xla_does_before_them(window):
   # and the turn did turn: without it the values differ
   plain = ak.fused_attention(q, k, v, seg, local_window=window, biases=biases)
   assert float(jnp.abs(plain - expected)[real].max()) > 0.1
+
+
+@pytest.mark.parametrize("window", [128, 32])
+def test_a_local_window_at_any_length_runs_by_slabs_as_attention_written_out(window,
+                                                                            monkeypatch):
+  # Past a block's worth, a local window runs by slabs (attention_blocks): 512 is four blocks of
+  # 128 queries, each against its own and its neighbours' keys (clamped at both ends), its dk and
+  # dv added up over three slabs. Values and gradients (q, k, v, biases) are those of attention
+  # written out over the whole row, RoPE turned by XLA before it; in Pallas' interpreter and by
+  # the kernels' XLA arithmetic.
+  length, rows = 512, 2
+  assert blocks.holds_window(length, window, 0.0) and not ak.fits(2048)
+  assert not blocks.holds_window(length, window, RATE)  # dropout: whole rows only
+  r = np.random.default_rng(11)
+  q, k, v, do = (jnp.asarray(r.normal(size=(rows, length, N, K)), jnp.float32) for _ in range(4))
+  ids = np.zeros((rows, length), np.int32)
+  ids[0, :200], ids[0, 200:450], ids[1] = 1, 2, 1  # packed, then padding; one whole sequence
+  seg = attention.splash_segment_ids(jnp.asarray(ids > 0, jnp.int32), jnp.asarray(ids))
+  biases = jnp.asarray(r.normal(size=(3, N * K)), jnp.float32)
+  positions = jnp.asarray(np.where(np.arange(length) < 200, np.arange(length),
+                                   np.arange(length) - 200)[None].repeat(rows, 0))
+  cos, sin = rope.rope_tables(positions, K, 500.0)
+  turn = (positions, rope.lane_frequencies(K, N, 500.0))
+
+  def by_hand(q, k, v, biases):
+    q, k, v = (x + b.reshape(N, K) for x, b in zip((q, k, v), biases))
+    return _by_hand(rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin), v, seg, None,
+                    0.0, window)
+
+  real = np.asarray(seg >= 0)
+  do = do * real[:, :, None, None]
+  expected, pull_ref = jax.vjp(by_hand, q, k, v, biases)
+  for xla in (False, True):
+    got, pull = jax.vjp(lambda *a: ak.fused_attention(
+        *a[:3], seg, local_window=window, biases=a[3], turn=turn, interpret_on_cpu=not xla),
+                        q, k, v, biases)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=2e-5)
+    for name, g, e in zip(("q", "k", "v", "biases"), pull(do), pull_ref(do)):
+      np.testing.assert_allclose(g, e, atol=1e-4, err_msg=f"d{name}")
+  # The slabs' kernels are what ran (not the whole row's, which would give the same values).
+  traced, forward = [], blocks.slab_forward_kernel
+  monkeypatch.setattr(blocks, "slab_forward_kernel",
+                      lambda *a, **kw: (traced.append(1), forward(*a, **kw))[1])
+  ak.fused_attention(q, k, v, seg, local_window=window)
+  assert traced
+  with pytest.raises(Refusal, match="at most 1024"):
+    ak.fused_attention(*(jnp.zeros((1, 2048, N, K)),) * 3, jnp.zeros((1, 2048), jnp.int32),
+                       jax.random.key(0), RATE, local_window=window)

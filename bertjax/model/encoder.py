@@ -20,9 +20,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bertjax.model import attention, dropout, primitives, residuals
-from bertjax.model.kernels import attention_kernel
+from bertjax.model.kernels import attention_blocks, attention_kernel
 from bertjax.model.rope import apply_rope, lane_frequencies, rope_tables
 from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.mlp import Mlp
@@ -107,20 +108,13 @@ class SelfAttention(nn.Module):
                query_positions=None):
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
-    # The fused kernel reads the heads side by side, [B, L, N * K], as one 2-D product writes
-    # them: q, k and v stay so (`flat`), with no copy between the products and the kernel.
-    # Their biases too: the kernel adds them as it reads q, k and v (then turns q and k by RoPE),
-    # so no biased copy of each is written (and made again under remat "dots").
-    kernel = cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks
+    is_local = cfg.is_local(layer_id)
+    window = cfg.local_window if cfg.has_local_layers else 0
+    kernel, slabs, packed = self._route(x_BxLxD.shape[1], masks, is_local, window,
+                                        query_positions)
     apart = dict(flat=True, bias_apart=True) if kernel else {}
     at_queries = ((lambda a: a) if query_positions is None
                   else lambda a: attention.gather_positions(a, query_positions))
-    # One product for q, k and v (qkv_product "one") where the heads are whole on each device:
-    # split heads would need the packed output's thirds re-placed over the devices first.
-    # "auto": train.build settles it for its mesh's chips; outside it, here.
-    packed = (apart.get("bias_apart") and query_positions is None
-              and sharding.logical_shards("activation_heads") == 1
-              and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
     q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = self._projections(x_BxLxD, apart, at_queries, packed)
     heads = lambda x: x.reshape(x.shape[:2] + shape)  # [B, L, N * K] -> [B, L, N, K]
     biases = None
@@ -129,7 +123,6 @@ class SelfAttention(nn.Module):
       biases = None if bq is None else (bq, bk, bv)
     if kernel:
       q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = map(heads, (q_BxLxNxK, k_BxLxNxK, v_BxLxNxK))
-    is_local = cfg.is_local(layer_id)
     turn = None
     if rope is not None and kernel:
       # RoPE in the kernel (rope.py): XLA's float32 turns and their relayouts were most of
@@ -153,8 +146,7 @@ class SelfAttention(nn.Module):
       q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
                                                          "activation_heads", "activation_kv"))
     # `masks`: attention.attention_masks(cfg.attention_impl, ...), built once for all layers.
-    window = cfg.local_window if cfg.has_local_layers else 0
-    if cfg.attention_impl == "splash":
+    if cfg.attention_impl == "splash" and not slabs:
       # Init runs the kernel's XLA equivalent: the parameters do not depend on it, and callers
       # initialise on dummy batches (length 8) that the kernel's blocks do not fit.
       splash = (attention.splash_equivalent if self.is_initializing()
@@ -177,6 +169,30 @@ class SelfAttention(nn.Module):
           cfg.attention_dropout, rng)
     return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
                  use_bias=cfg.attention_bias)(out_BxLxNxK, flat=kernel)
+
+  def _route(self, length: int, masks, is_local, window: int, query_positions):
+    """(the fused kernel, by it a splash layer's local window, one product for q, k and v).
+    The fused kernel reads the heads side by side, [B, L, N * K], as one 2-D product writes
+    them (`flat`: no copy between), and their biases apart (added, then q and k turned by RoPE,
+    as it reads them: no biased copy written, or made again under remat). Under "splash", an
+    unrolled local layer whose window its slabs hold runs by it (attention_blocks.py): splash's
+    path turned q and k by XLA and copied them heads first (docs/performance.md, "ModernBERT-base:
+    RoPE inside the attention kernel"). One product (qkv_product "one") where the heads are
+    whole on each device (split heads need its thirds re-placed first), not into slabs
+    (`by_slabs`: they read q, k and v as arrays of their own); "auto" settled by train.build
+    for its mesh's chips, outside it here."""
+    cfg = self.config
+    static_local = isinstance(is_local, (bool, np.bool_)) and bool(is_local) and window > 0
+    rate = cfg.attention_dropout
+    slabs = (cfg.attention_impl == "splash" and "segment_ids" in masks and static_local
+             and attention_blocks.holds_window(length, window, rate))
+    kernel = (cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks) or slabs
+    packed = (kernel and query_positions is None
+              and not (static_local and attention_blocks.by_slabs(
+                  length, window, rate, attention_kernel.MAX_LENGTH))
+              and sharding.logical_shards("activation_heads") == 1
+              and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
+    return kernel, slabs, packed
 
   def _projections(self, x_BxLxD, apart: dict, at_queries, packed: bool):
     """q, k and v by Dense's `apart` options (L: S for q with query positions); with `packed`

@@ -75,6 +75,16 @@ def vmem_bytes() -> int:
     return VMEM_UNKNOWN
 
 
+def tpu_chip() -> str:
+  """The TPU generation the step is traced for, as `vmem_bytes` finds it ("TPU_V6E", "TPU_V5P",
+  ...); "" where that is no TPU."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
+  try:  # lazy: as vmem_bytes
+    return pltpu.get_tpu_info().chip_version.name
+  except ValueError:
+    return ""
+
+
 def vmem_limit(need: int, vmem: int | None = None) -> int:
   """The scoped VMEM a Pallas kernel asks Mosaic for (its default, 16-32 MiB, is below what
   bertjax's kernels hold): the `need` of its blocks and temporaries, a quarter more and 16 MiB

@@ -50,6 +50,8 @@ from jax.sharding import PartitionSpec
 from bertjax.errors import Refusal
 from bertjax.model import dropout, residuals, rope
 from bertjax.model.dropout import keep_decisions, key_words
+from bertjax.model.kernels import attention_blocks as blocks
+from bertjax.model.kernels.attention_blocks import BIG_NEGATIVE, T as _T, per_head as _per_head
 
 MULTIPLE = 128  # keys lie along the TPU's 128 lanes
 MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB each at 1024
@@ -57,8 +59,6 @@ MAX_LENGTH = 1024  # a head's [L, L] float32 scores and their kin in VMEM: 4 MB 
 # fit ROW_BYTES.
 ROW_BYTES = 8 << 20
 _F32, _U32 = jnp.float32, jnp.uint32
-_T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
-BIG_NEGATIVE = 0.7 * float(np.finfo(np.float32).min)  # a masked score, as the XLA path
 
 
 
@@ -67,8 +67,8 @@ def fits(length: int) -> bool:
   return length % MULTIPLE == 0 and length <= MAX_LENGTH
 
 
-def check_length(length: int) -> None:
-  if not fits(length):
+def check_length(length: int, local_window: int = 0, rate: float = 0.0) -> None:
+  if not fits(length) and not blocks.holds_window(length, local_window, rate):
     nearest = min(MAX_LENGTH, max(MULTIPLE, -(-length // MULTIPLE) * MULTIPLE))
     raise Refusal(
         f"attention_impl='fused' computes a head's whole [L, L] in VMEM: it needs a sequence "
@@ -77,40 +77,8 @@ def check_length(length: int) -> None:
         f"attention dropout) or 'xla'")
 
 
-def _allowed(seg_q_Lx1, seg_k_1xL, local_window: int):
-  same = seg_q_Lx1 == seg_k_1xL
-  if local_window:
-    length = seg_k_1xL.shape[-1]
-    i = jax.lax.broadcasted_iota(jnp.int32, (length, length), 0)
-    j = jax.lax.broadcasted_iota(jnp.int32, (length, length), 1)
-    same = same & (jnp.abs(i - j) <= local_window // 2)
-  return same
-
-
-def _probabilities(q_LxK, k_LxK, allowed_LxL, scale: float):
-  s = jax.lax.dot_general(q_LxK, k_LxK, _T, preferred_element_type=_F32) * scale
-  s = jnp.where(allowed_LxL, s, BIG_NEGATIVE)
-  e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-  return e / jnp.sum(e, axis=-1, keepdims=True)
-
-
 def _dropped(p, keep, rate: float):
   return p if rate <= 0.0 else dropout.kept(p, keep, rate)
-
-
-def _column(seg_1xL):
-  """[1, L] -> [L, 1] by a masked sum over the lanes (Mosaic transposes no [1, L] vector)."""
-  length = seg_1xL.shape[-1]
-  i = jax.lax.broadcasted_iota(jnp.int32, (length, length), 0)
-  j = jax.lax.broadcasted_iota(jnp.int32, (length, length), 1)
-  return jnp.sum(jnp.where(i == j, jnp.broadcast_to(seg_1xL, (length, length)), 0), axis=1,
-                 keepdims=True)
-
-
-def _head_lanes(width: int, size: int, n: int):
-  """[1, width] bool: the lanes of a block's head `n` (heads of `size` side by side)."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
-  return (lane >= n * size) & (lane < (n + 1) * size)
 
 
 def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body,
@@ -128,49 +96,26 @@ def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, 
   def per_row(i, carry):
     ids = seg_ref[i]
     seg_k = ids[0:1]
-    pos = _column(ids[1:2]).astype(_F32) if ids.shape[0] > 1 else None
+    pos = blocks.column(ids[1:2]).astype(_F32) if ids.shape[0] > 1 else None
     body(i, rows_ref[first_row + i].astype(_U32), first_head,
-         _allowed(_column(seg_k), seg_k, local_window), pos)
+         blocks.allowed(blocks.column(seg_k), seg_k, local_window), pos)
     return carry
   jax.lax.fori_loop(0, block, per_row, 0, unroll=unrolled)
 
 
-def _per_head(heads: int, size: int, width: int, fn):
-  """fn(n, lanes of head n) for each of a block's heads, in turn (few: see `_heads_a_block`); the
-  results' arrays [L, width] combined lane by lane, each head's lanes from its own call."""
-  out = None
-  for n in range(heads):
-    mine = _head_lanes(width, size, n)
-    got = fn(n, mine)
-    out = got if out is None else tuple(jnp.where(mine, g, o) for g, o in zip(got, out))
-  return out
-
-
 def _probabilities_kept(q, k, allowed, row, head, key_ref, rate: float, scale: float):
   """A (row, head)'s probabilities and, at a rate, its keep decisions (None without)."""
-  p = _probabilities(q, k, allowed, scale)
+  p = blocks.probabilities(q, k, allowed, scale)
   if rate <= 0:
     return p, None
   return p, keep_decisions(key_ref[0].astype(_U32), key_ref[1].astype(_U32), row, head,
                            p.shape[-1], rate)
 
 
-def _biased(bias_ref, pos, size: int, *blocks):
-  """A row's q, k and v blocks each with its bias added (float32 [3, width] in `bias_ref`, its
-  values those of the compute dtype, so the sum rounds as XLA's `product + bias` does), then
-  with `pos` q and k turned (RoPE: row 3 of `bias_ref` the lanes' frequencies); and the angles."""
-  q, k, v = ((x.astype(_F32) + bias_ref[j:j + 1, :]).astype(x.dtype)
-             for j, x in enumerate(blocks))
-  if pos is None:
-    return q, k, v, None
-  angle = pos * bias_ref[3:4, :]
-  return rope.turned(q, angle, size), rope.turned(k, angle, size), v, angle
-
-
 def _forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref, v_ref,
                     o_ref, *, rate, local_window, scale, size, unrolled):
   def body(i, row, first_head, allowed, pos):
-    q, k, v, _ = _biased(bias_ref, pos, size, q_ref[i], k_ref[i], v_ref[i])
+    q, k, v, _ = blocks.biased(bias_ref, pos, size, q_ref[i], k_ref[i], v_ref[i])
     zero = jnp.zeros((), q.dtype)
 
     def head(n, mine):
@@ -190,7 +135,7 @@ def _backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref
   # `sums_ref`: each row's dq, dk and dv summed over its positions (the biases' gradients), here
   # where they are in VMEM: XLA read each from HBM again to sum it.
   def body(i, row, first_head, allowed, pos):
-    q, k, v, angle = _biased(bias_ref, pos, size, q_ref[i], k_ref[i], v_ref[i])
+    q, k, v, angle = blocks.biased(bias_ref, pos, size, q_ref[i], k_ref[i], v_ref[i])
     do = do_ref[i]
     zero = jnp.zeros((), q.dtype)
 
@@ -230,43 +175,52 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
              if rows % d == 0 and (d == 1 or d * per_row <= ROW_BYTES))
 
 
-def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
-          local_window, size, flops, interpret, fused=()):
-  """`seg` int32 [B, 1, L] (segments; [B, 2, L] with positions: RoPE), `bias` float32 [3, N * K]
-  (values of the inputs' dtype; [4, ...] with the lanes' RoPE frequencies). `outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention` turns them
-  back); or 3 and a fourth, float32 [B, 3, N * K], the three summed over positions. `fused`:
+def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
+          local_window, size, flops, interpret):
+  """`kernels`: (whole rows, slabs): the second where a local window runs by slabs
+  (attention_blocks.holds_window). `seg` int32 [B, 1, L] (segments; [B, 2, L] with positions:
+  RoPE), `bias` float32 [3, N * K] (values of the inputs' dtype; [4, ...] with the lanes' RoPE
+  frequencies). `outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention`
+  turns them back); or 3 and a fourth, float32 [B, 3, N * K], the three summed over positions. `fused`:
   for each of `inputs`, whether XLA may compute it inside the kernel's reads of it (Pallas'
   allow_input_fusion). q, k and v may be slices: of the scanned loop's stacks of saved
-  residuals in the backward, of one product's output (qkv_product "one"). Fused, the kernel
-  reads them where they lie, where each was first copied out whole (a custom call's operand
-  is a buffer of its own); whole arrays moved the same bytes either way.
-  The kernel then reads its rows at constant offsets (`_row_loop`'s `unrolled`): with a traced
-  row index libtpu 0.0.42 fails a RET_CHECK on such an operand."""
+  residuals in the backward, of one product's output (qkv_product "one"). Fused (whole rows), the
+  kernel reads them where they lie, where each was first copied out whole (a custom call's
+  operand is a buffer of its own); whole arrays moved the same bytes either way. The kernel
+  then reads its rows at constant offsets (`_row_loop`'s `unrolled`): with a traced row index
+  libtpu 0.0.42 fails a RET_CHECK on such an operand, and slabs' offsets are traced."""
   # [B, L, N * K], as the projections write it: lane-dense. Heads first ([B, N, L, K]) took a
   # transpose each way and padded K = 64 to 128 lanes in HBM.
   rows, length, heads = inputs[0].shape[:2] + (inputs[0].shape[2] // size,)
-  item = inputs[0].dtype.itemsize
+  dtype, item = inputs[0].dtype, inputs[0].dtype.itemsize
   group = _heads_a_block(heads, size)
   width = group * size
   block = _block(rows, length, width * item, len(inputs) + outputs)
   tile = pl.BlockSpec((block, length, width), lambda b, h, *_: (b, 0, h))
-  fused = tuple(fused) + (False,) * (len(inputs) - len(fused))
-  fn = functools.partial(kernel, rate=rate, local_window=local_window,
+  slabs = blocks.by_slabs(length, local_window, rate, MAX_LENGTH)
+  fused = (not slabs,) * len(inputs)
+  span = 3 * blocks.BLOCK if slabs else length  # the keys a query's scores take
+  # Slabs: the segments a block to a sublane; q, k, v (and dk, dv in float32) rows in VMEM.
+  seg = seg.reshape(seg.shape[:2] + ((length // blocks.BLOCK, blocks.BLOCK) if slabs else (-1,)))
+  scratch = [pltpu.VMEM((length, width), t) for t in (dtype,) * 3 + (_F32,) * (2 * (outputs > 1))
+             ] if slabs else []
+  fn = functools.partial(kernels[slabs], rate=rate, local_window=local_window,
                          scale=1.0 / np.sqrt(size), size=size, unrolled=any(fused))
   sums = outputs > 1
-  dtype = inputs[0].dtype
   shape = jax.ShapeDtypeStruct(inputs[0].shape, dtype if sums else residuals.bits_type(dtype))
-  # A head's [L, L] float32 temporaries (scores, probabilities, decisions, gradients).
+  # A head's [L, span] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(inputs) + outputs) * block * length * width * item
-          + 10 * length * length * 4)
+          + 10 * min(span, blocks.BLOCK if slabs else length) * span * 4
+          + sum(length * width * jnp.dtype(v.dtype).itemsize for v in scratch))
   sums_shape, sums_spec = ((jax.ShapeDtypeStruct((rows, 3, heads * size), _F32),),
                            (pl.BlockSpec((block, 3, width), lambda b, h, *_: (b, 0, h)),))
   result = pl.pallas_call(
       fn,
       out_shape=(shape,) * outputs + sums_shape * sums,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(rows // block, heads // group),
-          in_specs=[pl.BlockSpec((block, seg.shape[1], length), lambda b, h, *_: (b, 0, 0)),
+          num_scalar_prefetch=3, grid=(rows // block, heads // group), scratch_shapes=scratch,
+          in_specs=[pl.BlockSpec((block,) + seg.shape[1:], lambda b, h, *_: (b,) + (0,) * (
+              seg.ndim - 1)),
                     pl.BlockSpec((bias.shape[0], width), lambda b, h, *_: (0, h))]
           + [tile] * len(inputs),
           out_specs=(tile,) * outputs + sums_spec * sums),
@@ -274,9 +228,9 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
                                            allow_input_fusion=(False,) * 5 + fused,
                                            vmem_limit_bytes=need + (16 << 20)),
       cost_estimate=pl.CostEstimate(
-          flops=flops * rows * heads * length * length * size,
+          flops=flops * rows * heads * length * span * size,
           # exp of the scores, and with RoPE the angles' cos and sin
-          transcendentals=rows * heads * length * (length + 2 * size * (seg.shape[1] - 1)),
+          transcendentals=rows * heads * length * (span + 2 * size * (seg.shape[1] - 1)),
           bytes_accessed=(len(inputs) + outputs) * rows * heads * length * size * item
           + seg.size * 4 + sums * rows * 3 * heads * size * 4),
       interpret=interpret, name=name,
@@ -287,17 +241,17 @@ def _call(kernel, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *
 def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size,
              interpret):
   # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
-  return _call(_forward_kernel, "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key,
-               seg, bias, rate=rate, local_window=local_window, size=size, flops=4,
-               interpret=interpret, fused=(True, True, True))
+  return _call((_forward_kernel, blocks.slab_forward_kernel), "fused_attention_fwd", (q, k, v),
+               1, rows_ids, first_head, key, seg, bias, rate=rate, local_window=local_window,
+               size=size, flops=4, interpret=interpret)
 
 
 def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,
               interpret):
   # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv and their sums (`_call`'s).
-  return _call(_backward_kernel, "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head,
-               key, seg, bias, rate=rate, local_window=local_window, size=size, flops=10,
-               interpret=interpret, fused=(True, True, True))
+  return _call((_backward_kernel, blocks.slab_backward_kernel), "fused_attention_bwd",
+               (q, k, v, do), 3, rows_ids, first_head, key, seg, bias, rate=rate,
+               local_window=local_window, size=size, flops=10, interpret=interpret)
 
 
 def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size):
@@ -311,9 +265,9 @@ def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_wind
     q, k = (rope.turned(x, angle, size, in_kernel=False) for x in (q, k))
   q, k, v = (x.reshape(rows, length, width // size, size) for x in (q, k, v))
   seg_k = seg[:, :1, None, :]  # [B, 1, 1, L]
-  allowed = _allowed(jnp.swapaxes(seg_k, -1, -2), seg_k, local_window)
+  allowed = blocks.allowed(jnp.swapaxes(seg_k, -1, -2), seg_k, local_window)
   # Each row's heads (axis 1 of its [L, N, K]), then each row: p [B, N, L, L].
-  p = jax.vmap(jax.vmap(functools.partial(_probabilities, scale=1.0 / np.sqrt(size)),
+  p = jax.vmap(jax.vmap(functools.partial(blocks.probabilities, scale=1.0 / np.sqrt(size)),
                         in_axes=(1, 1, 0)))(
       q, k, jnp.broadcast_to(allowed, (rows, q.shape[2], length, length)))
   keep = None
@@ -432,7 +386,7 @@ def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
   |i - j| <= local_window // 2. The
   kernel on a TPU; on a CPU its interpreter, or with `interpret_on_cpu=False` the same arithmetic
   and bits by XLA (as on a GPU)."""
-  check_length(q_BxLxNxK.shape[1])
+  check_length(q_BxLxNxK.shape[1], local_window, rate)
   if rate > 0 and rng is None:
     raise ValueError("fused_attention: a dropout rate needs an rng")
   key = key_words(rng) if rate > 0 else jnp.zeros((2,), jnp.int32)

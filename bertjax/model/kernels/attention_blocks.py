@@ -1,0 +1,213 @@
+"""A head's attention in VMEM: the pieces of attention_kernel.py's kernels, and the kernels for a
+local window at any length.
+
+attention_kernel.py computes a head's whole [L, L] in VMEM, up to L 1,024. A local window
+(ModernBERT's 128 in two layers of three) needs only the keys within half a window of a query:
+for a block of BLOCK queries, the keys of that block and of its two neighbours, a slab of
+3 x BLOCK (clamped at the row's ends), which holds every key the block's queries may see. Each
+block's softmax is then whole in VMEM at any length, with no running maximum, and a query
+computes 3 x BLOCK scores, not L: ModernBERT's phase 2 at 8,192, where the whole-row kernel does
+not fit, and fewer FLOPs at 1,024. A grid step takes a row's few heads, as the whole-row kernels:
+q, k and v are biased and turned (RoPE) once into VMEM, then each block of queries is computed
+against its slab. The backward adds each block's dk and dv into float32 rows in VMEM and writes
+them when the row is done. No dropout (`holds_window`: the whole-row kernel draws it).
+
+The segments (and RoPE's positions) come in as [rows, 1 or 2, L / BLOCK, BLOCK], a block of them
+a sublane, which the kernels index by block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from bertjax.model import rope
+from bertjax.parallel import platforms
+
+BLOCK = 128  # queries a slab serves (its keys: 3 x BLOCK)
+_F32 = jnp.float32
+T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
+BIG_NEGATIVE = 0.7 * float(np.finfo(np.float32).min)  # a masked score, as the XLA path
+
+
+def holds_window(length: int, local_window: int, rate: float) -> bool:
+  """Whether a local window at `length` runs by slabs: no dropout, half the window within a
+  block, whole blocks and at least a slab's worth of them."""
+  return (rate <= 0 and 0 < local_window // 2 <= BLOCK and length % BLOCK == 0
+          and length >= 3 * BLOCK)
+
+
+# At lengths the whole-row kernel holds, a local window runs whole rows on these chips, bound by
+# HBM there: slabs read q, k and v as arrays of their own (a traced block offset into an operand
+# XLA computes inside the kernel's reads fails libtpu's RET_CHECK), so one product's thirds are
+# copied out first, and on v6e that cost more than the scores the slabs skip (ModernBERT-base
+# L 1,024 on v6e-8: 0.607 by the roofline whole, 0.562 by slabs; on v5p-8, bound by FLOPs, slabs
+# 0.881 against 0.810: docs/performance.md, "ModernBERT-base: RoPE inside the attention kernel").
+WHOLE_ROWS_ON = ("TPU_V6E",)
+
+
+def by_slabs(length: int, local_window: int, rate: float, longest: int) -> bool:
+  """Whether the kernels run a local window by slabs: where they hold it, past `longest` (the
+  whole-row kernel's) always, below it off the chips of WHOLE_ROWS_ON."""
+  return holds_window(length, local_window, rate) and (
+      length > longest or platforms.tpu_chip() not in WHOLE_ROWS_ON)
+
+
+def allowed(seg_q_Sx1, seg_k_1xT, local_window: int, q_start=0, k_start=0):
+  """[.., S, T] bool: same segment, and within half the window (queries from `q_start`, keys
+  from `k_start` in the row)."""
+  same = seg_q_Sx1 == seg_k_1xT
+  if local_window:
+    shape = (seg_q_Sx1.shape[-2], seg_k_1xT.shape[-1])
+    i = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + q_start
+    j = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + k_start
+    same = same & (jnp.abs(i - j) <= local_window // 2)
+  return same
+
+
+def probabilities(q_SxK, k_TxK, allowed_SxT, scale: float):
+  s = jax.lax.dot_general(q_SxK, k_TxK, T, preferred_element_type=_F32) * scale
+  s = jnp.where(allowed_SxT, s, BIG_NEGATIVE)
+  e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+  return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def column(seg_1xL):
+  """[1, L] -> [L, 1] by a masked sum over the lanes (Mosaic transposes no [1, L] vector)."""
+  length = seg_1xL.shape[-1]
+  i = jax.lax.broadcasted_iota(jnp.int32, (length, length), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (length, length), 1)
+  return jnp.sum(jnp.where(i == j, jnp.broadcast_to(seg_1xL, (length, length)), 0), axis=1,
+                 keepdims=True)
+
+
+def per_head(heads: int, size: int, width: int, fn):
+  """fn(n, lanes of head n) for each of a block's heads, in turn (few: attention_kernel's
+  `_heads_a_block`); the results' arrays [.., width] combined lane by lane, each head's lanes
+  from its own call."""
+  out = None
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+  for n in range(heads):
+    mine = (lane >= n * size) & (lane < (n + 1) * size)
+    got = fn(n, mine)
+    out = got if out is None else tuple(jnp.where(mine, g, o) for g, o in zip(got, out))
+  return out
+
+
+def biased(bias_ref, pos, size: int, *blocks):
+  """q, k and v blocks each with its bias added (float32 [3, width] in `bias_ref`, its values
+  those of the compute dtype, so the sum rounds as XLA's `product + bias` does), then with `pos`
+  ([.., 1] float32) q and k turned (RoPE: row 3 of `bias_ref` the lanes' frequencies); and the
+  angles."""
+  q, k, v = ((x.astype(_F32) + bias_ref[j:j + 1, :]).astype(x.dtype)
+             for j, x in enumerate(blocks))
+  if pos is None:
+    return q, k, v, None
+  angle = pos * bias_ref[3:4, :]
+  return rope.turned(q, angle, size), rope.turned(k, angle, size), v, angle
+
+
+def _at(b):
+  return pl.ds(pl.multiple_of(b * BLOCK, BLOCK), BLOCK)
+
+
+def _positions(seg_ref, i, b):
+  """Block b's positions [BLOCK, 1] float32 (RoPE), or None without."""
+  if seg_ref.shape[1] < 2:
+    return None
+  return column(seg_ref[i, 1, pl.ds(b, 1), :]).astype(_F32)
+
+
+def _prepare(i, seg_ref, bias_ref, ins, kept, size: int):
+  """Row i's q, k and v, biased and (q and k) turned, into the VMEM rows `kept`, block by block."""
+  def one(b, carry):
+    got = biased(bias_ref, _positions(seg_ref, i, b), size, *(x[i, _at(b), :] for x in ins))
+    for ref, value in zip(kept, got[:3]):
+      ref[_at(b), :] = value
+    return carry
+  jax.lax.fori_loop(0, ins[0].shape[1] // BLOCK, one, 0)
+
+
+def _slab(i, b, seg_ref, local_window: int):
+  """Block b's queries, its slab of keys (both as ref slices) and which of them it may see."""
+  blocks = seg_ref.shape[2]
+  first = jnp.clip(b - 1, 0, blocks - 3)
+  seg_k = jnp.concatenate([seg_ref[i, 0, pl.ds(first + j, 1), :] for j in range(3)], axis=1)
+  sees = allowed(column(seg_ref[i, 0, pl.ds(b, 1), :]), seg_k, local_window, b * BLOCK,
+                 first * BLOCK)
+  return _at(b), pl.ds(pl.multiple_of(first * BLOCK, BLOCK), 3 * BLOCK), sees
+
+
+def slab_forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
+                        v_ref, o_ref, qs, ks, vs, *, rate, local_window, scale, size, unrolled):
+  """attention_kernel's forward (its output's bits) by slabs; `qs`, `ks`, `vs` VMEM [L, width]."""
+  del rows_ref, first_head_ref, key_ref, rate, unrolled
+  heads, width = q_ref.shape[2] // size, q_ref.shape[2]
+
+  def row(i, carry):
+    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
+
+    def block(b, carry):
+      at, slab, sees = _slab(i, b, seg_ref, local_window)
+      q, k, v = qs[at, :], ks[slab, :], vs[slab, :]
+      zero = jnp.zeros((), q.dtype)
+      out = per_head(heads, size, width, lambda n, mine: (jnp.dot(
+          probabilities(jnp.where(mine, q, zero), k, sees, scale).astype(v.dtype), v,
+          preferred_element_type=_F32),))[0]
+      o_ref[i, at, :] = jax.lax.bitcast_convert_type(out.astype(q.dtype), o_ref.dtype)
+      return carry
+    return jax.lax.fori_loop(0, seg_ref.shape[2], block, carry)
+  jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
+
+
+def slab_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
+                         v_ref, do_ref, dq_ref, dk_ref, dv_ref, sums_ref, qs, ks, vs, dk_rows,
+                         dv_rows, *, rate, local_window, scale, size, unrolled):
+  """attention_kernel's backward by slabs: dq a block at a time, dk and dv added up in the
+  float32 VMEM rows `dk_rows`, `dv_rows` and written when the row is done; q's and k's
+  gradients turned back (RoPE) after rounding as XLA's would be; each gradient's sum."""
+  del rows_ref, first_head_ref, key_ref, rate, unrolled
+  heads, width, dtype = q_ref.shape[2] // size, q_ref.shape[2], q_ref.dtype
+  back = lambda g, i, b: (g if seg_ref.shape[1] < 2 else rope.turned_back(
+      g.astype(dtype).astype(_F32), _positions(seg_ref, i, b) * bias_ref[3:4, :], size))
+  total = lambda x: jnp.sum(x.astype(_F32), axis=0, keepdims=True)
+
+  def row(i, carry):
+    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
+    dk_rows[...] = jnp.zeros(dk_rows.shape, _F32)
+    dv_rows[...] = jnp.zeros(dv_rows.shape, _F32)
+
+    def block(b, dq_sum):
+      at, slab, sees = _slab(i, b, seg_ref, local_window)
+      q, k, v, do = qs[at, :], ks[slab, :], vs[slab, :], do_ref[i, at, :]
+      zero = jnp.zeros((), q.dtype)
+
+      def head(n, mine):
+        p = probabilities(jnp.where(mine, q, zero), k, sees, scale)
+        dv = jnp.dot(p.astype(do.dtype).T, do, preferred_element_type=_F32)
+        dp = jax.lax.dot_general(jnp.where(mine, do, zero), v, T, preferred_element_type=_F32)
+        ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * scale).astype(q.dtype)
+        return (jnp.dot(ds, k, preferred_element_type=_F32),
+                jnp.dot(ds.T, q, preferred_element_type=_F32), dv)
+      dq, dk, dv = per_head(heads, size, width, head)
+      dq = back(dq, i, b).astype(dq_ref.dtype)
+      dq_ref[i, at, :] = dq
+      dk_rows[slab, :] = dk_rows[slab, :] + dk
+      dv_rows[slab, :] = dv_rows[slab, :] + dv
+      return dq_sum + total(dq)
+
+    dq_sum = jax.lax.fori_loop(0, seg_ref.shape[2], block, jnp.zeros((1, width), _F32))
+
+    def written(b, sums):
+      dk = back(dk_rows[_at(b), :], i, b).astype(dk_ref.dtype)
+      dv = dv_rows[_at(b), :].astype(dv_ref.dtype)
+      dk_ref[i, _at(b), :], dv_ref[i, _at(b), :] = dk, dv
+      return sums[0] + total(dk), sums[1] + total(dv)
+    zeros = jnp.zeros((1, width), _F32)
+    dk_sum, dv_sum = jax.lax.fori_loop(0, seg_ref.shape[2], written, (zeros, zeros))
+    for j, value in enumerate((dq_sum, dk_sum, dv_sum)):
+      sums_ref[i, j:j + 1, :] = value
+    return carry
+  jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
