@@ -412,58 +412,15 @@ def test_the_kernel_s_path_makes_q_k_and_v_in_one_product_where_the_heads_are_wh
   assert np.array_equal(nn.unbox(shared["key"]["kernel"]), nn.unbox(shared["query"]["kernel"]))
 
 
-@pytest.mark.parametrize("window", [0, 64])
-def test_rope_turns_q_and_k_inside_the_kernels_as_xla_does_before_them(window):
-  # ModernBERT's RoPE in the kernel (`turn`): values and the gradients of q, k, v and the biases
-  # those of XLA's turn (rope.apply_rope, after the biases) and attention written out; a row's
-  # positions restart at each packed sequence.
-  q, k, v, do, seg = _inputs(4)
-  r = np.random.default_rng(9)
-  biases = jnp.asarray(r.normal(size=(3, N * K)), jnp.float32)
-  positions = jnp.asarray(np.where(np.arange(L) < 50, np.arange(L), np.arange(L) - 50)[None]
-                          .repeat(B, 0))
-  cos, sin = rope.rope_tables(positions, K, 500.0)
-  turn = (positions, rope.lane_frequencies(K, N, 500.0))
-
-  def by_hand(q, k, v, biases):
-    q, k, v = (x + b.reshape(N, K) for x, b in zip((q, k, v), biases))
-    return _by_hand(rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin), v, seg, None,
-                    0.0, window)
-
-  real = np.asarray(seg >= 0)
-  do = do * real[:, :, None, None]
-  expected, pull_ref = jax.vjp(by_hand, q, k, v, biases)
-  for xla in (False, True):  # the kernels in Pallas' interpreter; `reference` by XLA
-    got, pull = jax.vjp(lambda *a: ak.fused_attention(
-        *a[:3], seg, local_window=window, biases=a[3], turn=turn, interpret_on_cpu=not xla),
-                        q, k, v, biases)
-    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=2e-5)
-    for name, g, e in zip(("q", "k", "v", "biases"), pull(do), pull_ref(do)):
-      np.testing.assert_allclose(g, e, atol=1e-4, err_msg=f"d{name}")
-  # and the turn did turn: without it the values differ
-  plain = ak.fused_attention(q, k, v, seg, local_window=window, biases=biases)
-  assert float(jnp.abs(plain - expected)[real].max()) > 0.1
-
-
-@pytest.mark.parametrize("window", [128, 32])
-def test_a_local_window_at_any_length_runs_by_slabs_as_attention_written_out(window,
-                                                                            monkeypatch):
-  # Past a block's worth, a local window runs by slabs (attention_blocks): 512 is four blocks of
-  # 128 queries, each against its own and its neighbours' keys (clamped at both ends), its dk and
-  # dv added up over three slabs. Values and gradients (q, k, v, biases) are those of attention
-  # written out over the whole row, RoPE turned by XLA before it; in Pallas' interpreter and by
-  # the kernels' XLA arithmetic.
-  length, rows = 512, 2
-  assert blocks.holds_window(length, window, 0.0) and not ak.fits(2048)
-  assert not blocks.holds_window(length, window, RATE)  # dropout: whole rows only
-  r = np.random.default_rng(11)
-  q, k, v, do = (jnp.asarray(r.normal(size=(rows, length, N, K)), jnp.float32) for _ in range(4))
-  ids = np.zeros((rows, length), np.int32)
-  ids[0, :200], ids[0, 200:450], ids[1] = 1, 2, 1  # packed, then padding; one whole sequence
-  seg = attention.splash_segment_ids(jnp.asarray(ids > 0, jnp.int32), jnp.asarray(ids))
-  biases = jnp.asarray(r.normal(size=(3, N * K)), jnp.float32)
-  positions = jnp.asarray(np.where(np.arange(length) < 200, np.arange(length),
-                                   np.arange(length) - 200)[None].repeat(rows, 0))
+def _held_to_xla_with_rope(q, k, v, do, seg, first: int, window: int, seed: int):
+  """The kernels with RoPE (`turn`) and biases, in Pallas' interpreter and by their XLA
+  arithmetic: values, and the gradients of q, k, v and the biases, those of XLA's turn
+  (rope.apply_rope, after the biases) and attention written out. Each row's positions restart
+  at `first` (a second packed sequence). Returns what was expected."""
+  rows, length = seg.shape
+  biases = jnp.asarray(np.random.default_rng(seed).normal(size=(3, N * K)), jnp.float32)
+  positions = jnp.asarray(np.where(np.arange(length) < first, np.arange(length),
+                                   np.arange(length) - first)[None].repeat(rows, 0))
   cos, sin = rope.rope_tables(positions, K, 500.0)
   turn = (positions, rope.lane_frequencies(K, N, 500.0))
 
@@ -482,6 +439,34 @@ def test_a_local_window_at_any_length_runs_by_slabs_as_attention_written_out(win
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(expected)[real], atol=2e-5)
     for name, g, e in zip(("q", "k", "v", "biases"), pull(do), pull_ref(do)):
       np.testing.assert_allclose(g, e, atol=1e-4, err_msg=f"d{name}")
+  return expected, biases
+
+
+@pytest.mark.parametrize("window", [0, 64])
+def test_rope_turns_q_and_k_inside_the_kernels_as_xla_does_before_them(window):
+  # ModernBERT's RoPE in the kernel, whole rows.
+  q, k, v, do, seg = _inputs(4)
+  expected, biases = _held_to_xla_with_rope(q, k, v, do, seg, 50, window, 9)
+  # and the turn did turn: without it the values differ
+  plain = ak.fused_attention(q, k, v, seg, local_window=window, biases=biases)
+  assert float(jnp.abs(plain - expected)[np.asarray(seg >= 0)].max()) > 0.1
+
+
+@pytest.mark.parametrize("window", [128, 32])
+def test_a_local_window_at_any_length_runs_by_slabs_as_attention_written_out(window,
+                                                                            monkeypatch):
+  # Past a block's worth, a local window runs by slabs (attention_blocks): 512 is four blocks of
+  # 128 queries, each against its own and its neighbours' keys (clamped at both ends), its dk and
+  # dv added up over three slabs; held to attention written out over the whole row.
+  length, rows = 512, 2
+  assert blocks.holds_window(length, window, 0.0) and not ak.fits(2048)
+  assert not blocks.holds_window(length, window, RATE)  # dropout: whole rows only
+  r = np.random.default_rng(11)
+  q, k, v, do = (jnp.asarray(r.normal(size=(rows, length, N, K)), jnp.float32) for _ in range(4))
+  ids = np.zeros((rows, length), np.int32)
+  ids[0, :200], ids[0, 200:450], ids[1] = 1, 2, 1  # packed, then padding; one whole sequence
+  seg = attention.splash_segment_ids(jnp.asarray(ids > 0, jnp.int32), jnp.asarray(ids))
+  _held_to_xla_with_rope(q, k, v, do, seg, 200, window, 12)
   # The slabs' kernels are what ran (not the whole row's, which would give the same values).
   traced, forward = [], blocks.slab_forward_kernel
   monkeypatch.setattr(blocks, "slab_forward_kernel",
