@@ -128,16 +128,24 @@ def test_without_mosaic_xla_computes_what_the_kernels_do():
     assert ("tpu_custom_call" in text) == kernels, platform
 
 
-def test_under_a_mesh_each_device_draws_its_rows_and_heads_bits():
+@pytest.mark.parametrize("slabs", [False, True])
+def test_under_a_mesh_each_device_draws_its_rows_and_heads_bits(slabs):
   # data x fsdp x tensor = 2 x 2 x 2: rows over data x fsdp, heads over tensor. Each device
-  # numbers its rows and heads globally, so the output and gradients are one device's.
+  # numbers its rows and heads globally, so the output and gradients are one device's. With
+  # `slabs`, a local window at 512 by slabs, RoPE inside (each device its heads' frequencies).
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
   # The biases' gradients too: each device sums its rows' and heads' share in the kernel.
   q, k, v, do, seg = _inputs(3)
-  rng = jax.random.key(8)
+  kw = dict(rng=jax.random.key(8), rate=RATE)
+  if slabs:
+    q, k, v, do = (jnp.concatenate([x] * 4, axis=1) for x in (q, k, v, do))
+    seg = jnp.concatenate([seg] * 4, axis=1)
+    positions = jnp.broadcast_to(jnp.arange(4 * L), seg.shape)
+    kw = dict(local_window=128, turn=(positions, rope.lane_frequencies(K, N, 500.0)))
+    assert blocks.holds_window(4 * L, 128, 0.0)
   bias = jnp.asarray(np.random.default_rng(9).normal(size=(3, N * K)), jnp.float32)
   loss = lambda q, k, v, bias, seg: jnp.sum(
-      ak.fused_attention(q, k, v, seg, rng, RATE, biases=bias) * do)
+      ak.fused_attention(q, k, v, seg, biases=bias, **kw) * do)
   expected = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias, seg)
   qkv = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES, None, "tensor", None))
   rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES, None))
