@@ -74,7 +74,8 @@ def get_config(arg=None):
   # Phase 1: the MLM logits scored where they are made (mlm_kernel on a TPU) and made again in
   # the backward, where 30% of 1,024 positions predicted over 50,368 pieces made the kept float32
   # logits a tenth of the step's bytes. Phase 2 keeps them: on v5p-8, bound by FLOPs there, the
-  # second product cost more (0.765 against 0.794 by the roofline; v6e-8 0.408 against 0.373).
+  # second product cost more (0.781 against 0.812 by the roofline); on v6e-8 pass
+  # --config.model.recompute_mlm_logits=true (0.594 against 0.523, 24.7 GiB a chip).
   m.recompute_mlm_logits = phase == 1
   # The matmuls' outputs kept, and the attention kernel's ("dots_kernels"; splash's is not
   # named), in 12 microbatches: 41 and 55 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
