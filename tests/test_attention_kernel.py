@@ -128,21 +128,23 @@ def test_without_mosaic_xla_computes_what_the_kernels_do():
     assert ("tpu_custom_call" in text) == kernels, platform
 
 
-@pytest.mark.parametrize("slabs", [False, True])
-def test_under_a_mesh_each_device_draws_its_rows_and_heads_bits(slabs):
+@pytest.mark.parametrize("window", [None, 128, 0])
+def test_under_a_mesh_each_device_draws_its_rows_and_heads_bits(window, monkeypatch):
   # data x fsdp x tensor = 2 x 2 x 2: rows over data x fsdp, heads over tensor. Each device
-  # numbers its rows and heads globally, so the output and gradients are one device's. With
-  # `slabs`, a local window at 512 by slabs, RoPE inside (each device its heads' frequencies).
+  # numbers its rows and heads globally, so the output and gradients are one device's. With a
+  # `window`, 512 by blocks without dropout, RoPE inside (each device its heads' frequencies): a
+  # local window by slabs, or (0) a global layer past whole rows (here 256).
+  monkeypatch.setattr(ak, "MAX_LENGTH", 256)
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
   # The biases' gradients too: each device sums its rows' and heads' share in the kernel.
   q, k, v, do, seg = _inputs(3)
   kw = dict(rng=jax.random.key(8), rate=RATE)
-  if slabs:
+  if window is not None:
     q, k, v, do = (jnp.concatenate([x] * 4, axis=1) for x in (q, k, v, do))
     seg = jnp.concatenate([seg] * 4, axis=1)
     positions = jnp.broadcast_to(jnp.arange(4 * L), seg.shape)
-    kw = dict(local_window=128, turn=(positions, rope.lane_frequencies(K, N, 500.0)))
-    assert blocks.holds_window(4 * L, 128, 0.0)
+    kw = dict(local_window=window, turn=(positions, rope.lane_frequencies(K, N, 500.0)))
+    assert (blocks.by_slabs if window else blocks.by_flash)(4 * L, window, 0.0, 256)
   bias = jnp.asarray(np.random.default_rng(9).normal(size=(3, N * K)), jnp.float32)
   loss = lambda q, k, v, bias, seg: jnp.sum(
       ak.fused_attention(q, k, v, seg, biases=bias, **kw) * do)
@@ -204,22 +206,29 @@ def test_a_length_the_kernel_cannot_hold_is_refused_with_the_fix():
   q = jnp.zeros((1, 100, 2, 8))
   with pytest.raises(Refusal, match="multiple of 128.*max_seq_length"):
     ak.fused_attention(q, q, q, jnp.zeros((1, 100), jnp.int32))
-  with pytest.raises(Refusal, match="at most 1024"):
-    ak.check_length(2048)
+  with pytest.raises(Refusal, match="with attention dropout .* at most 1024.*attention_dropout=0"):
+    ak.check_length(2048, rate=0.1)
+  ak.check_length(2048)  # without dropout: block by block
   # It has dropout: the config takes a rate with it, as it refuses one with splash.
   BertConfig(attention_impl="fused", attention_dropout=0.1)
   with pytest.raises(Exception, match="attention_impl='fused'"):
     BertConfig(attention_impl="splash", attention_dropout=0.1)
 
 
-def test_remat_dots_kernels_keeps_the_kernel_s_output_so_its_forward_runs_once():
+@pytest.mark.parametrize("blockwise", [False, True])
+def test_remat_dots_kernels_keeps_the_kernel_s_output_so_its_forward_runs_once(blockwise,
+                                                                              monkeypatch):
   # Under remat "dots" the forward kernel runs again in the backward (its output is no matmul's);
   # "dots_kernels" keeps that output (and the fused MLP's), and the backward calls it no more;
-  # "dots_outputs" keeps it too.
-  ids = np.random.default_rng(0).integers(1, 97, (2, L))
+  # "dots_outputs" keeps it too. `blockwise`: global layers past whole rows (here 256), whose
+  # backward reads the output too.
+  length, rate = (2 * L, 0.0) if blockwise else (L, RATE)
+  if blockwise:
+    monkeypatch.setattr(ak, "MAX_LENGTH", L)
+  ids = np.random.default_rng(0).integers(1, 97, (2, length))
   config = BertConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=2,
-                      intermediate_size=128, max_position_embeddings=L, hidden_dropout=0.0,
-                      attention_dropout=RATE, scan_layers=True, attention_impl="fused")
+                      intermediate_size=128, max_position_embeddings=length, hidden_dropout=0.0,
+                      attention_dropout=rate, scan_layers=True, attention_impl="fused")
   params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
   calls = {}
   for policy in ("none", "dots", "dots_kernels", "dots_outputs"):
@@ -484,3 +493,23 @@ def test_a_local_window_at_any_length_runs_by_slabs_as_attention_written_out(win
   with pytest.raises(Refusal, match="at most 1024"):
     ak.fused_attention(*(jnp.zeros((1, 2048, N, K)),) * 3, jnp.zeros((1, 2048), jnp.int32),
                        jax.random.key(0), RATE, local_window=window)
+
+
+def test_a_global_layer_past_whole_rows_runs_block_by_block_as_attention_written_out(monkeypatch):
+  # Past MAX_LENGTH (here 256, so 512 is four blocks) a global layer without dropout runs each
+  # block of 128 queries against every block of keys with a running maximum, and its backward
+  # makes the statistics again and reads the forward's output; held to attention written out.
+  monkeypatch.setattr(ak, "MAX_LENGTH", 256)
+  length, rows = 512, 2
+  assert blocks.by_flash(length, 0, 0.0, 256) and not blocks.by_flash(length, 0, RATE, 256)
+  assert not blocks.by_flash(length, 128, 0.0, 256) and not blocks.by_flash(256, 0, 0.0, 256)
+  r = np.random.default_rng(13)
+  q, k, v, do = (jnp.asarray(r.normal(size=(rows, length, N, K)), jnp.float32) for _ in range(4))
+  ids = np.zeros((rows, length), np.int32)
+  ids[0, :300], ids[0, 300:480], ids[1] = 1, 2, 1  # packed across a block, then padding
+  seg = attention.splash_segment_ids(jnp.asarray(ids > 0, jnp.int32), jnp.asarray(ids))
+  traced, forward = [], blocks.flash_forward_kernel
+  monkeypatch.setattr(blocks, "flash_forward_kernel",
+                      lambda *a, **kw: (traced.append(1), forward(*a, **kw))[1])
+  _held_to_xla_with_rope(q, k, v, do, seg, 300, 0, 14)
+  assert traced

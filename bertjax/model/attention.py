@@ -6,8 +6,9 @@
   "cudnn"   cuDNN's fused (flash) attention through jax.nn.dot_product_attention;
   "splash"  the Pallas splash attention kernel on TPU, its interpreter on CPU (slow: tests only);
             no GPU branch (use "cudnn"). Blockwise, never materialising [L, L]; a local window's
-            blocks outside it skipped. An unrolled local layer whose window fits a block of 128
-            takes the fused kernel's slabs instead (kernels/attention_blocks.py; RoPE inside).
+            blocks outside it skipped. An unrolled layer the fused kernel holds block by block
+            (a window within 128, or global past 1,024) takes it instead (RoPE inside it:
+            kernels/attention_blocks.py).
   "fused"   bertjax.model.kernels.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU, XLA on
             a GPU) that computes each head's whole [L, L] in VMEM, dropout on the probabilities
             included (L a multiple of 128, at most 1024);

@@ -171,25 +171,26 @@ class SelfAttention(nn.Module):
                  use_bias=cfg.attention_bias)(out_BxLxNxK, flat=kernel)
 
   def _route(self, length: int, masks, is_local, window: int, query_positions):
-    """(the fused kernel, by it a splash layer's local window, one product for q, k and v).
+    """(the fused kernel, by it a splash layer, one product for q, k and v).
     The fused kernel reads the heads side by side, [B, L, N * K], as one 2-D product writes
     them (`flat`: no copy between), and their biases apart (added, then q and k turned by RoPE,
     as it reads them: no biased copy written, or made again under remat). Under "splash", an
-    unrolled local layer whose window its slabs hold runs by it (attention_blocks.py): splash's
-    path turned q and k by XLA and copied them heads first (docs/performance.md, "ModernBERT-base:
-    RoPE inside the attention kernel"). One product (qkv_product "one") where the heads are
-    whole on each device (split heads need its thirds re-placed first), not into slabs
-    (`by_slabs`: they read q, k and v as arrays of their own); "auto" settled by train.build
-    for its mesh's chips, outside it here."""
+    unrolled layer the kernel holds block by block runs by it (a local window by slabs, a global
+    layer past its whole rows online: attention_blocks.py): splash's path turned q and k by XLA
+    and copied them heads first (docs/performance.md, "ModernBERT-base: RoPE inside the
+    attention kernel"). One product (qkv_product "one"; "auto" settled by train.build) where
+    the heads are whole on each device, not into blocks of queries (they read q, k and v whole)."""
     cfg = self.config
-    static_local = isinstance(is_local, (bool, np.bool_)) and bool(is_local) and window > 0
-    rate = cfg.attention_dropout
-    slabs = (cfg.attention_impl == "splash" and "segment_ids" in masks and static_local
-             and attention_blocks.holds_window(length, window, rate))
+    static = isinstance(is_local, (bool, np.bool_))
+    window = window if static and is_local else 0
+    rate, longest, held = cfg.attention_dropout, attention_kernel.MAX_LENGTH, attention_blocks
+    blockwise = static and (held.by_slabs(length, window, rate, longest)
+                            or held.by_flash(length, window, rate, longest))
+    slabs = (cfg.attention_impl == "splash" and "segment_ids" in masks and static
+             and (attention_blocks.holds_window(length, window, rate)
+                  or attention_blocks.by_flash(length, window, rate, longest)))
     kernel = (cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks) or slabs
-    packed = (kernel and query_positions is None
-              and not (static_local and attention_blocks.by_slabs(
-                  length, window, rate, attention_kernel.MAX_LENGTH))
+    packed = (kernel and query_positions is None and not blockwise
               and sharding.logical_shards("activation_heads") == 1
               and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
     return kernel, slabs, packed

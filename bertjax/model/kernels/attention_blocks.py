@@ -1,5 +1,5 @@
-"""A head's attention in VMEM: the pieces of attention_kernel.py's kernels, and the kernels for a
-local window at any length.
+"""A head's attention in VMEM: the pieces of attention_kernel.py's kernels, and its kernels by
+blocks of queries: a local window at any length, a global layer past whole rows.
 
 attention_kernel.py computes a head's whole [L, L] in VMEM, up to L 1,024. A local window
 (ModernBERT's 128 in two layers of three) needs only the keys within half a window of a query:
@@ -11,6 +11,11 @@ not fit, and fewer FLOPs at 1,024. A grid step takes a row's few heads, as the w
 q, k and v are biased and turned (RoPE) once into VMEM, then each block of queries is computed
 against its slab. The backward adds each block's dk and dv into float32 rows in VMEM and writes
 them when the row is done. No dropout (`holds_window`: the whole-row kernel draws it).
+
+A global layer past the whole-row kernel's length (phase 2's 8,192) runs the same way, each block
+of queries against every block of keys with a running maximum (`by_flash`); its backward makes a
+block's statistics again, rowsum(do o) among them, in a pass of q k^T and do v^T: the forward's
+output as a residual of its own was not what remat kept by name, and the forward ran again.
 
 The segments (and RoPE's positions) come in as [rows, 1 or 2, L / BLOCK, BLOCK], a block of them
 a sublane, which the kernels index by block.
@@ -53,6 +58,12 @@ def by_slabs(length: int, local_window: int, rate: float, longest: int) -> bool:
   whole-row kernel's) always, below it off the chips of WHOLE_ROWS_ON."""
   return holds_window(length, local_window, rate) and (
       length > longest or platforms.tpu_chip() not in WHOLE_ROWS_ON)
+
+
+def by_flash(length: int, local_window: int, rate: float, longest: int) -> bool:
+  """Whether the kernels run a global layer block by block (online softmax over every block of
+  keys): past `longest`, the whole-row kernel's, without dropout, in whole blocks."""
+  return not local_window and rate <= 0 and length > longest and length % BLOCK == 0
 
 
 def allowed(seg_q_Sx1, seg_k_1xT, local_window: int, q_start=0, k_start=0):
@@ -140,6 +151,20 @@ def _slab(i, b, seg_ref, local_window: int):
   return _at(b), pl.ds(pl.multiple_of(first * BLOCK, BLOCK), 3 * BLOCK), sees
 
 
+def _written(i, seg_ref, back, kept, refs, sums_ref, dq_sum, total):
+  """Row i's dk (turned back) and dv from the float32 VMEM rows `kept` into `refs`, and the
+  three gradients' sums over its positions."""
+  def one(b, sums):
+    dk = back(kept[0][_at(b), :], i, b).astype(refs[0].dtype)
+    dv = kept[1][_at(b), :].astype(refs[1].dtype)
+    refs[0][i, _at(b), :], refs[1][i, _at(b), :] = dk, dv
+    return sums[0] + total(dk), sums[1] + total(dv)
+  zeros = jnp.zeros((1, dq_sum.shape[1]), _F32)
+  dk_sum, dv_sum = jax.lax.fori_loop(0, seg_ref.shape[2], one, (zeros, zeros))
+  for j, value in enumerate((dq_sum, dk_sum, dv_sum)):
+    sums_ref[i, j:j + 1, :] = value
+
+
 def slab_forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
                         v_ref, o_ref, qs, ks, vs, *, rate, local_window, scale, size, unrolled):
   """attention_kernel's forward (its output's bits) by slabs; `qs`, `ks`, `vs` VMEM [L, width]."""
@@ -199,15 +224,99 @@ def slab_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q
       return dq_sum + total(dq)
 
     dq_sum = jax.lax.fori_loop(0, seg_ref.shape[2], block, jnp.zeros((1, width), _F32))
+    _written(i, seg_ref, back, (dk_rows, dv_rows), (dk_ref, dv_ref), sums_ref, dq_sum, total)
+    return carry
+  jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
 
-    def written(b, sums):
-      dk = back(dk_rows[_at(b), :], i, b).astype(dk_ref.dtype)
-      dv = dv_rows[_at(b), :].astype(dv_ref.dtype)
-      dk_ref[i, _at(b), :], dv_ref[i, _at(b), :] = dk, dv
-      return sums[0] + total(dk), sums[1] + total(dv)
-    zeros = jnp.zeros((1, width), _F32)
-    dk_sum, dv_sum = jax.lax.fori_loop(0, seg_ref.shape[2], written, (zeros, zeros))
-    for j, value in enumerate((dq_sum, dk_sum, dv_sum)):
-      sums_ref[i, j:j + 1, :] = value
+
+def _scores(q_SxW, k_SxW, seg_q_Sx1, seg_k_1xS, scale: float):
+  s = jax.lax.dot_general(q_SxW, k_SxW, T, preferred_element_type=_F32) * scale
+  return jnp.where(seg_q_Sx1 == seg_k_1xS, s, BIG_NEGATIVE)
+
+
+def _online(q, i, seg_ref, ks, vs, seg_q, scale: float, do=None):
+  """Over every block of row i's keys with a running maximum: softmax(q k^T) v (float32 [S, W]);
+  or with `do`, the backward's statistics: (the log-sum-exp [S, 1], rowsum(p (do v^T)) [S, 1],
+  which is rowsum(do o), without the output)."""
+  def step(j, carry):
+    m, l, acc = carry
+    s = _scores(q, ks[_at(j), :], seg_q, seg_ref[i, 0, pl.ds(j, 1), :], scale)
+    top = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    p, fade = jnp.exp(s - top), jnp.exp(m - top)
+    v = vs[_at(j), :]
+    got = (jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32) if do is None else
+           jnp.sum(p * jax.lax.dot_general(do, v, T, preferred_element_type=_F32), axis=-1,
+                   keepdims=True))
+    return top, fade * l + jnp.sum(p, axis=-1, keepdims=True), fade * acc + got
+  rows = q.shape[0]
+  start = (jnp.full((rows, 1), BIG_NEGATIVE, _F32), jnp.zeros((rows, 1), _F32),
+           jnp.zeros((rows, q.shape[1] if do is None else 1), _F32))
+  m, l, acc = jax.lax.fori_loop(0, seg_ref.shape[2], step, start)
+  return acc / l if do is None else (m + jnp.log(l), acc / l)
+
+
+def flash_forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
+                         v_ref, o_ref, qs, ks, vs, *, rate, local_window, scale, size, unrolled):
+  """attention_kernel's forward for a global layer past its whole rows: each block of queries
+  against every block of keys, online (`_online`)."""
+  del rows_ref, first_head_ref, key_ref, rate, local_window, unrolled
+  heads, width = q_ref.shape[2] // size, q_ref.shape[2]
+
+  def row(i, carry):
+    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
+
+    def block(b, carry):
+      q, seg_q = qs[_at(b), :], column(seg_ref[i, 0, pl.ds(b, 1), :])
+      zero = jnp.zeros((), q.dtype)
+      out = per_head(heads, size, width, lambda n, mine: (_online(
+          jnp.where(mine, q, zero), i, seg_ref, ks, vs, seg_q, scale),))[0]
+      o_ref[i, _at(b), :] = jax.lax.bitcast_convert_type(out.astype(q.dtype), o_ref.dtype)
+      return carry
+    return jax.lax.fori_loop(0, seg_ref.shape[2], block, carry)
+  jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
+
+
+def flash_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
+                          v_ref, do_ref, dq_ref, dk_ref, dv_ref, sums_ref, qs, ks, vs, dk_rows,
+                          dv_rows, *, rate, local_window, scale, size, unrolled):
+  """The backward of `flash_forward_kernel`: a block of queries' statistics made again (a pass of
+  q k^T and do v^T: no residual but the inputs, which remat keeps by name), then each block of
+  keys' share of dq, and dk, dv added up in the float32 VMEM rows as `slab_backward_kernel`."""
+  del rows_ref, first_head_ref, key_ref, rate, local_window, unrolled
+  heads, width, dtype = q_ref.shape[2] // size, q_ref.shape[2], q_ref.dtype
+  back = lambda g, i, b: (g if seg_ref.shape[1] < 2 else rope.turned_back(
+      g.astype(dtype).astype(_F32), _positions(seg_ref, i, b) * bias_ref[3:4, :], size))
+  total = lambda x: jnp.sum(x.astype(_F32), axis=0, keepdims=True)
+
+  def row(i, carry):
+    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
+    dk_rows[...] = jnp.zeros(dk_rows.shape, _F32)
+    dv_rows[...] = jnp.zeros(dv_rows.shape, _F32)
+
+    def block(b, dq_sum):
+      q, do, seg_q = qs[_at(b), :], do_ref[i, _at(b), :], column(seg_ref[i, 0, pl.ds(b, 1), :])
+      zero = jnp.zeros((), q.dtype)
+
+      def head(n, mine):
+        q_n, do_n = jnp.where(mine, q, zero), jnp.where(mine, do, zero)
+        lse, d = _online(q_n, i, seg_ref, ks, vs, seg_q, scale, do=do_n)
+
+        def step(j, dq):
+          k, v = ks[_at(j), :], vs[_at(j), :]
+          p = jnp.exp(_scores(q_n, k, seg_q, seg_ref[i, 0, pl.ds(j, 1), :], scale) - lse)
+          dp = jax.lax.dot_general(do_n, v, T, preferred_element_type=_F32)
+          ds = (p * (dp - d) * scale).astype(dtype)
+          keep = lambda x: jnp.where(mine, x, 0.0)
+          dv_rows[_at(j), :] += keep(jnp.dot(p.astype(dtype).T, do, preferred_element_type=_F32))
+          dk_rows[_at(j), :] += keep(jnp.dot(ds.T, q, preferred_element_type=_F32))
+          return dq + jnp.dot(ds, k, preferred_element_type=_F32)
+        return (jax.lax.fori_loop(0, seg_ref.shape[2], step, jnp.zeros((q.shape[0], width),
+                                                                         _F32)),)
+      dq = back(per_head(heads, size, width, head)[0], i, b).astype(dq_ref.dtype)
+      dq_ref[i, _at(b), :] = dq
+      return dq_sum + total(dq)
+
+    dq_sum = jax.lax.fori_loop(0, seg_ref.shape[2], block, jnp.zeros((1, width), _F32))
+    _written(i, seg_ref, back, (dk_rows, dv_rows), (dk_ref, dv_ref), sums_ref, dq_sum, total)
     return carry
   jax.lax.fori_loop(0, q_ref.shape[0], row, 0)

@@ -68,13 +68,15 @@ def fits(length: int) -> bool:
 
 
 def check_length(length: int, local_window: int = 0, rate: float = 0.0) -> None:
-  if not fits(length) and not blocks.holds_window(length, local_window, rate):
+  if not (fits(length) or blocks.holds_window(length, local_window, rate)
+          or blocks.by_flash(length, local_window, rate, MAX_LENGTH)):
     nearest = min(MAX_LENGTH, max(MULTIPLE, -(-length // MULTIPLE) * MULTIPLE))
     raise Refusal(
-        f"attention_impl='fused' computes a head's whole [L, L] in VMEM: it needs a sequence "
-        f"length that is a multiple of {MULTIPLE} and at most {MAX_LENGTH}; got {length}. Set "
-        f"data.max_seq_length to one (e.g. {nearest}), or use attention_impl='splash' (no "
-        f"attention dropout) or 'xla'")
+        f"attention_impl='fused' with attention dropout computes a head's whole [L, L] in VMEM: "
+        f"it needs a sequence length that is a multiple of {MULTIPLE} and at most {MAX_LENGTH} "
+        f"(without dropout, any multiple of {MULTIPLE}); got {length}. Set "
+        f"data.max_seq_length to one (e.g. {nearest}), or model.attention_dropout=0, or use "
+        f"attention_impl='xla'")
 
 
 def _dropped(p, keep, rate: float):
@@ -177,8 +179,8 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 
 def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
           local_window, size, flops, interpret):
-  """`kernels`: (whole rows, slabs): the second where a local window runs by slabs
-  (attention_blocks.holds_window). `seg` int32 [B, 1, L] (segments; [B, 2, L] with positions:
+  """`kernels`: (whole rows, slabs, blocks): a local window by slabs where `blocks.by_slabs`,
+  a global layer past MAX_LENGTH block by block (`blocks.by_flash`). `seg` int32 [B, 1, L] (segments; [B, 2, L] with positions:
   RoPE), `bias` float32 [3, N * K] (values of the inputs' dtype; [4, ...] with the lanes' RoPE
   frequencies). `outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention`
   turns them back); or 3 and a fourth, float32 [B, 3, N * K], the three summed over positions. `fused`:
@@ -197,14 +199,17 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
   width = group * size
   block = _block(rows, length, width * item, len(inputs) + outputs)
   tile = pl.BlockSpec((block, length, width), lambda b, h, *_: (b, 0, h))
-  slabs = blocks.by_slabs(length, local_window, rate, MAX_LENGTH)
+  mode = (1 if blocks.by_slabs(length, local_window, rate, MAX_LENGTH)
+          else 2 if blocks.by_flash(length, local_window, rate, MAX_LENGTH) else 0)
+  slabs = mode > 0  # by blocks of queries (both modes)
   fused = (not slabs,) * len(inputs)
-  span = 3 * blocks.BLOCK if slabs else length  # the keys a query's scores take
+  span = 3 * blocks.BLOCK if mode == 1 else length  # the keys a query's scores take
+  flops += 4 * (mode == 2 and outputs > 1)  # the statistics made again: q k^T, do v^T
   # Slabs: the segments a block to a sublane; q, k, v (and dk, dv in float32) rows in VMEM.
   seg = seg.reshape(seg.shape[:2] + ((length // blocks.BLOCK, blocks.BLOCK) if slabs else (-1,)))
   scratch = [pltpu.VMEM((length, width), t) for t in (dtype,) * 3 + (_F32,) * (2 * (outputs > 1))
              ] if slabs else []
-  fn = functools.partial(kernels[slabs], rate=rate, local_window=local_window,
+  fn = functools.partial(kernels[mode], rate=rate, local_window=local_window,
                          scale=1.0 / np.sqrt(size), size=size, unrolled=any(fused))
   sums = outputs > 1
   shape = jax.ShapeDtypeStruct(inputs[0].shape, dtype if sums else residuals.bits_type(dtype))
@@ -241,16 +246,16 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
 def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size,
              interpret):
   # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
-  return _call((_forward_kernel, blocks.slab_forward_kernel), "fused_attention_fwd", (q, k, v),
-               1, rows_ids, first_head, key, seg, bias, rate=rate, local_window=local_window,
+  return _call((_forward_kernel, blocks.slab_forward_kernel, blocks.flash_forward_kernel),
+               "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key, seg, bias, rate=rate, local_window=local_window,
                size=size, flops=4, interpret=interpret)
 
 
 def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,
               interpret):
   # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv and their sums (`_call`'s).
-  return _call((_backward_kernel, blocks.slab_backward_kernel), "fused_attention_bwd",
-               (q, k, v, do), 3, rows_ids, first_head, key, seg, bias, rate=rate,
+  return _call((_backward_kernel, blocks.slab_backward_kernel, blocks.flash_backward_kernel),
+               "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head, key, seg, bias, rate=rate,
                local_window=local_window, size=size, flops=10, interpret=interpret)
 
 
