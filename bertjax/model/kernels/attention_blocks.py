@@ -151,40 +151,69 @@ def _slab(i, b, seg_ref, local_window: int):
   return _at(b), pl.ds(pl.multiple_of(first * BLOCK, BLOCK), 3 * BLOCK), sees
 
 
-def _written(i, seg_ref, back, kept, refs, sums_ref, dq_sum, total):
+def _total(x):
+  return jnp.sum(x.astype(_F32), axis=0, keepdims=True)
+
+
+def _turned_back(g, i, b, seg_ref, bias_ref, size: int, dtype):
+  """Block b's gradient of turned q or k turned back (RoPE), rounded first as XLA's would be;
+  as it is without RoPE."""
+  if seg_ref.shape[1] < 2:
+    return g
+  return rope.turned_back(g.astype(dtype).astype(_F32),
+                          _positions(seg_ref, i, b) * bias_ref[3:4, :], size)
+
+
+def _begin(i, seg_ref, bias_ref, ins, kept, rows, size: int):
+  """A backward's row: q, k, v into VMEM (`_prepare`), the float32 rows `rows` zeroed."""
+  _prepare(i, seg_ref, bias_ref, ins, kept, size)
+  for ref in rows:
+    ref[...] = jnp.zeros(ref.shape, _F32)
+
+
+def _written(i, seg_ref, back, kept, refs, sums_ref, dq_sum):
   """Row i's dk (turned back) and dv from the float32 VMEM rows `kept` into `refs`, and the
   three gradients' sums over its positions."""
   def one(b, sums):
     dk = back(kept[0][_at(b), :], i, b).astype(refs[0].dtype)
     dv = kept[1][_at(b), :].astype(refs[1].dtype)
     refs[0][i, _at(b), :], refs[1][i, _at(b), :] = dk, dv
-    return sums[0] + total(dk), sums[1] + total(dv)
+    return sums[0] + _total(dk), sums[1] + _total(dv)
   zeros = jnp.zeros((1, dq_sum.shape[1]), _F32)
   dk_sum, dv_sum = jax.lax.fori_loop(0, seg_ref.shape[2], one, (zeros, zeros))
   for j, value in enumerate((dq_sum, dk_sum, dv_sum)):
     sums_ref[i, j:j + 1, :] = value
 
 
+def _forward_rows(seg_ref, bias_ref, ins, o_ref, kept, size: int, per_block):
+  """Each row's q, k and v into VMEM (`kept`), then each block of its queries' output, as bits:
+  `per_block(i, b)` gives block b's attention of one head's q (the others' lanes zero)."""
+  heads, width = ins[0].shape[2] // size, ins[0].shape[2]
+
+  def row(i, carry):
+    _prepare(i, seg_ref, bias_ref, ins, kept, size)
+
+    def block(b, carry):
+      q, attend = kept[0][_at(b), :], per_block(i, b)
+      zero = jnp.zeros((), q.dtype)
+      out = per_head(heads, size, width, lambda n, mine: (attend(jnp.where(mine, q, zero)),))[0]
+      o_ref[i, _at(b), :] = jax.lax.bitcast_convert_type(out.astype(q.dtype), o_ref.dtype)
+      return carry
+    return jax.lax.fori_loop(0, seg_ref.shape[2], block, carry)
+  jax.lax.fori_loop(0, ins[0].shape[0], row, 0)
+
+
 def slab_forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
                         v_ref, o_ref, qs, ks, vs, *, rate, local_window, scale, size, unrolled):
   """attention_kernel's forward (its output's bits) by slabs; `qs`, `ks`, `vs` VMEM [L, width]."""
   del rows_ref, first_head_ref, key_ref, rate, unrolled
-  heads, width = q_ref.shape[2] // size, q_ref.shape[2]
 
-  def row(i, carry):
-    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
-
-    def block(b, carry):
-      at, slab, sees = _slab(i, b, seg_ref, local_window)
-      q, k, v = qs[at, :], ks[slab, :], vs[slab, :]
-      zero = jnp.zeros((), q.dtype)
-      out = per_head(heads, size, width, lambda n, mine: (jnp.dot(
-          probabilities(jnp.where(mine, q, zero), k, sees, scale).astype(v.dtype), v,
-          preferred_element_type=_F32),))[0]
-      o_ref[i, at, :] = jax.lax.bitcast_convert_type(out.astype(q.dtype), o_ref.dtype)
-      return carry
-    return jax.lax.fori_loop(0, seg_ref.shape[2], block, carry)
-  jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
+  def per_block(i, b):
+    _, slab, sees = _slab(i, b, seg_ref, local_window)
+    k, v = ks[slab, :], vs[slab, :]
+    return lambda q: jnp.dot(probabilities(q, k, sees, scale).astype(v.dtype), v,
+                             preferred_element_type=_F32)
+  _forward_rows(seg_ref, bias_ref, (q_ref, k_ref, v_ref), o_ref, (qs, ks, vs), size, per_block)
 
 
 def slab_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
@@ -195,14 +224,10 @@ def slab_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q
   gradients turned back (RoPE) after rounding as XLA's would be; each gradient's sum."""
   del rows_ref, first_head_ref, key_ref, rate, unrolled
   heads, width, dtype = q_ref.shape[2] // size, q_ref.shape[2], q_ref.dtype
-  back = lambda g, i, b: (g if seg_ref.shape[1] < 2 else rope.turned_back(
-      g.astype(dtype).astype(_F32), _positions(seg_ref, i, b) * bias_ref[3:4, :], size))
-  total = lambda x: jnp.sum(x.astype(_F32), axis=0, keepdims=True)
+  back = lambda g, i, b: _turned_back(g, i, b, seg_ref, bias_ref, size, dtype)
 
   def row(i, carry):
-    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
-    dk_rows[...] = jnp.zeros(dk_rows.shape, _F32)
-    dv_rows[...] = jnp.zeros(dv_rows.shape, _F32)
+    _begin(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), (dk_rows, dv_rows), size)
 
     def block(b, dq_sum):
       at, slab, sees = _slab(i, b, seg_ref, local_window)
@@ -221,10 +246,10 @@ def slab_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q
       dq_ref[i, at, :] = dq
       dk_rows[slab, :] = dk_rows[slab, :] + dk
       dv_rows[slab, :] = dv_rows[slab, :] + dv
-      return dq_sum + total(dq)
+      return dq_sum + _total(dq)
 
     dq_sum = jax.lax.fori_loop(0, seg_ref.shape[2], block, jnp.zeros((1, width), _F32))
-    _written(i, seg_ref, back, (dk_rows, dv_rows), (dk_ref, dv_ref), sums_ref, dq_sum, total)
+    _written(i, seg_ref, back, (dk_rows, dv_rows), (dk_ref, dv_ref), sums_ref, dq_sum)
     return carry
   jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
 
@@ -260,20 +285,11 @@ def flash_forward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q
   """attention_kernel's forward for a global layer past its whole rows: each block of queries
   against every block of keys, online (`_online`)."""
   del rows_ref, first_head_ref, key_ref, rate, local_window, unrolled
-  heads, width = q_ref.shape[2] // size, q_ref.shape[2]
 
-  def row(i, carry):
-    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
-
-    def block(b, carry):
-      q, seg_q = qs[_at(b), :], column(seg_ref[i, 0, pl.ds(b, 1), :])
-      zero = jnp.zeros((), q.dtype)
-      out = per_head(heads, size, width, lambda n, mine: (_online(
-          jnp.where(mine, q, zero), i, seg_ref, ks, vs, seg_q, scale),))[0]
-      o_ref[i, _at(b), :] = jax.lax.bitcast_convert_type(out.astype(q.dtype), o_ref.dtype)
-      return carry
-    return jax.lax.fori_loop(0, seg_ref.shape[2], block, carry)
-  jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
+  def per_block(i, b):
+    seg_q = column(seg_ref[i, 0, pl.ds(b, 1), :])
+    return lambda q: _online(q, i, seg_ref, ks, vs, seg_q, scale)
+  _forward_rows(seg_ref, bias_ref, (q_ref, k_ref, v_ref), o_ref, (qs, ks, vs), size, per_block)
 
 
 def flash_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, q_ref, k_ref,
@@ -284,14 +300,10 @@ def flash_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, 
   keys' share of dq, and dk, dv added up in the float32 VMEM rows as `slab_backward_kernel`."""
   del rows_ref, first_head_ref, key_ref, rate, local_window, unrolled
   heads, width, dtype = q_ref.shape[2] // size, q_ref.shape[2], q_ref.dtype
-  back = lambda g, i, b: (g if seg_ref.shape[1] < 2 else rope.turned_back(
-      g.astype(dtype).astype(_F32), _positions(seg_ref, i, b) * bias_ref[3:4, :], size))
-  total = lambda x: jnp.sum(x.astype(_F32), axis=0, keepdims=True)
+  back = lambda g, i, b: _turned_back(g, i, b, seg_ref, bias_ref, size, dtype)
 
   def row(i, carry):
-    _prepare(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), size)
-    dk_rows[...] = jnp.zeros(dk_rows.shape, _F32)
-    dv_rows[...] = jnp.zeros(dv_rows.shape, _F32)
+    _begin(i, seg_ref, bias_ref, (q_ref, k_ref, v_ref), (qs, ks, vs), (dk_rows, dv_rows), size)
 
     def block(b, dq_sum):
       q, do, seg_q = qs[_at(b), :], do_ref[i, _at(b), :], column(seg_ref[i, 0, pl.ds(b, 1), :])
@@ -314,9 +326,9 @@ def flash_backward_kernel(rows_ref, first_head_ref, key_ref, seg_ref, bias_ref, 
                                                                          _F32)),)
       dq = back(per_head(heads, size, width, head)[0], i, b).astype(dq_ref.dtype)
       dq_ref[i, _at(b), :] = dq
-      return dq_sum + total(dq)
+      return dq_sum + _total(dq)
 
     dq_sum = jax.lax.fori_loop(0, seg_ref.shape[2], block, jnp.zeros((1, width), _F32))
-    _written(i, seg_ref, back, (dk_rows, dv_rows), (dk_ref, dv_ref), sums_ref, dq_sum, total)
+    _written(i, seg_ref, back, (dk_rows, dv_rows), (dk_ref, dv_ref), sums_ref, dq_sum)
     return carry
   jax.lax.fori_loop(0, q_ref.shape[0], row, 0)
