@@ -5,9 +5,9 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
-Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.4 and 54.5 of 95
+Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.4 and 49.9 of 95
 GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.881 and 0.812; on v6e-8 0.607
-and 0.523; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
+and 0.711; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
 slice needs fewer microbatches, and a batch that divides over its chips and them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
 Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152: 149,014,272 parameters in the encoder;
@@ -68,17 +68,18 @@ def get_config(arg=None):
   # bertjax's fused kernel, which turns q and k by RoPE as it reads them (by XLA the turns'
   # float32 copies and relayouts were 55% of the step's HBM bytes on v6e-8), its local windows by
   # slabs of 128 queries at any length (on v6e whole rows up to 1,024). Phase 2's 8,192 is past
-  # its whole rows: the global layers take splash, RoPE by XLA.
+  # its whole rows: "splash", whose straight layers the kernel takes block by block (RoPE inside;
+  # a scanned layer, or one with dropout, would be splash's).
   m.attention_impl = "auto" if phase == 1 else "splash"
   m.qkv_product = "auto"  # one product for q, k and v on v6e and v5p, where the kernel reads it
   # Phase 1: the MLM logits scored where they are made (mlm_kernel on a TPU) and made again in
   # the backward, where 30% of 1,024 positions predicted over 50,368 pieces made the kept float32
   # logits a tenth of the step's bytes. Phase 2 keeps them: on v5p-8, bound by FLOPs there, the
-  # second product cost more (0.781 against 0.812 by the roofline); on v6e-8 pass
-  # --config.model.recompute_mlm_logits=true (0.594 against 0.523, 24.7 GiB a chip).
+  # second product costs more than it saves (docs/performance.md, "ModernBERT-base: RoPE inside
+  # the attention kernel"); on v6e-8 pass --config.model.recompute_mlm_logits=true.
   m.recompute_mlm_logits = phase == 1
   # The matmuls' outputs kept, and the attention kernel's ("dots_kernels"; splash's is not
-  # named), in 12 microbatches: 41 and 55 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
+  # named), in 12 microbatches: 41 and 50 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
   # remat in 8 made the forward again (docs/performance.md, "ModernBERT-base, compiled"). 12
   # divide both phases' batches over 4 chips and over 8.
   m.remat_policy = "dots_kernels"
