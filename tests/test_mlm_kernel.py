@@ -1,5 +1,5 @@
-"""The MLM scores kernel (bertjax/model/kernels/mlm_kernel.py: the logits made and read in VMEM, never
-written) against XLA's logits and losses.scores. On a CPU it runs in Pallas' interpreter;
+"""The MLM scores kernel (bertjax/model/kernels/mlm_kernel.py: the logits made and read in VMEM,
+never written) against XLA's logits and losses.scores. On a CPU it runs in Pallas' interpreter;
 tests/test_aot.py compiles it into a TPU train step."""
 
 import jax

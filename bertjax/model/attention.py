@@ -9,9 +9,10 @@
             blocks outside it skipped. An unrolled layer the fused kernel holds block by block
             (a window within 128, or global past 1,024) takes it instead (RoPE inside it:
             kernels/attention_blocks.py).
-  "fused"   bertjax.model.kernels.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU, XLA on
-            a GPU) that computes each head's whole [L, L] in VMEM, dropout on the probabilities
-            included (L a multiple of 128, at most 1024);
+  "fused"   bertjax.model.kernels.attention_kernel: a Pallas kernel (TPU; its interpreter on CPU,
+            XLA on a GPU) that computes each head's whole [L, L] in VMEM, dropout on the
+            probabilities included (L a multiple of 128, at most 1024; without dropout any
+            multiple of 128, by blocks of queries);
   "auto"    the fused kernel on a TPU, and its arithmetic (the same dropout bits) by XLA on a CPU
             or a GPU; XLA's attention ("xla") for lengths the kernel does not hold.
 cuDNN and splash have no dropout on attention probabilities: BertConfig requires

@@ -110,8 +110,8 @@ class SelfAttention(nn.Module):
     shape = (cfg.num_heads, cfg.head_size)
     is_local = cfg.is_local(layer_id)
     window = cfg.local_window if cfg.has_local_layers else 0
-    kernel, slabs, packed = self._route(x_BxLxD.shape[1], masks, is_local, window,
-                                        query_positions)
+    kernel, from_splash, packed = self._route(x_BxLxD.shape[1], masks, is_local, window,
+                                              query_positions)
     apart = dict(flat=True, bias_apart=True) if kernel else {}
     at_queries = ((lambda a: a) if query_positions is None
                   else lambda a: attention.gather_positions(a, query_positions))
@@ -146,7 +146,7 @@ class SelfAttention(nn.Module):
       q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
                                                          "activation_heads", "activation_kv"))
     # `masks`: attention.attention_masks(cfg.attention_impl, ...), built once for all layers.
-    if cfg.attention_impl == "splash" and not slabs:
+    if cfg.attention_impl == "splash" and not from_splash:
       # Init runs the kernel's XLA equivalent: the parameters do not depend on it, and callers
       # initialise on dummy batches (length 8) that the kernel's blocks do not fit.
       splash = (attention.splash_equivalent if self.is_initializing()
@@ -180,20 +180,19 @@ class SelfAttention(nn.Module):
     and copied them heads first (docs/performance.md, "ModernBERT-base: RoPE inside the
     attention kernel"). One product (qkv_product "one"; "auto" settled by train.build) where
     the heads are whole on each device, not into blocks of queries (they read q, k and v whole)."""
-    cfg = self.config
+    cfg, blocks = self.config, attention_blocks
     static = isinstance(is_local, (bool, np.bool_))
     window = window if static and is_local else 0
-    rate, longest, held = cfg.attention_dropout, attention_kernel.MAX_LENGTH, attention_blocks
-    blockwise = static and (held.by_slabs(length, window, rate, longest)
-                            or held.by_flash(length, window, rate, longest))
-    slabs = (cfg.attention_impl == "splash" and "segment_ids" in masks and static
-             and (attention_blocks.holds_window(length, window, rate)
-                  or attention_blocks.by_flash(length, window, rate, longest)))
-    kernel = (cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks) or slabs
-    packed = (kernel and query_positions is None and not blockwise
+    rate, longest = cfg.attention_dropout, attention_kernel.MAX_LENGTH
+    flash = static and blocks.by_flash(length, window, rate, longest)
+    from_splash = cfg.attention_impl == "splash" and "segment_ids" in masks and (
+        flash or static and blocks.holds_window(length, window, rate))
+    kernel = (cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks) or from_splash
+    packed = (kernel and query_positions is None and not flash
+              and not (static and blocks.by_slabs(length, window, rate, longest))
               and sharding.logical_shards("activation_heads") == 1
               and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
-    return kernel, slabs, packed
+    return kernel, from_splash, packed
 
   def _projections(self, x_BxLxD, apart: dict, at_queries, packed: bool):
     """q, k and v by Dense's `apart` options (L: S for q with query positions); with `packed`

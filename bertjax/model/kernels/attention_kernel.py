@@ -180,17 +180,18 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
           local_window, size, flops, interpret):
   """`kernels`: (whole rows, slabs, blocks): a local window by slabs where `blocks.by_slabs`,
-  a global layer past MAX_LENGTH block by block (`blocks.by_flash`). `seg` int32 [B, 1, L] (segments; [B, 2, L] with positions:
-  RoPE), `bias` float32 [3, N * K] (values of the inputs' dtype; [4, ...] with the lanes' RoPE
-  frequencies). `outputs`: 1, the bits of the inputs' dtype (unsigned integers: `_attention`
-  turns them back); or 3 and a fourth, float32 [B, 3, N * K], the three summed over positions. `fused`:
-  for each of `inputs`, whether XLA may compute it inside the kernel's reads of it (Pallas'
-  allow_input_fusion). q, k and v may be slices: of the scanned loop's stacks of saved
-  residuals in the backward, of one product's output (qkv_product "one"). Fused (whole rows), the
-  kernel reads them where they lie, where each was first copied out whole (a custom call's
-  operand is a buffer of its own); whole arrays moved the same bytes either way. The kernel
-  then reads its rows at constant offsets (`_row_loop`'s `unrolled`): with a traced row index
-  libtpu 0.0.42 fails a RET_CHECK on such an operand, and slabs' offsets are traced."""
+  a global layer past MAX_LENGTH block by block (`blocks.by_flash`). `seg` int32 [B, 1, L]
+  (segments; [B, 2, L] with positions: RoPE), `bias` float32 [3, N * K] (values of the inputs'
+  dtype; [4, ...] with the lanes' RoPE frequencies). `outputs`: 1, the bits of the inputs'
+  dtype (unsigned integers: `_attention` turns them back); or 3 and a fourth, float32
+  [B, 3, N * K], the three summed over positions. Whole rows: XLA may compute each of `inputs`
+  inside the kernel's reads of it (Pallas' allow_input_fusion). q, k and v may be slices: of the
+  scanned loop's stacks of saved residuals in the backward, of one product's output
+  (qkv_product "one"). Fused, the kernel reads them where they lie, where each was first
+  copied out whole (a custom call's operand is a buffer of its own); whole arrays moved the same
+  bytes either way. The kernel then reads its rows at constant offsets (`_row_loop`'s
+  `unrolled`): with a traced row index libtpu 0.0.42 fails a RET_CHECK on such an operand, and
+  blocks' offsets are traced."""
   # [B, L, N * K], as the projections write it: lane-dense. Heads first ([B, N, L, K]) took a
   # transpose each way and padded K = 64 to 128 lanes in HBM.
   rows, length, heads = inputs[0].shape[:2] + (inputs[0].shape[2] // size,)
@@ -247,16 +248,16 @@ def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_windo
              interpret):
   # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
   return _call((_forward_kernel, blocks.slab_forward_kernel, blocks.flash_forward_kernel),
-               "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key, seg, bias, rate=rate, local_window=local_window,
-               size=size, flops=4, interpret=interpret)
+               "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key, seg, bias,
+               rate=rate, local_window=local_window, size=size, flops=4, interpret=interpret)
 
 
 def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,
               interpret):
   # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv and their sums (`_call`'s).
   return _call((_backward_kernel, blocks.slab_backward_kernel, blocks.flash_backward_kernel),
-               "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head, key, seg, bias, rate=rate,
-               local_window=local_window, size=size, flops=10, interpret=interpret)
+               "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head, key, seg, bias,
+               rate=rate, local_window=local_window, size=size, flops=10, interpret=interpret)
 
 
 def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size):
