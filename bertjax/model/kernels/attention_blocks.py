@@ -46,10 +46,11 @@ def holds_window(length: int, local_window: int, rate: float) -> bool:
 
 # At lengths the whole-row kernel holds, a local window runs whole rows on these chips, bound by
 # HBM there: slabs read q, k and v as arrays of their own (a traced block offset into an operand
-# XLA computes inside the kernel's reads fails libtpu's RET_CHECK), so one product's thirds are
-# copied out first, and on v6e that cost more than the scores the slabs skip (ModernBERT-base
-# L 1,024 on v6e-8: 0.607 by the roofline whole, 0.562 by slabs; on v5p-8, bound by FLOPs, slabs
-# 0.881 against 0.810: docs/performance.md, "ModernBERT-base: RoPE inside the attention kernel").
+# XLA computes inside the kernel's reads fails libtpu's RET_CHECK), so a layer by slabs takes
+# three products, not one, and on v6e that cost more than the scores the slabs skip
+# (ModernBERT-base L 1,024 on v6e-8: 0.607 by the roofline whole, 0.541 by slabs; on v5p-8,
+# bound by FLOPs, slabs 0.881 against 0.810: docs/performance.md, "ModernBERT-base: RoPE inside
+# the attention kernel").
 WHOLE_ROWS_ON = ("TPU_V6E",)
 
 
