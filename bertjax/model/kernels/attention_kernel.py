@@ -25,7 +25,9 @@ projections' biases come in apart (`biases`) and are added as the kernel reads q
 products' outputs, which remat "dots" keeps, go in as they are, and no biased copy of each is
 written (and, under remat, made again). The backward sums dq, dk and dv over positions as it
 writes them (the biases' gradients), and the forward writes its output's bits (what remat keeps).
-With RoPE (`turn`), q and k are turned after their biases, in VMEM (rope.py).
+With RoPE (`turn`), q and k are turned after their biases, in VMEM (rope.py). Without dropout,
+a local window, and a global layer past MAX_LENGTH, run by blocks of queries instead
+(attention_blocks.py: `_call` picks).
 
 The dropout's bits: each kernel draws its keep decisions itself (dropout.keep_decisions; the same
 on every device kind and mesh). On a GPU, where there is no Mosaic, `reference` computes the same
