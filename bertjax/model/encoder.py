@@ -184,12 +184,11 @@ class SelfAttention(nn.Module):
     static = isinstance(is_local, (bool, np.bool_))
     window = window if static and is_local else 0
     rate, longest = cfg.attention_dropout, attention_kernel.MAX_LENGTH
-    flash = static and blocks.by_flash(length, window, rate, longest)
+    way = blocks.way(length, window, rate, longest) if static else "whole"
     from_splash = cfg.attention_impl == "splash" and "segment_ids" in masks and (
-        flash or static and blocks.holds_window(length, window, rate))
+        way == "flash" or static and blocks.holds_window(length, window, rate))
     kernel = (cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks) or from_splash
-    packed = (kernel and query_positions is None and not flash
-              and not (static and blocks.by_slabs(length, window, rate, longest))
+    packed = (kernel and query_positions is None and way == "whole"
               and sharding.logical_shards("activation_heads") == 1
               and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
     return kernel, from_splash, packed

@@ -67,6 +67,15 @@ def by_flash(length: int, local_window: int, rate: float, longest: int) -> bool:
   return not local_window and rate <= 0 and length > longest and length % BLOCK == 0
 
 
+def way(length: int, local_window: int, rate: float, longest: int) -> str:
+  """How the kernels run a layer: "slabs" (`by_slabs`), "flash" (`by_flash`) or "whole" rows.
+  One answer for the kernels and for the encoder, which gives blocks of queries q, k and v as
+  arrays of their own."""
+  if by_slabs(length, local_window, rate, longest):
+    return "slabs"
+  return "flash" if by_flash(length, local_window, rate, longest) else "whole"
+
+
 def allowed(seg_q_Sx1, seg_k_1xT, local_window: int, q_start=0, k_start=0):
   """[.., S, T] bool: same segment, and within half the window (queries from `q_start`, keys
   from `k_start` in the row)."""

@@ -181,8 +181,8 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 
 def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
           local_window, size, flops, interpret):
-  """`kernels`: (whole rows, slabs, blocks): a local window by slabs where `blocks.by_slabs`,
-  a global layer past MAX_LENGTH block by block (`blocks.by_flash`). `seg` int32 [B, 1, L]
+  """`kernels`: by `blocks.way` ("whole", "slabs", "flash"): a local window by slabs, a global
+  layer past MAX_LENGTH block by block, else whole rows. `seg` int32 [B, 1, L]
   (segments; [B, 2, L] with positions: RoPE), `bias` float32 [3, N * K] (values of the inputs'
   dtype; [4, ...] with the lanes' RoPE frequencies). `outputs`: 1, the bits of the inputs'
   dtype (unsigned integers: `_attention` turns them back); or 3 and a fourth, float32
@@ -202,23 +202,23 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
   width = group * size
   block = _block(rows, length, width * item, len(inputs) + outputs)
   tile = pl.BlockSpec((block, length, width), lambda b, h, *_: (b, 0, h))
-  mode = (1 if blocks.by_slabs(length, local_window, rate, MAX_LENGTH)
-          else 2 if blocks.by_flash(length, local_window, rate, MAX_LENGTH) else 0)
-  slabs = mode > 0  # by blocks of queries (both modes)
-  fused = (not slabs,) * len(inputs)
-  span = 3 * blocks.BLOCK if mode == 1 else length  # the keys a query's scores take
-  flops += 4 * (mode == 2 and outputs > 1)  # the statistics made again: q k^T, do v^T
-  # Slabs: the segments a block to a sublane; q, k, v (and dk, dv in float32) rows in VMEM.
-  seg = seg.reshape(seg.shape[:2] + ((length // blocks.BLOCK, blocks.BLOCK) if slabs else (-1,)))
+  way = blocks.way(length, local_window, rate, MAX_LENGTH)
+  by_blocks = way != "whole"  # of queries: slabs or flash
+  fused = (not by_blocks,) * len(inputs)
+  span = 3 * blocks.BLOCK if way == "slabs" else length  # the keys a query's scores take
+  flops += 4 * (way == "flash" and outputs > 1)  # the statistics made again: q k^T, do v^T
+  # By blocks: the segments a block to a sublane; q, k, v (and dk, dv in float32) rows in VMEM.
+  seg = seg.reshape(seg.shape[:2]
+                    + ((length // blocks.BLOCK, blocks.BLOCK) if by_blocks else (-1,)))
   scratch = [pltpu.VMEM((length, width), t) for t in (dtype,) * 3 + (_F32,) * (2 * (outputs > 1))
-             ] if slabs else []
-  fn = functools.partial(kernels[mode], rate=rate, local_window=local_window,
+             ] if by_blocks else []
+  fn = functools.partial(kernels[way], rate=rate, local_window=local_window,
                          scale=1.0 / np.sqrt(size), size=size, unrolled=any(fused))
   sums = outputs > 1
   shape = jax.ShapeDtypeStruct(inputs[0].shape, dtype if sums else residuals.bits_type(dtype))
   # A head's [L, span] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(inputs) + outputs) * block * length * width * item
-          + 10 * min(span, blocks.BLOCK if slabs else length) * span * 4
+          + 10 * min(span, blocks.BLOCK if by_blocks else length) * span * 4
           + sum(length * width * jnp.dtype(v.dtype).itemsize for v in scratch))
   sums_shape, sums_spec = ((jax.ShapeDtypeStruct((rows, 3, heads * size), _F32),),
                            (pl.BlockSpec((block, 3, width), lambda b, h, *_: (b, 0, h)),))
@@ -249,7 +249,8 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
 def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size,
              interpret):
   # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
-  return _call((_forward_kernel, blocks.slab_forward_kernel, blocks.flash_forward_kernel),
+  return _call(dict(whole=_forward_kernel, slabs=blocks.slab_forward_kernel,
+                    flash=blocks.flash_forward_kernel),
                "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key, seg, bias,
                rate=rate, local_window=local_window, size=size, flops=4, interpret=interpret)
 
@@ -257,7 +258,8 @@ def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_windo
 def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,
               interpret):
   # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv and their sums (`_call`'s).
-  return _call((_backward_kernel, blocks.slab_backward_kernel, blocks.flash_backward_kernel),
+  return _call(dict(whole=_backward_kernel, slabs=blocks.slab_backward_kernel,
+                    flash=blocks.flash_backward_kernel),
                "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head, key, seg, bias,
                rate=rate, local_window=local_window, size=size, flops=10, interpret=interpret)
 
