@@ -125,8 +125,6 @@ def candidates(dimension: str, config, best: dict, device_kind: str = "") -> lis
   if dimension == "layers":
     return [{**best, "model.scan_layers": not current.model.scan_layers}]
   if dimension == "mlp":
-    if current.model.mlp_type != "dense":
-      return []
     now = current.model.mlp_impl
     if device_kind:
       now = mlp_kernel.chosen(current.model, chip, current.mesh.ici_tensor)

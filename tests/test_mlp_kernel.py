@@ -80,11 +80,13 @@ def test_in_bfloat16_within_its_rounding(keep):
 @pytest.mark.parametrize("layers,impl", [
     ({}, "pallas"), ({"scan_layers": True, "remat_policy": "dots"}, "pallas"),
     ({"scan_layers": True, "remat_policy": "dots_mlp"}, "pallas"),
-    ({"scan_layers": True, "remat_policy": "dots_kernels"}, "pallas_kept")])
+    ({"scan_layers": True, "remat_policy": "dots_kernels"}, "pallas_kept"),
+    ({"mlp_type": "gated", "mlp_bias": False}, "pallas_kept")])
 def test_a_model_takes_the_same_parameters_and_gives_the_same_values(layers, impl):
   # Straight layers, and the released configs' scanned layers with remat "dots" (the kernels'
   # forward runs again in the backward there: its output is no matmul's for the policy to keep);
-  # "pallas_kept" with the policy that keeps its pre-activation through the scan.
+  # "pallas_kept" with the policy that keeps its pre-activation through the scan; ModernBERT's
+  # gated MLP without biases, its two projections' parameters as the XLA path has them.
   ids = np.random.default_rng(0).integers(0, 97, (4, 16))
   config = dataclasses.replace(CFG, **layers)
   fused = dataclasses.replace(config, mlp_impl=impl)
@@ -139,11 +141,32 @@ def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
     assert err < 1e-4, (jax.tree_util.keystr(path), err)
 
 
-def test_a_gated_mlp_is_refused_with_the_fix():
-  for impl in ("pallas", "pallas_kept"):
-    with pytest.raises(ValueError,
-                       match=f"mlp_impl='{impl}' fuses the dense MLP only.*mlp_impl='xla'"):
-      BertConfig(mlp_type="gated", hidden_act="silu", mlp_impl=impl)
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_the_gated_form_takes_both_projections_side_by_side(act):
+  # GeGLU and SwiGLU: W1 and G as one [D, 2F] argument; F = 384 in three chunks of 128, each
+  # reading its columns of both. Made again and kept, against the formula by XLA.
+  *args, dy = _arrays(512, 32, 768, jnp.float32)
+  x, w1g, b1g, _, b2 = args
+  w2 = jax.random.normal(jax.random.key(3), (384, 32)) * 0.1
+  fn = ACTIVATIONS[act]
+  gated = lambda x, w, b, w2, b2: (
+      fn(x @ w[:, :384] + b[:384]) * (x @ w[:, 384:] + b[384:])) @ w2 + b2
+  expected, pull_ref = jax.vjp(gated, x, w1g, b1g, w2, b2)
+  for keep in (False, True):
+    got, pull = jax.vjp(lambda *a: mlp_kernel.mlp(*a, fn, keep=keep), x, w1g, b1g, w2, b2)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+    for name, g, e in zip(("x", "w1g", "b1g", "w2", "b2"), pull(dy), pull_ref(dy)):
+      assert g.shape == e.shape, name
+      np.testing.assert_allclose(g, e, atol=2e-4, rtol=2e-5, err_msg=f"d/d{name} keep={keep}")
+  # The kept pre-activation is both halves, and the XLA fallback (no Mosaic) reads it the same.
+  y, pre = mlp_kernel._forward(x, w1g, b1g[None], w2, b2[None], fn, interpret=True, kept=True)
+  assert pre.shape == (512, 768)
+  for got, want in zip(mlp_kernel._backward(x, dy, w1g, b1g[None], w2, pre, fn, interpret=True),
+                       mlp_kernel._xla_backward(x, dy, w1g, b1g[None], w2, pre, fn)):
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
+def test_an_unknown_mlp_impl_is_refused_with_the_choices():
   with pytest.raises(ValueError, match="mlp_impl='triton'; choose one of"):
     BertConfig(mlp_impl="triton")
 
@@ -219,22 +242,26 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
     chosen = mlp_kernel.chosen(dataclasses.replace(auto, remat_policy=policy), chip("TPU v6 lite"))
     assert chosen == impl, (policy, chosen)
   auto = dataclasses.replace(auto, remat_policy="dots")
-  # v5p and v5e: their steps are bound by FLOPs, which the kernels add.
+  # v5p and v5e: their steps are bound by FLOPs, which the kernels that make the pre-activation
+  # again add; v5e takes those that keep it where the policy keeps it (XLA's FLOPs), v5p not.
   assert mlp_kernel.chosen(auto, chip("TPU v5")) == "xla"
   assert mlp_kernel.chosen(auto, chip("TPU v5 lite")) == "xla"
+  for policy in ("none", "dots_kernels"):
+    kept = dataclasses.replace(auto, remat_policy=policy)
+    assert mlp_kernel.chosen(kept, chip("TPU v5 lite")) == "pallas_kept", policy
+    assert mlp_kernel.chosen(kept, chip("TPU v5")) == ("xla_remade" if policy == "none" else "xla")
   assert mlp_kernel.chosen(auto, chip("cpu", "cpu")) == "xla"
   assert mlp_kernel.chosen(auto, chip("TPU v6 lite"), tensor_parallel=2) == "xla"
   gated = dataclasses.replace(auto, mlp_type="gated", hidden_act="silu")
-  assert mlp_kernel.chosen(gated, chip("TPU v6 lite")) == "xla"
+  assert mlp_kernel.chosen(gated, chip("TPU v6 lite")) == "pallas"
   assert mlp_kernel.chosen(dataclasses.replace(CFG, mlp_impl="pallas"), chip("TPU v5")) == "pallas"
   # Elsewhere XLA's products; on a TPU with nothing rematerialised, keeping the pre-activation
   # alone (fewer bytes); on a CPU as written (faster there).
   none = dataclasses.replace(auto, remat_policy="none")
   assert mlp_kernel.chosen(none, chip("TPU v5")) == "xla_remade"
-  assert mlp_kernel.chosen(none, chip("TPU v5 lite")) == "xla_remade"
   assert mlp_kernel.chosen(none, chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"
   assert mlp_kernel.chosen(dataclasses.replace(none, mlp_type="gated", hidden_act="silu"),
-                           chip("TPU v6 lite")) == "xla_remade"
+                           chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"
   assert mlp_kernel.chosen(none, chip("cpu", "cpu")) == "xla"
   assert mlp_kernel.chosen(none, chip("NVIDIA H200", "gpu")) == "xla"
   # train.build settles it for its mesh's chips: on this CPU, XLA's MLP.

@@ -172,8 +172,8 @@ class BertConfig:
   # "xla", "xla_remade" (XLA's products, and under remat "none" the backward keeps the
   # pre-activation alone and makes the activation again from it, where "xla" keeps the
   # activation's own intermediates too; under another policy the same as "xla"), "pallas" (the
-  # MLP's two products in one kernel whose F-wide intermediate stays in VMEM: mlp_kernel.py;
-  # dense MLPs only), "pallas_kept" (the same, its backward reading the pre-activation the
+  # MLP's products in one kernel whose F-wide intermediate stays in VMEM: mlp_kernel.py; dense
+  # or gated), "pallas_kept" (the same, its backward reading the pre-activation the
   # forward wrote rather than making it again) or "auto" (the kernels on the TPUs where they
   # measured faster, mlp_kernel.FASTER_ON, kept where remat keeps it; XLA's products elsewhere,
   # "xla_remade" on other TPUs)
@@ -256,9 +256,6 @@ class BertConfig:
           f"pick num_heads among the divisors of {self.hidden_size}")
     if self.hidden_act not in ACTIVATIONS:
       problems.append(f"hidden_act={self.hidden_act!r}; choose one of {sorted(ACTIVATIONS)}")
-    if self.mlp_impl in ("pallas", "pallas_kept") and self.mlp_type != "dense":
-      problems.append(f"mlp_impl={self.mlp_impl!r} fuses the dense MLP only; "
-                      f"mlp_type={self.mlp_type!r} needs mlp_impl='xla'")
     if self.remat_policy not in REMAT_POLICIES and self.remat_policy != "auto":
       problems.append(f"remat_policy={self.remat_policy!r}; choose one of "
                       f"{list(REMAT_POLICIES) + ['auto']}")

@@ -64,18 +64,23 @@ class Mlp(nn.Module):
 
   def _fused(self, x_BxLxD, keep: bool):
     """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels; `keep`:
-    the backward reads the pre-activation the forward wrote (mlp_kernel.mlp)."""
+    the backward reads the pre-activation the forward wrote (mlp_kernel.mlp). The gated form's
+    two projections go in side by side, [D, 2F]."""
     cfg = self.config
     dt, bias = cfg.compute_dtype, cfg.mlp_bias
     hidden, width = cfg.intermediate_size, x_BxLxD.shape[-1]
-    w1_DxF, b1_F = dense(cfg, hidden, ("embed", "mlp"), "intermediate", use_bias=bias)(
-        x_BxLxD, weights_only=True)
+    no_bias = lambda n: jnp.zeros((n,), cfg.storage_dtype)
+    w1s, b1s = [], []
+    for name in ("intermediate",) + (("gate",) if cfg.mlp_type == "gated" else ()):
+      w_DxF, b_F = dense(cfg, hidden, ("embed", "mlp"), name, use_bias=bias)(
+          x_BxLxD, weights_only=True)
+      w1s.append(w_DxF.astype(dt))
+      b1s.append(no_bias(hidden) if b_F is None else b_F)
     w2_FxD, b2_D = dense(cfg, width, ("mlp", "embed"), "output", use_bias=bias)(
         jax.ShapeDtypeStruct((hidden,), dt), weights_only=True)
-    no_bias = lambda n: jnp.zeros((n,), cfg.storage_dtype)
     y_NxD = mlp_kernel.mlp(
-        x_BxLxD.reshape(-1, width).astype(dt), w1_DxF.astype(dt),
-        no_bias(hidden) if b1_F is None else b1_F, w2_FxD.astype(dt),
+        x_BxLxD.reshape(-1, width).astype(dt), jnp.concatenate(w1s, axis=1),
+        jnp.concatenate(b1s), w2_FxD.astype(dt),
         no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep)
     # Named for remat "dots_mlp" and "dots_kernels", which keep it.
     return residuals.named(y_NxD.reshape(x_BxLxD.shape), "mlp_output")

@@ -1,5 +1,5 @@
-"""The MLP, dense(F) -> activation -> dense(D), as Pallas kernels whose F-wide intermediate never
-leaves the chip's VMEM (`model.mlp_impl="pallas"`).
+"""The MLP, dense(F) -> activation -> dense(D), or the gated act(x W1) * (x G) -> dense(D), as
+Pallas kernels whose F-wide intermediate never leaves the chip's VMEM (`model.mlp_impl="pallas"`).
 
 Written by XLA, the MLP writes its [tokens, F] intermediate to HBM and reads it back in the
 forward (the saved matmul output and the activation are two buffers), and in the backward reads
@@ -11,6 +11,8 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
   backward  the intermediate recomputed from x (one product more), then dx, and dW1, db1 and dW2
             accumulated in VMEM over the token blocks and written once.
 
+The gated form (GeGLU, SwiGLU: ModernBERT's) is the same with W1 and G side by side, [D, 2F]: a
+chunk of F columns takes its columns of both, and the kept pre-activation is [tokens, 2F].
 So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
 seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
 forward kernel again in the backward (its output is no matmul's for the policy to keep; remat
@@ -33,8 +35,8 @@ activations' batch axes, the weights whole on each device (fsdp gathers them, as
 XLA's matmuls; with a tensor axis each of its devices computes the same rows' whole MLP), and
 sums the weights' per-device gradients outside it. On a CPU it runs Pallas' interpreter (slow:
 tests only), on a GPU XLA's products of the same arithmetic. VMEM holds W1 and W2 in the compute
-dtype and, in the backward, their float32 sums: BERT-Base ~30 MB, BERT-Large ~55 MB (v5e and
-v6e have 128 MiB a core, v5p 64).
+dtype and, in the backward, their float32 sums: BERT-Base ~30 MB, BERT-Large ~55 MB,
+ModernBERT-base ~16 MB (v5e and v6e have 128 MiB a core, v5p 64).
 """
 
 from __future__ import annotations
@@ -56,10 +58,16 @@ from bertjax.parallel import platforms
 # The chips where the kernels made the released configs' steps faster by the compile's roofline
 # (device_kind as jax names them): v6e, whose steps XLA's MLP left bound by HBM. On v5p and v5e
 # the steps are bound by their FLOPs: the kernels that make the intermediate again cost more
-# than the bytes they save, and those that keep it gain 0.2-0.3% by the roofline, less than the
-# count can tell from the kernels' own speed on a chip (docs/performance.md, "The MLP's
-# pre-activation kept for its backward").
+# than the bytes they save (docs/performance.md, "The MLP's pre-activation kept for its
+# backward").
 FASTER_ON = ("TPU v6 lite",)
+# The chips where "pallas_kept" (XLA's six products, no more) is taken where the remat policy
+# keeps its pre-activation: FASTER_ON's, and v5e, whose every released step it made faster by
+# the roofline (0.954 -> 0.956, 0.976 -> 0.979, 0.948 -> 0.950) and BERT-Base's at length 512
+# lighter (22.67 -> 19.86 GB a chip; docs/performance.md, "The MLP kernels on v5e"). Not v5p:
+# the backward runs its blocks in one sequence, on one of a v5p chip's two TensorCores, which
+# the count does not see.
+KEPT_FASTER_ON = FASTER_ON + ("TPU v5 lite",)
 # The remat policies under which "pallas_kept"'s pre-activation is kept for the backward (named
 # "mlp_hidden"): under the others it would be written, dropped and written again.
 KEEPS_HIDDEN = ("none", "dots_mlp", "dots_kernels")
@@ -70,22 +78,23 @@ _F32 = jnp.float32
 
 
 def chosen(config, device, tensor_parallel: int = 1) -> str:
-  """What `mlp_impl="auto"` means on `device`: the kernels on FASTER_ON's chips for a dense MLP
-  whose F is not split over a tensor axis (the kernels would compute every split's whole MLP),
-  "pallas_kept" where the remat policy keeps their pre-activation (KEEPS_HIDDEN), "pallas"
-  where it does not; XLA's elsewhere ("xla_remade" on a TPU under remat "none"); another
-  setting as it is."""
+  """What `mlp_impl="auto"` means on `device`: for an MLP (dense or gated) whose F is not split
+  over a tensor axis (the kernels would compute every split's whole MLP), "pallas_kept" on
+  KEPT_FASTER_ON's chips where the remat policy keeps its pre-activation (KEEPS_HIDDEN),
+  "pallas" on FASTER_ON's where it does not; XLA's elsewhere ("xla_remade" on a TPU under remat
+  "none"); another setting as it is."""
   if config.mlp_impl != "auto":
     return config.mlp_impl
   tpu = getattr(device, "platform", "") == "tpu"
-  fits = config.mlp_type == "dense" and tensor_parallel == 1 and tpu
-  if not fits or getattr(device, "device_kind", "") not in FASTER_ON:
+  kept = chosen_remat(config.remat_policy, device) in KEEPS_HIDDEN
+  kind = getattr(device, "device_kind", "")
+  faster = kind in FASTER_ON or (kept and kind in KEPT_FASTER_ON)
+  if not (tensor_parallel == 1 and tpu and faster):
     # Nothing rematerialised on a TPU: the pre-activation alone kept (docs/performance.md, "The
     # MLP's activation made again"). On a CPU it was no faster (a BERT-Base step 2% slower by
     # the median of three); a GPU has not measured it.
-    remade = tpu and chosen_remat(config.remat_policy, device) == "none"
+    remade = tpu and chosen_remat(config.remat_policy, device) == "none"  # v5p's
     return "xla_remade" if remade else "xla"
-  kept = chosen_remat(config.remat_policy, device) in KEEPS_HIDDEN
   return "pallas_kept" if kept else "pallas"
 
 
@@ -114,21 +123,44 @@ def _slope(act, pre):
   return jax.jvp(act, (pre,), (jnp.ones_like(pre),))
 
 
+def _columns(start: int, chunk: int, hidden: int, inner: int) -> list[slice]:
+  """The columns of W1 (inner = F) or of W1 and G side by side (inner = 2F) a chunk reads."""
+  return [slice(at + start, at + start + chunk) for at in range(0, inner, hidden)]
+
+
+def _activated(act, pres):
+  """act(h), or act(h) * g for the gated form; float32 in, float32 out."""
+  return act(pres[0]) if len(pres) == 1 else act(pres[0]) * pres[1]
+
+
+def _pulled(act, pres, g):
+  """(the activation, the gradient of each pre-activation) given g, the gradient of the
+  activation; the derivative is the activation's own jvp."""
+  a, slope = _slope(act, pres[0])
+  if len(pres) == 1:
+    return a, [g * slope]
+  return a * pres[1], [g * slope * pres[1], g * a]
+
+
 def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, *kept_ref, act, chunk, rounded):
   """y for a block of tokens. `rounded` (mlp_impl "pallas_kept"): the pre-activation rounded to
   the compute dtype, as XLA's product is, before the activation reads it; with `kept_ref` that
   rounded value is also written, for the backward to read."""
   x = x_ref[...]
+  hidden = w2_ref.shape[0]
   acc = jnp.zeros((x.shape[0], w2_ref.shape[1]), _F32)
-  for start in range(0, w1_ref.shape[1], chunk):
-    cols = slice(start, start + chunk)
-    pre = jnp.dot(x, w1_ref[:, cols], preferred_element_type=_F32) + b1_ref[:, cols]
-    if rounded:
-      kept = pre.astype(x.dtype)
-      if kept_ref:
-        kept_ref[0][:, cols] = kept
-      pre = kept.astype(_F32)
-    acc += jnp.dot(act(pre).astype(x.dtype), w2_ref[cols, :], preferred_element_type=_F32)
+  for start in range(0, hidden, chunk):
+    pres = []
+    for cols in _columns(start, chunk, hidden, w1_ref.shape[1]):
+      pre = jnp.dot(x, w1_ref[:, cols], preferred_element_type=_F32) + b1_ref[:, cols]
+      if rounded:
+        kept = pre.astype(x.dtype)
+        if kept_ref:
+          kept_ref[0][:, cols] = kept
+        pre = kept.astype(_F32)
+      pres.append(pre)
+    acc += jnp.dot(_activated(act, pres).astype(x.dtype), w2_ref[start:start + chunk, :],
+                   preferred_element_type=_F32)
   y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
 
 
@@ -146,22 +178,24 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
 
   x, dy = x_ref[...], dy_ref[...]
   x_t = x.T  # [D, tokens]: the weights' gradients contract the tokens
+  hidden = w2_ref.shape[0]
   dx = jnp.zeros(x.shape, _F32)
-  for start in range(0, w1_ref.shape[1], chunk):
-    cols = slice(start, start + chunk)
-    w1 = w1_ref[:, cols]
+  for start in range(0, hidden, chunk):
+    rows = slice(start, start + chunk)
+    columns = _columns(start, chunk, hidden, w1_ref.shape[1])
     if kept:
-      pre = kept_ref[:, cols].astype(_F32)
+      pres = [kept_ref[:, cols].astype(_F32) for cols in columns]
     else:
-      pre = jnp.dot(x, w1, preferred_element_type=_F32) + b1_ref[:, cols]
-    h, slope = _slope(act, pre)
-    g = jax.lax.dot_general(dy, w2_ref[cols, :], _T, preferred_element_type=_F32)
-    dpre = g * slope
-    dpre_c = dpre.astype(x.dtype)
-    dx += jax.lax.dot_general(dpre_c, w1, _T, preferred_element_type=_F32)
-    dw1_ref[0, :, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
-    dw2_ref[0, cols, :] += jnp.dot(h.astype(x.dtype).T, dy, preferred_element_type=_F32)
-    db1_ref[0, :, cols] += jnp.sum(dpre, axis=0, keepdims=True)
+      pres = [jnp.dot(x, w1_ref[:, cols], preferred_element_type=_F32) + b1_ref[:, cols]
+              for cols in columns]
+    g = jax.lax.dot_general(dy, w2_ref[rows, :], _T, preferred_element_type=_F32)
+    h, dpres = _pulled(act, pres, g)
+    for cols, dpre in zip(columns, dpres):
+      dpre_c = dpre.astype(x.dtype)
+      dx += jax.lax.dot_general(dpre_c, w1_ref[:, cols], _T, preferred_element_type=_F32)
+      dw1_ref[0, :, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
+      db1_ref[0, :, cols] += jnp.sum(dpre, axis=0, keepdims=True)
+    dw2_ref[0, rows, :] += jnp.dot(h.astype(x.dtype).T, dy, preferred_element_type=_F32)
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
@@ -184,38 +218,41 @@ def _vmem_limit(need: int, interpret: bool) -> int:
   return platforms.vmem_limit(need, vmem)
 
 
-def _sizes(x_NxD, w1_DxF, block_of):
-  """(tokens, D, F, the token block, bytes an element, the weights' bytes) of a kernel's call."""
+def _sizes(x_NxD, w1_DxF, w2_FxD, block_of):
+  """(tokens, D, F, W1's columns (F, or 2F gated), the token block, bytes an element, the
+  weights' bytes) of a kernel's call."""
   tokens, width = x_NxD.shape
-  hidden = w1_DxF.shape[1]
+  hidden, inner = w2_FxD.shape[0], w1_DxF.shape[1]
   item = x_NxD.dtype.itemsize
-  return tokens, width, hidden, block_of(tokens), item, 2 * width * hidden * item
+  return tokens, width, hidden, inner, block_of(tokens), item, width * (inner + hidden) * item
 
 
 def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool, rounded: bool = False,
              kept: bool = False):
-  """y, or (y, the pre-activation [tokens, F]) with `kept` (which implies `rounded`)."""
+  """y, or (y, the pre-activation [tokens, F or 2F]) with `kept` (which implies `rounded`)."""
   rounded = rounded or kept
-  tokens, width, hidden, block, item, weights = _sizes(x_NxD, w1_DxF, token_block)
-  need = weights + 4 * block * width * item + block * width * 4 + 4 * block * _chunk(hidden) * 4
+  tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD, token_block)
+  chunk = _chunk(hidden)
+  need = (weights + 4 * block * width * item + block * width * 4
+          + 4 * block * chunk * 4 * inner // hidden)
   y = jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)
   y_spec = pl.BlockSpec((block, width), lambda i: (i, 0))
   if kept:
-    need += 2 * block * hidden * item
+    need += 2 * block * inner * item
   return pl.pallas_call(
-      functools.partial(_forward_kernel, act=act, chunk=_chunk(hidden), rounded=rounded),
-      out_shape=(y, jax.ShapeDtypeStruct((tokens, hidden), x_NxD.dtype)) if kept else y,
+      functools.partial(_forward_kernel, act=act, chunk=chunk, rounded=rounded),
+      out_shape=(y, jax.ShapeDtypeStruct((tokens, inner), x_NxD.dtype)) if kept else y,
       grid=(tokens // block,),
       in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)),
                 _whole(w1_DxF.shape), _whole(b1_1xF.shape),
                 _whole(w2_FxD.shape), _whole(b2_1xD.shape)],
-      out_specs=(y_spec, pl.BlockSpec((block, hidden), lambda i: (i, 0))) if kept else y_spec,
+      out_specs=(y_spec, pl.BlockSpec((block, inner), lambda i: (i, 0))) if kept else y_spec,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
-          flops=4 * tokens * width * hidden, transcendentals=tokens * hidden,
-          bytes_accessed=(2 * tokens * width * item + weights + 4 * (hidden + width)
-                          + kept * tokens * hidden * item)),
+          flops=2 * tokens * width * (inner + hidden), transcendentals=tokens * hidden,
+          bytes_accessed=(2 * tokens * width * item + weights + 4 * (inner + width)
+                          + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_fwd",
   )(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD)
 
@@ -223,9 +260,10 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool, rounde
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act, interpret: bool):
   """dx and the weights' gradient sums; `kept_NxF` the forward's pre-activation, or None to
   make it again from x (one product more)."""
-  tokens, width, hidden, block, item, weights = _sizes(x_NxD, w1_DxF, _backward_block)
+  tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD,
+                                                              _backward_block)
   kept = kept_NxF is not None
-  grads = 2 * width * hidden * 4
+  grads = width * (inner + hidden) * 4
   tile = lambda: pl.BlockSpec((block, width), lambda i: (i, 0))
   # The gradients' sums stay in VMEM over the token blocks (their index never changes) and are
   # written once, float32 with a leading axis of one: under a mesh, the devices' sums stack
@@ -235,27 +273,34 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act, interpret: b
   acc = lambda shape: pl.BlockSpec((1,) + shape, lambda i: (0, 0, 0),
                                    pipeline_mode=pl.Buffered(1))
   need = (weights + grads + 6 * block * width * item + 3 * block * width * 4
-          + 6 * block * _chunk(hidden) * 4 + kept * 2 * block * hidden * item)
+          + 6 * block * _chunk(hidden) * 4 * inner // hidden + kept * 2 * block * inner * item)
   dx, dw1, db1, dw2 = pl.pallas_call(
       functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept),
       out_shape=(jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
-                 jax.ShapeDtypeStruct((1, width, hidden), _F32),
-                 jax.ShapeDtypeStruct((1, 1, hidden), _F32),
+                 jax.ShapeDtypeStruct((1, width, inner), _F32),
+                 jax.ShapeDtypeStruct((1, 1, inner), _F32),
                  jax.ShapeDtypeStruct((1, hidden, width), _F32)),
       grid=(tokens // block,),
       in_specs=[tile(), tile(), _whole(w1_DxF.shape), _whole(b1_1xF.shape),
                 _whole(w2_FxD.shape)]
-               + ([pl.BlockSpec((block, hidden), lambda i: (i, 0))] if kept else []),
-      out_specs=(tile(), acc((width, hidden)), acc((1, hidden)), acc((hidden, width))),
+               + ([pl.BlockSpec((block, inner), lambda i: (i, 0))] if kept else []),
+      out_specs=(tile(), acc((width, inner)), acc((1, inner)), acc((hidden, width))),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
-          flops=(8 if kept else 10) * tokens * width * hidden, transcendentals=2 * tokens * hidden,
-          bytes_accessed=(3 * tokens * width * item + weights + grads + 4 * hidden
-                          + kept * tokens * hidden * item)),
+          # dW2 and dy W2^T; dx and dW1 over W1's columns; x W1 again where it is not kept.
+          flops=2 * tokens * width * (2 * hidden + (2 if kept else 3) * inner),
+          transcendentals=2 * tokens * hidden,
+          bytes_accessed=(3 * tokens * width * item + weights + grads + 4 * inner
+                          + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_bwd",
   )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, *([kept_NxF] if kept else []))
   return dx, dw1, db1, dw2
+
+
+def _split(pre_NxF, hidden: int):
+  """The pre-activation's F-wide parts: [h], or [h, g] for the gated form."""
+  return [pre_NxF[:, at:at + hidden] for at in range(0, pre_NxF.shape[1], hidden)]
 
 
 def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, rounded: bool = False,
@@ -265,7 +310,7 @@ def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, rounded: bool = False,
   if rounded or kept:
     pre_NxF = pre.astype(x_NxD.dtype)
     pre = pre_NxF.astype(_F32)
-  h_NxF = act(pre).astype(x_NxD.dtype)
+  h_NxF = _activated(act, _split(pre, w2_FxD.shape[0])).astype(x_NxD.dtype)
   y = (jnp.dot(h_NxF, w2_FxD, preferred_element_type=_F32) + b2_1xD).astype(x_NxD.dtype)
   return (y, pre_NxF) if kept else y
 
@@ -277,8 +322,9 @@ def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act):
     pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
   else:
     pre = kept_NxF.astype(_F32)
-  h, slope = _slope(act, pre)
-  dpre = jax.lax.dot_general(dy_NxD, w2_FxD, _T, preferred_element_type=_F32) * slope
+  g = jax.lax.dot_general(dy_NxD, w2_FxD, _T, preferred_element_type=_F32)
+  h, dpres = _pulled(act, _split(pre, w2_FxD.shape[0]), g)
+  dpre = jnp.concatenate(dpres, axis=1)
   dpre_c = dpre.astype(dt)
   dx = jax.lax.dot_general(dpre_c, w1_DxF, _T, preferred_element_type=_F32).astype(dt)
   dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32)
@@ -364,7 +410,8 @@ def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
         b2_D: jax.Array, act, keep: bool = False) -> jax.Array:
   """act(x W1 + b1) W2 + b2 over [N, D] tokens by the fused kernels, differentiable in every
   argument; `act` an elementwise function (its derivative is its jvp). The arrays in the dtype
-  the products run in (the biases any float type).
+  the products run in (the biases any float type). The gated form act(x W1 + b1) * (x G + c) W2
+  + b2 where w1_DxF is [D, 2F], [W1 G] side by side (b1_F [2F], [b1 c]), w2_FxD [F, D].
 
   `keep` (mlp_impl "pallas_kept"): the forward also writes the pre-activation x W1 + b1, rounded
   to the compute dtype, and the backward reads it instead of making it again: the XLA path's six
