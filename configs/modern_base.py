@@ -6,8 +6,8 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
 Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.4 and 49.9 of 95
-GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.881 and 0.812; on v6e-8 0.661
-and 0.780; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
+GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.881 and 0.812; on v6e-8 0.791
+and 0.813; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
 slice needs fewer microbatches, and a batch that divides over its chips and them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
 Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152: 149,014,272 parameters in the encoder;
@@ -72,8 +72,9 @@ def get_config(arg=None):
   # a scanned layer, or one with dropout, would be splash's).
   m.attention_impl = "auto" if phase == 1 else "splash"
   m.qkv_product = "auto"  # one product for q, k and v on v6e and v5p, where the kernel reads it
-  # The GeGLU MLP as one kernel on v6e and v5e (both projections side by side, the kept
-  # pre-activation read by the backward); XLA's products on v5p (mlp_kernel.chosen).
+  # The GeGLU MLP and the norm before it as one kernel on v6e and v5e (both projections side by
+  # side, the kept pre-activation read by the backward); XLA's products on v5p
+  # (mlp_kernel.chosen).
   m.mlp_impl = "auto"
   # Phase 1: the MLM logits scored where they are made (mlm_kernel on a TPU) and made again in
   # the backward, where 30% of 1,024 positions predicted over 50,368 pieces made the kept float32
@@ -93,7 +94,7 @@ def get_config(arg=None):
 
   t = config.train
   t.batch_size = 4608 if phase == 1 else 576  # rows of 1024 (ModernBERT's final batch) / 8192
-  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 13.3 and 15.1 GiB, 0.882 and 0.813
+  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 13.3 and 15.1 GiB, 0.883 and 0.813
   t.num_train_steps = 350_000 if phase == 1 else 50_000
   t.learning_rate = 8e-4 if phase == 1 else 3e-4
   t.warmup_steps = 3_000 if phase == 1 else 500

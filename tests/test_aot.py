@@ -175,7 +175,8 @@ print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tp
                   "counted": hlocost.program_cost(text, attention.splash_flops),
                   "uncounted": hlocost.program_cost(text)}), flush=True)
 config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="pallas_kept",
-                    mlp_type="gated", recompute_mlm_logits=True, qkv_product="auto")
+                    mlp_type="gated", norm_position="pre", recompute_mlm_logits=True,
+                    qkv_product="auto")
 # 80 predictions a row: enough a chip for the MLM scores kernel (mlm_kernel.worth_it: > D / 2).
 training = train.from_config(config, devices=devices)
 text = aot.compile_train_step(training, 128, 80).as_text()
@@ -334,7 +335,8 @@ def test_the_fused_mlp_kernels_compile_into_the_train_step_and_count_their_own_f
   assert out["mlp_kernels"] == ["fused_mlp_bwd", "fused_mlp_fwd"]
   product = 2 * (2 * 128) * 128 * 512
   assert sorted(out["mlp_flops"]) == [2 * product, 5 * product], out["mlp_flops"]
-  # mlp_impl="pallas_kept" with a gated MLP (the fused-attention step's, GeGLU): the forward's
+  # mlp_impl="pallas_kept" with a gated MLP in pre-norm layers (the fused-attention step's,
+  # GeGLU, the norm before the MLP made inside the kernels: Mosaic compiles it): the forward's
   # three products (W1 and G side by side, then W2), the backward reads the pre-activation the
   # forward wrote, six products, the XLA path's nine in all. XLA fuses that forward kernel with
   # the update writing its pre-activation into the loop's stack: counted all the same.

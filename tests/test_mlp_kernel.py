@@ -81,12 +81,15 @@ def test_in_bfloat16_within_its_rounding(keep):
     ({}, "pallas"), ({"scan_layers": True, "remat_policy": "dots"}, "pallas"),
     ({"scan_layers": True, "remat_policy": "dots_mlp"}, "pallas"),
     ({"scan_layers": True, "remat_policy": "dots_kernels"}, "pallas_kept"),
-    ({"mlp_type": "gated", "mlp_bias": False}, "pallas_kept")])
+    ({"mlp_type": "gated", "mlp_bias": False}, "pallas_kept"),
+    ({"mlp_type": "gated", "mlp_bias": False, "norm_position": "pre", "norm_bias": False},
+     "pallas_kept"), ({"norm_position": "pre", "norm_type": "rmsnorm"}, "pallas")])
 def test_a_model_takes_the_same_parameters_and_gives_the_same_values(layers, impl):
   # Straight layers, and the released configs' scanned layers with remat "dots" (the kernels'
   # forward runs again in the backward there: its output is no matmul's for the policy to keep);
   # "pallas_kept" with the policy that keeps its pre-activation through the scan; ModernBERT's
-  # gated MLP without biases, its two projections' parameters as the XLA path has them.
+  # gated MLP without biases, its two projections' parameters as the XLA path has them; pre-norm
+  # layers, whose norm before the MLP the kernels make (its parameters where the norm keeps them).
   ids = np.random.default_rng(0).integers(0, 97, (4, 16))
   config = dataclasses.replace(CFG, **layers)
   fused = dataclasses.replace(config, mlp_impl=impl)
@@ -159,11 +162,48 @@ def test_the_gated_form_takes_both_projections_side_by_side(act):
       assert g.shape == e.shape, name
       np.testing.assert_allclose(g, e, atol=2e-4, rtol=2e-5, err_msg=f"d/d{name} keep={keep}")
   # The kept pre-activation is both halves, and the XLA fallback (no Mosaic) reads it the same.
-  y, pre = mlp_kernel._forward(x, w1g, b1g[None], w2, b2[None], fn, interpret=True, kept=True)
+  y, pre = mlp_kernel._forward(x, w1g, b1g[None], w2, b2[None], None, fn, interpret=True,
+                               kept=True)
   assert pre.shape == (512, 768)
-  for got, want in zip(mlp_kernel._backward(x, dy, w1g, b1g[None], w2, pre, fn, interpret=True),
-                       mlp_kernel._xla_backward(x, dy, w1g, b1g[None], w2, pre, fn)):
+  kernel = mlp_kernel._backward(x, dy, w1g, b1g[None], w2, pre, None, fn, interpret=True)
+  for got, want in zip(kernel,
+                       mlp_kernel._xla_backward(x, dy, w1g, b1g[None], w2, pre, None, fn)):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("centred,shifted", [(True, True), (True, False), (False, False)])
+def test_a_pre_norm_is_made_inside_the_kernels_with_its_backward(centred, shifted):
+  # LayerNorm with and without its bias, and RMSNorm, of the rows the kernels read (a pre-norm
+  # layer's MLP, GeGLU): values and every gradient, the norm's weights' too, against the norm
+  # written out by XLA before the MLP; made again and kept, and by the XLA fallback.
+  *args, dy = _arrays(512, 32, 768, jnp.float32)
+  r, w1g, b1g, _, b2 = args
+  r = r * 3.0 + 1.5  # rows whose mean and scale the norm must take out
+  w2 = jax.random.normal(jax.random.key(3), (384, 32)) * 0.1
+  keys = jax.random.split(jax.random.key(4), 2)
+  weights = jnp.stack([1.0 + 0.1 * jax.random.normal(keys[0], (32,)),
+                       0.1 * jax.random.normal(keys[1], (32,)) * shifted])
+  fn, eps = ACTIVATIONS["gelu"], 1e-5
+
+  def written_out(r, weights, w, b, w2, b2):
+    c = r - r.mean(-1, keepdims=True) if centred else r
+    x = c / jnp.sqrt((c * c).mean(-1, keepdims=True) + eps) * weights[0] + weights[1]
+    return (fn(x @ w[:, :384] + b[:384]) * (x @ w[:, 384:] + b[384:])) @ w2 + b2
+
+  expected, pull_ref = jax.vjp(written_out, r, weights, w1g, b1g, w2, b2)
+  for keep in (False, True):
+    got, pull = jax.vjp(lambda r, n, w, b, w2, b2: mlp_kernel.mlp(
+        r, w, b, w2, b2, fn, keep=keep, norm=(n, eps, centred)), r, weights, w1g, b1g, w2, b2)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+    for name, g, e in zip(("r", "norm", "w1g", "b1g", "w2", "b2"), pull(dy), pull_ref(dy)):
+      np.testing.assert_allclose(g, e, atol=5e-4, rtol=1e-4, err_msg=f"d/d{name} keep={keep}")
+  norm = (eps, centred)
+  kernel = mlp_kernel._backward(r, dy, w1g, b1g[None], w2, None, weights, fn, interpret=True,
+                                norm=norm)
+  xla = mlp_kernel._xla_backward(r, dy, w1g, b1g[None], w2, None, weights, fn, norm=norm)
+  assert len(kernel) == len(xla) == 5
+  for got, want in zip(kernel, xla):
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-5)
 
 
 def test_an_unknown_mlp_impl_is_refused_with_the_choices():
@@ -197,25 +237,27 @@ def test_without_mosaic_xla_computes_what_the_kernels_do():
   *args, dy = _arrays(512, 32, 128, jnp.float32)
   fn = ACTIVATIONS["gelu"]
   b1, b2 = args[2][None, :], args[4][None, :]
-  forward = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, fn, interpret=True)
-  np.testing.assert_allclose(mlp_kernel._products(args[0], args[1], b1, args[3], b2, fn),
+  forward = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, None, fn, interpret=True)
+  np.testing.assert_allclose(mlp_kernel._products(args[0], args[1], b1, args[3], b2, None, fn),
                              forward, atol=1e-5)
-  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], None, fn, interpret=True)
-  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, fn)
+  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], None, None, fn, interpret=True)
+  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, None, fn)
   for name, got, expected in zip(("dx", "dw1", "db1", "dw2"), xla, kernel):
     assert got.shape == expected.shape, name
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5, err_msg=name)
   # "pallas_kept": the forward also gives the pre-activation, and the backward reads the one it
   # is given (here not x W1 + b1, so a backward that made it again from x would differ).
-  y, pre = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, fn, interpret=True, kept=True)
-  for got, expected in zip((y, pre), mlp_kernel._products(args[0], args[1], b1, args[3], b2, fn,
-                                                          kept=True)):
+  y, pre = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, None, fn, interpret=True,
+                               kept=True)
+  for got, expected in zip((y, pre), mlp_kernel._products(args[0], args[1], b1, args[3], b2,
+                                                          None, fn, kept=True)):
     np.testing.assert_allclose(got, expected, atol=1e-5)
   np.testing.assert_allclose(pre, args[0] @ args[1] + b1, atol=1e-5)
   shifted = pre + 0.5
-  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], shifted, fn, interpret=True)
-  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], shifted, fn)
-  made_again = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, fn)
+  kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], shifted, None, fn,
+                                interpret=True)
+  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], shifted, None, fn)
+  made_again = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, None, fn)
   for name, got, expected, other in zip(("dx", "dw1", "db1", "dw2"), xla, kernel, made_again):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5, err_msg=name)
     assert float(jnp.abs(expected - other).max()) > 1e-2, name

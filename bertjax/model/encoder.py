@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bertjax.model import attention, dropout, primitives, residuals
+from bertjax.model import attention, dropout, mlp, primitives, residuals
 from bertjax.model.kernels import attention_blocks, attention_kernel
 from bertjax.model.rope import apply_rope, lane_frequencies, rope_tables
 from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_qkv, chosen_remat
@@ -279,7 +279,7 @@ class EncoderLayer(nn.Module):
         in_BxLxD = layer_norm(cfg, "attention_layer_norm")(x_BxLxD)
       attn_BxLxD = attention_fn(in_BxLxD, masks, self.deterministic, rope, layer_id)
       h_BxLxD = res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic)
-      mlp_BxLxD = Mlp(cfg, name="mlp")(layer_norm(cfg, "output_layer_norm")(h_BxLxD))
+      mlp_BxLxD = mlp.normed(cfg, h_BxLxD, "output_layer_norm")
       out_BxLxD = h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic)
     else:
       attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id)

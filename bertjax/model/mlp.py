@@ -11,7 +11,25 @@ import jax.numpy as jnp
 from bertjax.model import residuals
 from bertjax.model.kernels import mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
-from bertjax.model.primitives import dense, product
+from bertjax.model.primitives import NormWeights, dense, layer_norm, product
+
+
+def _impl(cfg: BertConfig) -> str:
+  if cfg.mlp_impl == "auto":  # train.build settles it for its mesh's chips; outside it, here
+    return mlp_kernel.chosen(cfg, jax.devices()[0],
+                             dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1))
+  return cfg.mlp_impl
+
+
+def normed(cfg: BertConfig, x_BxLxD, norm_name: str):
+  """Mlp(layer_norm(x)) inside the calling module, the norm's parameters at `norm_name` and the
+  MLP's at "mlp" either way; by the kernels the rows are normalised inside them (a pre-norm
+  layer: the norm's output and its backward's passes never written; kernels/row_norm.py)."""
+  if _impl(cfg) not in ("pallas", "pallas_kept"):
+    return Mlp(cfg, name="mlp")(layer_norm(cfg, norm_name)(x_BxLxD))
+  weights = NormWeights(cfg, name=norm_name)(x_BxLxD.shape[-1])
+  return Mlp(cfg, name="mlp")(x_BxLxD, norm=(weights, cfg.layer_norm_eps,
+                                             cfg.norm_type != "rmsnorm"))
 
 
 class Mlp(nn.Module):
@@ -24,15 +42,13 @@ class Mlp(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxLxD, norm=None):
+    """`norm` (the kernels alone: `normed`): x is the rows before the norm it describes."""
     cfg = self.config
     bias = cfg.mlp_bias
-    impl = cfg.mlp_impl
-    if impl == "auto":  # train.build settles it for its mesh's chips; outside it, here
-      impl = mlp_kernel.chosen(cfg, jax.devices()[0],
-                               dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1))
+    impl = _impl(cfg)
     if impl in ("pallas", "pallas_kept"):
-      return self._fused(x_BxLxD, keep=impl == "pallas_kept")
+      return self._fused(x_BxLxD, keep=impl == "pallas_kept", norm=norm)
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))
     h_BxLxF = constrain(
@@ -62,7 +78,7 @@ class Mlp(nn.Module):
     return jax.checkpoint(act_and_output, policy=jax.checkpoint_policies.nothing_saveable)(
         h_BxLxF, g_BxLxF, w2_FxD, b2_D)
 
-  def _fused(self, x_BxLxD, keep: bool):
+  def _fused(self, x_BxLxD, keep: bool, norm=None):
     """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels; `keep`:
     the backward reads the pre-activation the forward wrote (mlp_kernel.mlp). The gated form's
     two projections go in side by side, [D, 2F]."""
@@ -81,6 +97,7 @@ class Mlp(nn.Module):
     y_NxD = mlp_kernel.mlp(
         x_BxLxD.reshape(-1, width).astype(dt), jnp.concatenate(w1s, axis=1),
         jnp.concatenate(b1s), w2_FxD.astype(dt),
-        no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep)
+        no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep,
+        norm=norm)
     # Named for remat "dots_mlp" and "dots_kernels", which keep it.
     return residuals.named(y_NxD.reshape(x_BxLxD.shape), "mlp_output")

@@ -64,6 +64,22 @@ def layer_norm(config: BertConfig, name: str) -> nn.Module:
                       force_float32_reductions=True, name=name)
 
 
+class NormWeights(nn.Module):
+  """The parameters `layer_norm(config, name)` keeps (the same names, shapes and initialisers),
+  for a kernel that normalises its rows itself: float32 [2, D], the scale and the bias (zeros
+  where the norm has none)."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, width: int):
+    cfg = self.config
+    scale = self.param("scale", _ones(("embed",)), (width,), cfg.storage_dtype)
+    bias = (self.param("bias", zeros(("embed",)), (width,), cfg.storage_dtype)
+            if cfg.norm_type != "rmsnorm" and cfg.norm_bias else jnp.zeros((width,)))
+    return jnp.stack([scale, bias]).astype(jnp.float32)
+
+
 # Logical names of a D -> D kernel (pooler, MLM transform). Only one dimension may be "embed" (a
 # mesh axis appears once in a PartitionSpec); the output takes it, as every other D output of the
 # model does (attention output, MLP output), so the kernel, its bias and the LayerNorm after it

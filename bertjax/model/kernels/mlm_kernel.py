@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from bertjax.model.kernels import mlp_kernel
+from bertjax.model.kernels import devices
 from bertjax.parallel import platforms, sharding
 
 _F32 = jnp.float32
@@ -214,7 +214,7 @@ def on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, xla):
     shards = sharding.logical_shards("activation_batch")
     if not worth_it(labels_BxM.size // shards, x_BxMxD.shape[-1]):
       return xla(x_BxMxD, w_VxD, bias_V, labels_BxM)
-    figures = mlp_kernel.per_device(
+    figures = devices.per_device(
         kernel, (x_BxMxD.reshape(-1, x_BxMxD.shape[-1]), labels_BxM.reshape(-1, 1)),
         (w_VxD, bias_V[None, :]), ("tokens", "tokens", "tokens"))
     return tuple(f.reshape(labels_BxM.shape) for f in figures)

@@ -12,7 +12,9 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
             accumulated in VMEM over the token blocks and written once.
 
 The gated form (GeGLU, SwiGLU: ModernBERT's) is the same with W1 and G side by side, [D, 2F]: a
-chunk of F columns takes its columns of both, and the kept pre-activation is [tokens, 2F].
+chunk of F columns takes its columns of both, and the kept pre-activation is [tokens, 2F]. In
+a pre-norm layer (ModernBERT's) the kernels also make the LayerNorm or RMSNorm before the MLP:
+they read the rows before it and normalise each block's rows themselves (row_norm.py).
 So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
 seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
 forward kernel again in the backward (its output is no matmul's for the policy to keep; remat
@@ -44,15 +46,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import PartitionSpec
 
 from bertjax.errors import Refusal
 from bertjax.model.config import chosen_remat
+from bertjax.model.kernels import devices, row_norm
 from bertjax.parallel import platforms
 
 # The chips where the kernels made the released configs' steps faster by the compile's roofline
@@ -64,9 +65,9 @@ FASTER_ON = ("TPU v6 lite",)
 # The chips where "pallas_kept" (XLA's six products, no more) is taken where the remat policy
 # keeps its pre-activation: FASTER_ON's, and v5e, whose every released step it made faster by
 # the roofline (0.954 -> 0.956, 0.976 -> 0.979, 0.948 -> 0.950) and BERT-Base's at length 512
-# lighter (22.67 -> 19.86 GB a chip; docs/performance.md, "The MLP kernels on v5e"). Not v5p:
-# the backward runs its blocks in one sequence, on one of a v5p chip's two TensorCores, which
-# the count does not see.
+# lighter (22.67 -> 19.86 GB a chip; docs/performance.md, "The gated MLP and its pre-norm in one
+# kernel, and the kernels on v5e"). Not v5p: the backward runs its blocks in one sequence, on
+# one of a v5p chip's two TensorCores, which the count does not see.
 KEPT_FASTER_ON = FASTER_ON + ("TPU v5 lite",)
 # The remat policies under which "pallas_kept"'s pre-activation is kept for the backward (named
 # "mlp_hidden"): under the others it would be written, dropped and written again.
@@ -142,11 +143,15 @@ def _pulled(act, pres, g):
   return a * pres[1], [g * slope * pres[1], g * a]
 
 
-def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, *kept_ref, act, chunk, rounded):
+def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, rounded, norm):
   """y for a block of tokens. `rounded` (mlp_impl "pallas_kept"): the pre-activation rounded to
-  the compute dtype, as XLA's product is, before the activation reads it; with `kept_ref` that
-  rounded value is also written, for the backward to read."""
+  the compute dtype, as XLA's product is, before the activation reads it; with a second output
+  that rounded value is also written, for the backward to read. `norm` ((eps, centred), its
+  weights the first of `refs`): the rows are normalised first (row_norm)."""
+  norm_ref, (y_ref, *kept_ref) = (refs[0], refs[1:]) if norm else (None, refs)
   x = x_ref[...]
+  if norm:
+    x, _ = row_norm.normalised(x, norm_ref[...], *norm)
   hidden = w2_ref.shape[0]
   acc = jnp.zeros((x.shape[0], w2_ref.shape[1]), _F32)
   for start in range(0, hidden, chunk):
@@ -164,19 +169,25 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, y_ref, *kept_ref, act
   y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
 
 
-def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept):
-  """dx of a block of tokens, and dW1, db1, dW2 summed over the blocks. The pre-activation is
-  made again from x (`kept` False), or read where the forward wrote it (`kept`: the first of
-  `refs`; then b1_ref is not read)."""
-  kept_ref, (dx_ref, dw1_ref, db1_ref, dw2_ref) = (refs[0], refs[1:]) if kept else (None, refs)
+def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept, norm):
+  """dx of a block of tokens, and dW1, db1, dW2 summed over the blocks (and the norm's weights'
+  with `norm`, whose weights come after the pre-activation). The pre-activation is made again
+  from x (`kept` False), or read where the forward wrote it (`kept`: the first of `refs`; then
+  b1_ref is not read)."""
+  refs = list(refs)
+  kept_ref = refs.pop(0) if kept else None
+  norm_ref = refs.pop(0) if norm else None
+  dx_ref, *sums = refs
 
   @pl.when(pl.program_id(0) == 0)
   def _():
-    dw1_ref[...] = jnp.zeros_like(dw1_ref)
-    db1_ref[...] = jnp.zeros_like(db1_ref)
-    dw2_ref[...] = jnp.zeros_like(dw2_ref)
+    for ref in sums:
+      ref[...] = jnp.zeros_like(ref)
 
+  dw1_ref, db1_ref, dw2_ref = sums[:3]
   x, dy = x_ref[...], dy_ref[...]
+  if norm:
+    x, stats = row_norm.normalised(x, norm_ref[...], *norm)
   x_t = x.T  # [D, tokens]: the weights' gradients contract the tokens
   hidden = w2_ref.shape[0]
   dx = jnp.zeros(x.shape, _F32)
@@ -196,6 +207,9 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
       dw1_ref[0, :, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
       db1_ref[0, :, cols] += jnp.sum(dpre, axis=0, keepdims=True)
     dw2_ref[0, rows, :] += jnp.dot(h.astype(x.dtype).T, dy, preferred_element_type=_F32)
+  if norm:
+    dx, d_norm = row_norm.pulled_back(dx, stats, norm_ref[...], norm[1])
+    sums[3][0] += d_norm
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
@@ -227,25 +241,27 @@ def _sizes(x_NxD, w1_DxF, w2_FxD, block_of):
   return tokens, width, hidden, inner, block_of(tokens), item, width * (inner + hidden) * item
 
 
-def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool, rounded: bool = False,
-             kept: bool = False):
-  """y, or (y, the pre-activation [tokens, F or 2F]) with `kept` (which implies `rounded`)."""
+def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bool,
+             rounded: bool = False, kept: bool = False, norm=None):
+  """y, or (y, the pre-activation [tokens, F or 2F]) with `kept` (which implies `rounded`);
+  with `norm` (eps, centred) x is first normalised by the weights norm_2xD (row_norm)."""
   rounded = rounded or kept
   tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD, token_block)
   chunk = _chunk(hidden)
-  need = (weights + 4 * block * width * item + block * width * 4
+  need = (weights + 4 * block * width * item + (1 + 3 * bool(norm)) * block * width * 4
           + 4 * block * chunk * 4 * inner // hidden)
   y = jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)
   y_spec = pl.BlockSpec((block, width), lambda i: (i, 0))
   if kept:
     need += 2 * block * inner * item
   return pl.pallas_call(
-      functools.partial(_forward_kernel, act=act, chunk=chunk, rounded=rounded),
+      functools.partial(_forward_kernel, act=act, chunk=chunk, rounded=rounded, norm=norm),
       out_shape=(y, jax.ShapeDtypeStruct((tokens, inner), x_NxD.dtype)) if kept else y,
       grid=(tokens // block,),
       in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)),
                 _whole(w1_DxF.shape), _whole(b1_1xF.shape),
-                _whole(w2_FxD.shape), _whole(b2_1xD.shape)],
+                _whole(w2_FxD.shape), _whole(b2_1xD.shape)]
+               + ([_whole((2, width))] if norm else []),
       out_specs=(y_spec, pl.BlockSpec((block, inner), lambda i: (i, 0))) if kept else y_spec,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
@@ -254,12 +270,13 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, interpret: bool, rounde
           bytes_accessed=(2 * tokens * width * item + weights + 4 * (inner + width)
                           + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_fwd",
-  )(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD)
+  )(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, *([norm_2xD] if norm else []))
 
 
-def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act, interpret: bool):
-  """dx and the weights' gradient sums; `kept_NxF` the forward's pre-activation, or None to
-  make it again from x (one product more)."""
+def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, interpret: bool,
+              norm=None):
+  """dx and the weights' gradient sums (and the norm's, [1, 2, D], with `norm`); `kept_NxF` the
+  forward's pre-activation, or None to make it again from x (one product more)."""
   tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD,
                                                               _backward_block)
   kept = kept_NxF is not None
@@ -273,18 +290,19 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act, interpret: b
   acc = lambda shape: pl.BlockSpec((1,) + shape, lambda i: (0, 0, 0),
                                    pipeline_mode=pl.Buffered(1))
   need = (weights + grads + 6 * block * width * item + 3 * block * width * 4
-          + 6 * block * _chunk(hidden) * 4 * inner // hidden + kept * 2 * block * inner * item)
-  dx, dw1, db1, dw2 = pl.pallas_call(
-      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept),
-      out_shape=(jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype),
-                 jax.ShapeDtypeStruct((1, width, inner), _F32),
-                 jax.ShapeDtypeStruct((1, 1, inner), _F32),
-                 jax.ShapeDtypeStruct((1, hidden, width), _F32)),
+          + 6 * block * _chunk(hidden) * 4 * inner // hidden + kept * 2 * block * inner * item
+          + bool(norm) * 4 * block * width * 4)
+  sums = [(width, inner), (1, inner), (hidden, width)] + ([(2, width)] if norm else [])
+  return tuple(pl.pallas_call(
+      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept, norm=norm),
+      out_shape=[jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)]
+                + [jax.ShapeDtypeStruct((1,) + shape, _F32) for shape in sums],
       grid=(tokens // block,),
       in_specs=[tile(), tile(), _whole(w1_DxF.shape), _whole(b1_1xF.shape),
                 _whole(w2_FxD.shape)]
-               + ([pl.BlockSpec((block, inner), lambda i: (i, 0))] if kept else []),
-      out_specs=(tile(), acc((width, inner)), acc((1, inner)), acc((hidden, width))),
+               + ([pl.BlockSpec((block, inner), lambda i: (i, 0))] if kept else [])
+               + ([_whole((2, width))] if norm else []),
+      out_specs=[tile()] + [acc(shape) for shape in sums],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
@@ -294,8 +312,8 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act, interpret: b
           bytes_accessed=(3 * tokens * width * item + weights + grads + 4 * inner
                           + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_bwd",
-  )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, *([kept_NxF] if kept else []))
-  return dx, dw1, db1, dw2
+  )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, *([kept_NxF] if kept else []),
+    *([norm_2xD] if norm else [])))
 
 
 def _split(pre_NxF, hidden: int):
@@ -303,9 +321,11 @@ def _split(pre_NxF, hidden: int):
   return [pre_NxF[:, at:at + hidden] for at in range(0, pre_NxF.shape[1], hidden)]
 
 
-def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, rounded: bool = False,
-              kept: bool = False):
+def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, rounded: bool = False,
+              kept: bool = False, norm=None):
   """The forward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
+  if norm:
+    x_NxD, _ = row_norm.normalised(x_NxD, norm_2xD, *norm)
   pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
   if rounded or kept:
     pre_NxF = pre.astype(x_NxD.dtype)
@@ -315,9 +335,11 @@ def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, act, rounded: bool = False,
   return (y, pre_NxF) if kept else y
 
 
-def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act):
+def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, norm=None):
   """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
   dt = x_NxD.dtype
+  if norm:
+    x_NxD, stats = row_norm.normalised(x_NxD, norm_2xD, *norm)
   if kept_NxF is None:
     pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
   else:
@@ -326,10 +348,14 @@ def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, act):
   h, dpres = _pulled(act, _split(pre, w2_FxD.shape[0]), g)
   dpre = jnp.concatenate(dpres, axis=1)
   dpre_c = dpre.astype(dt)
-  dx = jax.lax.dot_general(dpre_c, w1_DxF, _T, preferred_element_type=_F32).astype(dt)
+  dx = jax.lax.dot_general(dpre_c, w1_DxF, _T, preferred_element_type=_F32)
   dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32)
   dw2 = jnp.dot(h.astype(dt).T, dy_NxD, preferred_element_type=_F32)
-  return dx, dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2[None]
+  sums = [dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2[None]]
+  if norm:
+    dx, d_norm = row_norm.pulled_back(dx, stats, norm_2xD, norm[1])
+    sums.append(d_norm[None])
+  return tuple([dx.astype(dt)] + sums)
 
 
 def _on_platform(fn, *args, **kwargs):
@@ -343,71 +369,57 @@ def _on_platform(fn, *args, **kwargs):
       default=functools.partial(fallback, **kwargs))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm):
   # Not differentiated (prediction): nothing is written for a backward, the values the same.
-  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep, write=False)
+  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm, write=False)
 
 
-def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
-  """fn(*tokens, *whole) on each device's rows under the mesh in scope (shard_map over the
-  activations' batch axes), or once without one. `tokens`: [N, ...] arrays split by rows;
-  `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens" (split by
-  rows) or "sums" ([1, ...] per device, stacked over the devices for the caller to add)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return fn(*tokens, *whole)
-  batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
-  spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None)}
-  out_specs = tuple(spec[kind] for kind in outputs)
-  return jax.shard_map(
-      fn, mesh=mesh,
-      in_specs=(spec["tokens"],) * len(tokens) + tuple(PartitionSpec(None, None) for _ in whole),
-      out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
-      # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
-      check_vma=False)(*tokens, *whole)
-
-
-def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep, write=True):
+def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm, write=True):
   kept = keep and write
-  fwd = lambda x, w1, b1, w2, b2: _on_platform(_forward, x, w1, b1, w2, b2, act=act,
-                                               rounded=keep, kept=kept)
-  return per_device(fwd, (x_NxD,),
-                     (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :]),
-                     ("tokens",) * (1 + kept))
+  fwd = lambda x, w1, b1, w2, b2, *n: _on_platform(
+      _forward, x, w1, b1, w2, b2, n[0] if n else None, act=act, rounded=keep, kept=kept,
+      norm=norm)
+  return devices.per_device(fwd, (x_NxD,),
+                     (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :])
+                     + ((norm_2xD,) if norm else ()), ("tokens",) * (1 + kept))
 
 
-def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep):
+def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm):
   # The inputs are kept, and with `keep` the pre-activation, named for the remat policies that
   # keep it ("dots_mlp", "dots_kernels"); without it the backward makes it again.
-  out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep)
+  out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm)
   y_NxD, pre_NxF = out if keep else (out, None)
   if keep:
     # Kept as a float: as bits (residuals.named) the step moved more, BERT-Base L 512 on v5e-8
     # 24.48 -> 29.47 GB by the count (docs/performance.md).
     pre_NxF = jax.ad_checkpoint.checkpoint_name(pre_NxF, "mlp_hidden")
-  return y_NxD, (x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D)
+  return y_NxD, (x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD)
 
 
-def _mlp_bwd(act, keep, saved, dy_NxD):
-  x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D = saved
-  def bwd(x, dy, *rest):  # rest: the pre-activation's rows where it was kept, then the weights
-    pre, (w1, b1, w2) = (rest[0], rest[1:]) if keep else (None, rest)
-    return _on_platform(_backward, x, dy, w1, b1, w2, pre, act=act)
+def _mlp_bwd(act, keep, norm, saved, dy_NxD):
+  x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD = saved
+  def bwd(x, dy, *rest):  # the pre-activation's rows where it was kept, the weights, the norm's
+    rest = list(rest)
+    pre = rest.pop(0) if keep else None
+    return _on_platform(_backward, x, dy, *rest[:3], pre, rest[3] if norm else None, act=act,
+                        norm=norm)
 
-  dx, dw1, db1, dw2 = per_device(bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()),
-                                 (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD),
-                                 ("tokens", "sums", "sums", "sums"))
+  dx, dw1, db1, dw2, *d_norm = devices.per_device(
+      bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()),
+      (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD) + ((norm_2xD,) if norm else ()),
+      ("tokens",) + ("sums",) * (3 + bool(norm)))
   db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
   return (dx, dw1.sum(0).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
-          dw2.sum(0).astype(w2_FxD.dtype), db2.astype(b2_D.dtype))
+          dw2.sum(0).astype(w2_FxD.dtype), db2.astype(b2_D.dtype),
+          d_norm[0].sum(0) if norm else None)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
-        b2_D: jax.Array, act, keep: bool = False) -> jax.Array:
+        b2_D: jax.Array, act, keep: bool = False, norm=None) -> jax.Array:
   """act(x W1 + b1) W2 + b2 over [N, D] tokens by the fused kernels, differentiable in every
   argument; `act` an elementwise function (its derivative is its jvp). The arrays in the dtype
   the products run in (the biases any float type). The gated form act(x W1 + b1) * (x G + c) W2
@@ -416,5 +428,12 @@ def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
   `keep` (mlp_impl "pallas_kept"): the forward also writes the pre-activation x W1 + b1, rounded
   to the compute dtype, and the backward reads it instead of making it again: the XLA path's six
   products and two passes over the [N, F] intermediate. Kept through remat by the policies that
-  keep "mlp_hidden"."""
-  return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, act, keep)
+  keep "mlp_hidden".
+
+  `norm` (weights [2, D] float32: scale and bias; eps; centred): x is the rows before a
+  LayerNorm (centred) or RMSNorm, normalised inside the kernels (row_norm)."""
+  if norm is None:
+    return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, None, act, keep, None)
+  weights_2xD, eps, centred = norm
+  return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, weights_2xD, act, keep,
+              (float(eps), bool(centred)))

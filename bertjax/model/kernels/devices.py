@@ -1,0 +1,29 @@
+"""A kernel's call on each device's rows under the mesh in scope: a Pallas kernel is one device's
+program, so the kernels that take tokens (mlp_kernel, mlm_kernel) run in shard_map over the
+activations' batch axes, with their weights whole on each device.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+from jax.sharding import PartitionSpec
+
+
+def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
+  """fn(*tokens, *whole) on each device's rows under the mesh in scope (shard_map over the
+  activations' batch axes), or once without one. `tokens`: [N, ...] arrays split by rows;
+  `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens" (split by
+  rows) or "sums" ([1, ...] per device, stacked over the devices for the caller to add)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*tokens, *whole)
+  batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
+  spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None)}
+  out_specs = tuple(spec[kind] for kind in outputs)
+  return jax.shard_map(
+      fn, mesh=mesh,
+      in_specs=(spec["tokens"],) * len(tokens) + tuple(PartitionSpec(None, None) for _ in whole),
+      out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
+      # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
+      check_vma=False)(*tokens, *whole)
