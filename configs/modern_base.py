@@ -6,8 +6,8 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
 Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.4 and 49.9 of 95
-GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.881 and 0.812; on v6e-8 0.791
-and 0.813; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
+GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.881 and 0.812; on v6e-8 0.812
+and 0.814; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
 slice needs fewer microbatches, and a batch that divides over its chips and them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
 Model: 22 layers, hidden 768, 12 heads, GeGLU 1,152: 149,014,272 parameters in the encoder;
@@ -78,9 +78,9 @@ def get_config(arg=None):
   m.mlp_impl = "auto"
   # Phase 1: the MLM logits scored where they are made (mlm_kernel on a TPU) and made again in
   # the backward, where 30% of 1,024 positions predicted over 50,368 pieces made the kept float32
-  # logits a tenth of the step's bytes. Phase 2 keeps them: on v5p-8, bound by FLOPs there, the
-  # second product costs more than it saves (docs/performance.md, "ModernBERT-base: RoPE inside
-  # the attention kernel"); on v6e-8 pass --config.model.recompute_mlm_logits=true.
+  # logits a tenth of the step's bytes. Phase 2 keeps them: on v5p-8 and v6e-8, bound by FLOPs
+  # there, the second product costs more than it saves (docs/performance.md, "ModernBERT-base:
+  # RoPE inside the attention kernel" and "The gated MLP and its pre-norm in one kernel").
   m.recompute_mlm_logits = phase == 1
   # The matmuls' outputs kept, and the attention kernel's ("dots_kernels"; splash's is not
   # named), in 12 microbatches: 41 and 50 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
@@ -94,7 +94,7 @@ def get_config(arg=None):
 
   t = config.train
   t.batch_size = 4608 if phase == 1 else 576  # rows of 1024 (ModernBERT's final batch) / 8192
-  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 13.3 and 15.1 GiB, 0.883 and 0.813
+  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 13.4 and 15.1 GiB, 0.883 and 0.813
   t.num_train_steps = 350_000 if phase == 1 else 50_000
   t.learning_rate = 8e-4 if phase == 1 else 3e-4
   t.warmup_steps = 3_000 if phase == 1 else 500

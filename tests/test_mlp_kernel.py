@@ -171,11 +171,13 @@ def test_the_gated_form_takes_both_projections_side_by_side(act):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("centred,shifted", [(True, True), (True, False), (False, False)])
-def test_a_pre_norm_is_made_inside_the_kernels_with_its_backward(centred, shifted):
+@pytest.mark.parametrize("centred,shifted,residual", [(True, True, False), (True, False, True),
+                                                      (False, False, True)])
+def test_a_pre_norm_is_made_inside_the_kernels_with_its_backward(centred, shifted, residual):
   # LayerNorm with and without its bias, and RMSNorm, of the rows the kernels read (a pre-norm
-  # layer's MLP, GeGLU): values and every gradient, the norm's weights' too, against the norm
-  # written out by XLA before the MLP; made again and kept, and by the XLA fallback.
+  # layer's MLP, GeGLU), and the layer's sum with those rows: values and every gradient, the
+  # norm's weights' too, against the norm and the sum written out by XLA around the MLP; made
+  # again and kept, and by the XLA fallback.
   *args, dy = _arrays(512, 32, 768, jnp.float32)
   r, w1g, b1g, _, b2 = args
   r = r * 3.0 + 1.5  # rows whose mean and scale the norm must take out
@@ -188,19 +190,22 @@ def test_a_pre_norm_is_made_inside_the_kernels_with_its_backward(centred, shifte
   def written_out(r, weights, w, b, w2, b2):
     c = r - r.mean(-1, keepdims=True) if centred else r
     x = c / jnp.sqrt((c * c).mean(-1, keepdims=True) + eps) * weights[0] + weights[1]
-    return (fn(x @ w[:, :384] + b[:384]) * (x @ w[:, 384:] + b[384:])) @ w2 + b2
+    y = (fn(x @ w[:, :384] + b[:384]) * (x @ w[:, 384:] + b[384:])) @ w2 + b2
+    return y + r if residual else y
 
   expected, pull_ref = jax.vjp(written_out, r, weights, w1g, b1g, w2, b2)
   for keep in (False, True):
     got, pull = jax.vjp(lambda r, n, w, b, w2, b2: mlp_kernel.mlp(
-        r, w, b, w2, b2, fn, keep=keep, norm=(n, eps, centred)), r, weights, w1g, b1g, w2, b2)
+        r, w, b, w2, b2, fn, keep=keep, norm=(n, eps, centred), residual=residual),
+        r, weights, w1g, b1g, w2, b2)
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
     for name, g, e in zip(("r", "norm", "w1g", "b1g", "w2", "b2"), pull(dy), pull_ref(dy)):
       np.testing.assert_allclose(g, e, atol=5e-4, rtol=1e-4, err_msg=f"d/d{name} keep={keep}")
   norm = (eps, centred)
   kernel = mlp_kernel._backward(r, dy, w1g, b1g[None], w2, None, weights, fn, interpret=True,
-                                norm=norm)
-  xla = mlp_kernel._xla_backward(r, dy, w1g, b1g[None], w2, None, weights, fn, norm=norm)
+                                norm=norm, residual=residual)
+  xla = mlp_kernel._xla_backward(r, dy, w1g, b1g[None], w2, None, weights, fn, norm=norm,
+                                 residual=residual)
   assert len(kernel) == len(xla) == 5
   for got, want in zip(kernel, xla):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-5)

@@ -279,8 +279,9 @@ class EncoderLayer(nn.Module):
         in_BxLxD = layer_norm(cfg, "attention_layer_norm")(x_BxLxD)
       attn_BxLxD = attention_fn(in_BxLxD, masks, self.deterministic, rope, layer_id)
       h_BxLxD = res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic)
-      mlp_BxLxD = mlp.normed(cfg, h_BxLxD, "output_layer_norm")
-      out_BxLxD = h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic)
+      dropped = (None if self.deterministic or cfg.hidden_dropout <= 0
+                 else lambda y: drop(y, deterministic=False))
+      out_BxLxD = mlp.residual_normed(cfg, h_BxLxD, "output_layer_norm", dropped)
     else:
       attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id)
       h_BxLxD = layer_norm(cfg, "attention_layer_norm")(

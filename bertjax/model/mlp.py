@@ -21,15 +21,19 @@ def _impl(cfg: BertConfig) -> str:
   return cfg.mlp_impl
 
 
-def normed(cfg: BertConfig, x_BxLxD, norm_name: str):
-  """Mlp(layer_norm(x)) inside the calling module, the norm's parameters at `norm_name` and the
-  MLP's at "mlp" either way; by the kernels the rows are normalised inside them (a pre-norm
-  layer: the norm's output and its backward's passes never written; kernels/row_norm.py)."""
+def residual_normed(cfg: BertConfig, x_BxLxD, norm_name: str, dropped=None):
+  """x + dropped(Mlp(layer_norm(x))), a pre-norm layer's second half, inside the calling module:
+  the norm's parameters at `norm_name`, the MLP's at "mlp", either way. By the kernels the norm
+  is made inside them (its output and its backward's passes never written: kernels/row_norm.py),
+  and where `dropped` is None (no dropout) the sum too."""
+  then = dropped or (lambda y: y)
   if _impl(cfg) not in ("pallas", "pallas_kept"):
-    return Mlp(cfg, name="mlp")(layer_norm(cfg, norm_name)(x_BxLxD))
+    return x_BxLxD + then(Mlp(cfg, name="mlp")(layer_norm(cfg, norm_name)(x_BxLxD)))
   weights = NormWeights(cfg, name=norm_name)(x_BxLxD.shape[-1])
-  return Mlp(cfg, name="mlp")(x_BxLxD, norm=(weights, cfg.layer_norm_eps,
-                                             cfg.norm_type != "rmsnorm"))
+  norm = (weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm")
+  if dropped is None:
+    return Mlp(cfg, name="mlp")(x_BxLxD, norm=norm, residual=True)
+  return x_BxLxD + dropped(Mlp(cfg, name="mlp")(x_BxLxD, norm=norm))
 
 
 class Mlp(nn.Module):
@@ -42,13 +46,14 @@ class Mlp(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, norm=None):
-    """`norm` (the kernels alone: `normed`): x is the rows before the norm it describes."""
+  def __call__(self, x_BxLxD, norm=None, residual: bool = False):
+    """`norm` and `residual` (the kernels alone: `residual_normed`): x is the rows before the
+    norm they describe, and is added to the result."""
     cfg = self.config
     bias = cfg.mlp_bias
     impl = _impl(cfg)
     if impl in ("pallas", "pallas_kept"):
-      return self._fused(x_BxLxD, keep=impl == "pallas_kept", norm=norm)
+      return self._fused(x_BxLxD, keep=impl == "pallas_kept", norm=norm, residual=residual)
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))
     h_BxLxF = constrain(
@@ -78,7 +83,7 @@ class Mlp(nn.Module):
     return jax.checkpoint(act_and_output, policy=jax.checkpoint_policies.nothing_saveable)(
         h_BxLxF, g_BxLxF, w2_FxD, b2_D)
 
-  def _fused(self, x_BxLxD, keep: bool, norm=None):
+  def _fused(self, x_BxLxD, keep: bool, norm=None, residual: bool = False):
     """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels; `keep`:
     the backward reads the pre-activation the forward wrote (mlp_kernel.mlp). The gated form's
     two projections go in side by side, [D, 2F]."""
@@ -98,6 +103,6 @@ class Mlp(nn.Module):
         x_BxLxD.reshape(-1, width).astype(dt), jnp.concatenate(w1s, axis=1),
         jnp.concatenate(b1s), w2_FxD.astype(dt),
         no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep,
-        norm=norm)
+        norm=norm, residual=residual)
     # Named for remat "dots_mlp" and "dots_kernels", which keep it.
     return residuals.named(y_NxD.reshape(x_BxLxD.shape), "mlp_output")

@@ -1,13 +1,21 @@
-"""A kernel's call on each device's rows under the mesh in scope: a Pallas kernel is one device's
-program, so the kernels that take tokens (mlp_kernel, mlm_kernel) run in shard_map over the
-activations' batch axes, with their weights whole on each device.
+"""What the kernels that take tokens (mlp_kernel, mlm_kernel) share: their call on each device's
+rows under the mesh in scope (a Pallas kernel is one device's program, so they run in shard_map
+over the activations' batch axes, their weights whole on each device), and a whole array as one
+block.
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
+from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
+
+
+def whole(shape):
+  """A block that is the whole array, fetched once (its index never changes) and not double
+  buffered (nothing to overlap it with)."""
+  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
 
 
 def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):

@@ -120,13 +120,13 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
   item = x_RxD.dtype.itemsize
   stats = jax.ShapeDtypeStruct((rows_total, 1), _F32)
   # Every row's running figures resident in VMEM for the whole grid (their block never moves).
-  whole = pl.BlockSpec((rows_total, 1), lambda j, i: (0, 0), pipeline_mode=pl.Buffered(1))
+  whole = devices.whole((rows_total, 1))
   need = _need(rows_total, rows, vocab_block, width, item, tail is not None)
   # W's block index stays at its last whole block for the tail's step: no copy is made again.
   w_spec = pl.BlockSpec((vocab_block, width), lambda j, i: (jnp.minimum(j, full - 1), 0))
   tail_specs, tail_args = [], []
   if tail is not None:
-    tail_specs = [pl.BlockSpec(tail.shape, lambda j, i: (0, 0), pipeline_mode=pl.Buffered(1))]
+    tail_specs = [devices.whole(tail.shape)]
     tail_args = [tail]
   vocab = blocks * vocab_block
   return pl.pallas_call(

@@ -13,8 +13,8 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
 
 The gated form (GeGLU, SwiGLU: ModernBERT's) is the same with W1 and G side by side, [D, 2F]: a
 chunk of F columns takes its columns of both, and the kept pre-activation is [tokens, 2F]. In
-a pre-norm layer (ModernBERT's) the kernels also make the LayerNorm or RMSNorm before the MLP:
-they read the rows before it and normalise each block's rows themselves (row_norm.py).
+a pre-norm layer the kernels also make the LayerNorm or RMSNorm before the MLP from the rows
+before it (row_norm.py), and where no dropout comes between, the layer's sum x + MLP(norm(x)).
 So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
 seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
 forward kernel again in the backward (its output is no matmul's for the policy to keep; remat
@@ -25,20 +25,15 @@ x W1 + b1 (rounded to the compute dtype, as XLA's product is), named "mlp_hidden
 policies that keep it, and the backward reads it in place of the product that makes it again:
 the XLA path's six products, and two passes over the [tokens, F] intermediate a layer where
 XLA's MLP makes six to fourteen (more where a scanned loop copies it in and out of its stack).
+What `mlp_impl="auto"` takes where: `chosen`. The values are the XLA path's but for rounding
+("pallas" keeps the pre-activation in float32; tests/test_mlp_kernel.py says how close).
 
-Where a step is bound by HBM the kernels pay, where it is bound by FLOPs the first kind does not:
-`mlp_impl="auto"` takes them on the chips in FASTER_ON alone, "pallas_kept" where the remat
-policy keeps its pre-activation. The values are those of the XLA path but for rounding:
-"pallas" keeps the pre-activation in float32 where the XLA path rounds the product to the
-compute dtype first (tests/test_mlp_kernel.py says how close).
-
-A kernel is one device's program: under a mesh `mlp` runs the kernels in shard_map over the
-activations' batch axes, the weights whole on each device (fsdp gathers them, as it does for
-XLA's matmuls; with a tensor axis each of its devices computes the same rows' whole MLP), and
-sums the weights' per-device gradients outside it. On a CPU it runs Pallas' interpreter (slow:
-tests only), on a GPU XLA's products of the same arithmetic. VMEM holds W1 and W2 in the compute
-dtype and, in the backward, their float32 sums: BERT-Base ~30 MB, BERT-Large ~55 MB,
-ModernBERT-base ~16 MB (v5e and v6e have 128 MiB a core, v5p 64).
+A kernel is one device's program: under a mesh the kernels run on each device's rows
+(devices.per_device), the weights whole on each device (fsdp gathers them; with a tensor axis
+each of its devices computes the same rows' whole MLP), the weights' gradients summed outside.
+On a CPU Pallas' interpreter runs them (tests), on a GPU XLA's products of the same arithmetic.
+VMEM holds the weights in the compute dtype and, in the backward, their float32 sums: BERT-Base
+~30 MB, BERT-Large ~55 MB, ModernBERT-base ~16 MB (v5e and v6e have 128 MiB a core, v5p 64).
 """
 
 from __future__ import annotations
@@ -143,13 +138,15 @@ def _pulled(act, pres, g):
   return a * pres[1], [g * slope * pres[1], g * a]
 
 
-def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, rounded, norm):
+def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, rounded, norm,
+                    residual):
   """y for a block of tokens. `rounded` (mlp_impl "pallas_kept"): the pre-activation rounded to
   the compute dtype, as XLA's product is, before the activation reads it; with a second output
   that rounded value is also written, for the backward to read. `norm` ((eps, centred), its
-  weights the first of `refs`): the rows are normalised first (row_norm)."""
+  weights the first of `refs`): the rows are normalised first (row_norm). `residual`: y is
+  added to the rows read (the layer's residual sum, in one rounding)."""
   norm_ref, (y_ref, *kept_ref) = (refs[0], refs[1:]) if norm else (None, refs)
-  x = x_ref[...]
+  x = rows = x_ref[...]
   if norm:
     x, _ = row_norm.normalised(x, norm_ref[...], *norm)
   hidden = w2_ref.shape[0]
@@ -166,10 +163,13 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, ro
       pres.append(pre)
     acc += jnp.dot(_activated(act, pres).astype(x.dtype), w2_ref[start:start + chunk, :],
                    preferred_element_type=_F32)
+  if residual:
+    acc += rows.astype(_F32)
   y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
 
 
-def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept, norm):
+def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept, norm,
+                     residual):
   """dx of a block of tokens, and dW1, db1, dW2 summed over the blocks (and the norm's weights'
   with `norm`, whose weights come after the pre-activation). The pre-activation is made again
   from x (`kept` False), or read where the forward wrote it (`kept`: the first of `refs`; then
@@ -210,13 +210,9 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
   if norm:
     dx, d_norm = row_norm.pulled_back(dx, stats, norm_ref[...], norm[1])
     sums[3][0] += d_norm
+  if residual:
+    dx += dy.astype(_F32)
   dx_ref[...] = dx.astype(dx_ref.dtype)
-
-
-def _whole(shape):
-  """A block that is the whole array, fetched once (its index never changes) and not double
-  buffered (nothing to overlap it with)."""
-  return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
 
 
 def _vmem_limit(need: int, interpret: bool) -> int:
@@ -242,9 +238,10 @@ def _sizes(x_NxD, w1_DxF, w2_FxD, block_of):
 
 
 def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bool,
-             rounded: bool = False, kept: bool = False, norm=None):
+             rounded: bool = False, kept: bool = False, norm=None, residual: bool = False):
   """y, or (y, the pre-activation [tokens, F or 2F]) with `kept` (which implies `rounded`);
-  with `norm` (eps, centred) x is first normalised by the weights norm_2xD (row_norm)."""
+  with `norm` (eps, centred) x is first normalised by the weights norm_2xD (row_norm); with
+  `residual` x is added to y."""
   rounded = rounded or kept
   tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD, token_block)
   chunk = _chunk(hidden)
@@ -255,13 +252,14 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bo
   if kept:
     need += 2 * block * inner * item
   return pl.pallas_call(
-      functools.partial(_forward_kernel, act=act, chunk=chunk, rounded=rounded, norm=norm),
+      functools.partial(_forward_kernel, act=act, chunk=chunk, rounded=rounded, norm=norm,
+                        residual=residual),
       out_shape=(y, jax.ShapeDtypeStruct((tokens, inner), x_NxD.dtype)) if kept else y,
       grid=(tokens // block,),
       in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)),
-                _whole(w1_DxF.shape), _whole(b1_1xF.shape),
-                _whole(w2_FxD.shape), _whole(b2_1xD.shape)]
-               + ([_whole((2, width))] if norm else []),
+                devices.whole(w1_DxF.shape), devices.whole(b1_1xF.shape),
+                devices.whole(w2_FxD.shape), devices.whole(b2_1xD.shape)]
+               + ([devices.whole((2, width))] if norm else []),
       out_specs=(y_spec, pl.BlockSpec((block, inner), lambda i: (i, 0))) if kept else y_spec,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
@@ -274,7 +272,7 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bo
 
 
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, interpret: bool,
-              norm=None):
+              norm=None, residual: bool = False):
   """dx and the weights' gradient sums (and the norm's, [1, 2, D], with `norm`); `kept_NxF` the
   forward's pre-activation, or None to make it again from x (one product more)."""
   tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD,
@@ -294,14 +292,15 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
           + bool(norm) * 4 * block * width * 4)
   sums = [(width, inner), (1, inner), (hidden, width)] + ([(2, width)] if norm else [])
   return tuple(pl.pallas_call(
-      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept, norm=norm),
+      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept, norm=norm,
+                        residual=residual),
       out_shape=[jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)]
                 + [jax.ShapeDtypeStruct((1,) + shape, _F32) for shape in sums],
       grid=(tokens // block,),
-      in_specs=[tile(), tile(), _whole(w1_DxF.shape), _whole(b1_1xF.shape),
-                _whole(w2_FxD.shape)]
+      in_specs=[tile(), tile(), devices.whole(w1_DxF.shape), devices.whole(b1_1xF.shape),
+                devices.whole(w2_FxD.shape)]
                + ([pl.BlockSpec((block, inner), lambda i: (i, 0))] if kept else [])
-               + ([_whole((2, width))] if norm else []),
+               + ([devices.whole((2, width))] if norm else []),
       out_specs=[tile()] + [acc(shape) for shape in sums],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
@@ -322,8 +321,10 @@ def _split(pre_NxF, hidden: int):
 
 
 def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, rounded: bool = False,
-              kept: bool = False, norm=None):
+              kept: bool = False, norm=None, residual: bool = False):
   """The forward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
+  if residual:
+    b2_1xD = b2_1xD + x_NxD.astype(_F32)
   if norm:
     x_NxD, _ = row_norm.normalised(x_NxD, norm_2xD, *norm)
   pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
@@ -335,7 +336,8 @@ def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, rounded: boo
   return (y, pre_NxF) if kept else y
 
 
-def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, norm=None):
+def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, norm=None,
+                  residual: bool = False):
   """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
   dt = x_NxD.dtype
   if norm:
@@ -355,6 +357,8 @@ def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act
   if norm:
     dx, d_norm = row_norm.pulled_back(dx, stats, norm_2xD, norm[1])
     sums.append(d_norm[None])
+  if residual:
+    dx = dx + dy_NxD.astype(_F32)
   return tuple([dx.astype(dt)] + sums)
 
 
@@ -370,25 +374,27 @@ def _on_platform(fn, *args, **kwargs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm):
+def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form):
   # Not differentiated (prediction): nothing is written for a backward, the values the same.
-  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm, write=False)
+  # `form`: (norm, residual), mlp's.
+  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form, write=False)
 
 
-def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm, write=True):
+def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form, write=True):
   kept = keep and write
+  norm, residual = form
   fwd = lambda x, w1, b1, w2, b2, *n: _on_platform(
       _forward, x, w1, b1, w2, b2, n[0] if n else None, act=act, rounded=keep, kept=kept,
-      norm=norm)
+      norm=norm, residual=residual)
   return devices.per_device(fwd, (x_NxD,),
                      (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :])
                      + ((norm_2xD,) if norm else ()), ("tokens",) * (1 + kept))
 
 
-def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm):
+def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form):
   # The inputs are kept, and with `keep` the pre-activation, named for the remat policies that
   # keep it ("dots_mlp", "dots_kernels"); without it the backward makes it again.
-  out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm)
+  out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form)
   y_NxD, pre_NxF = out if keep else (out, None)
   if keep:
     # Kept as a float: as bits (residuals.named) the step moved more, BERT-Base L 512 on v5e-8
@@ -397,13 +403,14 @@ def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, norm):
   return y_NxD, (x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD)
 
 
-def _mlp_bwd(act, keep, norm, saved, dy_NxD):
+def _mlp_bwd(act, keep, form, saved, dy_NxD):
   x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD = saved
+  norm, residual = form
   def bwd(x, dy, *rest):  # the pre-activation's rows where it was kept, the weights, the norm's
     rest = list(rest)
     pre = rest.pop(0) if keep else None
     return _on_platform(_backward, x, dy, *rest[:3], pre, rest[3] if norm else None, act=act,
-                        norm=norm)
+                        norm=norm, residual=residual)
 
   dx, dw1, db1, dw2, *d_norm = devices.per_device(
       bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()),
@@ -419,7 +426,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
-        b2_D: jax.Array, act, keep: bool = False, norm=None) -> jax.Array:
+        b2_D: jax.Array, act, keep: bool = False, norm=None, residual: bool = False) -> jax.Array:
   """act(x W1 + b1) W2 + b2 over [N, D] tokens by the fused kernels, differentiable in every
   argument; `act` an elementwise function (its derivative is its jvp). The arrays in the dtype
   the products run in (the biases any float type). The gated form act(x W1 + b1) * (x G + c) W2
@@ -431,9 +438,10 @@ def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
   keep "mlp_hidden".
 
   `norm` (weights [2, D] float32: scale and bias; eps; centred): x is the rows before a
-  LayerNorm (centred) or RMSNorm, normalised inside the kernels (row_norm)."""
+  LayerNorm (centred) or RMSNorm, normalised inside the kernels (row_norm). `residual`: x is
+  added to the result (a pre-norm layer's x + MLP(norm(x)), without dropout between)."""
   if norm is None:
-    return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, None, act, keep, None)
+    return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, None, act, keep, (None, bool(residual)))
   weights_2xD, eps, centred = norm
   return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, weights_2xD, act, keep,
-              (float(eps), bool(centred)))
+              ((float(eps), bool(centred)), bool(residual)))
