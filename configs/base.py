@@ -216,12 +216,11 @@ def set_accelerator(config) -> None:
   over the slice's chips (fsdp: each chip updates its share, where data parallelism had every
   chip update all of them, a third of a BERT-Base step's HBM bytes on v6e); the backward keeps
   every activation (remat "none": XLA makes the cheap ones again by itself), and recomputes
-  the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); on
-  v6e and v5e the MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM
-  (mlp_impl "auto": where remat keeps the pre-activation, "none" or "dots_kernels", the
-  kernel's backward reads what its forward wrote, "pallas_kept"; on v6e elsewhere it makes it
-  again, "pallas"; XLA's MLP on v5p, keeping the pre-activation alone where remat is "none",
-  "xla_remade"). On v6e and v5p q, k and v are one
+  the MLM head's logits rather than keeping them (recompute_mlm_logits: 3% of them at L 512); the
+  MLP runs as one Pallas kernel that keeps its F-wide intermediate in VMEM (mlp_impl "auto":
+  where remat keeps the pre-activation, "none" or "dots_kernels", the kernel's backward reads
+  what its forward wrote, "pallas_kept", on v6e, v5e and v5p; on v6e elsewhere it makes it
+  again, "pallas"; XLA's MLP elsewhere). On v6e and v5p q, k and v are one
   product, x @ [Wq Wk Wv] (qkv_product "auto"; the parameters the same three), where XLA reads
   x once and the backward makes one weight gradient; on v5e three, where one moved more bytes.
   Attention is bertjax's fused kernel in both phases (attention_impl "auto"): each head's

@@ -5,8 +5,8 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
-Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.4 and 49.9 of 95
-GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.881 and 0.812; on v6e-8 0.812
+Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.6 and 50.0 of 95
+GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.882 and 0.813; on v6e-8 0.812
 and 0.814; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
 slice needs fewer microbatches, and a batch that divides over its chips and them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
@@ -72,9 +72,8 @@ def get_config(arg=None):
   # a scanned layer, or one with dropout, would be splash's).
   m.attention_impl = "auto" if phase == 1 else "splash"
   m.qkv_product = "auto"  # one product for q, k and v on v6e and v5p, where the kernel reads it
-  # The GeGLU MLP and the norm before it as one kernel on v6e and v5e (both projections side by
-  # side, the kept pre-activation read by the backward); XLA's products on v5p
-  # (mlp_kernel.chosen).
+  # The GeGLU MLP, the norm before it and the layer's sum as one kernel on v6e, v5e and v5p (both
+  # projections side by side, the kept pre-activation read by the backward; mlp_kernel.chosen).
   m.mlp_impl = "auto"
   # Phase 1: the MLM logits scored where they are made (mlm_kernel on a TPU) and made again in
   # the backward, where 30% of 1,024 positions predicted over 50,368 pieces made the kept float32

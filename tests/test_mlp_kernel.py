@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model.kernels import mlp_kernel
+from bertjax.model.kernels import mlp_arithmetic, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import platforms, sharding
@@ -167,7 +167,7 @@ def test_the_gated_form_takes_both_projections_side_by_side(act):
   assert pre.shape == (512, 768)
   kernel = mlp_kernel._backward(x, dy, w1g, b1g[None], w2, pre, None, fn, interpret=True)
   for got, want in zip(kernel,
-                       mlp_kernel._xla_backward(x, dy, w1g, b1g[None], w2, pre, None, fn)):
+                       mlp_arithmetic.xla_backward(x, dy, w1g, b1g[None], w2, pre, None, fn)):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
 
@@ -204,11 +204,19 @@ def test_a_pre_norm_is_made_inside_the_kernels_with_its_backward(centred, shifte
   norm = (eps, centred)
   kernel = mlp_kernel._backward(r, dy, w1g, b1g[None], w2, None, weights, fn, interpret=True,
                                 norm=norm, residual=residual)
-  xla = mlp_kernel._xla_backward(r, dy, w1g, b1g[None], w2, None, weights, fn, norm=norm,
+  xla = mlp_arithmetic.xla_backward(r, dy, w1g, b1g[None], w2, None, weights, fn, norm=norm,
                                  residual=residual)
   assert len(kernel) == len(xla) == 5
   for got, want in zip(kernel, xla):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-5)
+  # A chip of two TensorCores (v5p) runs a sequence of blocks on each, each with its own sums
+  # ([2, ...]), which the caller adds: the same gradients.
+  split = mlp_kernel._backward(r, dy, w1g, b1g[None], w2, None, weights, fn, interpret=True,
+                               norm=norm, residual=residual, cores=2)
+  np.testing.assert_allclose(split[0], kernel[0], atol=1e-5)
+  for got, want in zip(split[1:], kernel[1:]):
+    assert got.shape == (2,) + want.shape[1:]
+    np.testing.assert_allclose(got.sum(0), want.sum(0), atol=2e-4, rtol=1e-5)
 
 
 def test_an_unknown_mlp_impl_is_refused_with_the_choices():
@@ -243,10 +251,10 @@ def test_without_mosaic_xla_computes_what_the_kernels_do():
   fn = ACTIVATIONS["gelu"]
   b1, b2 = args[2][None, :], args[4][None, :]
   forward = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, None, fn, interpret=True)
-  np.testing.assert_allclose(mlp_kernel._products(args[0], args[1], b1, args[3], b2, None, fn),
+  np.testing.assert_allclose(mlp_arithmetic.products(args[0], args[1], b1, args[3], b2, None, fn),
                              forward, atol=1e-5)
   kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], None, None, fn, interpret=True)
-  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, None, fn)
+  xla = mlp_arithmetic.xla_backward(args[0], dy, args[1], b1, args[3], None, None, fn)
   for name, got, expected in zip(("dx", "dw1", "db1", "dw2"), xla, kernel):
     assert got.shape == expected.shape, name
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5, err_msg=name)
@@ -254,15 +262,15 @@ def test_without_mosaic_xla_computes_what_the_kernels_do():
   # is given (here not x W1 + b1, so a backward that made it again from x would differ).
   y, pre = mlp_kernel._forward(args[0], args[1], b1, args[3], b2, None, fn, interpret=True,
                                kept=True)
-  for got, expected in zip((y, pre), mlp_kernel._products(args[0], args[1], b1, args[3], b2,
-                                                          None, fn, kept=True)):
+  for got, expected in zip((y, pre), mlp_arithmetic.products(args[0], args[1], b1, args[3], b2,
+                                                              None, fn, kept=True)):
     np.testing.assert_allclose(got, expected, atol=1e-5)
   np.testing.assert_allclose(pre, args[0] @ args[1] + b1, atol=1e-5)
   shifted = pre + 0.5
   kernel = mlp_kernel._backward(args[0], dy, args[1], b1, args[3], shifted, None, fn,
                                 interpret=True)
-  xla = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], shifted, None, fn)
-  made_again = mlp_kernel._xla_backward(args[0], dy, args[1], b1, args[3], None, None, fn)
+  xla = mlp_arithmetic.xla_backward(args[0], dy, args[1], b1, args[3], shifted, None, fn)
+  made_again = mlp_arithmetic.xla_backward(args[0], dy, args[1], b1, args[3], None, None, fn)
   for name, got, expected, other in zip(("dx", "dw1", "db1", "dw2"), xla, kernel, made_again):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5, err_msg=name)
     assert float(jnp.abs(expected - other).max()) > 1e-2, name
@@ -290,13 +298,14 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
     assert chosen == impl, (policy, chosen)
   auto = dataclasses.replace(auto, remat_policy="dots")
   # v5p and v5e: their steps are bound by FLOPs, which the kernels that make the pre-activation
-  # again add; v5e takes those that keep it where the policy keeps it (XLA's FLOPs), v5p not.
+  # again add; both take those that keep it where the policy keeps it (XLA's FLOPs); v4 not.
   assert mlp_kernel.chosen(auto, chip("TPU v5")) == "xla"
   assert mlp_kernel.chosen(auto, chip("TPU v5 lite")) == "xla"
   for policy in ("none", "dots_kernels"):
     kept = dataclasses.replace(auto, remat_policy=policy)
     assert mlp_kernel.chosen(kept, chip("TPU v5 lite")) == "pallas_kept", policy
-    assert mlp_kernel.chosen(kept, chip("TPU v5")) == ("xla_remade" if policy == "none" else "xla")
+    assert mlp_kernel.chosen(kept, chip("TPU v5")) == "pallas_kept", policy
+    assert mlp_kernel.chosen(kept, chip("TPU v4")) == ("xla_remade" if policy == "none" else "xla")
   assert mlp_kernel.chosen(auto, chip("cpu", "cpu")) == "xla"
   assert mlp_kernel.chosen(auto, chip("TPU v6 lite"), tensor_parallel=2) == "xla"
   gated = dataclasses.replace(auto, mlp_type="gated", hidden_act="silu")
@@ -305,7 +314,6 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
   # Elsewhere XLA's products; on a TPU with nothing rematerialised, keeping the pre-activation
   # alone (fewer bytes); on a CPU as written (faster there).
   none = dataclasses.replace(auto, remat_policy="none")
-  assert mlp_kernel.chosen(none, chip("TPU v5")) == "xla_remade"
   assert mlp_kernel.chosen(none, chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"
   assert mlp_kernel.chosen(dataclasses.replace(none, mlp_type="gated", hidden_act="silu"),
                            chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"

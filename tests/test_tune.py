@@ -49,7 +49,7 @@ def test_each_setting_is_tried_on_top_of_the_best_so_far():
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {}, v6e)] == [
       "xla", "xla_remade", "pallas"]  # "pallas_kept" under "none" (phase 1)
   assert [c["model.mlp_impl"] for c in tune.candidates("mlp", base, {}, v5p)] == [
-      "xla", "pallas", "pallas_kept"]  # "xla_remade" under remat "none" on v5p
+      "xla", "xla_remade", "pallas"]  # "pallas_kept" under "none" on v5p too
   # q, k and v: the product count "auto" does not give the chips, or both without a chip.
   assert [c["model.qkv_product"] for c in tune.candidates("qkv", base, {})] == ["three", "one"]
   for chip, other in ((v6e, "three"), (v5p, "three"), ("TPU v5 lite", "one")):

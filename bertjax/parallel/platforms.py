@@ -85,6 +85,16 @@ def tpu_chip() -> str:
     return ""
 
 
+def tpu_cores() -> int:
+  """The TensorCores of a chip of the TPU the step is traced for (v5p and v4: 2, one device
+  each chip), 1 where that is no TPU."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
+  try:  # lazy: as vmem_bytes
+    return int(pltpu.get_tpu_info().num_cores)
+  except ValueError:
+    return 1
+
+
 def vmem_limit(need: int, vmem: int | None = None) -> int:
   """The scoped VMEM a Pallas kernel asks Mosaic for (its default, 16-32 MiB, is below what
   bertjax's kernels hold): the `need` of its blocks and temporaries, a quarter more and 16 MiB

@@ -48,7 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.errors import Refusal
 from bertjax.model.config import chosen_remat
-from bertjax.model.kernels import devices, row_norm
+from bertjax.model.kernels import devices, mlp_arithmetic, row_norm
 from bertjax.parallel import platforms
 
 # The chips where the kernels made the released configs' steps faster by the compile's roofline
@@ -58,12 +58,12 @@ from bertjax.parallel import platforms
 # backward").
 FASTER_ON = ("TPU v6 lite",)
 # The chips where "pallas_kept" (XLA's six products, no more) is taken where the remat policy
-# keeps its pre-activation: FASTER_ON's, and v5e, whose every released step it made faster by
-# the roofline (0.954 -> 0.956, 0.976 -> 0.979, 0.948 -> 0.950) and BERT-Base's at length 512
-# lighter (22.67 -> 19.86 GB a chip; docs/performance.md, "The gated MLP and its pre-norm in one
-# kernel, and the kernels on v5e"). Not v5p: the backward runs its blocks in one sequence, on
-# one of a v5p chip's two TensorCores, which the count does not see.
-KEPT_FASTER_ON = FASTER_ON + ("TPU v5 lite",)
+# keeps its pre-activation: FASTER_ON's, v5e, whose every released step it made faster by the
+# roofline (0.954 -> 0.956, 0.976 -> 0.979, 0.948 -> 0.950) and BERT-Base's at length 512
+# lighter (22.67 -> 19.86 GB a chip), and v5p, since its backward runs a sequence of blocks on
+# each of a chip's two TensorCores (docs/performance.md, "The gated MLP and its pre-norm in one
+# kernel, and the kernels on v5e"). Not v4: its 16 MiB of VMEM hold no released MLP's weights.
+KEPT_FASTER_ON = FASTER_ON + ("TPU v5 lite", "TPU v5")
 # The remat policies under which "pallas_kept"'s pre-activation is kept for the backward (named
 # "mlp_hidden"): under the others it would be written, dropped and written again.
 KEEPS_HIDDEN = ("none", "dots_mlp", "dots_kernels")
@@ -89,7 +89,7 @@ def chosen(config, device, tensor_parallel: int = 1) -> str:
     # Nothing rematerialised on a TPU: the pre-activation alone kept (docs/performance.md, "The
     # MLP's activation made again"). On a CPU it was no faster (a BERT-Base step 2% slower by
     # the median of three); a GPU has not measured it.
-    remade = tpu and chosen_remat(config.remat_policy, device) == "none"  # v5p's
+    remade = tpu and chosen_remat(config.remat_policy, device) == "none"
     return "xla_remade" if remade else "xla"
   return "pallas_kept" if kept else "pallas"
 
@@ -114,28 +114,9 @@ def _chunk(width: int) -> int:
   return next((c for c in CHUNKS if width % c == 0), width)
 
 
-def _slope(act, pre):
-  """act(pre) and its derivative, elementwise (one jvp: the activation's own formula)."""
-  return jax.jvp(act, (pre,), (jnp.ones_like(pre),))
-
-
 def _columns(start: int, chunk: int, hidden: int, inner: int) -> list[slice]:
   """The columns of W1 (inner = F) or of W1 and G side by side (inner = 2F) a chunk reads."""
   return [slice(at + start, at + start + chunk) for at in range(0, inner, hidden)]
-
-
-def _activated(act, pres):
-  """act(h), or act(h) * g for the gated form; float32 in, float32 out."""
-  return act(pres[0]) if len(pres) == 1 else act(pres[0]) * pres[1]
-
-
-def _pulled(act, pres, g):
-  """(the activation, the gradient of each pre-activation) given g, the gradient of the
-  activation; the derivative is the activation's own jvp."""
-  a, slope = _slope(act, pres[0])
-  if len(pres) == 1:
-    return a, [g * slope]
-  return a * pres[1], [g * slope * pres[1], g * a]
 
 
 def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, rounded, norm,
@@ -161,8 +142,8 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, ro
           kept_ref[0][:, cols] = kept
         pre = kept.astype(_F32)
       pres.append(pre)
-    acc += jnp.dot(_activated(act, pres).astype(x.dtype), w2_ref[start:start + chunk, :],
-                   preferred_element_type=_F32)
+    a = mlp_arithmetic.activated(act, pres).astype(x.dtype)
+    acc += jnp.dot(a, w2_ref[start:start + chunk, :], preferred_element_type=_F32)
   if residual:
     acc += rows.astype(_F32)
   y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
@@ -179,7 +160,7 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
   norm_ref = refs.pop(0) if norm else None
   dx_ref, *sums = refs
 
-  @pl.when(pl.program_id(0) == 0)
+  @pl.when(pl.program_id(1) == 0)  # each core's first block: its own sums
   def _():
     for ref in sums:
       ref[...] = jnp.zeros_like(ref)
@@ -200,7 +181,7 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
       pres = [jnp.dot(x, w1_ref[:, cols], preferred_element_type=_F32) + b1_ref[:, cols]
               for cols in columns]
     g = jax.lax.dot_general(dy, w2_ref[rows, :], _T, preferred_element_type=_F32)
-    h, dpres = _pulled(act, pres, g)
+    h, dpres = mlp_arithmetic.pulled(act, pres, g)
     for cols, dpre in zip(columns, dpres):
       dpre_c = dpre.astype(x.dtype)
       dx += jax.lax.dot_general(dpre_c, w1_ref[:, cols], _T, preferred_element_type=_F32)
@@ -272,20 +253,22 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bo
 
 
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, interpret: bool,
-              norm=None, residual: bool = False):
-  """dx and the weights' gradient sums (and the norm's, [1, 2, D], with `norm`); `kept_NxF` the
-  forward's pre-activation, or None to make it again from x (one product more)."""
+              norm=None, residual: bool = False, cores: int | None = None):
+  """dx and the weights' gradient sums, [cores, ...] (and the norm's, [cores, 2, D], with
+  `norm`); `kept_NxF` the forward's pre-activation, or None to make it again from x (one product
+  more). `cores`: the sequences of blocks, the chip's TensorCores by default."""
   tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD,
                                                               _backward_block)
   kept = kept_NxF is not None
   grads = width * (inner + hidden) * 4
-  tile = lambda: pl.BlockSpec((block, width), lambda i: (i, 0))
   # The gradients' sums stay in VMEM over the token blocks (their index never changes) and are
-  # written once, float32 with a leading axis of one: under a mesh, the devices' sums stack
-  # along it for the caller to add. One sequence of blocks: a chip of two TensorCores (v5p)
-  # would split a parallel axis over them, at the price of a second set of float32 sums to
-  # write, more than BERT-Large's MLP saves at length 128.
-  acc = lambda shape: pl.BlockSpec((1,) + shape, lambda i: (0, 0, 0),
+  # written once, float32 with a leading axis of one a sequence of blocks: under a mesh, the
+  # devices' sums stack along it for the caller to add. A chip of two TensorCores (v5p) runs a
+  # sequence on each (the parallel axis), each with its sums, where one sequence left a core idle.
+  cores = _sequences(tokens) if cores is None else cores
+  steps = tokens // block // cores
+  tile = lambda width: pl.BlockSpec((block, width), lambda c, i: (c * steps + i, 0))
+  acc = lambda shape: pl.BlockSpec((1,) + shape, lambda c, i: (c, 0, 0),
                                    pipeline_mode=pl.Buffered(1))
   need = (weights + grads + 6 * block * width * item + 3 * block * width * 4
           + 6 * block * _chunk(hidden) * 4 * inner // hidden + kept * 2 * block * inner * item
@@ -295,78 +278,38 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
       functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept, norm=norm,
                         residual=residual),
       out_shape=[jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)]
-                + [jax.ShapeDtypeStruct((1,) + shape, _F32) for shape in sums],
-      grid=(tokens // block,),
-      in_specs=[tile(), tile(), devices.whole(w1_DxF.shape), devices.whole(b1_1xF.shape),
-                devices.whole(w2_FxD.shape)]
-               + ([pl.BlockSpec((block, inner), lambda i: (i, 0))] if kept else [])
-               + ([devices.whole((2, width))] if norm else []),
-      out_specs=[tile()] + [acc(shape) for shape in sums],
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                + [jax.ShapeDtypeStruct((cores,) + shape, _F32) for shape in sums],
+      grid=(cores, steps),
+      in_specs=[tile(width), tile(width), devices.whole(w1_DxF.shape),
+                devices.whole(b1_1xF.shape), devices.whole(w2_FxD.shape)]
+               + ([tile(inner)] if kept else []) + ([devices.whole((2, width))] if norm else []),
+      out_specs=[tile(width)] + [acc(shape) for shape in sums],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
           # dW2 and dy W2^T; dx and dW1 over W1's columns; x W1 again where it is not kept.
           flops=2 * tokens * width * (2 * hidden + (2 if kept else 3) * inner),
           transcendentals=2 * tokens * hidden,
-          bytes_accessed=(3 * tokens * width * item + weights + grads + 4 * inner
+          bytes_accessed=(3 * tokens * width * item + weights + cores * grads + 4 * inner
                           + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_bwd",
   )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, *([kept_NxF] if kept else []),
     *([norm_2xD] if norm else [])))
 
 
-def _split(pre_NxF, hidden: int):
-  """The pre-activation's F-wide parts: [h], or [h, g] for the gated form."""
-  return [pre_NxF[:, at:at + hidden] for at in range(0, pre_NxF.shape[1], hidden)]
-
-
-def _products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, rounded: bool = False,
-              kept: bool = False, norm=None, residual: bool = False):
-  """The forward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
-  if residual:
-    b2_1xD = b2_1xD + x_NxD.astype(_F32)
-  if norm:
-    x_NxD, _ = row_norm.normalised(x_NxD, norm_2xD, *norm)
-  pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
-  if rounded or kept:
-    pre_NxF = pre.astype(x_NxD.dtype)
-    pre = pre_NxF.astype(_F32)
-  h_NxF = _activated(act, _split(pre, w2_FxD.shape[0])).astype(x_NxD.dtype)
-  y = (jnp.dot(h_NxF, w2_FxD, preferred_element_type=_F32) + b2_1xD).astype(x_NxD.dtype)
-  return (y, pre_NxF) if kept else y
-
-
-def _xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, norm=None,
-                  residual: bool = False):
-  """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic)."""
-  dt = x_NxD.dtype
-  if norm:
-    x_NxD, stats = row_norm.normalised(x_NxD, norm_2xD, *norm)
-  if kept_NxF is None:
-    pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
-  else:
-    pre = kept_NxF.astype(_F32)
-  g = jax.lax.dot_general(dy_NxD, w2_FxD, _T, preferred_element_type=_F32)
-  h, dpres = _pulled(act, _split(pre, w2_FxD.shape[0]), g)
-  dpre = jnp.concatenate(dpres, axis=1)
-  dpre_c = dpre.astype(dt)
-  dx = jax.lax.dot_general(dpre_c, w1_DxF, _T, preferred_element_type=_F32)
-  dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32)
-  dw2 = jnp.dot(h.astype(dt).T, dy_NxD, preferred_element_type=_F32)
-  sums = [dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2[None]]
-  if norm:
-    dx, d_norm = row_norm.pulled_back(dx, stats, norm_2xD, norm[1])
-    sums.append(d_norm[None])
-  if residual:
-    dx = dx + dy_NxD.astype(_F32)
-  return tuple([dx.astype(dt)] + sums)
+def _sequences(tokens: int) -> int:
+  """The backward's sequences of blocks: the chip's TensorCores where its blocks divide."""
+  cores = platforms.tpu_cores()
+  return cores if (tokens // _backward_block(tokens)) % cores == 0 else 1
 
 
 def _on_platform(fn, *args, **kwargs):
   """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), Pallas'
   interpreter on a CPU (tests), and elsewhere (a GPU) XLA's products of the same arithmetic, so
   a config that asks for the kernels still runs there."""
-  fallback = {_forward: _products, _backward: _xla_backward}[fn]
+  fallback = {_forward: mlp_arithmetic.products, _backward: mlp_arithmetic.xla_backward}[fn]
+  if fn is _backward:  # every branch's sums alike: [cores, ...]
+    kwargs["cores"] = _sequences(args[0].shape[0])
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(fn, **kwargs, interpret=False),
       cpu=functools.partial(fn, **kwargs, interpret=True),
