@@ -26,8 +26,8 @@ def activated(act, pres):
 
 
 def pulled(act, pres, g):
-  """(the activation, the gradient of each pre-activation) given g, the gradient of the
-  activation; the derivative is the activation's own jvp."""
+  """(`activated`'s value, the gradient of each pre-activation) given g, the gradient of that
+  value; the activation's derivative is its own jvp."""
   a, slope = with_slope(act, pres[0])
   if len(pres) == 1:
     return a, [g * slope]
