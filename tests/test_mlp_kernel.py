@@ -222,6 +222,12 @@ def test_a_pre_norm_is_made_inside_the_kernels_with_its_backward(centred, shifte
 def test_an_unknown_mlp_impl_is_refused_with_the_choices():
   with pytest.raises(ValueError, match="mlp_impl='triton'; choose one of"):
     BertConfig(mlp_impl="triton")
+  # The norm and the residual sum inside the MLP are the kernels': XLA's MLP says so rather
+  # than leave them out.
+  from bertjax.model.mlp import Mlp  # pylint: disable=import-outside-toplevel
+  x = jnp.ones((1, 4, 32))
+  with pytest.raises(ValueError, match="the kernels'.*not mlp_impl='xla'.*residual_normed"):
+    Mlp(CFG).init(jax.random.key(0), x, residual=True)
 
 
 def test_weights_over_a_core_s_vmem_are_refused_when_traced_with_the_fix(monkeypatch):

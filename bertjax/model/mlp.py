@@ -26,14 +26,16 @@ def residual_normed(cfg: BertConfig, x_BxLxD, norm_name: str, dropped=None):
   the norm's parameters at `norm_name`, the MLP's at "mlp", either way. By the kernels the norm
   is made inside them (its output and its backward's passes never written: kernels/row_norm.py),
   and where `dropped` is None (no dropout) the sum too."""
-  then = dropped or (lambda y: y)
+  mlp = Mlp(cfg, name="mlp")
   if _impl(cfg) not in ("pallas", "pallas_kept"):
-    return x_BxLxD + then(Mlp(cfg, name="mlp")(layer_norm(cfg, norm_name)(x_BxLxD)))
-  weights = NormWeights(cfg, name=norm_name)(x_BxLxD.shape[-1])
-  norm = (weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm")
-  if dropped is None:
-    return Mlp(cfg, name="mlp")(x_BxLxD, norm=norm, residual=True)
-  return x_BxLxD + dropped(Mlp(cfg, name="mlp")(x_BxLxD, norm=norm))
+    y_BxLxD = mlp(layer_norm(cfg, norm_name)(x_BxLxD))
+  else:
+    weights = NormWeights(cfg, name=norm_name)(x_BxLxD.shape[-1])
+    norm = (weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm")
+    if dropped is None:
+      return mlp(x_BxLxD, norm=norm, residual=True)
+    y_BxLxD = mlp(x_BxLxD, norm=norm)
+  return x_BxLxD + (y_BxLxD if dropped is None else dropped(y_BxLxD))
 
 
 class Mlp(nn.Module):
@@ -54,6 +56,9 @@ class Mlp(nn.Module):
     impl = _impl(cfg)
     if impl in ("pallas", "pallas_kept"):
       return self._fused(x_BxLxD, keep=impl == "pallas_kept", norm=norm, residual=residual)
+    if norm is not None or residual:
+      raise ValueError(f"Mlp(norm=..., residual=...) is the kernels' (mlp_impl='pallas' or "
+                       f"'pallas_kept'), not mlp_impl={impl!r}'s: call residual_normed")
     constrain = lambda h: nn.with_logical_constraint(
         h, ("activation_batch", "activation_length", "activation_mlp"))
     h_BxLxF = constrain(

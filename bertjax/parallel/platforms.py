@@ -63,36 +63,36 @@ def skip_absent_tpu() -> bool:
 VMEM_UNKNOWN = 128 << 20
 
 
-def vmem_bytes() -> int:
-  """A TensorCore's VMEM on the TPU chips the step is traced for (the mesh in scope's, set by
+def _tpu_info():
+  """Pallas' TpuInfo of the TPU chips the step is traced for (the mesh in scope's, set by
   `jax.set_mesh`, as `bertjax.aot` compiles for a slice on a CPU; else jax's default device),
-  what a Pallas kernel's blocks must fit: v4 16 MiB, v5p 64, v5e and v6e 128. VMEM_UNKNOWN where
-  that is no TPU."""
+  or None where that is no TPU."""
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
   try:  # lazy, like skip_absent_tpu's: a command adds its flags before jax is imported
-    return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+    return pltpu.get_tpu_info()
   except ValueError:  # jax 0.10: "Unsupported TPU device kind: cpu"
-    return VMEM_UNKNOWN
+    return None
+
+
+def vmem_bytes() -> int:
+  """A TensorCore's VMEM on the TPU chips the step is traced for, what a Pallas kernel's blocks
+  must fit: v4 16 MiB, v5p 64, v5e and v6e 128. VMEM_UNKNOWN where that is no TPU."""
+  info = _tpu_info()
+  return VMEM_UNKNOWN if info is None else int(info.vmem_capacity_bytes)
 
 
 def tpu_chip() -> str:
-  """The TPU generation the step is traced for, as `vmem_bytes` finds it ("TPU_V6E", "TPU_V5P",
-  ...); "" where that is no TPU."""
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
-  try:  # lazy: as vmem_bytes
-    return pltpu.get_tpu_info().chip_version.name
-  except ValueError:
-    return ""
+  """The TPU generation the step is traced for ("TPU_V6E", "TPU_V5P", ...); "" where that is no
+  TPU."""
+  info = _tpu_info()
+  return "" if info is None else info.chip_version.name
 
 
 def tpu_cores() -> int:
   """The TensorCores of a chip of the TPU the step is traced for (v5p and v4: 2, one device
   each chip), 1 where that is no TPU."""
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
-  try:  # lazy: as vmem_bytes
-    return int(pltpu.get_tpu_info().num_cores)
-  except ValueError:
-    return 1
+  info = _tpu_info()
+  return 1 if info is None else int(info.num_cores)
 
 
 def vmem_limit(need: int, vmem: int | None = None) -> int:

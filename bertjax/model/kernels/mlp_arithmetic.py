@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from bertjax.model.kernels import row_norm
 
-_T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
+T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
 _F32 = jnp.float32
 
 
@@ -66,11 +66,11 @@ def xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act,
     pre = jnp.dot(x_NxD, w1_DxF, preferred_element_type=_F32) + b1_1xF
   else:
     pre = kept_NxF.astype(_F32)
-  g = jax.lax.dot_general(dy_NxD, w2_FxD, _T, preferred_element_type=_F32)
+  g = jax.lax.dot_general(dy_NxD, w2_FxD, T, preferred_element_type=_F32)
   h, dpres = pulled(act, split(pre, w2_FxD.shape[0]), g)
   dpre = jnp.concatenate(dpres, axis=1)
   dpre_c = dpre.astype(dt)
-  dx = jax.lax.dot_general(dpre_c, w1_DxF, _T, preferred_element_type=_F32)
+  dx = jax.lax.dot_general(dpre_c, w1_DxF, T, preferred_element_type=_F32)
   dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32)
   dw2 = jnp.dot(h.astype(dt).T, dy_NxD, preferred_element_type=_F32)
   sums = [dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2[None]]

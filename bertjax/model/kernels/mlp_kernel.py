@@ -49,6 +49,7 @@ from jax.experimental.pallas import tpu as pltpu
 from bertjax.errors import Refusal
 from bertjax.model.config import chosen_remat
 from bertjax.model.kernels import devices, mlp_arithmetic, row_norm
+from bertjax.model.kernels.mlp_arithmetic import T as _T
 from bertjax.parallel import platforms
 
 # The chips where the kernels made the released configs' steps faster by the compile's roofline
@@ -69,7 +70,6 @@ KEPT_FASTER_ON = FASTER_ON + ("TPU v5 lite", "TPU v5")
 KEEPS_HIDDEN = ("none", "dots_mlp", "dots_kernels")
 TOKEN_BLOCKS = (512, 256, 128, 64, 32, 16, 8)  # tokens a grid step, the largest that divides
 CHUNKS = (512, 256, 128)  # F columns made at a time inside a step
-_T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
 _F32 = jnp.float32
 
 
