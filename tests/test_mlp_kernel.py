@@ -77,6 +77,31 @@ def test_in_bfloat16_within_its_rounding(keep):
     assert err <= 2e-2 * scale, (name, err, scale)
 
 
+def test_the_weights_gradients_leave_the_backward_in_their_dtype_made_in_float32():
+  # bfloat16 weights: dW1 and dW2 are summed in float32 VMEM and written once in bfloat16 (dW2
+  # as its transpose [D, F]), a chunk of 128 columns at a time (F = 384: three), on one core and
+  # on two; each is the float32 sum rounded once. The bias' sums stay float32.
+  *args, dy = _arrays(1024, 32, 384, jnp.bfloat16)
+  x, w1, b1, w2, _ = args
+  fn = ACTIVATIONS["gelu"]
+  assert mlp_kernel._chunk(384) == 128
+  _, dpre = mlp_arithmetic.pulled(
+      fn, [jnp.dot(x, w1, preferred_element_type=jnp.float32) + b1], jnp.dot(
+          dy, w2.T, preferred_element_type=jnp.float32))
+  h = fn(jnp.dot(x, w1, preferred_element_type=jnp.float32) + b1).astype(jnp.bfloat16)
+  want_w1 = jnp.dot(x.T, dpre[0].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  want_w2t = jnp.dot(dy.T, h, preferred_element_type=jnp.float32)
+  for cores in (1, 2):
+    _, dw1, db1, dw2t = mlp_kernel._backward(x, dy, w1, b1.astype(jnp.float32)[None], w2, None,
+                                             None, fn, interpret=True, cores=cores)
+    assert (dw1.dtype, dw2t.dtype, db1.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    assert (dw1.shape, dw2t.shape) == ((cores, 32, 384), (cores, 32, 384))
+    for got, want in ((dw1, want_w1), (dw2t, want_w2t)):
+      got = got.astype(jnp.float32).sum(0)
+      # bfloat16's rounding of each core's sum (2**-8 of it, relative), and the products'.
+      np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize("layers,impl", [
     ({}, "pallas"), ({"scan_layers": True, "remat_policy": "dots"}, "pallas"),
     ({"scan_layers": True, "remat_policy": "dots_mlp"}, "pallas"),

@@ -71,9 +71,9 @@ def xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act,
   dpre = jnp.concatenate(dpres, axis=1)
   dpre_c = dpre.astype(dt)
   dx = jax.lax.dot_general(dpre_c, w1_DxF, T, preferred_element_type=_F32)
-  dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32)
-  dw2 = jnp.dot(h.astype(dt).T, dy_NxD, preferred_element_type=_F32)
-  sums = [dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2[None]]
+  dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32).astype(w1_DxF.dtype)
+  dw2t = jnp.dot(dy_NxD.T, h.astype(dt), preferred_element_type=_F32).astype(w2_FxD.dtype)
+  sums = [dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2t[None]]
   if norm:
     dx, d_norm = row_norm.pulled_back(dx, stats, norm_2xD, norm[1])
     sums.append(d_norm[None])

@@ -151,21 +151,25 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, ro
 
 def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept, norm,
                      residual):
-  """dx of a block of tokens, and dW1, db1, dW2 summed over the blocks (and the norm's weights'
-  with `norm`, whose weights come after the pre-activation). The pre-activation is made again
-  from x (`kept` False), or read where the forward wrote it (`kept`: the first of `refs`; then
-  b1_ref is not read)."""
+  """dx of a block of tokens, and dW1, db1, dW2^T summed over the blocks (and the norm's
+  weights' with `norm`, whose weights come after the pre-activation): in float32 scratch, each
+  sum written once at the core's last block. The pre-activation is made again from x (`kept`
+  False), or read where the forward wrote it (`kept`: the first of `refs`; then b1_ref is not
+  read)."""
   refs = list(refs)
   kept_ref = refs.pop(0) if kept else None
   norm_ref = refs.pop(0) if norm else None
-  dx_ref, *sums = refs
+  dx_ref, *refs = refs
+  # The sums' outputs (in HBM), their float32 scratch, a staging block and its DMA's semaphore.
+  sums = (len(refs) - 2) // 2
+  outs, accs, (stage_ref, sem) = refs[:sums], refs[sums:2 * sums], refs[2 * sums:]
 
   @pl.when(pl.program_id(1) == 0)  # each core's first block: its own sums
   def _():
-    for ref in sums:
+    for ref in accs:
       ref[...] = jnp.zeros_like(ref)
 
-  dw1_ref, db1_ref, dw2_ref = sums[:3]
+  dw1_ref, db1_ref, dw2t_ref = accs[:3]
   x, dy = x_ref[...], dy_ref[...]
   if norm:
     x, stats = row_norm.normalised(x, norm_ref[...], *norm)
@@ -185,15 +189,35 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
     for cols, dpre in zip(columns, dpres):
       dpre_c = dpre.astype(x.dtype)
       dx += jax.lax.dot_general(dpre_c, w1_ref[:, cols], _T, preferred_element_type=_F32)
-      dw1_ref[0, :, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
-      db1_ref[0, :, cols] += jnp.sum(dpre, axis=0, keepdims=True)
-    dw2_ref[0, rows, :] += jnp.dot(h.astype(x.dtype).T, dy, preferred_element_type=_F32)
+      dw1_ref[:, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
+      db1_ref[:, cols] += jnp.sum(dpre, axis=0, keepdims=True)
+    dw2t_ref[:, rows] += jnp.dot(dy.T, h.astype(x.dtype), preferred_element_type=_F32)
   if norm:
     dx, d_norm = row_norm.pulled_back(dx, stats, norm_ref[...], norm[1])
-    sums[3][0] += d_norm
+    accs[3][...] += d_norm
   if residual:
     dx += dy.astype(_F32)
   dx_ref[...] = dx.astype(dx_ref.dtype)
+
+  core = pl.program_id(0)  # read outside the branch: Pallas' interpreter finds it only here
+
+  @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)  # each core's last block: written once
+  def _():
+    for out, acc in zip(outs, accs):
+      if out.dtype == acc.dtype:
+        _copied(acc, out.at[core], sem)
+        continue
+      # Rounded a chunk of columns at a time through the staging block: an output block of the
+      # whole sum would hold another copy of the weights in VMEM (BERT-Large's over v5p's 64 MiB).
+      for start in range(0, acc.shape[1], chunk):
+        stage_ref[...] = acc[:, pl.ds(start, chunk)].astype(stage_ref.dtype)
+        _copied(stage_ref, out.at[core, :, pl.ds(start, chunk)], sem)
+
+
+def _copied(src_ref, dst_ref, sem):
+  copy = pltpu.make_async_copy(src_ref, dst_ref, sem)
+  copy.start()
+  copy.wait()
 
 
 def _vmem_limit(need: int, interpret: bool) -> int:
@@ -261,37 +285,42 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
                                                               _backward_block)
   kept = kept_NxF is not None
   grads = width * (inner + hidden) * 4
-  # The gradients' sums stay in VMEM over the token blocks (their index never changes) and are
-  # written once, float32 with a leading axis of one a sequence of blocks: under a mesh, the
-  # devices' sums stack along it for the caller to add. A chip of two TensorCores (v5p) runs a
-  # sequence on each (the parallel axis), each with its sums, where one sequence left a core idle.
+  # The gradients' sums stay in float32 VMEM over the token blocks and are written once with a
+  # leading axis of one a sequence of blocks: under a mesh, the devices' sums stack along it for
+  # the caller to add. A chip of two TensorCores (v5p) runs a sequence on each (the parallel
+  # axis), each with its sums, where one sequence left a core idle. dW1 and dW2 are written in
+  # the weights' dtype, as XLA's product gives a weight's gradient, and dW2 as its transpose
+  # [D, F], the layout fsdp's sum over the devices takes it in (its "embed" axis major): written
+  # float32 [F, D], XLA copied and relaid them, 112 MB a layer on v5p-8 (docs/performance.md).
   cores = _sequences(tokens) if cores is None else cores
   steps = tokens // block // cores
   tile = lambda width: pl.BlockSpec((block, width), lambda c, i: (c * steps + i, 0))
-  acc = lambda shape: pl.BlockSpec((1,) + shape, lambda c, i: (c, 0, 0),
-                                   pipeline_mode=pl.Buffered(1))
-  need = (weights + grads + 6 * block * width * item + 3 * block * width * 4
-          + 6 * block * _chunk(hidden) * 4 * inner // hidden + kept * 2 * block * inner * item
+  chunk = _chunk(hidden)
+  need = (weights + grads + width * chunk * item + 6 * block * width * item + 3 * block * width * 4
+          + 6 * block * chunk * 4 * inner // hidden + kept * 2 * block * inner * item
           + bool(norm) * 4 * block * width * 4)
-  sums = [(width, inner), (1, inner), (hidden, width)] + ([(2, width)] if norm else [])
+  sums = [(width, inner), (1, inner), (width, hidden)] + ([(2, width)] if norm else [])
+  kinds = [w1_DxF.dtype, _F32, w2_FxD.dtype, _F32][:len(sums)]
   return tuple(pl.pallas_call(
-      functools.partial(_backward_kernel, act=act, chunk=_chunk(hidden), kept=kept, norm=norm,
+      functools.partial(_backward_kernel, act=act, chunk=chunk, kept=kept, norm=norm,
                         residual=residual),
       out_shape=[jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)]
-                + [jax.ShapeDtypeStruct((cores,) + shape, _F32) for shape in sums],
+                + [jax.ShapeDtypeStruct((cores,) + shape, k) for shape, k in zip(sums, kinds)],
+      scratch_shapes=[pltpu.VMEM(shape, _F32) for shape in sums]
+                     + [pltpu.VMEM((width, chunk), w1_DxF.dtype), pltpu.SemaphoreType.DMA],
       grid=(cores, steps),
       in_specs=[tile(width), tile(width), devices.whole(w1_DxF.shape),
                 devices.whole(b1_1xF.shape), devices.whole(w2_FxD.shape)]
                + ([tile(inner)] if kept else []) + ([devices.whole((2, width))] if norm else []),
-      out_specs=[tile(width)] + [acc(shape) for shape in sums],
+      out_specs=[tile(width)] + [pl.BlockSpec(memory_space=pl.ANY)] * len(sums),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
           # dW2 and dy W2^T; dx and dW1 over W1's columns; x W1 again where it is not kept.
           flops=2 * tokens * width * (2 * hidden + (2 if kept else 3) * inner),
           transcendentals=2 * tokens * hidden,
-          bytes_accessed=(3 * tokens * width * item + weights + cores * grads + 4 * inner
-                          + kept * tokens * inner * item)),
+          bytes_accessed=(3 * tokens * width * item + weights + cores * (weights + 4 * inner)
+                          + 4 * inner + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_bwd",
   )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, *([kept_NxF] if kept else []),
     *([norm_2xD] if norm else [])))
@@ -355,13 +384,15 @@ def _mlp_bwd(act, keep, form, saved, dy_NxD):
     return _on_platform(_backward, x, dy, *rest[:3], pre, rest[3] if norm else None, act=act,
                         norm=norm, residual=residual)
 
-  dx, dw1, db1, dw2, *d_norm = devices.per_device(
+  dx, dw1, db1, dw2t, *d_norm = devices.per_device(
       bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()),
       (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD) + ((norm_2xD,) if norm else ()),
       ("tokens",) + ("sums",) * (3 + bool(norm)))
   db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
-  return (dx, dw1.sum(0).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
-          dw2.sum(0).astype(w2_FxD.dtype), db2.astype(b2_D.dtype),
+  # The cores' and devices' sums added in float32, the weights' gradients rounded once more.
+  total = lambda sums: sums.astype(_F32).sum(0)
+  return (dx, total(dw1).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
+          total(dw2t).T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype),
           d_norm[0].sum(0) if norm else None)
 
 
