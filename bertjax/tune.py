@@ -58,7 +58,7 @@ from bertjax import aot, cli
 from bertjax.data.config import DataConfig
 from bertjax.errors import Refusal
 from bertjax.model import attention
-from bertjax.model.kernels import mlp_kernel
+from bertjax.model.kernels import mlp_choice
 from bertjax.model.config import chosen_qkv, chosen_remat
 from bertjax.parallel import topologies
 from bertjax.perf import roofline
@@ -127,7 +127,7 @@ def candidates(dimension: str, config, best: dict, device_kind: str = "") -> lis
   if dimension == "mlp":
     now = current.model.mlp_impl
     if device_kind:
-      now = mlp_kernel.chosen(current.model, chip, current.mesh.ici_tensor)
+      now = mlp_choice.chosen(current.model, chip, current.mesh.ici_tensor)
     # "xla_remade" differs from "xla" only where nothing is rematerialised.
     remade = ("xla_remade",) if chosen_remat(current.model.remat_policy, chip) == "none" else ()
     return [{**best, "model.mlp_impl": impl}

@@ -73,7 +73,7 @@ def get_config(arg=None):
   m.attention_impl = "auto" if phase == 1 else "splash"
   m.qkv_product = "auto"  # one product for q, k and v on v6e and v5p, where the kernel reads it
   # The GeGLU MLP, the norm before it and the layer's sum as one kernel on v6e, v5e and v5p (both
-  # projections side by side, the kept pre-activation read by the backward; mlp_kernel.chosen).
+  # projections side by side, the kept pre-activation read by the backward; mlp_choice.chosen).
   m.mlp_impl = "auto"
   # Phase 1: the MLM logits scored where they are made (mlm_kernel on a TPU) and made again in
   # the backward, where 30% of 1,024 positions predicted over 50,368 pieces made the kept float32

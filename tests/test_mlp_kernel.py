@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
-from bertjax.model.kernels import mlp_arithmetic, mlp_kernel
+from bertjax.model.kernels import mlp_arithmetic, mlp_choice, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import platforms, sharding
@@ -325,31 +325,31 @@ def test_auto_takes_the_kernels_where_they_measured_faster():
   for policy, impl in (("none", "pallas_kept"), ("dots_kernels", "pallas_kept"),
                        ("dots_mlp", "pallas_kept"), ("dots", "pallas"), ("full", "pallas"),
                        ("dots_outputs", "pallas"), ("auto", "pallas")):
-    chosen = mlp_kernel.chosen(dataclasses.replace(auto, remat_policy=policy), chip("TPU v6 lite"))
+    chosen = mlp_choice.chosen(dataclasses.replace(auto, remat_policy=policy), chip("TPU v6 lite"))
     assert chosen == impl, (policy, chosen)
   auto = dataclasses.replace(auto, remat_policy="dots")
   # v5p and v5e: their steps are bound by FLOPs, which the kernels that make the pre-activation
   # again add; both take those that keep it where the policy keeps it (XLA's FLOPs); v4 not.
-  assert mlp_kernel.chosen(auto, chip("TPU v5")) == "xla"
-  assert mlp_kernel.chosen(auto, chip("TPU v5 lite")) == "xla"
+  assert mlp_choice.chosen(auto, chip("TPU v5")) == "xla"
+  assert mlp_choice.chosen(auto, chip("TPU v5 lite")) == "xla"
   for policy in ("none", "dots_kernels"):
     kept = dataclasses.replace(auto, remat_policy=policy)
-    assert mlp_kernel.chosen(kept, chip("TPU v5 lite")) == "pallas_kept", policy
-    assert mlp_kernel.chosen(kept, chip("TPU v5")) == "pallas_kept", policy
-    assert mlp_kernel.chosen(kept, chip("TPU v4")) == ("xla_remade" if policy == "none" else "xla")
-  assert mlp_kernel.chosen(auto, chip("cpu", "cpu")) == "xla"
-  assert mlp_kernel.chosen(auto, chip("TPU v6 lite"), tensor_parallel=2) == "xla"
+    assert mlp_choice.chosen(kept, chip("TPU v5 lite")) == "pallas_kept", policy
+    assert mlp_choice.chosen(kept, chip("TPU v5")) == "pallas_kept", policy
+    assert mlp_choice.chosen(kept, chip("TPU v4")) == ("xla_remade" if policy == "none" else "xla")
+  assert mlp_choice.chosen(auto, chip("cpu", "cpu")) == "xla"
+  assert mlp_choice.chosen(auto, chip("TPU v6 lite"), tensor_parallel=2) == "xla"
   gated = dataclasses.replace(auto, mlp_type="gated", hidden_act="silu")
-  assert mlp_kernel.chosen(gated, chip("TPU v6 lite")) == "pallas"
-  assert mlp_kernel.chosen(dataclasses.replace(CFG, mlp_impl="pallas"), chip("TPU v5")) == "pallas"
+  assert mlp_choice.chosen(gated, chip("TPU v6 lite")) == "pallas"
+  assert mlp_choice.chosen(dataclasses.replace(CFG, mlp_impl="pallas"), chip("TPU v5")) == "pallas"
   # Elsewhere XLA's products; on a TPU with nothing rematerialised, keeping the pre-activation
   # alone (fewer bytes); on a CPU as written (faster there).
   none = dataclasses.replace(auto, remat_policy="none")
-  assert mlp_kernel.chosen(none, chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"
-  assert mlp_kernel.chosen(dataclasses.replace(none, mlp_type="gated", hidden_act="silu"),
+  assert mlp_choice.chosen(none, chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"
+  assert mlp_choice.chosen(dataclasses.replace(none, mlp_type="gated", hidden_act="silu"),
                            chip("TPU v6 lite"), tensor_parallel=2) == "xla_remade"
-  assert mlp_kernel.chosen(none, chip("cpu", "cpu")) == "xla"
-  assert mlp_kernel.chosen(none, chip("NVIDIA H200", "gpu")) == "xla"
+  assert mlp_choice.chosen(none, chip("cpu", "cpu")) == "xla"
+  assert mlp_choice.chosen(none, chip("NVIDIA H200", "gpu")) == "xla"
   # train.build settles it for its mesh's chips: on this CPU, XLA's MLP.
   from bertjax.training import train
   from bertjax.configs import tiny

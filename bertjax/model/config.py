@@ -175,7 +175,7 @@ class BertConfig:
   # MLP's products in one kernel whose F-wide intermediate stays in VMEM: mlp_kernel.py; dense
   # or gated), "pallas_kept" (the same, its backward reading the pre-activation the
   # forward wrote rather than making it again) or "auto" (the kernels on the TPUs where they
-  # measured faster, mlp_kernel.FASTER_ON, kept where remat keeps it; XLA's products elsewhere,
+  # measured faster, mlp_choice.FASTER_ON, kept where remat keeps it; XLA's products elsewhere,
   # "xla_remade" on other TPUs)
   mlp_impl: str = "xla"
   # "normal" (the original) or "sinusoidal" (see sinusoidal_init)

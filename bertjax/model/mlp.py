@@ -9,14 +9,14 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import residuals
-from bertjax.model.kernels import mlp_kernel
+from bertjax.model.kernels import mlp_choice, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.primitives import NormWeights, dense, layer_norm, product
 
 
 def _impl(cfg: BertConfig) -> str:
   if cfg.mlp_impl == "auto":  # train.build settles it for its mesh's chips; outside it, here
-    return mlp_kernel.chosen(cfg, jax.devices()[0],
+    return mlp_choice.chosen(cfg, jax.devices()[0],
                              dict(jax.sharding.get_abstract_mesh().shape).get("tensor", 1))
   return cfg.mlp_impl
 

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
 from bertjax.model import losses
-from bertjax.model.kernels import mlp_kernel
+from bertjax.model.kernels import mlp_choice
 from bertjax.model.config import BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.heads import BertForPreTraining
 from bertjax.parallel import sharding
@@ -384,7 +384,7 @@ def build(model_config: BertConfig, train_config: TrainConfig,
           objective: Objective = PRETRAINING) -> Training:
   """Mesh, model, optimizer, shardings and the jitted functions. Checks sizes before compiling."""
   mesh = sharding.create_mesh(mesh_config, devices)
-  model_config = mlp_kernel.resolved(model_config, mesh)
+  model_config = mlp_choice.resolved(model_config, mesh)
   chip = mesh.devices.flat[0]
   model_config = dataclasses.replace(
       model_config, remat_policy=chosen_remat(model_config.remat_policy, chip),
