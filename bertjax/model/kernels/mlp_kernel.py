@@ -25,8 +25,8 @@ x W1 + b1 (rounded to the compute dtype, as XLA's product is), named "mlp_hidden
 policies that keep it, and the backward reads it in place of the product that makes it again:
 the XLA path's six products, and two passes over the [tokens, F] intermediate a layer where
 XLA's MLP makes six to fourteen (more where a scanned loop copies it in and out of its stack).
-What `mlp_impl="auto"` takes where: `mlp_choice.chosen`. The values are the XLA path's but for rounding
-("pallas" keeps the pre-activation in float32; tests/test_mlp_kernel.py says how close).
+What `mlp_impl="auto"` takes where: `mlp_choice.chosen`. The values are the XLA path's but for
+rounding ("pallas" keeps the pre-activation in float32; tests/test_mlp_kernel.py says how close).
 
 A kernel is one device's program: under a mesh the kernels run on each device's rows
 (devices.per_device), the weights whole on each device (fsdp gathers them; with a tensor axis
