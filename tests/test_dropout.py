@@ -45,6 +45,23 @@ def test_the_masks_are_the_ones_every_release_drew():
   assert hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()[:16] == "27598eb5bbca0919"
 
 
+def test_the_mlp_kernels_decisions_are_pinned_and_split_each_evaluation_over_two_halves():
+  # dropout.token_decisions (a post-norm layer's hidden dropout inside the MLP kernels): a run
+  # resumed by a newer bertjax draws these bits. Tokens 7..10 of a row of 8: the evaluation at
+  # (token, column c) decides columns c and c + 4 from its first word's low and high halves.
+  k1, k2 = dropout.key_words(jax.random.key(11)).astype(jnp.uint32)
+  keep = dropout.token_decisions(k1, k2, jnp.uint32(7), 4, 8, 0.5)
+  assert keep.astype(int).tolist() == [[1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1, 1],
+                                       [0, 1, 0, 0, 1, 0, 0, 1], [0, 0, 0, 0, 1, 1, 1, 0]]
+  token = jnp.uint32(7) + jnp.arange(4, dtype=jnp.uint32)[:, None]
+  y1, _ = jax.extend.random.threefry2x32_p.bind(
+      k1, k2, jnp.broadcast_to(token, (4, 4)), jnp.broadcast_to(jnp.arange(4, dtype=jnp.uint32),
+                                                                 (4, 4)))
+  cut = dropout.threshold(0.5)
+  np.testing.assert_array_equal(keep[:, :4], (y1 & 0xFFFF) >= cut)
+  np.testing.assert_array_equal(keep[:, 4:], (y1 >> 16) >= cut)
+
+
 def test_masks_depend_on_the_key_alone():
   shape = (2, 3, 5, 7)  # a last axis that is not a multiple of four
   a = dropout.keep_mask(jax.random.PRNGKey(1), shape, 0.3)

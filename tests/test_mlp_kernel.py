@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
+from bertjax.model import dropout
 from bertjax.model.kernels import mlp_arithmetic, mlp_choice, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
@@ -167,6 +168,86 @@ def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
                           jax.tree.leaves(expected[1])):
     err = float(jnp.abs(g - e).max()) / scale
     assert err < 1e-4, (jax.tree_util.keystr(path), err)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1])
+def test_a_post_norm_layer_s_end_is_made_inside_the_kernels(rate):
+  # BERT's layer end, LN(x + dropout(MLP(x))): values and every gradient (the norm's weights'
+  # and the output bias' too) against the formula written out by XLA with the decisions of
+  # dropout.token_decisions for tokens 0..N-1; made again and kept; the XLA fallback and two
+  # cores against the kernel. 1,024 tokens: the forward's two blocks, the backward's four.
+  *args, dy = _arrays(1024, 32, 384, jnp.float32)
+  keys = jax.random.split(jax.random.key(4), 3)
+  weights = jnp.stack([1.0 + 0.1 * jax.random.normal(keys[0], (32,)),
+                       0.1 * jax.random.normal(keys[1], (32,))])
+  words = dropout.key_words(keys[2])
+  fn, eps = ACTIVATIONS["gelu"], 1e-12
+  keep = dropout.token_decisions(*words.astype(jnp.uint32), jnp.uint32(0), 1024, 32, rate)
+  if rate:  # about `rate` of the outputs dropped
+    assert abs(float(1.0 - keep.mean()) - rate) < 0.02
+  scale = 1.0 / (1.0 - dropout.quantised_rate(rate))
+
+  def written_out(x, w1, b1, w2, b2, weights):
+    s = x + jnp.where(keep, _reference(x, w1, b1, w2, b2, fn) * scale, 0.0)
+    c = s - s.mean(-1, keepdims=True)
+    return c / jnp.sqrt((c * c).mean(-1, keepdims=True) + eps) * weights[0] + weights[1]
+
+  expected, pull_ref = jax.vjp(written_out, *args, weights)
+  for kept in (False, True):
+    got, pull = jax.vjp(lambda *a: mlp_kernel.mlp(
+        *a[:5], fn, keep=kept, post=(a[5], eps, True, rate, words)), *args, weights)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+    for name, g, e in zip(("x", "w1", "b1", "w2", "b2", "norm"), pull(dy), pull_ref(dy)):
+      np.testing.assert_allclose(g, e, atol=5e-4, rtol=1e-4, err_msg=f"d/d{name} keep={kept}")
+  post = (eps, True, rate)
+  key = jnp.concatenate([words, jnp.zeros((2,), jnp.int32)])[None]
+  x, w1, b1, w2, b2 = args
+  b1, b2 = b1[None], b2[None]
+  out, s = mlp_kernel._forward(x, w1, b1, w2, b2, None, fn, interpret=True, post=post,
+                               tail_in=(weights, key))
+  for got, want in zip((out, s), mlp_arithmetic.products(x, w1, b1, w2, b2, None, fn, post=post,
+                                                          tail_in=(weights, key))):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  tail_in = (weights, key, s)
+  kernel = mlp_kernel._backward(x, dy, w1, b1, w2, None, None, fn, interpret=True, post=post,
+                                tail_in=tail_in)
+  xla = mlp_arithmetic.xla_backward(x, dy, w1, b1, w2, None, None, fn, post=post,
+                                    tail_in=tail_in)
+  split = mlp_kernel._backward(x, dy, w1, b1, w2, None, None, fn, interpret=True, post=post,
+                               tail_in=tail_in, cores=2)
+  assert len(kernel) == len(xla) == len(split) == 6
+  for got, want, two in zip(kernel, xla, split):
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-5)
+    np.testing.assert_allclose(two.sum(0) if two.ndim == 3 else two,
+                               got.sum(0) if got.ndim == 3 else got, atol=2e-4, rtol=1e-5)
+
+
+def test_a_post_norm_layer_s_dropout_in_the_kernels_is_the_same_on_a_mesh():
+  # BERT (post-norm) with hidden dropout through the kernels: each device draws the decisions of
+  # its own tokens by their index in the global batch, so 8 devices (data x fsdp x tensor) give
+  # what one does, and another dropout key other decisions.
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  ids = np.random.default_rng(2).integers(0, 97, (8, 16))
+  config = dataclasses.replace(CFG, num_layers=1, hidden_dropout=0.1, mlp_impl="pallas")
+  params = nn.unbox(BertModel(config).init(jax.random.key(0), ids)["params"])
+
+  def loss(p, batch, key):
+    out, _ = BertModel(config).apply({"params": p}, batch, deterministic=False,
+                                     rngs={"dropout": key})
+    return jnp.sum(out * _probe(out.shape))
+
+  key = jax.random.key(3)
+  expected = jax.value_and_grad(loss)(params, ids, key)
+  other = loss(params, ids, jax.random.key(4))
+  assert abs(float(other - expected[0])) > 1e-3 * abs(float(expected[0]))
+  run = jax.jit(sharding.logical_context(mesh)(jax.value_and_grad(loss)))
+  rows = jax.device_put(ids, NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES)))
+  value, grads = run(params, rows, key)
+  np.testing.assert_allclose(value, expected[0], rtol=1e-5)
+  scale = max(float(jnp.abs(e).max()) for e in jax.tree.leaves(expected[1]))
+  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(grads),
+                          jax.tree.leaves(expected[1])):
+    assert float(jnp.abs(g - e).max()) / scale < 1e-4, jax.tree_util.keystr(path)
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu"])

@@ -32,6 +32,11 @@ decides (query p * L/4 + g, key j), so the four [L/4, L] pieces stack along the 
 the keys), but the same on every device kind and mesh: the decisions depend on the key and each
 element's global (row, head, query, key) alone.
 
+The MLP kernels' bits (post-norm layers, `token_decisions`): the same threefry keyed by the
+layer's dropout key, on counters made of each token's global index (its row in the global batch
+times L, plus its position) and a column of the row's first half; each evaluation decides two
+elements. The same on every device kind and mesh; not the bits of mlp_impl="xla".
+
 Keys that are not threefry (an `rbg` or `unsafe_rbg` default implementation) fall back to
 `jax.random.bernoulli`.
 """
@@ -152,6 +157,19 @@ def keep_decisions(k1, k2, row, head, length: int, rate: float):
   # jax's own threefry primitive: XLA computes it, and Mosaic has a lowering of its own for it.
   y1, y2 = jex_random.threefry2x32_p.bind(k1, k2, jnp.broadcast_to(row, shape), x2)
   return jnp.concatenate(decisions(y1, y2, rate), axis=-2)
+
+
+def token_decisions(k1, k2, first, tokens: int, width: int, rate: float):
+  """Boolean [tokens, width]: which of a post-norm layer's MLP outputs survive dropout at `rate`
+  in the MLP kernels (mlp_kernel's `post`), the tokens' global indices first, first + 1, ... (a
+  uint32 scalar). One threefry evaluation a token and column c of the first half gives the
+  decisions of columns c and c + width / 2, its first word's low and high 16 bits: whole halves
+  of a row (lane tiles where D / 2 is a multiple of 128), no lane shuffles."""
+  half = width // 2
+  token = jax.lax.broadcasted_iota(_U32, (tokens, half), 0) + first
+  column = jax.lax.broadcasted_iota(_U32, (tokens, half), 1)
+  y1, _ = jex_random.threefry2x32_p.bind(k1, k2, token, column)
+  return jnp.concatenate(decisions(y1, y1, rate)[:2], axis=-1)
 
 
 def key_words(rng) -> jax.Array:

@@ -26,7 +26,6 @@ from bertjax.model import attention, dropout, mlp, primitives, residuals
 from bertjax.model.kernels import attention_blocks, attention_kernel
 from bertjax.model.rope import apply_rope, lane_frequencies, rope_tables
 from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_qkv, chosen_remat
-from bertjax.model.mlp import Mlp
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
 from bertjax.parallel import sharding
 
@@ -286,9 +285,9 @@ class EncoderLayer(nn.Module):
       attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id)
       h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
           res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
-      mlp_BxLxD = Mlp(cfg, name="mlp")(h_BxLxD)
-      out_BxLxD = layer_norm(cfg, "output_layer_norm")(
-          h_BxLxD + drop(mlp_BxLxD, deterministic=self.deterministic))
+      out_BxLxD = mlp.post_normed(
+          cfg, h_BxLxD, "output_layer_norm", lambda y: drop(y, deterministic=self.deterministic),
+          0.0 if self.deterministic else cfg.hidden_dropout, lambda: self.make_rng("dropout"))
     return nn.with_logical_constraint(
         out_BxLxD, ("activation_batch", "activation_length", "activation_embed"))
 

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import residuals
+from bertjax.model import dropout, residuals
 from bertjax.model.kernels import mlp_choice, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.primitives import NormWeights, dense, layer_norm, product
@@ -38,6 +38,20 @@ def residual_normed(cfg: BertConfig, x_BxLxD, norm_name: str, dropped=None):
   return x_BxLxD + (y_BxLxD if dropped is None else dropped(y_BxLxD))
 
 
+def post_normed(cfg: BertConfig, x_BxLxD, norm_name: str, dropped, rate: float, draw):
+  """layer_norm(x + dropped(Mlp(x))), a post-norm layer's second half, inside the calling module:
+  the norm's parameters at `norm_name`, the MLP's at "mlp", either way. By the kernels the
+  dropout (at `rate`, its key `draw()`), the sum and the norm are made inside them, and their
+  backward too (mlp_kernel.mlp's `post`; the keep decisions are the kernels' own)."""
+  mlp = Mlp(cfg, name="mlp")
+  if _impl(cfg) not in ("pallas", "pallas_kept"):
+    return layer_norm(cfg, norm_name)(x_BxLxD + dropped(mlp(x_BxLxD)))
+  weights = NormWeights(cfg, name=norm_name)(x_BxLxD.shape[-1])
+  words = dropout.key_words(draw()) if rate > 0 else None
+  return mlp(x_BxLxD, post=(weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm", rate,
+                            words))
+
+
 class Mlp(nn.Module):
   """dense(F) -> activation -> dense(D); gated: act(dense(F)) * dense_gate(F) -> dense(D).
 
@@ -48,15 +62,17 @@ class Mlp(nn.Module):
   config: BertConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD, norm=None, residual: bool = False):
+  def __call__(self, x_BxLxD, norm=None, residual: bool = False, post=None):
     """`norm` and `residual` (the kernels alone: `residual_normed`): x is the rows before the
-    norm they describe, and is added to the result."""
+    norm they describe, and is added to the result. `post` (the kernels alone: `post_normed`):
+    mlp_kernel.mlp's."""
     cfg = self.config
     bias = cfg.mlp_bias
     impl = _impl(cfg)
     if impl in ("pallas", "pallas_kept"):
-      return self._fused(x_BxLxD, keep=impl == "pallas_kept", norm=norm, residual=residual)
-    if norm is not None or residual:
+      return self._fused(x_BxLxD, keep=impl == "pallas_kept", norm=norm, residual=residual,
+                         post=post)
+    if norm is not None or residual or post is not None:
       raise ValueError(f"Mlp(norm=..., residual=...) is the kernels' (mlp_impl='pallas' or "
                        f"'pallas_kept'), not mlp_impl={impl!r}'s: call residual_normed")
     constrain = lambda h: nn.with_logical_constraint(
@@ -88,7 +104,7 @@ class Mlp(nn.Module):
     return jax.checkpoint(act_and_output, policy=jax.checkpoint_policies.nothing_saveable)(
         h_BxLxF, g_BxLxF, w2_FxD, b2_D)
 
-  def _fused(self, x_BxLxD, keep: bool, norm=None, residual: bool = False):
+  def _fused(self, x_BxLxD, keep: bool, norm=None, residual: bool = False, post=None):
     """The same parameters (names, shapes, initialisers) through mlp_kernel's kernels; `keep`:
     the backward reads the pre-activation the forward wrote (mlp_kernel.mlp). The gated form's
     two projections go in side by side, [D, 2F]."""
@@ -108,6 +124,8 @@ class Mlp(nn.Module):
         x_BxLxD.reshape(-1, width).astype(dt), jnp.concatenate(w1s, axis=1),
         jnp.concatenate(b1s), w2_FxD.astype(dt),
         no_bias(width) if b2_D is None else b2_D, ACTIVATIONS[cfg.hidden_act], keep=keep,
-        norm=norm, residual=residual)
+        norm=norm, residual=residual, post=post)
+    if post is not None:  # the layer's output: the sum the backward reads is kept, named inside
+      return y_NxD.reshape(x_BxLxD.shape)
     # Named for remat "dots_mlp" and "dots_kernels", which keep it.
     return residuals.named(y_NxD.reshape(x_BxLxD.shape), "mlp_output")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec
 
@@ -35,3 +36,12 @@ def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
       out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*tokens, *whole)
+
+
+def with_first_token(key_1x4, tokens: int):
+  """Inside per_device's fn, of `tokens` rows a device: key_1x4 (int32 [1, 4]) with [0, 2] the
+  global index of the device's first row (the batch axes split the rows in order)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  batch = None if mesh.empty else nn.logical_to_mesh_axes(("activation_batch",))[0]
+  first = 0 if batch is None else jax.lax.axis_index(batch) * tokens
+  return key_1x4.at[0, 2].set(jnp.asarray(first, jnp.int32))

@@ -1,11 +1,9 @@
 """The MLP, dense(F) -> activation -> dense(D), or the gated act(x W1) * (x G) -> dense(D), as
 Pallas kernels whose F-wide intermediate never leaves the chip's VMEM (`model.mlp_impl="pallas"`).
 
-Written by XLA, the MLP writes its [tokens, F] intermediate to HBM and reads it back in the
-forward (the saved matmul output and the activation are two buffers), and in the backward reads
-it twice more and writes and reads its gradient: eight passes over F-wide tensors a layer,
-BERT-Base's largest bytes at length 512 on v6e (docs/performance.md, "The MLP in one kernel").
-Here a block of tokens at a time, both weight matrices resident in VMEM:
+Written by XLA, the MLP makes eight passes over F-wide tensors in HBM a layer, BERT-Base's
+largest bytes at length 512 on v6e (docs/performance.md, "The MLP in one kernel"). Here a block
+of tokens at a time, both weight matrices resident in VMEM:
 
   forward   y = act(x W1 + b1) W2 + b2, the intermediate made and consumed F-chunk by F-chunk;
   backward  the intermediate recomputed from x (one product more), then dx, and dW1, db1 and dW2
@@ -14,8 +12,10 @@ Here a block of tokens at a time, both weight matrices resident in VMEM:
 The gated form (GeGLU, SwiGLU: ModernBERT's) is the same with W1 and G side by side, [D, 2F]: a
 chunk of F columns takes its columns of both, and the kept pre-activation is [tokens, 2F]. In
 a pre-norm layer the kernels also make the LayerNorm or RMSNorm before the MLP from the rows
-before it (row_norm.py), and where no dropout comes between, the layer's sum x + MLP(norm(x)).
-So the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
+before it (row_norm.py), and where no dropout comes between, the layer's sum x + MLP(norm(x));
+in a post-norm layer (BERT's), the layer's end LN(x + dropout(MLP(x))) (mlp_arithmetic.tail,
+the keep decisions drawn inside: dropout.token_decisions), its sum kept for the backward. So
+the step reads and writes only D-wide tensors and the weights, for more of the MLP's FLOPs:
 seven products where autodiff of the XLA path does six, nine under remat "dots", which runs the
 forward kernel again in the backward (its output is no matmul's for the policy to keep; remat
 "dots_mlp" keeps it, mlp.Mlp names it).
@@ -75,13 +75,20 @@ def _columns(start: int, chunk: int, hidden: int, inner: int) -> list[slice]:
 
 
 def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, rounded, norm,
-                    residual):
+                    residual, post):
   """y for a block of tokens. `rounded` (mlp_impl "pallas_kept"): the pre-activation rounded to
   the compute dtype, as XLA's product is, before the activation reads it; with a second output
   that rounded value is also written, for the backward to read. `norm` ((eps, centred), its
   weights the first of `refs`): the rows are normalised first (row_norm). `residual`: y is
-  added to the rows read (the layer's residual sum, in one rounding)."""
-  norm_ref, (y_ref, *kept_ref) = (refs[0], refs[1:]) if norm else (None, refs)
+  added to the rows read (the layer's residual sum, in one rounding). `post` ((eps, centred,
+  rate), its weights and key after the norm's): y is a post-norm layer's LN(rows + dropout(y))
+  and the sum it normalises is written second (mlp_arithmetic.tail)."""
+  refs = list(refs)
+  norm_ref = refs.pop(0) if norm else None
+  post_ref, key_ref = (refs.pop(0), refs.pop(0)) if post else (None, None)
+  y_ref, *kept_ref = refs
+  s_ref = kept_ref.pop(0) if post else None
+  first = (pl.program_id(0) * x_ref.shape[0]).astype(jnp.uint32)  # the block's first token
   x = rows = x_ref[...]
   if norm:
     x, _ = row_norm.normalised(x, norm_ref[...], *norm)
@@ -101,19 +108,27 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, ro
     acc += jnp.dot(a, w2_ref[start:start + chunk, :], preferred_element_type=_F32)
   if residual:
     acc += rows.astype(_F32)
-  y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
+  if post:
+    y_ref[...], s_ref[...] = mlp_arithmetic.tail(acc + b2_ref[...], rows, post_ref[...], key_ref,
+                                                 first, post)
+  else:
+    y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
 
 
 def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept, norm,
-                     residual):
+                     residual, post):
   """dx of a block of tokens, and dW1, db1, dW2^T summed over the blocks (and the norm's
   weights' with `norm`, whose weights come after the pre-activation): in float32 scratch, each
   sum written once at the core's last block. The pre-activation is made again from x (`kept`
   False), or read where the forward wrote it (`kept`: the first of `refs`; then b1_ref is not
-  read)."""
+  read). `post`: dy_ref is the gradient of the norm's output, the weights, key and kept sum
+  after the norm's; the norm's and the output bias' gradients are summed last."""
   refs = list(refs)
   kept_ref = refs.pop(0) if kept else None
   norm_ref = refs.pop(0) if norm else None
+  post_ref, key_ref, s_ref = [refs.pop(0) for _ in range(3)] if post else (None,) * 3
+  first = ((pl.program_id(0) * pl.num_programs(1) + pl.program_id(1))
+           * x_ref.shape[0]).astype(jnp.uint32)
   dx_ref, *refs = refs
   # The sums' outputs (in HBM), their float32 scratch, a staging block and its DMA's semaphore.
   sums = (len(refs) - 2) // 2
@@ -126,6 +141,12 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
 
   dw1_ref, db1_ref, dw2t_ref = accs[:3]
   x, dy = x_ref[...], dy_ref[...]
+  if post:
+    ds, dy, d_post = mlp_arithmetic.tail_pulled(dy, s_ref[...], post_ref[...], key_ref, first,
+                                                post)
+    accs[3][...] += d_post
+    accs[4][...] += jnp.sum(dy, axis=0, keepdims=True)
+    dy = dy.astype(x.dtype)
   if norm:
     x, stats = row_norm.normalised(x, norm_ref[...], *norm)
   x_t = x.T  # [D, tokens]: the weights' gradients contract the tokens
@@ -152,6 +173,8 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
     accs[3][...] += d_norm
   if residual:
     dx += dy.astype(_F32)
+  if post:
+    dx += ds
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
   core = pl.program_id(0)  # read outside the branch: Pallas' interpreter finds it only here
@@ -198,44 +221,54 @@ def _sizes(x_NxD, w1_DxF, w2_FxD, block_of):
 
 
 def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bool,
-             rounded: bool = False, kept: bool = False, norm=None, residual: bool = False):
+             rounded: bool = False, kept: bool = False, norm=None, residual: bool = False,
+             post=None, tail_in=None):
   """y, or (y, the pre-activation [tokens, F or 2F]) with `kept` (which implies `rounded`);
   with `norm` (eps, centred) x is first normalised by the weights norm_2xD (row_norm); with
-  `residual` x is added to y."""
+  `residual` x is added to y; with `post` ((eps, centred, rate); tail_in: the norm's weights
+  [2, D] and the key [1, 4]) y is LN(x + dropout(y)), the sum normalised the second result."""
   rounded = rounded or kept
   tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD, token_block)
   chunk = _chunk(hidden)
   need = (weights + 4 * block * width * item + (1 + 3 * bool(norm)) * block * width * 4
-          + 4 * block * chunk * 4 * inner // hidden)
-  y = jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)
-  y_spec = pl.BlockSpec((block, width), lambda i: (i, 0))
-  if kept:
-    need += 2 * block * inner * item
-  return pl.pallas_call(
+          + 4 * block * chunk * 4 * inner // hidden + kept * 2 * block * inner * item
+          + bool(post) * (2 * block * width * item + 6 * block * width * 4))
+  tile = lambda width: pl.BlockSpec((block, width), lambda i: (i, 0))
+  outs = [(width, x_NxD.dtype)] * (1 + bool(post)) + [(inner, x_NxD.dtype)] * kept
+  out = pl.pallas_call(
       functools.partial(_forward_kernel, act=act, chunk=chunk, rounded=rounded, norm=norm,
-                        residual=residual),
-      out_shape=(y, jax.ShapeDtypeStruct((tokens, inner), x_NxD.dtype)) if kept else y,
+                        residual=residual, post=post),
+      out_shape=[jax.ShapeDtypeStruct((tokens, w), t) for w, t in outs],
       grid=(tokens // block,),
-      in_specs=[pl.BlockSpec((block, width), lambda i: (i, 0)),
-                devices.whole(w1_DxF.shape), devices.whole(b1_1xF.shape),
+      in_specs=[tile(width), devices.whole(w1_DxF.shape), devices.whole(b1_1xF.shape),
                 devices.whole(w2_FxD.shape), devices.whole(b2_1xD.shape)]
-               + ([devices.whole((2, width))] if norm else []),
-      out_specs=(y_spec, pl.BlockSpec((block, inner), lambda i: (i, 0))) if kept else y_spec,
+               + ([devices.whole((2, width))] if norm else []) + _tail_specs(post, width),
+      out_specs=[tile(w) for w, _ in outs],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
       cost_estimate=pl.CostEstimate(
           flops=2 * tokens * width * (inner + hidden), transcendentals=tokens * hidden,
-          bytes_accessed=(2 * tokens * width * item + weights + 4 * (inner + width)
-                          + kept * tokens * inner * item)),
+          bytes_accessed=((2 + bool(post)) * tokens * width * item + weights
+                          + 4 * (inner + width) + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_fwd",
-  )(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, *([norm_2xD] if norm else []))
+  )(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, *([norm_2xD] if norm else []), *(tail_in or ()))
+  return out[0] if len(out) == 1 else tuple(out)
+
+
+def _tail_specs(post, width: int) -> list:
+  """Where `post`: the tail's weights (whole) and key (int32 [1, 4], in SMEM: mlp's)."""
+  smem = pl.BlockSpec(memory_space=pltpu.MemorySpace.SMEM)
+  return [devices.whole((2, width)), smem] if post else []
 
 
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, interpret: bool,
-              norm=None, residual: bool = False, cores: int | None = None):
+              norm=None, residual: bool = False, cores: int | None = None, post=None,
+              tail_in=None):
   """dx and the weights' gradient sums, [cores, ...] (and the norm's, [cores, 2, D], with
-  `norm`); `kept_NxF` the forward's pre-activation, or None to make it again from x (one product
-  more). `cores`: the sequences of blocks, the chip's TensorCores by default."""
+  `norm`; with `post` the tail's norm's and the output bias', dy_NxD the gradient of the norm's
+  output, tail_in its weights, key and kept sum); `kept_NxF` the forward's pre-activation, or
+  None to make it again from x (one product more). `cores`: the sequences of blocks, the chip's
+  TensorCores by default."""
   tokens, width, hidden, inner, block, item, weights = _sizes(x_NxD, w1_DxF, w2_FxD,
                                                               _backward_block)
   kept = kept_NxF is not None
@@ -251,14 +284,16 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
   steps = tokens // block // cores
   tile = lambda width: pl.BlockSpec((block, width), lambda c, i: (c * steps + i, 0))
   chunk = _chunk(hidden)
-  need = (weights + grads + width * chunk * item + 6 * block * width * item + 3 * block * width * 4
-          + 6 * block * chunk * 4 * inner // hidden + kept * 2 * block * inner * item
-          + bool(norm) * 4 * block * width * 4)
-  sums = [(width, inner), (1, inner), (width, hidden)] + ([(2, width)] if norm else [])
-  kinds = [w1_DxF.dtype, _F32, w2_FxD.dtype, _F32][:len(sums)]
+  need = (weights + grads + width * chunk * item + 6 * block * width * item
+          + 3 * block * width * 4 + 6 * block * chunk * 4 * inner // hidden
+          + kept * 2 * block * inner * item + bool(norm) * 4 * block * width * 4
+          + bool(post) * (2 * block * width * item + 6 * block * width * 4))
+  sums = ([(width, inner), (1, inner), (width, hidden)] + ([(2, width)] if norm else [])
+          + ([(2, width), (1, width)] if post else []))
+  kinds = [w1_DxF.dtype, _F32, w2_FxD.dtype] + [_F32] * (len(sums) - 3)
   return tuple(pl.pallas_call(
       functools.partial(_backward_kernel, act=act, chunk=chunk, kept=kept, norm=norm,
-                        residual=residual),
+                        residual=residual, post=post),
       out_shape=[jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)]
                 + [jax.ShapeDtypeStruct((cores,) + shape, k) for shape, k in zip(sums, kinds)],
       scratch_shapes=[pltpu.VMEM(shape, _F32) for shape in sums]
@@ -266,7 +301,8 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
       grid=(cores, steps),
       in_specs=[tile(width), tile(width), devices.whole(w1_DxF.shape),
                 devices.whole(b1_1xF.shape), devices.whole(w2_FxD.shape)]
-               + ([tile(inner)] if kept else []) + ([devices.whole((2, width))] if norm else []),
+               + ([tile(inner)] if kept else []) + ([devices.whole((2, width))] if norm else [])
+               + _tail_specs(post, width) + ([tile(width)] if post else []),
       out_specs=[tile(width)] + [pl.BlockSpec(memory_space=pl.ANY)] * len(sums),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                            vmem_limit_bytes=_vmem_limit(need, interpret)),
@@ -274,11 +310,12 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
           # dW2 and dy W2^T; dx and dW1 over W1's columns; x W1 again where it is not kept.
           flops=2 * tokens * width * (2 * hidden + (2 if kept else 3) * inner),
           transcendentals=2 * tokens * hidden,
-          bytes_accessed=(3 * tokens * width * item + weights + cores * (weights + 4 * inner)
-                          + 4 * inner + kept * tokens * inner * item)),
+          bytes_accessed=((3 + bool(post)) * tokens * width * item + weights
+                          + cores * (weights + 4 * inner) + 4 * inner
+                          + kept * tokens * inner * item)),
       interpret=interpret, name="fused_mlp_bwd",
   )(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, *([kept_NxF] if kept else []),
-    *([norm_2xD] if norm else [])))
+    *([norm_2xD] if norm else []), *(tail_in or ())))
 
 
 def _sequences(tokens: int) -> int:
@@ -301,61 +338,86 @@ def _on_platform(fn, *args, **kwargs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form):
-  # Not differentiated (prediction): nothing is written for a backward, the values the same.
-  # `form`: (norm, residual), mlp's.
-  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form, write=False)
+def _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form):
+  # Not differentiated (prediction): nothing written for a backward but the tail's sum. `extra`:
+  # (the pre-norm's, the tail's weights, its key), None where absent; `form`: mlp's (norm,
+  # residual, post).
+  return _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form, write=False)[0]
 
 
-def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form, write=True):
+def _whole(w1_DxF, b1_F, w2_FxD, extra, form) -> tuple:
+  """The arrays every device gets whole: the weights, the biases as float32 rows, the norms'."""
+  norm_2xD, post_2xD, key_1x4 = extra
+  return ((w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD) + ((norm_2xD,) if form[0] else ())
+          + ((post_2xD, key_1x4) if form[2] else ()))
+
+
+def _norms(rest: list, form, tokens: int, *kept):
+  """(the pre-norm's weights, (the tail's weights, its key with the device's first token,
+  *kept)) from a device's arguments after the MLP's weights; None where absent."""
+  norm_2xD = rest.pop(0) if form[0] else None
+  if not form[2]:
+    return norm_2xD, None
+  return norm_2xD, (rest[0], devices.with_first_token(rest[1], tokens), *kept)
+
+
+def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form, write=True):
+  """The forward's results: y, the tail's sum (`post`), the pre-activation (`keep`)."""
   kept = keep and write
-  norm, residual = form
-  fwd = lambda x, w1, b1, w2, b2, *n: _on_platform(
-      _forward, x, w1, b1, w2, b2, n[0] if n else None, act=act, rounded=keep, kept=kept,
-      norm=norm, residual=residual)
-  return devices.per_device(fwd, (x_NxD,),
-                     (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD, b2_D.astype(_F32)[None, :])
-                     + ((norm_2xD,) if norm else ()), ("tokens",) * (1 + kept))
+  norm, residual, post = form
+
+  def fwd(x, w1, b1, w2, b2, *rest):
+    norm_2xD, tail_in = _norms(list(rest), form, x.shape[0])
+    return _on_platform(_forward, x, w1, b1, w2, b2, norm_2xD, act=act, rounded=keep, kept=kept,
+                        norm=norm, residual=residual, post=post, tail_in=tail_in)
+
+  w1, b1, w2, *rest = _whole(w1_DxF, b1_F, w2_FxD, extra, form)
+  out = devices.per_device(fwd, (x_NxD,), (w1, b1, w2, b2_D.astype(_F32)[None, :], *rest),
+                           ("tokens",) * (1 + bool(post) + kept))
+  return out if isinstance(out, tuple) else (out,)
 
 
-def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form):
+def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form):
   # The inputs are kept, and with `keep` the pre-activation, named for the remat policies that
-  # keep it ("dots_mlp", "dots_kernels"); without it the backward makes it again.
-  out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD, act, keep, form)
-  y_NxD, pre_NxF = out if keep else (out, None)
-  if keep:
-    # Kept as a float: as bits (residuals.named) the step moved more, BERT-Base L 512 on v5e-8
-    # 24.48 -> 29.47 GB by the count (docs/performance.md).
-    pre_NxF = jax.ad_checkpoint.checkpoint_name(pre_NxF, "mlp_hidden")
-  return y_NxD, (x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD)
+  # keep it ("dots_mlp", "dots_kernels": as a float, for as bits the step moved more, BERT-Base
+  # L 512 on v5e-8 24.48 -> 29.47 GB); without it the backward makes it again. The tail's sum
+  # is kept as "mlp_output", what those policies keep of a layer without the tail.
+  out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form)
+  s_NxD = jax.ad_checkpoint.checkpoint_name(out[1], "mlp_output") if form[2] else None
+  pre_NxF = jax.ad_checkpoint.checkpoint_name(out[-1], "mlp_hidden") if keep else None
+  return out[0], (x_NxD, pre_NxF, s_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra)
 
 
 def _mlp_bwd(act, keep, form, saved, dy_NxD):
-  x_NxD, pre_NxF, w1_DxF, b1_F, w2_FxD, b2_D, norm_2xD = saved
-  norm, residual = form
-  def bwd(x, dy, *rest):  # the pre-activation's rows where it was kept, the weights, the norm's
+  x_NxD, pre_NxF, s_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra = saved
+  norm, residual, post = form
+
+  def bwd(x, dy, *rest):  # the kept pre-activation and sum, the weights, the norms'
     rest = list(rest)
     pre = rest.pop(0) if keep else None
-    return _on_platform(_backward, x, dy, *rest[:3], pre, rest[3] if norm else None, act=act,
-                        norm=norm, residual=residual)
+    s = [rest.pop(0)] if post else []
+    norm_2xD, tail_in = _norms(rest[3:], form, x.shape[0], *s)
+    return _on_platform(_backward, x, dy, *rest[:3], pre, norm_2xD, act=act, norm=norm,
+                        residual=residual, post=post, tail_in=tail_in)
 
-  dx, dw1, db1, dw2t, *d_norm = devices.per_device(
-      bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()),
-      (w1_DxF, b1_F.astype(_F32)[None, :], w2_FxD) + ((norm_2xD,) if norm else ()),
-      ("tokens",) + ("sums",) * (3 + bool(norm)))
-  db2 = jnp.sum(dy_NxD.astype(_F32), axis=0)
+  dx, dw1, db1, dw2t, *rest = devices.per_device(
+      bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()) + ((s_NxD,) if post else ()),
+      _whole(w1_DxF, b1_F, w2_FxD, extra, form),
+      ("tokens",) + ("sums",) * (3 + bool(norm) + 2 * bool(post)))
+  d_norm, d_post = rest.pop(0).sum(0) if norm else None, rest[0].sum(0) if post else None
+  db2 = rest[1].sum((0, 1)) if post else jnp.sum(dy_NxD.astype(_F32), axis=0)
   # The cores' and devices' sums added in float32, the weights' gradients rounded once more.
   total = lambda sums: sums.astype(_F32).sum(0)
   return (dx, total(dw1).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
-          total(dw2t).T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype),
-          d_norm[0].sum(0) if norm else None)
+          total(dw2t).T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype), (d_norm, d_post, None))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
-        b2_D: jax.Array, act, keep: bool = False, norm=None, residual: bool = False) -> jax.Array:
+        b2_D: jax.Array, act, keep: bool = False, norm=None, residual: bool = False,
+        post=None) -> jax.Array:
   """act(x W1 + b1) W2 + b2 over [N, D] tokens by the fused kernels, differentiable in every
   argument; `act` an elementwise function (its derivative is its jvp). The arrays in the dtype
   the products run in (the biases any float type). The gated form act(x W1 + b1) * (x G + c) W2
@@ -368,9 +430,21 @@ def mlp(x_NxD: jax.Array, w1_DxF: jax.Array, b1_F: jax.Array, w2_FxD: jax.Array,
 
   `norm` (weights [2, D] float32: scale and bias; eps; centred): x is the rows before a
   LayerNorm (centred) or RMSNorm, normalised inside the kernels (row_norm). `residual`: x is
-  added to the result (a pre-norm layer's x + MLP(norm(x)), without dropout between)."""
-  if norm is None:
-    return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, None, act, keep, (None, bool(residual)))
-  weights_2xD, eps, centred = norm
-  return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, weights_2xD, act, keep,
-              ((float(eps), bool(centred)), bool(residual)))
+  added to the result (a pre-norm layer's x + MLP(norm(x)), without dropout between).
+
+  `post` (weights [2, D]; eps; centred; the dropout rate; the dropout key's words, int32 [2],
+  or None for none): a post-norm layer's end, LN(x + dropout(y)), made inside the kernels (no
+  mask, dropped sum or norm written apart; the backward makes the norm's statistics and the
+  keep decisions again, dropout.token_decisions), x's rows in the global batch's order."""
+  norm_2xD, norm_form = (None, None) if norm is None else (norm[0], (float(norm[1]),
+                                                                     bool(norm[2])))
+  post_2xD = key_1x4 = post_form = None
+  if post is not None:
+    if norm is not None or residual:
+      raise ValueError("mlp(post=...) ends a post-norm layer: no `norm` or `residual` beside it")
+    post_2xD, eps, centred, rate, words = post
+    words = jnp.zeros((2,), jnp.int32) if words is None else words.astype(jnp.int32)
+    key_1x4 = jnp.concatenate([words, jnp.zeros((2,), jnp.int32)])[None]
+    post_form = (float(eps), bool(centred), float(rate) if post[4] is not None else 0.0)
+  return _mlp(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, (norm_2xD, post_2xD, key_1x4), act, keep,
+              (norm_form, bool(residual), post_form))
