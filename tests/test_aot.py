@@ -167,8 +167,11 @@ text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 1
 print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tpu_custom_call"'),
                   "kernels": sorted(set(re.findall(r"splash_mha_[a-z_]+", text))),
                   "mlp_kernels": sorted(set(re.findall(r"fused_mlp_[a-z]+", text))),
+                  # The forward kernel may come fused with the update of the loop's stack its
+                  # results go to (with BERT's post-norm end inside, the sum it keeps).
                   "mlp_flops": [r["flops"] for r in hlocost.program_rows(text)
-                                if r["opcode"] == "custom-call" and "fused_mlp" in r["op_name"]],
+                                if r["opcode"] in ("custom-call", "fusion")
+                                and "fused_mlp" in r["op_name"]],
                   "layer_loops": len(layercost.layer_loops(text, 3)),
                   "ops_per_layer": layercost.layer_ops(text, 3, scanned=True),
                   "stack_writes": layercost.stack_writes(text, 3),

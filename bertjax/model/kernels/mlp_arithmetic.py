@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bertjax.model import dropout
+from bertjax.model import dropout, residuals
 from bertjax.model.kernels import row_norm
 
 T = (((1,), (1,)), ((), ()))  # dot_general: contract the last axes of both (b's transpose)
@@ -82,9 +82,9 @@ def products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, rounded: bool
     pre = pre_NxF.astype(_F32)
   h_NxF = activated(act, split(pre, w2_FxD.shape[0])).astype(x_NxD.dtype)
   y = jnp.dot(h_NxF, w2_FxD, preferred_element_type=_F32) + b2_1xD
-  if post:  # the norm's output and the sum it normalises; tail_in: (weights, key)
-    ys = tail(y, x_NxD, *tail_in, 0, post)
-    return (*ys, pre_NxF) if kept else ys
+  if post:  # the norm's output and the sum it normalises, as its bits; tail_in: (weights, key)
+    out, s = tail(y, x_NxD, *tail_in, 0, post)
+    return (out, residuals.bits(s), pre_NxF) if kept else (out, residuals.bits(s))
   y = y.astype(x_NxD.dtype)
   return (y, pre_NxF) if kept else y
 
@@ -94,8 +94,9 @@ def xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act,
   """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic);
   the sums with `cores` rows as the kernel's (the others zero)."""
   dt = x_NxD.dtype
-  if post:  # dy_NxD is the gradient of the norm's output; tail_in: (weights, key, the sum)
-    ds, dy, d_post = tail_pulled(dy_NxD, tail_in[2], *tail_in[:2], 0, post)
+  if post:  # dy_NxD is the gradient of the norm's output; tail_in: (weights, key, the sum's bits)
+    s = jax.lax.bitcast_convert_type(tail_in[2], dt)
+    ds, dy, d_post = tail_pulled(dy_NxD, s, *tail_in[:2], 0, post)
     dy_NxD = dy.astype(dt)
   if norm:
     x_NxD, stats = row_norm.normalised(x_NxD, norm_2xD, *norm)

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from bertjax.errors import Refusal
+from bertjax.model import residuals
 from bertjax.model.kernels import devices, mlp_arithmetic, row_norm
 from bertjax.model.kernels.mlp_arithmetic import T as _T
 from bertjax.parallel import platforms
@@ -80,13 +81,12 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, ro
   the compute dtype, as XLA's product is, before the activation reads it; with a second output
   that rounded value is also written, for the backward to read. `norm` ((eps, centred), its
   weights the first of `refs`): the rows are normalised first (row_norm). `residual`: y is
-  added to the rows read (the layer's residual sum, in one rounding). `post` ((eps, centred,
-  rate), its weights and key after the norm's): y is a post-norm layer's LN(rows + dropout(y))
-  and the sum it normalises is written second (mlp_arithmetic.tail)."""
+  added to the rows read (the layer's residual sum, in one rounding). `post` (its weights and
+  key after the norm's): y is LN(rows + dropout(y)), the sum's bits second (mlp_arithmetic.tail)."""
   refs = list(refs)
   norm_ref = refs.pop(0) if norm else None
   post_ref, key_ref = (refs.pop(0), refs.pop(0)) if post else (None, None)
-  y_ref, *kept_ref = refs
+  y_ref, *kept_ref = refs  # then the sum's bits (post), the pre-activation (kept)
   s_ref = kept_ref.pop(0) if post else None
   first = (pl.program_id(0) * x_ref.shape[0]).astype(jnp.uint32)  # the block's first token
   x = rows = x_ref[...]
@@ -109,8 +109,9 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, ro
   if residual:
     acc += rows.astype(_F32)
   if post:
-    y_ref[...], s_ref[...] = mlp_arithmetic.tail(acc + b2_ref[...], rows, post_ref[...], key_ref,
-                                                 first, post)
+    y_ref[...], summed = mlp_arithmetic.tail(acc + b2_ref[...], rows, post_ref[...], key_ref,
+                                             first, post)
+    s_ref[...] = jax.lax.bitcast_convert_type(summed, s_ref.dtype)
   else:
     y_ref[...] = (acc + b2_ref[...]).astype(y_ref.dtype)
 
@@ -142,8 +143,8 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
   dw1_ref, db1_ref, dw2t_ref = accs[:3]
   x, dy = x_ref[...], dy_ref[...]
   if post:
-    ds, dy, d_post = mlp_arithmetic.tail_pulled(dy, s_ref[...], post_ref[...], key_ref, first,
-                                                post)
+    summed = jax.lax.bitcast_convert_type(s_ref[...], x_ref.dtype)
+    ds, dy, d_post = mlp_arithmetic.tail_pulled(dy, summed, post_ref[...], key_ref, first, post)
     accs[3][...] += d_post
     accs[4][...] += jnp.sum(dy, axis=0, keepdims=True)
     dy = dy.astype(x.dtype)
@@ -234,7 +235,8 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bo
           + 4 * block * chunk * 4 * inner // hidden + kept * 2 * block * inner * item
           + bool(post) * (2 * block * width * item + 6 * block * width * 4))
   tile = lambda width: pl.BlockSpec((block, width), lambda i: (i, 0))
-  outs = [(width, x_NxD.dtype)] * (1 + bool(post)) + [(inner, x_NxD.dtype)] * kept
+  outs = ([(width, x_NxD.dtype)] + [(width, residuals.bits_type(x_NxD.dtype))] * bool(post)
+          + [(inner, x_NxD.dtype)] * kept)
   out = pl.pallas_call(
       functools.partial(_forward_kernel, act=act, chunk=chunk, rounded=rounded, norm=norm,
                         residual=residual, post=post),
@@ -257,8 +259,7 @@ def _forward(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, interpret: bo
 
 def _tail_specs(post, width: int) -> list:
   """Where `post`: the tail's weights (whole) and key (int32 [1, 4], in SMEM: mlp's)."""
-  smem = pl.BlockSpec(memory_space=pltpu.MemorySpace.SMEM)
-  return [devices.whole((2, width)), smem] if post else []
+  return [devices.whole((2, width)), pl.BlockSpec(memory_space=pltpu.SMEM)] if post else []
 
 
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, interpret: bool,
@@ -379,9 +380,8 @@ def _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form, writ
 
 def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form):
   # The inputs are kept, and with `keep` the pre-activation, named for the remat policies that
-  # keep it ("dots_mlp", "dots_kernels": as a float, for as bits the step moved more, BERT-Base
-  # L 512 on v5e-8 24.48 -> 29.47 GB); without it the backward makes it again. The tail's sum
-  # is kept as "mlp_output", what those policies keep of a layer without the tail.
+  # keep it ("dots_mlp", "dots_kernels": as a float, as bits the step moved more); without it the
+  # backward makes it again. The tail's sum (its bits: no rounding pass) as "mlp_output".
   out = _run_forward(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form)
   s_NxD = jax.ad_checkpoint.checkpoint_name(out[1], "mlp_output") if form[2] else None
   pre_NxF = jax.ad_checkpoint.checkpoint_name(out[-1], "mlp_hidden") if keep else None
