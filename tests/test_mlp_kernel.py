@@ -226,6 +226,28 @@ def test_a_post_norm_layer_s_end_is_made_inside_the_kernels(rate):
                                got.sum(0) if got.ndim == 3 else got, atol=2e-4, rtol=1e-5)
 
 
+def test_a_post_norm_backward_over_a_core_s_vmem_takes_half_blocks_with_the_same_results(
+    monkeypatch):
+  # BERT-Large's backward with the post-norm end needs more than v5p's 64 MiB a core at blocks
+  # of 256 tokens: it takes blocks of 128 (the weights read once either way), the same sums.
+  import re  # pylint: disable=import-outside-toplevel
+  *args, dy = _arrays(1024, 32, 384, jnp.float32)
+  x, w1, b1, w2, _ = args
+  tail_in = (jnp.ones((2, 32)), jnp.asarray([[3, 4, 0, 0]], jnp.int32),
+             jax.lax.bitcast_convert_type(jax.random.normal(jax.random.key(1), (1024, 32)),
+                                          jnp.uint32))
+  run = lambda: mlp_kernel._backward(x, dy, w1, b1[None], w2, None, None, ACTIVATIONS["gelu"],
+                                     interpret=True, post=(1e-12, True, 0.1), tail_in=tail_in)
+  # A new function each time: make_jaxpr would reuse its trace of the same one.
+  grids = lambda: re.findall(r"grid=\(([^)]*)\)", str(jax.make_jaxpr(lambda: run())()))
+  whole = run()
+  assert grids() == ["1, 4"]
+  monkeypatch.setattr(platforms, "vmem_bytes", lambda: 1 << 17)
+  assert grids() == ["1, 8"]
+  for got, want in zip(run(), whole):  # the sums over 8 blocks, not 4: another order
+    np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()), rtol=1e-5)
+
+
 def test_a_post_norm_layer_s_dropout_in_the_kernels_is_the_same_on_a_mesh():
   # BERT (post-norm) with hidden dropout through the kernels: each device draws the decisions of
   # its own tokens by their index in the global batch, so 8 devices (data x fsdp x tensor) give

@@ -274,21 +274,21 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
                                                               _backward_block)
   kept = kept_NxF is not None
   grads = width * (inner + hidden) * 4
-  # The gradients' sums stay in float32 VMEM over the token blocks and are written once with a
-  # leading axis of one a sequence of blocks: under a mesh, the devices' sums stack along it for
-  # the caller to add. A chip of two TensorCores (v5p) runs a sequence on each (the parallel
-  # axis), each with its sums, where one sequence left a core idle. dW1 and dW2 are written in
-  # the weights' dtype, as XLA's product gives a weight's gradient, and dW2 as its transpose
-  # [D, F], the layout fsdp's sum over the devices takes it in (its "embed" axis major): written
-  # float32 [F, D], XLA copied and relaid them, 112 MB a layer on v5p-8 (docs/performance.md).
+  # The sums stay in float32 VMEM over the token blocks and are written once, a leading axis of
+  # one a sequence of blocks (the devices' stack along it for the caller to add); v5p runs a
+  # sequence on each of a chip's two TensorCores (the parallel axis). dW1 and dW2 go out in the
+  # weights' dtype, as XLA's product gives them, dW2 as [D, F], the layout fsdp's sum takes: as
+  # float32 [F, D] XLA relaid them, 112 MB a layer on v5p-8 (docs/performance.md).
   cores = _sequences(tokens) if cores is None else cores
+  chunk = _chunk(hidden)
+  need = lambda block: (weights + grads + width * chunk * item + 6 * block * width * item
+                        + 3 * block * width * 4 + 6 * block * chunk * 4 * inner // hidden
+                        + kept * 2 * block * inner * item + bool(norm) * 4 * block * width * 4
+                        + bool(post) * (2 * block * width * item + 6 * block * width * 4))
+  block //= 1 + bool(post and block > 8 and need(block) > platforms.vmem_bytes())  # v5p BERT-L
   steps = tokens // block // cores
   tile = lambda width: pl.BlockSpec((block, width), lambda c, i: (c * steps + i, 0))
-  chunk = _chunk(hidden)
-  need = (weights + grads + width * chunk * item + 6 * block * width * item
-          + 3 * block * width * 4 + 6 * block * chunk * 4 * inner // hidden
-          + kept * 2 * block * inner * item + bool(norm) * 4 * block * width * 4
-          + bool(post) * (2 * block * width * item + 6 * block * width * 4))
+  need = need(block)
   sums = ([(width, inner), (1, inner), (width, hidden)] + ([(2, width)] if norm else [])
           + ([(2, width), (1, width)] if post else []))
   kinds = [w1_DxF.dtype, _F32, w2_FxD.dtype] + [_F32] * (len(sums) - 3)
