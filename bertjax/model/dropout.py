@@ -107,8 +107,14 @@ def decisions(y1, y2, rate: float) -> list:
   """The four keep decisions a threefry evaluation's two words (y1, y2) give at `rate`: their
   16-bit pieces, y1's then y2's, low half first, each compared with the threshold where it is
   cut from its word."""
-  cut, low = jnp.uint32(threshold(rate)), jnp.uint32(_LEVELS - 1)
-  return [(y1 & low) >= cut, (y1 >> BITS) >= cut, (y2 & low) >= cut, (y2 >> BITS) >= cut]
+  return _word_decisions(y1, rate) + _word_decisions(y2, rate)
+
+
+def _word_decisions(y, rate: float) -> list:
+  """The two keep decisions of a 32-bit word: its low and its high 16 bits against the
+  threshold."""
+  cut = jnp.uint32(threshold(rate))
+  return [(y & jnp.uint32(_LEVELS - 1)) >= cut, (y >> BITS) >= cut]
 
 
 def kept(x, keep, rate: float):
@@ -169,7 +175,7 @@ def token_decisions(k1, k2, first, tokens: int, width: int, rate: float):
   token = jax.lax.broadcasted_iota(_U32, (tokens, half), 0) + first
   column = jax.lax.broadcasted_iota(_U32, (tokens, half), 1)
   y1, _ = jex_random.threefry2x32_p.bind(k1, k2, token, column)
-  return jnp.concatenate(decisions(y1, y1, rate)[:2], axis=-1)
+  return jnp.concatenate(_word_decisions(y1, rate), axis=-1)
 
 
 def key_words(rng) -> jax.Array:

@@ -47,7 +47,7 @@ def _dropped(y, key_1x4, first, rate: float):
   words = [key_1x4[0, i].astype(jnp.uint32) for i in range(3)]
   keep = dropout.token_decisions(words[0], words[1], words[2] + first, y.shape[0], y.shape[1],
                                  rate)
-  return jnp.where(keep, y * (1.0 / (1.0 - dropout.quantised_rate(rate))), 0.0)
+  return dropout.kept(y, keep, rate)
 
 
 def tail(y, rows, post_2xD, key_1x4, first, post):
