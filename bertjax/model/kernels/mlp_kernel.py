@@ -285,7 +285,7 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
                         + 3 * block * width * 4 + 6 * block * chunk * 4 * inner // hidden
                         + kept * 2 * block * inner * item + bool(norm) * 4 * block * width * 4
                         + bool(post) * (2 * block * width * item + 6 * block * width * 4))
-  block //= 1 + bool(post and block > 8 and need(block) > platforms.vmem_bytes())  # v5p BERT-L
+  block //= 1 + bool(block > 8 and need(block) > platforms.vmem_bytes())  # BERT-L post-norm, v5p
   steps = tokens // block // cores
   tile = lambda width: pl.BlockSpec((block, width), lambda c, i: (c * steps + i, 0))
   need = need(block)
