@@ -177,9 +177,16 @@ print("splash " + json.dumps({"custom_calls": text.count('custom_call_target="tp
                   "stack_writes": layercost.stack_writes(text, 3),
                   "counted": hlocost.program_cost(text, attention.splash_flops),
                   "uncounted": hlocost.program_cost(text)}), flush=True)
+# BERT's post-norm layers with the fused attention and the MLP kernels: the attention's end too.
+config.model.update(attention_impl="fused", attention_dropout=0.1, hidden_dropout=0.1)
+text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 10).as_text()
+print("end " + json.dumps({"kernels": sorted(set(re.findall(r"fused_end_[a-z]+", text))),
+                           "flops": sorted(r["flops"] for r in hlocost.program_rows(text)
+                                           if r["opcode"] in ("custom-call", "fusion")
+                                           and "fused_end" in r["op_name"])}), flush=True)
 config.model.update(attention_impl="fused", attention_dropout=0.1, mlp_impl="pallas_kept",
                     mlp_type="gated", norm_position="pre", recompute_mlm_logits=True,
-                    qkv_product="auto")
+                    qkv_product="auto", hidden_dropout=0.0)
 # 80 predictions a row: enough a chip for the MLM scores kernel (mlm_kernel.worth_it: > D / 2).
 training = train.from_config(config, devices=devices)
 text = aot.compile_train_step(training, 128, 80).as_text()
@@ -224,7 +231,7 @@ print("fused " + json.dumps({
   assert result.returncode == 0, result.stderr[-3000:]
   return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
           for line in result.stdout.splitlines()
-          if line.startswith(("dcn ", "kinds ", "splash ", "cost_model ", "fused "))}
+          if line.startswith(("dcn ", "kinds ", "splash ", "cost_model ", "fused ", "end "))}
 
 
 def test_dcn_mesh_axes_span_the_slices(probes):
@@ -297,8 +304,10 @@ def test_each_part_of_the_step_is_named_by_its_instructions_op_names():
   layer = "jit(train_step)/transpose(jvp(BertForPreTraining))/bert/encoder/layer_3/attention/"
   named = {roofline.part_of({"op_name": layer + tail, "opcode": "fusion"}): tail for tail in (
       "attention._kernel/shard_map/cond/branch_0_fun/fused_attention_bwd/pallas_call",
-      "attention._projections/dot_general", "query/dot_general", "output/dot_general")}
-  assert set(named) == {"attention kernel (backward)", "attention projections (backward)"}, named
+      "attention._projections/dot_general", "query/dot_general", "output/dot_general",
+      "shard_map/cond/branch_0_fun/fused_end_bwd/pallas_call")}
+  assert set(named) == {"attention kernel (backward)", "attention projections (backward)",
+                        "attention end kernel (backward)"}, named
   forward = roofline.part_of({"op_name": layer.replace("transpose(jvp(", "jvp((") + "key/add",
                               "opcode": "fusion"})
   assert forward == "attention projections", forward
@@ -344,6 +353,18 @@ def test_the_fused_mlp_kernels_compile_into_the_train_step_and_count_their_own_f
   # forward wrote, six products, the XLA path's nine in all. XLA fuses that forward kernel with
   # the update writing its pre-activation into the loop's stack: counted all the same.
   assert sorted(probes["fused"]["mlp_flops"]) == [3 * product, 6 * product], probes["fused"]
+
+
+def test_the_attention_end_kernels_compile_into_a_post_norm_train_step_and_count_their_flops(
+    probes):
+  # BERT's layers with the fused attention and the MLP kernels: the attention's end (output
+  # projection, hidden dropout, residual sum, LayerNorm) is end_kernel's, Mosaic's on v5p (its two
+  # cores summing the weights' gradients apart), each kernel counted by its own estimate: 2 rows
+  # a chip of 128 tokens, D 128; the forward's one product, the backward's two.
+  out = probes["end"]
+  assert out["kernels"] == ["fused_end_bwd", "fused_end_fwd"], out
+  product = 2 * (2 * 128) * 128 * 128
+  assert out["flops"] == [product, 2 * product], out
 
 
 def test_the_mlm_scores_kernel_compiles_into_the_train_step_and_counts_its_flops(probes):

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,6 +82,18 @@ def chosen_remat(policy: str, device) -> str:
     return policy
   return ("dots_outputs" if getattr(device, "device_kind", "") in REMAT_AUTO_OUTPUTS_ON
           else "dots_kernels")
+
+
+def rematted(layer_cls, config: BertConfig, scanned: bool):
+  """`layer_cls` under the config's remat policy (itself where that is "none")."""
+  if config.remat_policy == "none":
+    return layer_cls
+  # prevent_cse=False is safe only inside nn.scan: the loop already keeps XLA from merging the
+  # recomputation with the forward pass. Unrolled, XLA would CSE the recomputed activations back
+  # into the saved ones and the remat would silently save nothing.
+  # "auto": train.build settles it for its mesh's chips; outside it, here.
+  policy = chosen_remat(config.remat_policy, jax.devices()[0])
+  return nn.remat(layer_cls, policy=REMAT_POLICIES[policy], prevent_cse=not scanned)
 
 
 # q, k and v as one product, x @ [Wq Wk Wv] (the same three parameters, joined in the step), on

@@ -145,6 +145,10 @@ class Dropout(nn.Module):
       return x
     return apply(x, self.make_rng("dropout"), self.rate)
 
+  def draw(self):
+    """The key __call__ would mask its next input with (a kernel that drops inside takes it)."""
+    return self.make_rng("dropout")
+
 
 _PIECES = 4  # keep decisions a threefry evaluation gives (`decisions`)
 _U32 = jnp.uint32

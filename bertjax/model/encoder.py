@@ -25,7 +25,7 @@ import numpy as np
 from bertjax.model import attention, dropout, mlp, primitives, residuals
 from bertjax.model.kernels import attention_blocks, attention_kernel
 from bertjax.model.rope import apply_rope, lane_frequencies, rope_tables
-from bertjax.model.config import REMAT_POLICIES, BertConfig, chosen_qkv, chosen_remat
+from bertjax.model.config import BertConfig, chosen_qkv, rematted
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
 from bertjax.parallel import sharding
 
@@ -104,7 +104,7 @@ class SelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, layer_id=0,
-               query_positions=None):
+               query_positions=None, end=None):
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
     is_local = cfg.is_local(layer_id)
@@ -166,8 +166,16 @@ class SelfAttention(nn.Module):
       out_BxLxNxK = attention.masked_attention(
           q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["mask"], is_local, window, query_positions,
           cfg.attention_dropout, rng)
-    return dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
-                 use_bias=cfg.attention_bias)(out_BxLxNxK, flat=kernel)
+    output = dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
+                   use_bias=cfg.attention_bias)
+    if end is not None:  # mlp.attention_end's: the layer's end by the kernels, from the heads
+      return end(out_BxLxNxK, *output(out_BxLxNxK, weights_only=True))
+    return output(out_BxLxNxK, flat=kernel)
+
+  def takes_kernel(self, length: int, masks, layer_id) -> bool:
+    """Whether a layer of all positions takes the fused kernel (`_route`)."""
+    window = self.config.local_window if self.config.has_local_layers else 0
+    return self._route(length, masks, self.config.is_local(layer_id), window, None)[0]
 
   def _route(self, length: int, masks, is_local, window: int, query_positions):
     """(the fused kernel, by it a splash layer, one product for q, k and v).
@@ -262,7 +270,7 @@ class EncoderLayer(nn.Module):
     layer_id = self.layer_id if layer_id is None else layer_id
     drop = dropout.Dropout(cfg.hidden_dropout)
     self_attention = SelfAttention(cfg, name="attention")
-    attention_fn = lambda x, *a: self_attention(x, *a, query_positions=query_positions)
+    attention_fn = lambda x, *a, **k: self_attention(x, *a, query_positions=query_positions, **k)
     # The residual stream at the positions computed (all of them, or the queries').
     res_BxLxD = (x_BxLxD if query_positions is None
                  else attention.gather_positions(x_BxLxD, query_positions))
@@ -282,8 +290,12 @@ class EncoderLayer(nn.Module):
                  else lambda y: drop(y, deterministic=False))
       out_BxLxD = mlp.residual_normed(cfg, h_BxLxD, "output_layer_norm", dropped)
     else:
-      attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id)
-      h_BxLxD = layer_norm(cfg, "attention_layer_norm")(
+      ends = (query_positions is None and mlp.ends_in_kernels(cfg)
+              and self_attention.takes_kernel(x_BxLxD.shape[1], masks, layer_id))
+      attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id, end=(
+          mlp.attention_end(cfg, res_BxLxD, "attention_layer_norm", drop, self.deterministic)
+          if ends else None))
+      h_BxLxD = attn_BxLxD if ends else layer_norm(cfg, "attention_layer_norm")(
           res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
       out_BxLxD = mlp.post_normed(
           cfg, h_BxLxD, "output_layer_norm", lambda y: drop(y, deterministic=self.deterministic),
@@ -303,22 +315,11 @@ class _ScanBody(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD, masks, rope, layer_id):
     cfg = self.config
-    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=True)
+    layer_cls = rematted(EncoderLayer, cfg, scanned=True)
     draws = not self.deterministic and max(cfg.hidden_dropout, cfg.attention_dropout) > 0
     out_BxLxD = residuals.scanned_call(self, layer_cls, (cfg, self.deterministic), "layer",
                                        (x_BxLxD, masks, rope, layer_id), draws)
     return out_BxLxD, None
-
-
-def _maybe_remat(layer_cls, config: BertConfig, scanned: bool):
-  if config.remat_policy == "none":
-    return layer_cls
-  # prevent_cse=False is safe only inside nn.scan: the loop already keeps XLA from merging the
-  # recomputation with the forward pass. Unrolled, XLA would CSE the recomputed activations back
-  # into the saved ones and the remat would silently save nothing.
-  # "auto": train.build settles it for its mesh's chips; outside it, here.
-  policy = chosen_remat(config.remat_policy, jax.devices()[0])
-  return nn.remat(layer_cls, policy=REMAT_POLICIES[policy], prevent_cse=not scanned)
 
 
 class Encoder(nn.Module):
@@ -347,7 +348,7 @@ class Encoder(nn.Module):
       x_BxLxD, _ = scanned(cfg, deterministic, name="layers")(
           x_BxLxD, masks, rope, jnp.arange(cfg.num_layers))
       return x_BxLxD
-    layer_cls = _maybe_remat(EncoderLayer, cfg, scanned=False)
+    layer_cls = rematted(EncoderLayer, cfg, scanned=False)
     for i in range(cfg.num_layers):
       last = i == cfg.num_layers - 1
       x_BxLxD = layer_cls(cfg, deterministic, i, name=f"layer_{i}")(

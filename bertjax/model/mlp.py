@@ -1,5 +1,6 @@
 """The MLP block of an encoder layer: dense(F) -> activation -> dense(D), or the gated form; by
-XLA's products or by the fused kernels of mlp_kernel.py (`BertConfig.mlp_impl`).
+XLA's products or by the fused kernels of mlp_kernel.py (`BertConfig.mlp_impl`); and with those
+kernels a post-norm layer's attention end (end_kernel.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout, residuals
-from bertjax.model.kernels import mlp_choice, mlp_kernel
+from bertjax.model.kernels import end_kernel, mlp_choice, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.primitives import NormWeights, dense, layer_norm, product
 
@@ -50,6 +51,33 @@ def post_normed(cfg: BertConfig, x_BxLxD, norm_name: str, dropped, rate: float, 
   words = dropout.key_words(draw()) if rate > 0 else None
   return mlp(x_BxLxD, post=(weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm", rate,
                             words))
+
+
+def ends_in_kernels(cfg: BertConfig) -> bool:
+  """Whether a post-norm layer's attention end is made by end_kernel.py (where the attention
+  kernel gives it the heads): with the MLP's kernels, whose dropout decisions it shares."""
+  return cfg.norm_position == "post" and _impl(cfg) in ("pallas", "pallas_kept")
+
+
+def attention_end(cfg: BertConfig, r_BxLxD, norm_name: str, drop, deterministic: bool):
+  """LN(r + dropout(c W + b)) as a function of the attention's heads c [B, L, C] and the output
+  projection's (W [.., D], b or None), by end_kernel.end: the norm's parameters at `norm_name`
+  and the key (`drop`'s first draw, which XLA's path masks this sum with) taken here, in the
+  calling module."""
+  weights = NormWeights(cfg, name=norm_name)(r_BxLxD.shape[-1])
+  rate = 0.0 if deterministic else cfg.hidden_dropout
+  words = dropout.key_words(drop.draw()) if rate > 0 else None
+  post = (weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm", rate, words)
+  dt, width = cfg.compute_dtype, r_BxLxD.shape[-1]
+
+  def ended(c_BxLxC, w, b):
+    y_NxD = end_kernel.end(
+        c_BxLxC.reshape(r_BxLxD.shape[:2] + (-1,)).reshape(-1, w.size // width).astype(dt),
+        r_BxLxD.reshape(-1, width).astype(dt), w.reshape(-1, width).astype(dt),
+        jnp.zeros((width,), cfg.storage_dtype) if b is None else b, post)
+    return y_NxD.reshape(r_BxLxD.shape)
+
+  return ended
 
 
 class Mlp(nn.Module):

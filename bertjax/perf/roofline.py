@@ -339,6 +339,8 @@ _PARTS = (("attention dropout bits", r"/attention/.*(threefry|_where|broadcast_i
           # attention._projections: q, k and v as one product (qkv_product "one").
           ("attention projections", r"/attention/(query|key|value|output|attention\._projections)"),
           ("attention kernel", r"splash|dot_product_attention|fused_attention"),
+          # A post-norm layer's attention end by end_kernel.py: projection, dropout, sum, norm.
+          ("attention end kernel", r"fused_end"),
           ("MLP", r"/mlp/"), ("hidden dropout", r"[Dd]ropout"), ("LayerNorm", r"layer_norm"),
           ("embeddings", r"/embeddings/"), ("MLM head", r"/mlm/|cls/predictions"),
           ("NSP head and pooler", r"/nsp|/pooler"),

@@ -1,7 +1,7 @@
-"""What the kernels that take tokens (mlp_kernel, mlm_kernel) share: their call on each device's
-rows under the mesh in scope (a Pallas kernel is one device's program, so they run in shard_map
-over the activations' batch axes, their weights whole on each device), and a whole array as one
-block.
+"""What the kernels that take tokens (mlp_kernel, end_kernel, mlm_kernel) share: their call on
+each device's rows under the mesh in scope (a Pallas kernel is one device's program, so they run
+in shard_map over the activations' batch axes, their weights whole on each device), a whole array
+as one block, and the weights' gradients a backward sums over its token blocks, written once.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
+
+from bertjax.parallel import platforms
 
 
 def whole(shape):
@@ -45,3 +48,35 @@ def with_first_token(key_1x4, tokens: int):
   batch = None if mesh.empty else nn.logical_to_mesh_axes(("activation_batch",))[0]
   first = 0 if batch is None else jax.lax.axis_index(batch) * tokens
   return key_1x4.at[0, 2].set(jnp.asarray(first, jnp.int32))
+
+
+def sequences(blocks: int) -> int:
+  """A backward's sequences of its `blocks` token blocks: the chip's TensorCores (each sums its
+  own, the parallel axis of the grid) where they divide the blocks, else one."""
+  cores = platforms.tpu_cores()
+  return cores if blocks % cores == 0 else 1
+
+
+def copied(src_ref, dst_ref, sem):
+  """src_ref copied into dst_ref (a VMEM block into an output left in HBM), waited for."""
+  copy = pltpu.make_async_copy(src_ref, dst_ref, sem)
+  copy.start()
+  copy.wait()
+
+
+def write_sums(outs, accs, stage_ref, sem, chunk: int):
+  """At a core's last token block: each float32 sum in `accs` (VMEM scratch) into its output in
+  HBM (`outs`, [cores, ...], the core's row), in the output's dtype. A sum in another dtype is
+  rounded a chunk of `chunk` columns at a time through `stage_ref`: an output block of the whole
+  sum would hold another copy of the weights in VMEM (BERT-Large's MLP over v5p's 64 MiB)."""
+  core = pl.program_id(0)  # read outside the branch: Pallas' interpreter finds it only here
+
+  @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
+  def _():
+    for out, acc in zip(outs, accs):
+      if out.dtype == acc.dtype:
+        copied(acc, out.at[core], sem)
+        continue
+      for start in range(0, acc.shape[1], chunk):
+        stage_ref[...] = acc[:, pl.ds(start, chunk)].astype(stage_ref.dtype)
+        copied(stage_ref, out.at[core, :, pl.ds(start, chunk)], sem)

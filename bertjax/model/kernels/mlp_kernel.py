@@ -178,26 +178,7 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
     dx += ds
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
-  core = pl.program_id(0)  # read outside the branch: Pallas' interpreter finds it only here
-
-  @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)  # each core's last block: written once
-  def _():
-    for out, acc in zip(outs, accs):
-      if out.dtype == acc.dtype:
-        _copied(acc, out.at[core], sem)
-        continue
-      # Rounded a chunk of columns at a time through the staging block: an output block of the
-      # whole sum would hold another copy of the weights in VMEM (BERT-Large's over v5p's 64 MiB).
-      for start in range(0, acc.shape[1], chunk):
-        stage_ref[...] = acc[:, pl.ds(start, chunk)].astype(stage_ref.dtype)
-        _copied(stage_ref, out.at[core, :, pl.ds(start, chunk)], sem)
-
-
-def _copied(src_ref, dst_ref, sem):
-  copy = pltpu.make_async_copy(src_ref, dst_ref, sem)
-  copy.start()
-  copy.wait()
-
+  devices.write_sums(outs, accs, stage_ref, sem, chunk)  # each core's last block: written once
 
 def _vmem_limit(need: int, interpret: bool) -> int:
   # Weights over a core's VMEM are said here, at trace time, not by libtpu's refusal minutes
@@ -321,8 +302,7 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
 
 def _sequences(tokens: int) -> int:
   """The backward's sequences of blocks: the chip's TensorCores where its blocks divide."""
-  cores = platforms.tpu_cores()
-  return cores if (tokens // _backward_block(tokens)) % cores == 0 else 1
+  return devices.sequences(tokens // _backward_block(tokens))
 
 
 def _on_platform(fn, *args, **kwargs):
