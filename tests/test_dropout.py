@@ -60,6 +60,13 @@ def test_the_mlp_kernels_decisions_are_pinned_and_split_each_evaluation_over_two
   cut = dropout.threshold(0.5)
   np.testing.assert_array_equal(keep[:, :4], (y1 & 0xFFFF) >= cut)
   np.testing.assert_array_equal(keep[:, 4:], (y1 >> 16) >= cut)
+  # Halves of whole lane tiles (BERT's D) are made as halves and joined: the same rule.
+  wide = dropout.token_decisions(k1, k2, jnp.uint32(7), 4, 512, 0.5)
+  y1, _ = jax.extend.random.threefry2x32_p.bind(
+      k1, k2, jnp.broadcast_to(token, (4, 256)),
+      jnp.broadcast_to(jnp.arange(256, dtype=jnp.uint32), (4, 256)))
+  np.testing.assert_array_equal(wide, jnp.concatenate([(y1 & 0xFFFF) >= cut, (y1 >> 16) >= cut],
+                                                      axis=1))
 
 
 def test_masks_depend_on_the_key_alone():

@@ -176,6 +176,16 @@ def token_decisions(k1, k2, first, tokens: int, width: int, rate: float):
   decisions of columns c and c + width / 2, its first word's low and high 16 bits: whole halves
   of a row (lane tiles where D / 2 is a multiple of 128), no lane shuffles."""
   half = width // 2
+  if half % 128:
+    # Halves that are not whole lane tiles (D = 128: Mosaic cannot join two 64-lane boolean
+    # halves): every column evaluates its own word, the same decisions for twice the work.
+    token = jax.lax.broadcasted_iota(_U32, (tokens, width), 0) + first
+    column = jax.lax.broadcasted_iota(_U32, (tokens, width), 1)
+    low = column < half
+    y1, _ = jex_random.threefry2x32_p.bind(k1, k2, token, jnp.where(low, column, column - half))
+    # The 16-bit piece picked before the comparison (Mosaic selects no booleans).
+    piece = jnp.where(low, y1 & jnp.uint32(_LEVELS - 1), y1 >> BITS)
+    return piece >= jnp.uint32(threshold(rate))
   token = jax.lax.broadcasted_iota(_U32, (tokens, half), 0) + first
   column = jax.lax.broadcasted_iota(_U32, (tokens, half), 1)
   y1, _ = jex_random.threefry2x32_p.bind(k1, k2, token, column)
