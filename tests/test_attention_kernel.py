@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
 from bertjax.model import attention, dropout, rope
-from bertjax.model.kernels import attention_blocks as blocks, attention_kernel as ak
+from bertjax.model.kernels import attention_blocks as blocks, attention_kernel as ak, attention_reference
 from bertjax.model.config import BertConfig, chosen_qkv
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import sharding
@@ -103,20 +103,49 @@ def test_in_bfloat16_within_its_rounding():
   assert err.max() < 0.05 and err.mean() < 0.005, (err.max(), err.mean())
 
 
-def test_without_mosaic_xla_computes_what_the_kernels_do():
-  # A GPU has no Mosaic: there `reference` runs, with the same bits.
+def _kernel_arguments():
+  """(q, k, v, do, the segments, the key, the kernels' leading arguments, their options), the
+  arrays [B, L, N * K] (the heads side by side), biases drawn."""
   q, k, v, do, seg = _inputs(2)
   rng = jax.random.key(7)
   bias = jnp.asarray(np.random.default_rng(8).normal(size=(3, N * K)), jnp.float32)
   args = (jnp.arange(B), jnp.zeros((1,), jnp.int32), ak.key_words(rng), seg[:, None, :], bias)
-  kw = dict(rate=RATE, local_window=0, size=K)
-  q, k, v, do = (x.reshape(B, L, N * K) for x in (q, k, v, do))  # the heads side by side
+  q, k, v, do = (x.reshape(B, L, N * K) for x in (q, k, v, do))
+  return q, k, v, do, seg, rng, args, dict(rate=RATE, local_window=0, size=K)
+
+
+def test_q_k_and_v_packed_in_one_array_give_what_they_give_apart():
+  # One product's [3, B, L, N * K] (qkv_product "one"): the kernels read q, k and v where they
+  # lie and write dq, dk and dv as one array; the same values as apart, by the kernels and by
+  # XLA's arithmetic, and through fused_attention's gradient.
+  q, k, v, do, seg, rng, args, kw = _kernel_arguments()
+  qkv = jnp.stack([q, k, v])
+  np.testing.assert_array_equal(ak._forward(*args, qkv, **kw, interpret=True),
+                                ak._forward(*args, q, k, v, **kw, interpret=True))
+  (packed, sums), (*apart, apart_sums) = (ak._backward(*args, *a, do, **kw, interpret=True)
+                                          for a in ((qkv,), (q, k, v)))
+  assert packed.shape == (3, B, L, N * K)
+  np.testing.assert_array_equal(packed, jnp.stack(apart))
+  np.testing.assert_array_equal(sums, apart_sums)
+  for got, want in zip(attention_reference.backward(*args, qkv, do, **kw), (packed, sums)):
+    np.testing.assert_allclose(got, want, atol=2e-5)
+  loss = lambda out: jnp.sum(out * do)
+  grad = jax.grad(lambda qkv: loss(ak.fused_attention(qkv, None, None, seg, rng, RATE,
+                                                      head_size=K)))(qkv)
+  want = jax.grad(lambda q, k, v: loss(ak.fused_attention(q, k, v, seg, rng, RATE, head_size=K)),
+                  argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(grad, jnp.stack(want), atol=1e-6)
+
+
+def test_without_mosaic_xla_computes_what_the_kernels_do():
+  # A GPU has no Mosaic: there `reference` runs, with the same bits.
+  q, k, v, do, seg, rng, args, kw = _kernel_arguments()
   # The forward kernel writes its output's bits (what remat keeps, with no copy between).
   bits = ak._forward(*args, q, k, v, **kw, interpret=True)
   assert bits.dtype == jnp.uint32
-  np.testing.assert_allclose(ak.reference(*args, q, k, v, **kw),
+  np.testing.assert_allclose(attention_reference.reference(*args, q, k, v, **kw),
                              jax.lax.bitcast_convert_type(bits, q.dtype), atol=2e-6)
-  for got, expected in zip(ak._reference_backward(*args, q, k, v, do, **kw),
+  for got, expected in zip(attention_reference.backward(*args, q, k, v, do, **kw),
                            ak._backward(*args, q, k, v, do, **kw, interpret=True)):
     np.testing.assert_allclose(got, expected, atol=2e-5)
   grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ak.fused_attention(q, k, v, seg, rng, RATE,
@@ -404,7 +433,7 @@ def test_the_kernel_s_path_makes_q_k_and_v_in_one_product_where_the_heads_are_wh
   def grads(c, p):
     return jax.value_and_grad(lambda p: jnp.sum(BertModel(c).apply({"params": p}, ids, mask)[0]
                                                 * jnp.linspace(-1, 1, 32)))(p)
-  packed = f"tensor<8x{L}x96xf32>"
+  packed = f"tensor<8x{L}x3x32xf32>"  # the three side by side, the kernel's [3, B, L, N * K]
   products = lambda text: [line for line in text.splitlines()
                            if "dot_general" in line and packed in line]
   lowered = lambda c: jax.jit(functools.partial(grads, c)).lower(params).as_text()

@@ -120,7 +120,7 @@ class SelfAttention(nn.Module):
     if apart.get("bias_apart"):
       (q_BxLxNxK, bq), (k_BxLxNxK, bk), (v_BxLxNxK, bv) = q_BxLxNxK, k_BxLxNxK, v_BxLxNxK
       biases = None if bq is None else (bq, bk, bv)
-    if kernel:
+    if kernel and not packed:
       q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = map(heads, (q_BxLxNxK, k_BxLxNxK, v_BxLxNxK))
     turn = None
     if rope is not None and kernel:
@@ -219,11 +219,9 @@ class SelfAttention(nn.Module):
     if not packed:
       return q, key(x_BxLxD, **apart), value(x_BxLxD, **apart)
     ws, bs = zip(q, *(m(x_BxLxD, weights_only=True) for m in (key, value)))
-    w = jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=1)
-    qkv = primitives.product(cfg, x_BxLxD, w, None, (2,), cfg.compute_dtype)
-    width = w.shape[1] // 3
-    return tuple((qkv[..., j * width:(j + 1) * width], None if b is None else b.reshape(-1))
-                 for j, b in enumerate(bs))
+    # [3, B, L, N * K]: the kernel reads each third where it lies (sliced, each was copied).
+    qkv = primitives.stacked_product(cfg, x_BxLxD, [w.reshape(w.shape[0], -1) for w in ws])
+    return tuple((a, None if b is None else b.reshape(-1)) for a, b in zip((qkv, None, None), bs))
 
   def _kernel(self, q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, is_local, window: int,
               biases, deterministic: bool, turn=None):
@@ -235,16 +233,18 @@ class SelfAttention(nn.Module):
     cfg = self.config
     rate = 0.0 if deterministic else cfg.attention_dropout
     rng = self.make_rng("dropout") if rate > 0 and not self.is_initializing() else None
-    heads = lambda x: x.reshape(x.shape[:2] + (cfg.num_heads, cfg.head_size))
+    heads = lambda x: x.reshape(x.shape[-3:-1] + (cfg.num_heads, cfg.head_size))
     flat = lambda x: x.reshape(x.shape[:2] + (-1,))
+    qkv = ((q_BxLxNxK, None, None) if k_BxLxNxK is None  # packed: [3, B, L, N * K]
+           else tuple(map(flat, (q_BxLxNxK, k_BxLxNxK, v_BxLxNxK))))
+    apart = lambda q, k, v: tuple(q) if k is None else (q, k, v)
     fused = lambda w: lambda q, k, v, ids: (
-        flat(attention.splash_equivalent(*map(heads, (q, k, v)), ids, local_window=w))
+        flat(attention.splash_equivalent(*map(heads, apart(q, k, v)), ids, local_window=w))
         if self.is_initializing()
         else attention_kernel.fused_attention(
             q, k, v, ids, rng, rate, local_window=w, head_size=cfg.head_size, biases=biases,
             interpret_on_cpu=cfg.attention_impl == "fused", turn=turn))
-    out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), flat(q_BxLxNxK),
-                                        flat(k_BxLxNxK), flat(v_BxLxNxK), segment_ids_BxL)
+    out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), *qkv, segment_ids_BxL)
     # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
     return heads(residuals.named(out_BxLxNK, "attention_output"))
 

@@ -147,3 +147,12 @@ def product(cfg: BertConfig, x, kernel, bias, axes, out_dtype):
 def dense(config: BertConfig, features, names, name: str, axis=-1, out_dtype=None,
           kernel_init=None, use_bias: bool = True) -> Dense:
   return Dense(config, features, tuple(names), axis, out_dtype, kernel_init, use_bias, name=name)
+
+
+def stacked_product(cfg: BertConfig, x, kernels):
+  """[x @ kernel for each of `kernels` ([D, C] each)] as one product, [len(kernels), ..., C]:
+  x's last axis contracted, in the compute dtype."""
+  w = jnp.stack(kernels).astype(cfg.compute_dtype)
+  y = jax.lax.dot_general(x.astype(cfg.compute_dtype), w, (((x.ndim - 1,), (1,)), ((), ())),
+                          preferred_element_type=cfg.compute_dtype)
+  return jnp.moveaxis(y, -2, 0)

@@ -52,7 +52,8 @@ from jax.sharding import PartitionSpec
 from bertjax.errors import Refusal
 from bertjax.model import dropout, residuals, rope
 from bertjax.model.dropout import keep_decisions, key_words
-from bertjax.model.kernels import attention_blocks as blocks
+from bertjax.model.kernels import attention_blocks as blocks, attention_reference
+from bertjax.model.kernels.attention_reference import dropped as _dropped
 from bertjax.model.kernels.attention_blocks import BIG_NEGATIVE, T as _T, per_head as _per_head
 
 MULTIPLE = 128  # keys lie along the TPU's 128 lanes
@@ -79,10 +80,6 @@ def check_length(length: int, local_window: int = 0, rate: float = 0.0) -> None:
         f"(without dropout, any multiple of {MULTIPLE}); got {length}. Set "
         f"data.max_seq_length to one (e.g. {nearest}), or model.attention_dropout=0, or use "
         f"attention_impl='xla'")
-
-
-def _dropped(p, keep, rate: float):
-  return p if rate <= 0.0 else dropout.kept(p, keep, rate)
 
 
 def _row_loop(local_window: int, seg_ref, rows_ref, first_head_ref, heads: int, body,
@@ -195,16 +192,21 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
   `unrolled`): with a traced row index libtpu 0.0.42 fails a RET_CHECK on such an operand, and
   blocks' offsets are traced."""
   # [B, L, N * K], as the projections write it: lane-dense. Heads first ([B, N, L, K]) took a
-  # transpose each way and padded K = 64 to 128 lanes in HBM.
-  rows, length, heads = inputs[0].shape[:2] + (inputs[0].shape[2] // size,)
+  # transpose each way and padded K = 64 to 128 lanes in HBM. Packed (one product's [3, B, L,
+  # N * K]): q, k and v each read from it where they lie, and dq, dk and dv written into one.
+  packed = inputs[0].ndim == 4
+  views = [(inputs[0], j) for j in range(3)] * packed + [(a, None) for a in inputs[packed:]]
+  rows, length, heads = inputs[-1].shape[-3:-1] + (inputs[-1].shape[-1] // size,)
   dtype, item = inputs[0].dtype, inputs[0].dtype.itemsize
   group = _heads_a_block(heads, size)
   width = group * size
-  block = _block(rows, length, width * item, len(inputs) + outputs)
+  block = _block(rows, length, width * item, len(views) + outputs)
   tile = pl.BlockSpec((block, length, width), lambda b, h, *_: (b, 0, h))
+  third = lambda j: pl.BlockSpec((pl.squeezed, block, length, width),
+                                 lambda b, h, *_: (j, b, 0, h))
   way = blocks.way(length, local_window, rate, MAX_LENGTH)
   by_blocks = way != "whole"  # of queries: slabs or flash
-  fused = (not by_blocks,) * len(inputs)
+  fused = (not by_blocks,) * len(views)
   span = 3 * blocks.BLOCK if way == "slabs" else length  # the keys a query's scores take
   flops += 4 * (way == "flash" and outputs > 1)  # the statistics made again: q k^T, do v^T
   # By blocks: the segments a block to a sublane; q, k, v (and dk, dv in float32) rows in VMEM.
@@ -215,23 +217,29 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
   fn = functools.partial(kernels[way], rate=rate, local_window=local_window,
                          scale=1.0 / np.sqrt(size), size=size, unrolled=any(fused))
   sums = outputs > 1
-  shape = jax.ShapeDtypeStruct(inputs[0].shape, dtype if sums else residuals.bits_type(dtype))
+  shape = jax.ShapeDtypeStruct(inputs[-1].shape[-3:],
+                               dtype if sums else residuals.bits_type(dtype))
+  out_shapes, out_specs = (shape,) * outputs, (tile,) * outputs
+  if packed and sums:  # one [3, B, L, N * K] block of dq, dk and dv, each written as its own
+    out_shapes = (jax.ShapeDtypeStruct((3,) + shape.shape, dtype),)
+    out_specs = (pl.BlockSpec((3, block, length, width), lambda b, h, *_: (0, b, 0, h)),)
+    fn = functools.partial(_thirds, fn)
   # A head's [L, span] float32 temporaries (scores, probabilities, decisions, gradients).
-  need = (2 * (len(inputs) + outputs) * block * length * width * item
+  need = (2 * (len(views) + outputs) * block * length * width * item
           + 10 * min(span, blocks.BLOCK if by_blocks else length) * span * 4
           + sum(length * width * jnp.dtype(v.dtype).itemsize for v in scratch))
   sums_shape, sums_spec = ((jax.ShapeDtypeStruct((rows, 3, heads * size), _F32),),
                            (pl.BlockSpec((block, 3, width), lambda b, h, *_: (b, 0, h)),))
   result = pl.pallas_call(
       fn,
-      out_shape=(shape,) * outputs + sums_shape * sums,
+      out_shape=out_shapes + sums_shape * sums,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3, grid=(rows // block, heads // group), scratch_shapes=scratch,
           in_specs=[pl.BlockSpec((block,) + seg.shape[1:], lambda b, h, *_: (b,) + (0,) * (
               seg.ndim - 1)),
                     pl.BlockSpec((bias.shape[0], width), lambda b, h, *_: (0, h))]
-          + [tile] * len(inputs),
-          out_specs=(tile,) * outputs + sums_spec * sums),
+          + [tile if j is None else third(j) for _, j in views],
+          out_specs=out_specs + sums_spec * sums),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                            allow_input_fusion=(False,) * 5 + fused,
                                            vmem_limit_bytes=need + (16 << 20)),
@@ -239,71 +247,58 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
           flops=flops * rows * heads * length * span * size,
           # exp of the scores, and with RoPE the angles' cos and sin
           transcendentals=rows * heads * length * (span + 2 * size * (seg.shape[1] - 1)),
-          bytes_accessed=(len(inputs) + outputs) * rows * heads * length * size * item
+          bytes_accessed=(len(views) + outputs) * rows * heads * length * size * item
           + seg.size * 4 + sums * rows * 3 * heads * size * 4),
       interpret=interpret, name=name,
-  )(rows_ids, first_head, key, seg, bias, *inputs)
+  )(rows_ids, first_head, key, seg, bias, *(a for a, _ in views))
   return result if len(result) > 1 else result[0]
 
 
-def _forward(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size,
+class _Third:
+  """q's, k's or v's gradient in a [3, rows, L, width] block, read and written as a ref of its
+  own."""
+
+  def __init__(self, ref, j: int):
+    self.ref, self.j, self.dtype = ref, j, ref.dtype
+
+  def __getitem__(self, i):
+    return self.ref[self.j, i]
+
+  def __setitem__(self, i, value):
+    self.ref[self.j, i] = value
+
+
+def _thirds(kernel, *refs, **kwargs):
+  """`kernel` (the backward's) with its dq, dk and dv refs the thirds of one output."""
+  *ins, dqkv_ref, sums_ref = refs
+  return kernel(*ins, *(_Third(dqkv_ref, j) for j in range(3)), sums_ref, **kwargs)
+
+
+def _forward(rows_ids, first_head, key, seg, bias, *qkv, rate, local_window, size,
              interpret):
-  # 4 matmul FLOPs per query, key and head dimension: q k^T and p v.
+  # 4 matmul FLOPs per query, key and head dimension: q k^T and p v. `qkv`: q, k and v, or
+  # their [3, B, L, N * K] (`_call`'s packed).
   return _call(dict(whole=_forward_kernel, slabs=blocks.slab_forward_kernel,
                     flash=blocks.flash_forward_kernel),
-               "fused_attention_fwd", (q, k, v), 1, rows_ids, first_head, key, seg, bias,
+               "fused_attention_fwd", qkv, 1, rows_ids, first_head, key, seg, bias,
                rate=rate, local_window=local_window, size=size, flops=4, interpret=interpret)
 
 
-def _backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate, local_window, size,
+def _backward(rows_ids, first_head, key, seg, bias, *qkv_do, rate, local_window, size,
               interpret):
-  # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv and their sums (`_call`'s).
+  # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv (packed: as one) and their sums.
   return _call(dict(whole=_backward_kernel, slabs=blocks.slab_backward_kernel,
                     flash=blocks.flash_backward_kernel),
-               "fused_attention_bwd", (q, k, v, do), 3, rows_ids, first_head, key, seg, bias,
+               "fused_attention_bwd", qkv_do, 3, rows_ids, first_head, key, seg, bias,
                rate=rate, local_window=local_window, size=size, flops=10, interpret=interpret)
-
-
-def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_window, size):
-  """The kernels' arithmetic by XLA ([B, L, N * K] in and out, heads of `size`; `bias` [3,
-  N * K] added to q, k and v first): where there is no Mosaic, and what the tests hold the
-  kernels to."""
-  rows, length, width = q.shape
-  q, k, v = (x + b.astype(x.dtype) for x, b in zip((q, k, v), bias))
-  if seg.shape[1] > 1:  # RoPE, as the kernel turns q and k
-    angle = seg[:, 1, :, None].astype(_F32) * bias[3]
-    q, k = (rope.turned(x, angle, size, in_kernel=False) for x in (q, k))
-  q, k, v = (x.reshape(rows, length, width // size, size) for x in (q, k, v))
-  seg_k = seg[:, :1, None, :]  # [B, 1, 1, L]
-  allowed = blocks.allowed(jnp.swapaxes(seg_k, -1, -2), seg_k, local_window)
-  # Each row's heads (axis 1 of its [L, N, K]), then each row: p [B, N, L, L].
-  p = jax.vmap(jax.vmap(functools.partial(blocks.probabilities, scale=1.0 / np.sqrt(size)),
-                        in_axes=(1, 1, 0)))(
-      q, k, jnp.broadcast_to(allowed, (rows, q.shape[2], length, length)))
-  keep = None
-  if rate > 0:
-    row = rows_ids.astype(_U32)[:, None, None, None]
-    heads = (first_head[0] + jnp.arange(q.shape[2])).astype(_U32)[None, :, None, None]
-    keep = keep_decisions(key[0].astype(_U32), key[1].astype(_U32), row, heads, length, rate)
-  out = jnp.einsum("bnqs,bsnk->bqnk", _dropped(p, keep, rate).astype(v.dtype), v)
-  return out.reshape(rows, length, width)
-
-
-def _reference_backward(rows_ids, first_head, key, seg, bias, q, k, v, do, *, rate,
-                        local_window, size):
-  _, pull = jax.vjp(lambda q, k, v: reference(rows_ids, first_head, key, seg, bias, q, k, v,
-                                              rate=rate, local_window=local_window, size=size),
-                    q, k, v)
-  grads = pull(do)
-  return (*grads, jnp.stack([g.sum(1, dtype=_F32) for g in grads], axis=1))
 
 
 def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
   """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), and
-  elsewhere `reference`'s XLA arithmetic; on a CPU Pallas' interpreter instead where
+  elsewhere attention_reference's XLA arithmetic; on a CPU Pallas' interpreter instead where
   `interpret_on_cpu` (tests: slow)."""
-  fallback = functools.partial({_forward: lambda *a, **k: residuals.bits(reference(*a, **k)),
-                                _backward: _reference_backward}[fn],
+  fallback = functools.partial({_forward: attention_reference.forward,
+                                _backward: attention_reference.backward}[fn],
                                **kwargs)
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(fn, **kwargs, interpret=False),
@@ -313,9 +308,10 @@ def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
 
 def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
   """fn on each device's rows and heads under the mesh in scope (shard_map over the
-  activations' batch and heads axes), or once without one. `arrays`: [B, L, N * K]; `ids`:
-  (global row ids [B], global head ids [N], key [2], segments [B, L], biases [3, N * K]).
-  More than one output: the [B, L, N * K] ones, then fn's [B, 3, N * K] sums (`_call`'s)."""
+  activations' batch and heads axes), or once without one. `arrays`: [B, L, N * K] (q, k and
+  v packed: [3, B, L, N * K]); `ids`: (global row ids [B], global head ids [N], key [2],
+  segments [B, L], biases [3, N * K]). More than one output: the [B, L, N * K] ones (packed:
+  one [3, ...]), then fn's [B, 3, N * K] sums (`_call`'s)."""
 
   def run(*args):
     rows_ids, heads_ids, key, seg, bias = args[len(arrays):]
@@ -329,9 +325,11 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
   qkv = PartitionSpec(batch, None, heads)  # whole heads a device: N divides over `heads`' axis
   specs = (PartitionSpec(batch), PartitionSpec(heads), PartitionSpec(None),
            PartitionSpec(batch, None, None), PartitionSpec(None, heads))
+  spec = lambda a: PartitionSpec(None, *qkv) if a.ndim == 4 else qkv
+  grads = (spec(arrays[0]),) if arrays[0].ndim == 4 else (qkv,) * outputs
   return jax.shard_map(
-      run, mesh=mesh, in_specs=(qkv,) * len(arrays) + specs,
-      out_specs=(*(qkv,) * outputs, PartitionSpec(batch, None, heads)) if outputs > 1 else qkv,
+      run, mesh=mesh, in_specs=tuple(map(spec, arrays)) + specs,
+      out_specs=(*grads, PartitionSpec(batch, None, heads)) if outputs > 1 else qkv,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*arrays, *ids)
 
@@ -339,7 +337,7 @@ def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):
 def _ids(q_BxLxNK, segment_ids_BxL, key, bias, turn, size: int):
   """`_per_device`'s ids: the segments [B, 1, L] and the biases float32 [3, N * K], with RoPE's
   positions [B, 2, L] and the lanes' frequencies [4, N * K] (`_call`'s `seg` and `bias`)."""
-  rows, _, width = q_BxLxNK.shape
+  rows, _, width = q_BxLxNK.shape[-3:]
   seg = segment_ids_BxL.astype(jnp.int32)[:, None, :]
   table = bias.astype(q_BxLxNK.dtype).astype(_F32)
   if turn is not None:
@@ -352,12 +350,18 @@ def _ids(q_BxLxNK, segment_ids_BxL, key, bias, turn, size: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _attention(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
                size):
+  # q, k and v; or packed, q their [3, B, L, N * K] and k, v None.
   fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window,
                           size=size, interpret_on_cpu=interpret_on_cpu)
   # The kernel writes its output's bits: residuals.named keeps bits through remat, XLA folds the
   # two bitcasts, and the kernel's own output is kept (a float's was copied, by an op).
   return jax.lax.bitcast_convert_type(
-      _per_device(fwd, (q, k, v), _ids(q, segment_ids, key, bias, turn, size), 1), q.dtype)
+      _per_device(fwd, _given(q, k, v), _ids(q, segment_ids, key, bias, turn, size), 1),
+      q.dtype)
+
+
+def _given(q, k, v) -> tuple:
+  return (q,) if k is None else (q, k, v)
 
 
 def _attention_fwd(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
@@ -372,11 +376,12 @@ def _attention_bwd(rate, local_window, interpret_on_cpu, size, saved, do):
   q, k, v, bias, segment_ids, key, turn = saved
   bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window,
                           size=size, interpret_on_cpu=interpret_on_cpu)
-  *grads, sums = _per_device(bwd, (q, k, v, do), _ids(q, segment_ids, key, bias, turn, size), 3)
+  *grads, sums = _per_device(bwd, _given(q, k, v) + (do,),
+                             _ids(q, segment_ids, key, bias, turn, size), 3)
   # A bias's gradient is its sum's: the biased q's gradient (the kernel's) summed over positions
   # (by the kernel, a row at a time) and rows.
   dbias = sums.sum(0).astype(bias.dtype)
-  return (*grads, dbias, None, None, None)
+  return (*grads, *(None, None) * (k is None), dbias, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -393,18 +398,19 @@ def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
   so the products' outputs (what remat "dots" keeps) go in as they are and no biased copy is
   written; differentiable. `turn`: (positions [B, L], `rope.lane_frequencies` [N * K]), q and k
   turned by RoPE after their biases, in the kernel. `local_window` > 0: only keys with
-  |i - j| <= local_window // 2. The
+  |i - j| <= local_window // 2. k and v None: q is one product's q, k and v, [3, B, L, N * K]
+  with `head_size` (read where each lies, its gradient one array: no slice of them copied). The
   kernel on a TPU; on a CPU its interpreter, or with `interpret_on_cpu=False` the same arithmetic
   and bits by XLA (as on a GPU)."""
-  check_length(q_BxLxNxK.shape[1], local_window, rate)
+  shape = q_BxLxNxK.shape[k_BxLxNxK is None:]
+  check_length(shape[1], local_window, rate)
   if rate > 0 and rng is None:
     raise ValueError("fused_attention: a dropout rate needs an rng")
   key = key_words(rng) if rate > 0 else jnp.zeros((2,), jnp.int32)
-  shape = q_BxLxNxK.shape
   if len(shape) == 3 and head_size is None:
     raise ValueError("fused_attention: [B, L, N * K] inputs need head_size")
   size = shape[-1] if len(shape) == 4 else int(head_size)
-  flat = lambda x: x.reshape(shape[:2] + (-1,))
+  flat = lambda x: None if x is None else x.reshape(x.shape[:x.ndim - len(shape) + 2] + (-1,))
   width = int(np.prod(shape[2:]))
   bias = (jnp.zeros((3, width), q_BxLxNxK.dtype) if biases is None
           else jnp.stack([jnp.reshape(b, (width,)) for b in biases]))
