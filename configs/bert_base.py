@@ -8,7 +8,7 @@ Parameters at vocabulary 30522: 109,482,240 in the encoder with pooler, 110,106,
 pre-training heads. The paper: 1M steps at batch 256 x 512 tokens, Adam lr 1e-4.
 Set for TPUs (base.set_accelerator, chosen by compiling): bfloat16, straight layers, fsdp,
 remat "none" (every activation kept), the fused attention kernel with the paper's attention
-dropout, the fused MLP with the layer's dropout, sum and norm after it. Roofline MFU, phases 1
+dropout, the fused MLP and attention end with the dropout, sum and norm. Roofline MFU, phases 1
 and 2: v5p-8 0.96, 0.95; v6e-8 0.96, 0.95; v5e-8 0.96, 0.95 (docs/performance.md). On a GPU
 add `--config.model.attention_impl=cudnn --config.model.attention_dropout=0`; on a CPU
 `--config.model.dtype=float32 --config.model.remat_policy=none`.
