@@ -79,12 +79,11 @@ def decoded_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.
   label's logit, the largest); on a TPU it never writes them (mlm_kernel: made and read in
   VMEM). The backward recomputes them by the same product and makes their
   gradient, softmax - one-hot, in compute dtype as the product's output: it is written once and
-  read by the two products after it and the bias' sum. Automatic differentiation would keep the
-  float32 logits and read them again in each of the three products of the backward (the
-  gradient's arithmetic fused into each): BERT-Base L 512 on v6e-8, 4.8 -> 3.7 GB of HBM a chip
-  a step for the head, at a third more of its FLOPs (docs/performance.md). Values are the
-  unfused loss's; the gradient differs by its rounding to compute dtype, as every gradient of
-  the encoder's.
+  read by the two products after it. Automatic differentiation would keep the float32 logits and
+  read them again in each of the three products of the backward (the gradient's arithmetic
+  fused into each): BERT-Base L 512 on v6e-8, 4.8 -> 3.7 GB of HBM a chip a step for the head,
+  at a third more of its FLOPs (docs/performance.md). Values are the unfused loss's; the
+  gradient differs by its rounding to compute dtype, as every gradient of the encoder's.
   """
   return _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype)[0]
 
@@ -119,14 +118,13 @@ def _scores_bwd(compute_dtype, residuals, g):
   g_BxMxV = jax.lax.optimization_barrier(g_BxMxV)
   dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), _CONTRACT_V,
                                  preferred_element_type=jnp.float32)
-  dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, _CONTRACT_BM,
-                               preferred_element_type=jnp.float32)
-  # The bias' gradient apart: as a row of W's product (x with a column of ones), the [D + 1, V]
-  # sum divided over no fsdp axis, and XLA all-reduced it whole in float32 and sliced each chip's
-  # part (0.57 GB more a step at BERT-Large L 128 on v5p-8 than this second read of g).
-  db_V = jnp.sum(g_BxMxV, axis=(0, 1), dtype=jnp.float32)
-  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_DxV.T.astype(w_VxD.dtype),
-          db_V.astype(bias_V.dtype), None)
+  # W's and the bias's gradients in one product: x with a column of ones appended.
+  x1_BxMxD1 = jnp.concatenate([x_BxMxD.astype(compute_dtype),
+                               jnp.ones(x_BxMxD.shape[:2] + (1,), compute_dtype)], axis=-1)
+  dwb_D1xV = jax.lax.dot_general(x1_BxMxD1, g_BxMxV, _CONTRACT_BM,
+                                 preferred_element_type=jnp.float32)
+  return (dx_BxMxD.astype(x_BxMxD.dtype), dwb_D1xV[:-1].T.astype(w_VxD.dtype),
+          dwb_D1xV[-1].astype(bias_V.dtype), None)
 
 
 decoded_scores.defvjp(_scores_fwd, _scores_bwd)
