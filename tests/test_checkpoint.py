@@ -187,3 +187,13 @@ def test_the_cpu_writer_keeps_orbaxs_metadata_store_or_goes_without(monkeypatch)
     assert made._use_replica_parallel is False  # pylint: disable=protected-access
     assert made._array_metadata_store is (store if has_store else None)  # pylint: disable=protected-access
   assert len(registered) == 2
+
+
+def test_each_manager_names_its_own_barriers(tmp_path):
+  # Fine-tuning saves its checkpoints and its best parameters by two async managers; with
+  # orbax's one barrier key their saves finishing at once failed a two-process pod ("Barrier
+  # ThreadSaveMultiHostValueHolder:set_value_start is already ongoing").
+  prefixes = [Checkpointer(str(tmp_path / name), ("params",), save_every=1, keep=1)
+              ._manager._options.multiprocessing_options.barrier_sync_key_prefix
+              for name in ("checkpoints", "best", "best")]
+  assert prefixes[0] != prefixes[1] and prefixes[1] == prefixes[2], prefixes

@@ -217,12 +217,14 @@ class Checkpointer:
                async_save: bool = True, read_only: bool = False):
     self.directory = _abspath(directory)
     self.items = tuple(items)
-    # A reader of another run's checkpoints creates nothing and removes nothing there: that run
-    # may be saving (its unfinished saves are temporary folders a writer would clean up).
+    # A reader of another run's checkpoints creates and removes nothing there (that run may be
+    # saving). Each manager names its barriers by its folder: two async managers of one run
+    # (fine-tuning's "best" beside its checkpoints) finishing at once met at orbax's one key.
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_every, max_to_keep=keep, create=not read_only,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
-        read_only=read_only)
+        read_only=read_only, multiprocessing_options=ocp.options.MultiprocessingOptions(
+            barrier_sync_key_prefix=re.sub(r"\W", "_", self.directory)))
     _one_writer_per_array_on_a_cpu()
     handlers = {name: ocp.StandardCheckpointHandler() for name in self.items}
     handlers[META] = ocp.JsonCheckpointHandler()
