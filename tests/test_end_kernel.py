@@ -4,17 +4,20 @@ and a BERT model through them against XLA's layers. On a CPU the kernels run in 
 interpreter; tests/test_aot.py compiles a model that takes them for a TPU."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.model import dropout
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.model.kernels import end_kernel
+from bertjax.parallel import sharding
 
 EPS = 1e-12
 
@@ -108,7 +111,7 @@ def test_a_bert_model_through_the_kernels_has_xla_s_values_and_gradients():
                                                                           jax.random.key(1)})
     return jnp.sum(out * probe)
 
-  got, want = (jax.value_and_grad(functools_partial(loss, models[impl]))(params)
+  got, want = (jax.value_and_grad(functools.partial(loss, models[impl]))(params)
                for impl in ("pallas", "xla"))
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
@@ -116,15 +119,9 @@ def test_a_bert_model_through_the_kernels_has_xla_s_values_and_gradients():
                                err_msg=jax.tree_util.keystr(path))
 
 
-def functools_partial(fn, model):
-  return lambda p: fn(model, p)
-
-
 def test_the_end_s_dropout_is_the_same_on_a_mesh_and_another_key_gives_other_decisions():
   # Each device draws the decisions of its own tokens by their index in the global batch, so 8
   # devices (data x fsdp x tensor) give what one does.
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
-  from bertjax.parallel import sharding  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
   config = BertConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=4,
                       intermediate_size=128, max_position_embeddings=128, hidden_dropout=0.1,

@@ -72,7 +72,7 @@ def attention_end(cfg: BertConfig, r_BxLxD, norm_name: str, drop, deterministic:
 
   def ended(c_BxLxC, w, b):
     y_NxD = end_kernel.end(
-        c_BxLxC.reshape(r_BxLxD.shape[:2] + (-1,)).reshape(-1, w.size // width).astype(dt),
+        c_BxLxC.reshape(-1, w.size // width).astype(dt),
         r_BxLxD.reshape(-1, width).astype(dt), w.reshape(-1, width).astype(dt),
         jnp.zeros((width,), cfg.storage_dtype) if b is None else b, post)
     return y_NxD.reshape(r_BxLxD.shape)

@@ -15,6 +15,20 @@ from jax.sharding import PartitionSpec
 
 from bertjax.parallel import platforms
 
+TOKEN_BLOCKS = (512, 256, 128, 64, 32, 16, 8)  # tokens a grid step, the largest that divides
+CHUNKS = (512, 256, 128)  # columns made or written at a time inside a step
+
+
+def token_block(tokens: int, largest: int = TOKEN_BLOCKS[0]) -> int:
+  """A kernel's tokens a grid step: the largest of TOKEN_BLOCKS up to `largest` dividing them."""
+  return next((b for b in TOKEN_BLOCKS if b <= largest and tokens % b == 0), tokens)
+
+
+def chunk(width: int) -> int:
+  """Columns of a `width`-wide array a step handles at a time: the largest of CHUNKS dividing
+  it, else all of them."""
+  return next((c for c in CHUNKS if width % c == 0), width)
+
 
 def whole(shape):
   """A block that is the whole array, fetched once (its index never changes) and not double

@@ -35,16 +35,7 @@ from bertjax.model.kernels import devices, mlp_arithmetic
 from bertjax.model.kernels.mlp_arithmetic import T as _T
 from bertjax.parallel import platforms
 
-BLOCKS = (512, 256, 128, 64, 32, 16, 8)  # tokens a grid step, the largest that divides
 _F32 = jnp.float32
-
-
-def _block(tokens: int) -> int:
-  return next((b for b in BLOCKS if tokens % b == 0), tokens)
-
-
-def _chunk(width: int) -> int:
-  return next((c for c in (512, 256, 128) if width % c == 0), width)
 
 
 def _forward_kernel(c_ref, r_ref, w_ref, b_ref, post_ref, key_ref, y_ref, s_ref, *, post):
@@ -92,7 +83,7 @@ def _forward(c_NxC, r_NxD, w_CxD, b_1xD, post_2xD, key_1x4, post, interpret: boo
   (the kernels' own: the attention kernel writes its output so, and a bitcast between two
   kernels ran as an op of its own, a read and a write of c)."""
   (tokens, inner), width = c_NxC.shape, w_CxD.shape[1]
-  block, item = _block(tokens), c_NxC.dtype.itemsize
+  block, item = devices.token_block(tokens), c_NxC.dtype.itemsize
   need = inner * width * item + 2 * block * (inner + 3 * width) * item + 8 * block * width * 4
   tile = lambda w: pl.BlockSpec((block, w), lambda i: (i, 0))
   return tuple(pl.pallas_call(
@@ -118,9 +109,9 @@ def _backward(c_NxC, dy_NxD, s_NxD, w_CxD, post_2xD, key_1x4, post, interpret: b
   from y's gradient and the kept sum's bits. `cores`: the sequences of blocks, the chip's
   TensorCores by default."""
   (tokens, inner), width = c_NxC.shape, w_CxD.shape[1]
-  block, item = _block(tokens), c_NxC.dtype.itemsize
+  block, item = devices.token_block(tokens), c_NxC.dtype.itemsize
   cores = devices.sequences(tokens // block) if cores is None else cores
-  steps, chunk = tokens // block // cores, _chunk(width)
+  steps, chunk = tokens // block // cores, devices.chunk(width)
   need = (inner * width * (item + 4) + 2 * block * (2 * inner + 3 * width) * item
           + 10 * block * width * 4 + inner * chunk * item)
   tile = lambda w: pl.BlockSpec((block, w), lambda c, i: (c * steps + i, 0))
@@ -173,15 +164,12 @@ def _on_platform(fn, *args, **kwargs):
   XLA's arithmetic elsewhere (a GPU)."""
   fallback = {_forward: xla_forward, _backward: xla_backward}[fn]
   if fn is _backward:  # every branch's sums alike: [cores, ...]
-    kwargs["cores"] = devices.sequences(args[0].shape[0] // _block(args[0].shape[0]))
+    tokens = args[0].shape[0]
+    kwargs["cores"] = devices.sequences(tokens // devices.token_block(tokens))
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(fn, **kwargs, interpret=False),
       cpu=functools.partial(fn, **kwargs, interpret=True),
       default=functools.partial(fallback, **kwargs))
-
-
-def _keyed(key_1x4, tokens: int):
-  return devices.with_first_token(key_1x4, tokens)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -190,8 +178,8 @@ def _end(c_NxC, r_NxD, w_CxD, b_D, post_2xD, key_1x4, post):
 
 
 def _run_forward(c_NxC, r_NxD, w_CxD, b_D, post_2xD, key_1x4, post):
-  fwd = lambda c, r, w, b, n, k: _on_platform(_forward, c, r, w, b, n, _keyed(k, c.shape[0]),
-                                              post=post)
+  fwd = lambda c, r, w, b, n, k: _on_platform(
+      _forward, c, r, w, b, n, devices.with_first_token(k, c.shape[0]), post=post)
   return devices.per_device(fwd, (residuals.bits(c_NxC), r_NxD),
                             (w_CxD, b_D.astype(_F32)[None, :], post_2xD, key_1x4),
                             ("tokens", "tokens"))
@@ -207,8 +195,8 @@ def _end_fwd(c_NxC, r_NxD, w_CxD, b_D, post_2xD, key_1x4, post):
 
 def _end_bwd(post, saved, dy_NxD):
   c_NxC, s_NxD, w_CxD, b_D, post_2xD, key_1x4 = saved
-  bwd = lambda c, dy, s, w, n, k: _on_platform(_backward, c, dy, s, w, n,
-                                               _keyed(k, c.shape[0]), post=post)
+  bwd = lambda c, dy, s, w, n, k: _on_platform(
+      _backward, c, dy, s, w, n, devices.with_first_token(k, c.shape[0]), post=post)
   dc, dr, dw, db, d_post = devices.per_device(
       bwd, (residuals.bits(c_NxC), dy_NxD, s_NxD), (w_CxD, post_2xD, key_1x4),
       ("tokens", "tokens", "sums", "sums", "sums"))

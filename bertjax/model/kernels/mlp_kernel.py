@@ -48,26 +48,17 @@ from jax.experimental.pallas import tpu as pltpu
 from bertjax.errors import Refusal
 from bertjax.model import residuals
 from bertjax.model.kernels import devices, mlp_arithmetic, row_norm
+from bertjax.model.kernels.devices import chunk as _chunk, token_block
 from bertjax.model.kernels.mlp_arithmetic import T as _T
 from bertjax.parallel import platforms
 
-TOKEN_BLOCKS = (512, 256, 128, 64, 32, 16, 8)  # tokens a grid step, the largest that divides
-CHUNKS = (512, 256, 128)  # F columns made at a time inside a step
 _F32 = jnp.float32
-
-
-def token_block(tokens: int, largest: int = TOKEN_BLOCKS[0]) -> int:
-  return next((b for b in TOKEN_BLOCKS if b <= largest and tokens % b == 0), tokens)
 
 
 def _backward_block(tokens: int) -> int:
   # Blocks of 256 tokens: beside the weights and their float32 sums (BERT-Large: 50 MB), 512
   # overflowed v5p's 64 MiB of VMEM; the weights are read once either way.
   return token_block(tokens, 256)
-
-
-def _chunk(width: int) -> int:
-  return next((c for c in CHUNKS if width % c == 0), width)
 
 
 def _columns(start: int, chunk: int, hidden: int, inner: int) -> list[slice]:
@@ -179,6 +170,7 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
   devices.write_sums(outs, accs, stage_ref, sem, chunk)  # each core's last block: written once
+
 
 def _vmem_limit(need: int, interpret: bool) -> int:
   # Weights over a core's VMEM are said here, at trace time, not by libtpu's refusal minutes
