@@ -225,13 +225,26 @@ print("fused " + json.dumps({
                   if r["opcode"] in ("custom-call", "fusion") and "fused_mlp" in r["op_name"]],
     "mlm_flops": [r["flops"] for r in rows
                   if r["opcode"] in ("custom-call", "fusion")
-                  and r["op_name"].endswith("mlm_scores_fwd/pallas_call")]}))
+                  and r["op_name"].endswith("mlm_scores_fwd/pallas_call")]}), flush=True)
+# Straight pre-norm layers under remat "dots_kernels": the norm and q, k and v by qkv_kernel.
+config.model.update(scan_layers=False, remat_policy="dots_kernels")
+text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 80).as_text()
+rows = hlocost.program_rows(text)
+print("qkv " + json.dumps({
+    "kernels": sorted(set(re.findall(r"fused_qkv_[a-z]+", text))),
+    "flops": sorted(r["flops"] for r in rows if r["opcode"] in ("custom-call", "fusion")
+                    and "fused_qkv" in r["op_name"]),
+    # What XLA runs between it and the attention kernels (a rounding or a bitcast of q, k and v).
+    "between": sorted({r["opcode"] + " " + r["shape"] for r in rows
+                       if "_projections/" in r["op_name"]
+                       and r["opcode"] in ("reduce-precision", "bitcast-convert")})}))
 """
   result = run("-c", probe, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
           for line in result.stdout.splitlines()
-          if line.startswith(("dcn ", "kinds ", "splash ", "cost_model ", "fused ", "end "))}
+          if line.startswith(("dcn ", "kinds ", "splash ", "cost_model ", "fused ", "end ",
+                              "qkv "))}
 
 
 def test_dcn_mesh_axes_span_the_slices(probes):
@@ -365,6 +378,20 @@ def test_the_attention_end_kernels_compile_into_a_post_norm_train_step_and_count
   assert out["kernels"] == ["fused_end_bwd", "fused_end_fwd"], out
   product = 2 * (2 * 128) * 128 * 128
   assert out["flops"] == [product, 2 * product], out
+
+
+def test_the_qkv_kernels_compile_into_a_pre_norm_train_step_and_hand_q_k_and_v_on_as_written(
+    probes):
+  # Straight pre-norm layers with the fused attention and the MLP kernels: each layer's norm and
+  # q, k and v's products are qkv_kernel's (layer 0 without the norm it skips), counted by their
+  # own estimates: 2 rows a chip of 128 tokens, D 128; three products forward, six backward.
+  # Remat keeps q, k and v as bits and the attention kernels read them so: no rounding pass or
+  # bitcast runs between the kernels (each was a pass over q, k and v: docs/performance.md).
+  out = probes["qkv"]
+  assert out["kernels"] == ["fused_qkv_bwd", "fused_qkv_fwd"], out
+  product = 2 * (2 * 128) * 128 * 128
+  assert out["flops"] == [3 * product] * 3 + [6 * product] * 3, out
+  assert out["between"] == [], out
 
 
 def test_the_mlm_scores_kernel_compiles_into_the_train_step_and_counts_its_flops(probes):

@@ -17,7 +17,8 @@ import pytest
 from bertjax.model import attention
 from bertjax.model.rope import apply_rope, rope_tables
 from bertjax.model.config import BertConfig
-from bertjax.model.encoder import BertModel, SelfAttention
+from bertjax.model.encoder import BertModel
+from bertjax.model.self_attention import SelfAttention
 from bertjax.model.heads import BertForPreTraining
 from bertjax.weights import reader as weights
 

@@ -48,22 +48,23 @@ REMAT_POLICIES = {
     # "dots", and the fused MLP kernels' output (mlp_impl "pallas"), which is no matmul's: the
     # forward kernel then does not run again in the backward. Fewer FLOPs, more bytes; with
     # XLA's MLP the same as "dots" (docs/performance.md, "The MLP in one kernel"). With
-    # "pallas_kept" also the pre-activation its forward writes for the backward.
+    # "pallas_kept" also the pre-activation its forward writes for the backward; with the kernel
+    # that makes a pre-norm layer's q, k and v (qkv_kernel), its outputs, as "dots" kept theirs.
     "dots_mlp": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("mlp_output", "mlp_hidden")),
+        jax.checkpoint_policies.save_only_these_names("mlp_output", "qkv", "mlp_hidden")),
     # "dots_mlp", and the fused attention kernel's output (attention_impl "fused"): neither
     # kernel's forward runs again in the backward.
     "dots_kernels": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("mlp_output", "mlp_hidden",
+        jax.checkpoint_policies.save_only_these_names("mlp_output", "qkv", "mlp_hidden",
                                                       "attention_output")),
     # "dots_kernels" but the MLP's pre-activation: the kernels' outputs alone. Under it
     # mlp_impl "auto" gives "pallas" (the backward kernel makes the pre-activation again), where
     # a [tokens, F] residual kept in the scanned loop's stack costs more bytes than its product.
     "dots_outputs": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("mlp_output", "attention_output")),
+        jax.checkpoint_policies.save_only_these_names("mlp_output", "qkv", "attention_output")),
 }
 
 # remat_policy "auto": "dots_kernels" (the steps bound by their FLOPs keep what the kernels' second

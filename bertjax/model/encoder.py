@@ -1,5 +1,6 @@
-"""The BERT encoder as Flax linen modules: embeddings, attention, layers, BertModel (its config:
-config.py; its MLP: mlp.py; the initialisers, norm and Dense it is built of: primitives.py).
+"""The BERT encoder as Flax linen modules: embeddings, layers, BertModel (its config: config.py;
+its attention: self_attention.py; its MLP: mlp.py; the initialisers, norm and Dense it is built
+of: primitives.py).
 
 Semantics follow the original release (arXiv:1810.04805, google-research/bert): post-LN layers,
 learned absolute positions, segment embeddings, LayerNorm eps 1e-12, exact-erf GELU by default,
@@ -20,13 +21,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from bertjax.model import attention, dropout, mlp, primitives, residuals
-from bertjax.model.kernels import attention_blocks, attention_kernel
-from bertjax.model.rope import apply_rope, lane_frequencies, rope_tables
-from bertjax.model.config import BertConfig, chosen_qkv, rematted
+from bertjax.model import attention, dropout, mlp, residuals
+from bertjax.model.rope import rope_tables
+from bertjax.model.config import BertConfig, rematted
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, normal_init, sinusoidal_init
+from bertjax.model.self_attention import SelfAttention
 from bertjax.parallel import sharding
 
 
@@ -84,171 +84,6 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
-class SelfAttention(nn.Module):
-  """Multi-head self-attention with its output projection (before the residual).
-
-  `query_key_init="shared"` starts the key projection as a copy of the query's (both are then
-  trained apart, as in the original). Each head's score q_i . k_j is then x_i^T W W^T x_j, a
-  positive semi-definite form: from step one a token attends most to itself and to tokens whose
-  representation is close to its own, which with a sinusoidal position table means its
-  neighbours. With independent random W_Q, W_K the scores carry no such order and a small model
-  must first find one, on a plateau whose length varies from run to run (configs/tiny.py).
-
-  `layer_id` (an int, or a traced index under nn.scan) picks global or local attention and the
-  RoPE table; `rope` holds the tables BertModel built once per batch. `query_positions` [B, S]
-  (XLA path): only those positions ask (keys and values are every position's); the output is
-  theirs, [B, S, D].
-  """
-
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, x_BxLxD, masks, deterministic: bool, rope=None, layer_id=0,
-               query_positions=None, end=None):
-    cfg = self.config
-    shape = (cfg.num_heads, cfg.head_size)
-    is_local = cfg.is_local(layer_id)
-    window = cfg.local_window if cfg.has_local_layers else 0
-    kernel, from_splash, packed = self._route(x_BxLxD.shape[1], masks, is_local, window,
-                                              query_positions)
-    apart = dict(flat=True, bias_apart=True) if kernel else {}
-    at_queries = ((lambda a: a) if query_positions is None
-                  else lambda a: attention.gather_positions(a, query_positions))
-    q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = self._projections(x_BxLxD, apart, at_queries, packed)
-    heads = lambda x: x.reshape(x.shape[:2] + shape)  # [B, L, N * K] -> [B, L, N, K]
-    biases = None
-    if apart.get("bias_apart"):
-      (q_BxLxNxK, bq), (k_BxLxNxK, bk), (v_BxLxNxK, bv) = q_BxLxNxK, k_BxLxNxK, v_BxLxNxK
-      biases = None if bq is None else (bq, bk, bv)
-    if kernel and not packed:
-      q_BxLxNxK, k_BxLxNxK, v_BxLxNxK = map(heads, (q_BxLxNxK, k_BxLxNxK, v_BxLxNxK))
-    turn = None
-    if rope is not None and kernel:
-      # RoPE in the kernel (rope.py): XLA's float32 turns and their relayouts were most of
-      # ModernBERT's bytes.
-      frequencies = lambda theta: lane_frequencies(cfg.head_size, cfg.num_heads, theta)
-      turn = (rope["positions"], attention.select_local(
-          is_local, frequencies(cfg.local_rope_theta or cfg.rope_theta),
-          frequencies(cfg.rope_theta)))
-    elif rope is not None:
-      cos_BxLxK, sin_BxLxK = rope["global"]
-      if cfg.has_local_layers and "local" in rope:
-        pick = attention.select_local
-        cos_BxLxK, sin_BxLxK = (pick(is_local, rope["local"][0], cos_BxLxK),
-                                pick(is_local, rope["local"][1], sin_BxLxK))
-      q_BxLxNxK = apply_rope(q_BxLxNxK, at_queries(cos_BxLxK), at_queries(sin_BxLxK))
-      k_BxLxNxK = apply_rope(k_BxLxNxK, cos_BxLxK, sin_BxLxK)
-    if not kernel:
-      # The kernel's shard_map places its [B, L, N * K] inputs itself. There, this constraint on
-      # the heads apart made XLA copy dq into a layout with the length minor for its products:
-      # a [B, L, D] pass a layer (docs/performance.md).
-      q_BxLxNxK = nn.with_logical_constraint(q_BxLxNxK, ("activation_batch", "activation_length",
-                                                         "activation_heads", "activation_kv"))
-    # `masks`: attention.attention_masks(cfg.attention_impl, ...), built once for all layers.
-    if cfg.attention_impl == "splash" and not from_splash:
-      # Init runs the kernel's XLA equivalent: the parameters do not depend on it, and callers
-      # initialise on dummy batches (length 8) that the kernel's blocks do not fit.
-      splash = (attention.splash_equivalent if self.is_initializing()
-                else attention.splash_attention)
-      run = lambda w: lambda q, k, v, ids: splash(q, k, v, ids, local_window=w)
-      out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
-                                           v_BxLxNxK, masks["segment_ids"])
-    elif kernel:
-      out_BxLxNxK = self._kernel(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["segment_ids"],
-                                 is_local, window, biases, deterministic, turn)
-    elif cfg.attention_impl == "cudnn":
-      run = lambda w: lambda q, k, v, m: attention.cudnn_attention(q, k, v, m, w)
-      out_BxLxNxK = attention.choose_local(is_local, run(window), run(0), q_BxLxNxK, k_BxLxNxK,
-                                           v_BxLxNxK, masks)
-    else:
-      rng = (self.make_rng("dropout") if not deterministic and cfg.attention_dropout > 0
-             else None)
-      out_BxLxNxK = attention.masked_attention(
-          q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, masks["mask"], is_local, window, query_positions,
-          cfg.attention_dropout, rng)
-    output = dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
-                   use_bias=cfg.attention_bias)
-    if end is not None:  # mlp.attention_end's: the layer's end by the kernels, from the heads
-      return end(out_BxLxNxK, *output(out_BxLxNxK, weights_only=True))
-    return output(out_BxLxNxK, flat=kernel)
-
-  def takes_kernel(self, length: int, masks, layer_id) -> bool:
-    """Whether a layer of all positions takes the fused kernel (`_route`)."""
-    window = self.config.local_window if self.config.has_local_layers else 0
-    return self._route(length, masks, self.config.is_local(layer_id), window, None)[0]
-
-  def _route(self, length: int, masks, is_local, window: int, query_positions):
-    """(the fused kernel, by it a splash layer, one product for q, k and v).
-    The fused kernel reads the heads side by side, [B, L, N * K], as one 2-D product writes
-    them (`flat`: no copy between), and their biases apart (added, then q and k turned by RoPE,
-    as it reads them: no biased copy written, or made again under remat). Under "splash", an
-    unrolled layer the kernel holds block by block runs by it (a local window by slabs, a global
-    layer past its whole rows online: attention_blocks.py): splash's path turned q and k by XLA
-    and copied them heads first (docs/performance.md, "ModernBERT-base: RoPE inside the
-    attention kernel"). One product (qkv_product "one"; "auto" settled by train.build) where
-    the heads are whole on each device, not into blocks of queries (they read q, k and v whole)."""
-    cfg, blocks = self.config, attention_blocks
-    static = isinstance(is_local, (bool, np.bool_))
-    window = window if static and is_local else 0
-    rate, longest = cfg.attention_dropout, attention_kernel.MAX_LENGTH
-    way = blocks.way(length, window, rate, longest) if static else "whole"
-    from_splash = cfg.attention_impl == "splash" and "segment_ids" in masks and (
-        way == "flash" or static and blocks.holds_window(length, window, rate))
-    kernel = (cfg.attention_impl in ("fused", "auto") and "segment_ids" in masks) or from_splash
-    packed = (kernel and query_positions is None and way == "whole"
-              and sharding.logical_shards("activation_heads") == 1
-              and chosen_qkv(cfg.qkv_product, jax.devices()[0]) == "one")
-    return kernel, from_splash, packed
-
-  def _projections(self, x_BxLxD, apart: dict, at_queries, packed: bool):
-    """q, k and v by Dense's `apart` options (L: S for q with query positions); with `packed`
-    the thirds of one product, each with its bias apart. The parameters are the same."""
-    cfg = self.config
-    shape, names = (cfg.num_heads, cfg.head_size), ("embed", "heads", "kv")
-    bias = cfg.attention_bias
-    query = dense(cfg, shape, names, "query", use_bias=bias)
-    # Called first: a key shared with the query starts as the query's initialised weights.
-    q = query(x_BxLxD, weights_only=True) if packed else query(at_queries(x_BxLxD), **apart)
-    key_init = None
-    if cfg.query_key_init == "shared" and self.is_initializing():
-      # A copy (not the same array): the train step donates every buffer of the state once.
-      w_DxNxK = nn.meta.unbox(query.variables["params"]["kernel"])
-      key_init = lambda rng, shape, dtype: jnp.array(w_DxNxK, dtype=dtype, copy=True)
-    key = dense(cfg, shape, names, "key", kernel_init=key_init, use_bias=bias)
-    value = dense(cfg, shape, names, "value", use_bias=bias)
-    if not packed:
-      return q, key(x_BxLxD, **apart), value(x_BxLxD, **apart)
-    ws, bs = zip(q, *(m(x_BxLxD, weights_only=True) for m in (key, value)))
-    # [3, B, L, N * K]: the kernel reads each third where it lies (sliced, each was copied).
-    qkv = primitives.stacked_product(cfg, x_BxLxD, [w.reshape(w.shape[0], -1) for w in ws])
-    return tuple((a, None if b is None else b.reshape(-1)) for a, b in zip((qkv, None, None), bs))
-
-  def _kernel(self, q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, is_local, window: int,
-              biases, deterministic: bool, turn=None):
-    """The fused kernel, on the heads side by side ([B, L, N * K]), or its XLA equivalent at init.
-
-    "auto": the kernel's arithmetic by XLA on a CPU, not its interpreter; at lengths the kernel
-    does not hold, attention_masks gave XLA's mask and __call__ does not come here.
-    """
-    cfg = self.config
-    rate = 0.0 if deterministic else cfg.attention_dropout
-    rng = self.make_rng("dropout") if rate > 0 and not self.is_initializing() else None
-    heads = lambda x: x.reshape(x.shape[-3:-1] + (cfg.num_heads, cfg.head_size))
-    flat = lambda x: x.reshape(x.shape[:2] + (-1,))
-    qkv = ((q_BxLxNxK, None, None) if k_BxLxNxK is None  # packed: [3, B, L, N * K]
-           else tuple(map(flat, (q_BxLxNxK, k_BxLxNxK, v_BxLxNxK))))
-    apart = lambda q, k, v: tuple(q) if k is None else (q, k, v)
-    fused = lambda w: lambda q, k, v, ids: (
-        flat(attention.splash_equivalent(*map(heads, apart(q, k, v)), ids, local_window=w))
-        if self.is_initializing()
-        else attention_kernel.fused_attention(
-            q, k, v, ids, rng, rate, local_window=w, head_size=cfg.head_size, biases=biases,
-            interpret_on_cpu=cfg.attention_impl == "fused", turn=turn))
-    out_BxLxNK = attention.choose_local(is_local, fused(window), fused(0), *qkv, segment_ids_BxL)
-    # Named for remat "dots_kernels", which keeps it (no matmul's output: "dots" does not).
-    return heads(residuals.named(out_BxLxNK, "attention_output"))
-
-
 class EncoderLayer(nn.Module):
   """Post-LN: h = LN(x + drop(attn(x))); out = LN(h + drop(mlp(h))).
 
@@ -275,17 +110,27 @@ class EncoderLayer(nn.Module):
     res_BxLxD = (x_BxLxD if query_positions is None
                  else attention.gather_positions(x_BxLxD, query_positions))
     if cfg.norm_position == "pre":
-      if cfg.skips_first_attention_norm and isinstance(layer_id, int):
-        in_BxLxD = (x_BxLxD if layer_id == 0
-                    else layer_norm(cfg, "attention_layer_norm")(x_BxLxD))
-      elif cfg.skips_first_attention_norm:
-        # Scanned layers share one structure: layer 0 has the norm's parameters but bypasses it.
-        in_BxLxD = jnp.where(layer_id == 0, x_BxLxD,
-                             layer_norm(cfg, "attention_layer_norm")(x_BxLxD))
+      start = (None if query_positions is not None
+               or not self_attention.takes_kernel(x_BxLxD.shape[1], masks, layer_id)
+               else mlp.attention_start(cfg, x_BxLxD, "attention_layer_norm", layer_id))
+      if start is not None:  # the norm and q, k and v by the kernels, which give x back
+        attn_BxLxD, res_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope,
+                                             layer_id, start=start)
       else:
-        in_BxLxD = layer_norm(cfg, "attention_layer_norm")(x_BxLxD)
-      attn_BxLxD = attention_fn(in_BxLxD, masks, self.deterministic, rope, layer_id)
+        norm = layer_norm(cfg, "attention_layer_norm")
+        if not cfg.skips_first_attention_norm:
+          in_BxLxD = norm(x_BxLxD)
+        elif isinstance(layer_id, int):
+          in_BxLxD = x_BxLxD if layer_id == 0 else norm(x_BxLxD)
+        else:
+          # Scanned layers share one structure: layer 0 has the norm's parameters but bypasses it.
+          in_BxLxD = jnp.where(layer_id == 0, x_BxLxD, norm(x_BxLxD))
+        attn_BxLxD = attention_fn(in_BxLxD, masks, self.deterministic, rope, layer_id)
       h_BxLxD = res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic)
+      if start is not None:
+        # Kept where the kernels' outputs are ("dots_kernels"): the MLP kernels' backward reads
+        # it, and XLA made it again from x and the output product's kept result.
+        h_BxLxD = jax.ad_checkpoint.checkpoint_name(h_BxLxD, "attention_output")
       dropped = (None if self.deterministic or cfg.hidden_dropout <= 0
                  else lambda y: drop(y, deterministic=False))
       out_BxLxD = mlp.residual_normed(cfg, h_BxLxD, "output_layer_norm", dropped)

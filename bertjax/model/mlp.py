@@ -59,6 +59,22 @@ def ends_in_kernels(cfg: BertConfig) -> bool:
   return cfg.norm_position == "post" and _impl(cfg) in ("pallas", "pallas_kept")
 
 
+def attention_start(cfg: BertConfig, x_BxLxD, norm_name: str, layer_id):
+  """A pre-norm layer's attention norm for qkv_kernel, which makes it and q, k and v's products
+  with the MLP's kernels (the attention the fused kernel: the caller's to check): a one-tuple of
+  the norm ((its weights, at `norm_name` in the calling module; eps; centred), None for a layer
+  that skips it), or None where XLA's path makes them (a scanned layer's skipped norm is a
+  traced choice)."""
+  if cfg.norm_position != "pre" or _impl(cfg) not in ("pallas", "pallas_kept"):
+    return None
+  if cfg.skips_first_attention_norm and not isinstance(layer_id, int):
+    return None
+  if cfg.skips_first_attention_norm and layer_id == 0:
+    return (None,)
+  weights = NormWeights(cfg, name=norm_name)(x_BxLxD.shape[-1])
+  return ((weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm"),)
+
+
 def attention_end(cfg: BertConfig, r_BxLxD, norm_name: str, drop, deterministic: bool):
   """LN(r + dropout(c W + b)) as a function of the attention's heads c [B, L, C] and the output
   projection's (W [.., D], b or None), by end_kernel.end: the norm's parameters at `norm_name`

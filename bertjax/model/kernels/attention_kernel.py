@@ -177,7 +177,7 @@ def _block(rows: int, length: int, width: int, tensors: int) -> int:
 
 
 def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, *, rate,
-          local_window, size, flops, interpret):
+          local_window, size, flops, interpret, floats=None):
   """`kernels`: by `blocks.way` ("whole", "slabs", "flash"): a local window by slabs, a global
   layer past MAX_LENGTH block by block, else whole rows. `seg` int32 [B, 1, L]
   (segments; [B, 2, L] with positions: RoPE), `bias` float32 [3, N * K] (values of the inputs'
@@ -197,7 +197,9 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
   packed = inputs[0].ndim == 4
   views = [(inputs[0], j) for j in range(3)] * packed + [(a, None) for a in inputs[packed:]]
   rows, length, heads = inputs[-1].shape[-3:-1] + (inputs[-1].shape[-1] // size,)
-  dtype, item = inputs[0].dtype, inputs[0].dtype.itemsize
+  # `floats`: q, k and v as the bits of that type, read as it (qkv_kernel wrote them: `_Floats`).
+  dtype = inputs[0].dtype if floats is None else jnp.dtype(floats)
+  item = dtype.itemsize
   group = _heads_a_block(heads, size)
   width = group * size
   block = _block(rows, length, width * item, len(views) + outputs)
@@ -224,6 +226,8 @@ def _call(kernels, name, inputs, outputs, rows_ids, first_head, key, seg, bias, 
     out_shapes = (jax.ShapeDtypeStruct((3,) + shape.shape, dtype),)
     out_specs = (pl.BlockSpec((3, block, length, width), lambda b, h, *_: (0, b, 0, h)),)
     fn = functools.partial(_thirds, fn)
+  if floats is not None:
+    fn = functools.partial(_Floats.reading, fn, dtype)
   # A head's [L, span] float32 temporaries (scores, probabilities, decisions, gradients).
   need = (2 * (len(views) + outputs) * block * length * width * item
           + 10 * min(span, blocks.BLOCK if by_blocks else length) * span * 4
@@ -268,6 +272,23 @@ class _Third:
     self.ref[self.j, i] = value
 
 
+class _Floats:
+  """q's, k's or v's ref of bits, read as the float type they are the bits of."""
+
+  def __init__(self, ref, dtype):
+    self.ref, self.dtype, self.shape = ref, dtype, ref.shape
+
+  def __getitem__(self, i):
+    return jax.lax.bitcast_convert_type(self.ref[i], self.dtype)
+
+  @staticmethod
+  def reading(kernel, dtype, *refs, **kwargs):
+    """`kernel` with its q, k and v refs (after 3 scalars, segments, biases) read as `dtype`."""
+    refs = list(refs)
+    refs[5:8] = [_Floats(ref, dtype) for ref in refs[5:8]]
+    return kernel(*refs, **kwargs)
+
+
 def _thirds(kernel, *refs, **kwargs):
   """`kernel` (the backward's) with its dq, dk and dv refs the thirds of one output."""
   *ins, dqkv_ref, sums_ref = refs
@@ -275,22 +296,24 @@ def _thirds(kernel, *refs, **kwargs):
 
 
 def _forward(rows_ids, first_head, key, seg, bias, *qkv, rate, local_window, size,
-             interpret):
+             interpret, floats=None):
   # 4 matmul FLOPs per query, key and head dimension: q k^T and p v. `qkv`: q, k and v, or
   # their [3, B, L, N * K] (`_call`'s packed).
   return _call(dict(whole=_forward_kernel, slabs=blocks.slab_forward_kernel,
                     flash=blocks.flash_forward_kernel),
                "fused_attention_fwd", qkv, 1, rows_ids, first_head, key, seg, bias,
-               rate=rate, local_window=local_window, size=size, flops=4, interpret=interpret)
+               rate=rate, local_window=local_window, size=size, flops=4, interpret=interpret,
+               floats=floats)
 
 
 def _backward(rows_ids, first_head, key, seg, bias, *qkv_do, rate, local_window, size,
-              interpret):
+              interpret, floats=None):
   # 10: q k^T again, do v^T, dv, dq and dk. Returns dq, dk, dv (packed: as one) and their sums.
   return _call(dict(whole=_backward_kernel, slabs=blocks.slab_backward_kernel,
                     flash=blocks.flash_backward_kernel),
                "fused_attention_bwd", qkv_do, 3, rows_ids, first_head, key, seg, bias,
-               rate=rate, local_window=local_window, size=size, flops=10, interpret=interpret)
+               rate=rate, local_window=local_window, size=size, flops=10, interpret=interpret,
+               floats=floats)
 
 
 def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
@@ -347,36 +370,39 @@ def _ids(q_BxLxNK, segment_ids_BxL, key, bias, turn, size: int):
           key, seg, table)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
 def _attention(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
-               size):
-  # q, k and v; or packed, q their [3, B, L, N * K] and k, v None.
+               size, bits):
+  # q, k and v; or packed, q their [3, B, L, N * K] and k, v None. `bits`: the kernels read
+  # their bits (fused_attention's).
   fwd = functools.partial(_on_platform, _forward, rate=rate, local_window=local_window,
-                          size=size, interpret_on_cpu=interpret_on_cpu)
+                          size=size, interpret_on_cpu=interpret_on_cpu,
+                          floats=q.dtype if bits else None)
   # The kernel writes its output's bits: residuals.named keeps bits through remat, XLA folds the
   # two bitcasts, and the kernel's own output is kept (a float's was copied, by an op).
   return jax.lax.bitcast_convert_type(
-      _per_device(fwd, _given(q, k, v), _ids(q, segment_ids, key, bias, turn, size), 1),
+      _per_device(fwd, _given(q, k, v, bits), _ids(q, segment_ids, key, bias, turn, size), 1),
       q.dtype)
 
 
-def _given(q, k, v) -> tuple:
-  return (q,) if k is None else (q, k, v)
+def _given(q, k, v, bits: bool = False) -> tuple:
+  return tuple(map(residuals.bits if bits else (lambda a: a), (q,) if k is None else (q, k, v)))
 
 
 def _attention_fwd(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
-                   size):
+                   size, bits):
   # Only the inputs are kept: the backward makes the scores and the decisions again.
   out = _attention(q, k, v, bias, segment_ids, key, turn, rate, local_window, interpret_on_cpu,
-                   size)
+                   size, bits)
   return out, (q, k, v, bias, segment_ids, key, turn)
 
 
-def _attention_bwd(rate, local_window, interpret_on_cpu, size, saved, do):
+def _attention_bwd(rate, local_window, interpret_on_cpu, size, bits, saved, do):
   q, k, v, bias, segment_ids, key, turn = saved
   bwd = functools.partial(_on_platform, _backward, rate=rate, local_window=local_window,
-                          size=size, interpret_on_cpu=interpret_on_cpu)
-  *grads, sums = _per_device(bwd, _given(q, k, v) + (do,),
+                          size=size, interpret_on_cpu=interpret_on_cpu,
+                          floats=q.dtype if bits else None)
+  *grads, sums = _per_device(bwd, _given(q, k, v, bits) + (do,),
                              _ids(q, segment_ids, key, bias, turn, size), 3)
   # A bias's gradient is its sum's: the biased q's gradient (the kernel's) summed over positions
   # (by the kernel, a row at a time) and rows.
@@ -389,7 +415,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
                     rate: float = 0.0, local_window: int = 0, interpret_on_cpu: bool = True,
-                    head_size: int | None = None, biases=None, turn=None):
+                    head_size: int | None = None, biases=None, turn=None, bits: bool = False):
   """Softmax(q k^T / sqrt(K)) v within segments (splash's segment ids: attention.
   splash_segment_ids), the probabilities dropped at `rate` by `rng` (a jax key; none at rate 0).
   [B, L, N, K] in and out, or with `head_size` K, [B, L, N * K] (the heads side by side, as a
@@ -401,7 +427,9 @@ def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
   |i - j| <= local_window // 2. k and v None: q is one product's q, k and v, [3, B, L, N * K]
   with `head_size` (read where each lies, its gradient one array: no slice of them copied). The
   kernel on a TPU; on a CPU its interpreter, or with `interpret_on_cpu=False` the same arithmetic
-  and bits by XLA (as on a GPU)."""
+  and bits by XLA (as on a GPU). `bits`: the kernels read q, k and v as their bits (where a
+  kernel wrote them as bits, qkv_kernel: XLA folds the bitcasts between, which otherwise run as
+  ops of their own); the values the same."""
   shape = q_BxLxNxK.shape[k_BxLxNxK is None:]
   check_length(shape[1], local_window, rate)
   if rate > 0 and rng is None:
@@ -415,5 +443,6 @@ def fused_attention(q_BxLxNxK, k_BxLxNxK, v_BxLxNxK, segment_ids_BxL, rng=None,
   bias = (jnp.zeros((3, width), q_BxLxNxK.dtype) if biases is None
           else jnp.stack([jnp.reshape(b, (width,)) for b in biases]))
   out = _attention(flat(q_BxLxNxK), flat(k_BxLxNxK), flat(v_BxLxNxK), bias, segment_ids_BxL,
-                   key, turn, float(rate), int(local_window), bool(interpret_on_cpu), size)
+                   key, turn, float(rate), int(local_window), bool(interpret_on_cpu), size,
+                   bool(bits))
   return out.reshape(shape)

@@ -46,20 +46,31 @@ def reference(rows_ids, first_head, key, seg, bias, q, k, v, *, rate, local_wind
   return out.reshape(rows, length, width)
 
 
-def forward(rows_ids, first_head, key, seg, bias, *qkv, **kwargs):
-  """The forward kernel's result: the output's bits."""
-  return residuals.bits(reference(rows_ids, first_head, key, seg, bias, *_apart(qkv), **kwargs))
+def forward(rows_ids, first_head, key, seg, bias, *qkv, floats=None, **kwargs):
+  """The forward kernel's result: the output's bits. `floats`: q, k and v come as the bits of
+  that float type (`attention_kernel._call`'s)."""
+  return residuals.bits(reference(rows_ids, first_head, key, seg, bias,
+                                  *_apart(_floated(qkv, floats)), **kwargs))
 
 
-def backward(rows_ids, first_head, key, seg, bias, *qkv_do, rate, local_window, size):
+def backward(rows_ids, first_head, key, seg, bias, *qkv_do, rate, local_window, size,
+             floats=None):
   """The backward kernel's results: dq, dk and dv (packed: as one) and their sums over
   positions."""
+  qkv_do = _floated(qkv_do[:-1], floats) + qkv_do[-1:]
   _, pull = jax.vjp(lambda q, k, v: reference(rows_ids, first_head, key, seg, bias, q, k, v,
                                               rate=rate, local_window=local_window, size=size),
                     *_apart(qkv_do[:-1]))
   grads = pull(qkv_do[-1])
   sums = jnp.stack([g.sum(1, dtype=_F32) for g in grads], axis=1)
   return (jnp.stack(grads), sums) if len(qkv_do) == 2 else (*grads, sums)
+
+
+def _floated(arrays: tuple, floats) -> tuple:
+  """The arrays as they are, or (`floats` a float type) turned back from their bits."""
+  if floats is None:
+    return tuple(arrays)
+  return tuple(jax.lax.bitcast_convert_type(a, floats) for a in arrays)
 
 
 def _apart(qkv: tuple) -> tuple:

@@ -6,6 +6,8 @@ as one block, and the weights' gradients a backward sums over its token blocks, 
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,23 +38,36 @@ def whole(shape):
   return pl.BlockSpec(shape, lambda *_: (0,) * len(shape), pipeline_mode=pl.Buffered(1))
 
 
-def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple):
+def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple, inputs: tuple | None = None):
   """fn(*tokens, *whole) on each device's rows under the mesh in scope (shard_map over the
-  activations' batch axes), or once without one. `tokens`: [N, ...] arrays split by rows;
-  `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens" (split by
-  rows) or "sums" ([1, ...] per device, stacked over the devices for the caller to add)."""
+  activations' batch axes), or once without one. `tokens`: arrays split by rows, [N, ...]
+  ("tokens") or [3, N, ...] ("thirds"), as `inputs` names each (all "tokens" by default);
+  `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens", "thirds" or
+  "sums" ([1, ...] per device, stacked over the devices for the caller to add)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return fn(*tokens, *whole)
   batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
-  spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None)}
+  spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None),
+          "thirds": PartitionSpec(None, batch, None)}
   out_specs = tuple(spec[kind] for kind in outputs)
+  inputs = ("tokens",) * len(tokens) if inputs is None else inputs
   return jax.shard_map(
       fn, mesh=mesh,
-      in_specs=(spec["tokens"],) * len(tokens) + tuple(PartitionSpec(None, None) for _ in whole),
+      in_specs=tuple(spec[kind] for kind in inputs) + (PartitionSpec(),) * len(whole),
       out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*tokens, *whole)
+
+
+def on_platform(kernel, fallback, *args, **kwargs):
+  """kernel(*args, **kwargs) by Mosaic on a TPU (also a TPU program compiled on a CPU host), by
+  Pallas' interpreter on a CPU (tests), and elsewhere (a GPU) `fallback`, XLA's arithmetic of the
+  same formula, so a config that asks for the kernels still runs there."""
+  return jax.lax.platform_dependent(
+      *args, tpu=functools.partial(kernel, **kwargs, interpret=False),
+      cpu=functools.partial(kernel, **kwargs, interpret=True),
+      default=functools.partial(fallback, **kwargs))
 
 
 def with_first_token(key_1x4, tokens: int):
