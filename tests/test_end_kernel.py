@@ -19,6 +19,8 @@ from bertjax.model.encoder import BertModel
 from bertjax.model.kernels import end_kernel
 from bertjax.parallel import sharding
 
+from kernel_checks import assert_backwards_agree
+
 EPS = 1e-12
 
 
@@ -63,11 +65,7 @@ def test_the_attention_end_and_its_gradients_are_the_formula_written_out(rate):
   kernel = end_kernel._backward(c, dy, s, w, weights, key, post, interpret=True)
   two = end_kernel._backward(c, dy, s, w, weights, key, post, interpret=True, cores=2)
   xla = end_kernel.xla_backward(c, dy, s, w, weights, key, post)
-  assert len(kernel) == len(two) == len(xla) == 5
-  for got, split, want in zip(kernel, two, xla):
-    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-5)
-    np.testing.assert_allclose(split.sum(0) if split.ndim == 3 else split,
-                               got.sum(0) if got.ndim == 3 else got, atol=2e-4, rtol=1e-5)
+  assert_backwards_agree(kernel, two, xla, 5)
 
 
 def test_in_bfloat16_the_weights_gradient_leaves_in_its_dtype_made_in_float32():

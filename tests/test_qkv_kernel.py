@@ -19,6 +19,8 @@ from bertjax.model.encoder import BertModel
 from bertjax.model.kernels import qkv_kernel
 from bertjax.parallel import sharding
 
+from kernel_checks import assert_backwards_agree
+
 EPS = 1e-5
 
 
@@ -67,11 +69,7 @@ def test_q_k_and_v_and_their_gradients_are_the_formula_written_out(norm, packed)
   kernel = qkv_kernel._backward(x, grads, dres, w, weights, form, packed, interpret=True)
   two = qkv_kernel._backward(x, grads, dres, w, weights, form, packed, interpret=True, cores=2)
   xla = qkv_kernel.xla_backward(x, grads, dres, w, weights, form, packed)
-  assert len(kernel) == len(two) == len(xla) == 3
-  for got, split, want in zip(kernel, two, xla):
-    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-5)
-    np.testing.assert_allclose(split.sum(0) if split.ndim == 3 else split,
-                               got.sum(0) if got.ndim == 3 else got, atol=2e-4, rtol=1e-5)
+  assert_backwards_agree(kernel, two, xla, 3)
 
 
 def test_in_bfloat16_the_weights_gradient_leaves_in_its_dtype_made_in_float32():

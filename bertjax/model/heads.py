@@ -38,7 +38,7 @@ def tied_decoder(x_BxMxD, w_VxD, bias_V, compute_dtype):
   automatically, W's gradient contracts the logits' gradient over its leading (B, M) axes, and XLA
   on CPU first copies that whole tensor into transposed order (a tenth of a small model's step);
   here the contraction runs with the small [B*M, D] input transposed instead, and the bias
-  gradient is a product with ones rather than a reduction over the same leading axes.
+  gradient comes from the same product, x with a column of ones (`_weight_and_bias_grads`).
   """
   return _decode(x_BxMxD, w_VxD, bias_V, compute_dtype)
 
@@ -59,13 +59,21 @@ def _decode_bwd(compute_dtype, residuals, g_BxMxV):
   # in compute dtype (bfloat16 x bfloat16 -> float32 products are not supported everywhere).
   dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), _CONTRACT_V,
                                  preferred_element_type=jnp.float32)
-  dw_DxV = jax.lax.dot_general(x_BxMxD.astype(compute_dtype), g_BxMxV, _CONTRACT_BM,
-                               preferred_element_type=jnp.float32)
-  ones_BxM = jnp.ones(g_BxMxV.shape[:2], g_BxMxV.dtype)
-  dbias_V = jax.lax.dot_general(ones_BxM, g_BxMxV, _CONTRACT_BM,
-                                preferred_element_type=jnp.float32)
-  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_DxV.T.astype(w_VxD.dtype),
+  dw_VxD, dbias_V = _weight_and_bias_grads(x_BxMxD, g_BxMxV, compute_dtype)
+  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_VxD.astype(w_VxD.dtype),
           dbias_V.astype(bias_V.dtype))
+
+
+def _weight_and_bias_grads(x_BxMxD, g_BxMxV, compute_dtype):
+  """W's [V, D] and the bias' [V] gradients, float32, from the logits' gradient g: one product of
+  g with x and a column of ones appended, where the bias' own sum read g again (a pass over
+  ModernBERT's [predictions, V] float32 logits, from which XLA makes g in each reader: 8% of its
+  phase 2 step on v6e-8, docs/performance.md)."""
+  x1_BxMxD1 = jnp.concatenate([x_BxMxD.astype(compute_dtype),
+                               jnp.ones(x_BxMxD.shape[:2] + (1,), compute_dtype)], axis=-1)
+  dwb_D1xV = jax.lax.dot_general(x1_BxMxD1, g_BxMxV, _CONTRACT_BM,
+                                 preferred_element_type=jnp.float32)
+  return dwb_D1xV[:-1].T, dwb_D1xV[-1]
 
 
 tied_decoder.defvjp(_decode_fwd, _decode_bwd)
@@ -118,13 +126,9 @@ def _scores_bwd(compute_dtype, residuals, g):
   g_BxMxV = jax.lax.optimization_barrier(g_BxMxV)
   dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), _CONTRACT_V,
                                  preferred_element_type=jnp.float32)
-  # W's and the bias's gradients in one product: x with a column of ones appended.
-  x1_BxMxD1 = jnp.concatenate([x_BxMxD.astype(compute_dtype),
-                               jnp.ones(x_BxMxD.shape[:2] + (1,), compute_dtype)], axis=-1)
-  dwb_D1xV = jax.lax.dot_general(x1_BxMxD1, g_BxMxV, _CONTRACT_BM,
-                                 preferred_element_type=jnp.float32)
-  return (dx_BxMxD.astype(x_BxMxD.dtype), dwb_D1xV[:-1].T.astype(w_VxD.dtype),
-          dwb_D1xV[-1].astype(bias_V.dtype), None)
+  dw_VxD, dbias_V = _weight_and_bias_grads(x_BxMxD, g_BxMxV, compute_dtype)
+  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_VxD.astype(w_VxD.dtype),
+          dbias_V.astype(bias_V.dtype), None)
 
 
 decoded_scores.defvjp(_scores_fwd, _scores_bwd)
