@@ -4,4 +4,4 @@ bertjax/model/heads.py, where bertjax's own modules import them from."""
 from bertjax.model.heads import (PREDICTION_HEAD, BertForPreTraining,
                                  BertForSequenceClassification, BertForSpanExtraction,
                                  BertForTokenClassification, MlmHead, NspHead, PredictionHead,
-                                 decoded_scores, mean_pool, tied_decoder)
+                                 decoded_scores, kept_scores, mean_pool, tied_decoder)

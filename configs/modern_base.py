@@ -5,8 +5,8 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
-Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.6 and 50.0 of 95
-GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.882 and 0.813; on v6e-8 0.812
+Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.5 and 50.8 of 95
+GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.884 and 0.813; on v6e-8 0.813
 and 0.814; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
 slice needs fewer microbatches, and a batch that divides over its chips and them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
@@ -93,7 +93,7 @@ def get_config(arg=None):
 
   t = config.train
   t.batch_size = 4608 if phase == 1 else 576  # rows of 1024 (ModernBERT's final batch) / 8192
-  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 13.4 and 15.1 GiB, 0.883 and 0.813
+  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 13.3 and 15.2 GiB, 0.884 and 0.813
   t.num_train_steps = 350_000 if phase == 1 else 50_000
   t.learning_rate = 8e-4 if phase == 1 else 3e-4
   t.warmup_steps = 3_000 if phase == 1 else 500

@@ -226,8 +226,9 @@ print("fused " + json.dumps({
     "mlm_flops": [r["flops"] for r in rows
                   if r["opcode"] in ("custom-call", "fusion")
                   and r["op_name"].endswith("mlm_scores_fwd/pallas_call")]}), flush=True)
-# Straight pre-norm layers under remat "dots_kernels": the norm and q, k and v by qkv_kernel.
-config.model.update(scan_layers=False, remat_policy="dots_kernels")
+# Straight pre-norm layers under remat "dots_kernels": the norm and q, k and v by qkv_kernel;
+# the MLM logits kept (mlm_kernel.kept_scores).
+config.model.update(scan_layers=False, remat_policy="dots_kernels", recompute_mlm_logits=False)
 text = aot.compile_train_step(train.from_config(config, devices=devices), 128, 80).as_text()
 rows = hlocost.program_rows(text)
 print("qkv " + json.dumps({
@@ -235,6 +236,8 @@ print("qkv " + json.dumps({
     "flops": sorted(r["flops"] for r in rows if r["opcode"] in ("custom-call", "fusion")
                     and "fused_qkv" in r["op_name"]),
     # What XLA runs between it and the attention kernels (a rounding or a bitcast of q, k and v).
+    "mlm_kept_flops": [r["flops"] for r in rows if r["opcode"] in ("custom-call", "fusion")
+                       and r["op_name"].endswith("mlm_kept_fwd/pallas_call")],
     "between": sorted({r["opcode"] + " " + r["shape"] for r in rows
                        if "_projections/" in r["op_name"]
                        and r["opcode"] in ("reduce-precision", "bitcast-convert")})}))
@@ -392,6 +395,15 @@ def test_the_qkv_kernels_compile_into_a_pre_norm_train_step_and_hand_q_k_and_v_o
   product = 2 * (2 * 128) * 128 * 128
   assert out["flops"] == [3 * product] * 3 + [6 * product] * 3, out
   assert out["between"] == [], out
+
+
+def test_the_kept_mlm_logits_kernel_compiles_into_the_train_step_and_counts_its_flops(probes):
+  # recompute_mlm_logits false on a TPU: the logits written with their figures by
+  # mlm_kernel.kept_scores, counted by its own estimate: 2 rows a chip of 80 predictions
+  # against a vocabulary of 8,000 padded to whole blocks of 512, D 128 (and the slices of its
+  # figures XLA names after it, their few FLOPs beside it).
+  *rest, kernel = sorted(probes["qkv"]["mlm_kept_flops"])
+  assert kernel == 2 * 160 * 8192 * 128 and sum(rest) < 1e4, probes["qkv"]
 
 
 def test_the_mlm_scores_kernel_compiles_into_the_train_step_and_counts_its_flops(probes):

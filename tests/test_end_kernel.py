@@ -4,7 +4,6 @@ and a BERT model through them against XLA's layers. On a CPU the kernels run in 
 interpreter; tests/test_aot.py compiles a model that takes them for a TPU."""
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -19,7 +18,7 @@ from bertjax.model.encoder import BertModel
 from bertjax.model.kernels import end_kernel
 from bertjax.parallel import sharding
 
-from kernel_checks import assert_backwards_agree
+from kernel_checks import assert_backwards_agree, assert_models_agree
 
 EPS = 1e-12
 
@@ -109,12 +108,7 @@ def test_a_bert_model_through_the_kernels_has_xla_s_values_and_gradients():
                                                                           jax.random.key(1)})
     return jnp.sum(out * probe)
 
-  got, want = (jax.value_and_grad(functools.partial(loss, models[impl]))(params)
-               for impl in ("pallas", "xla"))
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
-    np.testing.assert_allclose(g, e, atol=1e-4 * float(jnp.abs(e).max()) + 1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+  assert_models_agree(loss, models, params)
 
 
 def test_the_end_s_dropout_is_the_same_on_a_mesh_and_another_key_gives_other_decisions():

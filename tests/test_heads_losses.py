@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bertjax.model import losses
+from bertjax.model import heads, losses
 from bertjax.model.config import BertConfig
 from bertjax.model.heads import (BertForPreTraining, BertForSequenceClassification, tied_decoder,
-                                 BertForSpanExtraction, BertForTokenClassification, decoded_scores)
+                                 BertForSpanExtraction, BertForTokenClassification, decoded_scores,
+                                 kept_scores)
 
 CFG = BertConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
                  max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
@@ -196,11 +197,13 @@ def test_the_tied_decoder_s_written_gradient_is_the_automatic_one(dtype, tol):
                                atol=tol * float(jnp.max(jnp.abs(b))), err_msg=name)
 
 
+@pytest.mark.parametrize("scorer", [decoded_scores, kept_scores])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_scores_made_with_the_logits_are_the_loss_s_and_its_gradient(dtype, tol):
+def test_scores_made_with_the_logits_are_the_loss_s_and_its_gradient(dtype, tol, scorer):
   """`decoded_scores` (recompute_mlm_logits) scores the logits where it makes them and remakes
-  them in the backward: the loss, the accuracy and every gradient are those of the logits
-  path (tied_decoder, then the losses); bfloat16 rounds the logits' gradient once more."""
+  them in the backward; `kept_scores` (on a TPU where they are kept) keeps them for a backward
+  of its own: the loss, the accuracy and every gradient are those of the logits path
+  (tied_decoder, then the losses); bfloat16 rounds the logits' gradient once more."""
   k = jax.random.split(jax.random.PRNGKey(5), 5)
   x, w = jax.random.normal(k[0], (3, 5, 16)), jax.random.normal(k[1], (50, 16)) * 0.3
   bias = jax.random.normal(k[2], (50,))
@@ -217,7 +220,7 @@ def test_scores_made_with_the_logits_are_the_loss_s_and_its_gradient(dtype, tol)
     (value, acc), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, bias)
     return (value, acc[0]) + grads
 
-  fused = scored(lambda x, w, b: decoded_scores(x, w, b, labels, dtype))
+  fused = scored(lambda x, w, b: scorer(x, w, b, labels, dtype))
   logits = scored(lambda x, w, b: tied_decoder(x, w, b, dtype))
   for name, a, b in zip(("loss", "accuracy", "dx", "dw", "dbias"), fused, logits):
     assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -226,7 +229,7 @@ def test_scores_made_with_the_logits_are_the_loss_s_and_its_gradient(dtype, tol)
   assert 0 < float(fused[1]) < float(jnp.sum(weights))  # some right, some wrong
 
 
-def test_the_model_scores_in_its_head_when_its_config_says_so():
+def test_the_model_scores_in_its_head_when_its_config_says_so(monkeypatch):
   batch, length, masked = 2, 16, 3
   ids = jax.random.randint(jax.random.PRNGKey(0), (batch, length), 0, CFG.vocab_size)
   positions = jnp.tile(jnp.arange(masked), (batch, 1))
@@ -241,6 +244,13 @@ def test_the_model_scores_in_its_head_when_its_config_says_so():
                           masked_lm_ids=labels)
   assert isinstance(scores, losses.MlmScores)
   np.testing.assert_allclose(losses.mlm_loss(scores, labels, None)[0],
+                             losses.mlm_loss(logits, labels, None)[0], rtol=1e-6)
+  # A TPU's step scores them where it keeps them too (kept_scores).
+  monkeypatch.setattr(heads.platforms, "tpu_chip", lambda: "TPU_V6E")
+  kept, _ = model.apply({"params": params}, ids, masked_lm_positions=positions,
+                        masked_lm_ids=labels)
+  assert isinstance(kept, losses.MlmScores)
+  np.testing.assert_allclose(losses.mlm_loss(kept, labels, None)[0],
                              losses.mlm_loss(logits, labels, None)[0], rtol=1e-6)
 
 

@@ -121,3 +121,24 @@ def test_on_a_tpu_the_head_runs_the_kernel_and_elsewhere_xla():
                              bias, labels.reshape(24), interpret=True)
   np.testing.assert_allclose(losses.scores_of(*kernel)[0].nll_BxM, want.nll_BxM.reshape(24),
                              rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [1000, 1024, 200])
+def test_the_kept_logits_kernel_writes_xlas_logits_and_their_figures(vocab, monkeypatch):
+  # Where the logits are kept (heads.kept_scores): the kernel writes them and makes their
+  # figures in the same pass, a block of predictions at a time over the vocabulary's blocks.
+  # Blocks of 256 columns: four over 1,000 (the tail's from a padded copy, its padded columns
+  # written as the bias' padding and not counted), four whole over 1,024, one tail alone over
+  # 200; the 300 rows, which no block divides, padded to three blocks of 128.
+  monkeypatch.setattr(mlm_kernel, "KEPT_VOCAB_BLOCK", 256)
+  monkeypatch.setattr(mlm_kernel, "KEPT_ROW_BLOCKS", (128, 8))
+  x, w, bias, labels = _arrays(300, vocab, 64, jnp.float32)
+  logits = jnp.einsum("rd,vd->rv", x, w, preferred_element_type=jnp.float32) + bias
+  labels = jnp.where(jnp.arange(300) < 100, jnp.argmax(logits, axis=1), labels)
+  got = mlm_kernel.kept_scores(x, w, bias, labels, interpret=True)
+  assert got[0].shape == (300, mlm_kernel.kept_width(vocab)) == (300, -(-vocab // 256) * 256)
+  np.testing.assert_allclose(got[0][:, :vocab], logits, rtol=1e-5, atol=1e-4)
+  assert bool(jnp.all(got[0][:, vocab:] == mlm_kernel.PAD))
+  for name, a, want in zip(("log Z", "label", "largest"), got[1:],
+                           losses.figures(logits, labels)):
+    np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-4, err_msg=name)

@@ -19,7 +19,7 @@ from bertjax.model.encoder import BertModel
 from bertjax.model.kernels import qkv_kernel
 from bertjax.parallel import sharding
 
-from kernel_checks import assert_backwards_agree
+from kernel_checks import assert_backwards_agree, assert_models_agree
 
 EPS = 1e-5
 
@@ -127,12 +127,7 @@ def test_a_pre_norm_model_through_the_kernel_has_xla_s_values_and_gradients(laye
   loss = lambda model, p: jnp.sum(model.apply({"params": p}, ids)[0] * probe)
   text = str(jax.make_jaxpr(jax.grad(functools.partial(loss, models["pallas"])))(params))
   assert "fused_qkv_bwd" in text
-  got, want = (jax.value_and_grad(functools.partial(loss, models[impl]))(params)
-               for impl in ("pallas", "xla"))
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-  for (path, g), e in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
-    np.testing.assert_allclose(g, e, atol=1e-4 * float(jnp.abs(e).max()) + 1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+  assert_models_agree(loss, models, params)
 
 
 def test_remat_keeps_q_k_and_v_so_the_kernel_s_forward_runs_once():

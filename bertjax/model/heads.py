@@ -22,6 +22,7 @@ from bertjax.model.attention import gather_positions
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.model.primitives import EMBED_TO_EMBED, dense, layer_norm, zeros
+from bertjax.parallel import platforms
 
 
 _LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
@@ -134,6 +135,59 @@ def _scores_bwd(compute_dtype, residuals, g):
 decoded_scores.defvjp(_scores_fwd, _scores_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def kept_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.MlmScores:
+  """The MLM scores of tied_decoder's logits at `labels`, the logits kept for the backward
+  (recompute_mlm_logits false, on a TPU: ModernBERT's phase 2). XLA wrote the float32 logits
+  with their largest and read them all again for log Z; mlm_kernel.kept_scores makes log Z as
+  it writes them. The backward is tied_decoder's and the loss's: the two products make the
+  logits' gradient, softmax - one-hot, from the kept logits as they read them. The values are
+  the unfused loss's but for the order log Z's sum is taken in."""
+  return _kept(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype)[0]
+
+
+def _padded(w_VxD, bias_V, compute_dtype):
+  """W and the bias with the kept logits' width of rows (mlm_kernel.kept_width): W's zeros, the
+  bias' _PAD (no padded column's exp counts)."""
+  extra = mlm_kernel.kept_width(w_VxD.shape[0]) - w_VxD.shape[0]
+  return (jnp.pad(w_VxD.astype(compute_dtype), ((0, extra), (0, 0))),
+          jnp.pad(bias_V.astype(jnp.float32), (0, extra), constant_values=mlm_kernel.PAD))
+
+
+def _kept(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
+  def xla(x_BxMxD, w_VxD, bias_V, labels_BxM):
+    logits_BxMxV = nn.with_logical_constraint(
+        _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
+    return (logits_BxMxV, *losses.figures(logits_BxMxV, labels_BxM))
+
+  logits_BxMxV, *figures = mlm_kernel.kept_on_platform(
+      x_BxMxD.astype(compute_dtype), *_padded(w_VxD, bias_V, compute_dtype), labels_BxM, xla)
+  return losses.scores_of(*figures)[0], (logits_BxMxV, figures[0])
+
+
+def _kept_fwd(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
+  scores, (logits_BxMxV, log_z_BxM) = _kept(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype)
+  return scores, (x_BxMxD, w_VxD, bias_V, labels_BxM, logits_BxMxV, log_z_BxM)
+
+
+def _kept_bwd(compute_dtype, residuals, g):
+  x_BxMxD, w_VxD, bias_V, labels_BxM, logits_BxMxV, log_z_BxM = residuals
+  # The logits' padded columns' gradient is zero (their exp is): W's padded rows meet only it.
+  w_padded = _padded(w_VxD, bias_V, compute_dtype)[0]
+  one_hot_BxMxV = jax.nn.one_hot(labels_BxM, w_padded.shape[0], dtype=jnp.float32)
+  g_BxMxV = ((jnp.exp(logits_BxMxV - log_z_BxM[..., None]) - one_hot_BxMxV)
+             * g.nll_BxM[..., None])  # `correct` has no gradient
+  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_padded, _CONTRACT_V,
+                                 preferred_element_type=jnp.float32)
+  dw_VxD, dbias_V = _weight_and_bias_grads(x_BxMxD, g_BxMxV, compute_dtype)
+  vocab = w_VxD.shape[0]
+  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_VxD[:vocab].astype(w_VxD.dtype),
+          dbias_V[:vocab].astype(bias_V.dtype), None)
+
+
+kept_scores.defvjp(_kept_fwd, _kept_bwd)
+
+
 class MlmHead(nn.Module):
   """dense(D) -> activation -> LayerNorm -> logits against the tied word embeddings + bias.
 
@@ -145,7 +199,8 @@ class MlmHead(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxMxD, word_embeddings_VxD, labels_BxM=None):
-    """Logits [B, M, V]; or with `labels_BxM`, their scores alone (decoded_scores)."""
+    """Logits [B, M, V]; or with `labels_BxM`, their scores alone (decoded_scores, or
+    kept_scores where the logits are kept)."""
     cfg = self.config
     h_BxMxD = dense(cfg, cfg.hidden_size, EMBED_TO_EMBED, "transform", use_bias=cfg.head_bias)(
         x_BxMxD)
@@ -163,7 +218,8 @@ class MlmHead(nn.Module):
       # A constant zero: its gradient from tied_decoder is computed and dropped.
       bias_V = jnp.zeros((cfg.vocab_size,), cfg.storage_dtype)
     if labels_BxM is not None:
-      return decoded_scores(h_BxMxD, word_embeddings_VxD, bias_V, labels_BxM, cfg.compute_dtype)
+      scored = decoded_scores if cfg.recompute_mlm_logits else kept_scores
+      return scored(h_BxMxD, word_embeddings_VxD, bias_V, labels_BxM, cfg.compute_dtype)
     return nn.with_logical_constraint(
         tied_decoder(h_BxMxD, word_embeddings_VxD, bias_V, cfg.compute_dtype), _LOGITS_AXES)
 
@@ -180,7 +236,8 @@ class NspHead(nn.Module):
 
 class BertForPreTraining(nn.Module):
   """BERT with its two pre-training heads. Returns (mlm_logits [B, M, V], nsp_logits [B, 2]);
-  with config.recompute_mlm_logits and `masked_lm_ids` given, (losses.MlmScores, nsp_logits).
+  with `masked_lm_ids` given and config.recompute_mlm_logits (or a TPU's step: kept_scores),
+  (losses.MlmScores, nsp_logits).
 
   `masked_lm_positions` [B, M] selects where MLM logits are computed; None computes them at every
   position (for inference such as fill-in-the-blank), which builds the full [B, L, V] tensor.
@@ -204,8 +261,9 @@ class BertForPreTraining(nn.Module):
     x_BxMxD = (seq_BxLxD if masked_lm_positions is None
                else gather_positions(seq_BxLxD, jnp.asarray(masked_lm_positions)))
     labels_BxM = None
-    if self.config.recompute_mlm_logits and masked_lm_ids is not None:
-      labels_BxM = jnp.asarray(masked_lm_ids)
+    if masked_lm_ids is not None and (self.config.recompute_mlm_logits
+                                      or platforms.tpu_chip()):
+      labels_BxM = jnp.asarray(masked_lm_ids)  # scored where made (on a TPU also when kept)
     mlm_logits_BxMxV = self.mlm(x_BxMxD, self.bert.word_embedding_table(), labels_BxM)
     if nsp_positions is None:
       return mlm_logits_BxMxV, self.nsp(pooled_BxD)

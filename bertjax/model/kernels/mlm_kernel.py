@@ -12,6 +12,9 @@ block of the vocabulary: [predictions, D] in the compute dtype, small beside [pr
 
 The backward is unchanged (heads._scores_bwd: the logits made again by XLA's product). On a CPU
 the kernel runs in Pallas' interpreter (tests), and elsewhere XLA's arithmetic (heads._scores).
+
+Where the logits are kept for the backward (heads.kept_scores), `kept_scores` writes them and
+makes the same figures in the one pass, where XLA read them all again for log Z.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ MAX_ROWS = 8192
 # 128); on a chip with less (v4's 16 MiB) they are halved together until a call fits (`_sizes`).
 # A padded vocabulary column's bias: its exp is 0 against any real logit, and finite, so the
 # running largest and sum never meet inf - inf.
-_PAD = -1e30
+PAD = -1e30
 
 
 def _round_up(n: int, m: int) -> int:
@@ -87,26 +90,40 @@ def _kernel(labels_ref, x_ref, w_ref, *refs, rows: int, vocab_block: int, full: 
 
   @pl.when(j == 0)
   def _():
-    top_ref[at, :] = jnp.full((rows, 1), _PAD, _F32)
+    top_ref[at, :] = jnp.full((rows, 1), PAD, _F32)
     sum_ref[at, :] = jnp.zeros((rows, 1), _F32)
     label_ref[at, :] = jnp.zeros((rows, 1), _F32)
 
-  def fold(w):
-    logits = jax.lax.dot_general(x_ref[...], w, _T, preferred_element_type=_F32) + b_ref[...]
-    column = j * vocab_block + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    label_ref[at, :] += jnp.sum(jnp.where(column == labels_ref[...], logits, 0.0), axis=1,
-                                keepdims=True)
-    top = top_ref[at, :]
-    new_top = jnp.maximum(top, jnp.max(logits, axis=1, keepdims=True))
-    sum_ref[at, :] = (sum_ref[at, :] * jnp.exp(top - new_top)
-                      + jnp.sum(jnp.exp(logits - new_top), axis=1, keepdims=True))
-    top_ref[at, :] = new_top
+  fold = lambda w: _fold(_logits(x_ref, w, b_ref), j * vocab_block, labels_ref,
+                         (top_ref, sum_ref, label_ref), at)
+  _each_block(fold, w_ref, tail_ref, j, full)
 
+
+def _logits(x_ref, w, b_ref):
+  return jax.lax.dot_general(x_ref[...], w, _T, preferred_element_type=_F32) + b_ref[...]
+
+
+def _each_block(fold, w_ref, tail_ref, j, full: int | None):
+  """fold(W's block j), the tail's block where j is past W's whole ones (`full` of them)."""
   if full is None:
     fold(w_ref[...])
   else:
     pl.when(j < full)(lambda: fold(w_ref[...]))
     pl.when(j == full)(lambda: fold(tail_ref[...]))
+
+
+def _fold(logits, first_column, labels_ref, figures, at):
+  """A block of logits (its first vocabulary column `first_column`) folded into the running
+  largest logit, sum of exp(logit - largest) and label's logit (`figures`' rows `at`)."""
+  top_ref, sum_ref, label_ref = figures
+  column = first_column + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+  label_ref[at, :] += jnp.sum(jnp.where(column == labels_ref[...], logits, 0.0), axis=1,
+                              keepdims=True)
+  top = top_ref[at, :]
+  new_top = jnp.maximum(top, jnp.max(logits, axis=1, keepdims=True))
+  sum_ref[at, :] = (sum_ref[at, :] * jnp.exp(top - new_top)
+                    + jnp.sum(jnp.exp(logits - new_top), axis=1, keepdims=True))
+  top_ref[at, :] = new_top
 
 
 def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int, vmem: int,
@@ -148,6 +165,28 @@ def _call(x_RxD, w_VxD, tail, bias_1xV, labels_Rx1, rows: int, vocab_block: int,
   )(labels_Rx1, x_RxD, w_VxD, *tail_args, bias_1xV)
 
 
+def _pad(a, n: int):
+  return jnp.pad(a, ((0, n - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
+
+
+def _table(w_VxD, bias_V, vocab_block: int):
+  """(W, its tail or None, the bias float32 padded to whole blocks). W is not copied whole to
+  pad it (BERT-Base's: 47 MB read and written a step, more than the logits at a few rows a
+  chip): its whole blocks are read in place, and only the rows past the last of them are
+  copied, padded to a block. A vocabulary under one block is all tail."""
+  vocab = w_VxD.shape[0]
+  whole = vocab // vocab_block * vocab_block
+  if whole == vocab:
+    w, tail = w_VxD, None
+  elif whole == 0:
+    w, tail = _pad(w_VxD, vocab_block), None
+  else:
+    w, tail = w_VxD, _pad(w_VxD[whole:], vocab_block)
+  bias = jnp.pad(bias_V.astype(_F32), (0, _round_up(vocab, vocab_block) - vocab),
+                 constant_values=PAD)
+  return w, tail, bias
+
+
 def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False, vmem: int | None = None):
   """(log Z, the label's logit, the largest logit), each [R] float32, of the logits
   x W^T + b (x and W in the compute dtype, the products in float32), without writing them; in
@@ -158,19 +197,7 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False, vmem: int | 
   vmem = platforms.vmem_bytes() if vmem is None else vmem
   most, largest, vocab_block = _sizes(rows_total, vocab, x_RxD.shape[1], x_RxD.dtype.itemsize,
                                       vmem)
-  padded_vocab = _round_up(vocab, vocab_block)
-  pad = lambda a, n: jnp.pad(a, ((0, n - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
-  # W is not copied whole to pad it (BERT-Base's: 47 MB read and written a step, more than the
-  # logits at a few rows a chip): its whole blocks are read in place, and only the rows past
-  # the last of them are copied, padded to a block. A vocabulary under one block is all tail.
-  whole = vocab // vocab_block * vocab_block
-  if whole == vocab:
-    w, tail = w_VxD, None
-  elif whole == 0:
-    w, tail = pad(w_VxD, vocab_block), None
-  else:
-    w, tail = w_VxD, pad(w_VxD[whole:], vocab_block)
-  bias = jnp.pad(bias_V.astype(_F32), (0, padded_vocab - vocab), constant_values=_PAD)
+  w, tail, bias = _table(w_VxD, bias_V, vocab_block)
   labels_Rx1 = labels_R.astype(jnp.int32)[:, None]
 
   def group(x_GxD, labels_Gx1):
@@ -178,8 +205,8 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False, vmem: int | 
     rows = next((r for r in ROW_BLOCKS if r <= largest and count % r == 0),
                 min(largest, _round_up(count, 8)))
     padded_rows = _round_up(count, rows)
-    figures = _call(pad(x_GxD, padded_rows), w, tail, bias[None, :], pad(labels_Gx1, padded_rows),
-                    rows, vocab_block, vmem, interpret)
+    figures = _call(_pad(x_GxD, padded_rows), w, tail, bias[None, :],
+                    _pad(labels_Gx1, padded_rows), rows, vocab_block, vmem, interpret)
     return [a[:count, 0] for a in figures]
 
   calls = -(-rows_total // most)
@@ -189,6 +216,90 @@ def scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False, vmem: int | 
   top, total, label = (parts[0] if calls == 1 else jnp.concatenate(parts)
                        for parts in zip(*groups))
   return top + jnp.log(total), label, top
+
+
+# Where the logits are kept (`kept_scores`): predictions a block, the largest of these dividing
+# the device's (else padded), the vocabulary's blocks the inner loop, so a block's running
+# figures alone stay in VMEM and any number of predictions takes one call, W read once a block
+# of predictions (ModernBERT's 77 MB table 30 times for v6e-8's 46,080 a microbatch, against
+# the 9.3 GB of float32 logits the kernel spares reading again).
+KEPT_ROW_BLOCKS = (2048, 1536, 1024, 512, 256, 128, 64, 32, 16, 8)
+KEPT_VOCAB_BLOCK = 512
+
+
+def _kept_kernel(labels_ref, x_ref, w_ref, *refs, vocab_block: int, full: int | None):
+  """A block of predictions against a block of the vocabulary: its logits written, folded into
+  the block's running figures (scratch), which are written at the vocabulary's last block."""
+  refs = refs if full is not None else (None, *refs)
+  tail_ref, b_ref, logits_ref, *outs = refs[:6]
+  figures = refs[6:]
+  j = pl.program_id(1)
+
+  @pl.when(j == 0)
+  def _():
+    for ref, start in zip(figures, (PAD, 0.0, 0.0)):
+      ref[...] = jnp.full(ref.shape, start, _F32)
+
+  def fold(w):
+    logits = _logits(x_ref, w, b_ref)
+    logits_ref[...] = logits
+    _fold(logits, j * vocab_block, labels_ref, figures, slice(None))
+
+  _each_block(fold, w_ref, tail_ref, j, full)
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _():
+    for out, ref in zip(outs, figures):
+      out[...] = ref[...]
+
+
+def kept_width(vocab: int) -> int:
+  """The kept logits' width for a vocabulary of `vocab`: whole blocks of the kernel's columns
+  (a slice of them to `vocab` would be a copy of the largest tensor of the step)."""
+  return _round_up(vocab, min(KEPT_VOCAB_BLOCK, _round_up(vocab, 128)))
+
+
+def kept_scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
+  """(the logits x W^T + b [R, kept_width(V)] float32, log Z, the label's logit, the largest
+  logit, each [R]): the logits written once, their figures made as they are (XLA writes them
+  with their largest and reads them all again for log Z). Columns past V are the bias'
+  padding's (b's PAD: out of every figure). For a backward that reads the kept logits
+  (heads.kept_scores)."""
+  (rows_total, width), vocab = x_RxD.shape, w_VxD.shape[0]
+  vocab_block = min(KEPT_VOCAB_BLOCK, _round_up(vocab, 128))
+  w, tail, bias = _table(w_VxD, bias_V, vocab_block)
+  rows = next((r for r in KEPT_ROW_BLOCKS if rows_total % r == 0),
+              min(KEPT_ROW_BLOCKS[0], _round_up(rows_total, 8)))
+  padded = _round_up(rows_total, rows)
+  full = w.shape[0] // vocab_block
+  blocks, item = full + (tail is not None), x_RxD.dtype.itemsize
+  padded_vocab = blocks * vocab_block
+  need = (2 * (rows * width + vocab_block * width) * item + 5 * rows * vocab_block * 4
+          + (tail is not None) * vocab_block * width * item + 8 * rows * 128 * 4)
+  stats = pl.BlockSpec((rows, 1), lambda i, j: (i, 0))
+  logits, top, total, label = pl.pallas_call(
+      functools.partial(_kept_kernel, vocab_block=vocab_block,
+                        full=full if tail is not None else None),
+      out_shape=(jax.ShapeDtypeStruct((padded, padded_vocab), _F32),)
+                + (jax.ShapeDtypeStruct((padded, 1), _F32),) * 3,
+      grid=(padded // rows, blocks),
+      in_specs=[stats, pl.BlockSpec((rows, width), lambda i, j: (i, 0)),
+                pl.BlockSpec((vocab_block, width), lambda i, j: (jnp.minimum(j, full - 1), 0))]
+               + ([devices.whole(tail.shape)] if tail is not None else [])
+               + [pl.BlockSpec((1, vocab_block), lambda i, j: (0, j))],
+      out_specs=(pl.BlockSpec((rows, vocab_block), lambda i, j: (i, j)), stats, stats, stats),
+      scratch_shapes=[pltpu.VMEM((rows, 1), _F32)] * 3,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                           vmem_limit_bytes=platforms.vmem_limit(need)),
+      cost_estimate=pl.CostEstimate(
+          flops=2 * padded * padded_vocab * width, transcendentals=padded * padded_vocab,
+          bytes_accessed=(padded // rows * padded_vocab * width * item + padded * width * item
+                          + padded * padded_vocab * 4 + 4 * padded * 4)),
+      interpret=interpret, name="mlm_kept_fwd",
+  )(_pad(labels_R.astype(jnp.int32)[:, None], padded), _pad(x_RxD, padded), w,
+    *([tail] if tail is not None else []), bias[None, :])
+  top, total, label = (a[:rows_total, 0] for a in (top, total, label))
+  return logits[:rows_total], top + jnp.log(total), label, top
 
 
 def worth_it(predictions: int, width: int) -> bool:
@@ -218,5 +329,26 @@ def on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, xla):
         kernel, (x_BxMxD.reshape(-1, x_BxMxD.shape[-1]), labels_BxM.reshape(-1, 1)),
         (w_VxD, bias_V[None, :]), ("tokens", "tokens", "tokens"))
     return tuple(f.reshape(labels_BxM.shape) for f in figures)
+
+  return jax.lax.platform_dependent(x_BxMxD, w_VxD, bias_V, labels_BxM, tpu=tpu, default=xla)
+
+
+def kept_on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, xla):
+  """`kept_scores` of [B, M] predictions ([B, M, V] logits, then [B, M] figures) as `on_platform`
+  runs `scores`: by the kernel on a TPU where a device holds enough predictions, elsewhere
+  `xla(x, w, bias, labels)`'s."""
+  def kernel(x_RxD, labels_Rx1, w_VxD, bias_1xV):
+    logits, *figures = kept_scores(x_RxD, w_VxD, bias_1xV[0], labels_Rx1[:, 0])
+    return (logits, *(f[:, None] for f in figures))
+
+  def tpu(x_BxMxD, w_VxD, bias_V, labels_BxM):
+    shards = sharding.logical_shards("activation_batch")
+    if not worth_it(labels_BxM.size // shards, x_BxMxD.shape[-1]):
+      return xla(x_BxMxD, w_VxD, bias_V, labels_BxM)
+    logits, *figures = devices.per_device(
+        kernel, (x_BxMxD.reshape(-1, x_BxMxD.shape[-1]), labels_BxM.reshape(-1, 1)),
+        (w_VxD, bias_V[None, :]), ("tokens",) * 4)
+    return (logits.reshape(labels_BxM.shape + (-1,)),
+            *(f.reshape(labels_BxM.shape) for f in figures))
 
   return jax.lax.platform_dependent(x_BxMxD, w_VxD, bias_V, labels_BxM, tpu=tpu, default=xla)
