@@ -166,10 +166,7 @@ def _on_platform(fn, *args, **kwargs):
   if fn is _backward:  # every branch's sums alike: [cores, ...]
     tokens = args[0].shape[0]
     kwargs["cores"] = devices.sequences(tokens // devices.token_block(tokens))
-  return jax.lax.platform_dependent(
-      *args, tpu=functools.partial(fn, **kwargs, interpret=False),
-      cpu=functools.partial(fn, **kwargs, interpret=True),
-      default=functools.partial(fallback, **kwargs))
+  return devices.on_platform(fn, fallback, *args, **kwargs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

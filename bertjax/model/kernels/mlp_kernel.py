@@ -304,10 +304,7 @@ def _on_platform(fn, *args, **kwargs):
   fallback = {_forward: mlp_arithmetic.products, _backward: mlp_arithmetic.xla_backward}[fn]
   if fn is _backward:  # every branch's sums alike: [cores, ...]
     kwargs["cores"] = _sequences(args[0].shape[0])
-  return jax.lax.platform_dependent(
-      *args, tpu=functools.partial(fn, **kwargs, interpret=False),
-      cpu=functools.partial(fn, **kwargs, interpret=True),
-      default=functools.partial(fallback, **kwargs))
+  return devices.on_platform(fn, fallback, *args, **kwargs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
