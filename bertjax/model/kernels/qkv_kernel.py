@@ -7,11 +7,12 @@ again (normalising them inside its read), and the backward took ~18 passes over 
 layer: three products for the rows' gradient, their sums, the norm's backward in passes of its
 own, three weight gradients each reading the rows and a projection's gradient, and the residual's
 gradient added to the rows' (docs/performance.md, "A pre-norm layer's q, k and v in one
-kernel"). Here a block of tokens at a time, the three weights resident in VMEM:
+kernel, and the kept MLM logits made with log Z"). Here a block of tokens at a time, the three
+weights resident in VMEM:
 
-  forward   the rows normalised in VMEM (row_norm), q, k and v written: one read of the rows,
-            three writes, [3, N, C] (one array, as the attention kernel reads one product's) or
-            three [N, C] arrays (for the kernels that read q, k and v apart);
+  forward   the rows normalised in VMEM (row_norm), q, k and v written as their bits: one read
+            of the rows, three writes, [3, N, C] (one array, as the attention kernel reads one
+            product's) or three [N, C] arrays (for the kernels that read q, k and v apart);
   backward  from the rows and q, k and v's gradients, the norm's statistics made again, the
             rows' gradient through the norm with the residual's gradient added (the rows come
             out of the forward again, as the layer's residual), and dW and the norm's weights'
@@ -198,6 +199,9 @@ def _qkv(x_NxD, w_3xDxC, norm_2xD, form):
 def _qkv_fwd(x_NxD, w_3xDxC, norm_2xD, form):
   # q, k and v named for the remat policies that keep what the products wrote ("dots_kernels"
   # among them): without it the backward runs this forward again for the attention's backward.
+  # Named as the bits the kernel writes: a float residual is rounded by a pass of its own (jax's
+  # reduce_precision on it), and the attention kernels read the bits (fused_attention's `bits`),
+  # so the bitcasts between fold away.
   out = tuple(jax.lax.bitcast_convert_type(jax.ad_checkpoint.checkpoint_name(a, "qkv"),
                                            x_NxD.dtype)
               for a in _run_forward(x_NxD, w_3xDxC, norm_2xD, form))
