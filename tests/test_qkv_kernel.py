@@ -57,6 +57,10 @@ def test_q_k_and_v_and_their_gradients_are_the_formula_written_out(norm, packed)
       x, w, None if n is None else (n, EPS, centred), packed), x, w, given)
   np.testing.assert_allclose(pack(got[0]), jnp.stack(expected[0]), atol=1e-4, rtol=1e-4)
   np.testing.assert_array_equal(got[1], x)
+  # A model's init takes the same arithmetic by XLA (`xla`), the same floats.
+  xla = qkv_kernel.projections(x, w, None if given is None else (given, EPS, centred), packed,
+                               xla=True)
+  np.testing.assert_allclose(pack(xla[0]), pack(got[0]), atol=1e-5)
   grads, want = pull(cotangent), pull_ref((tuple(dqkv), dres))
   for name, g, e in zip(("x", "w", "norm"), grads, want):
     if e is not None:

@@ -147,8 +147,9 @@ def kept_scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype) -> losses.Mlm
 
 
 def _padded(w_VxD, bias_V, compute_dtype):
-  """W and the bias with the kept logits' width of rows (mlm_kernel.kept_width): W's zeros, the
-  bias' _PAD (no padded column's exp counts)."""
+  """W in the compute dtype and the bias with the kept logits' width of rows
+  (mlm_kernel.kept_width): W's zeros, the bias' mlm_kernel.PAD (no padded column's exp
+  counts)."""
   extra = mlm_kernel.kept_width(w_VxD.shape[0]) - w_VxD.shape[0]
   return (jnp.pad(w_VxD.astype(compute_dtype), ((0, extra), (0, 0))),
           jnp.pad(bias_V.astype(jnp.float32), (0, extra), constant_values=mlm_kernel.PAD))
@@ -160,20 +161,21 @@ def _kept(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
         _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
     return (logits_BxMxV, *losses.figures(logits_BxMxV, labels_BxM))
 
+  w_padded, bias_padded = _padded(w_VxD, bias_V, compute_dtype)
   logits_BxMxV, *figures = mlm_kernel.kept_on_platform(
-      x_BxMxD.astype(compute_dtype), *_padded(w_VxD, bias_V, compute_dtype), labels_BxM, xla)
-  return losses.scores_of(*figures)[0], (logits_BxMxV, figures[0])
+      x_BxMxD.astype(compute_dtype), w_padded, bias_padded, labels_BxM, xla)
+  return losses.scores_of(*figures)[0], (logits_BxMxV, figures[0], w_padded)
 
 
 def _kept_fwd(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
-  scores, (logits_BxMxV, log_z_BxM) = _kept(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype)
-  return scores, (x_BxMxD, w_VxD, bias_V, labels_BxM, logits_BxMxV, log_z_BxM)
+  scores, kept = _kept(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype)
+  # W as the forward padded it kept too: not padded again in the backward.
+  return scores, (x_BxMxD, w_VxD, bias_V, labels_BxM, *kept)
 
 
 def _kept_bwd(compute_dtype, residuals, g):
-  x_BxMxD, w_VxD, bias_V, labels_BxM, logits_BxMxV, log_z_BxM = residuals
+  x_BxMxD, w_VxD, bias_V, labels_BxM, logits_BxMxV, log_z_BxM, w_padded = residuals
   # The logits' padded columns' gradient is zero (their exp is): W's padded rows meet only it.
-  w_padded = _padded(w_VxD, bias_V, compute_dtype)[0]
   one_hot_BxMxV = jax.nn.one_hot(labels_BxM, w_padded.shape[0], dtype=jnp.float32)
   g_BxMxV = ((jnp.exp(logits_BxMxV - log_z_BxM[..., None]) - one_hot_BxMxV)
              * g.nll_BxM[..., None])  # `correct` has no gradient

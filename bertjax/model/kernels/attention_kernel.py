@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec
 from bertjax.errors import Refusal
 from bertjax.model import dropout, residuals, rope
 from bertjax.model.dropout import keep_decisions, key_words
-from bertjax.model.kernels import attention_blocks as blocks, attention_reference
+from bertjax.model.kernels import attention_blocks as blocks, attention_reference, devices
 from bertjax.model.kernels.attention_reference import dropped as _dropped
 from bertjax.model.kernels.attention_blocks import BIG_NEGATIVE, T as _T, per_head as _per_head
 
@@ -320,13 +320,8 @@ def _on_platform(fn, *args, interpret_on_cpu: bool, **kwargs):
   """`fn` with the Mosaic kernel on a TPU (also a TPU program compiled on a CPU host), and
   elsewhere attention_reference's XLA arithmetic; on a CPU Pallas' interpreter instead where
   `interpret_on_cpu` (tests: slow)."""
-  fallback = functools.partial({_forward: attention_reference.forward,
-                                _backward: attention_reference.backward}[fn],
-                               **kwargs)
-  return jax.lax.platform_dependent(
-      *args, tpu=functools.partial(fn, **kwargs, interpret=False),
-      cpu=functools.partial(fn, **kwargs, interpret=True) if interpret_on_cpu else fallback,
-      default=fallback)
+  fallback = {_forward: attention_reference.forward, _backward: attention_reference.backward}[fn]
+  return devices.on_platform(fn, fallback, *args, cpu_interprets=interpret_on_cpu, **kwargs)
 
 
 def _per_device(fn, arrays: tuple, ids: tuple, outputs: int):

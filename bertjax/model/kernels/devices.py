@@ -60,14 +60,16 @@ def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple, inputs: tuple | 
       check_vma=False)(*tokens, *whole)
 
 
-def on_platform(kernel, fallback, *args, **kwargs):
+def on_platform(kernel, fallback, *args, cpu_interprets: bool = True, **kwargs):
   """kernel(*args, **kwargs) by Mosaic on a TPU (also a TPU program compiled on a CPU host), by
-  Pallas' interpreter on a CPU (tests), and elsewhere (a GPU) `fallback`, XLA's arithmetic of the
-  same formula, so a config that asks for the kernels still runs there."""
+  Pallas' interpreter on a CPU (tests; `fallback` there where not `cpu_interprets`), and
+  elsewhere (a GPU) `fallback`, XLA's arithmetic of the same formula, so a config that asks for
+  the kernels still runs there."""
+  xla = functools.partial(fallback, **kwargs)
   return jax.lax.platform_dependent(
       *args, tpu=functools.partial(kernel, **kwargs, interpret=False),
-      cpu=functools.partial(kernel, **kwargs, interpret=True),
-      default=functools.partial(fallback, **kwargs))
+      cpu=functools.partial(kernel, **kwargs, interpret=True) if cpu_interprets else xla,
+      default=xla)
 
 
 def with_first_token(key_1x4, tokens: int):

@@ -253,10 +253,14 @@ def _kept_kernel(labels_ref, x_ref, w_ref, *refs, vocab_block: int, full: int | 
       out[...] = ref[...]
 
 
+def _kept_vocab_block(vocab: int) -> int:
+  return min(KEPT_VOCAB_BLOCK, _round_up(vocab, 128))
+
+
 def kept_width(vocab: int) -> int:
   """The kept logits' width for a vocabulary of `vocab`: whole blocks of the kernel's columns
   (a slice of them to `vocab` would be a copy of the largest tensor of the step)."""
-  return _round_up(vocab, min(KEPT_VOCAB_BLOCK, _round_up(vocab, 128)))
+  return _round_up(vocab, _kept_vocab_block(vocab))
 
 
 def kept_scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
@@ -266,7 +270,7 @@ def kept_scores(x_RxD, w_VxD, bias_V, labels_R, interpret: bool = False):
   padding's (b's PAD: out of every figure). For a backward that reads the kept logits
   (heads.kept_scores)."""
   (rows_total, width), vocab = x_RxD.shape, w_VxD.shape[0]
-  vocab_block = min(KEPT_VOCAB_BLOCK, _round_up(vocab, 128))
+  vocab_block = _kept_vocab_block(vocab)
   w, tail, bias = _table(w_VxD, bias_V, vocab_block)
   rows = next((r for r in KEPT_ROW_BLOCKS if rows_total % r == 0),
               min(KEPT_ROW_BLOCKS[0], _round_up(rows_total, 8)))

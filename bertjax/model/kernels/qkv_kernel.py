@@ -190,21 +190,24 @@ def _run_forward(x_NxD, w_3xDxC, norm_2xD, form):
   return out if isinstance(out, tuple) else (out,)
 
 
+def _floats(outs, dtype, name: str | None = None) -> tuple:
+  """q, k and v's bits as the floats they are, each first named `name` for remat. Named as
+  bits: a float residual is rounded by a pass of its own (jax's reduce_precision on it), and the
+  attention kernels read the bits (fused_attention's `bits`), so the bitcasts between fold."""
+  named = (lambda a: a) if name is None else (
+      lambda a: jax.ad_checkpoint.checkpoint_name(a, name))
+  return tuple(jax.lax.bitcast_convert_type(named(a), dtype) for a in outs)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _qkv(x_NxD, w_3xDxC, norm_2xD, form):
-  return tuple(jax.lax.bitcast_convert_type(a, x_NxD.dtype)
-               for a in _run_forward(x_NxD, w_3xDxC, norm_2xD, form)), x_NxD
+  return _floats(_run_forward(x_NxD, w_3xDxC, norm_2xD, form), x_NxD.dtype), x_NxD
 
 
 def _qkv_fwd(x_NxD, w_3xDxC, norm_2xD, form):
-  # q, k and v named for the remat policies that keep what the products wrote ("dots_kernels"
-  # among them): without it the backward runs this forward again for the attention's backward.
-  # Named as the bits the kernel writes: a float residual is rounded by a pass of its own (jax's
-  # reduce_precision on it), and the attention kernels read the bits (fused_attention's `bits`),
-  # so the bitcasts between fold away.
-  out = tuple(jax.lax.bitcast_convert_type(jax.ad_checkpoint.checkpoint_name(a, "qkv"),
-                                           x_NxD.dtype)
-              for a in _run_forward(x_NxD, w_3xDxC, norm_2xD, form))
+  # Named for the remat policies that keep what the products wrote ("dots_kernels" among them):
+  # without it the backward runs this forward again for the attention's backward.
+  out = _floats(_run_forward(x_NxD, w_3xDxC, norm_2xD, form), x_NxD.dtype, "qkv")
   return (out, x_NxD), (x_NxD, w_3xDxC, norm_2xD)
 
 
@@ -242,5 +245,5 @@ def projections(x_NxD: jax.Array, w_3xDxC: jax.Array, norm=None, packed: bool = 
   else:
     norm_2xD, form = norm[0], ((float(norm[1]), bool(norm[2])), bool(packed))
   if xla:
-    return xla_forward(x_NxD, w_3xDxC, norm_2xD, *form), x_NxD
+    return _floats(xla_forward(x_NxD, w_3xDxC, norm_2xD, *form), x_NxD.dtype), x_NxD
   return _qkv(x_NxD, w_3xDxC, norm_2xD, form)
