@@ -139,7 +139,9 @@ def test_a_model_takes_the_same_parameters_and_gives_the_same_values(layers, imp
 
 def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
   # data x fsdp x tensor = 2 x 2 x 2: the kernels run in shard_map on a quarter of the rows each,
-  # the weights whole; the weights' gradients are summed over the devices outside.
+  # the weights whole; the weights' gradients are reduce-scattered over fsdp (which splits
+  # their D) and summed over data, each device's as the kernel wrote it, the cores' sums added
+  # after (devices.per_device's "summed").
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
   ids = np.random.default_rng(1).integers(0, 97, (8, 16))
   config = dataclasses.replace(CFG, num_layers=1)  # one layer: the interpreter runs 8 devices
@@ -155,9 +157,12 @@ def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
       lambda p, b: loss(p, fused, b))))
   rows = jax.device_put(ids, NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES)))
   text = run.lower(params, rows).as_text()
-  # Each device's program: its 32 tokens, its sums of the weights' gradients, stacked.
+  # Each device's program: its 32 tokens, its core's sums of dW1 and dW2^T [1, D 32, F 384],
+  # reduce-scattered over fsdp's 2 to [1, 16, 384] and all-reduced over data's 2.
   assert 'manual_axes={"data", "fsdp", "tensor"}' in text
-  assert "tensor<1x32x384xf32>" in text and "tensor<4x32x384xf32>" in text
+  assert "tensor<1x32x384xf32>" in text and "tensor<4x32x384xf32>" not in text
+  assert text.count("(tensor<1x32x384xf32>) -> tensor<1x16x384xf32>") == 2
+  assert text.count('"stablehlo.reduce_scatter"') == 2
   value, grads = run(params, rows)
   np.testing.assert_allclose(value, expected[0], rtol=1e-5)
   # Eight devices sum in another order than one: each leaf within 1e-4 of the largest gradient

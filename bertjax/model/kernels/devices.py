@@ -7,6 +7,7 @@ as one block, and the weights' gradients a backward sums over its token blocks, 
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -42,22 +43,70 @@ def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple, inputs: tuple | 
   """fn(*tokens, *whole) on each device's rows under the mesh in scope (shard_map over the
   activations' batch axes), or once without one. `tokens`: arrays split by rows, [N, ...]
   ("tokens") or [3, N, ...] ("thirds"), as `inputs` names each (all "tokens" by default);
-  `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens", "thirds" or
-  "sums" ([1, ...] per device, stacked over the devices for the caller to add)."""
+  `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens", "thirds",
+  "sums" ([1, ...] per device, stacked over the devices for the caller to add) or ("summed",
+  k, n): a device's [cores, ...] sums of a parameter's gradient, added over its cores and
+  every device, axis k of the total (n long) split as the parameters' "embed" axis is where
+  it divides."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return fn(*tokens, *whole)
+    return _summed_outputs(fn(*tokens, *whole), outputs, mesh)
   batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
   spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None),
           "thirds": PartitionSpec(None, batch, None)}
-  out_specs = tuple(spec[kind] for kind in outputs)
+  out_specs = tuple(spec[kind] if isinstance(kind, str) else _summed_spec(mesh, kind)
+                    for kind in outputs)
   inputs = ("tokens",) * len(tokens) if inputs is None else inputs
   return jax.shard_map(
-      fn, mesh=mesh,
+      lambda *args: _summed_outputs(fn(*args), outputs, mesh), mesh=mesh,
       in_specs=tuple(spec[kind] for kind in inputs) + (PartitionSpec(),) * len(whole),
       out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*tokens, *whole)
+
+
+def _split_axes(mesh, kind) -> tuple[str, ...]:
+  """The batch's mesh axes (more than one device each) that split a parameter's "embed" axis,
+  which a ("summed", k, n) output's axis k is split by: none where the mesh is empty or they
+  do not divide n."""
+  if mesh.empty:
+    return ()
+  batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
+  batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+  embed = nn.logical_to_mesh_axes(("embed",))[0]
+  embed = (embed,) if isinstance(embed, str) else tuple(embed or ())
+  split = tuple(a for a in embed if a in batch and dict(mesh.shape)[a] > 1)
+  return split if kind[2] % math.prod(dict(mesh.shape)[a] for a in split) == 0 else ()
+
+
+def _summed_spec(mesh, kind):
+  return PartitionSpec(*([None] * kind[1]), _split_axes(mesh, kind) or None)
+
+
+def _summed_outputs(outs, outputs: tuple, mesh):
+  """fn's results with each ("summed", k) one summed: a device's [cores, ...] sums reduced over
+  the devices and split along axis k first (a reduce-scatter reads the cores' sums as they are:
+  added first, they were read and written again a step), then its cores' added in float32.
+  Without a mesh, the cores' sums added."""
+  if not any(not isinstance(kind, str) for kind in outputs):
+    return outs
+  single = not isinstance(outs, (tuple, list))
+  outs = [outs] if single else list(outs)
+  for i, kind in enumerate(outputs):
+    if isinstance(kind, str):
+      continue
+    partial, split = outs[i], _split_axes(mesh, kind)
+    if not mesh.empty:
+      batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
+      batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+      rest = tuple(a for a in batch if a not in split and dict(mesh.shape)[a] > 1)
+      if split:
+        partial = jax.lax.psum_scatter(partial, split, scatter_dimension=kind[1] + 1,
+                                       tiled=True)
+      if rest:
+        partial = jax.lax.psum(partial, rest)
+    outs[i] = partial.astype(jnp.float32).sum(0)
+  return outs[0] if single else tuple(outs)
 
 
 def on_platform(kernel, fallback, *args, cpu_interprets: bool = True, **kwargs):

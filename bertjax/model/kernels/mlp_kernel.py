@@ -372,13 +372,13 @@ def _mlp_bwd(act, keep, form, saved, dy_NxD):
   dx, dw1, db1, dw2t, *rest = devices.per_device(
       bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()) + ((s_NxD,) if post else ()),
       _whole(w1_DxF, b1_F, w2_FxD, extra, form),
-      ("tokens",) + ("sums",) * (3 + bool(norm) + 2 * bool(post)))
+      ("tokens", ("summed", 0, w1_DxF.shape[0]), "sums", ("summed", 0, w1_DxF.shape[0]))
+      + ("sums",) * (bool(norm) + 2 * bool(post)))
   d_norm, d_post = rest.pop(0).sum(0) if norm else None, rest[0].sum(0) if post else None
   db2 = rest[1].sum((0, 1)) if post else jnp.sum(dy_NxD.astype(_F32), axis=0)
-  # The cores' and devices' sums added in float32, the weights' gradients rounded once more.
-  total = lambda sums: sums.astype(_F32).sum(0)
-  return (dx, total(dw1).astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
-          total(dw2t).T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype), (d_norm, d_post, None))
+  # The weights' gradients (the cores' and devices' sums) rounded once more.
+  return (dx, dw1.astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
+          dw2t.T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype), (d_norm, d_post, None))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -216,16 +216,18 @@ def _qkv_bwd(form, saved, cotangents):
   (grads, dres_NxD), (norm, packed) = cotangents, form
   tokens = x_NxD.shape[0]
   cores = devices.sequences(tokens // _block(tokens, *w_3xDxC.shape[1:]))
-  bwd = lambda x, dres, *rest: devices.on_platform(
-      _backward, xla_backward, x, rest[:-2], dres, *rest[-2:], norm=norm, packed=packed,
-      cores=cores)
+  def bwd(x, dres, *rest):
+    dx, dw, d_norm = devices.on_platform(
+        _backward, xla_backward, x, rest[:-2], dres, *rest[-2:], norm=norm, packed=packed,
+        cores=cores)
+    return dx, dw.reshape((cores,) + w_3xDxC.shape), d_norm  # a third's D axis apart
+
   dx, dw, d_norm = devices.per_device(
       bwd, (x_NxD, dres_NxD) + tuple(grads), (w_3xDxC, norm_2xD),
-      ("tokens", "sums", "sums"), ("tokens", "tokens") + (
+      ("tokens", ("summed", 1, w_3xDxC.shape[1]), "sums"), ("tokens", "tokens") + (
           ("thirds",) if packed else ("tokens",) * 3))
-  # The cores' and devices' sums added in float32, W's gradient rounded once more.
-  dw = dw.astype(_F32).sum(0).reshape(w_3xDxC.shape).astype(w_3xDxC.dtype)
-  return dx, dw, d_norm.sum(0)
+  # W's gradient (the cores' and devices' sums) rounded once more.
+  return dx, dw.astype(w_3xDxC.dtype), d_norm.sum(0)
 
 
 _qkv.defvjp(_qkv_fwd, _qkv_bwd)
