@@ -225,7 +225,10 @@ print("fused " + json.dumps({
                   if r["opcode"] in ("custom-call", "fusion") and "fused_mlp" in r["op_name"]],
     "mlm_flops": [r["flops"] for r in rows
                   if r["opcode"] in ("custom-call", "fusion")
-                  and r["op_name"].endswith("mlm_scores_fwd/pallas_call")]}), flush=True)
+                  and r["op_name"].endswith("mlm_scores_fwd/pallas_call")],
+    "mlm_bwd_flops": [r["flops"] for r in rows
+                      if r["opcode"] in ("custom-call", "fusion")
+                      and r["op_name"].endswith("mlm_scores_bwd/pallas_call")]}), flush=True)
 # Straight pre-norm layers under remat "dots_kernels": the norm and q, k and v by qkv_kernel;
 # the MLM logits kept (mlm_kernel.kept_scores).
 config.model.update(scan_layers=False, remat_policy="dots_kernels", recompute_mlm_logits=False)
@@ -414,6 +417,10 @@ def test_the_mlm_scores_kernel_compiles_into_the_train_step_and_counts_its_flops
   out = probes["fused"]
   *rest, kernel = sorted(out["mlm_flops"])
   assert kernel == 2 * 160 * 8192 * 128 and sum(rest) < 1e4, out
+  # Its backward is mlm_grads' (the logits made again, their gradient never written): three
+  # products over the vocabulary of 8,000 as it is (its last block partial).
+  *rest, kernel = sorted(out["mlm_bwd_flops"])
+  assert kernel == 6 * 160 * 8000 * 128 and sum(rest) < 1e4, out
 
 
 def test_the_fused_attention_kernels_compile_into_the_train_step_with_dropout(probes):

@@ -208,6 +208,17 @@ def test_the_bytes_bound_counts_every_row_and_layer_of_the_residuals():
   assert bound["bound_parts_gb"]["state"] == roofline.round4(2 * 4 * params / 1e9)
 
 
+def test_the_bytes_bound_counts_the_mlm_logits_where_the_backward_keeps_them():
+  # Kept: float32 [predictions, V] written once and read once (2 rows a chip of 10 predictions,
+  # V 512). Made again in the backward: a TPU's kernels never write them, and the floor counts
+  # none (a step that moved less than its floor would show the floor wrong).
+  kept, remade = (roofline.bytes_bound(_training(recompute_mlm_logits=r), 64, 10)
+                  for r in (False, True))
+  assert kept["bound_parts_gb"]["mlm_logits"] == roofline.round4(2 * 2 * 10 * 512 * 4 / 1e9)
+  assert remade["bound_parts_gb"]["mlm_logits"] == 0.0
+  assert remade["bound_parts_gb"]["state"] == kept["bound_parts_gb"]["state"]
+
+
 def test_the_bytes_bound_follows_remat_and_the_state_split():
   plain, full, kept = (roofline.bytes_bound(_training(remat_policy=p), 64, 10)
                        for p in ("none", "full", roofline.FLOOR_POLICY))

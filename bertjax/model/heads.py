@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from bertjax.model import dropout, losses
-from bertjax.model.kernels import mlm_kernel
+from bertjax.model.kernels import mlm_grads, mlm_kernel
 # Picking rows' states at positions is attention's (the encoder's last layer does it too).
 from bertjax.model.attention import gather_positions
 from bertjax.model.config import ACTIVATIONS, BertConfig
@@ -118,16 +118,24 @@ def _scores_bwd(compute_dtype, residuals, g):
   # The barrier keeps XLA from taking the forward's logits for the recomputed ones (kept alive
   # until now, which is what this function avoids).
   x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM = jax.lax.optimization_barrier(residuals)
-  logits_BxMxV = nn.with_logical_constraint(
-      _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
-  one_hot_BxMxV = jax.nn.one_hot(labels_BxM, w_VxD.shape[0], dtype=jnp.float32)
-  g_BxMxV = ((jnp.exp(logits_BxMxV - log_z_BxM[..., None]) - one_hot_BxMxV)
-             * g.nll_BxM[..., None]).astype(compute_dtype)  # `correct` has no gradient
-  # Written once: without the barrier XLA computes it again from float32 logits in each reader.
-  g_BxMxV = jax.lax.optimization_barrier(g_BxMxV)
-  dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), _CONTRACT_V,
-                                 preferred_element_type=jnp.float32)
-  dw_VxD, dbias_V = _weight_and_bias_grads(x_BxMxD, g_BxMxV, compute_dtype)
+
+  def xla(x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM, g_BxM):
+    logits_BxMxV = nn.with_logical_constraint(
+        _decode(x_BxMxD, w_VxD, bias_V, compute_dtype), _LOGITS_AXES)
+    one_hot_BxMxV = jax.nn.one_hot(labels_BxM, w_VxD.shape[0], dtype=jnp.float32)
+    g_BxMxV = ((jnp.exp(logits_BxMxV - log_z_BxM[..., None]) - one_hot_BxMxV)
+               * g_BxM[..., None]).astype(compute_dtype)
+    # Written once: without the barrier XLA computes it again from float32 logits in each reader.
+    g_BxMxV = jax.lax.optimization_barrier(g_BxMxV)
+    dx_BxMxD = jax.lax.dot_general(g_BxMxV, w_VxD.astype(compute_dtype), _CONTRACT_V,
+                                   preferred_element_type=jnp.float32)
+    return (dx_BxMxD, *_weight_and_bias_grads(x_BxMxD, g_BxMxV, compute_dtype))
+
+  # On a TPU the logits are made again and their gradient read in VMEM (mlm_grads), never
+  # written. `correct` has no gradient.
+  dx_BxMxD, dw_VxD, dbias_V = mlm_grads.on_platform(
+      x_BxMxD.astype(compute_dtype), w_VxD.astype(compute_dtype), bias_V, labels_BxM,
+      log_z_BxM, g.nll_BxM, xla)
   return (dx_BxMxD.astype(x_BxMxD.dtype), dw_VxD.astype(w_VxD.dtype),
           dbias_V.astype(bias_V.dtype), None)
 

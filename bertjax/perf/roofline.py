@@ -239,7 +239,8 @@ def bytes_bound(training: train.Training, seq_len: int, max_predictions: int,
   the state split (fsdp), the weights it gathers for its matmuls (written by the gather, read
   once) and their gradients before the reduce-scatter (written once, read once), in the compute
   dtype; the activations the backward keeps written once and read once; the MLM head's logits
-  written once and read once; the batch read once. Per layer and for the whole step.
+  written once and read once where the backward keeps them (none where it makes them again);
+  the batch read once. Per layer and for the whole step.
 
   The activations are jax's own residuals of the loss at the config's remat policy, or at
   FLOOR_POLICY where that keeps fewer, measured on one and two rows and one and two layers (so a
@@ -261,7 +262,10 @@ def bytes_bound(training: train.Training, seq_len: int, max_predictions: int,
   layer_gathered = 4 * _gathered_bytes(layer_leaves, itemsize) / mc.num_layers
   per_row_rest, per_row_layer = _floor_shares(mc, seq_len, max_predictions, per_row)
   activations = 2 * rows * (per_row_rest + mc.num_layers * per_row_layer)
-  logits = 2 * rows * max_predictions * mc.vocab_size * 4
+  # Kept for the backward, the float32 logits are written once and read once; made again in
+  # it (recompute_mlm_logits), a TPU's step need never write them (mlm_kernel's forward and
+  # mlm_grads' backward make and read them in VMEM), and the floor counts none.
+  logits = 0 if mc.recompute_mlm_logits else 2 * rows * max_predictions * mc.vocab_size * 4
   batch = rows * sum(x.nbytes // x.shape[0] for x in
                      train.dummy_batch(1, seq_len, max_predictions, per_row).values())
   total = state_bytes + gathered + activations + logits + batch
