@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from bertjax.errors import Refusal
 from bertjax.model import dropout
-from bertjax.model.kernels import mlp_arithmetic, mlp_choice, mlp_kernel
+from bertjax.model.kernels import devices, mlp_arithmetic, mlp_choice, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.parallel import platforms, sharding
@@ -79,9 +79,10 @@ def test_in_bfloat16_within_its_rounding(keep):
 
 
 def test_the_weights_gradients_leave_the_backward_in_their_dtype_made_in_float32():
-  # bfloat16 weights: dW1 and dW2 are summed in float32 VMEM and written once in bfloat16 (dW2
-  # as its transpose [D, F]), a chunk of 128 columns at a time (F = 384: three), on one core and
-  # on two; each is the float32 sum rounded once. The bias' sums stay float32.
+  # bfloat16 weights: dW1 and dW2 are summed in float32 VMEM and written once in bfloat16, dW1
+  # [D, F] a chunk of 128 columns at a time (F = 384: three), dW2 [F, D] (W2's own layout) a
+  # chunk of 128 rows at a time, or as [D, F] as dW1, on one core and on two; each is the
+  # float32 sum rounded once. The bias' sums stay float32.
   *args, dy = _arrays(1024, 32, 384, jnp.bfloat16)
   x, w1, b1, w2, _ = args
   fn = ACTIVATIONS["gelu"]
@@ -91,13 +92,15 @@ def test_the_weights_gradients_leave_the_backward_in_their_dtype_made_in_float32
           dy, w2.T, preferred_element_type=jnp.float32))
   h = fn(jnp.dot(x, w1, preferred_element_type=jnp.float32) + b1).astype(jnp.bfloat16)
   want_w1 = jnp.dot(x.T, dpre[0].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-  want_w2t = jnp.dot(dy.T, h, preferred_element_type=jnp.float32)
-  for cores in (1, 2):
-    _, dw1, db1, dw2t = mlp_kernel._backward(x, dy, w1, b1.astype(jnp.float32)[None], w2, None,
-                                             None, fn, interpret=True, cores=cores)
-    assert (dw1.dtype, dw2t.dtype, db1.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
-    assert (dw1.shape, dw2t.shape) == ((cores, 32, 384), (cores, 32, 384))
-    for got, want in ((dw1, want_w1), (dw2t, want_w2t)):
+  want_w2 = jnp.dot(h.T, dy, preferred_element_type=jnp.float32)
+  for cores, w2_rows in ((1, True), (2, True), (2, False)):
+    _, dw1, db1, dw2 = mlp_kernel._backward(x, dy, w1, b1.astype(jnp.float32)[None], w2, None,
+                                            None, fn, interpret=True, cores=cores,
+                                            w2_rows=w2_rows)
+    assert (dw1.dtype, dw2.dtype, db1.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+    assert (dw1.shape, dw2.shape) == ((cores, 32, 384), (cores,) + (
+        (384, 32) if w2_rows else (32, 384)))
+    for got, want in ((dw1, want_w1), (dw2, want_w2 if w2_rows else want_w2.T)):
       got = got.astype(jnp.float32).sum(0)
       # bfloat16's rounding of each core's sum (2**-8 of it, relative), and the products'.
       np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(jnp.abs(want).max()))
@@ -157,10 +160,11 @@ def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
       lambda p, b: loss(p, fused, b))))
   rows = jax.device_put(ids, NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES)))
   text = run.lower(params, rows).as_text()
-  # Each device's program: its 32 tokens, its core's sums of dW1 and dW2^T [1, D 32, F 384],
-  # reduce-scattered over fsdp's 2 to [1, 16, 384] and all-reduced over data's 2.
+  # Each device's program: its 32 tokens, its core's sums of dW1 and dW2 [1, D 32, F 384] (dW2
+  # as its transpose: D 32 split two ways is no whole tile of lanes), reduce-scattered over
+  # fsdp's 2 along D and all-reduced over data's 2.
   assert 'manual_axes={"data", "fsdp", "tensor"}' in text
-  assert "tensor<1x32x384xf32>" in text and "tensor<4x32x384xf32>" not in text
+  assert "tensor<4x32x384xf32>" not in text
   assert text.count("(tensor<1x32x384xf32>) -> tensor<1x16x384xf32>") == 2
   assert text.count('"stablehlo.reduce_scatter"') == 2
   value, grads = run(params, rows)
@@ -173,6 +177,18 @@ def test_under_a_mesh_each_device_runs_its_rows_and_the_gradients_are_summed():
                           jax.tree.leaves(expected[1])):
     err = float(jnp.abs(g - e).max()) / scale
     assert err < 1e-4, (jax.tree_util.keystr(path), err)
+
+
+def test_a_gradient_is_split_over_the_chips_in_the_kernels_shard_map_where_shards_are_tiles():
+  # devices.summed: reduce-scattered along D where fsdp splits it into whole tiles (16 rows, or
+  # 128 lanes along the last axis); else stacked for XLA to add. No mesh: never.
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  cases = {(0, (32, 384)): True, (0, (24, 384)): False, (1, (384, 256)): True,
+           (1, (384, 32)): False, (1, (384, 250)): False}
+  assert not devices.splits(devices.summed(0, (32, 384)))
+  with sharding.logical_context(mesh):
+    got = {(axis, shape): devices.splits(devices.summed(axis, shape)) for axis, shape in cases}
+  assert got == cases
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.1])

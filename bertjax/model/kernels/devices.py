@@ -44,31 +44,50 @@ def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple, inputs: tuple | 
   activations' batch axes), or once without one. `tokens`: arrays split by rows, [N, ...]
   ("tokens") or [3, N, ...] ("thirds"), as `inputs` names each (all "tokens" by default);
   `whole`: arrays every device gets whole; `outputs`: each result's kind, "tokens", "thirds",
-  "sums" ([1, ...] per device, stacked over the devices for the caller to add) or ("summed",
-  k, n): a device's [cores, ...] sums of a parameter's gradient, added over its cores and
-  every device, axis k of the total (n long) split as the parameters' "embed" axis is where
-  it divides."""
+  "sums" ([1, ...] per device, stacked over the devices for the caller to add) or `summed`'s (a
+  parameter's gradient, the total of every device's and core's sums, float32)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return _summed_outputs(fn(*tokens, *whole), outputs, mesh)
+    outs = fn(*tokens, *whole)
+    return _added(outs, outputs, lambda kind: isinstance(kind, tuple))
   batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
   spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None),
           "thirds": PartitionSpec(None, batch, None)}
-  out_specs = tuple(spec[kind] if isinstance(kind, str) else _summed_spec(mesh, kind)
-                    for kind in outputs)
+  # A gradient whose shards do not fill whole tiles goes out stacked, for XLA to add.
+  stacked = lambda kind: isinstance(kind, tuple) and not _split_axes(mesh, kind)
+  out_specs = tuple(
+      spec[kind] if isinstance(kind, str)
+      else PartitionSpec(batch, *([None] * len(kind[2]))) if stacked(kind)
+      else PartitionSpec(*([None] * kind[1]), _split_axes(mesh, kind)) for kind in outputs)
   inputs = ("tokens",) * len(tokens) if inputs is None else inputs
-  return jax.shard_map(
-      lambda *args: _summed_outputs(fn(*args), outputs, mesh), mesh=mesh,
+  outs = jax.shard_map(
+      lambda *args: _added(fn(*args), outputs, lambda kind: isinstance(kind, tuple)
+                           and not stacked(kind), mesh), mesh=mesh,
       in_specs=tuple(spec[kind] for kind in inputs) + (PartitionSpec(),) * len(whole),
       out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*tokens, *whole)
+  return _added(outs, outputs, stacked)
+
+
+def summed(axis: int, shape: tuple) -> tuple:
+  """per_device's output kind for a parameter's gradient of `shape`, a device's [cores, *shape]
+  sums: the total over every device and core, float32, its `axis` split as the parameters'
+  "embed" axis is. The devices' sums are reduce-scattered as the kernel wrote them and the
+  cores' added on the shard after (added first, they were read and written whole again: 0.9 GB
+  of BERT-Large L 128's step on v5p-8), where the shards fill whole tiles (`splits`); else
+  stacked over the devices and added by XLA."""
+  return ("summed", axis, tuple(shape))
+
+
+def splits(kind) -> bool:
+  """Whether a `summed` output is reduce-scattered over the chips in its shard_map (the mesh in
+  scope's batch axes split the parameters' "embed" axis, divide its length, and leave each
+  shard whole tiles: 128 lanes along the last axis, 16 rows along another)."""
+  return bool(_split_axes(jax.sharding.get_abstract_mesh(), kind))
 
 
 def _split_axes(mesh, kind) -> tuple[str, ...]:
-  """The batch's mesh axes (more than one device each) that split a parameter's "embed" axis,
-  which a ("summed", k, n) output's axis k is split by: none where the mesh is empty or they
-  do not divide n."""
   if mesh.empty:
     return ()
   batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
@@ -76,33 +95,31 @@ def _split_axes(mesh, kind) -> tuple[str, ...]:
   embed = nn.logical_to_mesh_axes(("embed",))[0]
   embed = (embed,) if isinstance(embed, str) else tuple(embed or ())
   split = tuple(a for a in embed if a in batch and dict(mesh.shape)[a] > 1)
-  return split if kind[2] % math.prod(dict(mesh.shape)[a] for a in split) == 0 else ()
+  _, axis, shape = kind
+  ways = math.prod(dict(mesh.shape)[a] for a in split)
+  tile = 128 if axis == len(shape) - 1 else 16
+  return split if split and shape[axis] % (ways * tile) == 0 else ()
 
 
-def _summed_spec(mesh, kind):
-  return PartitionSpec(*([None] * kind[1]), _split_axes(mesh, kind) or None)
-
-
-def _summed_outputs(outs, outputs: tuple, mesh):
-  """fn's results with each ("summed", k) one summed: a device's [cores, ...] sums reduced over
-  the devices and split along axis k first (a reduce-scatter reads the cores' sums as they are:
-  added first, they were read and written again a step), then its cores' added in float32.
-  Without a mesh, the cores' sums added."""
-  if not any(not isinstance(kind, str) for kind in outputs):
+def _added(outs, outputs: tuple, which, mesh=None):
+  """fn's results with each `summed` output that `which(kind)` picks added: under `mesh` (in
+  its shard_map) reduce-scattered over the chips along its axis and summed over the batch's
+  other axes first; then its leading axis (the cores', or the devices' where stacked) added
+  in float32."""
+  if not any(which(kind) for kind in outputs):
     return outs
   single = not isinstance(outs, (tuple, list))
   outs = [outs] if single else list(outs)
   for i, kind in enumerate(outputs):
-    if isinstance(kind, str):
+    if not which(kind):
       continue
-    partial, split = outs[i], _split_axes(mesh, kind)
-    if not mesh.empty:
+    partial = outs[i]
+    if mesh is not None:
+      split = _split_axes(mesh, kind)
       batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
       batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
       rest = tuple(a for a in batch if a not in split and dict(mesh.shape)[a] > 1)
-      if split:
-        partial = jax.lax.psum_scatter(partial, split, scatter_dimension=kind[1] + 1,
-                                       tiled=True)
+      partial = jax.lax.psum_scatter(partial, split, scatter_dimension=kind[1] + 1, tiled=True)
       if rest:
         partial = jax.lax.psum(partial, rest)
     outs[i] = partial.astype(jnp.float32).sum(0)
@@ -147,9 +164,12 @@ def copied(src_ref, dst_ref, sem):
 def write_sums(outs, accs, stage_ref, sem, chunk: int):
   """At a core's last token block: each float32 sum in `accs` (VMEM scratch) into its output in
   HBM (`outs`, [cores, ...], the core's row), in the output's dtype. A sum in another dtype is
-  rounded a chunk of `chunk` columns at a time through `stage_ref`: an output block of the whole
-  sum would hold another copy of the weights in VMEM (BERT-Large's MLP over v5p's 64 MiB)."""
+  rounded a chunk of `chunk` columns at a time through `stage_ref` ([rows, chunk]), or where
+  its rows are not the stage's, a chunk of `chunk` rows through `stage_ref`'s transposed twin
+  (the second of a pair `stage_ref`, [chunk, columns]): an output block of the whole sum would
+  hold another copy of the weights in VMEM (BERT-Large's MLP over v5p's 64 MiB)."""
   core = pl.program_id(0)  # read outside the branch: Pallas' interpreter finds it only here
+  stages = stage_ref if isinstance(stage_ref, (tuple, list)) else (stage_ref,)
 
   @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
   def _():
@@ -157,6 +177,11 @@ def write_sums(outs, accs, stage_ref, sem, chunk: int):
       if out.dtype == acc.dtype:
         copied(acc, out.at[core], sem)
         continue
-      for start in range(0, acc.shape[1], chunk):
-        stage_ref[...] = acc[:, pl.ds(start, chunk)].astype(stage_ref.dtype)
-        copied(stage_ref, out.at[core, :, pl.ds(start, chunk)], sem)
+      if acc.shape[0] == stages[0].shape[0]:
+        for start in range(0, acc.shape[1], chunk):
+          stages[0][...] = acc[:, pl.ds(start, chunk)].astype(stages[0].dtype)
+          copied(stages[0], out.at[core, :, pl.ds(start, chunk)], sem)
+        continue
+      for start in range(0, acc.shape[0], chunk):
+        stages[1][...] = acc[pl.ds(start, chunk), :].astype(stages[1].dtype)
+        copied(stages[1], out.at[core, pl.ds(start, chunk), :], sem)

@@ -196,7 +196,7 @@ def _end_bwd(post, saved, dy_NxD):
       _backward, c, dy, s, w, n, devices.with_first_token(k, c.shape[0]), post=post)
   dc, dr, dw, db, d_post = devices.per_device(
       bwd, (residuals.bits(c_NxC), dy_NxD, s_NxD), (w_CxD, post_2xD, key_1x4),
-      ("tokens", "tokens", ("summed", 1, w_CxD.shape[1]), "sums", "sums"))
+      ("tokens", "tokens", devices.summed(1, w_CxD.shape), "sums", "sums"))
   # W's gradient (the cores' and devices' sums) rounded once more.
   return (dc, dr, dw.astype(w_CxD.dtype), db.sum((0, 1)).astype(b_D.dtype),
           d_post.sum(0), None)

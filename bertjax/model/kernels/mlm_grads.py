@@ -184,7 +184,7 @@ def sharded(x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM, g_BxM, interpret: boo
   dx, dw, db = devices.per_device(
       kernel, (x_BxMxD.reshape(-1, width), column(labels_BxM), column(log_z_BxM),
                column(g_BxM)),
-      (w_VxD, bias_V[None, :]), ("thirds", ("summed", 1, width), "sums"))
+      (w_VxD, bias_V[None, :]), ("thirds", devices.summed(1, w_VxD.shape), "sums"))
   # The cores' sums of x's gradient added in float32 (one core's is as written).
   dx = dx[0].astype(_F32) if dx.shape[0] == 1 else dx.astype(_F32).sum(0)
   return dx.reshape(x_BxMxD.shape), dw, db.sum((0, 1))

@@ -90,7 +90,8 @@ def products(x_NxD, w1_DxF, b1_1xF, w2_FxD, b2_1xD, norm_2xD, act, rounded: bool
 
 
 def xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, norm=None,
-                 residual: bool = False, cores: int = 1, post=None, tail_in=None):
+                 residual: bool = False, cores: int = 1, post=None, tail_in=None,
+                 w2_rows: bool = True):
   """The backward kernel's results, by XLA from the same arithmetic (platforms without Mosaic);
   the sums with `cores` rows as the kernel's (the others zero)."""
   dt = x_NxD.dtype
@@ -110,8 +111,8 @@ def xla_backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act,
   dpre_c = dpre.astype(dt)
   dx = jax.lax.dot_general(dpre_c, w1_DxF, T, preferred_element_type=_F32)
   dw1 = jnp.dot(x_NxD.T, dpre_c, preferred_element_type=_F32).astype(w1_DxF.dtype)
-  dw2t = jnp.dot(dy_NxD.T, h.astype(dt), preferred_element_type=_F32).astype(w2_FxD.dtype)
-  sums = [dw1[None], jnp.sum(dpre, axis=0)[None, None], dw2t[None]]
+  dw2 = jnp.dot(h.astype(dt).T, dy_NxD, preferred_element_type=_F32).astype(w2_FxD.dtype)
+  sums = [dw1[None], jnp.sum(dpre, axis=0)[None, None], (dw2 if w2_rows else dw2.T)[None]]
   if norm:
     dx, d_norm = row_norm.pulled_back(dx, stats, norm_2xD, norm[1])
     sums.append(d_norm[None])

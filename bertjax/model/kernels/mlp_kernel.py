@@ -108,8 +108,9 @@ def _forward_kernel(x_ref, w1_ref, b1_ref, w2_ref, b2_ref, *refs, act, chunk, ro
 
 
 def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, kept, norm,
-                     residual, post):
-  """dx of a block of tokens, and dW1, db1, dW2^T summed over the blocks (and the norm's
+                     residual, post, w2_rows):
+  """dx of a block of tokens, and dW1, db1, dW2 ([F, D] with `w2_rows`, else its transpose)
+  summed over the blocks (and the norm's
   weights' with `norm`, whose weights come after the pre-activation): in float32 scratch, each
   sum written once at the core's last block. The pre-activation is made again from x (`kept`
   False), or read where the forward wrote it (`kept`: the first of `refs`; then b1_ref is not
@@ -122,16 +123,17 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
   first = ((pl.program_id(0) * pl.num_programs(1) + pl.program_id(1))
            * x_ref.shape[0]).astype(jnp.uint32)
   dx_ref, *refs = refs
-  # The sums' outputs (in HBM), their float32 scratch, a staging block and its DMA's semaphore.
-  sums = (len(refs) - 2) // 2
-  outs, accs, (stage_ref, sem) = refs[:sums], refs[sums:2 * sums], refs[2 * sums:]
+  # The sums' outputs (in HBM), their float32 scratch, staging blocks (for [D, F] sums, and
+  # with `w2_rows` [F, D]) and their DMA's semaphore.
+  sums = (len(refs) - 2 - w2_rows) // 2
+  outs, accs, (*stages, sem) = refs[:sums], refs[sums:2 * sums], refs[2 * sums:]
 
   @pl.when(pl.program_id(1) == 0)  # each core's first block: its own sums
   def _():
     for ref in accs:
       ref[...] = jnp.zeros_like(ref)
 
-  dw1_ref, db1_ref, dw2t_ref = accs[:3]
+  dw1_ref, db1_ref, dw2_ref = accs[:3]
   x, dy = x_ref[...], dy_ref[...]
   if post:
     summed = jax.lax.bitcast_convert_type(s_ref[...], x_ref.dtype)
@@ -159,7 +161,10 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
       dx += jax.lax.dot_general(dpre_c, w1_ref[:, cols], _T, preferred_element_type=_F32)
       dw1_ref[:, cols] += jnp.dot(x_t, dpre_c, preferred_element_type=_F32)
       db1_ref[:, cols] += jnp.sum(dpre, axis=0, keepdims=True)
-    dw2t_ref[:, rows] += jnp.dot(dy.T, h.astype(x.dtype), preferred_element_type=_F32)
+    if w2_rows:
+      dw2_ref[rows, :] += jnp.dot(h.astype(x.dtype).T, dy, preferred_element_type=_F32)
+    else:
+      dw2_ref[:, rows] += jnp.dot(dy.T, h.astype(x.dtype), preferred_element_type=_F32)
   if norm:
     dx, d_norm = row_norm.pulled_back(dx, stats, norm_ref[...], norm[1])
     accs[3][...] += d_norm
@@ -169,7 +174,7 @@ def _backward_kernel(x_ref, dy_ref, w1_ref, b1_ref, w2_ref, *refs, act, chunk, k
     dx += ds
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
-  devices.write_sums(outs, accs, stage_ref, sem, chunk)  # each core's last block: written once
+  devices.write_sums(outs, accs, stages, sem, chunk)  # each core's last block: written once
 
 
 def _vmem_limit(need: int, interpret: bool) -> int:
@@ -237,8 +242,9 @@ def _tail_specs(post, width: int) -> list:
 
 def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, interpret: bool,
               norm=None, residual: bool = False, cores: int | None = None, post=None,
-              tail_in=None):
-  """dx and the weights' gradient sums, [cores, ...] (and the norm's, [cores, 2, D], with
+              tail_in=None, w2_rows: bool = True):
+  """dx and the weights' gradient sums, [cores, ...] (dW2 [F, D] with `w2_rows`, else [D, F]),
+  (and the norm's, [cores, 2, D], with
   `norm`; with `post` the tail's norm's and the output bias', dy_NxD the gradient of the norm's
   output, tail_in its weights, key and kept sum); `kept_NxF` the forward's pre-activation, or
   None to make it again from x (one product more). `cores`: the sequences of blocks, the chip's
@@ -250,11 +256,14 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
   # The sums stay in float32 VMEM over the token blocks and are written once, a leading axis of
   # one a sequence of blocks (the devices' stack along it for the caller to add); v5p runs a
   # sequence on each of a chip's two TensorCores (the parallel axis). dW1 and dW2 go out in the
-  # weights' dtype, as XLA's product gives them, dW2 as [D, F], the layout fsdp's sum takes: as
-  # float32 [F, D] XLA relaid them, 112 MB a layer on v5p-8 (docs/performance.md).
+  # weights' dtype, as XLA's product gives them. dW2 as [F, D], W2's layout, where the chips'
+  # reduce-scatter splits its D in whole tiles (devices.splits): as [D, F] XLA turned W2's
+  # float32 state to it and back for the update (0.7 GB of BERT-Large L 128's step on v5p-8).
+  # Else as [D, F], for XLA's sum: as float32 [F, D] XLA relaid them, 112 MB a layer on v5p-8.
   cores = _sequences(tokens) if cores is None else cores
   chunk = _chunk(hidden)
-  need = lambda block: (weights + grads + width * chunk * item + 6 * block * width * item
+  need = lambda block: (weights + grads + (1 + w2_rows) * width * chunk * item
+                        + 6 * block * width * item
                         + 3 * block * width * 4 + 6 * block * chunk * 4 * inner // hidden
                         + kept * 2 * block * inner * item + bool(norm) * 4 * block * width * 4
                         + bool(post) * (2 * block * width * item + 6 * block * width * 4))
@@ -262,16 +271,19 @@ def _backward(x_NxD, dy_NxD, w1_DxF, b1_1xF, w2_FxD, kept_NxF, norm_2xD, act, in
   steps = tokens // block // cores
   tile = lambda width: pl.BlockSpec((block, width), lambda c, i: (c * steps + i, 0))
   need = need(block)
-  sums = ([(width, inner), (1, inner), (width, hidden)] + ([(2, width)] if norm else [])
+  sums = ([(width, inner), (1, inner), (hidden, width) if w2_rows else (width, hidden)]
+          + ([(2, width)] if norm else [])
           + ([(2, width), (1, width)] if post else []))
   kinds = [w1_DxF.dtype, _F32, w2_FxD.dtype] + [_F32] * (len(sums) - 3)
   return tuple(pl.pallas_call(
       functools.partial(_backward_kernel, act=act, chunk=chunk, kept=kept, norm=norm,
-                        residual=residual, post=post),
+                        residual=residual, post=post, w2_rows=w2_rows),
       out_shape=[jax.ShapeDtypeStruct(x_NxD.shape, x_NxD.dtype)]
                 + [jax.ShapeDtypeStruct((cores,) + shape, k) for shape, k in zip(sums, kinds)],
       scratch_shapes=[pltpu.VMEM(shape, _F32) for shape in sums]
-                     + [pltpu.VMEM((width, chunk), w1_DxF.dtype), pltpu.SemaphoreType.DMA],
+                     + [pltpu.VMEM((width, chunk), w1_DxF.dtype)]
+                     + [pltpu.VMEM((chunk, width), w2_FxD.dtype)] * w2_rows
+                     + [pltpu.SemaphoreType.DMA],
       grid=(cores, steps),
       in_specs=[tile(width), tile(width), devices.whole(w1_DxF.shape),
                 devices.whole(b1_1xF.shape), devices.whole(w2_FxD.shape)]
@@ -360,6 +372,8 @@ def _mlp_fwd(x_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra, act, keep, form):
 def _mlp_bwd(act, keep, form, saved, dy_NxD):
   x_NxD, pre_NxF, s_NxD, w1_DxF, b1_F, w2_FxD, b2_D, extra = saved
   norm, residual, post = form
+  # dW2 written as W2 is, [F, D], where the chips' sum splits its D in whole tiles; else [D, F].
+  w2_rows = devices.splits(devices.summed(1, w2_FxD.shape))
 
   def bwd(x, dy, *rest):  # the kept pre-activation and sum, the weights, the norms'
     rest = list(rest)
@@ -367,18 +381,20 @@ def _mlp_bwd(act, keep, form, saved, dy_NxD):
     s = [rest.pop(0)] if post else []
     norm_2xD, tail_in = _norms(rest[3:], form, x.shape[0], *s)
     return _on_platform(_backward, x, dy, *rest[:3], pre, norm_2xD, act=act, norm=norm,
-                        residual=residual, post=post, tail_in=tail_in)
+                        residual=residual, post=post, tail_in=tail_in, w2_rows=w2_rows)
 
-  dx, dw1, db1, dw2t, *rest = devices.per_device(
+  dx, dw1, db1, dw2, *rest = devices.per_device(
       bwd, (x_NxD, dy_NxD) + ((pre_NxF,) if keep else ()) + ((s_NxD,) if post else ()),
       _whole(w1_DxF, b1_F, w2_FxD, extra, form),
-      ("tokens", ("summed", 0, w1_DxF.shape[0]), "sums", ("summed", 0, w1_DxF.shape[0]))
+      ("tokens", devices.summed(0, w1_DxF.shape), "sums",
+       devices.summed(1, w2_FxD.shape) if w2_rows else devices.summed(0, w2_FxD.shape[::-1]))
       + ("sums",) * (bool(norm) + 2 * bool(post)))
   d_norm, d_post = rest.pop(0).sum(0) if norm else None, rest[0].sum(0) if post else None
   db2 = rest[1].sum((0, 1)) if post else jnp.sum(dy_NxD.astype(_F32), axis=0)
   # The weights' gradients (the cores' and devices' sums) rounded once more.
   return (dx, dw1.astype(w1_DxF.dtype), db1.sum((0, 1)).astype(b1_F.dtype),
-          dw2t.T.astype(w2_FxD.dtype), db2.astype(b2_D.dtype), (d_norm, d_post, None))
+          (dw2 if w2_rows else dw2.T).astype(w2_FxD.dtype), db2.astype(b2_D.dtype),
+          (d_norm, d_post, None))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

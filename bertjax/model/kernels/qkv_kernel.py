@@ -224,7 +224,7 @@ def _qkv_bwd(form, saved, cotangents):
 
   dx, dw, d_norm = devices.per_device(
       bwd, (x_NxD, dres_NxD) + tuple(grads), (w_3xDxC, norm_2xD),
-      ("tokens", ("summed", 1, w_3xDxC.shape[1]), "sums"), ("tokens", "tokens") + (
+      ("tokens", devices.summed(1, w_3xDxC.shape), "sums"), ("tokens", "tokens") + (
           ("thirds",) if packed else ("tokens",) * 3))
   # W's gradient (the cores' and devices' sums) rounded once more.
   return dx, dw.astype(w_3xDxC.dtype), d_norm.sum(0)
