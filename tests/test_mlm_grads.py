@@ -87,21 +87,23 @@ def test_the_head_s_backward_is_the_kernel_on_a_tpu_and_xla_elsewhere(monkeypatc
 
 def test_under_a_mesh_each_device_runs_its_predictions_and_ws_gradient_is_summed():
   # data x fsdp x tensor = 2 x 2 x 2: each device's 24 of the 96 predictions, W whole; W's
-  # gradient reduce-scattered over fsdp (its D split as the table's) and summed over data, the
-  # bias' summed over the devices. Two cores a device: their sums of x's gradient added.
+  # gradient reduce-scattered over fsdp (its D 256 split as the table's, whole tiles of lanes)
+  # and summed over data, the bias' summed over the devices. Two cores a device: their sums of
+  # x's gradient added.
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
-  x, w, bias, labels, g = _arrays(96, 300, 128)
+  x, w, bias, labels, g = _arrays(96, 300, 256)
   log_z, _ = _float32_grads(x, w, bias, labels, g)
   want = mlm_grads.grads(x, w, bias, labels, log_z, g, interpret=True, cores=1)
   rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES))
   shape = lambda a: jax.device_put(a.reshape((8, 12) + a.shape[1:]), rows)
   run = jax.jit(sharding.logical_context(mesh)(
       lambda *a: mlm_grads.sharded(*a, interpret=True, cores=2)))
-  text = run.lower(shape(x), w, bias, shape(labels), shape(log_z), shape(g)).as_text()
-  assert text.count("(tensor<1x300x128xf32>) -> tensor<1x300x64xf32>") == 1, "reduce-scatter"
-  dx, dw, db = run(shape(x), w, bias, shape(labels), shape(log_z), shape(g))
+  args = (shape(x), w, bias, shape(labels), shape(log_z), shape(g))
+  assert run.lower(*args).as_text().count(
+      "(tensor<1x300x256xf32>) -> tensor<1x300x128xf32>") == 1, "reduce-scatter"
+  dx, dw, db = run(*args)
   assert dw.sharding.spec == PartitionSpec(None, "fsdp")
-  np.testing.assert_allclose(dx.reshape(96, 128), want[0][0].astype(jnp.float32), atol=2e-2)
+  np.testing.assert_allclose(dx.reshape(96, 256), want[0][0].astype(jnp.float32), atol=2e-2)
   np.testing.assert_allclose(dw, want[1], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(db, want[2], rtol=1e-5, atol=1e-5)
 
