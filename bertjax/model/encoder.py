@@ -137,9 +137,12 @@ class EncoderLayer(nn.Module):
     else:
       ends = (query_positions is None and mlp.ends_in_kernels(cfg)
               and self_attention.takes_kernel(x_BxLxD.shape[1], masks, layer_id))
+      # With the MLP's kernels, q, k and v by qkv_kernel too: its backward reads their
+      # gradients once for dx and dW, and adds the end's residual gradient to dx.
       attn_BxLxD = attention_fn(x_BxLxD, masks, self.deterministic, rope, layer_id, end=(
           mlp.attention_end(cfg, res_BxLxD, "attention_layer_norm", drop, self.deterministic)
-          if ends else None))
+          if ends else None), start=mlp.attention_start(cfg, x_BxLxD, "", layer_id)
+                                    if ends else None)
       h_BxLxD = attn_BxLxD if ends else layer_norm(cfg, "attention_layer_norm")(
           res_BxLxD + drop(attn_BxLxD, deterministic=self.deterministic))
       out_BxLxD = mlp.post_normed(

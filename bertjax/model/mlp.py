@@ -60,13 +60,16 @@ def ends_in_kernels(cfg: BertConfig) -> bool:
 
 
 def attention_start(cfg: BertConfig, x_BxLxD, norm_name: str, layer_id):
-  """A pre-norm layer's attention norm for qkv_kernel, which makes it and q, k and v's products
-  with the MLP's kernels (the attention the fused kernel: the caller's to check): a one-tuple of
-  the norm ((its weights, at `norm_name` in the calling module; eps; centred), None for a layer
-  that skips it), or None where XLA's path makes them (a scanned layer's skipped norm is a
+  """A layer's attention start for qkv_kernel, which makes q, k and v's products (a pre-norm
+  layer's norm with them) with the MLP's kernels (the attention the fused kernel, and a
+  post-norm layer's end the kernels': the caller's to check): a one-tuple of the norm ((its
+  weights, at `norm_name` in the calling module; eps; centred), None for a post-norm layer or
+  one that skips it), or None where XLA's path makes them (a scanned layer's skipped norm is a
   traced choice)."""
-  if cfg.norm_position != "pre" or _impl(cfg) not in ("pallas", "pallas_kept"):
+  if _impl(cfg) not in ("pallas", "pallas_kept"):
     return None
+  if cfg.norm_position != "pre":
+    return (None,)
   if cfg.skips_first_attention_norm and not isinstance(layer_id, int):
     return None
   if cfg.skips_first_attention_norm and layer_id == 0:
@@ -86,10 +89,11 @@ def attention_end(cfg: BertConfig, r_BxLxD, norm_name: str, drop, deterministic:
   post = (weights, cfg.layer_norm_eps, cfg.norm_type != "rmsnorm", rate, words)
   dt, width = cfg.compute_dtype, r_BxLxD.shape[-1]
 
-  def ended(c_BxLxC, w, b):
+  def ended(c_BxLxC, w, b, r=None):  # `r`: the residual's rows where qkv_kernel gave them
+    r = r_BxLxD if r is None else r
     y_NxD = end_kernel.end(
         c_BxLxC.reshape(-1, w.size // width).astype(dt),
-        r_BxLxD.reshape(-1, width).astype(dt), w.reshape(-1, width).astype(dt),
+        r.reshape(-1, width).astype(dt), w.reshape(-1, width).astype(dt),
         jnp.zeros((width,), cfg.storage_dtype) if b is None else b, post)
     return y_NxD.reshape(r_BxLxD.shape)
 

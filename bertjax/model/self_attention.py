@@ -42,7 +42,8 @@ class SelfAttention(nn.Module):
                query_positions=None, end=None, start=None):
     """The attention's output [B, L, D]; with `start` (mlp.attention_start's: the pre-norm layer's
     norm, or (None,)), x is the rows before that norm, q, k and v come from qkv_kernel, and the
-    result is (the output, the rows for the layer's residual sum)."""
+    result is (the output, the rows for the layer's residual sum), or with `end` too (a
+    post-norm layer's) the end's, of those rows."""
     cfg = self.config
     shape = (cfg.num_heads, cfg.head_size)
     is_local = cfg.is_local(layer_id)
@@ -109,7 +110,9 @@ class SelfAttention(nn.Module):
     output = dense(cfg, cfg.hidden_size, ("heads", "kv", "embed"), "output", axis=(-2, -1),
                    use_bias=cfg.attention_bias)
     if end is not None:  # mlp.attention_end's: the layer's end by the kernels, from the heads
-      return end(out_BxLxNxK, *output(out_BxLxNxK, weights_only=True))
+      # With `start`, the residual is the rows qkv_kernel gave back (their gradient added there).
+      return end(out_BxLxNxK, *output(out_BxLxNxK, weights_only=True),
+                 *(() if start is None else (res_BxLxD,)))
     out_BxLxD = output(out_BxLxNxK, flat=kernel)
     return out_BxLxD if start is None else (out_BxLxD, res_BxLxD)
 
