@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bertjax.model import dropout
+from bertjax.model import dropout, mlp
 from bertjax.model.config import BertConfig
 from bertjax.model.encoder import BertModel
 from bertjax.model.kernels import end_kernel
@@ -85,9 +85,13 @@ def test_in_bfloat16_the_weights_gradient_leaves_in_its_dtype_made_in_float32():
                              atol=1e-2 * float(jnp.abs(want).max()))
 
 
-def test_a_bert_model_through_the_kernels_has_xla_s_values_and_gradients():
+@pytest.mark.parametrize("start", [False, True])
+def test_a_bert_model_through_the_kernels_has_xla_s_values_and_gradients(start, monkeypatch):
   # The same parameters; with hidden dropout off, the same output and gradients as XLA's layers
-  # (the attention kernel on both sides), the attention end's and the MLP's by the kernels.
+  # (the attention kernel on both sides), the attention end's and the MLP's by the kernels, and
+  # with `start` q, k and v by qkv_kernel (as on v5p; the CPU's chip named "").
+  if start:
+    monkeypatch.setattr(mlp, "POST_NORM_START_ON", ("",))
   config = BertConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
                       intermediate_size=128, max_position_embeddings=128, hidden_dropout=0.0,
                       attention_dropout=0.0, attention_impl="fused")
@@ -109,6 +113,8 @@ def test_a_bert_model_through_the_kernels_has_xla_s_values_and_gradients():
     return jnp.sum(out * probe)
 
   assert_models_agree(loss, models, params)
+  text = str(jax.make_jaxpr(jax.grad(lambda p: loss(models["pallas"], p)))(params))
+  assert ("fused_qkv_bwd" in text) == start
 
 
 def test_the_end_s_dropout_is_the_same_on_a_mesh_and_another_key_gives_other_decisions():

@@ -13,6 +13,7 @@ from bertjax.model import dropout, residuals
 from bertjax.model.kernels import end_kernel, mlp_choice, mlp_kernel
 from bertjax.model.config import ACTIVATIONS, BertConfig
 from bertjax.model.primitives import NormWeights, dense, layer_norm, product
+from bertjax.parallel import platforms
 
 
 def _impl(cfg: BertConfig) -> str:
@@ -59,17 +60,25 @@ def ends_in_kernels(cfg: BertConfig) -> bool:
   return cfg.norm_position == "post" and _impl(cfg) in ("pallas", "pallas_kept")
 
 
+# The chips (platforms.tpu_chip) where a post-norm layer's q, k and v are qkv_kernel's: v5p,
+# where XLA's products read their gradients twice from HBM (BERT-Base L 128 on v5p-8: 11.67 ->
+# 11.42 GB a chip a step, BERT-Large 29.24 -> 28.67); on v6e XLA keeps more of them in VMEM and
+# the kernel moved more (BERT-Base 3.64 -> 3.86). docs/performance.md, "The MLM head's backward
+# in one kernel, and the weights' gradients reduce-scattered as written".
+POST_NORM_START_ON = ("TPU_V5P",)
+
+
 def attention_start(cfg: BertConfig, x_BxLxD, norm_name: str, layer_id):
   """A layer's attention start for qkv_kernel, which makes q, k and v's products (a pre-norm
   layer's norm with them) with the MLP's kernels (the attention the fused kernel, and a
   post-norm layer's end the kernels': the caller's to check): a one-tuple of the norm ((its
   weights, at `norm_name` in the calling module; eps; centred), None for a post-norm layer or
-  one that skips it), or None where XLA's path makes them (a scanned layer's skipped norm is a
-  traced choice)."""
+  one that skips it), or None where XLA's path makes them (a post-norm layer's off
+  POST_NORM_START_ON's chips; a scanned layer's skipped norm is a traced choice)."""
   if _impl(cfg) not in ("pallas", "pallas_kept"):
     return None
   if cfg.norm_position != "pre":
-    return (None,)
+    return (None,) if platforms.tpu_chip() in POST_NORM_START_ON else None
   if cfg.skips_first_attention_norm and not isinstance(layer_id, int):
     return None
   if cfg.skips_first_attention_norm and layer_id == 0:
