@@ -5,14 +5,16 @@ made there, and x's, W's and the bias' gradients taken from it in the same step.
 Written by XLA, the backward made the logits again and wrote their gradient in the compute dtype
 ([predictions, V], the largest tensor of the step), read it in two products (x's gradient, and
 W's with the bias' as a column of ones), and summed W's [D + 1, V] float32 gradient over the
-chips whole: 1,025 rows do not split over 8, so it was all-reduced and sliced (BERT-Large L 128
-on v5p-8: 1.7 GB of its step, docs/performance.md, "The MLM head's backward in one kernel").
+chips whole: 1,025 rows do not split over 4 or 8, so it was all-reduced and sliced (BERT-Large
+L 128 on v5p-8: 1.7 GB of its step; docs/performance.md, "The MLM head's backward in one
+kernel, and the weights' gradients reduce-scattered as written").
 
 Here the grid is (the chip's TensorCores, a core's vocabulary blocks). A block of W's rows is
 read once; the device's predictions (their states, labels, log Z and the loss's cotangents) stay
 in VMEM for the whole grid and are walked a block of rows at a time inside the step. W's and the
 bias' gradients for the block are whole at the step's end and written once in float32 ([V, D],
-as the table is, so the chips' sum splits it as the parameter is split); x's gradient is summed
+as the table is, so the chips' sum splits it as the parameter is split: devices.summed); the
+last block of W, partial, is read in place (no padded copy of the table); x's gradient is summed
 over the vocabulary in float32 VMEM and each core writes its own ([cores, R, D], for the caller
 to add). Every prediction's x and its float32 gradient in VMEM bound the predictions a call
 takes (`most`): past them, a device makes more calls, each adding its W's gradient to the last

@@ -1,6 +1,7 @@
 """A pre-norm layer's attention start, q, k and v = norm(x) [Wq Wk Wv], as Pallas kernels: the
 LayerNorm or RMSNorm before the attention and its three projections in one pass over the tokens
-(a pre-norm layer whose attention is the fused kernel and whose MLP the kernels: ModernBERT's).
+(a pre-norm layer whose attention is the fused kernel and whose MLP the kernels: ModernBERT's;
+without a norm, a post-norm layer's on v5p, whose end is the kernels' too: BERT's).
 
 Written by XLA, the norm's statistics were a pass of their own, each projection read the rows
 again (normalising them inside its read), and the backward took ~18 passes over [tokens, D] a
