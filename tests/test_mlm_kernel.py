@@ -47,6 +47,24 @@ def test_the_kernel_gives_the_scores_of_xlas_logits(dtype, vocab, monkeypatch):
   assert bool(jnp.all(correct[:100] == 1)) and bool(jnp.all(correct == correct_x))
 
 
+def test_every_predictions_state_stays_in_vmem_where_it_fits_and_else_goes_in_blocks(
+    monkeypatch):
+  # Read once where it fits beside the call's other blocks; else a block of predictions at a
+  # time (read again for each block of the vocabulary). The same scores either way.
+  monkeypatch.setattr(mlm_kernel, "VOCAB_BLOCK", 256)
+  monkeypatch.setattr(mlm_kernel, "ROW_BLOCKS", (128, 8))
+  x, w, bias, labels = _arrays(300, 1000, 64, jnp.float32)
+  blocked = int(mlm_kernel._need(384, 128, 256, 64, 4, True) * 1.25) + (2 << 20)
+  results = {}
+  for vmem in (1 << 30, blocked):
+    run = lambda x: mlm_kernel.scores(x, w, bias, labels, interpret=True, vmem=vmem)
+    call = next(e for e in jax.make_jaxpr(run)(x).jaxpr.eqns if e.primitive.name == "pallas_call")
+    results[call.params["grid_mapping"].block_mappings[1].block_shape[0].block_size] = run(x)
+  assert sorted(results) == [128, 384]  # a block of 128 predictions, or all 384 (300 padded)
+  for got, want in zip(results[128], results[384]):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_a_device_with_many_predictions_makes_a_call_for_each_group(monkeypatch):
   # Each call keeps its predictions' running figures in VMEM (1.5 KB a prediction): 29,184 in
   # one call overflowed v5p's 64 MiB. In groups of at most MAX_ROWS, the same scores.
