@@ -193,10 +193,11 @@ def test_a_users_step_keeps_the_models_sharding_constraints_only_inside_logical_
   assert ours == _constraints(helped.lower(params, batch)) == expected
   # Without rules and mesh in scope every constraint is dropped (the documented behaviour).
   assert _constraints(jax.jit(step).lower(params, batch)) == 0
-  # Scored where they are made, the logits keep theirs, in the forward and the recomputation.
+  # Scored where they are made, the logits keep theirs, in the forward and the recomputation,
+  # and the table is whole on each device, kept for the recomputing backward (one more).
   model = BertForPreTraining(dataclasses.replace(TINY, recompute_mlm_logits=True))  # step's own
   scored = jax.jit(sharding.logical_context(training.mesh, mesh_cfg.logical_axis_rules)(step))
-  assert _constraints(scored.lower(params, batch)) == expected
+  assert _constraints(scored.lower(params, batch)) == expected + 1
 
 
 def test_explicit_mesh_axes_are_refused_naming_the_fix():
