@@ -5,7 +5,7 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
-Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 41.5 and 50.8 of 95
+Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 33.5 and 50.8 of 95
 GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.884 and 0.813; on v6e-8 0.813
 and 0.814; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
 slice needs fewer microbatches, and a batch that divides over its chips and them):
@@ -82,7 +82,7 @@ def get_config(arg=None):
   # RoPE inside the attention kernel" and "The gated MLP and its pre-norm in one kernel").
   m.recompute_mlm_logits = phase == 1
   # The matmuls' outputs kept, and the attention kernel's ("dots_kernels"; splash's is not
-  # named), in 12 microbatches: 41 and 50 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
+  # named), in 12 microbatches: 34 and 51 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
   # remat in 8 made the forward again (docs/performance.md, "ModernBERT-base, compiled"). 12
   # divide both phases' batches over 4 chips and over 8.
   m.remat_policy = "dots_kernels"
