@@ -47,27 +47,29 @@ def per_device(fn, tokens: tuple, whole: tuple, outputs: tuple, inputs: tuple | 
   "sums" ([1, ...] per device, stacked over the devices for the caller to add) or `summed`'s (a
   parameter's gradient, the total of every device's and core's sums, float32)."""
   mesh = jax.sharding.get_abstract_mesh()
+  # Each `summed` output's mesh axes to reduce-scatter it over inside the shard_map, () where
+  # its shards would not fill whole tiles (stacked over the devices, for XLA to add).
+  split = {i: _split_axes(mesh, kind) for i, kind in enumerate(outputs)
+           if isinstance(kind, tuple)}
   if mesh.empty:
-    outs = fn(*tokens, *whole)
-    return _added(outs, outputs, lambda kind: isinstance(kind, tuple))
+    return _added(fn(*tokens, *whole), {i: (0, ()) for i in split}, None)
   batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
   spec = {"tokens": PartitionSpec(batch, None), "sums": PartitionSpec(batch, None, None),
           "thirds": PartitionSpec(None, batch, None)}
-  # A gradient whose shards do not fill whole tiles goes out stacked, for XLA to add.
-  stacked = lambda kind: isinstance(kind, tuple) and not _split_axes(mesh, kind)
   out_specs = tuple(
-      spec[kind] if isinstance(kind, str)
-      else PartitionSpec(batch, *([None] * len(kind[2]))) if stacked(kind)
-      else PartitionSpec(*([None] * kind[1]), _split_axes(mesh, kind)) for kind in outputs)
+      spec[kind] if i not in split
+      else PartitionSpec(*([None] * kind[1]), split[i]) if split[i]
+      else PartitionSpec(batch, *([None] * len(kind[2]))) for i, kind in enumerate(outputs))
   inputs = ("tokens",) * len(tokens) if inputs is None else inputs
+  inside = {i: (outputs[i][1], axes) for i, axes in split.items() if axes}
+  rest = lambda axes: tuple(a for a in _mesh_axes(mesh, "activation_batch") if a not in axes)
   outs = jax.shard_map(
-      lambda *args: _added(fn(*args), outputs, lambda kind: isinstance(kind, tuple)
-                           and not stacked(kind), mesh), mesh=mesh,
+      lambda *args: _added(fn(*args), inside, rest), mesh=mesh,
       in_specs=tuple(spec[kind] for kind in inputs) + (PartitionSpec(),) * len(whole),
       out_specs=out_specs[0] if len(out_specs) == 1 else out_specs,
       # pallas_call's outputs carry no varying-manual-axes type for shard_map to check.
       check_vma=False)(*tokens, *whole)
-  return _added(outs, outputs, stacked)
+  return _added(outs, {i: (0, ()) for i, axes in split.items() if not axes}, None)
 
 
 def summed(axis: int, shape: tuple) -> tuple:
@@ -87,41 +89,39 @@ def splits(kind) -> bool:
   return bool(_split_axes(jax.sharding.get_abstract_mesh(), kind))
 
 
+def _mesh_axes(mesh, logical: str) -> tuple[str, ...]:
+  """The mesh axes (more than one device each) the rules in scope map `logical` to."""
+  axes = nn.logical_to_mesh_axes((logical,))[0]
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return tuple(a for a in axes if dict(mesh.shape)[a] > 1)
+
+
 def _split_axes(mesh, kind) -> tuple[str, ...]:
   if mesh.empty:
     return ()
-  batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
-  batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
-  embed = nn.logical_to_mesh_axes(("embed",))[0]
-  embed = (embed,) if isinstance(embed, str) else tuple(embed or ())
-  split = tuple(a for a in embed if a in batch and dict(mesh.shape)[a] > 1)
+  batch = _mesh_axes(mesh, "activation_batch")
+  split = tuple(a for a in _mesh_axes(mesh, "embed") if a in batch)
   _, axis, shape = kind
   ways = math.prod(dict(mesh.shape)[a] for a in split)
   tile = 128 if axis == len(shape) - 1 else 16
   return split if split and shape[axis] % (ways * tile) == 0 else ()
 
 
-def _added(outs, outputs: tuple, which, mesh=None):
-  """fn's results with each `summed` output that `which(kind)` picks added: under `mesh` (in
-  its shard_map) reduce-scattered over the chips along its axis and summed over the batch's
-  other axes first; then its leading axis (the cores', or the devices' where stacked) added
-  in float32."""
-  if not any(which(kind) for kind in outputs):
+def _added(outs, which: dict, rest):
+  """fn's results with each output `which` names, {index: (axis, mesh axes)}, reduce-scattered
+  over those mesh axes along its gradient's `axis` and summed over the batch's `rest(axes)`
+  (inside per_device's shard_map; no mesh axes: neither), then added over its leading axis
+  (the cores', or the devices' where stacked) in float32."""
+  if not which:
     return outs
   single = not isinstance(outs, (tuple, list))
   outs = [outs] if single else list(outs)
-  for i, kind in enumerate(outputs):
-    if not which(kind):
-      continue
+  for i, (axis, axes) in which.items():
     partial = outs[i]
-    if mesh is not None:
-      split = _split_axes(mesh, kind)
-      batch = nn.logical_to_mesh_axes(("activation_batch",))[0]
-      batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
-      rest = tuple(a for a in batch if a not in split and dict(mesh.shape)[a] > 1)
-      partial = jax.lax.psum_scatter(partial, split, scatter_dimension=kind[1] + 1, tiled=True)
-      if rest:
-        partial = jax.lax.psum(partial, rest)
+    if axes:
+      partial = jax.lax.psum_scatter(partial, axes, scatter_dimension=axis + 1, tiled=True)
+      if rest(axes):
+        partial = jax.lax.psum(partial, rest(axes))
     outs[i] = partial.astype(jnp.float32).sum(0)
   return outs[0] if single else tuple(outs)
 
