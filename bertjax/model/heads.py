@@ -112,17 +112,16 @@ def _scores(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
 def _scores_fwd(x_BxMxD, w_VxD, bias_V, labels_BxM, compute_dtype):
   # W in the compute dtype whole on each device (as the products read it), kept for the
   # backward: made there again, fsdp's table was gathered and relaid twice a step (BERT-Base
-  # on v5p-8: 152 MB). The empty array keeps W's own dtype for its gradient.
+  # on v5p-8: 152 MB). The parameter itself rides along for its gradient's dtype (no copy).
   w_whole = nn.with_logical_constraint(w_VxD.astype(compute_dtype), (None, None))
   scores, log_z_BxM = _scores(x_BxMxD, w_whole, bias_V, labels_BxM, compute_dtype)
-  return scores, (x_BxMxD, w_whole, bias_V, labels_BxM, log_z_BxM,
-                  jnp.zeros((0,), w_VxD.dtype))
+  return scores, (x_BxMxD, w_whole, bias_V, labels_BxM, log_z_BxM, w_VxD)
 
 
 def _scores_bwd(compute_dtype, residuals, g):
   # The barrier keeps XLA from taking the forward's logits for the recomputed ones (kept alive
   # until now, which is what this function avoids).
-  *residuals, w_dtype = residuals
+  *residuals, w_param = residuals
   x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM = jax.lax.optimization_barrier(residuals)
 
   def xla(x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM, g_BxM):
@@ -142,7 +141,7 @@ def _scores_bwd(compute_dtype, residuals, g):
   dx_BxMxD, dw_VxD, dbias_V = mlm_grads.on_platform(
       x_BxMxD.astype(compute_dtype), w_VxD.astype(compute_dtype), bias_V, labels_BxM,
       log_z_BxM, g.nll_BxM, xla)
-  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_VxD.astype(w_dtype.dtype),
+  return (dx_BxMxD.astype(x_BxMxD.dtype), dw_VxD.astype(w_param.dtype),
           dbias_V.astype(bias_V.dtype), None)
 
 

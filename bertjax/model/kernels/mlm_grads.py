@@ -157,7 +157,7 @@ def grads(x_RxD, w_VxD, bias_V, labels_R, log_z_R, g_R, interpret: bool = False,
     raise ValueError(f"mlm_grads.grads: {rows_total} predictions are no multiple of 8; pad them")
   cores = min(platforms.tpu_cores() if cores is None else cores, pl.cdiv(vocab, VOCAB_BLOCK))
   calls = pl.cdiv(rows_total, most(width, x_RxD.dtype.itemsize, vmem))
-  size = -(-rows_total // calls // 128) * 128 if calls > 1 else rows_total
+  size = pl.cdiv(pl.cdiv(rows_total, calls), 128) * 128 if calls > 1 else rows_total
   column = lambda a, kind: a.astype(kind).reshape(-1, 1)
   table = (w_VxD, bias_V.astype(_F32)[None, :])
   last, dxs = None, []
