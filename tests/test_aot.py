@@ -157,6 +157,33 @@ for name in ("v4-8", "v5p-8", "v5e-8", "v6e-8"):
   kinds[name] = [chips[0].device_kind, topology.slice_type.generation.device_kind, vmem, chip,
                  slabs]
 print("kinds " + json.dumps(kinds), flush=True)
+# A table split along its columns on v5p-8's 4 chips, updated from a gradient scattered in rows:
+# the order each shard is stored in, and the copies of a shard the update makes with the
+# gradient as it comes and in that order (layouts.as_stored).
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from bertjax.parallel import layouts
+chips = aot.topology_devices(topologies.parse_topology("v5p-8"))
+mesh = jax.sharding.Mesh(np.array(chips), ("fsdp",))
+split = NamedSharding(mesh, P(None, "fsdp"))
+
+def update(p, mu, ids, dy, stored):
+  g = jax.lax.with_sharding_constraint(jnp.zeros((4000, 768)).at[ids].add(dy), split)
+  mu = 0.9 * mu + (layouts.as_stored(g, split) if stored else g)
+  return p - 0.1 * mu, mu
+
+args = [jax.ShapeDtypeStruct((4000, 768), jnp.float32, sharding=split)] * 2 + [
+    jax.ShapeDtypeStruct((512,), jnp.int32, sharding=NamedSharding(mesh, P("fsdp"))),
+    jax.ShapeDtypeStruct((512, 768), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))]
+copies = {}
+for stored in (False, True):
+  text = jax.jit(update, static_argnums=4, donate_argnums=(0, 1)).lower(*args, stored).compile()
+  copies[stored] = len(re.findall(r"= f32\[4000,192\]\S* copy\(", text.as_text()))
+print("layouts " + json.dumps({
+    "stored": [layouts.stored(np.float32, shape, chips[0])
+               for shape in ((4000, 192), (4000, 256), (192, 3072))],
+    "cpu": layouts.stored(np.float32, (4000, 192), jax.devices("cpu")[0]),
+    "copies": [copies[False], copies[True]]}), flush=True)
 config = tiny.get_config()
 # 3 layers: a depth no other dimension shares (the layer loops' arrays are found by it).
 config.model.update(vocab_size=8000, attention_impl="splash", scan_layers=True, num_layers=3,
@@ -250,7 +277,17 @@ print("qkv " + json.dumps({
   return {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
           for line in result.stdout.splitlines()
           if line.startswith(("dcn ", "kinds ", "splash ", "cost_model ", "fused ", "end ",
-                              "qkv "))}
+                              "qkv ", "layouts "))}
+
+
+def test_a_gradient_in_the_order_its_parameter_is_stored_spares_the_update_its_copies(probes):
+  # A float32 shard of 192 columns is stored column-major on a TPU (256 and 3,072 fill lanes and
+  # are not), every CPU array row-major; the update then turns the table and its moment to the
+  # gradient's order and back (4 copies), where the gradient put in the stored order is turned
+  # once.
+  out = probes["layouts"]
+  assert out["stored"] == [[1, 0], None, None] and out["cpu"] is None, out
+  assert out["copies"] == [4, 1], out
 
 
 def test_dcn_mesh_axes_span_the_slices(probes):

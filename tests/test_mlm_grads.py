@@ -108,7 +108,33 @@ def test_under_a_mesh_each_device_runs_its_predictions_and_ws_gradient_is_summed
   np.testing.assert_allclose(db, want[2], rtol=1e-5, atol=1e-5)
 
 
-def test_more_predictions_than_a_call_holds_take_calls_that_add_ws_gradient(monkeypatch):
+def test_where_the_tables_shards_fill_rows_not_lanes_ws_gradient_is_written_transposed():
+  # D 192 split over fsdp's 2: shards of 96 columns, no whole tile of lanes, whole tiles of rows.
+  # W's gradient is written [D, V] by each device, reduce-scattered along D, and turned to the
+  # table's [V, D] (a TPU stores such a shard column-major: the turn is no copy there). The
+  # same gradients as one device's [V, D].
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
+  x, w, bias, labels, g = _arrays(96, 300, 192)
+  log_z, _ = _float32_grads(x, w, bias, labels, g)
+  want = mlm_grads.grads(x, w, bias, labels, log_z, g, interpret=True, cores=1)
+  with sharding.logical_context(mesh):
+    assert mlm_grads.stored_transposed((300, 192)) and not mlm_grads.stored_transposed((300, 256))
+  rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES))
+  shape = lambda a: jax.device_put(a.reshape((8, 12) + a.shape[1:]), rows)
+  run = jax.jit(sharding.logical_context(mesh)(
+      lambda *a: mlm_grads.sharded(*a, interpret=True, cores=2)))
+  args = (shape(x), w, bias, shape(labels), shape(log_z), shape(g))
+  assert run.lower(*args).as_text().count(
+      "(tensor<1x192x300xf32>) -> tensor<1x96x300xf32>") == 1, "reduce-scatter of [D, V]"
+  dx, dw, db = run(*args)
+  assert dw.shape == (300, 192) and dw.sharding.spec == PartitionSpec(None, "fsdp")
+  np.testing.assert_allclose(dw, want[1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(db, want[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_more_predictions_than_a_call_holds_take_calls_that_add_ws_gradient(transposed,
+                                                                            monkeypatch):
   # A core's VMEM that holds 128 predictions a call: 296 take three calls (128, 128, 40), each
   # adding W's and the bias' gradients to the last call's (their buffers reused); x's
   # gradients side by side. The same gradients as one call's.
@@ -118,11 +144,14 @@ def test_more_predictions_than_a_call_holds_take_calls_that_add_ws_gradient(monk
   small = int(128.5 * mlm_grads._row_bytes(128, 2) / mlm_grads.SHARE)
   assert mlm_grads.most(128, 2, small) == 128
   run = lambda x, vmem: mlm_grads.grads(x, w, bias, labels, log_z, g, interpret=True, cores=2,
-                                        vmem=vmem)
+                                        vmem=vmem, transposed=transposed)
   calls = [e for e in jax.make_jaxpr(lambda x: run(x, small))(x).jaxpr.eqns
            if e.primitive.name == "pallas_call"]
   assert [e.invars[1].aval.shape[0] for e in calls] == [128, 128, 40]
   assert [len(e.invars) for e in calls] == [6, 8, 8]
+  if transposed:  # W's gradient [D, V]: the same as [V, D]'s, turned
+    one = mlm_grads.grads(x, w, bias, labels, log_z, g, interpret=True, cores=2)[1]
+    np.testing.assert_allclose(run(x, small)[1].T, one, rtol=1e-5, atol=1e-5)
   for got, want in zip(run(x, small), run(x, 1 << 30)):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=1e-5, atol=1e-5)

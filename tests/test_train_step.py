@@ -10,7 +10,7 @@ import pytest
 from bertjax import errors
 from bertjax.configs import base
 from bertjax.model.config import BertConfig
-from bertjax.parallel import sharding
+from bertjax.parallel import layouts, sharding
 from bertjax.training import control, optimizer, train
 
 # Dropout off so that microbatching changes nothing (tests/test_multihost.py runs with dropout).
@@ -87,6 +87,27 @@ def test_sharded_step_equals_single_device(single_device, sizes):
   assert float(metrics["grad_norm"][0]) > 0
   if sizes.get("ici_fsdp") == 8:
     check_state_handling(run)
+
+
+def test_the_update_takes_each_gradient_in_the_order_its_parameter_is_stored(single_device,
+                                                                              monkeypatch):
+  # A TPU stores some shards column-major (bertjax/parallel/layouts.py); a CPU none, so the
+  # runtime's answer is stood in for: every 2-D shard column-major. Each such gradient is
+  # constrained to it in the program, and the step is the same.
+  asked = []
+
+  def column_major(dtype, shape, device):
+    asked.append(tuple(shape))
+    return (1, 0) if len(shape) == 2 else None
+
+  monkeypatch.setattr(layouts, "stored", column_major)
+  (params, metrics), run = one_step({"ici_data": 1, "ici_fsdp": 8})
+  two_d = [x for x in jax.tree.leaves(params) if x.ndim == 2]
+  assert len([s for s in asked if len(s) == 2]) == len(two_d) > 0
+  assert (32, 4) in asked  # a [hidden, hidden] kernel's shard over fsdp's 8
+  text = run["training"].train_step.lower(run["after"], run["batch"], jax.random.PRNGKey(0))
+  assert text.as_text().count("@LayoutConstraint") == len(two_d)
+  assert_trees_close(params, single_device[0])
 
 
 def test_a_sharded_step_with_dropout_equals_one_device(single_device):

@@ -49,7 +49,7 @@ from bertjax.model import losses
 from bertjax.model.kernels import mlp_choice
 from bertjax.model.config import BertConfig, chosen_qkv, chosen_remat
 from bertjax.model.heads import BertForPreTraining
-from bertjax.parallel import sharding
+from bertjax.parallel import layouts, sharding
 from bertjax.training import optimizer as optimizer_lib
 
 Batch = Mapping[str, jax.Array]
@@ -294,6 +294,9 @@ def train_step(state: TrainState, batch: Batch, rng, *, model: nn.Module,
     (grads, loss, metrics), _ = jax.lax.scan(
         accumulate, carry, (jnp.arange(num_microbatches), micro))
 
+  # In the order each parameter's shard is stored (layouts.py): else XLA turns the parameter
+  # and Adam's moments to the gradient's order and back for the update.
+  grads = layouts.as_stored(grads, param_shardings)
   grad_norm = optax.tree.norm(grads)
   # state.step is the one counter (module docstring): the optimizer's counts are set from it.
   opt_state = optimizer_lib.with_step_count(state.opt_state, state.step)

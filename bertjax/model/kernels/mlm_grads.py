@@ -13,7 +13,8 @@ Here the grid is (the chip's TensorCores, a core's vocabulary blocks). A block o
 read once; the device's predictions (their states, labels, log Z and the loss's cotangents) stay
 in VMEM for the whole grid and are walked a block of rows at a time inside the step. W's and the
 bias' gradients for the block are whole at the step's end and written once in float32 ([V, D],
-as the table is, so the chips' sum splits it as the parameter is split: devices.summed); the
+as the table is, so the chips' sum splits it as the parameter is split: devices.summed; [D, V]
+where the table's shards are stored column-major, `stored_transposed`); the
 last block of W, partial, is read in place (no padded copy of the table); x's gradient is summed
 over the vocabulary in float32 VMEM and each core writes its own ([cores, R, D], for the caller
 to add). Every prediction's x and its float32 gradient in VMEM bound the predictions a call
@@ -35,6 +36,7 @@ from bertjax.parallel import platforms, sharding
 
 _F32 = jnp.float32
 _T = (((1,), (1,)), ((), ()))  # contract the last axes of both (W's transpose)
+_ROWS = (((0,), (0,)), ((), ()))  # contract the first axes of both (the predictions)
 # W's rows a block: its block and the block of W's float32 gradient are double buffered beside
 # every prediction's state and gradient, so a small block leaves them the room.
 VOCAB_BLOCK = 512
@@ -67,7 +69,7 @@ def _need(rows_total: int, rows: int, width: int, item: int) -> int:
 
 
 def _kernel(labels_ref, x_ref, log_z_ref, g_ref, w_ref, b_ref, *refs, vocab: int, rows: int,
-            per_core: int, blocks: int, chunk: int, adds: bool):
+            per_core: int, blocks: int, chunk: int, adds: bool, transposed: bool):
   (dw_in, db_in), refs = (refs[:2] if adds else (None, None)), refs[2 if adds else 0:]
   dw_ref, db_ref, dx_out, dx_acc, stage_ref, sem = refs
   core, j = pl.program_id(0), pl.program_id(1)
@@ -98,7 +100,10 @@ def _kernel(labels_ref, x_ref, log_z_ref, g_ref, w_ref, b_ref, *refs, vocab: int
       one_hot = (column == labels_ref[at, :]).astype(_F32)
       # Rounded to the compute dtype as the products' operand, as XLA's backward rounds it.
       g = jnp.where(column < vocab, (p - one_hot) * g_ref[at, :], 0.0).astype(x.dtype)
-      dw_ref[...] += jnp.dot(g.T, x, preferred_element_type=_F32)
+      if transposed:  # [D, block]
+        dw_ref[...] += jax.lax.dot_general(x, g, _ROWS, preferred_element_type=_F32)
+      else:  # [block, D]
+        dw_ref[...] += jnp.dot(g.T, x, preferred_element_type=_F32)
       db_ref[...] += jnp.sum(g.astype(_F32), axis=0, keepdims=True)
       dx_acc[at, :] += jnp.dot(g, w, preferred_element_type=_F32)
 
@@ -106,7 +111,7 @@ def _kernel(labels_ref, x_ref, log_z_ref, g_ref, w_ref, b_ref, *refs, vocab: int
 
 
 def _call(labels_Rx1, x_RxD, log_z_Rx1, g_Rx1, w_VxD, bias_1xV, last, cores: int,
-          interpret: bool):
+          interpret: bool, transposed: bool):
   """One call's gradients (`grads`' three, the bias' [1, V]), W's and the bias' added to
   `last`'s (the previous call's, their buffers reused) where it is not None."""
   (rows_total, width), vocab = x_RxD.shape, w_VxD.shape[0]
@@ -118,17 +123,19 @@ def _call(labels_Rx1, x_RxD, log_z_Rx1, g_Rx1, w_VxD, bias_1xV, last, cores: int
   w_spec = pl.BlockSpec((VOCAB_BLOCK, width), lambda c, j: (at(c, j), 0))
   b_spec = pl.BlockSpec((1, VOCAB_BLOCK), lambda c, j: (0, at(c, j)))
   figures = [devices.whole((rows_total, 1))] * 2
+  dw_spec = (pl.BlockSpec((width, VOCAB_BLOCK), lambda c, j: (0, at(c, j))) if transposed
+             else w_spec)
   sums = [] if last is None else list(last)
   return pl.pallas_call(
       functools.partial(_kernel, vocab=vocab, rows=rows, per_core=per_core, blocks=blocks,
-                        chunk=chunk, adds=last is not None),
-      out_shape=(jax.ShapeDtypeStruct((vocab, width), _F32),
+                        chunk=chunk, adds=last is not None, transposed=transposed),
+      out_shape=(jax.ShapeDtypeStruct((width, vocab) if transposed else (vocab, width), _F32),
                  jax.ShapeDtypeStruct((1, vocab), _F32),
                  jax.ShapeDtypeStruct((cores, rows_total, width), x_RxD.dtype)),
       grid=(cores, per_core),
       in_specs=[figures[0], devices.whole((rows_total, width)), *figures, w_spec, b_spec]
-               + ([w_spec, b_spec] if sums else []),
-      out_specs=(w_spec, b_spec, pl.BlockSpec(memory_space=pl.ANY)),
+               + ([dw_spec, b_spec] if sums else []),
+      out_specs=(dw_spec, b_spec, pl.BlockSpec(memory_space=pl.ANY)),
       scratch_shapes=[pltpu.VMEM((rows_total, width), _F32),
                       pltpu.VMEM((rows_total, chunk), x_RxD.dtype), pltpu.SemaphoreType.DMA],
       input_output_aliases={6: 0, 7: 1} if sums else {},
@@ -145,13 +152,13 @@ def _call(labels_Rx1, x_RxD, log_z_Rx1, g_Rx1, w_VxD, bias_1xV, last, cores: int
 
 
 def grads(x_RxD, w_VxD, bias_V, labels_R, log_z_R, g_R, interpret: bool = False,
-          cores: int | None = None, vmem: int | None = None):
-  """(x's gradient [cores, R, D] in x's dtype, a core's sum each; W's [V, D] and the bias' [V],
-  float32) of the scores' loss with cotangents `g_R` on each prediction's negative
-  log-likelihood, from the logits x W^T + b (x and W in the compute dtype, the products in
-  float32) made again, log Z as the forward made it. R a multiple of 8. `cores`: the
-  vocabulary's sequences, the chip's TensorCores by default; `vmem`: a core's VMEM, the chip's
-  by default (the predictions a call takes, `most`)."""
+          cores: int | None = None, vmem: int | None = None, transposed: bool = False):
+  """(x's gradient [cores, R, D] in x's dtype, a core's sum each; W's [V, D] ([D, V] where
+  `transposed`) and the bias' [V], float32) of the scores' loss with cotangents `g_R` on each
+  prediction's negative log-likelihood, from the logits x W^T + b (x and W in the compute
+  dtype, the products in float32) made again, log Z as the forward made it. R a multiple of 8.
+  `cores`: the vocabulary's sequences, the chip's TensorCores by default; `vmem`: a core's
+  VMEM, the chip's by default (the predictions a call takes, `most`)."""
   (rows_total, width), vocab = x_RxD.shape, w_VxD.shape[0]
   if rows_total % 8:
     raise ValueError(f"mlm_grads.grads: {rows_total} predictions are no multiple of 8; pad them")
@@ -165,7 +172,7 @@ def grads(x_RxD, w_VxD, bias_V, labels_R, log_z_R, g_R, interpret: bool = False,
     part = slice(at, at + size)
     dw, db, dx = last = _call(column(labels_R[part], jnp.int32), x_RxD[part],
                               column(log_z_R[part], _F32), column(g_R[part], _F32), *table,
-                              None if not dxs else last[:2], cores, interpret)
+                              None if not dxs else last[:2], cores, interpret, transposed)
     dxs.append(dx)
   return (dxs[0] if calls == 1 else jnp.concatenate(dxs, axis=1)), dw, db[0]
 
@@ -176,20 +183,35 @@ def sharded(x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM, g_BxM, interpret: boo
   whole on each, as the forward gathers it): x's gradient [B, M, D] (the cores' added), W's
   (every device's and core's, split as the table is) and the bias'."""
   width = x_BxMxD.shape[-1]
+  transposed = stored_transposed(w_VxD.shape)
 
   def kernel(x_RxD, labels_Rx1, log_z_Rx1, g_Rx1, w_VxD, bias_1xV):
     dx, dw, db = grads(x_RxD, w_VxD, bias_1xV[0], labels_Rx1[:, 0], log_z_Rx1[:, 0],
-                       g_Rx1[:, 0], interpret=interpret, cores=cores)
+                       g_Rx1[:, 0], interpret=interpret, cores=cores, transposed=transposed)
     return dx, dw[None], db[None, None]
 
   column = lambda a: a.reshape(-1, 1)
+  dw_shape = w_VxD.shape[::-1] if transposed else w_VxD.shape
   dx, dw, db = devices.per_device(
       kernel, (x_BxMxD.reshape(-1, width), column(labels_BxM), column(log_z_BxM),
                column(g_BxM)),
-      (w_VxD, bias_V[None, :]), ("thirds", devices.summed(1, w_VxD.shape), "sums"))
+      (w_VxD, bias_V[None, :]), ("thirds", devices.summed(int(not transposed), dw_shape), "sums"))
   # The cores' sums of x's gradient added in float32 (one core's is as written).
   dx = dx[0].astype(_F32) if dx.shape[0] == 1 else dx.astype(_F32).sum(0)
-  return dx.reshape(x_BxMxD.shape), dw, db.sum((0, 1))
+  # [D, V] turned to the table's [V, D]: in the order a TPU stores the table's shard, no copy
+  # (`stored_transposed`).
+  return dx.reshape(x_BxMxD.shape), dw.T if transposed else dw, db.sum((0, 1))
+
+
+def stored_transposed(shape_VxD: tuple) -> bool:
+  """Whether W's gradient is written [D, V]: where the chips' sum splits D (the parameter's
+  "embed" axis) into shards that fill whole tiles as rows but not as lanes (devices.splits).
+  BERT-Base's [30522, 768] on v5p-8's 4 chips leaves shards of 192 columns, which a TPU stores
+  column-major (layouts.py); written [D, V] and turned here, the gradient reaches the update in
+  that order, the table and Adam's moments are not turned to it and back (~0.3 GB a step).
+  BERT-Large's 256 columns fill lanes: [V, D], as the table is."""
+  return (not devices.splits(devices.summed(1, shape_VxD))
+          and devices.splits(devices.summed(0, shape_VxD[::-1])))
 
 
 def on_platform(x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM, g_BxM, xla):
