@@ -85,49 +85,32 @@ def test_the_head_s_backward_is_the_kernel_on_a_tpu_and_xla_elsewhere(monkeypatc
                                atol=2e-2 * float(jnp.max(jnp.abs(b))), rtol=0, err_msg=name)
 
 
-def test_under_a_mesh_each_device_runs_its_predictions_and_ws_gradient_is_summed():
+# D 256 split over fsdp's 2 gives shards of 128 columns, whole tiles of lanes: W's gradient
+# written [V, D] and reduce-scattered along D. D 192 gives 96 columns, no whole tile of lanes but
+# whole tiles of rows: written [D, V], reduce-scattered along D and turned to the table's [V, D]
+# (a TPU stores such a shard column-major: the turn is no copy there).
+@pytest.mark.parametrize("width,written", [(256, "1x300x256xf32>) -> tensor<1x300x128xf32>"),
+                                           (192, "1x192x300xf32>) -> tensor<1x96x300xf32>")])
+def test_under_a_mesh_each_device_runs_its_predictions_and_ws_gradient_is_summed(width, written):
   # data x fsdp x tensor = 2 x 2 x 2: each device's 24 of the 96 predictions, W whole; W's
-  # gradient reduce-scattered over fsdp (its D 256 split as the table's, whole tiles of lanes)
-  # and summed over data, the bias' summed over the devices. Two cores a device: their sums of
-  # x's gradient added.
+  # gradient reduce-scattered over fsdp (split as the table's) and summed over data, the bias'
+  # summed over the devices. Two cores a device: their sums of x's gradient added. The same
+  # gradients as one device's.
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
-  x, w, bias, labels, g = _arrays(96, 300, 256)
-  log_z, _ = _float32_grads(x, w, bias, labels, g)
-  want = mlm_grads.grads(x, w, bias, labels, log_z, g, interpret=True, cores=1)
-  rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES))
-  shape = lambda a: jax.device_put(a.reshape((8, 12) + a.shape[1:]), rows)
-  run = jax.jit(sharding.logical_context(mesh)(
-      lambda *a: mlm_grads.sharded(*a, interpret=True, cores=2)))
-  args = (shape(x), w, bias, shape(labels), shape(log_z), shape(g))
-  assert run.lower(*args).as_text().count(
-      "(tensor<1x300x256xf32>) -> tensor<1x300x128xf32>") == 1, "reduce-scatter"
-  dx, dw, db = run(*args)
-  assert dw.sharding.spec == PartitionSpec(None, "fsdp")
-  np.testing.assert_allclose(dx.reshape(96, 256), want[0][0].astype(jnp.float32), atol=2e-2)
-  np.testing.assert_allclose(dw, want[1], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(db, want[2], rtol=1e-5, atol=1e-5)
-
-
-def test_where_the_tables_shards_fill_rows_not_lanes_ws_gradient_is_written_transposed():
-  # D 192 split over fsdp's 2: shards of 96 columns, no whole tile of lanes, whole tiles of rows.
-  # W's gradient is written [D, V] by each device, reduce-scattered along D, and turned to the
-  # table's [V, D] (a TPU stores such a shard column-major: the turn is no copy there). The
-  # same gradients as one device's [V, D].
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), sharding.MESH_AXES)
-  x, w, bias, labels, g = _arrays(96, 300, 192)
+  x, w, bias, labels, g = _arrays(96, 300, width)
   log_z, _ = _float32_grads(x, w, bias, labels, g)
   want = mlm_grads.grads(x, w, bias, labels, log_z, g, interpret=True, cores=1)
   with sharding.logical_context(mesh):
-    assert mlm_grads.stored_transposed((300, 192)) and not mlm_grads.stored_transposed((300, 256))
+    assert mlm_grads.stored_transposed((300, width)) == (width == 192)
   rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES))
   shape = lambda a: jax.device_put(a.reshape((8, 12) + a.shape[1:]), rows)
   run = jax.jit(sharding.logical_context(mesh)(
       lambda *a: mlm_grads.sharded(*a, interpret=True, cores=2)))
   args = (shape(x), w, bias, shape(labels), shape(log_z), shape(g))
-  assert run.lower(*args).as_text().count(
-      "(tensor<1x192x300xf32>) -> tensor<1x96x300xf32>") == 1, "reduce-scatter of [D, V]"
+  assert run.lower(*args).as_text().count("(tensor<" + written) == 1, "reduce-scatter"
   dx, dw, db = run(*args)
-  assert dw.shape == (300, 192) and dw.sharding.spec == PartitionSpec(None, "fsdp")
+  assert dw.shape == (300, width) and dw.sharding.spec == PartitionSpec(None, "fsdp")
+  np.testing.assert_allclose(dx.reshape(96, width), want[0][0].astype(jnp.float32), atol=2e-2)
   np.testing.assert_allclose(dw, want[1], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(db, want[2], rtol=1e-5, atol=1e-5)
 
