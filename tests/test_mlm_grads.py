@@ -91,7 +91,8 @@ def test_the_head_s_backward_is_the_kernel_on_a_tpu_and_xla_elsewhere(monkeypatc
 # (a TPU stores such a shard column-major: the turn is no copy there).
 @pytest.mark.parametrize("width,written", [(256, "1x300x256xf32>) -> tensor<1x300x128xf32>"),
                                            (192, "1x192x300xf32>) -> tensor<1x96x300xf32>")])
-def test_under_a_mesh_each_device_runs_its_predictions_and_ws_gradient_is_summed(width, written):
+def test_under_a_mesh_each_device_runs_its_predictions_and_ws_gradient_is_summed(width, written,
+                                                                                 monkeypatch):
   # data x fsdp x tensor = 2 x 2 x 2: each device's 24 of the 96 predictions, W whole; W's
   # gradient reduce-scattered over fsdp (split as the table's) and summed over data, the bias'
   # summed over the devices. Two cores a device: their sums of x's gradient added. The same
@@ -101,6 +102,9 @@ def test_under_a_mesh_each_device_runs_its_predictions_and_ws_gradient_is_summed
   log_z, _ = _float32_grads(x, w, bias, labels, g)
   want = mlm_grads.grads(x, w, bias, labels, log_z, g, interpret=True, cores=1)
   with sharding.logical_context(mesh):
+    assert not mlm_grads.stored_transposed((300, width))  # a CPU's chip is none of v5p's
+    # This CPU's chip ("") taken as one whose shards are written transposed.
+    monkeypatch.setattr(mlm_grads, "TRANSPOSED_ON", ("",))
     assert mlm_grads.stored_transposed((300, width)) == (width == 192)
   rows = NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES))
   shape = lambda a: jax.device_put(a.reshape((8, 12) + a.shape[1:]), rows)

@@ -203,14 +203,23 @@ def sharded(x_BxMxD, w_VxD, bias_V, labels_BxM, log_z_BxM, g_BxM, interpret: boo
   return dx.reshape(x_BxMxD.shape), dw.T if transposed else dw, db.sum((0, 1))
 
 
+# The chips where W's gradient goes out [D, V] where that splits it in whole tiles and [V, D]
+# does not (`stored_transposed`). On v5p-8 BERT-Base moved 11.16 -> 10.86 GB (L 128) and
+# 34.57 -> 34.22 (L 512); on v6e-8, whose 8 chips XLA sums the [V, D] form over without an
+# all-reduce, 3.55 -> 3.67 (docs/performance.md, "The embedding table's gradient in the order
+# the chip stores it").
+TRANSPOSED_ON = ("TPU_V5P",)
+
+
 def stored_transposed(shape_VxD: tuple) -> bool:
-  """Whether W's gradient is written [D, V]: where the chips' sum splits D (the parameter's
-  "embed" axis) into shards that fill whole tiles as rows but not as lanes (devices.splits).
-  BERT-Base's [30522, 768] on v5p-8's 4 chips leaves shards of 192 columns, which a TPU stores
-  column-major (layouts.py); written [D, V] and turned here, the gradient reaches the update in
-  that order, the table and Adam's moments are not turned to it and back (~0.3 GB a step).
-  BERT-Large's 256 columns fill lanes: [V, D], as the table is."""
-  return (not devices.splits(devices.summed(1, shape_VxD))
+  """Whether W's gradient is written [D, V]: on TRANSPOSED_ON's chips, where the chips' sum
+  splits D (the parameter's "embed" axis) into shards that fill whole tiles as rows but not as
+  lanes (devices.splits). BERT-Base's [30522, 768] on v5p-8's 4 chips leaves shards of 192
+  columns, which a TPU stores column-major (layouts.py): written [D, V] and turned here, the
+  gradient reaches the update in that order, and the table's all-reduced gradient is not turned
+  to it first (188 MB a step). BERT-Large's 256 columns fill lanes: [V, D], as the table is."""
+  return (platforms.tpu_chip() in TRANSPOSED_ON
+          and not devices.splits(devices.summed(1, shape_VxD))
           and devices.splits(devices.summed(0, shape_VxD[::-1])))
 
 
