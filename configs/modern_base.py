@@ -5,8 +5,8 @@ Phase 1 at length 1024, then context extension at 8192 from phase 1's weights:
   python -m bertjax.pretrain --config=configs/modern_base.py --workdir=gs://BUCKET/modern_p1
   python -m bertjax.pretrain --config=configs/modern_base.py:phase=2 --workdir=gs://BUCKET/modern_p2 \
       --config.checkpoint.init_from=gs://BUCKET/modern_p1
-Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 33.5 and 50.8 of 95
-GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.884 and 0.813; on v6e-8 0.813
+Compile check without a TPU (12 microbatches, remat "dots_kernels", as set: 50.5 and 50.8 of 95
+GiB a chip on a v5p-8's 4 chips in phases 1 and 2, roofline MFU 0.946 and 0.813; on v6e-8 0.844
 and 0.814; without microbatches or remat, 4608 rows of 1024 needed 1,423 GiB a chip; a larger
 slice needs fewer microbatches, and a batch that divides over its chips and them):
   python -m bertjax.aot --config=configs/modern_base.py --topology=v5p-8
@@ -75,14 +75,14 @@ def get_config(arg=None):
   # The GeGLU MLP, the norm before it and the layer's sum as one kernel on v6e, v5e and v5p (both
   # projections side by side, the kept pre-activation read by the backward; mlp_choice.chosen).
   m.mlp_impl = "auto"
-  # Phase 1: the MLM logits scored where they are made (mlm_kernel on a TPU) and made again in
-  # the backward, where 30% of 1,024 positions predicted over 50,368 pieces made the kept float32
-  # logits a tenth of the step's bytes. Phase 2 keeps them: on v5p-8 and v6e-8, bound by FLOPs
-  # there, the second product costs more than it saves (docs/performance.md, "ModernBERT-base:
-  # RoPE inside the attention kernel" and "The gated MLP and its pre-norm in one kernel").
-  m.recompute_mlm_logits = phase == 1
+  # The MLM logits kept for the backward (written with log Z by mlm_kernel on a TPU), not made
+  # again: every step here is bound by its FLOPs or near it, and the second product of the
+  # logits costs more time than their float32 bytes (phase 1 on v5p-8, roofline MFU 0.884 made
+  # again, 0.946 kept; v6e-8 0.813 and 0.844; docs/performance.md, "ModernBERT's phase 1 keeps
+  # its MLM logits").
+  m.recompute_mlm_logits = False
   # The matmuls' outputs kept, and the attention kernel's ("dots_kernels"; splash's is not
-  # named), in 12 microbatches: 34 and 51 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
+  # named), in 12 microbatches: 51 and 51 GiB of a v5p-8 chip's 95 in phases 1 and 2, where full
   # remat in 8 made the forward again (docs/performance.md, "ModernBERT-base, compiled"). 12
   # divide both phases' batches over 4 chips and over 8.
   m.remat_policy = "dots_kernels"
@@ -93,7 +93,7 @@ def get_config(arg=None):
 
   t = config.train
   t.batch_size = 4608 if phase == 1 else 576  # rows of 1024 (ModernBERT's final batch) / 8192
-  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 13.3 and 15.2 GiB, 0.884 and 0.813
+  t.num_microbatches = 12  # v5e-8 (16 GiB a chip): 24, 15.3 and 15.2 GiB, 0.946 and 0.813
   t.num_train_steps = 350_000 if phase == 1 else 50_000
   t.learning_rate = 8e-4 if phase == 1 else 3e-4
   t.warmup_steps = 3_000 if phase == 1 else 500

@@ -9,7 +9,8 @@ turning each of the parameter and its two moments to the gradient's order and ba
 of the table a step (~0.3 GB of BERT-Base L 128's 11.2 on v5p-8, docs/performance.md, "The
 embedding table's gradient in the order the chip stores it"). A gradient put in the stored
 order first (`as_stored`) is turned once, or not at all where its producer writes it so
-(mlm_grads writes the table's gradient [D, V] where a shard's D would not fill a tile's lanes).
+(on v5p mlm_grads writes the table's gradient [D, V] where a shard's D would not fill a
+tile's lanes).
 
 The order is the runtime's own answer (the client's default layout for the shard's shape and
 dtype), asked of the devices the step is compiled for: libtpu's compile-only client answers as a
