@@ -38,11 +38,6 @@ def stored(dtype, shard_shape: tuple, device) -> tuple[int, ...] | None:
   return None if order == tuple(range(len(shard_shape))) else order
 
 
-def shard_shape(shape: tuple, sharding) -> tuple:
-  """A device's shard of an array of `shape` under `sharding` (a NamedSharding or None)."""
-  return tuple(shape) if sharding is None else tuple(sharding.shard_shape(tuple(shape)))
-
-
 def as_stored(tree, shardings):
   """Each array of `tree` (gradients, float32) constrained to the order its parameter's shard is
   stored in under `shardings` (a matching tree of NamedShardings); unchanged where that is
@@ -56,7 +51,7 @@ def as_stored(tree, shardings):
     # This process's own device: the runtime answers for the devices it holds (a pod's other
     # hosts' store their shards as it does).
     local = sharding.mesh.local_devices
-    order = stored(x.dtype, shard_shape(x.shape, sharding),
+    order = stored(x.dtype, sharding.shard_shape(x.shape),
                    local[0] if local else sharding.mesh.devices.flat[0])
     return x if order is None else jax_layout.with_layout_constraint(
         x, jax_layout.Layout(major_to_minor=order))
